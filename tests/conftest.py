@@ -1,0 +1,46 @@
+"""Shared pytest set-up: markers that skip cleanly, and the Hypothesis profiles."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_TRACE = ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+
+settings.register_profile(
+    "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "thorough", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("TIERD_HYPOTHESIS_PROFILE", "ci"))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    has_cuda = _cuda_available()
+    run_slow = os.environ.get("TIERD_SLOW") == "1" or "slow" in (config.option.markexpr or "")
+    for item in items:
+        if "cuda" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device; none is available"))
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(pytest.mark.skip(reason="slow suite; run with TIERD_SLOW=1"))
+
+
+@pytest.fixture
+def shared_trace() -> Path:
+    """The shared Mooncake conversation trace, or a skip that says where it was looked for."""
+    if not SHARED_TRACE.is_file():
+        pytest.skip(f"shared trace not found at {SHARED_TRACE}")
+    return SHARED_TRACE

@@ -1,0 +1,291 @@
+"""One tier: a fixed number of slots on one medium, with a cache policy, pins and events.
+
+The tier only keeps books; it never touches bytes and never awaits, so it needs no locks.
+Its operations mirror vLLM's ``OffloadingManager``:
+
+- ``lookup(keys)``: how many leading keys are present and ready.
+- ``prepare_load(keys)`` / ``complete_load(keys)``: pin and unpin ready blocks.
+- ``touch(keys)``: mark used, tail to head.
+- ``prepare_store(keys)`` / ``complete_store(keys, success)``: allocate slots (evicting
+  if needed, all or nothing) and later make the blocks ready, or drop them on failure.
+
+Block states: *writing* (slot allocated, not readable, not evictable), *ready*
+(evictable), *pinned* (ready, ``ref > 0``, not evictable). The tier owns the slot index;
+the policy orders the ready keys and chooses victims.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tierd.errors import (
+    BlockBusy,
+    BlockMissing,
+    BlockNotPinned,
+    BlockNotReady,
+    BlockStateError,
+)
+from tierd.events import EventKind, TierEvent
+from tierd.keys import BlockKey, Medium
+from tierd.policy import CachePolicy, make_policy
+
+__all__ = ["StorePlan", "Tier", "TierStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """What ``prepare_store`` decided: keys to write into ``slots`` (co-indexed), and the
+    blocks it evicted to make room, with the slots they occupied."""
+
+    keys: tuple[BlockKey, ...]
+    slots: tuple[int, ...]
+    evicted: tuple[BlockKey, ...] = ()
+    evicted_slots: tuple[int, ...] = ()
+
+
+_EMPTY_PLAN = StorePlan((), ())
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    name: str
+    medium: Medium
+    policy: str
+    capacity: int
+    used: int
+    hits: int
+    misses: int
+    stores: int
+    evictions: int
+    pinned: int
+    writing: int
+
+
+class Tier:
+    """Bookkeeping for ``num_blocks`` slots of one medium under one cache policy."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: str | CachePolicy = "lru",
+        *,
+        name: str = "tier",
+        medium: Medium = Medium.MEMORY,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"a tier needs at least one block, got {num_blocks}")
+        self.name = name
+        self.medium = medium
+        self.num_blocks = num_blocks
+        self.policy = make_policy(policy, num_blocks) if isinstance(policy, str) else policy
+        self._slots: dict[BlockKey, int] = {}  # every present block, whatever its state
+        self._writing: set[BlockKey] = set()
+        self._pins: dict[BlockKey, int] = {}  # ready blocks with ref > 0
+        self._next_unused = 0
+        self._freed: list[int] = []  # a stack: the last freed slot is reused first
+        self._events: list[TierEvent] = []
+        self.hits = 0
+        self.misses = 0
+        self.stores = 0
+        self.evictions = 0
+
+    # -- queries ---------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is present and ready (pinned or not)."""
+        return key in self._slots and key not in self._writing
+
+    @property
+    def free(self) -> int:
+        return self.num_blocks - len(self._slots)
+
+    def is_writing(self, key: BlockKey) -> bool:
+        return key in self._writing
+
+    def is_pinned(self, key: BlockKey) -> bool:
+        return key in self._pins
+
+    def slot_of(self, key: BlockKey) -> int | None:
+        """The slot of a present block (ready or writing), else ``None``."""
+        return self._slots.get(key)
+
+    def keys(self) -> list[BlockKey]:
+        """The ready keys, in no particular order."""
+        return [k for k in self._slots if k not in self._writing]
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` are present and ready; counts hits and misses."""
+        slots, writing = self._slots, self._writing
+        n = 0
+        if writing:
+            for key in keys:
+                if key not in slots or key in writing:
+                    break
+                n += 1
+        else:
+            for key in keys:
+                if key not in slots:
+                    break
+                n += 1
+        self.hits += n
+        self.misses += len(keys) - n
+        return n
+
+    # -- loads -----------------------------------------------------------------------
+
+    def prepare_load(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Pin ready blocks for reading and return their slots, co-indexed with ``keys``.
+
+        Raises :class:`BlockMissing` or :class:`BlockNotReady` (and pins nothing) if any
+        key is not ready."""
+        slots, writing = self._slots, self._writing
+        for key in keys:
+            if key not in slots:
+                raise self._error(BlockMissing, "cannot load a missing block", key)
+            if key in writing:
+                raise self._error(BlockNotReady, "cannot load a block being written", key)
+        pins = self._pins
+        for key in keys:
+            count = pins.get(key, 0)
+            if count == 0:
+                self.policy.hold(key)
+            pins[key] = count + 1
+        return [slots[key] for key in keys]
+
+    def complete_load(self, keys: Sequence[BlockKey]) -> None:
+        """Unpin blocks pinned by ``prepare_load``; raises :class:`BlockNotPinned` (and
+        unpins nothing) if a key was not pinned as often as it appears."""
+        pins = self._pins
+        for key, count in Counter(keys).items():
+            if pins.get(key, 0) < count:
+                raise self._error(BlockNotPinned, "complete_load without prepare_load", key)
+        for key in keys:
+            count = pins[key] - 1
+            if count:
+                pins[key] = count
+            else:
+                del pins[key]
+                self.policy.release(key)
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Mark ``keys`` used, tail to head, so ``keys[0]`` ends up the most recent."""
+        self.policy.touch(keys)
+
+    # -- stores ----------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[BlockKey]) -> StorePlan | None:
+        """Allocate slots for the keys not yet present, evicting ready unpinned blocks
+        that are not among ``keys`` if needed. All or nothing: ``None`` if not enough
+        blocks can be evicted, and then nothing changed."""
+        slots = self._slots
+        todo = [key for key in keys if key not in slots]
+        if not todo:
+            return _EMPTY_PLAN
+        if len(todo) > 1 and len(set(todo)) != len(todo):
+            todo = list(dict.fromkeys(todo))
+        need = len(todo) - self.free
+        evicted: tuple[BlockKey, ...] = ()
+        evicted_slots: tuple[int, ...] = ()
+        if need > 0:
+            victims = self.policy.evict(need, set(keys))
+            if victims is None:
+                return None
+            evicted = tuple(victims)
+            evicted_slots = tuple(map(slots.pop, victims))
+            self._freed.extend(evicted_slots)
+            self.evictions += len(victims)
+            self._events.append(TierEvent(EventKind.REMOVED, evicted, self.medium, self.name))
+        new_slots = self._allocate(len(todo))
+        slots.update(zip(todo, new_slots, strict=True))
+        self._writing.update(todo)
+        return StorePlan(tuple(todo), new_slots, evicted, evicted_slots)
+
+    def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
+        """Make blocks being written ready (one ``STORED`` event), or on failure drop
+        them and free their slots (no event). Keys already ready are left alone; a key
+        that is not present raises :class:`BlockMissing` and nothing changes."""
+        slots, writing = self._slots, self._writing
+        if writing.issuperset(keys):
+            done = list(keys)
+        else:
+            done = [key for key in keys if key in writing]
+            for key in keys:
+                if key not in slots:
+                    raise self._error(BlockMissing, "complete_store for a block never prepared", key)
+        if not done:
+            return
+        if len(done) > 1 and len(set(done)) != len(done):
+            done = list(dict.fromkeys(done))
+        writing.difference_update(done)
+        if success:
+            self.policy.insert(done)
+            self.stores += len(done)
+            self._events.append(TierEvent(EventKind.STORED, tuple(done), self.medium, self.name))
+        else:
+            self._freed.extend(slots.pop(key) for key in done)
+
+    def discard(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Remove ready, unpinned blocks (a ``REMOVED`` event); absent keys are skipped.
+
+        Raises :class:`BlockBusy` (and removes nothing) for a pinned or writing block."""
+        for key in keys:
+            if key in self._pins or key in self._writing:
+                raise self._error(BlockBusy, "cannot discard a block in use", key)
+        gone = [key for key in dict.fromkeys(keys) if key in self._slots]
+        for key in gone:
+            self._freed.append(self._slots.pop(key))
+            self.policy.remove(key)
+        if gone:
+            self._events.append(TierEvent(EventKind.REMOVED, tuple(gone), self.medium, self.name))
+        return gone
+
+    def clear(self) -> list[BlockKey]:
+        """Discard every ready, unpinned block; returns the keys removed."""
+        idle = [k for k in self._slots if k not in self._pins and k not in self._writing]
+        return self.discard(idle)
+
+    # -- events and stats ------------------------------------------------------------
+
+    def take_events(self) -> list[TierEvent]:
+        """Drain the buffered events, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            name=self.name,
+            medium=self.medium,
+            policy=self.policy.name,
+            capacity=self.num_blocks,
+            used=len(self._slots),
+            hits=self.hits,
+            misses=self.misses,
+            stores=self.stores,
+            evictions=self.evictions,
+            pinned=len(self._pins),
+            writing=len(self._writing),
+        )
+
+    # -- internals -------------------------------------------------------------------
+
+    def _allocate(self, n: int) -> tuple[int, ...]:
+        # Never-used slots first, in increasing order; then freed ones, last freed first.
+        start = self._next_unused
+        fresh = min(n, self.num_blocks - start)
+        self._next_unused = start + fresh
+        reuse = n - fresh
+        if not reuse:
+            return tuple(range(start, start + fresh))
+        freed = self._freed
+        recycled = freed[-reuse:]
+        del freed[-reuse:]
+        recycled.reverse()
+        return (*range(start, start + fresh), *recycled)
+
+    def _error(self, kind: type[BlockStateError], message: str, key: BlockKey) -> BlockStateError:
+        return kind(message, tier=self.name, medium=str(self.medium), key=key)
