@@ -1,0 +1,275 @@
+"""The tier chain through its public API: demotion, promotion, events, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tierd
+from tierd.chain import TierChain
+from tierd.errors import BlockMissing, CapacityError
+from tierd.events import EventKind, TierEvent
+from tierd.keys import BlockKey, Medium, int_key
+
+BLOCK = 4096
+
+
+def content(key: BlockKey, block_bytes: int = BLOCK) -> bytes:
+    """Deterministic bytes for a key, different for every key."""
+    seed = hashlib.blake2b(key, digest_size=64).digest()
+    return (seed * (block_bytes // len(seed) + 1))[:block_bytes]
+
+
+def keys_of(*ids: int) -> list[BlockKey]:
+    return [int_key(i) for i in ids]
+
+
+def chain_config(tmp_path: Path, *tiers: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    specs = []
+    for i, spec in enumerate(tiers):
+        spec = {"name": f"{spec['kind']}{i}", **spec}
+        if spec["kind"] == "disk":
+            spec.setdefault("directories", [str(tmp_path / f"disk{i}")])
+            Path(spec["directories"][0]).mkdir(parents=True, exist_ok=True)
+        if spec["kind"] == "gpu":
+            spec.setdefault("device", "cpu")
+        specs.append(spec)
+    return {"block_bytes": BLOCK, "tiers": specs, **extra}
+
+
+async def store_all(chain: TierChain, keys: list[BlockKey]) -> list[BlockKey]:
+    return await chain.store(keys, [content(k) for k in keys])
+
+
+async def read_back(chain: TierChain, keys: list[BlockKey], into: Medium | None = None) -> None:
+    """Load ``keys`` (all must load) and check every byte."""
+    async with chain.loading(keys, into) as handle:
+        assert handle.keys == keys
+        for key, view in zip(handle.keys, handle.views(), strict=True):
+            assert bytes(memoryview(view).cast("B")) == content(key), key
+
+
+def bytes_of(view: Any) -> bytes:
+    try:
+        return bytes(memoryview(view).cast("B"))
+    except TypeError:
+        return bytes(view.cpu().numpy().tobytes())
+
+
+THREE_TIERS = [
+    pytest.param(("gpu", "cpu", "disk"), id="gpu-cpu-disk"),
+    pytest.param(("memory", "cpu", "disk"), id="memory-cpu-disk"),
+    pytest.param(("cpu", "disk"), id="cpu-disk"),
+]
+
+
+@pytest.mark.parametrize("kinds", THREE_TIERS)
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+async def test_pressure_demotes_to_disk_and_promotion_returns_identical_bytes(
+    tmp_path: Path, kinds: tuple[str, ...], policy: str
+) -> None:
+    capacities = {"gpu": 4, "memory": 4, "cpu": 8, "disk": 64}
+    specs = [{"kind": k, "capacity": capacities[k], "policy": policy} for k in kinds]
+    async with tierd.open(chain_config(tmp_path, *specs)) as chain:
+        keys = keys_of(*range(40))
+        for i in range(0, len(keys), 4):
+            assert await store_all(chain, keys[i : i + 4]) == keys[i : i + 4]
+        chain.check_invariants(idle=True)
+        found = chain.lookup(keys)
+        assert found.count == len(keys)
+        assert Medium.DISK in found.media
+        top = chain.levels[0]
+        assert len(top.tier) == top.tier.num_blocks
+        # Every block comes back to the top, byte for byte, a few at a time.
+        for i in range(0, len(keys), 2):
+            pair = keys[i : i + 2]
+            async with chain.loading(pair, chain.levels[0].medium) as handle:
+                assert handle.keys == pair
+                for key, view in zip(handle.keys, handle.views(), strict=True):
+                    assert bytes_of(view) == content(key)
+            chain.check_invariants(idle=True)
+        assert sum(level.promotions for level in chain.levels) > 0
+        assert sum(level.demotions for level in chain.levels) > 0
+
+
+async def test_exact_event_sequence(tmp_path: Path) -> None:
+    config = chain_config(
+        tmp_path, {"kind": "memory", "capacity": 2}, {"kind": "disk", "capacity": 4}
+    )
+    async with tierd.open(config) as chain:
+        events = chain.bus.subscribe()
+        a, b, c = keys_of(1, 2, 3)
+        await store_all(chain, [a, b])
+        await store_all(chain, [c])  # evicts a (least recent) -> demoted to disk
+        async with chain.loading([a]):  # promoted back; evicts b -> demoted
+            pass
+        got: list[TierEvent] = []
+        while (batch := events.get_nowait()) is not None:
+            got.extend(batch)
+        seen = [(e.kind, e.medium, e.keys) for e in got]
+        assert seen == [
+            (EventKind.STORED, Medium.MEMORY, (a, b)),
+            (EventKind.REMOVED, Medium.MEMORY, (a,)),
+            (EventKind.STORED, Medium.DISK, (a,)),
+            (EventKind.STORED, Medium.MEMORY, (c,)),
+            (EventKind.REMOVED, Medium.MEMORY, (b,)),
+            (EventKind.STORED, Medium.DISK, (b,)),
+            (EventKind.STORED, Medium.MEMORY, (a,)),
+        ]
+        assert {e.tier for e in got} == {"memory0", "disk1"}
+
+
+async def test_demotion_is_removed_above_and_stored_below(tmp_path: Path) -> None:
+    config = chain_config(tmp_path, {"kind": "cpu", "capacity": 1}, {"kind": "disk", "capacity": 2})
+    async with tierd.open(config) as chain:
+        events = chain.bus.subscribe()
+        a, b = keys_of(10, 11)
+        await store_all(chain, [a])
+        await store_all(chain, [b])
+        got = [e for batch in iter(events.get_nowait, None) for e in batch]
+        assert (EventKind.REMOVED, Medium.CPU, (a,)) in [(e.kind, e.medium, e.keys) for e in got]
+        assert (EventKind.STORED, Medium.DISK, (a,)) in [(e.kind, e.medium, e.keys) for e in got]
+        assert chain.levels[0].demotions == 1
+        result = chain.lookup([a, b])
+        assert result.media == (Medium.DISK, Medium.CPU)
+
+
+async def test_clean_block_is_dropped_not_copied_again(tmp_path: Path) -> None:
+    config = chain_config(
+        tmp_path,
+        {"kind": "cpu", "capacity": 2, "write_through": True},
+        {"kind": "disk", "capacity": 8},
+    )
+    async with tierd.open(config) as chain:
+        keys = keys_of(1, 2, 3, 4)
+        await store_all(chain, keys[:2])
+        assert all(k in chain.levels[1].tier for k in keys[:2])  # written through
+        disk_route = chain.transfer.stats()[(Medium.CPU, Medium.DISK)]
+        await store_all(chain, keys[2:])  # evicts two clean blocks
+        after = chain.transfer.stats()[(Medium.CPU, Medium.DISK)]
+        assert after.blocks - disk_route.blocks == 2  # only the write-through of keys[2:]
+        assert chain.levels[0].demotions == 0
+        for key in keys:
+            await read_back(chain, [key])
+
+
+async def test_admission_reuse_rule_refuses_cold_blocks(tmp_path: Path) -> None:
+    config = chain_config(
+        tmp_path,
+        {"kind": "memory", "capacity": 2},
+        {"kind": "disk", "capacity": 8, "admission": "reuse>=2"},
+    )
+    async with tierd.open(config) as chain:
+        hot, cold, x, y = keys_of(1, 2, 3, 4)
+        await store_all(chain, [hot, cold])
+        chain.lookup([hot])
+        chain.touch([hot])  # hot: two uses; cold: none
+        await store_all(chain, [x, y])  # evicts both
+        assert hot in chain.levels[1].tier
+        assert cold not in chain.levels[1].tier
+        assert chain.levels[1].refused == 1
+        assert chain.levels[0].dropped == 1
+
+
+async def test_lookup_reports_in_flight_and_levels(tmp_path: Path) -> None:
+    config = chain_config(tmp_path, {"kind": "memory", "capacity": 4})
+    async with tierd.open(config) as chain:
+        a, b = keys_of(1, 2)
+        await store_all(chain, [a])
+        plan = chain.levels[0].tier.prepare_store([b])  # a writer mid-flight
+        assert plan is not None
+        result = chain.lookup([a, b])
+        assert (result.count, result.levels, result.in_flight) == (1, (0,), True)
+        chain.levels[0].tier.complete_store([b], success=False)
+        assert chain.lookup([a, b]).in_flight is False
+
+
+async def test_concurrent_promotions_read_the_lower_tier_once(tmp_path: Path) -> None:
+    config = chain_config(tmp_path, {"kind": "cpu", "capacity": 4}, {"kind": "disk", "capacity": 8})
+    async with tierd.open(config) as chain:
+        keys = keys_of(*range(8))
+        await store_all(chain, keys[:4])
+        await store_all(chain, keys[4:])  # keys[:4] now only on disk
+        before = chain.transfer.stats()[(Medium.DISK, Medium.CPU)].blocks
+        handles = await asyncio.gather(*(chain.load(keys[:2]) for _ in range(3)))
+        after = chain.transfer.stats()[(Medium.DISK, Medium.CPU)].blocks
+        assert after - before == 2
+        for handle in handles:
+            assert handle.keys == keys[:2]
+            assert [bytes_of(v) for v in handle.views()] == [content(k) for k in keys[:2]]
+            handle.release()
+        chain.check_invariants(idle=True)
+
+
+async def test_pinned_blocks_block_stores_with_capacity_error(tmp_path: Path) -> None:
+    config = chain_config(tmp_path, {"kind": "memory", "capacity": 2})
+    async with tierd.open(config) as chain:
+        keys = keys_of(1, 2, 3)
+        await store_all(chain, keys[:2])
+        async with chain.loading(keys[:2]):
+            with pytest.raises(CapacityError):
+                await store_all(chain, keys[2:])
+            chain.check_invariants()
+        assert await store_all(chain, keys[2:]) == keys[2:]
+        chain.check_invariants(idle=True)
+
+
+async def test_load_stops_at_first_missing_key(tmp_path: Path) -> None:
+    config = chain_config(tmp_path, {"kind": "memory", "capacity": 4})
+    async with tierd.open(config) as chain:
+        a, b, c = keys_of(1, 2, 3)
+        await store_all(chain, [a, c])
+        async with chain.loading([a, b, c]) as handle:
+            assert handle.keys == [a]
+        with pytest.raises(BlockMissing):
+            await chain.load([b])
+        chain.check_invariants(idle=True)
+
+
+async def test_flush_writes_dirty_blocks_down_and_clear_drops_them(tmp_path: Path) -> None:
+    config = chain_config(tmp_path, {"kind": "cpu", "capacity": 4}, {"kind": "disk", "capacity": 8})
+    async with tierd.open(config) as chain:
+        keys = keys_of(1, 2, 3)
+        await store_all(chain, keys)
+        assert await chain.flush() == 3
+        assert await chain.flush() == 0
+        assert chain.clear(0) == 3
+        assert chain.lookup(keys).media == (Medium.DISK,) * 3
+        await read_back(chain, keys)
+
+
+async def test_cancelled_load_releases_every_pin(tmp_path: Path) -> None:
+    config = chain_config(tmp_path, {"kind": "cpu", "capacity": 4}, {"kind": "disk", "capacity": 16})
+    async with tierd.open(config) as chain:
+        keys = keys_of(*range(12))
+        for i in range(0, 12, 4):
+            await store_all(chain, keys[i : i + 4])
+        for _ in range(5):
+            task = asyncio.create_task(chain.load(keys[:4]))
+            await asyncio.sleep(0)
+            task.cancel()
+            try:
+                handle = await task
+            except asyncio.CancelledError:
+                pass
+            else:
+                handle.release()
+            chain.check_invariants(idle=True)
+        await read_back(chain, keys[:4])
+
+
+async def test_disk_tier_survives_reopen(tmp_path: Path) -> None:
+    config = chain_config(tmp_path, {"kind": "cpu", "capacity": 2}, {"kind": "disk", "capacity": 8})
+    keys = keys_of(*range(6))
+    async with tierd.open(config) as chain:
+        for i in range(0, 6, 2):
+            await store_all(chain, keys[i : i + 2])
+        await chain.flush()
+    async with tierd.open(config) as chain:
+        assert chain.lookup(keys).count == len(keys)
+        for i in range(0, 6, 2):
+            await read_back(chain, keys[i : i + 2])

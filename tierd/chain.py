@@ -1,0 +1,512 @@
+"""The tier chain: demotion on eviction, promotion on hit, events from every medium.
+
+A :class:`TierChain` holds levels fastest first (typically GPU -> CPU -> DISK). Each level
+is a :class:`~tierd.tier.Tier` (bookkeeping) over a :class:`~tierd.stores.BlockStore`
+(bytes). The chain is the only place that awaits: tier bookkeeping stays synchronous and
+every byte moves through the :class:`~tierd.transfer.TransferEngine`.
+
+- A block at level *i* is *clean* when level *i+1* holds it ready, else *dirty*. Clean is
+  derived from the levels' indexes, never stored, so it cannot go stale.
+- Evicting a clean block drops it; evicting a dirty block demotes it: its bytes are copied
+  down (the level below may evict and demote in turn) before its slot is written again.
+  A block demoted past the last level, or refused by the admission rule below, is dropped.
+- ``load`` promotes what lies below the target level up to it; the lower copy stays. Two
+  callers promoting the same block at once share one read.
+- After every operation each level's events are published on the chain's event bus.
+
+Writes into a level register a future in ``_pending`` until they complete, so a caller
+that finds a block in flight waits for it (or, from ``lookup``, is told to retry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierd.errors import BlockMissing, CapacityError
+from tierd.events import EventBus
+from tierd.keys import BlockKey, Medium
+from tierd.stores import BlockStore, Buffer
+from tierd.tier import StorePlan, Tier
+from tierd.transfer import TransferEngine
+
+__all__ = ["Admission", "ChainStats", "Level", "LoadHandle", "LookupResult", "TierChain"]
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Which demoted blocks a level accepts: all (``min_reuse=0``), or only blocks that
+    were looked up or touched at least ``min_reuse`` times."""
+
+    min_reuse: int = 0
+
+    @classmethod
+    def parse(cls, rule: str) -> Admission:
+        """``"always"`` or ``"reuse>=N"``."""
+        text = rule.replace(" ", "")
+        if text == "always":
+            return cls(0)
+        if text.startswith("reuse>="):
+            try:
+                n = int(text.removeprefix("reuse>="))
+            except ValueError:
+                n = -1
+            if n >= 1:
+                return cls(n)
+        raise ValueError(f"admission rule {rule!r} is not 'always' or 'reuse>=N' with N >= 1")
+
+
+@dataclass(slots=True)
+class Level:
+    """One level of the chain: bookkeeping, bytes, and how blocks move down from it."""
+
+    tier: Tier
+    store: BlockStore
+    write_through: bool = False
+    admission: Admission = field(default_factory=Admission)
+    demotions: int = 0  # blocks copied down from this level on eviction
+    promotions: int = 0  # blocks copied up into this level
+    dropped: int = 0  # dirty blocks lost at eviction (no level below, refused, or failed)
+    refused: int = 0  # demotions into this level refused by admission or capacity
+    io_errors: int = 0  # blocks whose copy into or out of this level failed
+
+    @property
+    def medium(self) -> Medium:
+        return self.tier.medium
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """``count`` leading keys are ready somewhere; ``levels[i]`` is the highest level that
+    holds key *i*; ``in_flight`` says the first key not ready is being written (retry)."""
+
+    count: int
+    levels: tuple[int, ...]
+    media: tuple[Medium, ...]
+    in_flight: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ChainStats:
+    lookups: int
+    hit_blocks: int
+    miss_blocks: int
+    hits_by_medium: dict[str, int]
+    events_published: int
+    events_dropped: int
+
+
+class LoadHandle:
+    """Pinned blocks at one level, readable through ``views`` until ``release()``."""
+
+    def __init__(self, chain: TierChain, level: int, keys: list[BlockKey], slots: list[int]):
+        self._chain = chain
+        self.level = level
+        self.keys = keys
+        self.slots = slots
+        self.released = False
+
+    @property
+    def store(self) -> BlockStore:
+        return self._chain.levels[self.level].store
+
+    def views(self) -> list[Buffer]:
+        """Zero-copy views of the pinned slots, co-indexed with ``keys``."""
+        store = self.store
+        return [store.view(slot) for slot in self.slots]
+
+    async def read_into(self, out: Sequence[Buffer]) -> list[bool]:
+        """Copy the pinned blocks into caller buffers (for stores without views)."""
+        return await self.store.read(self.slots, self.keys, out)
+
+    def release(self) -> None:
+        """Unpin the blocks; releasing twice is a no-op."""
+        if not self.released:
+            self.released = True
+            self._chain._unpin(self.level, self.keys)
+
+    async def __aenter__(self) -> LoadHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
+class TierChain:
+    """Levels fastest first, moved between by one transfer engine."""
+
+    def __init__(
+        self,
+        levels: Sequence[Level],
+        transfer: TransferEngine,
+        *,
+        entry: int = 0,
+        bus: EventBus | None = None,
+        reuse_memory: int = 1 << 20,
+    ) -> None:
+        if not levels:
+            raise ValueError("a chain needs at least one level")
+        if not 0 <= entry < len(levels):
+            raise ValueError(f"entry level {entry} out of range 0..{len(levels) - 1}")
+        block_sizes = {level.store.block_bytes for level in levels}
+        if len(block_sizes) != 1:
+            raise ValueError(f"every level needs the same block_bytes, got {sorted(block_sizes)}")
+        self.levels = list(levels)
+        self.transfer = transfer
+        self.entry = entry
+        self.bus = bus or EventBus()
+        self.block_bytes = block_sizes.pop()
+        self._pending: dict[tuple[int, BlockKey], asyncio.Future[bool]] = {}
+        self._uses: OrderedDict[BlockKey, int] = OrderedDict()
+        self._reuse_memory = reuse_memory
+        self._lookups = self._hit_blocks = self._miss_blocks = 0
+        self._hits_by_medium: dict[str, int] = {}
+
+    # -- queries ---------------------------------------------------------------------
+
+    def level_of(self, medium: Medium | str) -> int:
+        """The index of the first level on ``medium``."""
+        for index, level in enumerate(self.levels):
+            if level.medium == medium:
+                return index
+        raise ValueError(f"no level on medium {medium!r}")
+
+    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+        """How many leading keys are ready at some level, and where."""
+        self._count_uses(keys)
+        found: list[int] = []
+        tiers = [level.tier for level in self.levels]
+        in_flight = False
+        for key in keys:
+            index = next((i for i, tier in enumerate(tiers) if key in tier), -1)
+            if index < 0:
+                in_flight = any(tier.is_writing(key) for tier in tiers)
+                break
+            found.append(index)
+        media = tuple(self.levels[i].medium for i in found)
+        self._lookups += 1
+        self._hit_blocks += len(found)
+        self._miss_blocks += len(keys) - len(found)
+        for medium in media:
+            self._hits_by_medium[medium] = self._hits_by_medium.get(medium, 0) + 1
+        return LookupResult(len(found), tuple(found), media, in_flight)
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Mark ``keys`` used at every level that holds them."""
+        self._count_uses(keys)
+        for level in self.levels:
+            level.tier.touch(keys)
+
+    # -- store -----------------------------------------------------------------------
+
+    async def store(self, keys: Sequence[BlockKey], data: Sequence[Buffer] | Any) -> list[BlockKey]:
+        """Write blocks at the entry level; ``data`` is co-indexed with ``keys`` (buffers or
+        a ``[n, block_bytes]`` uint8 tensor). Keys already present are skipped. Returns the
+        keys that became ready. Raises :class:`CapacityError` if the entry level cannot
+        make room (everything pinned or in flight)."""
+        row = {key: i for i, key in enumerate(keys)}
+
+        async def fill(store: BlockStore, plan: StorePlan) -> list[bool]:
+            return await store.write(plan.slots, plan.keys, [data[row[k]] for k in plan.keys])
+
+        stored = await self._store_into(self.entry, keys, fill, must=True)
+        await self._write_through(self.entry, stored)
+        return stored
+
+    async def _store_into(
+        self,
+        index: int,
+        keys: Sequence[BlockKey],
+        fill: Callable[[BlockStore, StorePlan], Awaitable[list[bool]]],
+        *,
+        must: bool = False,
+    ) -> list[BlockKey]:
+        """prepare_store at one level, demote its victims, fill the slots, complete."""
+        level = self.levels[index]
+        plan = level.tier.prepare_store(keys)
+        if plan is None:
+            self._publish()
+            if must:
+                stats = level.tier.stats()
+                raise CapacityError(
+                    f"cannot make room for {len(keys)} blocks in a tier of {stats.capacity}"
+                    f" ({stats.pinned} pinned, {stats.writing} in flight)",
+                    tier=level.tier.name,
+                    medium=str(level.medium),
+                )
+            return []
+        futures = self._register(index, plan.keys)
+        ok: list[bool] = [False] * len(plan.keys)
+        try:
+            if plan.evicted:
+                await self._demote(index, plan)
+            ok = await fill(level.store, plan)
+        finally:
+            stored = self._finish_store(index, plan.keys, ok, futures)
+        return stored
+
+    def _finish_store(
+        self,
+        index: int,
+        keys: Sequence[BlockKey],
+        ok: Sequence[bool],
+        futures: list[asyncio.Future[bool]],
+    ) -> list[BlockKey]:
+        tier = self.levels[index].tier
+        good = [k for k, flag in zip(keys, ok, strict=True) if flag]
+        bad = [k for k, flag in zip(keys, ok, strict=True) if not flag]
+        tier.complete_store(good)
+        tier.complete_store(bad, success=False)
+        self.levels[index].io_errors += len(bad)
+        for key, future, flag in zip(keys, futures, ok, strict=True):
+            del self._pending[(index, key)]
+            if not future.done():
+                future.set_result(flag)
+        self._publish()
+        return good
+
+    async def _demote(self, index: int, plan: StorePlan) -> None:
+        """Copy the dirty victims of ``plan`` one level down before their slots are reused."""
+        level = self.levels[index]
+        below = index + 1
+        if below >= len(self.levels):
+            level.dropped += len(plan.evicted)
+            return
+        lower = self.levels[below]
+        source = dict(zip(plan.evicted, plan.evicted_slots, strict=True))
+        dirty = [k for k in plan.evicted if k not in lower.tier and not lower.tier.is_writing(k)]
+        admitted = [k for k in dirty if self._admits(lower, k)]
+        lower.refused += len(dirty) - len(admitted)
+        level.dropped += len(dirty) - len(admitted)
+        if not admitted:
+            return
+
+        async def fill(store: BlockStore, down: StorePlan) -> list[bool]:
+            src = [source[k] for k in down.keys]
+            return await self.transfer.copy(level.store, src, store, down.slots, down.keys)
+
+        moved = await self._store_into(below, admitted, fill)
+        level.demotions += len(moved)
+        level.dropped += len(admitted) - len(moved)
+
+    async def _write_through(self, index: int, keys: list[BlockKey]) -> None:
+        """Copy freshly stored blocks down from every write-through level."""
+        while keys and self.levels[index].write_through and index + 1 < len(self.levels):
+            keys = await self._copy_down(index, keys)
+            index += 1
+
+    async def _copy_down(self, index: int, keys: list[BlockKey]) -> list[BlockKey]:
+        """Copy ready blocks from level ``index`` to the next one, pinned meanwhile; the
+        upper copy stays (and is then clean). Returns the keys now ready below."""
+        level = self.levels[index]
+        keys = [k for k in keys if k in level.tier]
+        if not keys:
+            return []
+        source = dict(zip(keys, level.tier.prepare_load(keys), strict=True))
+
+        async def fill(store: BlockStore, down: StorePlan) -> list[bool]:
+            src = [source[k] for k in down.keys]
+            return await self.transfer.copy(level.store, src, store, down.slots, down.keys)
+
+        try:
+            return await self._store_into(index + 1, keys, fill)
+        finally:
+            self._unpin(index, keys)
+
+    # -- load ------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def loading(
+        self, keys: Sequence[BlockKey], into: Medium | str | None = None
+    ) -> AsyncIterator[LoadHandle]:
+        """``async with chain.loading(keys) as handle:`` — :meth:`load`, released on exit."""
+        handle = await self.load(keys, into)
+        try:
+            yield handle
+        finally:
+            handle.release()
+
+    async def load(self, keys: Sequence[BlockKey], into: Medium | str | None = None) -> LoadHandle:
+        """Promote ``keys`` up to the level on ``into`` (default: the entry level) and pin
+        them there. The handle holds the leading keys that could be loaded: it stops at
+        the first key held nowhere or whose copy failed (a repeated key counts once).
+        Raises :class:`BlockMissing` if not even the first key can be loaded."""
+        target = self.entry if into is None else self.level_of(into)
+        wanted = list(dict.fromkeys(keys))
+        pinned: set[BlockKey] = set()
+        try:
+            await self._gather(target, wanted, pinned)
+        except BaseException:
+            self._unpin(target, list(pinned))
+            raise
+        finally:
+            self._publish()
+        prefix: list[BlockKey] = []
+        for key in wanted:
+            if key not in pinned:
+                break
+            prefix.append(key)
+        self._unpin(target, [k for k in pinned if k not in set(prefix)])
+        tier = self.levels[target].tier
+        if not prefix and wanted:
+            raise BlockMissing(
+                "no leading block can be loaded",
+                tier=tier.name,
+                medium=str(tier.medium),
+                key=wanted[0],
+            )
+        slots = [tier.slot_of(k) for k in prefix]
+        return LoadHandle(self, target, prefix, [s for s in slots if s is not None])
+
+    async def _gather(self, target: int, keys: list[BlockKey], pinned: set[BlockKey]) -> None:
+        """Make ``keys`` ready at ``target`` as far as possible, pinning each as soon as it
+        is there (so nothing evicts it meanwhile)."""
+        tier = self.levels[target].tier
+        self._pin(target, [k for k in keys if k in tier], pinned)
+        sources: dict[int, list[BlockKey]] = {}
+        for key in keys:
+            if key in pinned or (target, key) in self._pending:
+                continue
+            source = self._source_of(key, target)
+            if source is None:
+                break  # nothing beyond the first absent key can be part of the prefix
+            sources.setdefault(source, []).append(key)
+        for source, group in sources.items():
+            await self._promote(source, target, group, pinned)
+        for key in keys:
+            future = self._pending.get((target, key))
+            if key not in pinned and future is not None:
+                await asyncio.shield(future)
+            if key not in pinned and key in tier:
+                self._pin(target, [key], pinned)
+
+    def _source_of(self, key: BlockKey, target: int) -> int | None:
+        """The level nearest to ``target`` that holds ``key`` ready."""
+        order = sorted(range(len(self.levels)), key=lambda i: (abs(i - target), i))
+        return next((i for i in order if i != target and key in self.levels[i].tier), None)
+
+    async def _promote(
+        self, source: int, target: int, keys: list[BlockKey], pinned: set[BlockKey]
+    ) -> None:
+        """Copy ready blocks from ``source`` into ``target``; the source copy stays."""
+        upper, lower = self.levels[target], self.levels[source]
+        keys = [k for k in keys if k in lower.tier]
+        if not keys:
+            return
+        slots = dict(zip(keys, lower.tier.prepare_load(keys), strict=True))
+        failed: list[BlockKey] = []
+
+        async def fill(store: BlockStore, plan: StorePlan) -> list[bool]:
+            src = [slots[k] for k in plan.keys]
+            ok = await self.transfer.copy(lower.store, src, store, plan.slots, plan.keys)
+            failed.extend(k for k, flag in zip(plan.keys, ok, strict=True) if not flag)
+            return ok
+
+        try:
+            moved = await self._store_into(target, keys, fill)
+            upper.promotions += len(moved)
+            self._pin(target, moved, pinned)
+        finally:
+            self._unpin(source, keys)
+        if failed:
+            # A block that cannot be read is useless below too (bad checksum, bad sector).
+            lower.io_errors += len(failed)
+            lower.tier.discard([k for k in failed if not lower.tier.is_pinned(k)])
+
+    # -- housekeeping ------------------------------------------------------------------
+
+    def _pin(self, index: int, keys: list[BlockKey], pinned: set[BlockKey]) -> None:
+        fresh = [k for k in keys if k not in pinned]
+        if fresh:
+            self.levels[index].tier.prepare_load(fresh)
+            pinned.update(fresh)
+
+    def _unpin(self, index: int, keys: list[BlockKey]) -> None:
+        if keys:
+            self.levels[index].tier.complete_load(keys)
+            self._publish()
+
+    def _register(self, index: int, keys: Sequence[BlockKey]) -> list[asyncio.Future[bool]]:
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in keys]
+        for key, future in zip(keys, futures, strict=True):
+            self._pending[(index, key)] = future
+        return futures
+
+    def _admits(self, level: Level, key: BlockKey) -> bool:
+        need = level.admission.min_reuse
+        return need == 0 or self._uses.get(key, 0) >= need
+
+    def _count_uses(self, keys: Sequence[BlockKey]) -> None:
+        if not any(level.admission.min_reuse for level in self.levels):
+            return
+        uses = self._uses
+        for key in keys:
+            uses[key] = uses.get(key, 0) + 1
+            uses.move_to_end(key)
+        while len(uses) > self._reuse_memory:
+            uses.popitem(last=False)
+
+    def _publish(self) -> None:
+        for level in self.levels:
+            events = level.tier.take_events()
+            if events:
+                self.bus.publish(events)
+
+    # -- whole-chain operations ----------------------------------------------------------
+
+    async def flush(self) -> int:
+        """Copy every dirty block down, level by level, so that the last level ends up
+        holding everything it can; returns the blocks copied."""
+        copied = 0
+        for index in range(len(self.levels) - 1):
+            tier, lower = self.levels[index].tier, self.levels[index + 1].tier
+            dirty = [k for k in tier.ready_keys() if k not in lower and not lower.is_writing(k)]
+            copied += len(await self._copy_down(index, dirty))
+        return copied
+
+    def clear(self, index: int | None = None) -> int:
+        """Drop every idle block at one level (or all); returns how many were removed."""
+        targets = range(len(self.levels)) if index is None else [index]
+        removed = sum(len(self.levels[i].tier.clear()) for i in targets)
+        self._publish()
+        return removed
+
+    def stats(self) -> ChainStats:
+        return ChainStats(
+            lookups=self._lookups,
+            hit_blocks=self._hit_blocks,
+            miss_blocks=self._miss_blocks,
+            hits_by_medium=dict(self._hits_by_medium),
+            events_published=self.bus.published,
+            events_dropped=self.bus.dropped,
+        )
+
+    def check_invariants(self, *, idle: bool = False) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant. With ``idle=True``
+        (no operation in progress) pins, in-flight writes and pending futures must be 0."""
+        for level in self.levels:
+            tier = level.tier
+            slots = [tier.slot_of(k) for k in tier.ready_keys()]
+            stats = tier.stats()
+            _require(stats.used <= tier.num_blocks, f"{tier.name} over capacity")
+            _require(len(set(slots)) == len(slots), f"{tier.name}: a slot has two keys")
+            _require(
+                all(s is not None and 0 <= s < tier.num_blocks for s in slots),
+                f"{tier.name}: slot out of range",
+            )
+            _require(len(tier.policy) == len(slots), f"{tier.name}: policy and index disagree")
+            if idle:
+                _require(stats.pinned == 0, f"{tier.name}: {stats.pinned} blocks still pinned")
+                _require(stats.writing == 0, f"{tier.name}: {stats.writing} blocks in flight")
+        if idle:
+            _require(not self._pending, f"{len(self._pending)} writes still pending")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)
