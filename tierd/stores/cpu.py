@@ -1,0 +1,203 @@
+"""The pinned CPU pool: every slot in one shared-memory file, page-locked for CUDA.
+
+Layout, for any process that maps the pool (``CpuStore(..., create=False)`` does it)::
+
+    file    = <shm_dir>/<name>            (default /dev/shm/tierd-<pid>-<random>)
+    size    = num_blocks * stride         (exactly; no power-of-two rounding)
+    stride  = block_bytes rounded up to a multiple of 4096
+    slot s  = bytes [s * stride, s * stride + block_bytes)   (every slot 4096-aligned)
+
+The file is created with ``O_CREAT | O_EXCL`` and its final mode (default ``0o600``) in one
+call, so it is never visible with looser permissions, and it is unlinked on close unless
+``keep=True``. With CUDA the mapping is registered with ``cudaHostRegister`` in chunks
+(progress in the log) and unregistered before it is unmapped; without CUDA it is plain
+shared memory and ``stats().details`` says ``pinned: False`` with the reason.
+
+Views (memoryviews and tensors) keep the mapping alive: closing the store drops its own
+references and unmaps at once when no view is left, or when the last one is dropped.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import time
+from typing import Any
+
+import structlog
+
+from tierd.errors import StoreIOError
+from tierd.keys import Medium
+from tierd.stores.base import INLINE_COPY_BYTES, StoreStats, run_copy
+from tierd.stores.cuda import (
+    CudaCallError,
+    cuda_unavailable_reason,
+    host_register,
+    host_unregister,
+)
+from tierd.stores.memory import HostPoolStore
+
+__all__ = ["PAGE", "CpuStore", "default_pool_name"]
+
+log = structlog.get_logger(__name__)
+
+PAGE = 4096
+
+
+def default_pool_name() -> str:
+    """A fresh pool name, unique per process and call."""
+    return f"tierd-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+class CpuStore(HostPoolStore):
+    """A shared-memory host pool, page-locked when CUDA is present.
+
+    ``name``: the file name under ``shm_dir`` (unique default). ``mode``: permissions at
+    creation. ``keep``: leave the file behind on close. ``create=False`` maps an existing
+    pool (made by another store or process) instead; such a store never unlinks it.
+    ``pin=False`` skips page-locking. ``register_chunk_bytes``: how much to register per
+    ``cudaHostRegister`` call.
+    """
+
+    medium = Medium.CPU
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_bytes: int,
+        name: str | None = None,
+        mode: int = 0o600,
+        keep: bool = False,
+        create: bool = True,
+        pin: bool = True,
+        shm_dir: str = "/dev/shm",
+        register_chunk_bytes: int = 1 << 30,
+        inline_limit: int = INLINE_COPY_BYTES,
+    ) -> None:
+        stride = -(-block_bytes // PAGE) * PAGE
+        super().__init__(
+            num_blocks=num_blocks, block_bytes=block_bytes, stride=stride, inline_limit=inline_limit
+        )
+        self.name = default_pool_name() if name is None else name
+        if not self.name or "/" in self.name or self.name in (".", ".."):
+            raise ValueError(f"invalid pool name {self.name!r}")
+        self.path = os.path.join(shm_dir, self.name)
+        self.mode = mode
+        self.keep = keep or not create
+        self.create = create
+        self.pin = pin
+        self.register_chunk_bytes = max(1, register_chunk_bytes // stride) * stride
+        self.size = num_blocks * stride
+        self._mmap: mmap.mmap | None = None
+        self._pinned_chunks: list[int] = []
+        self._pin_details: dict[str, Any] = {"pinned": False, "reason": "not opened"}
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        self._mmap = self._map()
+        try:
+            self._attach(self._mmap)
+            if self.pin:
+                await self._register()
+            else:
+                self._pin_details = {"pinned": False, "reason": "pinning disabled"}
+        except BaseException:
+            self._release()
+            raise
+
+    async def _close(self) -> None:
+        self._release()
+
+    def _map(self) -> mmap.mmap:
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if self.create else 0)
+        try:
+            fd = os.open(self.path, flags, self.mode)
+        except OSError as exc:
+            raise self._io_error("cannot open the shared-memory pool", exc) from exc
+        try:
+            if self.create:
+                # The umask may have stripped bits from the requested mode; widening
+                # through our own descriptor leaves no window with looser permissions.
+                if os.fstat(fd).st_mode & 0o7777 != self.mode:
+                    os.fchmod(fd, self.mode)
+                os.ftruncate(fd, self.size)
+            elif (found := os.fstat(fd).st_size) != self.size:
+                raise OSError(0, f"pool file holds {found} bytes, expected {self.size}")
+            return mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+        except OSError as exc:
+            if self.create:
+                self._unlink()
+            raise self._io_error("cannot map the shared-memory pool", exc) from exc
+        finally:
+            os.close(fd)
+
+    def _release(self) -> None:
+        """Unregister, drop the mapping (now, or with the last view) and unlink."""
+        if self._pinned_chunks:
+            try:
+                host_unregister(self._pinned_chunks)
+            except CudaCallError as exc:
+                log.error("cannot unregister the host pool", path=self.path, error=str(exc))
+        self._detach()
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                log.debug("pool views outlive the store; unmapped with the last", path=self.path)
+            self._mmap = None
+        if not self.keep:
+            self._unlink()
+
+    def _unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("cannot unlink the pool file", path=self.path, error=str(exc))
+
+    def _io_error(self, message: str, exc: OSError) -> StoreIOError:
+        return StoreIOError(message, path=self.path, errno=exc.errno, medium=str(self.medium))
+
+    # -- pinning ---------------------------------------------------------------------
+
+    async def _register(self) -> None:
+        reason = cuda_unavailable_reason()
+        if reason is not None:
+            self._pin_details = {"pinned": False, "reason": reason}
+            return
+        started = time.perf_counter()
+        log.info("pinning host pool", path=self.path, bytes=self.size)
+        try:
+            # Registering many GiB takes seconds: keep it off the loop.
+            await run_copy(self._register_sync, self.size, inline_limit=self.inline_limit)
+        except RuntimeError as exc:  # CudaCallError, or CUDA failing to initialise
+            log.warning("host pool left unpinned", path=self.path, error=str(exc))
+            self._pin_details = {"pinned": False, "reason": str(exc)}
+            return
+        seconds = time.perf_counter() - started
+        log.info("pinned host pool", path=self.path, bytes=self.size, seconds=round(seconds, 3))
+        self._pin_details = {"pinned": True, "register_seconds": seconds}
+
+    def _register_sync(self) -> None:
+        def progress(done: int, total: int) -> None:
+            if total > self.register_chunk_bytes:
+                log.info("pinning host pool", path=self.path, done=done, total=total)
+
+        address = self._pool.data_ptr()
+        chunk = self.register_chunk_bytes
+        self._pinned_chunks = host_register(
+            address, self.size, chunk_bytes=chunk, progress=progress
+        )
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self._pinned_chunks)
+
+    def stats(self) -> StoreStats:
+        details = {"path": self.path, "stride": self.stride, "size": self.size}
+        details.update(self._pin_details)
+        return self._counters.snapshot(self, details)
