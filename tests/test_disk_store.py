@@ -1,0 +1,541 @@
+"""The disk store: round trips, restart, crash, corruption, faults, probing, cancellation.
+
+Faults come from :class:`FaultyIO`, a :class:`~tierd.stores.fileio.FileIO` subclass; a crash
+is either a real SIGKILL of a child process or a copy of the store's files taken while it
+is open (what a kill at that moment would leave behind).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.disk_crash_child import content
+from tierd.errors import SlotError, StoreClosed, StoreIOError
+from tierd.keys import int_key
+from tierd.stores.base import BlockStore
+from tierd.stores.disk import DiskStore
+from tierd.stores.disk_index import BlockHeader
+from tierd.stores.fileio import ALIGN, FileIO, address_of, aligned_buffer
+from tierd.testing import StoreConformance
+
+BB = 8192  # a multiple of 4096: caller buffers can be used without staging
+SLOT = ALIGN + BB
+FILES = ("tierd-slab.bin", "tierd-index.msgpack", "tierd-journal.bin")
+
+
+class FaultyIO(FileIO):
+    """Fails chosen calls: writes of chosen keys, all reads, O_DIRECT opens."""
+
+    def __init__(self) -> None:
+        self.write_faults: dict[bytes, int | str] = {}  # key -> errno, or "short"
+        self.read_fault = 0
+        self.refuse_direct = False
+        self.data_addresses: list[int] = []
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        if self.refuse_direct and flags & self.o_direct_flag:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return super().open(path, flags, mode)
+
+    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        hdr = BlockHeader.unpack(buffers[0]) if len(buffers) == 2 else None
+        fault = self.write_faults.get(hdr.key) if hdr else None
+        if fault == "short":  # a torn write: the header page lands, the data does not
+            return super().pwritev(fd, buffers[:1], offset)
+        if isinstance(fault, int):
+            raise OSError(fault, os.strerror(fault))
+        if len(buffers) == 2:
+            self.data_addresses.append(address_of(buffers[1]))
+        return super().pwritev(fd, buffers, offset)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if self.read_fault and len(buffers) == 2:
+            raise OSError(self.read_fault, os.strerror(self.read_fault))
+        if len(buffers) == 2:
+            self.data_addresses.append(address_of(buffers[1]))
+        return super().preadv(fd, buffers, offset)
+
+
+def block(i: int) -> bytes:
+    return content(i, BB)
+
+
+def store_at(dirs: Path | list[Path], num_blocks: int = 16, **kw: Any) -> DiskStore:
+    directories = dirs if isinstance(dirs, list) else [dirs]
+    return DiskStore(num_blocks=num_blocks, block_bytes=BB, directories=directories, **kw)
+
+
+async def put(store: DiskStore, ids: Sequence[int], slots: Sequence[int] | None = None) -> list:
+    slots = list(ids) if slots is None else slots
+    return await store.write(slots, [int_key(i) for i in ids], [block(i) for i in ids])
+
+
+async def get(store: DiskStore, slot: int, i: int) -> bytes | None:
+    out = bytearray(BB)
+    (ok,) = await store.read([slot], [int_key(i)], [out])
+    return bytes(out) if ok else None
+
+
+def crash_copy(src: Path, dst: Path) -> Path:
+    """The store's files as they are now, as a kill at this moment would leave them."""
+    dst.mkdir()
+    for name in FILES:
+        if (src / name).exists():
+            shutil.copyfile(src / name, dst / name)
+    return dst
+
+
+# -- round trips -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("o_direct", ["auto", False])
+async def test_round_trip_buffer_kinds(tmp_path: Path, o_direct: Any) -> None:
+    async with store_at(tmp_path, o_direct=o_direct) as store:
+        assert await put(store, range(4)) == [True] * 4
+        outs: list[Any] = [
+            bytearray(BB),
+            np.zeros(BB, np.uint8),
+            aligned_buffer(BB),
+            torch.zeros(BB, dtype=torch.uint8),
+        ]
+        assert await store.read(range(4), [int_key(i) for i in range(4)], outs) == [True] * 4
+        for i, out in enumerate(outs):
+            assert bytes(memoryview(out.numpy() if isinstance(out, torch.Tensor) else out)) == (
+                block(i)
+            )
+        whole = torch.zeros((4, BB), dtype=torch.uint8)
+        assert await store.read(range(4), [int_key(i) for i in range(4)], whole) == [True] * 4
+        assert bytes(whole[3].numpy()) == block(3)
+
+
+async def test_odd_block_size_round_trip(tmp_path: Path) -> None:
+    async with DiskStore(num_blocks=4, block_bytes=1000, directories=[tmp_path]) as store:
+        data = [os.urandom(1000) for _ in range(4)]
+        keys = [int_key(i) for i in range(4)]
+        assert await store.write(range(4), keys, data) == [True] * 4
+        outs = [bytearray(1000) for _ in range(4)]
+        assert await store.read(range(4), keys, outs) == [True] * 4
+        assert [bytes(o) for o in outs] == data
+
+
+async def test_wrong_key_unwritten_slot_and_bad_arguments(tmp_path: Path) -> None:
+    store = store_at(tmp_path, num_blocks=4)
+    with pytest.raises(StoreClosed):
+        await put(store, [0])
+    async with store:
+        await put(store, [0])
+        assert await get(store, 0, 1) is None  # another key
+        assert await get(store, 1, 1) is None  # never written
+        assert store.stats().details["index_misses"] == 2
+        with pytest.raises(SlotError):
+            await store.write([4], [int_key(4)], [block(4)])
+        with pytest.raises(SlotError):
+            await store.write([1], [int_key(1)], [b"short"])
+        with pytest.raises(SlotError):
+            await store.read([0], [int_key(0)], [bytes(BB)])  # read-only target
+        with pytest.raises(SlotError):
+            store.invalidate([9])
+        assert await get(store, 0, 0) == block(0)
+    with pytest.raises(StoreClosed):
+        await store.open()
+
+
+async def test_zero_copy_for_aligned_buffers(tmp_path: Path) -> None:
+    io = FaultyIO()
+    async with store_at(tmp_path, fileio=io) as store:
+        if not store.stats().details["o_direct"]:
+            pytest.skip("no O_DIRECT on this file system")
+        src, dst = aligned_buffer(BB), aligned_buffer(BB)
+        src[:] = block(7)
+        io.data_addresses.clear()
+        assert await store.write([1], [int_key(7)], [src]) == [True]
+        assert await store.read([1], [int_key(7)], [dst]) == [True]
+        assert io.data_addresses == [address_of(src), address_of(dst)]
+        assert bytes(dst) == block(7)
+
+
+async def test_many_blocks_many_chunks_concurrently(tmp_path: Path) -> None:
+    async with store_at(tmp_path, num_blocks=64, blocks_per_task=3) as store:
+        results = await asyncio.gather(put(store, range(32)), put(store, range(32, 64)))
+        assert results == [[True] * 32] * 2
+        reads = await asyncio.gather(*(get(store, i, i) for i in range(64)))
+        assert reads == [block(i) for i in range(64)]
+        assert store.stats().bytes_read == 64 * BB
+
+
+# -- restart and index -----------------------------------------------------------------
+
+
+async def test_restart_keeps_index_and_bytes(tmp_path: Path) -> None:
+    async with store_at(tmp_path) as store:
+        await put(store, range(10))
+        await put(store, [20, 21], slots=[3, 4])  # overwrites
+        store.invalidate([5])
+        before = store.index()
+    assert before == {s: int_key(s) for s in range(10) if s not in (3, 4, 5)} | {
+        3: int_key(20),
+        4: int_key(21),
+    }
+    async with store_at(tmp_path) as store:
+        assert store.index() == before
+        assert store.stats().details["recovery"] == ["clean"]
+        for slot, key in before.items():
+            assert await get(store, slot, int.from_bytes(key, "little")) == block(
+                int.from_bytes(key, "little")
+            )
+        assert await get(store, 5, 5) is None
+
+
+async def test_geometry_change_discards_blocks(tmp_path: Path) -> None:
+    async with store_at(tmp_path) as store:
+        await put(store, range(4))
+    async with DiskStore(num_blocks=16, block_bytes=4096, directories=[tmp_path]) as store:
+        assert store.index() == {}
+
+
+async def test_same_directory_twice_is_refused(tmp_path: Path) -> None:
+    async with store_at(tmp_path):
+        with pytest.raises(StoreIOError) as info:
+            await store_at(tmp_path).open()
+        assert info.value.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+
+
+# -- crash -----------------------------------------------------------------------------
+
+CHILD = Path(__file__).resolve().parent / "disk_crash_child.py"
+
+
+async def run_child_until_killed(
+    dirs: list[Path], num_blocks: int, fsync: str, acks: int
+) -> list[int]:
+    """Start the writer child, SIGKILL it once it acknowledged ``acks`` blocks; the acks."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, str(CHILD), ",".join(map(str, dirs)), str(num_blocks), str(BB), fsync,
+        stdout=asyncio.subprocess.PIPE, cwd=str(CHILD.parent.parent),
+    )  # fmt: skip
+    acked: list[int] = []
+    try:
+        assert child.stdout is not None
+        while len(acked) < acks and (line := await child.stdout.readline()):
+            if line.startswith(b"ack "):
+                acked.append(int(line.split()[1]))
+        child.send_signal(signal.SIGKILL)
+    finally:
+        if child.returncode is None:
+            child.kill()
+        await child.wait()
+    assert len(acked) >= acks, "the child died before it acknowledged enough blocks"
+    return acked
+
+
+@pytest.mark.parametrize(("fsync", "acks"), [("batch", 61), ("never", 150), ("batch", 1)])
+async def test_sigkill_recovery_never_serves_wrong_bytes(
+    tmp_path: Path, fsync: str, acks: int
+) -> None:
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    num_blocks = 24
+    acked = await run_child_until_killed(dirs, num_blocks, fsync, acks)
+    last_acked = {i % num_blocks: i for i in acked}
+    async with store_at(dirs, num_blocks=num_blocks) as store:
+        index = store.index()
+        assert store.stats().details["recovery"] == ["crash", "crash"]
+        assert index, "nothing survived the crash"
+        for slot, key in index.items():
+            i = int.from_bytes(key, "little")
+            assert i % num_blocks == slot
+            assert i >= last_acked.get(slot, 0)  # nothing older than an acknowledged write
+            assert await get(store, slot, i) == block(i)
+        for i in acked:  # every other key ever written to a slot misses, never lies
+            got = await get(store, i % num_blocks, i)
+            assert got is None or got == block(i)
+
+
+async def test_crash_copy_recovers_and_honours_invalidations(tmp_path: Path) -> None:
+    live = tmp_path / "live"
+    live.mkdir()
+    async with store_at(live, fsync="never") as store:
+        await put(store, range(8))
+        store.invalidate([2])
+        await put(store, [30], slots=[3])
+        await store.sync()
+        dead = crash_copy(live, tmp_path / "dead")
+        expected = store.index()
+    async with store_at(dead) as store:
+        assert store.stats().details["recovery"] == ["crash"]
+        assert store.index() == expected
+        assert 2 not in store.index()
+        assert await get(store, 3, 30) == block(30)
+
+
+async def test_rebuild_from_headers_alone(tmp_path: Path) -> None:
+    async with store_at(tmp_path) as store:
+        await put(store, range(6))
+    (tmp_path / "tierd-index.msgpack").unlink()
+    with (tmp_path / "tierd-slab.bin").open("r+b") as f:  # rot block 4's data
+        f.seek(ALIGN + 4 * SLOT + ALIGN + 100)
+        f.write(b"\xff" * 8)
+    async with store_at(tmp_path) as store:
+        assert store.index() == {i: int_key(i) for i in range(6) if i != 4}
+        assert store.stats().details["dropped_blocks"] == 1
+        assert await get(store, 5, 5) == block(5)
+
+
+async def test_journal_checkpoints_bound_its_size(tmp_path: Path) -> None:
+    live = tmp_path / "live"
+    live.mkdir()
+    async with store_at(live, journal_limit_bytes=2048) as store:
+        for round_ in range(20):
+            await put(store, [round_ * 16 + s for s in range(16)], slots=range(16))
+        await store.sync()
+        assert (live / "tierd-journal.bin").stat().st_size < 4096
+        dead = crash_copy(live, tmp_path / "dead")
+    async with store_at(dead) as store:
+        assert store.index() == {s: int_key(19 * 16 + s) for s in range(16)}
+
+
+# -- corruption and faults -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", [ALIGN + 17, 40, 3])  # data, header fields, magic
+async def test_flipped_bytes_read_as_failed(tmp_path: Path, where: int) -> None:
+    async with store_at(tmp_path) as store:
+        await put(store, range(4))
+    with (tmp_path / "tierd-slab.bin").open("r+b") as f:
+        f.seek(ALIGN + 2 * SLOT + where)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    async with store_at(tmp_path) as store:
+        assert await get(store, 2, 2) is None
+        assert store.stats().details["checksum_failures"] == 1
+        assert [await get(store, s, s) for s in (0, 1, 3)] == [block(0), block(1), block(3)]
+
+
+@pytest.mark.parametrize("fault", [errno.ENOSPC, errno.EIO, "short"])
+async def test_failed_write_leaves_slot_unreadable(tmp_path: Path, fault: int | str) -> None:
+    io = FaultyIO()
+    live = tmp_path / "live"
+    live.mkdir()
+    async with store_at(live, fileio=io) as store:
+        await put(store, range(4))
+        io.write_faults[int_key(1)] = fault
+        # rewrite slot 1 with the key it already holds: the old bytes must not come back
+        assert await put(store, [1, 2], slots=[1, 2]) == [False, True]
+        assert store.stats().write_errors == 1
+        assert await get(store, 1, 1) is None
+        assert 1 not in store.index()
+        io.write_faults.clear()
+        assert await put(store, [9], slots=[1]) == [True]  # still usable
+        assert await get(store, 1, 9) == block(9)
+        io.write_faults[int_key(3)] = fault
+        assert await put(store, [3]) == [False]
+        await store.sync()
+        dead = crash_copy(live, tmp_path / "dead")
+    async with store_at(dead) as store:
+        assert 3 not in store.index()
+    async with store_at(live) as store:
+        assert 3 not in store.index()
+        assert await get(store, 1, 9) == block(9)
+
+
+async def test_read_eio_fails_the_block(tmp_path: Path) -> None:
+    io = FaultyIO()
+    async with store_at(tmp_path, fileio=io) as store:
+        await put(store, range(2))
+        io.read_fault = errno.EIO
+        assert await get(store, 0, 0) is None
+        assert store.stats().read_errors == 1
+        io.read_fault = 0
+        assert await get(store, 0, 0) == block(0)
+
+
+async def test_missing_directory(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(StoreIOError) as info:
+        await store_at(missing).open()
+    assert str(missing) in info.value.path
+    assert info.value.errno == errno.ENOENT
+    assert isinstance(info.value.__cause__, OSError)
+
+
+async def test_directory_under_a_regular_file(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"x")
+    good = tmp_path / "good"
+    good.mkdir()
+    with pytest.raises(StoreIOError) as info:
+        await store_at([good, tmp_path / "file" / "dir"]).open()
+    assert info.value.errno == errno.ENOTDIR
+    assert str(tmp_path / "file" / "dir") in str(info.value)
+    async with store_at(good) as store:  # the failed open released the first slab
+        assert store.index() == {}
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    tmp_path.chmod(0o500)
+    yield tmp_path
+    tmp_path.chmod(0o700)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+async def test_read_only_directory(read_only_dir: Path) -> None:
+    with pytest.raises(StoreIOError) as info:
+        await store_at(read_only_dir).open()
+    assert info.value.errno == errno.EACCES
+    assert str(read_only_dir) in info.value.path
+
+
+# -- striping and O_DIRECT -------------------------------------------------------------
+
+
+async def test_slots_stripe_across_directories(tmp_path: Path) -> None:
+    dirs = [tmp_path / n for n in "abc"]
+    for d in dirs:
+        d.mkdir()
+    async with store_at(dirs, num_blocks=10) as store:
+        assert await put(store, range(10)) == [True] * 10
+        assert store.stats().details["files"] == [str(d / "tierd-slab.bin") for d in dirs]
+    sizes = [(d / "tierd-slab.bin").stat().st_size for d in dirs]
+    assert sizes == [ALIGN + n * SLOT for n in (4, 3, 3)]
+    with (dirs[1] / "tierd-slab.bin").open("rb") as f:  # slot 4 = slab b, local slot 1
+        f.seek(ALIGN + SLOT + ALIGN)
+        assert f.read(BB) == block(4)
+    async with store_at(dirs, num_blocks=10) as store:
+        assert store.index() == {i: int_key(i) for i in range(10)}
+
+
+async def test_o_direct_probe_is_reported(tmp_path: Path) -> None:
+    async with store_at(tmp_path) as store:
+        details = store.stats().details
+        assert isinstance(details["o_direct"], bool)
+        assert details["reason"] == "probe passed" or not details["o_direct"]
+        assert details["reason"]
+        assert details["slabs"][0]["o_direct"] is details["o_direct"]
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    d = Path(tempfile.mkdtemp(prefix="tierd-test-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d)
+
+
+async def test_dev_shm_probe_is_reported(shm_dir: Path) -> None:
+    # tmpfs refused O_DIRECT before Linux 6.6 and accepts it since: either way the store
+    # works and says which it got.
+    async with store_at(shm_dir) as store:
+        details = store.stats().details
+        if details["o_direct"]:
+            assert details["reason"] == "probe passed"
+        else:
+            assert "O_DIRECT probe failed" in details["reason"]
+        assert await put(store, [0]) == [True]
+        assert await get(store, 0, 0) == block(0)
+
+
+async def test_o_direct_fallback_when_refused(tmp_path: Path) -> None:
+    io = FaultyIO()
+    io.refuse_direct = True
+    async with store_at(tmp_path, fileio=io) as store:
+        details = store.stats().details
+        assert details["o_direct"] is False
+        assert "O_DIRECT probe failed" in details["reason"]
+        assert await put(store, [0]) == [True]
+        assert await get(store, 0, 0) == block(0)
+    with pytest.raises(StoreIOError) as info:
+        await store_at(tmp_path, fileio=io, o_direct=True).open()
+    assert info.value.errno == errno.EINVAL
+    async with store_at(tmp_path, o_direct=False) as store:
+        assert store.stats().details["reason"] == "disabled by configuration"
+        assert await get(store, 0, 0) == block(0)
+
+
+# -- cancellation ----------------------------------------------------------------------
+
+
+class GatedIO(FileIO):
+    """Holds the first block write until ``gate`` is set; records the order of events."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.log: list[str] = []
+        self.writes = 0
+
+    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if len(buffers) == 2:
+            self.writes += 1
+            self.entered.set()
+            self.gate.wait()
+            done = super().pwritev(fd, buffers, offset)
+            self.log.append("io done")
+            return done
+        return super().pwritev(fd, buffers, offset)
+
+
+async def test_cancelled_write_waits_for_submitted_io(tmp_path: Path) -> None:
+    io = GatedIO()
+    async with store_at(tmp_path, fileio=io, write_threads=1, blocks_per_task=1) as store:
+        task = asyncio.create_task(put(store, range(3)))
+        await asyncio.to_thread(io.entered.wait)
+        task.cancel()
+        asyncio.get_running_loop().call_soon(io.gate.set)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        io.log.append("task done")
+        assert io.log == ["io done", "task done"]
+        assert io.writes == 1  # chunks not started yet were dropped
+        assert store.index() == {}
+        assert await put(store, [0]) == [True]
+
+
+# -- the shared contract ---------------------------------------------------------------
+
+
+class DiskConformance(StoreConformance):
+    """The block-store contract, over slab files in a fresh directory per store."""
+
+    o_direct: Any = "auto"
+
+    @pytest.fixture(autouse=True)
+    def _workdir(self, tmp_path: Path) -> None:
+        self.workdir = tmp_path
+        self.made = 0
+
+    async def make_store(self, num_blocks: int, block_bytes: int) -> BlockStore:
+        self.made += 1
+        directory = self.workdir / f"store{self.made}"
+        directory.mkdir()
+        return DiskStore(
+            num_blocks=num_blocks,
+            block_bytes=block_bytes,
+            directories=[directory],
+            o_direct=self.o_direct,
+            blocks_per_task=4,
+        )
+
+
+class TestDiskStoreConformance(DiskConformance):
+    pass
+
+
+class TestDiskStoreBufferedConformance(DiskConformance):
+    o_direct = False

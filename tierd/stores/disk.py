@@ -1,0 +1,353 @@
+"""The disk store: fixed slots in preallocated slab files, one per directory (drive).
+
+Global slot ``s`` lives in slab ``s % len(directories)`` at local slot
+``s // len(directories)``, so consecutive slots stripe across drives. Every block is
+written as one ``pwritev`` of a header page (key, generation, length, xxh3 of the data,
+xxh3 of the header) and the data; every read checks the header against the expected key
+and generation and the data against its checksum, so a torn, stale or corrupted block
+reads as failed, never as wrong bytes.
+
+I/O runs on two thread pools, reads apart from writes, so loads never queue behind
+write-back. A batch is cut into chunks of up to ``blocks_per_task`` blocks per slab, one
+thread hop per chunk; up to ``read_threads`` / ``write_threads`` chunks are in flight.
+O_DIRECT is used where the file system accepts it (probed once per slab at open); caller
+buffers that are page-aligned and a multiple of 4096 bytes long (CPU pool slots) are read
+into and written from directly, anything else goes through a per-thread aligned staging
+buffer. Under buffered I/O no staging is needed at all.
+
+Durability (``fsync``): ``"batch"`` fsyncs the journal before a batch's data is written
+and fdatasyncs the slab after it; ``"never"`` leaves both to the page cache (survives a
+process crash, not a power cut). Either way a crash is recovered by scanning headers (see
+:mod:`tierd.stores.disk_slab`); checksums make the worst case a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Literal
+
+import torch
+
+from tierd.keys import BlockKey, Medium
+from tierd.stores.base import BlockStore, Buffer, StoreStats, block_views, device_rows
+from tierd.stores.disk_slab import BAD_BLOCK, OK, Slab, SlabConfig
+from tierd.stores.fileio import FileIO
+
+__all__ = ["DiskStore"]
+
+_Chunk = Callable[[], list[int]]
+
+
+class DiskStore(BlockStore):
+    """Block store over slab files; see the module docstring for the guarantees.
+
+    Beyond :class:`BlockStore` it offers :meth:`index` (the blocks readable after open,
+    so the tier above can be rebuilt on restart), :meth:`invalidate` and :meth:`sync`.
+    """
+
+    medium = Medium.DISK
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_bytes: int,
+        directories: Sequence[str | Any],
+        o_direct: bool | Literal["auto"] = "auto",
+        read_threads: int = 4,
+        write_threads: int = 2,
+        blocks_per_task: int = 8,
+        fsync: Literal["batch", "never"] = "batch",
+        journal_limit_bytes: int = 16 << 20,
+        fileio: FileIO | None = None,
+    ) -> None:
+        super().__init__(num_blocks=num_blocks, block_bytes=block_bytes)
+        if not directories:
+            raise ValueError("a disk store needs at least one directory")
+        if o_direct not in ("auto", True, False):
+            raise ValueError(f"o_direct must be 'auto', True or False, got {o_direct!r}")
+        if fsync not in ("batch", "never"):
+            raise ValueError(f"fsync must be 'batch' or 'never', got {fsync!r}")
+        if min(read_threads, write_threads, blocks_per_task) < 1:
+            raise ValueError("thread counts and blocks_per_task must be positive")
+        self.directories = [str(d) for d in directories]
+        self._n = len(self.directories)
+        self._threads = (read_threads, write_threads)
+        self._per_task = blocks_per_task
+        self._fsync = fsync
+        self._journal_limit = journal_limit_bytes
+        io = fileio or FileIO()
+        self._slabs = [self._make_slab(i, d, o_direct, io) for i, d in enumerate(self.directories)]
+        self._readers: ThreadPoolExecutor | None = None
+        self._writers: ThreadPoolExecutor | None = None
+        self._busy = 0  # reads and writes in progress
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._journal_flushes: set[Future[int]] = set()
+        self._counts = dict.fromkeys(
+            ("bytes_written", "bytes_read", "write_errors", "read_errors", "checksum_failures",
+             "index_misses"),
+            0,
+        )  # fmt: skip
+
+    def _make_slab(self, i: int, directory: str, o_direct: bool | str, io: FileIO) -> Slab:
+        cfg = SlabConfig(
+            directory=directory,
+            dir_index=i,
+            num_dirs=self._n,
+            local_slots=len(range(i, self.num_blocks, self._n)),
+            block_bytes=self.block_bytes,
+            o_direct=o_direct,
+            sync=self._fsync == "batch",
+        )
+        return Slab(cfg, io)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        self._readers = ThreadPoolExecutor(self._threads[0], thread_name_prefix="tierd-disk-r")
+        self._writers = ThreadPoolExecutor(self._threads[1], thread_name_prefix="tierd-disk-w")
+        loop = asyncio.get_running_loop()
+        opens = [loop.run_in_executor(self._readers, s.open_sync) for s in self._slabs]
+        results = await asyncio.gather(*opens, return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            for slab in self._slabs:
+                slab.close_fds()
+            self._shutdown_pools()
+            raise failures[0]
+
+    async def _close(self) -> None:
+        await self._idle.wait()  # the base class already refuses new reads and writes
+        loop = asyncio.get_running_loop()
+        try:
+            for fut in list(self._journal_flushes):
+                await asyncio.wrap_future(fut)
+            for slab in self._slabs:
+                slab.final_checkpoint()
+            await asyncio.gather(
+                *(loop.run_in_executor(self._writers, s.close_sync) for s in self._slabs)
+            )
+        finally:
+            for slab in self._slabs:
+                slab.close_fds()
+            self._shutdown_pools()
+
+    def _shutdown_pools(self) -> None:
+        for pool in (self._readers, self._writers):
+            if pool is not None:
+                pool.shutdown(wait=False)
+
+    # -- index -------------------------------------------------------------------------
+
+    def index(self) -> dict[int, BlockKey]:
+        """Slot -> key of every block that is readable now (after open: what survived)."""
+        out: dict[int, BlockKey] = {}
+        for d, slab in enumerate(self._slabs):
+            for local, entry in slab.entries.items():
+                out[local * self._n + d] = BlockKey(entry.key)
+        return out
+
+    def invalidate(self, slots: Sequence[int]) -> None:
+        """Make ``slots`` unreadable now (also after a restart, once the journal holds it;
+        the next write batch, :meth:`sync` or :meth:`close` writes it)."""
+        self._check(slots, None)
+        for slot in slots:
+            self._slabs[slot % self._n].invalidate(slot // self._n)
+
+    async def sync(self) -> None:
+        """Write (and with ``fsync="batch"``, fsync) the journal of every slab."""
+        self._check((), None)
+        sync = self._fsync == "batch"
+        await self._run(self._writers, [partial(_flush, s, sync) for s in self._slabs])
+
+    # -- data --------------------------------------------------------------------------
+
+    @contextmanager
+    def _tracked(self) -> Iterator[None]:
+        self._busy += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._busy -= 1
+            if not self._busy:
+                self._idle.set()
+
+    async def _write(
+        self, slots: Sequence[int], keys: Sequence[BlockKey], data: Sequence[Buffer] | Any
+    ) -> list[bool]:
+        with self._tracked():
+            return await self._write_batch(slots, keys, data)
+
+    async def _read(
+        self, slots: Sequence[int], keys: Sequence[BlockKey], out: Sequence[Buffer] | Any
+    ) -> list[bool]:
+        with self._tracked():
+            return await self._read_batch(slots, keys, out)
+
+    async def _write_batch(
+        self, slots: Sequence[int], keys: Sequence[BlockKey], data: Sequence[Buffer] | Any
+    ) -> list[bool]:
+        bb = self.block_bytes
+        rows = device_rows(data, len(slots), bb)
+        if rows is not None:  # the disk only moves host memory: bounce device tensors
+            data = [row.cpu() for row in rows]
+        views = block_views(data, len(slots), bb, writable=False)
+        n = self._n
+        plan = [(self._slabs[s % n], s // n, k) for s, k in zip(slots, keys, strict=True)]
+        gens = [slab.begin(local) for slab, local, _ in plan]
+        jobs = [
+            (slab, (local, bytes(k), g, v))
+            for (slab, local, k), g, v in zip(plan, gens, views, strict=True)
+        ]
+        codes: list[int] | None = None
+        try:
+            codes = await self._run_jobs(self._writers, jobs, write=True)
+        finally:
+            ok = [False] * len(plan) if codes is None else [c == OK for c in codes]
+            for (slab, local, key), gen, good in zip(plan, gens, ok, strict=True):
+                slab.commit(local, bytes(key), gen, good)
+            self._after_write(ok)
+        return ok
+
+    def _after_write(self, ok: list[bool]) -> None:
+        good = sum(ok)
+        self._counts["bytes_written"] += good * self.block_bytes
+        self._counts["write_errors"] += len(ok) - good
+        # The SET records need not be durable before the caller goes on (a lost one only
+        # means a checksum pass at recovery), so they are flushed in the background.
+        if self._writers is None:
+            return
+        for slab in self._slabs:
+            if not slab.journal.dirty:
+                continue
+            slab.maybe_checkpoint(self._journal_limit)
+            fut = self._writers.submit(slab.flush_journal, self._fsync == "batch")
+            self._journal_flushes.add(fut)
+            fut.add_done_callback(self._journal_flushes.discard)
+
+    async def _read_batch(
+        self, slots: Sequence[int], keys: Sequence[BlockKey], out: Sequence[Buffer] | Any
+    ) -> list[bool]:
+        bb = self.block_bytes
+        rows = device_rows(out, len(slots), bb)
+        host = torch.empty((len(slots), bb), dtype=torch.uint8) if rows is not None else out
+        views = block_views(host, len(slots), bb, writable=True)
+        results = [False] * len(slots)
+        jobs: list[tuple[Slab, tuple[int, bytes, int, Any]]] = []
+        where: list[int] = []
+        for i, (slot, key) in enumerate(zip(slots, keys, strict=True)):
+            slab, local = self._slabs[slot % self._n], slot // self._n
+            entry = slab.entries.get(local)
+            if entry is None or entry.key != key:
+                self._counts["index_misses"] += 1
+                continue
+            jobs.append((slab, (local, bytes(key), entry.gen, views[i])))
+            where.append(i)
+        codes = await self._run_jobs(self._readers, jobs, write=False) if jobs else []
+        for i, code in zip(where, codes, strict=True):
+            results[i] = code == OK
+            if code == OK and rows is not None:
+                rows[i].copy_(host[i])
+        self._counts["bytes_read"] += sum(results) * bb
+        self._counts["checksum_failures"] += codes.count(BAD_BLOCK)
+        self._counts["read_errors"] += sum(1 for c in codes if c > 0)
+        return results
+
+    def _chunks(
+        self, jobs: list[tuple[Slab, Any]], *, write: bool
+    ) -> tuple[list[_Chunk], list[int]]:
+        """Group the jobs by slab and cut each group into thread hops of at most
+        ``blocks_per_task`` blocks (fewer when that keeps every thread busy). Returns the
+        chunks and, per flattened result, the job position it belongs to."""
+        groups: dict[int, list[int]] = {}
+        for pos, (slab, _) in enumerate(jobs):
+            groups.setdefault(id(slab), []).append(pos)
+        threads = self._threads[1 if write else 0]
+        size = max(1, min(self._per_task, -(-len(jobs) // threads)))
+        chunks: list[_Chunk] = []
+        order: list[int] = []
+        for positions in groups.values():
+            slab = jobs[positions[0]][0]
+            fn = slab.write_chunk if write else slab.read_chunk
+            for i in range(0, len(positions), size):
+                part = positions[i : i + size]
+                chunks.append(partial(fn, [jobs[p][1] for p in part]))
+                order += part
+        return chunks, order
+
+    async def _run_jobs(
+        self, pool: ThreadPoolExecutor | None, jobs: list[tuple[Slab, Any]], *, write: bool
+    ) -> list[int]:
+        """Per-block result codes, in job order."""
+        chunks, order = self._chunks(jobs, write=write)
+        flat = await self._run(pool, chunks)
+        codes = [OK] * len(jobs)
+        for pos, code in zip(order, flat, strict=True):
+            codes[pos] = code
+        return codes
+
+    async def _run(self, pool: ThreadPoolExecutor | None, chunks: list[_Chunk]) -> list[int]:
+        """Run the chunks on ``pool``; the flattened per-block codes in order.
+
+        Cancelled: chunks not started yet are dropped, the ones already running are
+        waited for (so no byte lands after the caller moved on), then CancelledError.
+        """
+        if pool is None:
+            raise RuntimeError("the disk store's thread pools are gone")
+        loop = asyncio.get_running_loop()
+        cfs = [pool.submit(fn) for fn in chunks]
+        waiter = asyncio.gather(
+            *(asyncio.wrap_future(cf, loop=loop) for cf in cfs), return_exceptions=True
+        )
+        try:
+            results = await asyncio.shield(waiter)
+        except asyncio.CancelledError:
+            for cf in cfs:
+                cf.cancel()
+            while not waiter.done():
+                try:
+                    await asyncio.wait([waiter])
+                except asyncio.CancelledError:
+                    continue
+            raise
+        codes: list[int] = []
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+            codes += res
+        return codes
+
+    # -- stats -------------------------------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        c = self._counts
+        slabs = self._slabs
+        return StoreStats(
+            medium=self.medium, num_blocks=self.num_blocks, block_bytes=self.block_bytes,
+            bytes_written=c["bytes_written"], bytes_read=c["bytes_read"],
+            write_errors=c["write_errors"], read_errors=c["read_errors"],
+            details={
+                "o_direct": all(s.o_direct for s in slabs),
+                "reason": "; ".join(sorted({s.reason for s in slabs})),
+                "files": [s.path for s in slabs],
+                "slabs": [s.details() for s in slabs],
+                "checksum_failures": c["checksum_failures"],
+                "index_misses": c["index_misses"],
+                "journal_errors": sum(s.journal_errors for s in slabs),
+                "fsync": self._fsync,
+                "slot_bytes": slabs[0].slot_size,
+                "recovery": [s.recovery for s in slabs],
+                "blocks": sum(len(s.entries) for s in slabs),
+                "dropped_blocks": sum(s.dropped for s in slabs),
+            },
+        )  # fmt: skip
+
+
+def _flush(slab: Slab, sync: bool) -> list[int]:
+    return [slab.flush_journal(sync)]

@@ -1,0 +1,321 @@
+"""On-disk metadata of the disk store: block headers, the slot-index snapshot, the journal.
+
+One slab directory holds three files: the slab (``tierd-slab.bin``), the index snapshot
+(``tierd-index.msgpack``) and the journal (``tierd-journal.bin``). This module owns the
+byte formats of the last two and of the per-slot block header, and the rule that rebuilds
+a slab's index after a crash (:func:`reconcile`). The header is the truth about bytes; the
+snapshot and journal are the truth about intent (which slots the store invalidated).
+
+Block header (first 4096-byte page of every slot, little-endian; data follows at +4096)::
+
+    magic "TIERDBLK" | version u16 | key_len u16 | flags u32 | slot u64 | gen u64
+    | data_len u64 | data_xxh3 u64 | key 64s | header_xxh3 u64 (over all bytes before it)
+
+Journal: a 48-byte file header (magic "TIERDJNL", version, base epoch, slab uuid, xxh3),
+then fixed 88-byte records ``op u8 | key_len u8 | pad u16 | slot u32 | gen u64 | key 64s |
+xxh3 u64``. Replay stops at the first record whose checksum fails (a torn tail).
+
+Snapshot: ``xxh3 u64`` of the payload, then a msgpack map ``{version, uuid, epoch,
+next_gen, slots: [slot, key, gen, ...]}``, written to a temporary file, fsynced and renamed.
+A journal extends the snapshot whose ``epoch`` equals its base epoch; any other journal is
+stale and ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import struct
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import msgpack
+import xxhash
+
+from tierd.stores.fileio import FileIO
+
+__all__ = [
+    "HEADER_BYTES",
+    "BlockHeader",
+    "Entry",
+    "Journal",
+    "Op",
+    "Snapshot",
+    "data_checksum",
+    "load_snapshot",
+    "reconcile",
+    "save_snapshot",
+]
+
+_HDR = struct.Struct("<8sHHIQQQQ64s")
+HEADER_BYTES = _HDR.size + 8
+_BLOCK_MAGIC = b"TIERDBLK"
+_JNL_HDR = struct.Struct("<8sIIQ16s")
+_JNL_MAGIC = b"TIERDJNL"
+_REC = struct.Struct("<BBHIQ64s")
+_REC_BYTES = _REC.size + 8
+_U64 = struct.Struct("<Q")
+_VERSION = 1
+
+
+def _xxh(data: bytes | memoryview) -> int:
+    return int(xxhash.xxh3_64_intdigest(data))
+
+
+def data_checksum(data: memoryview) -> int:
+    return _xxh(data)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """What a slot's header page says about the block behind it."""
+
+    slot: int
+    gen: int
+    key: bytes
+    data_len: int
+    data_xxh3: int
+
+    def pack_into(self, page: memoryview) -> None:
+        _HDR.pack_into(
+            page, 0, _BLOCK_MAGIC, _VERSION, len(self.key), 0, self.slot, self.gen,
+            self.data_len, self.data_xxh3, self.key,
+        )  # fmt: skip
+        _U64.pack_into(page, _HDR.size, _xxh(page[: _HDR.size]))
+
+    @classmethod
+    def unpack(cls, page: memoryview) -> BlockHeader | None:
+        """The header in ``page``, or None when its magic, version or checksum is wrong
+        (never written, torn, or overwritten by something else)."""
+        fields = _HDR.unpack_from(page, 0)
+        if fields[0] != _BLOCK_MAGIC or fields[1] != _VERSION or fields[2] > 64:
+            return None
+        if _U64.unpack_from(page, _HDR.size)[0] != _xxh(page[: _HDR.size]):
+            return None
+        _, _, key_len, _, slot, gen, data_len, csum, key = fields
+        return cls(slot, gen, bytes(key[:key_len]), data_len, csum)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A readable block: its key and the generation its header must carry."""
+
+    key: bytes
+    gen: int
+
+
+class Op(enum.IntEnum):
+    BEGIN = 1  # a write to the slot started; its old contents are gone
+    SET = 2  # the write finished; the slot holds (key, gen)
+    DEL = 3  # the slot was invalidated (or its write failed) up to generation gen
+
+
+Record = tuple[Op, int, bytes]  # (op, gen, key) for one slot
+
+
+# -- snapshot --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    epoch: int
+    next_gen: int
+    entries: dict[int, Entry]
+
+
+def save_snapshot(
+    io: FileIO, path: str, uuid: bytes, epoch: int, next_gen: int, entries: dict[int, Entry]
+) -> None:
+    """Write the snapshot atomically: temporary file, fsync, rename, fsync the directory."""
+    flat: list[int | bytes] = []
+    for slot, entry in entries.items():
+        flat += (slot, entry.key, entry.gen)
+    payload = msgpack.packb(
+        {"version": _VERSION, "uuid": uuid, "epoch": epoch, "next_gen": next_gen, "slots": flat}
+    )
+    tmp = path + ".tmp"
+    fd = io.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        _write_all(io, fd, _U64.pack(_xxh(payload)) + payload)
+        io.fsync(fd)
+    finally:
+        io.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(io, os.path.dirname(path))
+
+
+def load_snapshot(path: str, uuid: bytes) -> Snapshot | None:
+    """The snapshot at ``path`` if it is intact and belongs to the slab ``uuid``."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    if len(raw) < 8 or _U64.unpack_from(raw)[0] != _xxh(raw[8:]):
+        return None
+    doc = msgpack.unpackb(raw[8:])
+    if doc.get("version") != _VERSION or doc.get("uuid") != uuid:
+        return None
+    flat = doc["slots"]
+    entries = {flat[i]: Entry(flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)}
+    return Snapshot(int(doc["epoch"]), int(doc["next_gen"]), entries)
+
+
+# -- journal ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Checkpoint:
+    """A request, queued in order with the records, to write a snapshot of ``entries``
+    and start a new journal on top of it."""
+
+    epoch: int
+    next_gen: int
+    entries: dict[int, Entry]
+
+
+class Journal:
+    """The append-only log of slot assignments and invalidations since the last snapshot.
+
+    :meth:`append` and :meth:`checkpoint` run on the event loop's thread and only queue;
+    :meth:`flush` runs on an I/O thread and writes the queue in order, so a checkpoint
+    always covers exactly the records queued before it.
+    """
+
+    def __init__(self, io: FileIO, directory: str) -> None:
+        self._io = io
+        self.path = os.path.join(directory, "tierd-journal.bin")
+        self.snapshot_path = os.path.join(directory, "tierd-index.msgpack")
+        self.uuid = b""  # the slab's; set once the slab's superblock is read
+        self._queue: deque[bytes | _Checkpoint] = deque()
+        self._lock = threading.Lock()
+        self._fd = -1
+        self.bytes = 0  # size of the current journal file (read on the loop thread)
+
+    @property
+    def dirty(self) -> bool:
+        """Whether records wait to be written."""
+        return bool(self._queue)
+
+    def append(self, op: Op, slot: int, gen: int, key: bytes = b"") -> None:
+        rec = _REC.pack(op, len(key), 0, slot, gen, key)
+        self._queue.append(rec + _U64.pack(_xxh(rec)))
+        self.bytes += _REC_BYTES
+
+    def checkpoint(self, epoch: int, next_gen: int, entries: dict[int, Entry]) -> None:
+        self._queue.append(_Checkpoint(epoch, next_gen, dict(entries)))
+        self.bytes = _JNL_HDR.size + 8
+
+    def flush(self, sync: bool) -> None:
+        """Write everything queued so far; fsync when ``sync``. Thread-safe."""
+        with self._lock:
+            chunk: list[bytes] = []
+            while self._queue:
+                item = self._queue.popleft()
+                if isinstance(item, bytes):
+                    chunk.append(item)
+                    continue
+                self._write(chunk, sync)
+                chunk = []
+                self._start(item)
+            self._write(chunk, sync)
+
+    def close(self, remove: bool) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                self._io.close(self._fd)
+                self._fd = -1
+            if remove:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+                _fsync_dir(self._io, os.path.dirname(self.path))
+
+    def _write(self, chunk: list[bytes], sync: bool) -> None:
+        if chunk and self._fd >= 0:
+            _write_all(self._io, self._fd, b"".join(chunk))
+            if sync:
+                self._io.fdatasync(self._fd)
+
+    def _start(self, cp: _Checkpoint) -> None:
+        save_snapshot(self._io, self.snapshot_path, self.uuid, cp.epoch, cp.next_gen, cp.entries)
+        if self._fd < 0:
+            self._fd = self._io.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        self._io.truncate(self._fd, 0)
+        head = _JNL_HDR.pack(_JNL_MAGIC, _VERSION, 0, cp.epoch, self.uuid)
+        _write_all(self._io, self._fd, head + _U64.pack(_xxh(head)))
+        self._io.fsync(self._fd)
+
+    @staticmethod
+    def replay(path: str, uuid: bytes) -> tuple[int, dict[int, Record]] | None:
+        """(base epoch, latest record per slot) of the journal at ``path``, or None when
+        there is none or it belongs to another slab."""
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None
+        head_len = _JNL_HDR.size + 8
+        if len(raw) < head_len or _U64.unpack_from(raw, _JNL_HDR.size)[0] != _xxh(
+            raw[: _JNL_HDR.size]
+        ):
+            return None
+        magic, version, _, epoch, owner = _JNL_HDR.unpack_from(raw)
+        if magic != _JNL_MAGIC or version != _VERSION or owner != uuid:
+            return None
+        latest: dict[int, Record] = {}
+        for op, slot, gen, key in _records(memoryview(raw)[head_len:]):
+            latest[slot] = (op, gen, key)
+        return epoch, latest
+
+
+def _records(raw: memoryview) -> Iterator[tuple[Op, int, int, bytes]]:
+    for pos in range(0, len(raw) - _REC_BYTES + 1, _REC_BYTES):
+        body = raw[pos : pos + _REC.size]
+        if _U64.unpack_from(raw, pos + _REC.size)[0] != _xxh(body):
+            return  # torn tail: everything after it is unreliable
+        op, key_len, _, slot, gen, key = _REC.unpack_from(body)
+        yield Op(op), slot, gen, bytes(key[:key_len])
+
+
+# -- recovery --------------------------------------------------------------------------
+
+
+def reconcile(
+    known: dict[int, Record], headers: dict[int, BlockHeader]
+) -> tuple[dict[int, Entry], dict[int, BlockHeader]]:
+    """Split the slots whose header is intact into (trusted, to verify).
+
+    Trusted: the journal's last word on the slot is SET with the header's generation (the
+    data was durable before that record was written). Dropped: the last word is DEL at or
+    after the header's generation (invalidated, or its write failed). Everything else (a
+    write in flight at the crash, a lost journal tail, no journal) must have its data
+    checksum verified before the block is readable again.
+    """
+    trusted: dict[int, Entry] = {}
+    verify: dict[int, BlockHeader] = {}
+    for slot, hdr in headers.items():
+        rec = known.get(slot)
+        if rec is not None and rec[0] is Op.SET and rec[1] == hdr.gen and rec[2] == hdr.key:
+            trusted[slot] = Entry(hdr.key, hdr.gen)
+        elif rec is not None and rec[0] is Op.DEL and rec[1] >= hdr.gen:
+            continue
+        else:
+            verify[slot] = hdr
+    return trusted, verify
+
+
+def _write_all(io: FileIO, fd: int, data: bytes) -> None:
+    done = 0
+    while done < len(data):
+        done += io.write(fd, data[done:])
+
+
+def _fsync_dir(io: FileIO, directory: str) -> None:
+    fd = io.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        io.fsync(fd)
+    finally:
+        io.close(fd)

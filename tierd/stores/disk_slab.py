@@ -1,0 +1,342 @@
+"""One slab file of the disk store (one per directory, i.e. per drive) and its slot index.
+
+A :class:`Slab` owns the file descriptors, the superblock, the O_DIRECT probe, the
+in-memory slot index with its journal, and the blocking per-chunk I/O routines that the
+store runs on its thread pools. Everything here except the ``*_chunk``, ``*_sync`` and
+``flush_journal`` methods runs on the event loop's thread and never
+blocks.
+
+Slab layout: a 4096-byte superblock (magic ``TIERDSLB``, geometry, slab uuid, xxh3), then
+``local_slots`` slots of ``slot_size`` bytes: one 4096-byte header page (see
+:mod:`tierd.stores.disk_index`) followed by the block's bytes, padded to 4096.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import struct
+import threading
+import uuid as uuidlib
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import xxhash
+
+from tierd.errors import StoreIOError
+from tierd.stores import disk_index as di
+from tierd.stores.fileio import ALIGN, FileIO, address_of, aligned_buffer, round_up
+
+__all__ = ["BAD_BLOCK", "OK", "Slab", "SlabConfig"]
+
+OK = 0  # a chunk routine's per-block result; a positive value is an errno
+BAD_BLOCK = -1  # header, key, generation or checksum did not match
+
+_SUPER = struct.Struct("<8sIIQQQII16s")
+_SUPER_MAGIC = b"TIERDSLB"
+_U64 = struct.Struct("<Q")
+_log = structlog.get_logger("tierd.disk")
+_tls = threading.local()
+
+WriteJob = tuple[int, bytes, int, memoryview]  # (local slot, key, gen, data)
+ReadJob = tuple[int, bytes, int, memoryview]  # (local slot, key, gen, out)
+
+
+@dataclass(frozen=True, slots=True)
+class SlabConfig:
+    directory: str
+    dir_index: int
+    num_dirs: int
+    local_slots: int
+    block_bytes: int
+    o_direct: bool | str  # "auto", True or False
+    sync: bool  # fsync the journal and fdatasync the slab per write batch
+
+
+def _staging(nbytes: int) -> memoryview:
+    """This thread's page-aligned scratch buffer of at least ``nbytes``."""
+    buf: memoryview | None = getattr(_tls, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = aligned_buffer(nbytes)
+        _tls.buf = buf
+    return buf[:nbytes]
+
+
+class Slab:
+    """One slab file and the index of the slots it holds (local slot numbers)."""
+
+    def __init__(self, cfg: SlabConfig, io: FileIO) -> None:
+        self.cfg = cfg
+        self.io = io
+        self.path = os.path.join(cfg.directory, "tierd-slab.bin")
+        self.data_io = round_up(cfg.block_bytes)  # bytes moved per block under O_DIRECT
+        self.slot_size = ALIGN + self.data_io
+        self.file_bytes = ALIGN + cfg.local_slots * self.slot_size
+        self.entries: dict[int, di.Entry] = {}
+        self.pending: dict[int, int] = {}  # local slot -> generation of the write in flight
+        self.next_gen = 1
+        self.epoch = 0
+        self.uuid = b""
+        self.o_direct = False
+        self.reason = ""
+        self.recovery = "new"
+        self.dropped = 0
+        self.journal_errors = 0
+        self.journal = di.Journal(io, cfg.directory)
+        self._lock_fd = -1  # buffered descriptor; holds the flock
+        self._fd = -1  # descriptor for block I/O (O_DIRECT when the probe passed)
+
+    # -- loop-thread bookkeeping -------------------------------------------------------
+
+    def offset(self, local: int) -> int:
+        return ALIGN + local * self.slot_size
+
+    def begin(self, local: int) -> int:
+        """Make ``local`` unreadable and reserve a generation for a write to it."""
+        gen = self.next_gen
+        self.next_gen += 1
+        self.entries.pop(local, None)
+        self.pending[local] = gen
+        self.journal.append(di.Op.BEGIN, local, gen)
+        return gen
+
+    def commit(self, local: int, key: bytes, gen: int, ok: bool) -> None:
+        """Finish a write: readable under ``key`` if it succeeded and was not invalidated
+        meanwhile; otherwise journal the slot as dead."""
+        current = self.pending.get(local)
+        if current == gen:
+            del self.pending[local]
+        if ok and current == gen:
+            self.entries[local] = di.Entry(key, gen)
+            self.journal.append(di.Op.SET, local, gen, key)
+        else:
+            self.journal.append(di.Op.DEL, local, gen)
+
+    def invalidate(self, local: int) -> None:
+        entry = self.entries.pop(local, None)
+        gen = max(entry.gen if entry else 0, self.pending.pop(local, 0))
+        if gen:
+            self.journal.append(di.Op.DEL, local, gen)
+
+    def maybe_checkpoint(self, limit: int) -> None:
+        if self.journal.bytes > limit:
+            self.epoch += 1
+            self.journal.checkpoint(self.epoch, self.next_gen, self.entries)
+
+    # -- I/O-thread routines -----------------------------------------------------------
+
+    def flush_journal(self, sync: bool) -> int:
+        """Write the queued journal records; an errno on failure (logged and counted: the
+        headers stay the truth, so a lost record costs recovery time, never bytes)."""
+        try:
+            self.journal.flush(sync)
+        except OSError as exc:
+            self.journal_errors += 1
+            _log.warning("journal write failed", path=self.journal.path, error=str(exc))
+            return exc.errno or errno.EIO
+        return OK
+
+    def write_chunk(self, jobs: list[WriteJob]) -> list[int]:
+        # BEGIN records must be on disk before the slots they announce are overwritten.
+        failed = self.flush_journal(self.cfg.sync)
+        if failed:
+            return [failed] * len(jobs)
+        page = _staging(ALIGN + self.data_io)
+        codes = [self._write_one(page, job) for job in jobs]
+        if self.cfg.sync and OK in codes:
+            try:
+                self.io.fdatasync(self._fd)
+            except OSError as exc:
+                return [exc.errno or errno.EIO] * len(jobs)
+        return codes
+
+    def _write_one(self, page: memoryview, job: WriteJob) -> int:
+        local, key, gen, data = job
+        hdr = page[:ALIGN]
+        bb = self.cfg.block_bytes
+        di.BlockHeader(local, gen, key, bb, di.data_checksum(data)).pack_into(hdr)
+        body = data
+        if self.o_direct and not self._direct_ok(data):
+            body = page[ALIGN : ALIGN + self.data_io]
+            body[:bb] = data
+        try:
+            done = self.io.pwritev(self._fd, [hdr, body], self.offset(local))
+        except OSError as exc:
+            return exc.errno or errno.EIO
+        return OK if done == ALIGN + len(body) else errno.ENOSPC
+
+    def read_chunk(self, jobs: list[ReadJob]) -> list[int]:
+        page = _staging(ALIGN + self.data_io)
+        return [self._read_one(page, job) for job in jobs]
+
+    def _read_one(self, page: memoryview, job: ReadJob) -> int:
+        local, key, gen, out = job
+        bb = self.cfg.block_bytes
+        direct = not self.o_direct or self._direct_ok(out)
+        body = out if direct else page[ALIGN : ALIGN + self.data_io]
+        try:
+            done = self.io.preadv(self._fd, [page[:ALIGN], body], self.offset(local))
+        except OSError as exc:
+            return exc.errno or errno.EIO
+        if done != ALIGN + len(body):
+            return errno.EIO
+        hdr = di.BlockHeader.unpack(page[:ALIGN])
+        if hdr is None or (hdr.slot, hdr.key, hdr.gen, hdr.data_len) != (local, key, gen, bb):
+            return BAD_BLOCK
+        if di.data_checksum(body[:bb]) != hdr.data_xxh3:
+            return BAD_BLOCK
+        if not direct:
+            out[:] = body[:bb]
+        return OK
+
+    def _direct_ok(self, view: memoryview) -> bool:
+        return len(view) == self.data_io and address_of(view) % ALIGN == 0
+
+    # -- open / close (I/O thread) -----------------------------------------------------
+
+    def open_sync(self) -> None:
+        """Open or create the slab, probe O_DIRECT, load or rebuild the index."""
+        try:
+            self._lock_fd = self.io.open(self.path, os.O_RDWR | os.O_CREAT)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fresh = self._prepare_file()
+            self._fd = self._probe_direct()
+            self.journal.uuid = self.uuid
+            if not fresh:
+                self._load_index()
+            self.epoch += 1
+            self.journal.checkpoint(self.epoch, self.next_gen, self.entries)
+            self.journal.flush(sync=True)
+        except OSError as exc:
+            self.close_fds()
+            if isinstance(exc, StoreIOError):
+                raise
+            path = exc.filename if isinstance(exc.filename, str) else self.path
+            raise StoreIOError("cannot open disk slab", path=path, errno=exc.errno) from exc
+
+    def final_checkpoint(self) -> None:
+        """Queue the snapshot that :meth:`close_sync` writes (on the loop's thread, so the
+        index cannot change while it is copied)."""
+        self.epoch += 1
+        self.journal.checkpoint(self.epoch, self.next_gen, self.entries)
+
+    def close_sync(self) -> None:
+        """Persist the index (snapshot + fsync + rename), drop the journal, close files."""
+        self.journal.flush(sync=True)
+        self.journal.close(remove=True)
+        if self._fd >= 0:
+            self.io.fsync(self._fd)
+        self.close_fds()
+
+    def close_fds(self) -> None:
+        for fd in {self._fd, self._lock_fd} - {-1}:
+            self.io.close(fd)
+        self.journal.close(remove=False)
+        self._fd = self._lock_fd = -1
+
+    def _geometry(self) -> tuple[int, ...]:
+        c = self.cfg
+        return (c.block_bytes, self.slot_size, c.local_slots, c.dir_index, c.num_dirs)
+
+    def _prepare_file(self) -> bool:
+        """Reuse the slab when its superblock matches this geometry; else format it.
+        Returns whether the slab is freshly formatted (nothing to recover)."""
+        page = aligned_buffer(ALIGN)
+        got = self.io.preadv(self._lock_fd, [page], 0)
+        if got == ALIGN and _U64.unpack_from(page, _SUPER.size)[0] == _xxh(page[: _SUPER.size]):
+            magic, _, _, *geo, raw_uuid = _SUPER.unpack_from(page)
+            if magic == _SUPER_MAGIC and tuple(geo) == self._geometry():
+                self.uuid = bytes(raw_uuid)
+                return False
+            _log.warning("slab geometry changed; discarding its blocks", path=self.path)
+        self.uuid = uuidlib.uuid4().bytes
+        self.io.truncate(self._lock_fd, 0)
+        self.io.allocate(self._lock_fd, self.file_bytes)
+        _SUPER.pack_into(page, 0, _SUPER_MAGIC, 1, 0, *self._geometry(), self.uuid)
+        _U64.pack_into(page, _SUPER.size, _xxh(page[: _SUPER.size]))
+        self.io.pwritev(self._lock_fd, [page], 0)
+        self.io.fsync(self._lock_fd)
+        return True
+
+    def _probe_direct(self) -> int:
+        """A descriptor for block I/O: O_DIRECT if asked for (or "auto") and an aligned
+        read and rewrite of the superblock through it succeeds."""
+        mode = self.cfg.o_direct
+        if mode is False or not self.io.o_direct_flag:
+            self.reason = "disabled by configuration" if mode is False else "no O_DIRECT here"
+            return self._lock_fd
+        page = aligned_buffer(ALIGN)
+        fd = -1
+        try:
+            fd = self.io.open(self.path, os.O_RDWR | self.io.o_direct_flag)
+            if self.io.preadv(fd, [page], 0) != ALIGN or self.io.pwritev(fd, [page], 0) != ALIGN:
+                raise OSError(errno.EIO, "short O_DIRECT transfer")
+        except OSError as exc:
+            if fd >= 0:
+                self.io.close(fd)
+            self.reason = f"O_DIRECT probe failed: {os.strerror(exc.errno or errno.EIO)}"
+            if mode is True:
+                raise StoreIOError(self.reason, path=self.path, errno=exc.errno) from exc
+            _log.warning("falling back to buffered I/O", path=self.path, reason=self.reason)
+            return self._lock_fd
+        self.o_direct, self.reason = True, "probe passed"
+        return fd
+
+    def _load_index(self) -> None:
+        snap = di.load_snapshot(self.journal.snapshot_path, self.uuid)
+        replay = di.Journal.replay(self.journal.path, self.uuid)
+        if snap is not None and (replay is None or replay[0] != snap.epoch):
+            self.entries, self.next_gen, self.epoch = snap.entries, snap.next_gen, snap.epoch
+            self.recovery = "clean"
+            return
+        known: dict[int, di.Record] = {}
+        if snap is not None:
+            known = {s: (di.Op.SET, e.gen, e.key) for s, e in snap.entries.items()}
+            self.epoch = snap.epoch
+        if replay is not None:
+            known.update(replay[1])
+        self._rebuild(known)
+
+    def _rebuild(self, known: dict[int, di.Record]) -> None:
+        """After a crash: scan every header, trust what the journal vouches for, verify
+        the data checksum of the rest, drop what is bad."""
+        headers = self._scan_headers()
+        trusted, verify = di.reconcile(known, headers)
+        page = _staging(ALIGN + self.data_io)
+        for local, hdr in verify.items():
+            out = (
+                page[ALIGN : ALIGN + self.data_io]
+                if self.o_direct
+                else memoryview(bytearray(self.cfg.block_bytes))
+            )
+            if self._read_one(page, (local, hdr.key, hdr.gen, out)) == OK:
+                trusted[local] = di.Entry(hdr.key, hdr.gen)
+        self.entries = trusted
+        self.dropped = len(headers) - len(trusted)
+        gens = [h.gen for h in headers.values()] + [r[1] for r in known.values()]
+        self.next_gen = max(gens, default=0) + 1
+        self.recovery = "crash"
+        _log.info(
+            "rebuilt disk index after an unclean shutdown",
+            path=self.path, blocks=len(trusted), verified=len(verify), dropped=self.dropped,
+        )  # fmt: skip
+
+    def _scan_headers(self) -> dict[int, di.BlockHeader]:
+        page = aligned_buffer(ALIGN)
+        found: dict[int, di.BlockHeader] = {}
+        for local in range(self.cfg.local_slots):
+            if self.io.preadv(self._fd, [page], self.offset(local)) != ALIGN:
+                continue
+            hdr = di.BlockHeader.unpack(page)
+            if hdr is not None and hdr.slot == local and hdr.data_len == self.cfg.block_bytes:
+                found[local] = hdr
+        return found
+
+    def details(self) -> dict[str, Any]:
+        return {"path": self.path, "o_direct": self.o_direct, "reason": self.reason}
+
+
+def _xxh(data: memoryview) -> int:
+    return int(xxhash.xxh3_64_intdigest(data))
