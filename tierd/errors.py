@@ -21,7 +21,8 @@ miss is never an exception: it is a return value.
     ├── SlotError                   a slot index or buffer does not fit the store
     ├── StoreIOError                an OS-level I/O failure (path, errno)
     ├── TransferError               a copy between stores failed
-    └── ProtocolError               a malformed request on the control socket
+    ├── ProtocolError               a malformed request on the control socket
+    └── TraceError                  a workload trace file is missing or malformed (path, line)
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ __all__ = [
     "StoreIOError",
     "TierClosed",
     "TierdError",
+    "TraceError",
     "TransferError",
     "UnknownPolicy",
 ]
@@ -145,6 +147,16 @@ class ProtocolError(TierdError):
     def __init__(self, message: str, *, code: str = "bad_request") -> None:
         super().__init__(message)
         self.code = code
+
+
+class TraceError(TierdError):
+    """A workload trace that cannot be read: ``path`` and, for a bad line, ``line`` (1-based)."""
+
+    def __init__(self, message: str, *, path: str, line: int | None = None) -> None:
+        where = f"{path}:{line}" if line is not None else path
+        super().__init__(f"{where}: {message}")
+        self.path = path
+        self.line = line
 
 
 def _show(key: Any) -> str:

@@ -46,6 +46,7 @@ class StorePlan:
 
 
 _EMPTY_PLAN = StorePlan((), ())
+_STORED, _REMOVED = EventKind.STORED, EventKind.REMOVED  # a module global is a cheaper lookup
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +115,7 @@ class Tier:
         """The slot of a present block (ready or writing), else ``None``."""
         return self._slots.get(key)
 
-    def keys(self) -> list[BlockKey]:
+    def ready_keys(self) -> list[BlockKey]:
         """The ready keys, in no particular order."""
         return [k for k in self._slots if k not in self._writing]
 
@@ -186,48 +187,61 @@ class Tier:
         todo = [key for key in keys if key not in slots]
         if not todo:
             return _EMPTY_PLAN
-        if len(todo) > 1 and len(set(todo)) != len(todo):
+        writing = self._writing
+        # Marking the keys as writing first also detects a key repeated in ``keys``: the
+        # set grows by fewer than len(todo). (Cheaper than a set of todo on every call.)
+        before = len(writing)
+        writing.update(todo)
+        if len(writing) - before != len(todo):
             todo = list(dict.fromkeys(todo))
-        need = len(todo) - self.free
+        need = len(todo) + len(slots) - self.num_blocks
         evicted: tuple[BlockKey, ...] = ()
         evicted_slots: tuple[int, ...] = ()
         if need > 0:
-            victims = self.policy.evict(need, set(keys))
+            # Only keys already present can be victims: when every key is new, the policy
+            # has none of them, and nothing needs protecting.
+            victims = self.policy.evict(need, set(keys) if len(todo) != len(keys) else ())
             if victims is None:
+                writing.difference_update(todo)
                 return None
             evicted = tuple(victims)
             evicted_slots = tuple(map(slots.pop, victims))
             self._freed.extend(evicted_slots)
-            self.evictions += len(victims)
-            self._events.append(TierEvent(EventKind.REMOVED, evicted, self.medium, self.name))
+            self.evictions += len(evicted)
+            self._events.append(TierEvent(_REMOVED, evicted, self.medium, self.name))
         new_slots = self._allocate(len(todo))
         slots.update(zip(todo, new_slots, strict=True))
-        self._writing.update(todo)
         return StorePlan(tuple(todo), new_slots, evicted, evicted_slots)
 
     def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
         """Make blocks being written ready (one ``STORED`` event), or on failure drop
         them and free their slots (no event). Keys already ready are left alone; a key
         that is not present raises :class:`BlockMissing` and nothing changes."""
-        slots, writing = self._slots, self._writing
+        writing = self._writing
+        done: Sequence[BlockKey]
         if writing.issuperset(keys):
-            done = list(keys)
+            # The common case: every key is being written. Removing them first also
+            # detects a repeated key (the set shrinks by fewer than len(keys)).
+            before = len(writing)
+            writing.difference_update(keys)
+            done = keys if before - len(writing) == len(keys) else list(dict.fromkeys(keys))
         else:
-            done = [key for key in keys if key in writing]
+            slots = self._slots
             for key in keys:
                 if key not in slots:
-                    raise self._error(BlockMissing, "complete_store for a block never prepared", key)
+                    raise self._error(
+                        BlockMissing, "complete_store for a block never prepared", key
+                    )
+            done = list(dict.fromkeys(key for key in keys if key in writing))
+            writing.difference_update(done)
         if not done:
             return
-        if len(done) > 1 and len(set(done)) != len(done):
-            done = list(dict.fromkeys(done))
-        writing.difference_update(done)
         if success:
             self.policy.insert(done)
             self.stores += len(done)
-            self._events.append(TierEvent(EventKind.STORED, tuple(done), self.medium, self.name))
+            self._events.append(TierEvent(_STORED, tuple(done), self.medium, self.name))
         else:
-            self._freed.extend(slots.pop(key) for key in done)
+            self._freed.extend(map(self._slots.pop, done))
 
     def discard(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """Remove ready, unpinned blocks (a ``REMOVED`` event); absent keys are skipped.
@@ -248,6 +262,27 @@ class Tier:
         """Discard every ready, unpinned block; returns the keys removed."""
         idle = [k for k in self._slots if k not in self._pins and k not in self._writing]
         return self.discard(idle)
+
+    def restore(self, entries: Sequence[tuple[BlockKey, int]]) -> None:
+        """Adopt ready blocks at known slots (a persistent store reopened after a restart).
+
+        Only an empty tier can restore; no event is emitted (the blocks were announced
+        before the restart). A slot out of range or given twice, or a key given twice,
+        raises ``ValueError`` and nothing changes."""
+        if self._slots or self._next_unused:
+            raise ValueError(f"tier {self.name} is not empty; restore needs a fresh tier")
+        keys = [key for key, _ in entries]
+        slots = [slot for _, slot in entries]
+        if len(set(keys)) != len(keys) or len(set(slots)) != len(slots):
+            raise ValueError("restore entries repeat a key or a slot")
+        if any(not 0 <= slot < self.num_blocks for slot in slots):
+            raise ValueError(f"restore slot out of range 0..{self.num_blocks - 1}")
+        self._slots.update(entries)
+        self.policy.insert(keys)
+        used = set(slots)
+        # Every slot counts as used once: free ones come back lowest first.
+        self._freed = [s for s in range(self.num_blocks - 1, -1, -1) if s not in used]
+        self._next_unused = self.num_blocks
 
     # -- events and stats ------------------------------------------------------------
 
@@ -276,6 +311,12 @@ class Tier:
     def _allocate(self, n: int) -> tuple[int, ...]:
         # Never-used slots first, in increasing order; then freed ones, last freed first.
         start = self._next_unused
+        if start == self.num_blocks and n > 0:  # the steady state: every slot used once
+            freed = self._freed
+            recycled = freed[-n:]
+            del freed[-n:]
+            recycled.reverse()
+            return tuple(recycled)
         fresh = min(n, self.num_blocks - start)
         self._next_unused = start + fresh
         reuse = n - fresh

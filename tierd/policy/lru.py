@@ -66,11 +66,13 @@ class LRUPolicy(CachePolicy):
         order = self._order
         if n > len(order):
             return None
-        if not protected:
-            return [order.popitem(last=False)[0] for _ in range(n)]
-        victims = list(islice(filterfalse(protected.__contains__, order), n))
-        if len(victims) < n:
-            return None
+        victims = list(islice(order, n))
+        # The protected keys are usually recent, so the least recent n rarely include one:
+        # check that in one C-level pass, and only then scan past them.
+        if protected and not _disjoint(protected, victims):
+            victims = list(islice(filterfalse(protected.__contains__, order), n))
+            if len(victims) < n:
+                return None
         for key in victims:
             del order[key]
         return victims
@@ -78,3 +80,9 @@ class LRUPolicy(CachePolicy):
     def clear(self) -> None:
         self._order.clear()
         self._held.clear()
+
+
+def _disjoint(protected: Collection[BlockKey], keys: list[BlockKey]) -> bool:
+    if isinstance(protected, set | frozenset):
+        return protected.isdisjoint(keys)
+    return not any(map(protected.__contains__, keys))

@@ -1,0 +1,262 @@
+"""The ``tierd`` command line.
+
+Each subcommand is one entry of :data:`COMMANDS`: a function that adds its arguments to
+its own parser, and a handler that takes the parsed arguments and returns the exit status.
+New subcommands (``serve``, ``stats``, ``config`` ...) slot in as new entries.
+
+Exit status: 0 on success; 1 when the input is unusable (a malformed trace); 2 for a usage
+error (bad arguments, an unknown policy, a missing file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+import structlog
+
+from tierd import __version__
+from tierd.errors import TierdError, UnknownPolicy
+from tierd.policy import policy_class, policy_names
+from tierd.workload import SimulationResult, read_trace, simulate, write_trace
+from tierd.workload.generate import GeneratorConfig, generate
+from tierd.workload.trace import Trace
+
+if TYPE_CHECKING:
+    from tierd.workload.chain_replay import ChainReplayResult
+
+__all__ = ["COMMANDS", "Command", "main"]
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A command-line mistake: reported on stderr, exit status 2."""
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One subcommand: its help line, how it adds its arguments, and what it runs."""
+
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# -- tierd simulate ------------------------------------------------------------------------
+
+
+def _configure_simulate(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", type=Path, help="a Mooncake-format JSONL trace")
+    parser.add_argument(
+        "--policy", default="lru", help=f"cache policy ({', '.join(policy_names())}; default lru)"
+    )
+    parser.add_argument(
+        "--capacity",
+        default="10%",
+        help="tier size in blocks, or a share of the trace's unique blocks like 5%% (default 10%%)",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="replay through the whole chain of this YAML config instead (hits per medium)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    policy_class(args.policy)  # an unknown name fails before the trace is read
+    if not args.trace.is_file():
+        raise UsageError(f"trace file not found: {args.trace}")
+    trace = read_trace(args.trace)
+    if args.config is not None:
+        return _run_chain_simulate(args, trace)
+    bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
+    try:
+        result = simulate(trace, args.policy, args.capacity, progress=bar)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        print(json.dumps({"trace": str(args.trace), **result.to_dict()}))
+    else:
+        print(_describe(result))
+    return EXIT_OK
+
+
+def _run_chain_simulate(args: argparse.Namespace, trace: Trace) -> int:
+    from tierd.library import open_chain  # torch and the stores load only when needed
+    from tierd.workload.chain_replay import replay_chain
+
+    if not args.config.is_file():
+        raise UsageError(f"config file not found: {args.config}")
+
+    async def run() -> ChainReplayResult:
+        async with open_chain(args.config) as chain:
+            return await replay_chain(chain, trace.key_lists(), progress=bar)
+
+    bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
+    try:
+        result = asyncio.run(run())
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        print(
+            json.dumps({"trace": str(args.trace), "config": str(args.config), **result.to_dict()})
+        )
+        return EXIT_OK
+    lines = [f"hit ratio       {result.hit_ratio:.4f} ({result.hits:,} block hits)"]
+    for medium, ratio in result.hit_ratio_by_medium.items():
+        lines.append(f"  from {medium:<9} {ratio:.4f} ({result.hits_by_medium[medium]:,})")
+    for tier in result.tiers:
+        lines.append(
+            f"tier {tier['name']:<10} {tier['medium']:<5} {tier['capacity']:,} blocks, "
+            f"{tier['policy']}, {tier['evictions']:,} evictions"
+        )
+    lines += [
+        f"requests        {result.requests:,}",
+        f"block accesses  {result.block_accesses:,}",
+        f"accesses/s      {result.accesses_per_second:,.0f} ({result.seconds:.3f} s)",
+    ]
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def _describe(result: SimulationResult) -> str:
+    return "\n".join(
+        [
+            f"policy          {result.policy}",
+            f"capacity        {result.capacity:,} blocks "
+            f"({result.capacity / result.unique_blocks:.1%} of {result.unique_blocks:,} "
+            "unique blocks)",
+            f"hit ratio       {result.hit_ratio:.4f} ({result.hits:,} block hits)",
+            f"requests        {result.requests:,}",
+            f"block accesses  {result.block_accesses:,}",
+            f"accesses/s      {result.accesses_per_second:,.0f} ({result.seconds:.3f} s)",
+        ]
+    )
+
+
+class ProgressBar:
+    """A one-line progress bar redrawn in place (meant for a terminal)."""
+
+    def __init__(self, stream: TextIO, width: int = 40) -> None:
+        self._stream = stream
+        self._width = width
+        self._drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        share = done / total if total else 1.0
+        filled = int(share * self._width)
+        bar = "#" * filled + "." * (self._width - filled)
+        self._stream.write(f"\r[{bar}] {share:4.0%} {done:,}/{total:,} requests")
+        self._stream.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self._drawn:
+            self._stream.write("\n")
+            self._stream.flush()
+            self._drawn = False
+
+
+# -- tierd trace generate ------------------------------------------------------------------
+
+
+def _configure_trace(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    gen = actions.add_parser("generate", help="write a seeded synthetic trace")
+    defaults = GeneratorConfig()
+    gen.add_argument("--out", required=True, help="output file ('-' for stdout)")
+    gen.add_argument("--seed", type=int, default=defaults.seed)
+    gen.add_argument("--conversations", type=int, default=defaults.conversations)
+    gen.add_argument("--system-prompts", type=int, default=defaults.system_prompts)
+    gen.add_argument("--documents", type=int, default=defaults.documents)
+    gen.add_argument("--document-share", type=float, default=defaults.document_share)
+    gen.add_argument("--zipf", type=float, default=defaults.zipf_exponent)
+    gen.add_argument("--mean-turns", type=float, default=defaults.mean_turns)
+
+
+def _run_trace(args: argparse.Namespace) -> int:
+    try:
+        config = GeneratorConfig(
+            seed=args.seed,
+            conversations=args.conversations,
+            system_prompts=args.system_prompts,
+            documents=args.documents,
+            document_share=args.document_share,
+            zipf_exponent=args.zipf,
+            mean_turns=args.mean_turns,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    records = generate(config)
+    try:
+        count = write_trace(sys.stdout if args.out == "-" else Path(args.out), records)
+    except OSError as exc:
+        raise UsageError(f"cannot write {args.out}: {exc.strerror}") from None
+    accesses = sum(len(record.hash_ids) for record in records)
+    unique = len({block for record in records for block in record.hash_ids})
+    print(
+        f"wrote {count:,} requests ({accesses:,} block accesses, {unique:,} unique blocks) "
+        f"to {args.out}",
+        file=sys.stderr if args.out == "-" else sys.stdout,
+    )
+    return EXIT_OK
+
+
+COMMANDS: dict[str, Command] = {
+    "simulate": Command(
+        "replay a trace through a tier; print its hit ratio", _configure_simulate, _run_simulate
+    ),
+    "trace": Command("work with trace files (generate)", _configure_trace, _run_trace),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierd", description="A tiered KV-cache block store for LLM serving."
+    )
+    parser.add_argument("--version", action="version", version=f"tierd {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, command in COMMANDS.items():
+        sub = commands.add_parser(name, help=command.help, description=command.help)
+        command.configure(sub)
+        sub.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``tierd`` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    _configure_logging()
+    try:
+        status: int = args.run(args)
+    except (UsageError, UnknownPolicy) as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except TierdError as exc:  # a malformed trace (TraceError), say
+        return _fail(str(exc), EXIT_BAD_INPUT)
+    return status
+
+
+def _configure_logging() -> None:
+    """Logs go to stderr, so stdout carries only the command's output."""
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+    )
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"tierd: error: {message}", file=sys.stderr)
+    return status

@@ -1,0 +1,163 @@
+"""Mooncake-format request traces: reading them into memory, and writing them.
+
+A trace is JSON lines, one request per line::
+
+    {"timestamp": <ms>, "input_length": <tokens>, "output_length": <tokens>,
+     "hash_ids": [<int>, ...]}
+
+``hash_ids`` are prefix-chained block ids: two requests that share an id share the whole
+prefix up to and including that block. In memory each id becomes the block key
+:func:`tierd.keys.int_key` gives it, and every occurrence of one id shares a single
+``bytes`` object, so a trace costs one key per distinct block, not one per access.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from tierd.errors import TraceError
+from tierd.keys import BlockKey, int_key
+
+__all__ = [
+    "Trace",
+    "TraceRecord",
+    "TraceRequest",
+    "parse_trace",
+    "read_trace",
+    "write_trace",
+]
+
+FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+_MAX_ID = 2**64  # ids become 8-byte keys
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a loaded trace; ``keys`` are its blocks' keys, head first."""
+
+    timestamp: int
+    input_length: int
+    output_length: int
+    keys: tuple[BlockKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    """One request as written to a trace file (block ids, not keys)."""
+
+    timestamp: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "timestamp": self.timestamp,
+                "input_length": self.input_length,
+                "output_length": self.output_length,
+                "hash_ids": list(self.hash_ids),
+            }
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """A loaded trace: its requests in file order, and how many distinct blocks they name."""
+
+    requests: tuple[TraceRequest, ...]
+    unique_blocks: int
+    block_accesses: int
+    source: str = "<memory>"
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self) -> Iterator[TraceRequest]:
+        return iter(self.requests)
+
+    def key_lists(self) -> list[tuple[BlockKey, ...]]:
+        """Each request's keys, in order: what a replay loop iterates over."""
+        return [request.keys for request in self.requests]
+
+
+class _Interner(dict[int, BlockKey]):
+    """Block id -> key, creating each key once."""
+
+    def __missing__(self, block_id: int) -> BlockKey:
+        key = self[block_id] = int_key(block_id)
+        return key
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Load the trace at ``path``; :class:`TraceError` names the file (and line) if it
+    cannot be read, a line is malformed, or it holds no request."""
+    source = str(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return parse_trace(handle, source=source)
+    except FileNotFoundError:
+        raise TraceError("no such trace file", path=source) from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"not a UTF-8 text file ({exc.reason})", path=source) from None
+    except OSError as exc:
+        raise TraceError(f"cannot read the trace: {exc.strerror}", path=source) from exc
+
+
+def parse_trace(lines: Iterable[str], *, source: str = "<memory>") -> Trace:
+    """Parse trace lines (blank lines are skipped); errors name ``source`` and the line."""
+    interner = _Interner()
+    intern = interner.__getitem__
+    requests: list[TraceRequest] = []
+    accesses = 0
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        timestamp, input_length, output_length, ids = _parse_line(line, source, number)
+        keys = tuple(map(intern, ids))
+        accesses += len(keys)
+        requests.append(TraceRequest(timestamp, input_length, output_length, keys))
+    if not requests:
+        raise TraceError("the trace holds no request", path=source)
+    return Trace(tuple(requests), len(interner), accesses, source)
+
+
+def _parse_line(line: str, source: str, number: int) -> tuple[int, int, int, list[int]]:
+    try:
+        record: Any = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"not valid JSON ({exc.msg})", path=source, line=number) from None
+    if not isinstance(record, dict):
+        raise TraceError("a request must be a JSON object", path=source, line=number)
+    missing = [name for name in FIELDS if name not in record]
+    if missing:
+        raise TraceError(f"missing field(s): {', '.join(missing)}", path=source, line=number)
+    numbers = [record[name] for name in FIELDS[:3]]
+    for name, value in zip(FIELDS, numbers, strict=False):
+        if type(value) is not int or value < 0:
+            raise TraceError(
+                f"{name} must be a non-negative integer, got {value!r}", path=source, line=number
+            )
+    ids = record["hash_ids"]
+    if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < _MAX_ID for i in ids):
+        raise TraceError(
+            "hash_ids must be a list of integers from 0 to 2**64 - 1", path=source, line=number
+        )
+    return numbers[0], numbers[1], numbers[2], ids
+
+
+def write_trace(target: str | Path | TextIO, records: Iterable[TraceRecord]) -> int:
+    """Write ``records`` as JSON lines to a path or an open text file; returns the count."""
+    if isinstance(target, str | Path):
+        with open(target, "w", encoding="utf-8") as handle:
+            return write_trace(handle, records)
+    count = 0
+    for record in records:
+        target.write(record.to_json())
+        target.write("\n")
+        count += 1
+    return count
