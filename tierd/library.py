@@ -43,6 +43,11 @@ def build_store(spec: TierConfig, num_blocks: int, block_bytes: int) -> BlockSto
         return CpuStore(num_blocks=num_blocks, block_bytes=block_bytes, name=spec.shm_name)
     if spec.kind is TierKind.GPU:
         return GpuStore(num_blocks=num_blocks, block_bytes=block_bytes, device=spec.device or "")
+    for directory in spec.directories:
+        # Create the tier's own directory, never its parents: a missing mount point
+        # must fail loudly rather than fill the root file system.
+        if directory.parent.is_dir():
+            directory.mkdir(exist_ok=True)
     o_direct: Any = spec.o_direct
     return DiskStore(
         num_blocks=num_blocks,
