@@ -243,7 +243,9 @@ async def test_flush_writes_dirty_blocks_down_and_clear_drops_them(tmp_path: Pat
 
 
 async def test_cancelled_load_releases_every_pin(tmp_path: Path) -> None:
-    config = chain_config(tmp_path, {"kind": "cpu", "capacity": 4}, {"kind": "disk", "capacity": 16})
+    config = chain_config(
+        tmp_path, {"kind": "cpu", "capacity": 4}, {"kind": "disk", "capacity": 16}
+    )
     async with tierd.open(config) as chain:
         keys = keys_of(*range(12))
         for i in range(0, 12, 4):

@@ -285,13 +285,19 @@ class TierChain:
         if not admitted:
             return
 
+        planned = False  # fill only runs once the level below made room
+
         async def fill(store: BlockStore, down: StorePlan) -> list[bool]:
+            nonlocal planned
+            planned = True
             src = [source[k] for k in down.keys]
             return await self.transfer.copy(level.store, src, store, down.slots, down.keys)
 
         moved = await self._store_into(below, admitted, fill)
         level.demotions += len(moved)
         level.dropped += len(admitted) - len(moved)
+        if not planned:  # refused for lack of room (everything below pinned or in flight)
+            lower.refused += len(admitted)
 
     async def _write_through(self, index: int, keys: list[BlockKey]) -> None:
         """Copy freshly stored blocks down from every write-through level."""
@@ -412,8 +418,10 @@ class TierChain:
             self._pin(target, moved, pinned)
         finally:
             self._unpin(source, keys)
-        if failed:
+        if failed and lower.medium not in (Medium.MEMORY, Medium.CPU):
             # A block that cannot be read is useless below too (bad checksum, bad sector).
+            # Host memory cannot fail a read: there the destination's write failed (it
+            # counted the error itself) and the copy below is intact, so it stays.
             lower.io_errors += len(failed)
             lower.tier.discard([k for k in failed if not lower.tier.is_pinned(k)])
 
