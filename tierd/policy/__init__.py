@@ -4,8 +4,8 @@ from tierd.policy.base import CachePolicy
 from tierd.policy.registry import make_policy, policy_class, policy_names, register_policy
 
 # Importing the implementations registers them.
-from tierd.policy.lru import LRUPolicy  # noqa: E402  isort: skip
-from tierd.policy.arc import ARCPolicy  # noqa: E402  isort: skip
+from tierd.policy.lru import LRUPolicy  # isort: skip
+from tierd.policy.arc import ARCPolicy  # isort: skip
 
 __all__ = [
     "ARCPolicy",

@@ -158,4 +158,3 @@ class ARCPolicy(CachePolicy):
         for group in (self._t1, self._t2, self._held1, self._held2, self._b1, self._b2):
             group.clear()
         self.p = 0.0
-
