@@ -24,80 +24,17 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
+from tierd.chain.values import ChainStats, Level, LookupResult
 from tierd.errors import BlockMissing, CapacityError
 from tierd.events import EventBus
 from tierd.keys import BlockKey, Medium
 from tierd.stores import BlockStore, Buffer
-from tierd.tier import StorePlan, Tier
+from tierd.tier import StorePlan
 from tierd.transfer import TransferEngine
 
-__all__ = ["Admission", "ChainStats", "Level", "LoadHandle", "LookupResult", "TierChain"]
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """Which demoted blocks a level accepts: all (``min_reuse=0``), or only blocks that
-    were looked up or touched at least ``min_reuse`` times."""
-
-    min_reuse: int = 0
-
-    @classmethod
-    def parse(cls, rule: str) -> Admission:
-        """``"always"`` or ``"reuse>=N"``."""
-        text = rule.replace(" ", "")
-        if text == "always":
-            return cls(0)
-        if text.startswith("reuse>="):
-            try:
-                n = int(text.removeprefix("reuse>="))
-            except ValueError:
-                n = -1
-            if n >= 1:
-                return cls(n)
-        raise ValueError(f"admission rule {rule!r} is not 'always' or 'reuse>=N' with N >= 1")
-
-
-@dataclass(slots=True)
-class Level:
-    """One level of the chain: bookkeeping, bytes, and how blocks move down from it."""
-
-    tier: Tier
-    store: BlockStore
-    write_through: bool = False
-    admission: Admission = field(default_factory=Admission)
-    demotions: int = 0  # blocks copied down from this level on eviction
-    promotions: int = 0  # blocks copied up into this level
-    dropped: int = 0  # dirty blocks lost at eviction (no level below, refused, or failed)
-    refused: int = 0  # demotions into this level refused by admission or capacity
-    io_errors: int = 0  # blocks whose copy into or out of this level failed
-
-    @property
-    def medium(self) -> Medium:
-        return self.tier.medium
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """``count`` leading keys are ready somewhere; ``levels[i]`` is the highest level that
-    holds key *i*; ``in_flight`` says the first key not ready is being written (retry)."""
-
-    count: int
-    levels: tuple[int, ...]
-    media: tuple[Medium, ...]
-    in_flight: bool
-
-
-@dataclass(frozen=True, slots=True)
-class ChainStats:
-    lookups: int
-    hit_blocks: int
-    miss_blocks: int
-    hits_by_medium: dict[str, int]
-    events_published: int
-    events_dropped: int
+__all__ = ["LoadHandle", "TierChain"]
 
 
 class LoadHandle:
