@@ -7,7 +7,8 @@ runs several stores and loads at once and cancels some of them part-way, and aft
 step the chain must be idle: no pins, no writes in flight, no pending futures.
 
 The chain is async; the machine owns one event loop for its lifetime and runs each rule's
-coroutine to completion on it, so every step starts and ends idle.
+coroutine to completion on it, so every step starts and ends idle. Two load bugs it found
+are pinned down as plain tests at the end of the module.
 """
 
 from __future__ import annotations
@@ -301,3 +302,58 @@ _PROFILE_EXAMPLES = settings().max_examples
 _EXAMPLES = 40 if _PROFILE_EXAMPLES <= 60 else _PROFILE_EXAMPLES // 4
 ChainMachine.TestCase.settings = settings(max_examples=_EXAMPLES, stateful_step_count=20)
 TestChainMachine = ChainMachine.TestCase
+
+
+# -- regressions the machine found, pinned down as plain tests ---------------------------------
+
+
+def _three_tier_config(root: Path, caps: tuple[int, int, int]) -> dict[str, Any]:
+    (root / "disk").mkdir()
+    return {
+        "block_bytes": BLOCK,
+        "tiers": [
+            {"name": "mem", "kind": "memory", "capacity": caps[0]},
+            {"name": "cpu", "kind": "cpu", "capacity": caps[1]},
+            {
+                "name": "disk",
+                "kind": "disk",
+                "capacity": caps[2],
+                "directories": [str(root / "disk")],
+            },
+        ],
+    }
+
+
+async def _store(chain: TierChain, keys: list[BlockKey]) -> None:
+    assert await chain.store(keys, [content(k) for k in keys]) == keys
+
+
+async def test_keys_past_the_first_miss_do_not_take_room_from_the_prefix(tmp_path: Path) -> None:
+    """load([a, b, x, c]) with a one level down, b and c at the top, x nowhere: the prefix
+    is [a, b]. Pinning c (past the miss) used to leave no room to promote a: a miss."""
+    a, b, c, x = (int_key(i) for i in (1, 2, 3, 4))
+    async with tierd.open(_three_tier_config(tmp_path, (2, 4, 8))) as chain:
+        await _store(chain, [a, b])
+        await _store(chain, [c])  # evicts a -> cpu
+        assert chain.lookup([a, b, x, c]).count == 2
+        async with chain.loading([a, b, x, c]) as handle:
+            assert handle.keys == [a, b]
+            check_views(handle)
+        chain.check_invariants(idle=True)
+
+
+async def test_promoting_one_group_does_not_push_away_another_groups_source(
+    tmp_path: Path,
+) -> None:
+    """load([d, c]) with d on disk and c in a full cpu tier: promoting d evicts at the top,
+    the victim is demoted into the cpu tier, which used to evict c before its own promotion."""
+    a, b, c, d, e, f = (int_key(i) for i in range(1, 7))
+    async with tierd.open(_three_tier_config(tmp_path, (2, 2, 8))) as chain:
+        await _store(chain, [d, a])
+        await _store(chain, [c, b])  # d, a -> cpu
+        await _store(chain, [e, f])  # c, b -> cpu, which demotes d, a to disk
+        assert chain.lookup([d, c]).levels == (2, 1)
+        async with chain.loading([d, c]) as handle:
+            assert handle.keys == [d, c]
+            check_views(handle)
+        chain.check_invariants(idle=True)

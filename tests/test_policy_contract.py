@@ -575,3 +575,46 @@ def test_arc_clear_forgets_ghosts_and_p() -> None:
     assert arc.in_ghost(a) is None and arc.in_ghost(b) is None
     arc.insert([b])
     assert (arc.t1_size, arc.t2_size) == (1, 0)
+
+
+def test_arc_hold_and_release_keep_the_list() -> None:
+    arc = ARCPolicy(4)
+    a, b, c = keys(1, 2, 3)
+    arc.insert([a, b, c])
+    arc.touch([c])  # T1 = a b, T2 = c
+    arc.hold(a)
+    arc.hold(c)
+    assert (arc.t1_size, arc.t2_size) == (2, 1)
+    arc.release(a)
+    arc.release(c)
+    assert (arc.t1_size, arc.t2_size) == (2, 1)
+    # a is now T1's most recent: T1 (2 > p = 0) gives b, then a; T2 gives c last.
+    assert arc.evict(3) == [b, a, c]
+    assert [arc.in_ghost(k) for k in (a, b, c)] == ["b1", "b1", "b2"]
+
+
+def test_arc_preference_is_rechecked_after_each_victim() -> None:
+    # Paper's REPLACE runs once per victim: as T1 shrinks to p, T2 takes over.
+    arc = arc_with_p(8, 1)
+    a, b, c, x = keys(1, 2, 3, 4)
+    arc.insert([x])
+    arc.touch([x])  # T2 = x
+    arc.insert([a, b, c])  # T1 = a b c (3 > p = 1)
+    assert arc.evict(3) == [a, b, x]
+    assert (arc.t1_size, arc.t2_size) == (1, 0)
+
+
+@pytest.mark.parametrize("name", ["lru", "arc"])
+def test_one_evict_of_n_equals_n_evicts_of_one(name: str) -> None:
+    def build() -> CachePolicy:
+        p = make_policy(name, 8)
+        p.insert(keys(*range(8)))
+        p.touch(keys(5, 2, 7))
+        p.hold(int_key(5))
+        return p
+
+    batch, single = build(), build()
+    protected = {int_key(0), int_key(3)}
+    together = batch.evict(4, protected)
+    one_by_one = [single.evict(1, protected) for _ in range(4)]
+    assert together == [v[0] for v in one_by_one if v]

@@ -194,6 +194,11 @@ class TierModel(RuleBasedStateMachine):
         else:
             self.expect_events()
 
+    @precondition(lambda self: WRITING in self.state.values())
+    @rule()
+    def finish_all_writes(self) -> None:
+        self.check_complete_store(self.keys_in(WRITING), success=True)
+
     @rule(keys=key_lists, success=st.booleans())
     def complete_store_unknown(self, keys: list[BlockKey], success: bool) -> None:
         absent = [k for k in KEYS if k not in self.state]
@@ -232,11 +237,16 @@ class TierModel(RuleBasedStateMachine):
         keys = data.draw(st.lists(st.sampled_from(ready), min_size=1, max_size=4), label="keys")
         self.prepare_load(keys)
 
+    @precondition(lambda self: any(self.pins.values()))
     @rule(data=st.data())
-    def complete_load(self, data: st.DataObject) -> None:
+    def complete_load_pinned(self, data: st.DataObject) -> None:
+        # Pinned keys only, though a repeat may still release more pins than were taken.
         pinned = [k for k in KEYS if self.pins[k]]
-        pool = pinned * 4 + KEYS if pinned else KEYS
-        keys = data.draw(st.lists(st.sampled_from(pool), max_size=5), label="keys")
+        keys = data.draw(st.lists(st.sampled_from(pinned), min_size=1, max_size=3), label="keys")
+        self.complete_load(keys)
+
+    @rule(keys=key_lists)
+    def complete_load(self, keys: list[BlockKey]) -> None:
         before = self.snapshot()
         if any(self.pins[k] < n for k, n in Counter(keys).items()):
             event("complete_load BlockNotPinned")
@@ -325,4 +335,4 @@ class TierModel(RuleBasedStateMachine):
 @pytest.mark.parametrize("policy", policy_names())
 def test_tier_state_machine(policy: str) -> None:
     machine = type(f"TierModel_{policy}", (TierModel,), {"policy_name": policy})
-    run_state_machine_as_test(machine, settings=settings(stateful_step_count=50))
+    run_state_machine_as_test(machine, settings=settings(stateful_step_count=60))

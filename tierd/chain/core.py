@@ -309,17 +309,31 @@ class TierChain:
         """Make ``keys`` ready at ``target`` as far as possible, pinning each as soon as it
         is there (so nothing evicts it meanwhile)."""
         tier = self.levels[target].tier
-        self._pin(target, [k for k in keys if k in tier], pinned)
         sources: dict[int, list[BlockKey]] = {}
+        reachable: list[BlockKey] = []
         for key in keys:
-            if key in pinned or (target, key) in self._pending:
-                continue
-            source = self._source_of(key, target)
-            if source is None:
-                break  # nothing beyond the first absent key can be part of the prefix
-            sources.setdefault(source, []).append(key)
-        for source, group in sources.items():
-            await self._promote(source, target, group, pinned)
+            if key not in tier and (target, key) not in self._pending:
+                source = self._source_of(key, target)
+                if source is None:
+                    break  # nothing beyond the first absent key can be part of the prefix
+                sources.setdefault(source, []).append(key)
+            reachable.append(key)
+        # Pinning keys past that point would only take room the promotions need.
+        keys = reachable
+        self._pin(target, [k for k in keys if k in tier], pinned)
+        # Hold every source until its turn, so that promoting one group (which may evict
+        # and demote at the levels below) cannot push another group's source away.
+        waiting = dict(sources)
+        for source, group in waiting.items():
+            self.levels[source].tier.prepare_load(group)
+        try:
+            for source, group in sources.items():
+                del waiting[source]
+                self._unpin(source, group)  # _promote pins them again before it awaits
+                await self._promote(source, target, group, pinned)
+        finally:
+            for source, group in waiting.items():
+                self._unpin(source, group)
         for key in keys:
             future = self._pending.get((target, key))
             if key not in pinned and future is not None:
