@@ -7,8 +7,11 @@ covered without touching this file. ARC is checked against Megiddo & Modha (FAST
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tierd.errors import UnknownPolicy
 from tierd.keys import BlockKey, int_key
@@ -295,6 +298,62 @@ def test_refused_evict_changes_nothing(
 def test_evict_on_empty(policy: CachePolicy) -> None:
     assert policy.evict(1) is None
     assert len(policy) == 0
+
+
+_ids = st.integers(0, 11)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.lists(_ids, max_size=4)),
+        st.tuples(st.just("remove"), _ids),
+        st.tuples(st.just("touch"), st.lists(_ids, max_size=4)),
+        st.tuples(st.just("hold"), _ids),
+        st.tuples(st.just("release"), _ids),
+        st.tuples(st.just("evict"), st.tuples(st.integers(0, 5), st.sets(_ids, max_size=4))),
+    ),
+    max_size=40,
+)
+
+
+@pytest.mark.parametrize("policy_name", policy_names())
+@given(ops=_ops)
+def test_random_operations_keep_the_contract(policy_name: str, ops: list[tuple[str, Any]]) -> None:
+    """Against a model of tracked and held keys: evict returns n allowed keys whenever n
+    are evictable, and None (with nothing changed) only when they are not."""
+    policy = make_policy(policy_name, 6)
+    universe = keys(*range(12))
+    tracked_keys: set[BlockKey] = set()
+    held: set[BlockKey] = set()
+    for op, arg in ops:
+        if op == "insert":
+            new = [k for k in dict.fromkeys(int_key(i) for i in arg) if k not in tracked_keys]
+            policy.insert(new)
+            tracked_keys.update(new)
+        elif op == "remove":
+            key = int_key(arg)
+            assert policy.remove(key) == (key in tracked_keys)
+            tracked_keys.discard(key)
+            held.discard(key)
+        elif op == "touch":
+            policy.touch([int_key(i) for i in arg])
+        elif op == "hold" and int_key(arg) in tracked_keys - held:
+            policy.hold(int_key(arg))
+            held.add(int_key(arg))
+        elif op == "release" and int_key(arg) in held:
+            policy.release(int_key(arg))
+            held.discard(int_key(arg))
+        elif op == "evict":
+            n, protected_ids = arg
+            protected = {int_key(i) for i in protected_ids}
+            allowed = tracked_keys - held - protected
+            victims = policy.evict(n, protected)
+            if n > len(allowed):
+                assert victims is None
+            else:
+                assert victims is not None and len(victims) == n
+                assert len(set(victims)) == n and set(victims) <= allowed
+                tracked_keys.difference_update(victims)
+        assert len(policy) == len(tracked_keys)
+        assert tracked(policy, universe) == tracked_keys
 
 
 # -- clear ---------------------------------------------------------------------------
@@ -618,3 +677,19 @@ def test_one_evict_of_n_equals_n_evicts_of_one(name: str) -> None:
     together = batch.evict(4, protected)
     one_by_one = [single.evict(1, protected) for _ in range(4)]
     assert together == [v[0] for v in one_by_one if v]
+
+
+def test_arc_refused_evict_leaves_p_ghosts_and_lists() -> None:
+    arc = arc_with_p(8, 3)
+    ks = keys(*range(6))
+    arc.insert(ks)
+    arc.touch(ks[:2])  # T1 = 2 3 4 5, T2 = 1 0
+    # T1 (4) > p (3) gives 2; then T1 (3) <= p, so T2 gives 1 (0 is protected).
+    assert arc.evict(2, {ks[0]}) == [ks[2], ks[1]]
+    ghosts = {k: arc.in_ghost(k) for k in ks}
+    state = (arc.p, arc.t1_size, arc.t2_size, len(arc))
+    arc.hold(ks[3])
+    assert arc.evict(3, {ks[0], ks[4]}) is None
+    arc.release(ks[3])
+    assert (arc.p, arc.t1_size, arc.t2_size, len(arc)) == state
+    assert {k: arc.in_ghost(k) for k in ks} == ghosts

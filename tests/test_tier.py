@@ -284,6 +284,33 @@ def test_stored_event_only_for_blocks_that_became_ready(make_tier: MakeTier) -> 
     assert tier.stats().stores == 3
 
 
+@pytest.mark.parametrize("policy", policy_names())
+def test_complete_store_leaves_ready_blocks_alone(make_tier: MakeTier, policy: str) -> None:
+    tier = make_tier(3, policy)
+    store(tier, [a, b])
+    tier.prepare_load([b])
+    tier.prepare_store([c])
+    tier.complete_store([b, a, c])  # a and b are ready already: not stored again
+    assert tier.stats().stores == 3
+    assert tier.is_pinned(b) and len(tier.policy) == 3
+    # b is still pinned, so a is the only possible victim.
+    plan = tier.prepare_store([d])
+    assert plan is not None and plan.evicted == (a,)
+    plan = tier.prepare_store([e])
+    assert plan is not None and plan.evicted == (c,)
+    assert tier.prepare_store([f]) is None  # b pinned, d and e being written
+    assert b in tier
+
+
+def test_complete_store_does_not_refresh_ready_blocks(make_tier: MakeTier) -> None:
+    tier = make_tier(3, "lru")
+    store(tier, [a, b])
+    tier.prepare_store([c])
+    tier.complete_store([a, c])  # a was ready: its recency is unchanged
+    plan = tier.prepare_store([d])
+    assert plan is not None and plan.evicted == (a,)
+
+
 def test_failed_store_drops_writing_blocks_and_frees_their_slots(make_tier: MakeTier) -> None:
     tier = make_tier(5)
     store(tier, [a])  # slot 0
