@@ -588,3 +588,19 @@ def test_stats(make_tier: MakeTier) -> None:
     assert (stats.used, stats.stores, stats.evictions) == (3, 3, 2)
     assert (stats.pinned, stats.writing) == (0, 2)
     assert tier.free == 0 and len(tier) == 3
+
+
+def test_restore_adopts_blocks_and_reuses_free_slots_lowest_first() -> None:
+    from tierd.keys import int_key
+
+    tier = Tier(4, "lru")
+    a, b, c = int_key(1), int_key(2), int_key(3)
+    tier.restore([(a, 2), (b, 0)])
+    assert tier.lookup([a, b]) == 2
+    assert tier.take_events() == []
+    plan = tier.prepare_store([c])
+    assert plan is not None and plan.slots == (1,)
+    with pytest.raises(ValueError):
+        tier.restore([(a, 3)])
+    with pytest.raises(ValueError):
+        Tier(4).restore([(a, 1), (b, 1)])
