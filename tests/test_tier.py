@@ -600,7 +600,7 @@ def test_restore_adopts_blocks_and_reuses_free_slots_lowest_first() -> None:
     assert tier.take_events() == []
     plan = tier.prepare_store([c])
     assert plan is not None and plan.slots == (1,)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not empty"):
         tier.restore([(a, 3)])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="repeat"):
         Tier(4).restore([(a, 1), (b, 1)])
