@@ -1,29 +1,15 @@
-"""The ``tierd`` command line.
-
-Each subcommand is one entry of :data:`COMMANDS`: a function that adds its arguments to
-its own parser, and a handler that takes the parsed arguments and returns the exit status.
-New subcommands (``serve``, ``stats``, ``config`` ...) slot in as new entries.
-
-Exit status: 0 on success; 1 when the input is unusable (a malformed trace); 2 for a usage
-error (bad arguments, an unknown policy, a missing file).
-"""
+"""Offline commands that need no daemon: ``tierd simulate`` and ``tierd trace``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import logging
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-import structlog
-
-from tierd import __version__
-from tierd.errors import TierdError, UnknownPolicy
+from tierd.cli.base import EXIT_OK, Command, UsageError
 from tierd.policy import policy_class, policy_names
 from tierd.workload import SimulationResult, read_trace, simulate, write_trace
 from tierd.workload.generate import GeneratorConfig, generate
@@ -32,22 +18,7 @@ from tierd.workload.trace import Trace
 if TYPE_CHECKING:
     from tierd.workload.chain_replay import ChainReplayResult
 
-__all__ = ["COMMANDS", "Command", "main"]
-
-EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(Exception):
-    """A command-line mistake: reported on stderr, exit status 2."""
-
-
-@dataclass(frozen=True, slots=True)
-class Command:
-    """One subcommand: its help line, how it adds its arguments, and what it runs."""
-
-    help: str
-    configure: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
+__all__ = ["COMMANDS", "ProgressBar"]
 
 
 # -- tierd simulate ------------------------------------------------------------------------
@@ -221,42 +192,3 @@ COMMANDS: dict[str, Command] = {
     ),
     "trace": Command("work with trace files (generate)", _configure_trace, _run_trace),
 }
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tierd", description="A tiered KV-cache block store for LLM serving."
-    )
-    parser.add_argument("--version", action="version", version=f"tierd {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, command in COMMANDS.items():
-        sub = commands.add_parser(name, help=command.help, description=command.help)
-        command.configure(sub)
-        sub.set_defaults(run=command.run)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``tierd`` command; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    _configure_logging()
-    try:
-        status: int = args.run(args)
-    except (UsageError, UnknownPolicy) as exc:
-        return _fail(str(exc), EXIT_USAGE)
-    except TierdError as exc:  # a malformed trace (TraceError), say
-        return _fail(str(exc), EXIT_BAD_INPUT)
-    return status
-
-
-def _configure_logging() -> None:
-    """Logs go to stderr, so stdout carries only the command's output."""
-    structlog.configure(
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-    )
-
-
-def _fail(message: str, status: int) -> int:
-    print(f"tierd: error: {message}", file=sys.stderr)
-    return status

@@ -1,0 +1,74 @@
+"""The ``tierd`` command line.
+
+Each family of subcommands lives in its own module and exports ``COMMANDS``: name ->
+:class:`~tierd.cli.base.Command` (help line, argument setup, handler returning the exit
+status). Exit codes are listed in :mod:`tierd.cli.base`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import structlog
+
+from tierd import __version__
+from tierd.cli import offline
+from tierd.cli.base import (
+    EXIT_BAD_INPUT,
+    EXIT_CONFIG,
+    EXIT_USAGE,
+    Command,
+    UsageError,
+)
+from tierd.errors import ConfigError, TierdError, UnknownPolicy
+
+__all__ = ["COMMANDS", "Command", "build_parser", "main"]
+
+COMMANDS: dict[str, Command] = {
+    **offline.COMMANDS,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierd", description="A tiered KV-cache block store for LLM serving."
+    )
+    parser.add_argument("--version", action="version", version=f"tierd {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, command in COMMANDS.items():
+        sub = commands.add_parser(name, help=command.help, description=command.help)
+        command.configure(sub)
+        sub.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``tierd`` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    _configure_logging()
+    try:
+        status: int = args.run(args)
+    except (UsageError, UnknownPolicy) as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except ConfigError as exc:
+        return _fail(f"invalid configuration:\n{exc}", EXIT_CONFIG)
+    except TierdError as exc:  # a malformed trace (TraceError), say
+        return _fail(str(exc), EXIT_BAD_INPUT)
+    return status
+
+
+def _configure_logging() -> None:
+    """Logs go to stderr, so stdout carries only the command's output. ``serve``
+    reconfigures logging from its config."""
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+    )
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"tierd: error: {message}", file=sys.stderr)
+    return status

@@ -1,0 +1,41 @@
+"""What every ``tierd`` subcommand shares: the command record, exit codes, usage errors.
+
+Exit status, for scripts to rely on:
+
+- 0 success;
+- 1 the operation failed or its input is unusable (a malformed trace, an error reply);
+- 2 a usage error (bad arguments, an unknown policy, a missing file);
+- 3 the daemon cannot be reached (no socket, connection refused, not allowed);
+- 78 the configuration is invalid (``EX_CONFIG``; systemd can refuse to restart on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_CONFIG",
+    "EXIT_OK",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
+    "Command",
+    "UsageError",
+]
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 2, 3, 78
+
+
+class UsageError(Exception):
+    """A command-line mistake: reported on stderr, exit status 2."""
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One subcommand: its help line, how it adds its arguments, and what it runs."""
+
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
