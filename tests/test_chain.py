@@ -275,3 +275,64 @@ async def test_disk_tier_survives_reopen(tmp_path: Path) -> None:
         assert chain.lookup(keys).count == len(keys)
         for i in range(0, 6, 2):
             await read_back(chain, keys[i : i + 2])
+
+
+# -- two-phase stores ------------------------------------------------------------------------
+
+
+async def test_begin_store_writes_in_place_and_commit_makes_blocks_ready(tmp_path: Path) -> None:
+    config = chain_config(
+        tmp_path,
+        {"kind": "cpu", "capacity": 8, "write_through": True},
+        {"kind": "disk", "capacity": 16},
+    )
+    async with tierd.open(config) as chain:
+        await store_all(chain, keys_of(1))
+        handle = await chain.begin_store(keys_of(1, 2, 3))
+        assert handle.keys == keys_of(2, 3)  # 1 is held already
+        result = chain.lookup(keys_of(1, 2, 3))
+        assert (result.count, result.in_flight) == (1, True)
+        for key, view in zip(handle.keys, handle.views(), strict=True):
+            memoryview(view).cast("B")[:] = content(key)
+        assert await handle.commit() == keys_of(2, 3)
+        assert await handle.commit() == []  # finished once
+        assert chain.lookup(keys_of(1, 2, 3)).count == 3
+        assert chain.levels[1].tier.lookup(keys_of(1, 2, 3)) == 3  # write-through ran
+        await read_back(chain, keys_of(1, 2, 3))
+        chain.check_invariants(idle=True)
+
+
+async def test_aborted_store_frees_slots_and_wakes_waiting_loads(tmp_path: Path) -> None:
+    async with tierd.open(chain_config(tmp_path, {"kind": "cpu", "capacity": 2})) as chain:
+        handle = await chain.begin_store(keys_of(1, 2))
+        waiter = asyncio.create_task(chain.load(keys_of(1)))
+        await asyncio.sleep(0)
+        assert not waiter.done()  # the load waits for the block in flight
+        handle.abort()
+        with pytest.raises(BlockMissing):
+            await waiter
+        assert chain.lookup(keys_of(1, 2)).count == 0
+        assert await store_all(chain, keys_of(3, 4)) == keys_of(3, 4)  # both slots free again
+        chain.check_invariants(idle=True)
+
+
+async def test_commit_with_per_key_flags_keeps_only_written_blocks(tmp_path: Path) -> None:
+    async with tierd.open(chain_config(tmp_path, {"kind": "cpu", "capacity": 4})) as chain:
+        handle = await chain.begin_store(keys_of(1, 2))
+        memoryview(handle.views()[0]).cast("B")[:] = content(int_key(1))
+        assert await handle.commit([True, False]) == keys_of(1)
+        assert chain.lookup(keys_of(1, 2)).count == 1
+        bad = await chain.begin_store(keys_of(5, 6))
+        with pytest.raises(ValueError, match="2 flags"):
+            await bad.commit([True])
+        assert chain.lookup(keys_of(5)).count == 0  # a malformed commit aborts
+        chain.check_invariants(idle=True)
+
+
+async def test_begin_store_without_room_raises_and_changes_nothing(tmp_path: Path) -> None:
+    async with tierd.open(chain_config(tmp_path, {"kind": "cpu", "capacity": 2})) as chain:
+        held = await chain.begin_store(keys_of(1, 2))
+        with pytest.raises(CapacityError):
+            await chain.begin_store(keys_of(3))
+        held.abort()
+        chain.check_invariants(idle=True)

@@ -1,10 +1,20 @@
 """The tier chain: demotion on eviction, promotion on hit, events from every medium.
 
-:mod:`tierd.chain.core` holds :class:`TierChain` and its load handle;
+:mod:`tierd.chain.core` holds :class:`TierChain`; :mod:`tierd.chain.handles` the load
+and store handles it gives out;
 :mod:`tierd.chain.values` the values it takes and returns.
 """
 
-from tierd.chain.core import LoadHandle, TierChain
+from tierd.chain.core import TierChain
+from tierd.chain.handles import LoadHandle, StoreHandle
 from tierd.chain.values import Admission, ChainStats, Level, LookupResult
 
-__all__ = ["Admission", "ChainStats", "Level", "LoadHandle", "LookupResult", "TierChain"]
+__all__ = [
+    "Admission",
+    "ChainStats",
+    "Level",
+    "LoadHandle",
+    "LookupResult",
+    "StoreHandle",
+    "TierChain",
+]

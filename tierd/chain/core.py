@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+from tierd.chain.handles import LoadHandle, StoreHandle
 from tierd.chain.values import ChainStats, Level, LookupResult
 from tierd.errors import BlockMissing, CapacityError
 from tierd.events import EventBus
@@ -34,43 +35,7 @@ from tierd.stores import BlockStore, Buffer
 from tierd.tier import StorePlan
 from tierd.transfer import TransferEngine
 
-__all__ = ["LoadHandle", "TierChain"]
-
-
-class LoadHandle:
-    """Pinned blocks at one level, readable through ``views`` until ``release()``."""
-
-    def __init__(self, chain: TierChain, level: int, keys: list[BlockKey], slots: list[int]):
-        self._chain = chain
-        self.level = level
-        self.keys = keys
-        self.slots = slots
-        self.released = False
-
-    @property
-    def store(self) -> BlockStore:
-        return self._chain.levels[self.level].store
-
-    def views(self) -> list[Buffer]:
-        """Zero-copy views of the pinned slots, co-indexed with ``keys``."""
-        store = self.store
-        return [store.view(slot) for slot in self.slots]
-
-    async def read_into(self, out: Sequence[Buffer]) -> list[bool]:
-        """Copy the pinned blocks into caller buffers (for stores without views)."""
-        return await self.store.read(self.slots, self.keys, out)
-
-    def release(self) -> None:
-        """Unpin the blocks; releasing twice is a no-op."""
-        if not self.released:
-            self.released = True
-            self._chain._unpin(self.level, self.keys)
-
-    async def __aenter__(self) -> LoadHandle:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
+__all__ = ["TierChain"]
 
 
 class TierChain:
@@ -146,42 +111,73 @@ class TierChain:
         keys that became ready. Raises :class:`CapacityError` if the entry level cannot
         make room (everything pinned or in flight)."""
         row = {key: i for i, key in enumerate(keys)}
+        handle = await self.begin_store(keys)
+        ok: list[bool] = []
+        try:
+            if handle.keys:
+                rows = [data[row[k]] for k in handle.keys]
+                ok = await self.levels[self.entry].store.write(handle.slots, handle.keys, rows)
+        finally:
+            if len(ok) != len(handle.keys):
+                handle.abort()
+        return await handle.commit(ok)
 
-        async def fill(store: BlockStore, plan: StorePlan) -> list[bool]:
-            return await store.write(plan.slots, plan.keys, [data[row[k]] for k in plan.keys])
+    async def begin_store(self, keys: Sequence[BlockKey]) -> StoreHandle:
+        """Reserve entry-level slots for the keys of ``keys`` not held or in flight there,
+        after demoting the victims. The caller fills ``handle.slots`` (zero-copy, through
+        the store's views) and then calls ``commit`` or ``abort``; until then the keys are
+        in flight. Raises :class:`CapacityError` as :meth:`store` does."""
+        reserved = await self._reserve(self.entry, keys)
+        if reserved is None:
+            stats = self.levels[self.entry].tier.stats()
+            raise CapacityError(
+                f"cannot make room for {len(keys)} blocks in a tier of {stats.capacity}"
+                f" ({stats.pinned} pinned, {stats.writing} in flight)",
+                tier=stats.name,
+                medium=str(stats.medium),
+            )
+        return StoreHandle(self, self.entry, *reserved)
 
-        stored = await self._store_into(self.entry, keys, fill, must=True)
-        await self._write_through(self.entry, stored)
+    async def _commit(
+        self, index: int, keys: Sequence[BlockKey], ok: Sequence[bool], futures: list[Any]
+    ) -> list[BlockKey]:
+        stored = self._finish_store(index, keys, ok, futures)
+        await self._write_through(index, stored)
         return stored
+
+    async def _reserve(
+        self, index: int, keys: Sequence[BlockKey]
+    ) -> tuple[StorePlan, list[asyncio.Future[bool]]] | None:
+        """prepare_store at one level and demote its victims; ``None`` if there is no
+        room. The keys stay in flight until :meth:`_finish_store`."""
+        level = self.levels[index]
+        plan = level.tier.prepare_store(keys)
+        if plan is None:
+            self._publish()
+            return None
+        futures = self._register(index, plan.keys)
+        try:
+            if plan.evicted:
+                await self._demote(index, plan)
+        except BaseException:
+            self._finish_store(index, plan.keys, [False] * len(plan.keys), futures)
+            raise
+        return plan, futures
 
     async def _store_into(
         self,
         index: int,
         keys: Sequence[BlockKey],
         fill: Callable[[BlockStore, StorePlan], Awaitable[list[bool]]],
-        *,
-        must: bool = False,
     ) -> list[BlockKey]:
-        """prepare_store at one level, demote its victims, fill the slots, complete."""
-        level = self.levels[index]
-        plan = level.tier.prepare_store(keys)
-        if plan is None:
-            self._publish()
-            if must:
-                stats = level.tier.stats()
-                raise CapacityError(
-                    f"cannot make room for {len(keys)} blocks in a tier of {stats.capacity}"
-                    f" ({stats.pinned} pinned, {stats.writing} in flight)",
-                    tier=level.tier.name,
-                    medium=str(level.medium),
-                )
+        """Reserve slots at one level, fill them, complete; ``[]`` if there is no room."""
+        reserved = await self._reserve(index, keys)
+        if reserved is None:
             return []
-        futures = self._register(index, plan.keys)
+        plan, futures = reserved
         ok: list[bool] = [False] * len(plan.keys)
         try:
-            if plan.evicted:
-                await self._demote(index, plan)
-            ok = await fill(level.store, plan)
+            ok = await fill(self.levels[index].store, plan)
         finally:
             stored = self._finish_store(index, plan.keys, ok, futures)
         return stored

@@ -1,0 +1,123 @@
+"""Handles on blocks a caller holds between two phases of a chain operation.
+
+- :class:`LoadHandle`: blocks pinned at one level after ``TierChain.load``; readable in
+  place until ``release()``.
+- :class:`StoreHandle`: entry-level slots reserved by ``TierChain.begin_store``; the
+  caller writes the bytes (through the store's views, with no copy through tierd) and
+  then ``commit``s or ``abort``s. Until then the keys are in flight: a concurrent load
+  waits for them and ``lookup`` reports them as in flight.
+
+Both are idempotent to finish, so an owner that cleans up on every exit path (a
+connection that closes, an exception) can always call ``release``/``abort``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from tierd.keys import BlockKey
+from tierd.stores import BlockStore, Buffer
+from tierd.tier import StorePlan
+
+if TYPE_CHECKING:
+    from tierd.chain.core import TierChain
+
+__all__ = ["LoadHandle", "StoreHandle"]
+
+
+class LoadHandle:
+    """Pinned blocks at one level, readable through ``views`` until ``release()``."""
+
+    def __init__(self, chain: TierChain, level: int, keys: list[BlockKey], slots: list[int]):
+        self._chain = chain
+        self.level = level
+        self.keys = keys
+        self.slots = slots
+        self.released = False
+
+    @property
+    def store(self) -> BlockStore:
+        return self._chain.levels[self.level].store
+
+    def views(self) -> list[Buffer]:
+        """Zero-copy views of the pinned slots, co-indexed with ``keys``."""
+        store = self.store
+        return [store.view(slot) for slot in self.slots]
+
+    async def read_into(self, out: Sequence[Buffer]) -> list[bool]:
+        """Copy the pinned blocks into caller buffers (for stores without views)."""
+        return await self.store.read(self.slots, self.keys, out)
+
+    def release(self) -> None:
+        """Unpin the blocks; releasing twice is a no-op."""
+        if not self.released:
+            self.released = True
+            self._chain._unpin(self.level, self.keys)
+
+    async def __aenter__(self) -> LoadHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
+class StoreHandle:
+    """Entry-level slots reserved for new blocks: ``keys[i]`` goes into ``slots[i]``.
+
+    ``skipped`` are the requested keys that need no write (already held or in flight at
+    the entry level). ``commit(ok)`` makes the written blocks ready (and copies them down
+    from write-through levels); ``abort()`` frees the slots. Exactly one of them takes
+    effect; later calls are no-ops (``commit`` then returns ``[]``)."""
+
+    def __init__(
+        self,
+        chain: TierChain,
+        level: int,
+        plan: StorePlan,
+        futures: list[asyncio.Future[bool]],
+    ) -> None:
+        self._chain = chain
+        self._futures = futures
+        self.level = level
+        self.keys = list(plan.keys)
+        self.slots = list(plan.slots)
+        self.finished = False
+
+    @property
+    def store(self) -> BlockStore:
+        return self._chain.levels[self.level].store
+
+    def views(self) -> list[Buffer]:
+        """Writable zero-copy views of the reserved slots, co-indexed with ``keys``."""
+        store = self.store
+        return [store.view(slot) for slot in self.slots]
+
+    async def commit(self, ok: Sequence[bool] | bool = True) -> list[BlockKey]:
+        """Mark the blocks written (``ok`` per key, or one flag for all); the failed ones
+        are dropped. Returns the keys that became ready."""
+        if self.finished:
+            return []
+        self.finished = True
+        flags = [ok] * len(self.keys) if isinstance(ok, bool) else list(ok)
+        if len(flags) != len(self.keys):
+            self._chain._finish_store(
+                self.level, self.keys, [False] * len(self.keys), self._futures
+            )
+            raise ValueError(f"commit needs {len(self.keys)} flags, got {len(flags)}")
+        return await self._chain._commit(self.level, self.keys, flags, self._futures)
+
+    def abort(self) -> None:
+        """Drop the reserved blocks and free their slots; a no-op once finished."""
+        if not self.finished:
+            self.finished = True
+            self._chain._finish_store(
+                self.level, self.keys, [False] * len(self.keys), self._futures
+            )
+
+    async def __aenter__(self) -> StoreHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
