@@ -336,3 +336,20 @@ async def test_begin_store_without_room_raises_and_changes_nothing(tmp_path: Pat
             await chain.begin_store(keys_of(3))
         held.abort()
         chain.check_invariants(idle=True)
+
+
+async def test_load_of_more_blocks_than_the_level_holds_returns_the_leading_ones(
+    tmp_path: Path,
+) -> None:
+    config = chain_config(
+        tmp_path, {"kind": "cpu", "capacity": 4}, {"kind": "disk", "capacity": 32}
+    )
+    async with tierd.open(config) as chain:
+        keys = keys_of(*range(8))
+        for i in range(0, 8, 4):
+            await store_all(chain, keys[i : i + 4])  # 0-3 end up on disk only
+        async with chain.loading(keys) as handle:
+            assert handle.keys == keys[:4]
+            for key, view in zip(handle.keys, handle.views(), strict=True):
+                assert bytes(memoryview(view).cast("B")) == content(key)
+        chain.check_invariants(idle=True)

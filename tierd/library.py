@@ -35,12 +35,16 @@ __all__ = ["build_store", "open_chain", "restore_tier"]
 log = structlog.get_logger("tierd")
 
 
-def build_store(spec: TierConfig, num_blocks: int, block_bytes: int) -> BlockStore:
-    """An unopened store for one configured tier."""
+def build_store(
+    spec: TierConfig, num_blocks: int, block_bytes: int, *, pool_mode: int = 0o600
+) -> BlockStore:
+    """An unopened store for one configured tier (``pool_mode``: a CPU pool file's mode)."""
     if spec.kind is TierKind.MEMORY:
         return MemoryStore(num_blocks=num_blocks, block_bytes=block_bytes)
     if spec.kind is TierKind.CPU:
-        return CpuStore(num_blocks=num_blocks, block_bytes=block_bytes, name=spec.shm_name)
+        return CpuStore(
+            num_blocks=num_blocks, block_bytes=block_bytes, name=spec.shm_name, mode=pool_mode
+        )
     if spec.kind is TierKind.GPU:
         return GpuStore(num_blocks=num_blocks, block_bytes=block_bytes, device=spec.device or "")
     for directory in spec.directories:
@@ -75,15 +79,19 @@ def restore_tier(tier: Tier, store: BlockStore) -> int:
 
 
 @asynccontextmanager
-async def open_chain(config: ChainConfig | Path | str | dict[str, Any]) -> AsyncIterator[TierChain]:
+async def open_chain(
+    config: ChainConfig | Path | str | dict[str, Any], *, pool_mode: int = 0o600
+) -> AsyncIterator[TierChain]:
     """Open every store of ``config`` (a model, a YAML path or a mapping) and yield the
-    chain; closes them in reverse order on exit."""
+    chain; closes them in reverse order on exit. ``pool_mode``: the CPU pool file's mode."""
     cfg = config if isinstance(config, ChainConfig) else load_config(config, ChainConfig)
     async with AsyncExitStack() as stack:
         levels: list[Level] = []
         for spec in cfg.tiers:
             num_blocks = spec.num_blocks(cfg.block_bytes)
-            store = await stack.enter_async_context(build_store(spec, num_blocks, cfg.block_bytes))
+            store = await stack.enter_async_context(
+                build_store(spec, num_blocks, cfg.block_bytes, pool_mode=pool_mode)
+            )
             tier = Tier(num_blocks, spec.policy, name=spec.name, medium=spec.kind.medium)
             restored = restore_tier(tier, store)
             log.info(

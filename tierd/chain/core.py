@@ -66,7 +66,7 @@ class TierChain:
         self._uses: OrderedDict[BlockKey, int] = OrderedDict()
         self._reuse_memory = reuse_memory
         self._lookups = self._hit_blocks = self._miss_blocks = 0
-        self._hits_by_medium: dict[str, int] = {}
+        self._hits_by_level = [0] * len(self.levels)
 
     # -- queries ---------------------------------------------------------------------
 
@@ -93,8 +93,9 @@ class TierChain:
         self._lookups += 1
         self._hit_blocks += len(found)
         self._miss_blocks += len(keys) - len(found)
-        for medium in media:
-            self._hits_by_medium[medium] = self._hits_by_medium.get(medium, 0) + 1
+        hits = self._hits_by_level
+        for index in found:
+            hits[index] += 1
         return LookupResult(len(found), tuple(found), media, in_flight)
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
@@ -127,7 +128,7 @@ class TierChain:
         after demoting the victims. The caller fills ``handle.slots`` (zero-copy, through
         the store's views) and then calls ``commit`` or ``abort``; until then the keys are
         in flight. Raises :class:`CapacityError` as :meth:`store` does."""
-        reserved = await self._reserve(self.entry, keys)
+        reserved = await self._reserve(self.entry, list(dict.fromkeys(keys)))
         if reserved is None:
             stats = self.levels[self.entry].tier.stats()
             raise CapacityError(
@@ -307,7 +308,7 @@ class TierChain:
         tier = self.levels[target].tier
         sources: dict[int, list[BlockKey]] = {}
         reachable: list[BlockKey] = []
-        for key in keys:
+        for key in keys[: tier.num_blocks]:  # a load cannot hold more than the level
             if key not in tier and (target, key) not in self._pending:
                 source = self._source_of(key, target)
                 if source is None:
@@ -432,11 +433,16 @@ class TierChain:
         return removed
 
     def stats(self) -> ChainStats:
+        by_medium: dict[str, int] = {}
+        for level, hits in zip(self.levels, self._hits_by_level, strict=True):
+            if hits:
+                by_medium[level.medium] = by_medium.get(level.medium, 0) + hits
         return ChainStats(
             lookups=self._lookups,
             hit_blocks=self._hit_blocks,
             miss_blocks=self._miss_blocks,
-            hits_by_medium=dict(self._hits_by_medium),
+            hits_by_medium=by_medium,
+            hits_by_level=tuple(self._hits_by_level),
             events_published=self.bus.published,
             events_dropped=self.bus.dropped,
         )

@@ -70,5 +70,6 @@ class ChainStats:
     hit_blocks: int
     miss_blocks: int
     hits_by_medium: dict[str, int]
+    hits_by_level: tuple[int, ...]  # block hits served by each level (its highest holder)
     events_published: int
     events_dropped: int

@@ -1,0 +1,402 @@
+"""The async client of the control socket, for engines, tools and tests.
+
+::
+
+    async with await Client.connect("/run/tierd/tierd.sock", namespace="llama3-8b/fp16") as c:
+        hit = await c.lookup(keys)                   # leading keys cached, and where
+        async with c.storing(new_keys) as lease:     # zero-copy: write into pool slots
+            for view, block in zip(lease.views(), blocks):
+                view[:] = block
+        async with c.loading(keys[: hit.count]) as lease:
+            for view in lease.views():               # read in place, pinned meanwhile
+                ...
+
+Requests are pipelined: each carries an id, and any number may be in flight at once
+(``asyncio.gather`` them). With the shared-memory pool mapped (the default when the
+daemon has one), ``storing``/``loading`` hand out memoryviews (or torch tensors) of the
+pool slots themselves; without it ``put``/``get`` carry the bytes in the messages. The
+context managers always finish their lease, on error too; if the client dies instead,
+the daemon releases the lease when the connection closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import os
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Self, cast
+
+from tierd.control.protocol import PROTOCOL_VERSION, FrameDecoder, encode
+from tierd.errors import ProtocolError, TierdError
+
+__all__ = ["Client", "DaemonError", "Lookup", "PoolMap", "StoreLease", "LoadLease", "Unreachable"]
+
+Buffer = bytes | bytearray | memoryview
+
+
+class DaemonError(TierdError):
+    """The daemon answered with an error; ``code`` is the wire error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class Unreachable(TierdError):
+    """No daemon answers on the socket (missing, refused, or the connection was lost)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    count: int
+    media: tuple[str, ...]
+    in_flight: bool
+
+
+class PoolMap:
+    """The daemon's shared-memory pool, mapped into this process."""
+
+    def __init__(self, path: str, size: int, stride: int, num_blocks: int, block_bytes: int):
+        self.path, self.stride, self.block_bytes = path, stride, block_bytes
+        self.num_blocks = num_blocks
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._view = memoryview(self._mm)
+
+    def view(self, slot: int) -> memoryview:
+        if not 0 <= slot < self.num_blocks:
+            raise ProtocolError(f"the daemon named slot {slot}, outside the pool")
+        start = slot * self.stride
+        return self._view[start : start + self.block_bytes]
+
+    def tensor(self, slot: int) -> Any:
+        """A uint8 torch tensor over one slot (no copy)."""
+        import torch
+
+        self.view(slot)  # bounds check
+        return torch.frombuffer(
+            self._mm, dtype=torch.uint8, count=self.block_bytes, offset=slot * self.stride
+        )
+
+    def close(self) -> None:
+        self._view.release()
+        # A caller may still hold a view: the mapping then goes when the last one does.
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+
+
+class StoreLease:
+    """Pool slots reserved for the blocks of ``keys`` that the daemon does not hold yet:
+    ``to_write[i]`` is the index in ``keys`` of the i-th view."""
+
+    def __init__(self, client: Client, keys: Sequence[bytes], reply: dict[str, Any]) -> None:
+        self._client = client
+        self.keys = list(keys)
+        self.lease: int | None = reply["lease"]
+        self.slots: list[int | None] = reply["slots"]
+        self.to_write = [i for i, slot in enumerate(self.slots) if slot is not None]
+        self.finished = self.lease is None
+
+    def views(self) -> list[memoryview]:
+        pool = self._client.require_pool()
+        return [pool.view(cast(int, self.slots[i])) for i in self.to_write]
+
+    def tensors(self) -> list[Any]:
+        pool = self._client.require_pool()
+        return [pool.tensor(cast(int, self.slots[i])) for i in self.to_write]
+
+    async def commit(self, ok: bool | Sequence[bool] = True) -> int:
+        """Tell the daemon the views are written; returns how many blocks it stored."""
+        if self.finished:
+            return 0
+        self.finished = True
+        reply = await self._client.request("complete_store", lease=self.lease, ok=ok)
+        return int(reply["stored"])
+
+    async def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            await self._client.request("abort_store", lease=self.lease)
+
+
+class LoadLease:
+    """The leading ``count`` keys, pinned in the pool until ``release``."""
+
+    def __init__(self, client: Client, keys: Sequence[bytes], reply: dict[str, Any]) -> None:
+        self._client = client
+        self.lease: int | None = reply["lease"]
+        self.count: int = reply["count"]
+        self.slots: list[int] = reply["slots"]
+        self.keys = list(dict.fromkeys(keys))[: self.count]
+        self.released = self.lease is None
+
+    def views(self) -> list[memoryview]:
+        pool = self._client.require_pool()
+        return [pool.view(slot) for slot in self.slots]
+
+    def tensors(self) -> list[Any]:
+        pool = self._client.require_pool()
+        return [pool.tensor(slot) for slot in self.slots]
+
+    async def release(self) -> None:
+        if not self.released:
+            self.released = True
+            await self._client.request("complete_load", lease=self.lease)
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, client: Client, max_frame_bytes: int) -> None:
+        self.client = client
+        self.decoder = FrameDecoder(max_frame_bytes)
+        self.transport: asyncio.Transport | None = None
+        self.lost = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            messages = self.decoder.feed(data)
+        except ProtocolError as exc:
+            self.client._lost(exc)
+            if self.transport is not None:
+                self.transport.close()
+            return
+        for message in messages:
+            self.client._dispatch(message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client._lost(exc)
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+
+class Client:
+    """One connection to the daemon. Build it with :meth:`connect`."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._next_id = 0
+        self._events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self._protocol: _Protocol | None = None
+        self._closed: BaseException | None = None
+        self.info: dict[str, Any] = {}
+        self.pool: PoolMap | None = None
+
+    @classmethod
+    async def connect(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        namespace: str | None = None,
+        block_bytes: int | None = None,
+        map_pool: bool = True,
+        max_frame_bytes: int = 1 << 30,
+    ) -> Client:
+        """Connect, say hello (naming ``namespace``; ``block_bytes`` must then match the
+        daemon's) and map the pool when there is one and ``map_pool``."""
+        client = cls()
+        loop = asyncio.get_running_loop()
+        try:
+            _, protocol = await loop.create_unix_connection(
+                lambda: _Protocol(client, max_frame_bytes), os.fspath(path)
+            )
+        except OSError as exc:
+            raise Unreachable(
+                f"cannot connect to {os.fspath(path)}: {exc.strerror or exc}"
+            ) from exc
+        client._protocol = protocol
+        try:
+            hello: dict[str, Any] = {"version": PROTOCOL_VERSION}
+            if namespace is not None:
+                hello["namespace"] = namespace
+            if block_bytes is not None:
+                hello["block_bytes"] = block_bytes
+            client.info = await client.request("hello", **hello)
+            pool = client.info.get("pool")
+            if map_pool and pool is not None and namespace is not None:
+                client.pool = PoolMap(block_bytes=client.info["block_bytes"], **pool)
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    @property
+    def block_bytes(self) -> int:
+        return int(self.info["block_bytes"])
+
+    def require_pool(self) -> PoolMap:
+        if self.pool is None:
+            raise ProtocolError("the pool is not mapped: use put and get", code="no_pool")
+        return self.pool
+
+    # -- requests ---------------------------------------------------------------------
+
+    def send(self, op: str, **fields: Any) -> asyncio.Future[dict[str, Any]]:
+        """Send one request now; the future resolves to its reply (pipelining)."""
+        if self._closed is not None or self._protocol is None or self._protocol.transport is None:
+            raise Unreachable(f"the connection is closed ({self._closed})")
+        self._next_id += 1
+        request_id = self._next_id
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        self._protocol.transport.write(encode({"id": request_id, "op": op, **fields}))
+        return future
+
+    async def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send one request and wait for its reply; :class:`DaemonError` on an error reply."""
+        return await self.send(op, **fields)
+
+    def _dispatch(self, message: Any) -> None:
+        if not isinstance(message, dict):
+            return
+        if "push" in message:
+            self._events.put_nowait(message)
+            return
+        future = self._waiting.pop(message.get("id", -1), None)
+        if future is None:
+            if message.get("ok") is False:  # a refusal or framing error (id 0)
+                self._lost(DaemonError(str(message.get("error")), str(message.get("message"))))
+            return
+        if future.done():
+            return
+        if message.get("ok"):
+            future.set_result(message)
+        else:
+            future.set_exception(
+                DaemonError(str(message.get("error")), str(message.get("message")))
+            )
+
+    def _lost(self, exc: BaseException | None) -> None:
+        if self._closed is None:
+            self._closed = (
+                exc if exc is not None else Unreachable("the daemon closed the connection")
+            )
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                error = self._closed
+                if not isinstance(error, TierdError):
+                    error = Unreachable(f"the connection was lost: {error}")
+                future.set_exception(error)
+        self._events.put_nowait(None)
+
+    # -- data path --------------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[bytes]) -> Lookup:
+        reply = await self.request("lookup", keys=list(keys))
+        return Lookup(reply["count"], tuple(reply["media"]), reply["in_flight"])
+
+    async def touch(self, keys: Sequence[bytes]) -> None:
+        await self.request("touch", keys=list(keys))
+
+    async def prepare_store(self, keys: Sequence[bytes]) -> StoreLease:
+        return StoreLease(self, keys, await self.request("prepare_store", keys=list(keys)))
+
+    async def prepare_load(self, keys: Sequence[bytes]) -> LoadLease:
+        return LoadLease(self, keys, await self.request("prepare_load", keys=list(keys)))
+
+    @asynccontextmanager
+    async def storing(self, keys: Sequence[bytes]) -> AsyncIterator[StoreLease]:
+        """Reserve pool slots; commit on normal exit, abort on an exception."""
+        lease = await self.prepare_store(keys)
+        try:
+            yield lease
+        except BaseException:
+            if self._closed is None:
+                await asyncio.shield(lease.abort())
+            raise
+        await lease.commit()
+
+    @asynccontextmanager
+    async def loading(self, keys: Sequence[bytes]) -> AsyncIterator[LoadLease]:
+        """Pin the leading cached blocks in the pool; released on exit."""
+        lease = await self.prepare_load(keys)
+        try:
+            yield lease
+        finally:
+            if self._closed is None:
+                await asyncio.shield(lease.release())
+
+    async def store(self, keys: Sequence[bytes], data: Sequence[Buffer]) -> int:
+        """Store blocks (through the pool when mapped, else inline); returns how many
+        new blocks the daemon stored."""
+        if self.pool is None:
+            return await self.put(keys, data)
+        async with self.storing(keys) as lease:
+            for view, i in zip(lease.views(), lease.to_write, strict=True):
+                view[:] = data[i]
+            if lease.finished:
+                return 0
+            return await lease.commit()
+
+    async def load(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Copies of the leading cached blocks (through the pool when mapped)."""
+        if self.pool is None:
+            return await self.get(keys)
+        async with self.loading(keys) as lease:
+            return [bytes(view) for view in lease.views()]
+
+    async def put(self, keys: Sequence[bytes], data: Sequence[Buffer]) -> int:
+        reply = await self.request("put", keys=list(keys), data=[bytes(d) for d in data])
+        return int(reply["stored"])
+
+    async def get(self, keys: Sequence[bytes]) -> list[bytes]:
+        reply = await self.request("get", keys=list(keys))
+        return list(reply["data"])
+
+    # -- control ----------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, Any]:
+        return dict((await self.request("stats"))["stats"])
+
+    async def health(self) -> dict[str, Any]:
+        reply = await self.request("health")
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
+    async def config(self) -> dict[str, Any]:
+        return dict((await self.request("config"))["config"])
+
+    async def metrics(self) -> str:
+        return str((await self.request("metrics"))["text"])
+
+    async def flush(self) -> int:
+        return int((await self.request("flush"))["copied"])
+
+    async def clear(self, tier: str | None = None) -> int:
+        fields = {} if tier is None else {"tier": tier}
+        return int((await self.request("clear", **fields))["removed"])
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """Subscribe and yield event pushes (``events``: list of {kind, medium, tier,
+        keys}; ``dropped``: events lost so far) until the connection closes."""
+        await self.request("subscribe")
+        while True:
+            message = await self._events.get()
+            if message is None:
+                return
+            yield message
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def close(self) -> None:
+        if self._protocol is not None and self._protocol.transport is not None:
+            self._protocol.transport.close()
+            await self._protocol.lost
+        self._lost(None)
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,157 @@
+"""What every session of one server shares: the chain, the limits, the pool, the counters.
+
+The composition root (the daemon) builds a :class:`ServerContext` from plain values; no
+config model reaches this layer. Sessions read limits from it and report to its
+counters; ``stats``/``metrics``/``health`` replies are built here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from tierd import __version__
+from tierd.chain import TierChain
+from tierd.control.protocol import NAMESPACE_ID_BYTES, PROTOCOL_VERSION, ErrorCode
+from tierd.control.stats import collect_stats, render_prometheus
+from tierd.errors import ProtocolError
+from tierd.keys import MAX_KEY_BYTES
+
+__all__ = ["Limits", "PoolInfo", "ServerContext"]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-request and per-server bounds (the config's ``limits`` section)."""
+
+    max_frame_bytes: int = 64 << 20
+    max_keys_per_request: int = 4096
+    max_connections: int = 1024
+    max_requests_in_flight: int = 256  # per connection; reading pauses beyond it
+    event_queue_batches: int = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    """The shared-memory file clients map: slot ``s`` is ``[s*stride, s*stride+block_bytes)``."""
+
+    path: str
+    size: int
+    stride: int
+    num_blocks: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "size": self.size,
+            "stride": self.stride,
+            "num_blocks": self.num_blocks,
+        }
+
+
+@dataclass(slots=True)
+class ServerContext:
+    """Shared state of one server. ``check_namespace`` returns a problem or ``None``."""
+
+    chain: TierChain
+    limits: Limits = field(default_factory=Limits)
+    pool: PoolInfo | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    check_namespace: Callable[[str], str | None] = lambda name: None
+    allow_uids: frozenset[int] = frozenset()
+    allow_gids: frozenset[int] = frozenset()
+    shutting_down: bool = False
+    connections: int = 0
+    requests: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    started: float = field(default_factory=time.monotonic)
+    _next_lease: int = 0
+    _open_leases: Callable[[], int] = lambda: 0
+
+    @property
+    def block_bytes(self) -> int:
+        return self.chain.block_bytes
+
+    @property
+    def max_keys(self) -> int:
+        return self.limits.max_keys_per_request
+
+    @property
+    def max_key_bytes(self) -> int:
+        return MAX_KEY_BYTES - NAMESPACE_ID_BYTES
+
+    @property
+    def event_queue_batches(self) -> int:
+        return self.limits.event_queue_batches
+
+    def namespace_id(self, name: str) -> bytes:
+        """The 8-byte prefix of a namespace's keys: stable across restarts."""
+        return xxhash.xxh3_64_digest(name.encode())
+
+    def new_lease_id(self) -> int:
+        self._next_lease += 1
+        return self._next_lease
+
+    def count_error(self, code: ErrorCode) -> None:
+        self.errors[str(code)] += 1
+
+    def require_pool(self) -> None:
+        if self.pool is None:
+            raise ProtocolError(
+                "the entry tier is not a shared-memory pool: use put and get",
+                code=ErrorCode.NO_POOL,
+            )
+
+    def hello_fields(self, prefix: bytes) -> dict[str, Any]:
+        chain = self.chain
+        return {
+            "server": f"tierd {__version__}",
+            "protocol": PROTOCOL_VERSION,
+            "block_bytes": chain.block_bytes,
+            "tiers": [
+                {
+                    "name": level.tier.name,
+                    "medium": str(level.medium),
+                    "policy": level.tier.policy.name,
+                    "capacity": level.tier.num_blocks,
+                }
+                for level in chain.levels
+            ],
+            "entry": chain.levels[chain.entry].tier.name,
+            "pool": None if self.pool is None else self.pool.to_dict(),
+            "namespace_id": prefix.hex(),
+            "max_frame_bytes": self.limits.max_frame_bytes,
+            "max_keys_per_request": self.limits.max_keys_per_request,
+            "max_key_bytes": self.max_key_bytes,
+        }
+
+    def server_fields(self) -> dict[str, Any]:
+        return {
+            "version": __version__,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "connections": self.connections,
+            "requests": self.requests,
+            "errors": dict(self.errors),
+            "leases": self._open_leases(),
+            "subscribers": self.chain.bus.subscriber_count,
+            "shutting_down": self.shutting_down,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {**collect_stats(self.chain), "server": self.server_fields()}
+
+    def metrics(self) -> str:
+        return render_prometheus(self.stats())
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "stopping" if self.shutting_down else "ok",
+            "version": __version__,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "connections": self.connections,
+        }

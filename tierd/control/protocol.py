@@ -1,0 +1,209 @@
+"""The wire protocol of the control socket: framing, error codes, field checks.
+
+Every message is one *frame*: a 4-byte big-endian unsigned length, then that many bytes
+of msgpack encoding one map. Requests carry ``id`` (an unsigned integer chosen by the
+client, echoed in the reply, so a client can pipeline) and ``op``; replies carry ``id``
+and ``ok``, and either the op's fields or ``error`` (a code from :class:`ErrorCode`)
+and ``message``. Pushes (event batches) carry ``push`` instead of ``id``. Keys and block
+bytes are msgpack ``bin``; names are ``str``. ``docs/protocol.md`` lists every operation.
+
+This module owns no socket: :class:`FrameDecoder` turns received bytes into messages,
+:func:`encode` turns a message into a frame, and the ``*_field`` helpers validate request
+fields, raising :class:`~tierd.errors.ProtocolError` with the code the reply will carry.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any
+
+import msgpack
+
+from tierd.errors import ProtocolError
+
+__all__ = [
+    "HEADER",
+    "NAMESPACE_ID_BYTES",
+    "PROTOCOL_VERSION",
+    "ErrorCode",
+    "FrameDecoder",
+    "bool_list_field",
+    "bytes_list_field",
+    "encode",
+    "error_reply",
+    "int_field",
+    "keys_field",
+    "opt_str_field",
+]
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct(">I")
+# A namespaced key is an 8-byte namespace id followed by the client's key, so a client
+# key may be at most MAX_KEY_BYTES - 8 = 56 bytes.
+NAMESPACE_ID_BYTES = 8
+_MAX_ID = (1 << 64) - 1
+
+
+class ErrorCode(StrEnum):
+    """The ``error`` field of a failed reply. Closed set: clients may switch on it."""
+
+    BAD_FRAME = "bad_frame"  # the frame is not msgpack
+    FRAME_TOO_LARGE = "frame_too_large"  # over limits.max_frame_bytes; connection closed
+    BAD_REQUEST = "bad_request"  # not a map, a missing or mistyped field
+    UNKNOWN_OP = "unknown_op"
+    HELLO_REQUIRED = "hello_required"  # the first request must be hello
+    VERSION_MISMATCH = "version_mismatch"
+    BLOCK_SIZE_MISMATCH = "block_size_mismatch"
+    BAD_NAMESPACE = "bad_namespace"
+    NAMESPACE_REQUIRED = "namespace_required"  # data ops need a namespace in hello
+    TOO_MANY_KEYS = "too_many_keys"  # over limits.max_keys_per_request
+    BAD_KEY = "bad_key"  # empty, too long or not bytes
+    UNKNOWN_LEASE = "unknown_lease"  # not a lease of this connection (or already finished)
+    UNKNOWN_TIER = "unknown_tier"
+    NO_POOL = "no_pool"  # the entry tier is not a shared-memory pool: use put/get
+    CAPACITY = "capacity"  # no room even after eviction (everything pinned or in flight)
+    IO_ERROR = "io_error"
+    NOT_ALLOWED = "not_allowed"  # peer uid/gid not admitted; connection closed
+    BUSY = "busy"  # too many connections; connection closed
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"  # a bug: logged with a traceback, state untouched
+
+
+def encode(message: Mapping[str, Any]) -> bytes:
+    """One frame: length prefix plus msgpack body."""
+    body: bytes = msgpack.packb(message, use_bin_type=True)
+    return HEADER.pack(len(body)) + body
+
+
+def error_reply(request_id: int, code: ErrorCode | str, message: str) -> dict[str, Any]:
+    return {"id": request_id, "ok": False, "error": str(code), "message": message}
+
+
+class FrameDecoder:
+    """Reassembles frames from a byte stream; ``feed`` returns the complete messages.
+
+    A frame longer than ``max_frame_bytes`` raises ``ProtocolError(FRAME_TOO_LARGE)``
+    before its body is buffered (framing is lost: the caller closes the connection). A
+    body that is not msgpack yields a :class:`ProtocolError` in place of its message, so
+    the caller can answer it and go on (framing is intact)."""
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self._buf = bytearray()
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Any]:
+        buf = self._buf
+        buf += data
+        out: list[Any] = []
+        pos, end = 0, len(buf)
+        while end - pos >= HEADER.size:
+            (size,) = HEADER.unpack_from(buf, pos)
+            if size > self.max_frame_bytes:
+                del buf[:]
+                raise ProtocolError(
+                    f"frame of {size} bytes is over the limit of {self.max_frame_bytes}",
+                    code=ErrorCode.FRAME_TOO_LARGE,
+                )
+            if end - pos - HEADER.size < size:
+                break
+            start = pos + HEADER.size
+            out.append(_unpack(buf[start : start + size]))
+            pos = start + size
+        if pos:
+            del buf[:pos]
+        return out
+
+
+def _unpack(body: bytes | bytearray) -> Any:
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        # msgpack's errors for bad bytes are ValueError subclasses (plus the rest here).
+        return ProtocolError("the frame is not a msgpack message", code=ErrorCode.BAD_FRAME)
+
+
+# -- field checks ------------------------------------------------------------------------
+
+
+def int_field(msg: Mapping[str, Any], name: str, *, default: int | None = None) -> int:
+    value = msg.get(name, default)
+    if value is None:
+        raise ProtocolError(f"missing field {name!r}", code=ErrorCode.BAD_REQUEST)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _MAX_ID:
+        raise ProtocolError(
+            f"field {name!r} must be an unsigned integer, got {value!r:.40}",
+            code=ErrorCode.BAD_REQUEST,
+        )
+    return value
+
+
+def opt_str_field(msg: Mapping[str, Any], name: str, *, max_len: int = 256) -> str | None:
+    value = msg.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > max_len:
+        raise ProtocolError(
+            f"field {name!r} must be a string of at most {max_len} characters",
+            code=ErrorCode.BAD_REQUEST,
+        )
+    return value
+
+
+def keys_field(
+    msg: Mapping[str, Any], *, max_keys: int, max_key_bytes: int, name: str = "keys"
+) -> list[bytes]:
+    """A non-empty list of at most ``max_keys`` keys of 1..``max_key_bytes`` bytes each."""
+    keys = msg.get(name)
+    if not isinstance(keys, list):
+        raise ProtocolError(f"field {name!r} must be a list of bin", code=ErrorCode.BAD_REQUEST)
+    if len(keys) > max_keys:
+        raise ProtocolError(
+            f"{len(keys)} keys in one request, the limit is {max_keys}",
+            code=ErrorCode.TOO_MANY_KEYS,
+        )
+    for i, key in enumerate(keys):
+        if type(key) is not bytes or not 0 < len(key) <= max_key_bytes:
+            raise ProtocolError(
+                f"{name}[{i}] must be bin of 1 to {max_key_bytes} bytes",
+                code=ErrorCode.BAD_KEY,
+            )
+    return keys
+
+
+def bytes_list_field(msg: Mapping[str, Any], name: str, *, count: int, size: int) -> list[bytes]:
+    """Exactly ``count`` bin values of exactly ``size`` bytes each."""
+    values = msg.get(name)
+    if not isinstance(values, list) or len(values) != count:
+        raise ProtocolError(
+            f"field {name!r} must be a list of {count} bin values", code=ErrorCode.BAD_REQUEST
+        )
+    for i, value in enumerate(values):
+        if type(value) is not bytes or len(value) != size:
+            raise ProtocolError(
+                f"{name}[{i}] must be bin of exactly {size} bytes (the block size)",
+                code=ErrorCode.BAD_REQUEST,
+            )
+    return values
+
+
+def bool_list_field(msg: Mapping[str, Any], name: str, *, count: int) -> list[bool]:
+    """``count`` booleans, or one boolean meaning all of them (default: all true)."""
+    value = msg.get(name, True)
+    if isinstance(value, bool):
+        return [value] * count
+    if (
+        not isinstance(value, list)
+        or len(value) != count
+        or not all(isinstance(v, bool) for v in value)
+    ):
+        raise ProtocolError(
+            f"field {name!r} must be a boolean or a list of {count} booleans",
+            code=ErrorCode.BAD_REQUEST,
+        )
+    return value

@@ -1,0 +1,393 @@
+"""One client connection's view of the chain: its namespace, its leases, its requests.
+
+A :class:`Session` turns decoded requests into chain calls and replies; it owns no
+socket (the connection hands it messages and a ``send`` callback), so every rule of the
+protocol can be exercised without one.
+
+- **Namespaces.** ``hello`` names the client's namespace; every key the client sends is
+  prefixed with the namespace's 8-byte id before it reaches the chain, and stripped from
+  the events it receives, so blocks of different namespaces never collide.
+- **Leases.** ``prepare_store`` and ``prepare_load`` hand out a lease id naming the
+  reserved or pinned blocks; only this session can finish it. :meth:`close` aborts and
+  releases every lease left, and a request still running when the session closes gives
+  its lease back as soon as it ends. A client that dies therefore never leaks a pin or
+  a slot.
+- **Errors.** A bad request gets an error reply and changes nothing; an unexpected
+  exception is logged with its traceback and answered ``internal``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import structlog
+
+from tierd.chain import LoadHandle, StoreHandle
+from tierd.control.context import ServerContext
+from tierd.control.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    bool_list_field,
+    bytes_list_field,
+    error_reply,
+    int_field,
+    keys_field,
+    opt_str_field,
+)
+from tierd.errors import (
+    BlockMissing,
+    CapacityError,
+    ProtocolError,
+    ResourceClosed,
+    StoreIOError,
+    TierdError,
+    TransferError,
+)
+from tierd.events import TierEvent
+from tierd.keys import BlockKey
+
+__all__ = ["Session"]
+
+log = structlog.get_logger("tierd.control")
+
+Reply = dict[str, Any]
+Lease = StoreHandle | LoadHandle
+_H = TypeVar("_H", StoreHandle, LoadHandle)
+
+
+class Session:
+    """Requests from one client; ``send`` writes a message back to it."""
+
+    def __init__(self, ctx: ServerContext, send: Callable[[dict[str, Any]], None]) -> None:
+        self.ctx = ctx
+        self.send = send
+        self.greeted = False
+        self.namespace: str | None = None
+        self.prefix = b""
+        self.leases: dict[int, Lease] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.closed = False
+        self._events: asyncio.Task[None] | None = None
+        self.writable = asyncio.Event()  # cleared while the client's socket is full
+        self.writable.set()
+        self._sync: dict[str, Callable[[dict[str, Any]], Reply]] = {
+            "hello": self._hello,
+            "lookup": self._lookup,
+            "touch": self._touch,
+            "complete_load": self._complete_load,
+            "abort_store": self._abort_store,
+            "subscribe": self._subscribe,
+            "unsubscribe": self._unsubscribe,
+            "clear": self._clear,
+            "stats": lambda msg: {"stats": ctx.stats()},
+            "health": lambda msg: ctx.health(),
+            "config": lambda msg: {"config": ctx.config},
+            "metrics": lambda msg: {"text": ctx.metrics()},
+        }
+        self._async: dict[str, Callable[[dict[str, Any]], Awaitable[Reply]]] = {
+            "prepare_store": self._prepare_store,
+            "complete_store": self._complete_store,
+            "prepare_load": self._prepare_load,
+            "put": self._put,
+            "get": self._get,
+            "flush": self._flush,
+        }
+
+    # -- dispatch ---------------------------------------------------------------------
+
+    def handle(self, msg: Any) -> None:
+        """Answer one decoded message (a :class:`ProtocolError` for an undecodable one)."""
+        self.ctx.requests += 1
+        request_id = msg.get("id", 0) if isinstance(msg, dict) else 0
+        if not isinstance(request_id, int) or isinstance(request_id, bool):
+            request_id = 0
+        try:
+            if isinstance(msg, ProtocolError):
+                raise msg
+            if not isinstance(msg, dict):
+                raise ProtocolError("a request must be a map", code=ErrorCode.BAD_REQUEST)
+            int_field(msg, "id")
+            op = msg.get("op")
+            if not isinstance(op, str):
+                raise ProtocolError("field 'op' must be a string", code=ErrorCode.BAD_REQUEST)
+            if not self.greeted and op != "hello":
+                raise ProtocolError(
+                    "the first request must be hello", code=ErrorCode.HELLO_REQUIRED
+                )
+            if self.ctx.shutting_down and op in self._async:
+                raise ProtocolError("the daemon is shutting down", code=ErrorCode.SHUTTING_DOWN)
+            sync = self._sync.get(op)
+            if sync is not None:
+                self._reply(request_id, sync(msg))
+            elif op in self._async:
+                self._spawn(request_id, self._async[op](msg))
+            else:
+                raise ProtocolError(f"unknown op {op[:64]!r}", code=ErrorCode.UNKNOWN_OP)
+        except Exception as exc:  # every failure becomes a reply; cancellation propagates
+            self._fail(request_id, exc)
+
+    def _spawn(self, request_id: int, work: Awaitable[Reply]) -> None:
+        async def run() -> None:
+            try:
+                reply = await work
+            except Exception as exc:
+                self._fail(request_id, exc)
+            else:
+                self._reply(request_id, reply)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def _reply(self, request_id: int, fields: Reply) -> None:
+        if not self.closed:
+            self.send({"id": request_id, "ok": True, **fields})
+
+    def _fail(self, request_id: int, exc: Exception) -> None:
+        code = _error_code(exc)
+        if code is ErrorCode.INTERNAL:
+            log.error("request failed", namespace=self.namespace, exc_info=exc)
+        self.ctx.count_error(code)
+        if not self.closed:
+            self.send(error_reply(request_id, code, str(exc) or type(exc).__name__))
+
+    # -- handshake and queries --------------------------------------------------------
+
+    def _hello(self, msg: dict[str, Any]) -> Reply:
+        if self.greeted:
+            raise ProtocolError("hello was already done", code=ErrorCode.BAD_REQUEST)
+        version = int_field(msg, "version")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"protocol version {version} is not supported (this daemon speaks"
+                f" {PROTOCOL_VERSION})",
+                code=ErrorCode.VERSION_MISMATCH,
+            )
+        block_bytes = msg.get("block_bytes")
+        if block_bytes is not None and int_field(msg, "block_bytes") != self.ctx.block_bytes:
+            raise ProtocolError(
+                f"block size {block_bytes} does not match the daemon's {self.ctx.block_bytes}",
+                code=ErrorCode.BLOCK_SIZE_MISMATCH,
+            )
+        namespace = opt_str_field(msg, "namespace", max_len=1024)
+        if namespace is not None:
+            problem = self.ctx.check_namespace(namespace)
+            if problem is not None:
+                raise ProtocolError(problem, code=ErrorCode.BAD_NAMESPACE)
+            self.prefix = self.ctx.namespace_id(namespace)
+            self.namespace = namespace
+        self.greeted = True
+        return self.ctx.hello_fields(self.prefix)
+
+    def _keys(self, msg: dict[str, Any], name: str = "keys") -> list[BlockKey]:
+        if self.namespace is None:
+            raise ProtocolError(
+                "data operations need a namespace: name one in hello",
+                code=ErrorCode.NAMESPACE_REQUIRED,
+            )
+        keys = keys_field(
+            msg,
+            name=name,
+            max_keys=self.ctx.max_keys,
+            max_key_bytes=self.ctx.max_key_bytes,
+        )
+        prefix = self.prefix
+        return [BlockKey(prefix + key) for key in keys]
+
+    def _lookup(self, msg: dict[str, Any]) -> Reply:
+        result = self.ctx.chain.lookup(self._keys(msg))
+        return {
+            "count": result.count,
+            "media": [str(m) for m in result.media],
+            "in_flight": result.in_flight,
+        }
+
+    def _touch(self, msg: dict[str, Any]) -> Reply:
+        self.ctx.chain.touch(self._keys(msg))
+        return {}
+
+    def _clear(self, msg: dict[str, Any]) -> Reply:
+        name = opt_str_field(msg, "tier")
+        names = [level.tier.name for level in self.ctx.chain.levels]
+        if name is not None and name not in names:
+            raise ProtocolError(
+                f"no tier named {name!r} (tiers: {', '.join(names)})",
+                code=ErrorCode.UNKNOWN_TIER,
+            )
+        index = None if name is None else names.index(name)
+        return {"removed": self.ctx.chain.clear(index)}
+
+    async def _flush(self, msg: dict[str, Any]) -> Reply:
+        return {"copied": await self.ctx.chain.flush()}
+
+    # -- zero-copy data path ----------------------------------------------------------
+
+    async def _prepare_store(self, msg: dict[str, Any]) -> Reply:
+        keys = self._keys(msg)
+        self.ctx.require_pool()
+        handle = await self.ctx.chain.begin_store(keys)
+        slot_of = dict(zip(handle.keys, handle.slots, strict=True))
+        slots = [slot_of.get(key) for key in keys]
+        if not handle.keys:
+            await handle.commit()
+            return {"lease": None, "slots": slots}
+        return {"lease": self._lease(handle), "slots": slots}
+
+    async def _complete_store(self, msg: dict[str, Any]) -> Reply:
+        lease, handle = self._lease_of(msg, StoreHandle)
+        ok = bool_list_field(msg, "ok", count=len(handle.keys))
+        del self.leases[lease]
+        return {"stored": len(await handle.commit(ok))}
+
+    def _abort_store(self, msg: dict[str, Any]) -> Reply:
+        lease, handle = self._lease_of(msg, StoreHandle)
+        del self.leases[lease]
+        handle.abort()
+        return {}
+
+    async def _prepare_load(self, msg: dict[str, Any]) -> Reply:
+        keys = self._keys(msg)
+        self.ctx.require_pool()
+        try:
+            handle = await self.ctx.chain.load(keys)
+        except BlockMissing:
+            return {"lease": None, "count": 0, "slots": []}
+        return {"lease": self._lease(handle), "count": len(handle.keys), "slots": handle.slots}
+
+    def _complete_load(self, msg: dict[str, Any]) -> Reply:
+        lease, handle = self._lease_of(msg, LoadHandle)
+        del self.leases[lease]
+        handle.release()
+        return {}
+
+    # -- inline data path -------------------------------------------------------------
+
+    async def _put(self, msg: dict[str, Any]) -> Reply:
+        keys = self._keys(msg)
+        data = bytes_list_field(msg, "data", count=len(keys), size=self.ctx.block_bytes)
+        return {"stored": len(await self.ctx.chain.store(keys, data))}
+
+    async def _get(self, msg: dict[str, Any]) -> Reply:
+        keys = self._keys(msg)
+        try:
+            handle = await self.ctx.chain.load(keys)
+        except BlockMissing:
+            return {"count": 0, "data": []}
+        try:
+            if handle.store.has_views:
+                data = [bytes(memoryview(v).cast("B")) for v in handle.views()]
+            else:
+                out = [bytearray(self.ctx.block_bytes) for _ in handle.keys]
+                ok = await handle.read_into(out)
+                data = [bytes(b) for b in out[: _leading(ok)]]
+        finally:
+            handle.release()
+        return {"count": len(data), "data": data}
+
+    # -- leases -----------------------------------------------------------------------
+
+    def _lease(self, handle: Lease) -> int:
+        """Register ``handle`` as this session's; if the session closed meanwhile (the
+        request outlived its client), give the blocks back at once."""
+        if self.closed:
+            _finish(handle)
+            raise ProtocolError("the connection closed", code=ErrorCode.SHUTTING_DOWN)
+        lease = self.ctx.new_lease_id()
+        self.leases[lease] = handle
+        return lease
+
+    def _lease_of(self, msg: dict[str, Any], kind: type[_H]) -> tuple[int, _H]:
+        """The lease named by ``msg``, which must be of ``kind`` and held here."""
+        lease = int_field(msg, "lease")
+        handle = self.leases.get(lease)
+        if not isinstance(handle, kind):
+            what = "store" if kind is StoreHandle else "load"
+            raise ProtocolError(
+                f"lease {lease} is not a {what} lease held by this connection",
+                code=ErrorCode.UNKNOWN_LEASE,
+            )
+        return lease, handle
+
+    # -- events -----------------------------------------------------------------------
+
+    def _subscribe(self, msg: dict[str, Any]) -> Reply:
+        if self._events is None:
+            subscription = self.ctx.chain.bus.subscribe(self.ctx.event_queue_batches)
+            self._events = asyncio.get_running_loop().create_task(self._pump(subscription))
+        return {}
+
+    def _unsubscribe(self, msg: dict[str, Any]) -> Reply:
+        if self._events is not None:
+            self._events.cancel()
+            self._events = None
+        return {}
+
+    async def _pump(self, subscription: Any) -> None:
+        try:
+            async for batch in subscription:
+                await self.writable.wait()
+                events = [e for e in (self._event_fields(ev) for ev in batch) if e is not None]
+                if events and not self.closed:
+                    self.send({"push": "events", "events": events, "dropped": subscription.dropped})
+        finally:
+            subscription.close()
+
+    def _event_fields(self, event: TierEvent) -> dict[str, Any] | None:
+        prefix = self.prefix
+        if prefix:
+            size = len(prefix)
+            keys = [k[size:] for k in event.keys if k[:size] == prefix]
+            if not keys:
+                return None
+        else:
+            keys = list(event.keys)
+        return {
+            "kind": str(event.kind),
+            "medium": str(event.medium),
+            "tier": event.tier,
+            "keys": keys,
+        }
+
+    # -- end of life ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """The connection is gone: release every lease; running requests release theirs
+        when they end."""
+        if self.closed:
+            return
+        self.closed = True
+        self._unsubscribe({})
+        leases, self.leases = self.leases, {}
+        for handle in leases.values():
+            _finish(handle)
+
+
+def _finish(handle: Lease) -> None:
+    if isinstance(handle, StoreHandle):
+        handle.abort()
+    else:
+        handle.release()
+
+
+def _leading(flags: list[bool]) -> int:
+    for i, flag in enumerate(flags):
+        if not flag:
+            return i
+    return len(flags)
+
+
+def _error_code(exc: Exception) -> ErrorCode:
+    if isinstance(exc, ProtocolError):
+        codes = {str(code): code for code in ErrorCode}
+        return codes.get(exc.code, ErrorCode.BAD_REQUEST)
+    if isinstance(exc, CapacityError):
+        return ErrorCode.CAPACITY
+    if isinstance(exc, StoreIOError | TransferError):
+        return ErrorCode.IO_ERROR
+    if isinstance(exc, ResourceClosed):
+        return ErrorCode.SHUTTING_DOWN
+    if isinstance(exc, TierdError):
+        return ErrorCode.BAD_REQUEST
+    return ErrorCode.INTERNAL

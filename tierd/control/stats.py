@@ -1,0 +1,157 @@
+"""The daemon's figures: one JSON-able snapshot, and the same as Prometheus text.
+
+:func:`collect_stats` reads the chain (per tier, per route, whole chain);
+:func:`render_prometheus` turns a snapshot, with the server's own ``server`` section,
+into the text exposition format through prometheus-client, so names and escaping follow
+the format exactly.
+
+Per tier, ``hits`` counts block hits served by that tier (its highest holder at lookup
+time) and ``misses`` the looked-up blocks that reached it and were not there: the chain's
+misses plus the hits served by the tiers below it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tierd.chain import TierChain
+
+__all__ = ["collect_stats", "render_prometheus"]
+
+
+def collect_stats(chain: TierChain) -> dict[str, Any]:
+    chain_stats = chain.stats()
+    hits = chain_stats.hits_by_level
+    tiers = []
+    for index, level in enumerate(chain.levels):
+        tier = level.tier.stats()
+        tiers.append(
+            {
+                "name": tier.name,
+                "medium": str(tier.medium),
+                "policy": tier.policy,
+                "capacity": tier.capacity,
+                "used": tier.used,
+                "pinned": tier.pinned,
+                "writing": tier.writing,
+                "hits": hits[index],
+                "misses": chain_stats.miss_blocks + sum(hits[index + 1 :]),
+                "stores": tier.stores,
+                "evictions": tier.evictions,
+                "demotions": level.demotions,
+                "promotions": level.promotions,
+                "dropped": level.dropped,
+                "refused": level.refused,
+                "io_errors": level.io_errors,
+            }
+        )
+    routes = [
+        {
+            "src": str(route.src),
+            "dst": str(route.dst),
+            "bytes": route.bytes,
+            "blocks": route.blocks,
+            "failures": route.failures,
+            "busy_s": round(route.busy_s, 6),
+            "gb_per_s": round(route.gb_per_s, 3),
+            "in_flight_bytes": route.in_flight_bytes,
+        }
+        for route in chain.transfer.stats().values()
+        if route.blocks or route.failures or route.in_flight_bytes
+    ]
+    looked_up = chain_stats.hit_blocks + chain_stats.miss_blocks
+    return {
+        "block_bytes": chain.block_bytes,
+        "tiers": tiers,
+        "routes": routes,
+        "chain": {
+            "lookups": chain_stats.lookups,
+            "hit_blocks": chain_stats.hit_blocks,
+            "miss_blocks": chain_stats.miss_blocks,
+            "hit_ratio": round(chain_stats.hit_blocks / looked_up, 6) if looked_up else 0.0,
+            "events_published": chain_stats.events_published,
+            "events_dropped": chain_stats.events_dropped,
+        },
+    }
+
+
+# (stats key, metric suffix, help, is a counter)
+_TIER_METRICS = [
+    ("capacity", "capacity_blocks", "Slots in the tier", False),
+    ("used", "used_blocks", "Blocks held (ready or being written)", False),
+    ("pinned", "pinned_blocks", "Blocks pinned by loads", False),
+    ("writing", "writing_blocks", "Blocks being written", False),
+    ("hits", "hits", "Block hits served by this tier", True),
+    ("misses", "misses", "Looked-up blocks that reached this tier and were not there", True),
+    ("stores", "stores", "Blocks stored", True),
+    ("evictions", "evictions", "Blocks evicted", True),
+    ("demotions", "demotions", "Blocks copied down on eviction", True),
+    ("promotions", "promotions", "Blocks copied up into this tier", True),
+    ("dropped", "dropped", "Dirty blocks lost at eviction", True),
+    ("io_errors", "io_errors", "Blocks whose copy in or out failed", True),
+]
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, stats: dict[str, Any]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._tiers(self._stats["tiers"])
+        yield from self._routes(self._stats["routes"])
+        chain = self._stats["chain"]
+        for key in ("lookups", "hit_blocks", "miss_blocks", "events_dropped"):
+            yield CounterMetricFamily(f"tierd_{key}", f"Chain {key.replace('_', ' ')}", chain[key])
+        server = self._stats.get("server")
+        if server is not None:
+            yield from self._server(server)
+
+    def _tiers(self, tiers: list[dict[str, Any]]) -> Iterator[Metric]:
+        for key, suffix, text, counter in _TIER_METRICS:
+            family = (CounterMetricFamily if counter else GaugeMetricFamily)(
+                f"tierd_tier_{suffix}", text, labels=["tier", "medium"]
+            )
+            for tier in tiers:
+                family.add_metric([tier["name"], tier["medium"]], tier[key])
+            yield family
+
+    def _routes(self, routes: list[dict[str, Any]]) -> Iterator[Metric]:
+        moved = CounterMetricFamily("tierd_route_bytes", "Bytes copied", labels=["src", "dst"])
+        failed = CounterMetricFamily(
+            "tierd_route_failures", "Blocks whose copy failed", labels=["src", "dst"]
+        )
+        busy = CounterMetricFamily(
+            "tierd_route_busy_seconds", "Time with a copy in flight", labels=["src", "dst"]
+        )
+        for route in routes:
+            labels = [route["src"], route["dst"]]
+            moved.add_metric(labels, route["bytes"])
+            failed.add_metric(labels, route["failures"])
+            busy.add_metric(labels, route["busy_s"])
+        yield from (moved, failed, busy)
+
+    def _server(self, server: dict[str, Any]) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "tierd_connections", "Open client connections", server["connections"]
+        )
+        yield GaugeMetricFamily(
+            "tierd_leases", "Open leases (pins and reservations)", server["leases"]
+        )
+        yield CounterMetricFamily("tierd_requests", "Requests received", server["requests"])
+        errors = CounterMetricFamily("tierd_errors", "Error replies", labels=["code"])
+        for code, count in sorted(server["errors"].items()):
+            errors.add_metric([code], count)
+        yield errors
+        yield GaugeMetricFamily("tierd_uptime_seconds", "Seconds since start", server["uptime_s"])
+
+
+def render_prometheus(stats: dict[str, Any]) -> str:
+    """The Prometheus text exposition of a :func:`collect_stats` snapshot."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SnapshotCollector(stats))
+    return generate_latest(registry).decode()
