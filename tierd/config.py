@@ -1,19 +1,29 @@
 """Configuration: YAML -> strict pydantic models.
 
 Only this layer reads files and environment variables; everything below takes plain
-constructor arguments. Sizes are bytes (``4096``) or strings with a unit (``"64GiB"``,
-``"2 MiB"``, ``"512KB"``); a tier's ``capacity`` is a number of blocks (``4096`` or
-``"4096 blocks"``) or a size (``"64GiB"``, divided by ``block_bytes``). Unknown keys are
+constructor arguments. This module owns the models: :class:`ChainConfig` (the chain, also what
+the library opens) and :class:`DaemonConfig` (the chain plus the daemon's sections: socket,
+limits, namespaces, logging, metrics, shutdown, events). Where the daemon's values come from
+(file, ``TIERD_*`` environment, ``--set``) is :mod:`tierd.settings`.
+
+Sizes are bytes (``4096``) or strings with a unit (``"64GiB"``, ``"2 MiB"``, ``"512KB"``);
+a tier's ``capacity`` is a number of blocks (``4096`` or ``"4096 blocks"``) or a size
+(``"64GiB"``, divided by ``block_bytes``); durations are seconds or ``"10s"``, ``"500ms"``,
+``"2m"``; permission modes are octal (``0o600``, ``"0600"``, ``"600"``). Unknown keys are
 errors. :func:`load_config` turns every validation problem into a :class:`ConfigError`
 whose lines name the YAML path (``tiers.1.policy``), the bad value and what is allowed.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import math
+import os
 import re
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import yaml
 from pydantic import (
@@ -25,6 +35,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from tierd.chain import Admission
 from tierd.errors import ConfigError
@@ -33,12 +44,24 @@ from tierd.policy import policy_names
 
 __all__ = [
     "ChainConfig",
+    "DaemonConfig",
+    "EventsConfig",
+    "LimitsConfig",
+    "LoggingConfig",
+    "MetricsConfig",
+    "NamespaceConfig",
+    "ShutdownConfig",
+    "SocketConfig",
     "TierConfig",
     "TierKind",
     "TransferConfig",
+    "default_socket_path",
     "format_validation_error",
     "load_config",
+    "parse_mode",
+    "parse_seconds",
     "parse_size",
+    "read_config_file",
 ]
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -75,6 +98,54 @@ def parse_size(value: object) -> int:
 
 
 Size = Annotated[int, BeforeValidator(parse_size)]
+
+_OWNER_RW = 0o600
+
+
+def parse_mode(value: object) -> int:
+    """A permission mode from an int (``0o600``, ``384``) or an octal string (``"0600"``,
+    ``"0o600"``, ``"600"``) that keeps owner read/write; raises ``ValueError``."""
+    if isinstance(value, str):
+        digits = value.strip().lower().removeprefix("0o")
+        if not digits or any(c not in "01234567" for c in digits):
+            raise ValueError("not an octal mode: write it like 0o600 or '0600'")
+        value = int(digits, 8)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("mode must be an octal number like 0o600 or a string like '0600'")
+    if not 0 <= value <= 0o777:
+        raise ValueError("mode must be within 0..0o777 (octal: write 0o600, not 600)")
+    if value & _OWNER_RW != _OWNER_RW:
+        raise ValueError("mode must include owner read/write (0o600)")
+    return value
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_seconds(value: object) -> float:
+    """Positive seconds from ``10``, ``2.5``, ``"10s"``, ``"500ms"``, ``"2m"``, ``"1h"``;
+    raises ``ValueError``."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION.match(value.lower())):
+        seconds = float(match.group(1)) * _SECONDS[match.group(2)]
+    else:
+        raise ValueError("not a duration: use seconds, or a string like '10s', '500ms', '2m'")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError("a duration must be positive")
+    return seconds
+
+
+Mode = Annotated[int, BeforeValidator(parse_mode)]
+Seconds = Annotated[float, BeforeValidator(parse_seconds)]
+_AT = "config_path"  # the error type of _error_at: format_validation_error reads its path
+
+
+def _error_at(path: str, message: str) -> PydanticCustomError:
+    """A validation error at ``path`` below the model whose validator raises it (a model
+    validator's own errors would otherwise point at the whole model)."""
+    return PydanticCustomError(_AT, "{message}", {"path": path, "message": message})
 
 
 class TierKind(StrEnum):
@@ -135,11 +206,11 @@ class TierConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> TierConfig:
         if self.kind is TierKind.DISK and not self.directories:
-            raise ValueError("a disk tier needs at least one entry in 'directories'")
+            raise _error_at("directories", "a disk tier needs at least one directory")
         if self.kind is not TierKind.DISK and self.directories:
-            raise ValueError(f"'directories' only applies to disk tiers, not {self.kind}")
+            raise _error_at("directories", f"only applies to disk tiers, not {self.kind}")
         if self.kind is TierKind.GPU and self.device is None:
-            raise ValueError("a gpu tier needs 'device' (e.g. 'cuda:0', or 'cpu' for testing)")
+            raise _error_at("device", "a gpu tier needs a device ('cuda:0', or 'cpu' to test)")
         return self
 
     def num_blocks(self, block_bytes: int) -> int:
@@ -169,20 +240,157 @@ class ChainConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> ChainConfig:
         if self.block_bytes <= 0:
-            raise ValueError("block_bytes must be positive")
+            raise _error_at("block_bytes", f"must be positive, got {self.block_bytes}")
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
-            raise ValueError(f"tier names must be unique, got {names}")
+            raise _error_at("tiers", f"tier names must be unique, got {names}")
         if self.entry is not None and self.entry not in names:
-            raise ValueError(f"entry {self.entry!r} is not a tier name ({', '.join(names)})")
-        for tier in self.tiers:
-            tier.num_blocks(self.block_bytes)
+            raise _error_at("entry", f"{self.entry!r} is not a tier name ({', '.join(names)})")
+        for index, tier in enumerate(self.tiers):
+            count, is_bytes = _capacity_parts(tier.capacity)
+            if is_bytes and count < self.block_bytes:
+                message = f"{tier.capacity!r} holds no block of {self.block_bytes} bytes"
+                raise _error_at(f"tiers.{index}.capacity", message)
         return self
 
     @property
     def entry_index(self) -> int:
         names = [t.name for t in self.tiers]
         return 0 if self.entry is None else names.index(self.entry)
+
+
+# -- the daemon's sections -------------------------------------------------------------------
+
+
+def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_RUNTIME_DIR/tierd.sock`` when that is set, else ``/tmp/tierd-<uid>.sock``."""
+    runtime = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
+    return Path(runtime) / "tierd.sock" if runtime else Path(f"/tmp/tierd-{os.getuid()}.sock")
+
+
+class SocketConfig(_Strict):
+    """The control socket, and who may use it.
+
+    ``mode`` applies to the socket file and to the shared-memory pool that clients map.
+    A connecting peer (``SO_PEERCRED``) is admitted when its uid is the daemon's own uid,
+    or is in ``allow_uids``, or its gid is in ``allow_gids``; everyone else is refused.
+    """
+
+    path: Path = Field(default_factory=default_socket_path)
+    mode: Mode = 0o600
+    allow_uids: list[int] = Field(default_factory=list)
+    allow_gids: list[int] = Field(default_factory=list)
+
+
+class LimitsConfig(_Strict):
+    """Bounds on what one client can ask of the daemon."""
+
+    max_frame_bytes: Size = Field(default=64 << 20, ge=4096)
+    max_keys_per_request: int = Field(default=4096, ge=1)
+    max_connections: int = Field(default=1024, ge=1)
+
+
+class NamespaceConfig(_Strict):
+    """Which namespace names clients may use: the whole name must match ``pattern`` and,
+    when ``allowed`` is not empty, be one of its entries."""
+
+    pattern: str = r"^[A-Za-z0-9_.:/@+=-]{1,128}$"
+    allowed: list[str] = Field(default_factory=list)
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"pattern is not a valid regular expression: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _allowed(self) -> NamespaceConfig:
+        for index, name in enumerate(self.allowed):
+            if re.fullmatch(self.pattern, name) is None:
+                raise _error_at(f"allowed.{index}", f"{name!r} does not match {self.pattern}")
+        return self
+
+    def check(self, name: str) -> str | None:
+        """Why ``name`` is refused, or ``None`` when it is a valid namespace."""
+        if re.fullmatch(self.pattern, name) is None:
+            return f"namespace {name!r} does not match {self.pattern}"
+        if self.allowed and name not in self.allowed:
+            return f"namespace {name!r} is not allowed (allowed: {', '.join(self.allowed)})"
+        return None
+
+
+class LoggingConfig(_Strict):
+    """``format: auto`` logs JSON when stderr is not a terminal, key-value when it is."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+
+
+class MetricsConfig(_Strict):
+    """The Prometheus endpoint: off unless ``http_port`` is set; loopback only."""
+
+    http_port: int | None = Field(default=None, ge=1, le=65535)
+    http_host: str = "127.0.0.1"
+
+    @field_validator("http_host")
+    @classmethod
+    def _loopback(cls, value: str) -> str:
+        if value == "localhost":
+            return value
+        try:
+            loopback = ipaddress.ip_address(value).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ValueError("http_host must be a loopback address (127.0.0.1, ::1, localhost)")
+        return value
+
+
+class ShutdownConfig(_Strict):
+    """On SIGTERM: ``grace`` seconds to drain in-flight work; then ``write_back: flush``
+    copies dirty blocks down to the last tier so they survive a restart (``none`` drops
+    them)."""
+
+    grace: Seconds = 10.0
+    write_back: Literal["none", "flush"] = "flush"
+
+
+class EventsConfig(_Strict):
+    """Each event subscriber gets a queue of at most ``queue_batches`` event batches."""
+
+    queue_batches: int = Field(default=1024, ge=1)
+
+
+def _default_tiers() -> list[TierConfig]:
+    return [TierConfig(name="cpu", kind=TierKind.CPU, capacity="1GiB", policy="lru")]
+
+
+class DaemonConfig(ChainConfig):
+    """What ``tierd serve`` runs: the chain plus the daemon's sections. Every field has a
+    default, so ``DaemonConfig()`` is a valid config (one 1GiB CPU tier)."""
+
+    tiers: list[TierConfig] = Field(default_factory=_default_tiers, min_length=1)
+    socket: SocketConfig = Field(default_factory=SocketConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    namespaces: NamespaceConfig = Field(default_factory=NamespaceConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
+
+    @model_validator(mode="after")
+    def _frame_fits_a_block(self) -> DaemonConfig:
+        need = self.block_bytes + (64 << 10)
+        if self.limits.max_frame_bytes < need:
+            message = (
+                f"{self.limits.max_frame_bytes} is too small for an inline put of one block: "
+                f"it must be at least block_bytes + 64KiB ({need})"
+            )
+            raise _error_at("limits.max_frame_bytes", message)
+        return self
 
 
 def _capacity_parts(value: int | str) -> tuple[int, bool]:
@@ -202,35 +410,64 @@ def _capacity_parts(value: int | str) -> tuple[int, bool]:
     raise ValueError(f"capacity {value!r} is not a block count or a size like '64GiB'")
 
 
-def format_validation_error(error: ValidationError, prefix: str = "") -> str:
-    """One line per problem: ``path: message (got value)``."""
+def format_validation_error(
+    error: ValidationError, prefix: str = "", *, sources: Mapping[str, str] | None = None
+) -> str:
+    """One line per problem: ``path: message (got value)``. ``sources`` maps a dotted path
+    to where its value came from (``"--set"``); a problem at or below it says so:
+    ``socket.mode (from --set): ...``."""
     lines = []
     for problem in error.errors():
-        path = ".".join(str(part) for part in (prefix, *problem["loc"]) if part != "")
+        loc = [str(part) for part in (prefix, *problem["loc"]) if part != ""]
+        if problem["type"] == _AT:
+            loc += str(problem.get("ctx", {})["path"]).split(".")
+        path = ".".join(loc)
+        origin = _origin(path, sources or {})
+        where = f"{path or '<root>'}{f' (from {origin})' if origin else ''}"
         message = problem["msg"].removeprefix("Value error, ")
         got = problem.get("input")
-        shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
-        lines.append(f"{path or '<root>'}: {message}{shown}")
+        quiet = problem["type"] == _AT or isinstance(got, dict | list | BaseModel)
+        lines.append(f"{where}: {message}{'' if quiet else f' (got {got!r})'}")
     return "\n".join(lines)
+
+
+def _origin(path: str, sources: Mapping[str, str]) -> str | None:
+    """The source of the longest path in ``sources`` that is ``path`` or contains it."""
+    for known in sorted(sources, key=len, reverse=True):
+        if path == known or path.startswith(f"{known}."):
+            return sources[known]
+    return None
+
+
+def read_config_file(path: Path | str) -> dict[str, Any]:
+    """The top-level mapping of a YAML file (an empty file is an empty mapping);
+    :class:`ConfigError` naming the file when it cannot be read or is not a mapping."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file: {exc.strerror}", path=str(path)) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"not valid YAML: {exc}", path=str(path)) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("the config must be a mapping at the top level", path=str(path))
+    return data
 
 
 def load_config(source: Path | str | dict[str, Any], model: type[_M]) -> _M:
     """Validate a YAML file (path) or a mapping into ``model``; :class:`ConfigError` on
-    any problem, one line each, naming the YAML path."""
-    data: Any
-    if isinstance(source, dict):
-        data = source
-    else:
-        path = Path(source)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file: {exc.strerror}", path=str(path)) from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"not valid YAML: {exc}", path=str(path)) from exc
-    if not isinstance(data, dict):
-        raise ConfigError("the config must be a mapping at the top level")
+    any problem, one line each, naming the YAML path.
+
+    A daemon file (with ``socket``, ``limits``, ... sections) also opens as a
+    :class:`ChainConfig`: it is then validated, strictly, as the :class:`DaemonConfig`
+    it is, which is a :class:`ChainConfig`."""
+    data = source if isinstance(source, dict) else read_config_file(source)
+    target: type[BaseModel] = model
+    if issubclass(DaemonConfig, model) and data.keys() - model.model_fields.keys():
+        target = DaemonConfig
     try:
-        return model.model_validate(data)
+        return cast(_M, target.model_validate(data))
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from exc
