@@ -11,7 +11,7 @@ from tierd.keys import BlockKey, Medium, block_key
 from tierd.policy import CachePolicy, make_policy, policy_names
 from tierd.tier import StorePlan, Tier, TierStats
 
-__version__ = "0.1.0"
+from tierd.version import __version__
 
 
 def open(config: Any) -> AbstractAsyncContextManager[TierChain]:

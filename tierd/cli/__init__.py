@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import structlog
 
-from tierd import __version__
-from tierd.cli import offline
+from tierd.version import __version__
+from tierd.cli import config_cmd, offline
 from tierd.cli.base import (
     EXIT_BAD_INPUT,
     EXIT_CONFIG,
@@ -29,6 +29,7 @@ __all__ = ["COMMANDS", "Command", "build_parser", "main"]
 
 COMMANDS: dict[str, Command] = {
     **offline.COMMANDS,
+    **config_cmd.COMMANDS,
 }
 
 
@@ -60,11 +61,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is at write time (a test's capture may replace it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def _configure_logging() -> None:
     """Logs go to stderr, so stdout carries only the command's output. ``serve``
     reconfigures logging from its config."""
     structlog.configure(
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_CurrentStderr()),  # type: ignore[arg-type]
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
     )
 

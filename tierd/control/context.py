@@ -15,7 +15,7 @@ from typing import Any
 
 import xxhash
 
-from tierd import __version__
+from tierd.version import __version__
 from tierd.chain import TierChain
 from tierd.control.protocol import NAMESPACE_ID_BYTES, PROTOCOL_VERSION, ErrorCode
 from tierd.control.stats import collect_stats, render_prometheus
