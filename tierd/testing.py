@@ -9,6 +9,8 @@ subclasses it and says how to build an *unopened* store::
 
 View checks run only where ``store.has_views`` is true. :class:`FailingStore` wraps a
 real store and fails chosen blocks (or holds copies at a gate) for tier and chain tests.
+:func:`running_daemon` runs a whole daemon inside the test's event loop, on a real
+socket (:func:`daemon_config` builds a small cpu + disk config for it).
 This module imports pytest: it is for tests only.
 """
 
@@ -17,8 +19,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import tempfile
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -27,7 +32,76 @@ from tierd.errors import SlotError, StoreClosed
 from tierd.keys import BlockKey, int_key
 from tierd.stores.base import BlockStore, Buffer, StoreStats, block_batch, tensor_memoryview
 
-__all__ = ["FailingStore", "StoreConformance", "as_bytes", "keys_for", "random_blocks"]
+if TYPE_CHECKING:
+    from tierd.daemon import Daemon
+
+__all__ = [
+    "FailingStore",
+    "StoreConformance",
+    "as_bytes",
+    "daemon_config",
+    "keys_for",
+    "random_blocks",
+    "running_daemon",
+    "short_socket_path",
+]
+
+
+def short_socket_path() -> str:
+    """A fresh socket path under /tmp: pytest's tmp_path can exceed the 107-byte limit
+    of a Unix socket path."""
+    return str(Path(tempfile.mkdtemp(prefix="tierd-", dir="/tmp")) / "tierd.sock")
+
+
+def daemon_config(
+    tmp_path: Path,
+    *,
+    cpu_blocks: int = 8,
+    disk_blocks: int | None = 64,
+    block_bytes: int = 4096,
+    socket_path: str | None = None,
+    **sections: Any,
+) -> dict[str, Any]:
+    """A small daemon config: a cpu tier over an optional disk tier in ``tmp_path``."""
+    tiers: list[dict[str, Any]] = [{"name": "cpu", "kind": "cpu", "capacity": cpu_blocks}]
+    if disk_blocks is not None:
+        directory = tmp_path / "disk"
+        directory.mkdir(exist_ok=True)
+        tiers.append(
+            {
+                "name": "disk",
+                "kind": "disk",
+                "capacity": disk_blocks,
+                "directories": [str(directory)],
+            }
+        )
+    socket = {"path": socket_path or short_socket_path(), **sections.pop("socket", {})}
+    return {"block_bytes": block_bytes, "tiers": tiers, "socket": socket, **sections}
+
+
+@asynccontextmanager
+async def running_daemon(config: Any) -> AsyncIterator[Daemon]:
+    """Run a daemon (config: a ``DaemonConfig`` or a mapping) in this event loop until
+    the block exits, then stop it as SIGTERM would and check it exited 0."""
+    from tierd.config import DaemonConfig
+    from tierd.daemon import Daemon
+
+    cfg = config if isinstance(config, DaemonConfig) else DaemonConfig.model_validate(config)
+    daemon = Daemon(cfg, handle_signals=False)
+    task = asyncio.create_task(daemon.run())
+    ready = asyncio.create_task(daemon.ready.wait())
+    await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        ready.cancel()
+        await task  # raises why it could not start
+        raise RuntimeError("the daemon exited before it was ready")
+    try:
+        yield daemon
+    finally:
+        daemon.request_stop()
+        status = await task
+    if status != 0:
+        raise RuntimeError(f"the daemon exited with status {status}")
 
 
 def as_bytes(buf: Any) -> bytes:
