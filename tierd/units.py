@@ -1,0 +1,81 @@
+"""Scalar values of the config files: sizes, permission modes, durations.
+
+Each parser takes what YAML gives (an int, a float or a string) and returns a plain value
+or raises ``ValueError`` with what is allowed; :mod:`tierd.config` wraps them into
+pydantic field types.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["parse_mode", "parse_seconds", "parse_size"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: object) -> int:
+    """Bytes from ``4096``, ``"4096"``, ``"64GiB"``, ``"1.5 GB"``; raises ``ValueError``."""
+    if isinstance(value, bool):
+        raise ValueError("a size must be a number of bytes or a string like '64GiB'")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative, got {value}")
+        return value
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match and unit in _UNITS:
+            return int(float(match.group(1)) * _UNITS[unit])
+    raise ValueError(f"{value!r} is not a size (use bytes or a unit: KiB MiB GiB TiB KB MB GB TB)")
+
+
+_OWNER_RW = 0o600
+
+
+def parse_mode(value: object) -> int:
+    """A permission mode from an int (``0o600``, ``384``) or an octal string (``"0600"``,
+    ``"0o600"``, ``"600"``) that keeps owner read/write; raises ``ValueError``."""
+    if isinstance(value, str):
+        digits = value.strip().lower().removeprefix("0o")
+        if not digits or any(c not in "01234567" for c in digits):
+            raise ValueError("not an octal mode: write it like 0o600 or '0600'")
+        value = int(digits, 8)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("mode must be an octal number like 0o600 or a string like '0600'")
+    if not 0 <= value <= 0o777:
+        raise ValueError("mode must be within 0..0o777 (octal: write 0o600, not 600)")
+    if value & _OWNER_RW != _OWNER_RW:
+        raise ValueError("mode must include owner read/write (0o600)")
+    return value
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_seconds(value: object) -> float:
+    """Positive seconds from ``10``, ``2.5``, ``"10s"``, ``"500ms"``, ``"2m"``, ``"1h"``;
+    raises ``ValueError``."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION.match(value.lower())):
+        seconds = float(match.group(1)) * _SECONDS[match.group(2)]
+    else:
+        raise ValueError("not a duration: use seconds, or a string like '10s', '500ms', '2m'")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError("a duration must be positive")
+    return seconds
