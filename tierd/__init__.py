@@ -10,7 +10,6 @@ from tierd.events import EventKind, TierEvent
 from tierd.keys import BlockKey, Medium, block_key
 from tierd.policy import CachePolicy, make_policy, policy_names
 from tierd.tier import StorePlan, Tier, TierStats
-
 from tierd.version import __version__
 
 

@@ -78,6 +78,7 @@ class EventBus:
     def __init__(self) -> None:
         self._subscribers: list[Subscription] = []
         self.published = 0
+        self._dropped_gone = 0  # drops of subscriptions closed since: the total never falls
 
     def subscribe(self, maxsize: int = 1024) -> Subscription:
         """A new subscription holding at most ``maxsize`` batches."""
@@ -94,7 +95,8 @@ class EventBus:
 
     @property
     def dropped(self) -> int:
-        return sum(s.dropped for s in self._subscribers)
+        """Events lost by every subscriber so far, closed ones included."""
+        return self._dropped_gone + sum(s.dropped for s in self._subscribers)
 
     @property
     def subscriber_count(self) -> int:
@@ -103,3 +105,4 @@ class EventBus:
     def _unsubscribe(self, subscription: Subscription) -> None:
         if subscription in self._subscribers:
             self._subscribers.remove(subscription)
+            self._dropped_gone += subscription.dropped

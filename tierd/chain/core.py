@@ -121,6 +121,7 @@ class TierChain:
         finally:
             if len(ok) != len(handle.keys):
                 handle.abort()
+        self.levels[self.entry].io_errors += ok.count(False)  # the entry store's write failed
         return await handle.commit(ok)
 
     async def begin_store(self, keys: Sequence[BlockKey]) -> StoreHandle:
@@ -142,7 +143,7 @@ class TierChain:
     async def _commit(
         self, index: int, keys: Sequence[BlockKey], ok: Sequence[bool], futures: list[Any]
     ) -> list[BlockKey]:
-        stored = self._finish_store(index, keys, ok, futures)
+        stored = self._finish_store(index, keys, ok, futures, io_failed=False)
         await self._write_through(index, stored)
         return stored
 
@@ -189,13 +190,18 @@ class TierChain:
         keys: Sequence[BlockKey],
         ok: Sequence[bool],
         futures: list[asyncio.Future[bool]],
+        *,
+        io_failed: bool = True,
     ) -> list[BlockKey]:
+        """Complete a write: ``ok`` blocks become ready, the rest are dropped (and counted
+        as I/O errors unless ``io_failed`` is false: a client that gave up is not one)."""
         tier = self.levels[index].tier
         good = [k for k, flag in zip(keys, ok, strict=True) if flag]
         bad = [k for k, flag in zip(keys, ok, strict=True) if not flag]
         tier.complete_store(good)
         tier.complete_store(bad, success=False)
-        self.levels[index].io_errors += len(bad)
+        if io_failed:
+            self.levels[index].io_errors += len(bad)
         for key, future, flag in zip(keys, futures, ok, strict=True):
             del self._pending[(index, key)]
             if not future.done():

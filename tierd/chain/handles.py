@@ -103,7 +103,7 @@ class StoreHandle:
         flags = [ok] * len(self.keys) if isinstance(ok, bool) else list(ok)
         if len(flags) != len(self.keys):
             self._chain._finish_store(
-                self.level, self.keys, [False] * len(self.keys), self._futures
+                self.level, self.keys, [False] * len(self.keys), self._futures, io_failed=False
             )
             raise ValueError(f"commit needs {len(self.keys)} flags, got {len(flags)}")
         return await self._chain._commit(self.level, self.keys, flags, self._futures)
@@ -113,7 +113,7 @@ class StoreHandle:
         if not self.finished:
             self.finished = True
             self._chain._finish_store(
-                self.level, self.keys, [False] * len(self.keys), self._futures
+                self.level, self.keys, [False] * len(self.keys), self._futures, io_failed=False
             )
 
     async def __aenter__(self) -> StoreHandle:

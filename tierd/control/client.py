@@ -36,6 +36,8 @@ from tierd.errors import ProtocolError, TierdError
 __all__ = ["Client", "DaemonError", "Lookup", "PoolMap", "StoreLease", "LoadLease", "Unreachable"]
 
 Buffer = bytes | bytearray | memoryview
+# Error codes the daemon sends with id 0 just before it closes the connection.
+_FATAL = frozenset({"not_allowed", "busy", "shutting_down", "frame_too_large"})
 
 
 class DaemonError(TierdError):
@@ -262,7 +264,7 @@ class Client:
             return
         future = self._waiting.pop(message.get("id", -1), None)
         if future is None:
-            if message.get("ok") is False:  # a refusal or framing error (id 0)
+            if message.get("error") in _FATAL:  # the daemon hangs up after these
                 self._lost(DaemonError(str(message.get("error")), str(message.get("message"))))
             return
         if future.done():

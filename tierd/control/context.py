@@ -15,12 +15,12 @@ from typing import Any
 
 import xxhash
 
-from tierd.version import __version__
 from tierd.chain import TierChain
 from tierd.control.protocol import NAMESPACE_ID_BYTES, PROTOCOL_VERSION, ErrorCode
 from tierd.control.stats import collect_stats, render_prometheus
 from tierd.errors import ProtocolError
 from tierd.keys import MAX_KEY_BYTES
+from tierd.version import __version__
 
 __all__ = ["Limits", "PoolInfo", "ServerContext"]
 

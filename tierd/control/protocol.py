@@ -160,8 +160,10 @@ def keys_field(
 ) -> list[bytes]:
     """A non-empty list of at most ``max_keys`` keys of 1..``max_key_bytes`` bytes each."""
     keys = msg.get(name)
-    if not isinstance(keys, list):
-        raise ProtocolError(f"field {name!r} must be a list of bin", code=ErrorCode.BAD_REQUEST)
+    if not isinstance(keys, list) or not keys:
+        raise ProtocolError(
+            f"field {name!r} must be a non-empty list of bin", code=ErrorCode.BAD_REQUEST
+        )
     if len(keys) > max_keys:
         raise ProtocolError(
             f"{len(keys)} keys in one request, the limit is {max_keys}",

@@ -54,6 +54,8 @@ log = structlog.get_logger("tierd.control")
 
 Reply = dict[str, Any]
 Lease = StoreHandle | LoadHandle
+# Refused while the daemon drains; finishing a lease (complete_store) is still allowed.
+_STARTS_WORK = frozenset({"prepare_store", "prepare_load", "put", "get", "flush"})
 _H = TypeVar("_H", StoreHandle, LoadHandle)
 
 
@@ -101,7 +103,7 @@ class Session:
         """Answer one decoded message (a :class:`ProtocolError` for an undecodable one)."""
         self.ctx.requests += 1
         request_id = msg.get("id", 0) if isinstance(msg, dict) else 0
-        if not isinstance(request_id, int) or isinstance(request_id, bool):
+        if not isinstance(request_id, int) or isinstance(request_id, bool) or request_id < 0:
             request_id = 0
         try:
             if isinstance(msg, ProtocolError):
@@ -116,7 +118,7 @@ class Session:
                 raise ProtocolError(
                     "the first request must be hello", code=ErrorCode.HELLO_REQUIRED
                 )
-            if self.ctx.shutting_down and op in self._async:
+            if self.ctx.shutting_down and op in _STARTS_WORK:
                 raise ProtocolError("the daemon is shutting down", code=ErrorCode.SHUTTING_DOWN)
             sync = self._sync.get(op)
             if sync is not None:
@@ -209,6 +211,12 @@ class Session:
         return {}
 
     def _clear(self, msg: dict[str, Any]) -> Reply:
+        if self.namespace is not None:
+            raise ProtocolError(
+                "clear drops every namespace's blocks: only a connection without a"
+                " namespace (an operator's) may send it",
+                code=ErrorCode.NOT_ALLOWED,
+            )
         name = opt_str_field(msg, "tier")
         names = [level.tier.name for level in self.ctx.chain.levels]
         if name is not None and name not in names:
@@ -225,7 +233,7 @@ class Session:
     # -- zero-copy data path ----------------------------------------------------------
 
     async def _prepare_store(self, msg: dict[str, Any]) -> Reply:
-        keys = self._keys(msg)
+        keys = _distinct(self._keys(msg))
         self.ctx.require_pool()
         handle = await self.ctx.chain.begin_store(keys)
         slot_of = dict(zip(handle.keys, handle.slots, strict=True))
@@ -265,12 +273,18 @@ class Session:
     # -- inline data path -------------------------------------------------------------
 
     async def _put(self, msg: dict[str, Any]) -> Reply:
-        keys = self._keys(msg)
+        keys = _distinct(self._keys(msg))
         data = bytes_list_field(msg, "data", count=len(keys), size=self.ctx.block_bytes)
         return {"stored": len(await self.ctx.chain.store(keys, data))}
 
     async def _get(self, msg: dict[str, Any]) -> Reply:
         keys = self._keys(msg)
+        room = (self.ctx.limits.max_frame_bytes - 4096) // (self.ctx.block_bytes + 16)
+        if len(keys) > room:
+            raise ProtocolError(
+                f"a get of {len(keys)} blocks would not fit in one frame: at most {room}",
+                code=ErrorCode.TOO_MANY_KEYS,
+            )
         try:
             handle = await self.ctx.chain.load(keys)
         except BlockMissing:
@@ -369,6 +383,12 @@ def _finish(handle: Lease) -> None:
         handle.abort()
     else:
         handle.release()
+
+
+def _distinct(keys: list[BlockKey]) -> list[BlockKey]:
+    if len(set(keys)) != len(keys):
+        raise ProtocolError("a key appears twice in one store", code=ErrorCode.BAD_REQUEST)
+    return keys
 
 
 def _leading(flags: list[bool]) -> int:

@@ -93,6 +93,7 @@ _TIER_METRICS = [
     ("demotions", "demotions", "Blocks copied down on eviction", True),
     ("promotions", "promotions", "Blocks copied up into this tier", True),
     ("dropped", "dropped", "Dirty blocks lost at eviction", True),
+    ("refused", "refused", "Demotions into this tier refused (admission or room)", True),
     ("io_errors", "io_errors", "Blocks whose copy in or out failed", True),
 ]
 
@@ -105,7 +106,7 @@ class _SnapshotCollector(Collector):
         yield from self._tiers(self._stats["tiers"])
         yield from self._routes(self._stats["routes"])
         chain = self._stats["chain"]
-        for key in ("lookups", "hit_blocks", "miss_blocks", "events_dropped"):
+        for key in ("lookups", "hit_blocks", "miss_blocks", "events_published", "events_dropped"):
             yield CounterMetricFamily(f"tierd_{key}", f"Chain {key.replace('_', ' ')}", chain[key])
         server = self._stats.get("server")
         if server is not None:
@@ -122,6 +123,7 @@ class _SnapshotCollector(Collector):
 
     def _routes(self, routes: list[dict[str, Any]]) -> Iterator[Metric]:
         moved = CounterMetricFamily("tierd_route_bytes", "Bytes copied", labels=["src", "dst"])
+        blocks = CounterMetricFamily("tierd_route_blocks", "Blocks copied", labels=["src", "dst"])
         failed = CounterMetricFamily(
             "tierd_route_failures", "Blocks whose copy failed", labels=["src", "dst"]
         )
@@ -131,9 +133,10 @@ class _SnapshotCollector(Collector):
         for route in routes:
             labels = [route["src"], route["dst"]]
             moved.add_metric(labels, route["bytes"])
+            blocks.add_metric(labels, route["blocks"])
             failed.add_metric(labels, route["failures"])
             busy.add_metric(labels, route["busy_s"])
-        yield from (moved, failed, busy)
+        yield from (moved, blocks, failed, busy)
 
     def _server(self, server: dict[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily(
@@ -147,6 +150,7 @@ class _SnapshotCollector(Collector):
         for code, count in sorted(server["errors"].items()):
             errors.add_metric([code], count)
         yield errors
+        yield GaugeMetricFamily("tierd_subscribers", "Event subscribers", server["subscribers"])
         yield GaugeMetricFamily("tierd_uptime_seconds", "Seconds since start", server["uptime_s"])
 
 
