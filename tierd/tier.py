@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice, takewhile
 
 from tierd.errors import (
     BlockBusy,
@@ -104,6 +105,15 @@ class Tier:
     @property
     def free(self) -> int:
         return self.num_blocks - len(self._slots)
+
+    def ready_run(self, keys: Sequence[BlockKey], start: int = 0) -> int:
+        """How many consecutive ``keys`` from ``keys[start]`` on are present and ready.
+        Counts no hits; with no write in flight the scan runs at C speed."""
+        slots, writing = self._slots, self._writing
+        rest = islice(keys, start, None)
+        if writing:
+            return len(list(takewhile(lambda k: k in slots and k not in writing, rest)))
+        return len(list(takewhile(slots.__contains__, rest)))
 
     def is_writing(self, key: BlockKey) -> bool:
         return key in self._writing

@@ -67,6 +67,9 @@ class TierChain:
         self._reuse_memory = reuse_memory
         self._lookups = self._hit_blocks = self._miss_blocks = 0
         self._hits_by_level = [0] * len(self.levels)
+        self._media = [level.medium for level in self.levels]
+        self._tiers = [level.tier for level in self.levels]
+        self._tracks_uses = any(level.admission.min_reuse for level in self.levels)
 
     # -- queries ---------------------------------------------------------------------
 
@@ -79,28 +82,40 @@ class TierChain:
 
     def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
         """How many leading keys are ready at some level, and where."""
-        self._count_uses(keys)
+        if self._tracks_uses:
+            self._count_uses(keys)
+        tiers = self._tiers
+        top, hits = tiers[0], self._hits_by_level
         found: list[int] = []
-        tiers = [level.tier for level in self.levels]
         in_flight = False
-        for key in keys:
-            index = next((i for i, tier in enumerate(tiers) if key in tier), -1)
-            if index < 0:
+        pos, n = 0, len(keys)
+        while pos < n:
+            run = top.ready_run(keys, pos)  # the hot case: a run of hits at the top level
+            if run:
+                found += [0] * run
+                hits[0] += run
+                pos += run
+                continue
+            key = keys[pos]
+            for index in range(1, len(tiers)):
+                if key in tiers[index]:
+                    found.append(index)
+                    hits[index] += 1
+                    pos += 1
+                    break
+            else:
                 in_flight = any(tier.is_writing(key) for tier in tiers)
                 break
-            found.append(index)
-        media = tuple(self.levels[i].medium for i in found)
         self._lookups += 1
         self._hit_blocks += len(found)
-        self._miss_blocks += len(keys) - len(found)
-        hits = self._hits_by_level
-        for index in found:
-            hits[index] += 1
+        self._miss_blocks += n - len(found)
+        media = tuple(map(self._media.__getitem__, found))
         return LookupResult(len(found), tuple(found), media, in_flight)
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark ``keys`` used at every level that holds them."""
-        self._count_uses(keys)
+        if self._tracks_uses:
+            self._count_uses(keys)
         for level in self.levels:
             level.tier.touch(keys)
 
