@@ -29,6 +29,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "ErrorCode",
     "FrameDecoder",
+    "FrameTooLarge",
     "bool_list_field",
     "bytes_list_field",
     "encode",
@@ -81,11 +82,21 @@ def error_reply(request_id: int, code: ErrorCode | str, message: str) -> dict[st
     return {"id": request_id, "ok": False, "error": str(code), "message": message}
 
 
+class FrameTooLarge(ProtocolError):
+    """A length header over the limit: framing is lost from there on. ``before`` holds
+    the messages of the whole frames that came before it in the same ``feed``: they were
+    sent in good order and still deserve an answer."""
+
+    def __init__(self, message: str, *, before: list[Any]) -> None:
+        super().__init__(message, code=ErrorCode.FRAME_TOO_LARGE)
+        self.before = before
+
+
 class FrameDecoder:
     """Reassembles frames from a byte stream; ``feed`` returns the complete messages.
 
-    A frame longer than ``max_frame_bytes`` raises ``ProtocolError(FRAME_TOO_LARGE)``
-    before its body is buffered (framing is lost: the caller closes the connection). A
+    A frame longer than ``max_frame_bytes`` raises :class:`FrameTooLarge` before its body
+    is buffered (framing is lost: the caller closes the connection). A
     body that is not msgpack yields a :class:`ProtocolError` in place of its message, so
     the caller can answer it and go on (framing is intact)."""
 
@@ -106,9 +117,9 @@ class FrameDecoder:
             (size,) = HEADER.unpack_from(buf, pos)
             if size > self.max_frame_bytes:
                 del buf[:]
-                raise ProtocolError(
+                raise FrameTooLarge(
                     f"frame of {size} bytes is over the limit of {self.max_frame_bytes}",
-                    code=ErrorCode.FRAME_TOO_LARGE,
+                    before=out,
                 )
             if end - pos - HEADER.size < size:
                 break

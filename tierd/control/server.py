@@ -27,9 +27,9 @@ from typing import Any, cast
 import structlog
 
 from tierd.control.context import ServerContext
-from tierd.control.protocol import ErrorCode, FrameDecoder, encode, error_reply
+from tierd.control.protocol import ErrorCode, FrameDecoder, FrameTooLarge, encode, error_reply
 from tierd.control.session import Session
-from tierd.errors import ProtocolError, TierdError
+from tierd.errors import TierdError
 
 __all__ = ["AlreadyRunning", "Connection", "Server", "bind_unix_socket", "peer_credentials"]
 
@@ -145,11 +145,21 @@ class Connection(asyncio.Protocol):
             return
         try:
             messages = self.decoder.feed(data)
-        except ProtocolError as exc:  # framing is lost: answer and hang up
-            self.ctx.count_error(ErrorCode(exc.code))
+        except FrameTooLarge as exc:
+            # Framing is lost: answer the whole frames that came before, then hang up.
+            self._handle(transport, exc.before)
+            self.ctx.count_error(ErrorCode.FRAME_TOO_LARGE)
             transport.write(encode(error_reply(0, exc.code, str(exc))))
             transport.close()
             return
+        self._handle(transport, messages)
+        if len(self.session.tasks) >= self.ctx.limits.max_requests_in_flight:
+            self._pause_reading()
+            for task in list(self.session.tasks):
+                task.add_done_callback(self._maybe_resume)
+
+    def _handle(self, transport: asyncio.Transport, messages: list[Any]) -> None:
+        """Hand each message to the session; the replies of one read go out in one write."""
         batch: list[bytes] = []
         self._batch = batch
         try:
@@ -159,10 +169,6 @@ class Connection(asyncio.Protocol):
             self._batch = None
             if batch:
                 transport.writelines(batch)
-        if len(self.session.tasks) >= self.ctx.limits.max_requests_in_flight:
-            self._pause_reading()
-            for task in list(self.session.tasks):
-                task.add_done_callback(self._maybe_resume)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
