@@ -14,8 +14,7 @@ from collections.abc import Sequence
 
 import structlog
 
-from tierd.version import __version__
-from tierd.cli import config_cmd, offline
+from tierd.cli import config_cmd, control_cmd, offline, serve_cmd
 from tierd.cli.base import (
     EXIT_BAD_INPUT,
     EXIT_CONFIG,
@@ -24,10 +23,13 @@ from tierd.cli.base import (
     UsageError,
 )
 from tierd.errors import ConfigError, TierdError, UnknownPolicy
+from tierd.version import __version__
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main"]
 
 COMMANDS: dict[str, Command] = {
+    **serve_cmd.COMMANDS,
+    **control_cmd.COMMANDS,
     **offline.COMMANDS,
     **config_cmd.COMMANDS,
 }
