@@ -308,9 +308,9 @@ def _run_events(args: argparse.Namespace) -> int:
 async def _follow(client: Client, args: argparse.Namespace) -> None:
     """Print events until ``args.count`` batches came (or Ctrl-C)."""
     # Subscribe before announcing it on stderr, so a script that waits for the line knows
-    # that what the daemon stores next will be printed. ``events()`` subscribes again,
-    # which the daemon takes as a no-op; pushes that come in between wait in the client.
-    await client.request("subscribe")
+    # that what the daemon stores next will be printed; pushes wait in the client until
+    # ``events()`` reads them.
+    await client.subscribe()
     where = f" of namespace {args.namespace}" if args.namespace else ""
     print(f"tierd: following events{where} (Ctrl-C to stop)", file=sys.stderr, flush=True)
     batches = dropped = 0

@@ -191,6 +191,7 @@ class Client:
         self._closed: BaseException | None = None
         self.info: dict[str, Any] = {}
         self.pool: PoolMap | None = None
+        self._subscribed = False
 
     @classmethod
     async def connect(
@@ -376,10 +377,17 @@ class Client:
         fields = {} if tier is None else {"tier": tier}
         return int((await self.request("clear", **fields))["removed"])
 
+    async def subscribe(self) -> None:
+        """Start the event stream (pushes queue up until :meth:`events` reads them)."""
+        if not self._subscribed:
+            await self.request("subscribe")
+            self._subscribed = True
+
     async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """Subscribe and yield event pushes (``events``: list of {kind, medium, tier,
-        keys}; ``dropped``: events lost so far) until the connection closes."""
-        await self.request("subscribe")
+        """Subscribe (unless :meth:`subscribe` did) and yield event pushes (``events``:
+        list of {kind, medium, tier, keys}; ``dropped``: events lost so far) until the
+        connection closes."""
+        await self.subscribe()
         while True:
             message = await self._events.get()
             if message is None:
