@@ -36,10 +36,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from tierd.chain import Admission
 from tierd.errors import ConfigError
 from tierd.keys import Medium
 from tierd.policy import policy_names
+from tierd.policy.admission import Admission
 from tierd.units import parse_mode, parse_seconds, parse_size
 
 __all__ = [

@@ -5,33 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tierd.keys import Medium
+from tierd.policy.admission import Admission
 from tierd.stores import BlockStore
 from tierd.tier import Tier
 
 __all__ = ["Admission", "ChainStats", "Level", "LookupResult"]
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """Which demoted blocks a level accepts: all (``min_reuse=0``), or only blocks that
-    were looked up or touched at least ``min_reuse`` times."""
-
-    min_reuse: int = 0
-
-    @classmethod
-    def parse(cls, rule: str) -> Admission:
-        """``"always"`` or ``"reuse>=N"``."""
-        text = rule.replace(" ", "")
-        if text == "always":
-            return cls(0)
-        if text.startswith("reuse>="):
-            try:
-                n = int(text.removeprefix("reuse>="))
-            except ValueError:
-                n = -1
-            if n >= 1:
-                return cls(n)
-        raise ValueError(f"admission rule {rule!r} is not 'always' or 'reuse>=N' with N >= 1")
 
 
 @dataclass(slots=True)
