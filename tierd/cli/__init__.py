@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import structlog
 
-from tierd.cli import config_cmd, control_cmd, offline, serve_cmd
+from tierd.cli import config_cmd, control_cmd, offline, serve_cmd, top_cmd
 from tierd.cli.base import (
     EXIT_BAD_INPUT,
     EXIT_CONFIG,
@@ -32,6 +32,7 @@ COMMANDS: dict[str, Command] = {
     **control_cmd.COMMANDS,
     **offline.COMMANDS,
     **config_cmd.COMMANDS,
+    **top_cmd.COMMANDS,
 }
 
 
