@@ -22,6 +22,7 @@ miss is never an exception: it is a return value.
     ├── StoreIOError                an OS-level I/O failure (path, errno)
     ├── TransferError               a copy between stores failed
     ├── ProtocolError               a malformed request on the control socket
+    ├── AlreadyRunning              another daemon serves the configured socket
     └── TraceError                  a workload trace file is missing or malformed (path, line)
 """
 
@@ -31,6 +32,7 @@ import errno as _errno
 from typing import Any
 
 __all__ = [
+    "AlreadyRunning",
     "BlockBusy",
     "BlockMissing",
     "BlockNotPinned",
@@ -147,6 +149,10 @@ class ProtocolError(TierdError):
     def __init__(self, message: str, *, code: str = "bad_request") -> None:
         super().__init__(message)
         self.code = code
+
+
+class AlreadyRunning(TierdError):
+    """Another process accepts connections on the configured socket path."""
 
 
 class TraceError(TierdError):

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from tierd.cli.base import EXIT_BAD_INPUT, Command
-from tierd.control.server import AlreadyRunning
+from tierd.errors import AlreadyRunning
 from tierd.settings import load_settings
 
 __all__ = ["COMMANDS"]

@@ -11,16 +11,18 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from tierd.chain import TierChain
 from tierd.control.protocol import NAMESPACE_ID_BYTES, PROTOCOL_VERSION, ErrorCode
 from tierd.control.stats import collect_stats, render_prometheus
 from tierd.errors import ProtocolError
 from tierd.keys import MAX_KEY_BYTES
 from tierd.version import __version__
+
+if TYPE_CHECKING:
+    from tierd.chain import TierChain
 
 __all__ = ["Limits", "PoolInfo", "ServerContext"]
 

@@ -29,17 +29,13 @@ import structlog
 from tierd.control.context import ServerContext
 from tierd.control.protocol import ErrorCode, FrameDecoder, FrameTooLarge, encode, error_reply
 from tierd.control.session import Session
-from tierd.errors import TierdError
+from tierd.errors import AlreadyRunning
 
 __all__ = ["AlreadyRunning", "Connection", "Server", "bind_unix_socket", "peer_credentials"]
 
 log = structlog.get_logger("tierd.control")
 
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-class AlreadyRunning(TierdError):
-    """Another process accepts connections on the configured socket path."""
 
 
 def bind_unix_socket(path: str, mode: int) -> socket.socket:

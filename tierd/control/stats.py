@@ -13,13 +13,15 @@ misses plus the hits served by the tiers below it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tierd.chain import TierChain
+if TYPE_CHECKING:
+    from tierd.chain import TierChain
+
 
 __all__ = ["collect_stats", "render_prometheus"]
 
