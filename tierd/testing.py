@@ -17,8 +17,10 @@ This module imports pytest: it is for tests only.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import random
+import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -49,8 +51,10 @@ __all__ = [
 
 def short_socket_path() -> str:
     """A fresh socket path under /tmp: pytest's tmp_path can exceed the 107-byte limit
-    of a Unix socket path."""
-    return str(Path(tempfile.mkdtemp(prefix="tierd-", dir="/tmp")) / "tierd.sock")
+    of a Unix socket path. The directory is removed when the process exits."""
+    directory = tempfile.mkdtemp(prefix="tierd-", dir="/tmp")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return str(Path(directory) / "tierd.sock")
 
 
 def daemon_config(
@@ -415,3 +419,28 @@ class FailingStore(BlockStore):
                 ok[i] = good
         self._read_failures += ok.count(False)
         return ok
+
+
+def corrupt_disk_block(store: BlockStore, slot: int, nbytes: int = 16) -> None:
+    """Flip the first ``nbytes`` data bytes of ``slot`` in a disk store's slab file behind
+    its back, as a bad sector would: the block's checksum no longer matches its bytes, so
+    reading it must fail (never return the flipped bytes). The slab layout is the one
+    :mod:`tierd.stores.disk_slab` describes: a superblock page, then per slot one header
+    page followed by the data; slot ``s`` lives in file ``s % len(files)``."""
+    import os
+
+    from tierd.stores.disk import DiskStore
+    from tierd.stores.fileio import ALIGN
+
+    if not isinstance(store, DiskStore):
+        raise TypeError(f"not a disk store: {type(store).__name__}")
+    details = store.stats().details
+    files: list[str] = details["files"]
+    offset = ALIGN + (slot // len(files)) * int(details["slot_bytes"]) + ALIGN
+    with open(files[slot % len(files)], "r+b") as slab:
+        slab.seek(offset)
+        flipped = bytes(b ^ 0xFF for b in slab.read(nbytes))
+        slab.seek(offset)
+        slab.write(flipped)
+        slab.flush()
+        os.fsync(slab.fileno())

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import structlog
 
-from tierd.cli import config_cmd, control_cmd, offline, serve_cmd, top_cmd
+from tierd.cli import config_cmd, control_cmd, offline, replay_cmd, serve_cmd, top_cmd
 from tierd.cli.base import (
     EXIT_BAD_INPUT,
     EXIT_CONFIG,
@@ -33,6 +33,7 @@ COMMANDS: dict[str, Command] = {
     **offline.COMMANDS,
     **config_cmd.COMMANDS,
     **top_cmd.COMMANDS,
+    **replay_cmd.COMMANDS,
 }
 
 

@@ -1,0 +1,454 @@
+"""Replaying a trace against a live cache the way an inference engine drives it, checking
+every byte that comes back.
+
+Per request: ``lookup`` the keys; load the hit prefix in chunks and compare each block
+with :func:`block_content` of its key; store the rest (the misses, and whatever a load
+could not bring back) in chunks, with that same content. A block whose bytes differ is a
+``wrong_bytes`` error (its key is kept); a load that brings back fewer blocks than the
+lookup promised is a ``load_shortfall`` (a correct cache may do that: the block was
+evicted meanwhile, or its checksum failed); a store the cache had no room for is a
+``store_refused``.
+
+The cache sits behind a :class:`ReplayBackend` (see :mod:`tierd.workload.backends`: a
+daemon over its socket, or an in-process chain). ``len(backends)`` workers take requests
+in trace order; request *i* starts no earlier than ``start + (ts_i - ts_0) / speed``
+(``speed=None``: as fast as the workers go), and requests start (send their lookup) in
+trace order even when many run at once.
+
+Throughput is defined two ways: ``store_gb_s``/``load_gb_s`` are the bytes moved divided
+by the wall time of the whole replay; ``store_call_gb_s``/``load_call_gb_s`` are the same
+bytes divided by the summed duration of the calls that moved them (the rate one call
+sees). GB is 10**9 bytes.
+
+(The module is not called ``replay``: ``tierd.workload.replay`` is the single-tier replay
+function that the package exports, and a submodule of that name would replace it.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+import time
+from array import array
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, overload
+
+from tierd.control.client import Unreachable
+from tierd.errors import CapacityError, ResourceClosed, TierdError
+from tierd.keys import BlockKey
+from tierd.workload.trace import Trace, TraceRequest
+
+__all__ = [
+    "ReplayBackend",
+    "ReplayProgress",
+    "ReplaySummary",
+    "block_content",
+    "replay",
+]
+
+MAX_CHUNK_BLOCKS = 64
+SAMPLE_CAP = 20_000  # load latency samples kept per medium (reservoir)
+WRONG_KEYS_KEPT = 100
+_SEED = 0x7EE1D
+_FATAL = (ResourceClosed, Unreachable)  # the cache is gone: end the replay
+
+
+def block_content(key: bytes, block_bytes: int) -> bytes:
+    """The bytes the replay stores under ``key``: its 64-byte BLAKE2b digest, repeated."""
+    seed = hashlib.blake2b(key, digest_size=64).digest()
+    return (seed * (block_bytes // 64 + 1))[:block_bytes]
+
+
+class ReplayBackend(Protocol):
+    """A cache the replay drives; one per worker.
+
+    ``lookup``: how many leading keys are cached, and the medium of each. ``load``: copies
+    of the leading blocks it could load. ``store``: store blocks (``data`` co-indexed with
+    ``keys``), returning how many were new; :class:`CapacityError` when there is no room.
+    ``stats``: the daemon's stats structure (:func:`tierd.control.stats.collect_stats`).
+    Other errors are counted by their ``code`` (or class name); a lost connection
+    (``Unreachable``) or a closed resource ends the replay."""
+
+    @property
+    def kind(self) -> str: ...  # "daemon" or "chain"
+
+    @property
+    def target(self) -> str: ...  # the socket path or the config path
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    @property
+    def entry_capacity(self) -> int: ...  # blocks in the tier that stores enter
+
+    async def lookup(self, keys: Sequence[bytes]) -> tuple[int, tuple[str, ...]]: ...
+
+    async def load(self, keys: Sequence[bytes]) -> list[bytes]: ...
+
+    async def store(self, keys: Sequence[bytes], data: Sequence[bytes]) -> int: ...
+
+    async def stats(self) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayProgress:
+    done: int
+    total: int
+    hits: int
+    accesses: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaySummary:
+    """What one replay measured; :meth:`to_dict` is the JSON (``summary.json``) form.
+
+    Counts are blocks unless named otherwise; ratios are of ``block_accesses``; times are
+    seconds. ``latency``: ``lookup`` and ``store`` -> {p50, p90, p99, mean, count}, and
+    ``load`` -> medium -> the same (the medium of a loaded chunk's first block).
+    ``errors``: kind -> occurrences (``wrong_bytes`` counts blocks, the others calls).
+    ``timeline``: {t, requests, accesses, hits: {medium: cumulative}, occupancy: {tier:
+    used}}, from before the first request to after the last. ``tiers``: the final stats'
+    tiers. ``load_latency_samples``: medium -> up to 20,000 durations (a reservoir)."""
+
+    requests: int
+    lookups: int
+    block_accesses: int
+    hits: int
+    misses: int
+    hit_ratio: float
+    hits_by_medium: dict[str, int]
+    hit_ratio_by_medium: dict[str, float]
+    loaded_blocks: int
+    stored_blocks: int
+    seconds: float
+    latency: dict[str, Any]
+    throughput: dict[str, float]
+    errors: dict[str, int]
+    wrong_bytes: int
+    wrong_bytes_keys: list[str]
+    timeline: list[dict[str, Any]]
+    load_latency_samples: dict[str, list[float]]
+    config: dict[str, Any]
+    tiers: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Contents(Sequence[bytes]):
+    """Block contents of ``keys``, made only for the rows a store actually writes."""
+
+    def __init__(self, keys: Sequence[bytes], block_bytes: int) -> None:
+        self._keys = keys
+        self._size = block_bytes
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[bytes]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(index, slice):
+            return [block_content(k, self._size) for k in self._keys[index]]
+        return block_content(self._keys[index], self._size)
+
+
+class _Latencies:
+    """Every duration of one kind of call (seconds), and optionally a fixed-size sample."""
+
+    def __init__(self, keep: int = 0) -> None:
+        self.values = array("d")
+        self.total = 0.0
+        self.sample: list[float] = []
+        self._keep = keep
+        self._rng = random.Random(_SEED)
+
+    def add(self, seconds: float) -> None:
+        self.values.append(seconds)
+        self.total += seconds
+        if len(self.sample) < self._keep:
+            self.sample.append(seconds)
+        elif self._keep:
+            slot = self._rng.randrange(len(self.values))
+            if slot < self._keep:
+                self.sample[slot] = seconds
+
+    def summary(self) -> dict[str, float | int]:
+        ordered = sorted(self.values)
+        count = len(ordered)
+
+        def rank(q: float) -> float:
+            return ordered[max(0, math.ceil(q * count) - 1)] if count else 0.0
+
+        mean = self.total / count if count else 0.0
+        return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "mean": mean,
+                "count": count}  # fmt: skip
+
+
+class _Replay:
+    """The state of one replay, shared by its workers (one event loop: no locks needed
+    except the start gate, which keeps starts in trace order)."""
+
+    def __init__(
+        self,
+        requests: Sequence[TraceRequest],
+        backends: Sequence[ReplayBackend],
+        speed: float | None,
+        sample_every: int,
+        progress: Callable[[ReplayProgress], None] | None,
+    ) -> None:
+        first = backends[0]
+        self.requests, self.backends, self.speed = requests, backends, speed
+        self.block_bytes = first.block_bytes
+        self.chunk = max(1, min(MAX_CHUNK_BLOCKS, first.entry_capacity // 4))
+        self.sample_every = sample_every
+        self.progress = progress
+        self.progress_every = max(1, len(requests) // 1000)
+        self.gate = asyncio.Lock()
+        self.cursor = self.done = self.lookups = self.accesses = self.hits = 0
+        self.loaded = self.stored = 0
+        self.by_medium: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.wrong_keys: list[str] = []
+        self.lookup_lat, self.store_lat = _Latencies(), _Latencies()
+        self.load_lat: dict[str, _Latencies] = {}
+        self.timeline: list[dict[str, Any]] = []
+        self.started = time.perf_counter()
+
+    # -- workers -----------------------------------------------------------------------
+
+    async def worker(self, backend: ReplayBackend) -> None:
+        while (index := await self._next()) is not None:
+            keys = self.requests[index].keys
+            if len(set(keys)) != len(keys):  # one block named twice is one block
+                keys = tuple(dict.fromkeys(keys))
+            if keys:
+                await self._serve(backend, keys)
+            self.done += 1
+            if self.done % self.sample_every == 0 and self.done < len(self.requests):
+                await self.sample(backend)
+            if self.progress is not None and self.done % self.progress_every == 0:
+                self.report_progress()
+
+    async def _next(self) -> int | None:
+        """The next request to start, once it is due. The gate is held while waiting, so
+        requests start in order; the caller sends its lookup before it next suspends, so
+        the lookups leave in order too."""
+        async with self.gate:
+            index = self.cursor
+            if index >= len(self.requests):
+                return None
+            self.cursor += 1
+            if self.speed is not None:
+                offset = self.requests[index].timestamp - self.requests[0].timestamp
+                delay = self.started + offset / 1000 / self.speed - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)  # pacing, not synchronisation
+            return index
+
+    async def _serve(self, backend: ReplayBackend, keys: Sequence[BlockKey]) -> None:
+        self.accesses += len(keys)
+        began = time.perf_counter()
+        try:
+            count, media = await backend.lookup(keys)
+        except _FATAL:
+            raise
+        except TierdError as exc:
+            self.errors[f"lookup_{_code(exc)}"] += 1
+            count, media = 0, ()
+        else:
+            self.lookup_lat.add(time.perf_counter() - began)
+            self.lookups += 1
+        self.hits += count
+        self.by_medium.update(media)
+        loaded = await self._load(backend, keys, count, media) if count else 0
+        if loaded < len(keys):
+            await self._store(backend, keys[loaded:])
+
+    async def _load(
+        self, backend: ReplayBackend, keys: Sequence[BlockKey], count: int, media: Sequence[str]
+    ) -> int:
+        """Load and verify the hit prefix chunk by chunk; returns how many blocks came back."""
+        for start in range(0, count, self.chunk):
+            part = keys[start : min(count, start + self.chunk)]
+            began = time.perf_counter()
+            try:
+                blocks = await backend.load(part)
+            except _FATAL:
+                raise
+            except TierdError as exc:
+                self.errors[f"load_{_code(exc)}"] += 1
+                blocks = []
+            else:
+                medium = media[start]
+                if medium not in self.load_lat:
+                    self.load_lat[medium] = _Latencies(keep=SAMPLE_CAP)
+                self.load_lat[medium].add(time.perf_counter() - began)
+            self.loaded += len(blocks)
+            self._verify(part, blocks)
+            if len(blocks) < len(part):
+                self.errors["load_shortfall"] += 1
+                return start + len(blocks)
+        return count
+
+    def _verify(self, keys: Sequence[BlockKey], blocks: Sequence[bytes]) -> None:
+        size = self.block_bytes
+        for key, block in zip(keys, blocks, strict=False):
+            if block != block_content(key, size):
+                self.errors["wrong_bytes"] += 1
+                if len(self.wrong_keys) < WRONG_KEYS_KEPT:
+                    self.wrong_keys.append(key.hex())
+
+    async def _store(self, backend: ReplayBackend, keys: Sequence[BlockKey]) -> None:
+        for start in range(0, len(keys), self.chunk):
+            part = keys[start : start + self.chunk]
+            began = time.perf_counter()
+            try:
+                # Not ``self.stored += await ...``: that reads the counter before the
+                # await and loses what other workers added meanwhile.
+                stored = await backend.store(part, _Contents(part, self.block_bytes))
+            except CapacityError:
+                self.errors["store_refused"] += 1
+            except _FATAL:
+                raise
+            except TierdError as exc:
+                self.errors[f"store_{_code(exc)}"] += 1
+            else:
+                self.store_lat.add(time.perf_counter() - began)
+                self.stored += stored
+
+    # -- observation -------------------------------------------------------------------
+
+    async def sample(self, backend: ReplayBackend) -> list[dict[str, Any]]:
+        """Record a timeline point; returns the tiers of the stats it read."""
+        stats = await backend.stats()
+        self.timeline.append(
+            {
+                "t": round(time.perf_counter() - self.started, 6),
+                "requests": self.done,
+                "accesses": self.accesses,
+                "hits": dict(self.by_medium),
+                "occupancy": {tier["name"]: tier["used"] for tier in stats["tiers"]},
+            }
+        )
+        tiers: list[dict[str, Any]] = stats["tiers"]
+        return tiers
+
+    def report_progress(self) -> None:
+        if self.progress is not None:
+            seconds = time.perf_counter() - self.started
+            self.progress(
+                ReplayProgress(self.done, len(self.requests), self.hits, self.accesses, seconds)
+            )
+
+    def summary(self, seconds: float, tiers: list[dict[str, Any]]) -> ReplaySummary:
+        media = dict.fromkeys([*(t["medium"] for t in tiers), *self.by_medium])
+        hits_by = {m: self.by_medium.get(m, 0) for m in media}
+        acc = self.accesses
+        first = self.backends[0]
+        return ReplaySummary(
+            requests=len(self.requests),
+            lookups=self.lookups,
+            block_accesses=acc,
+            hits=self.hits,
+            misses=acc - self.hits,
+            hit_ratio=_rate(self.hits, acc),
+            hits_by_medium=hits_by,
+            hit_ratio_by_medium={m: _rate(n, acc) for m, n in hits_by.items()},
+            loaded_blocks=self.loaded,
+            stored_blocks=self.stored,
+            seconds=seconds,
+            latency={
+                "lookup": self.lookup_lat.summary(),
+                "load": {m: lat.summary() for m, lat in self.load_lat.items()},
+                "store": self.store_lat.summary(),
+            },
+            throughput=self._throughput(seconds),
+            errors=dict(sorted(self.errors.items())),
+            wrong_bytes=self.errors["wrong_bytes"],
+            wrong_bytes_keys=list(self.wrong_keys),
+            timeline=self.timeline,
+            load_latency_samples={m: list(lat.sample) for m, lat in self.load_lat.items()},
+            config={
+                "clients": len(self.backends),
+                "speed": "max" if self.speed is None else self.speed,
+                "block_bytes": self.block_bytes,
+                "chunk_blocks": self.chunk,
+                "backend": first.kind,
+                "socket" if first.kind == "daemon" else "path": first.target,
+            },
+            tiers=tiers,
+        )
+
+    def _throughput(self, seconds: float) -> dict[str, float]:
+        loaded_gb, stored_gb = (
+            self.loaded * self.block_bytes / 1e9,
+            self.stored * self.block_bytes / 1e9,
+        )
+        load_time = sum(lat.total for lat in self.load_lat.values())
+        return {
+            "store_gb_s": _rate(stored_gb, seconds),
+            "load_gb_s": _rate(loaded_gb, seconds),
+            "store_call_gb_s": _rate(stored_gb, self.store_lat.total),
+            "load_call_gb_s": _rate(loaded_gb, load_time),
+            "requests_per_s": _rate(len(self.requests), seconds),
+            "accesses_per_s": _rate(self.accesses, seconds),
+        }
+
+
+async def replay(
+    trace: Trace | Sequence[TraceRequest],
+    backends: Sequence[ReplayBackend],
+    *,
+    speed: float | None = 1.0,
+    limit: int | None = None,
+    sample_every: int | None = None,
+    progress: Callable[[ReplayProgress], None] | None = None,
+) -> ReplaySummary:
+    """Replay ``trace`` (its first ``limit`` requests) with one worker per backend.
+
+    ``speed``: how much faster than the trace's own clock (``None``: no pacing).
+    ``sample_every``: requests between timeline points (default: 1/200 of the replay).
+    """
+    if not backends:
+        raise ValueError("a replay needs at least one backend")
+    if speed is not None and not speed > 0:
+        raise ValueError(f"speed must be positive, got {speed}")
+    requests = trace.requests if isinstance(trace, Trace) else tuple(trace)
+    if limit is not None:
+        requests = requests[: max(0, limit)]
+    every = sample_every or max(1, len(requests) // 200)
+    run = _Replay(requests, backends, speed, every, progress)
+    await run.sample(backends[0])
+    run.started = time.perf_counter()
+    run.timeline[0]["t"] = 0.0
+    try:
+        async with asyncio.TaskGroup() as group:
+            for backend in backends:
+                group.create_task(run.worker(backend))
+    except BaseExceptionGroup as failure:
+        raise failure.exceptions[0] from None
+    seconds = time.perf_counter() - run.started
+    tiers = await run.sample(backends[0])
+    run.report_progress()
+    return run.summary(seconds, tiers)
+
+
+def _code(exc: BaseException) -> str:
+    code = getattr(exc, "code", None)
+    return str(code) if code else type(exc).__name__
+
+
+def _rate(amount: float, per: float) -> float:
+    return amount / per if per > 0 else 0.0
