@@ -48,8 +48,10 @@ def bind_unix_socket(path: str, mode: int) -> socket.socket:
     try:
         sock.bind(staged)
         os.chmod(staged, mode)
-        os.rename(staged, path)
+        # Listen before the path appears: a connect in between would be refused, and a
+        # daemon starting at that moment would take the socket for a stale one.
         sock.listen(1024)
+        os.rename(staged, path)
         sock.setblocking(False)
     except BaseException:
         sock.close()
