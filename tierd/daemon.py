@@ -149,7 +149,6 @@ class Daemon:
                 self.chain = chain
                 self.server = server = Server(self._context(chain))
                 server.adopt(sock, path)
-                await server.start()
                 return await self._serve(server)
         finally:
             if server is not None:
@@ -161,17 +160,28 @@ class Daemon:
             log.info("stopped", forced=self._forced)
 
     async def _serve(self, server: Server) -> int:
+        # Signal handlers and the metrics endpoint come before the first client is
+        # accepted: whoever got a hello answered can scrape, and SIGTERM is graceful.
         restore = self._install_signals()
-        metrics = await self._start_metrics_http(server.ctx)
+        metrics: asyncio.Server | None = None
         try:
+            metrics = await self._start_metrics_http(server.ctx)
+            await server.start()
             log.info("ready", socket=str(self.config.socket.path), pid=os.getpid())
             self.ready.set()
             sd_notify("READY=1")
             await self._stop.wait()
             sd_notify("STOPPING=1")
-            self._shutdown = asyncio.create_task(self._drain(server))
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._shutdown
+            if not self._forced:  # both signals may have come in before this turn
+                self._shutdown = asyncio.create_task(self._drain(server))
+                try:
+                    await self._shutdown
+                except asyncio.CancelledError:
+                    # The second signal cancels the drain; a cancellation of this task
+                    # itself must go on.
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise
             if self._forced:
                 await server.drain(0)
         finally:

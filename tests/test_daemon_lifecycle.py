@@ -1,0 +1,646 @@
+"""The daemon's lifecycle, with real processes: start-up, serving, SIGTERM, restart.
+
+Most tests run the daemon as a child process from a YAML file (:func:`serve_command`) and
+talk to it with :class:`tierd.client.Client` over its real Unix socket; its stderr goes to
+a file, so a chatty daemon never blocks on a full pipe. Start-up is awaited by polling for
+a hello answer under a 30 s deadline (a process start is not something a test can hook
+into); everything after that waits on replies, datagrams and exits. The ``spawn`` fixture
+kills whatever is still running at the end of a test and removes its pool file.
+
+The forced exit on a second signal is tested in this test's event loop instead, where the
+drain can be held open deterministically (a gated ``chain.flush``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import glob
+import itertools
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tierd.client import Client, DaemonError, Unreachable
+from tierd.config import DaemonConfig
+from tierd.daemon import Daemon, reap_stale_pools
+from tierd.testing import daemon_config, short_socket_path
+
+TESTS = Path(__file__).resolve().parent
+NAMESPACE = "lifecycle"
+BLOCK = 4096
+DEADLINE_S = 30.0  # safety net for anything a test waits on
+EXIT_DEADLINE_S = 60.0  # a daemon's exit: its grace period plus room for a loaded machine
+
+
+def serve_command(config_file: Path) -> list[str]:
+    """The command line that runs the daemon from ``config_file``."""
+    return [sys.executable, "-m", "tierd", "serve", "-c", str(config_file)]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment without anything that would configure the daemon."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("TIERD_") and k != "NOTIFY_SOCKET"
+    }
+    return {**env, **extra}
+
+
+def block(key: bytes) -> bytes:
+    """The deterministic content stored under ``key``."""
+    return random.Random(key).randbytes(BLOCK)
+
+
+def keys(prefix: str, count: int) -> list[bytes]:
+    return [f"{prefix}-{i}".encode() for i in range(count)]
+
+
+def exists(path: str | os.PathLike[str]) -> bool:
+    return os.path.exists(path)
+
+
+def pool_files(pid: int) -> list[str]:
+    return glob.glob(f"/dev/shm/tierd-{pid}-*")
+
+
+class DaemonProcess:
+    """A daemon running as a child process; stderr is in ``stderr_path``."""
+
+    def __init__(
+        self, proc: subprocess.Popen[bytes], config: dict[str, Any], stderr_path: Path
+    ) -> None:
+        self.proc = proc
+        self.config = config
+        self.stderr_path = stderr_path
+
+    @property
+    def socket_path(self) -> str:
+        return str(self.config["socket"]["path"])
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    async def wait(self) -> int:
+        """The exit status (a safety-net deadline, not a timed assertion)."""
+        return await asyncio.to_thread(self.proc.wait, EXIT_DEADLINE_S)
+
+    async def stop(self) -> int:
+        self.signal(signal.SIGTERM)
+        return await self.wait()
+
+    async def connect(self) -> Client:
+        return await Client.connect(self.socket_path, namespace=NAMESPACE, block_bytes=BLOCK)
+
+    async def wait_ready(self) -> None:
+        """Poll until the socket answers a hello; fail at once if the process exits."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DEADLINE_S
+        while True:
+            status = self.proc.poll()
+            if status is not None:
+                raise AssertionError(f"the daemon exited with {status}:\n{self.stderr()}")
+            try:
+                async with asyncio.timeout(DEADLINE_S):
+                    client = await Client.connect(self.socket_path)
+            except Unreachable:
+                if loop.time() > deadline:
+                    message = f"no hello within {DEADLINE_S}s:\n{self.stderr()}"
+                    raise AssertionError(message) from None
+                await asyncio.sleep(0.05)  # start-up: nothing to wait on but the socket
+                continue
+            await client.close()
+            return
+
+
+Spawn = Callable[..., Awaitable[DaemonProcess]]
+
+
+def _popen(command: list[str], stderr_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start ``command`` with its stdout and stderr in a file (no pipe to fill up)."""
+    with stderr_path.open("wb") as stderr:
+        return subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, env=env
+        )
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Spawn]:
+    """``await spawn(config, env=..., ready=True)`` starts a daemon from ``config`` (a
+    mapping written as YAML); at the end every daemon still running is killed."""
+    started: list[DaemonProcess] = []
+    numbers = itertools.count()
+
+    async def start(
+        config: dict[str, Any], *, env: dict[str, str] | None = None, ready: bool = True
+    ) -> DaemonProcess:
+        number = next(numbers)
+        config_file = tmp_path / f"tierd-{number}.yaml"
+        config_file.write_text(yaml.safe_dump(config))
+        stderr_path = tmp_path / f"tierd-{number}.stderr"
+        proc = _popen(serve_command(config_file), stderr_path, child_env() if env is None else env)
+        daemon = DaemonProcess(proc, config, stderr_path)
+        started.append(daemon)
+        if ready:
+            await daemon.wait_ready()
+        return daemon
+
+    yield start
+    for daemon in started:
+        if daemon.proc.poll() is None:
+            daemon.proc.kill()
+            daemon.proc.wait()
+        for path in pool_files(daemon.pid):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        shutil.rmtree(os.path.dirname(daemon.socket_path), ignore_errors=True)
+
+
+async def store_all(client: Client, names: list[bytes], batch: int) -> None:
+    """Store ``names`` in batches that fit the CPU tier."""
+    for i in range(0, len(names), batch):
+        part = names[i : i + batch]
+        assert await client.store(part, [block(k) for k in part]) == len(part)
+
+
+async def load_all(client: Client, names: list[bytes], batch: int) -> list[bytes]:
+    """Load ``names`` in batches that fit the CPU tier."""
+    out: list[bytes] = []
+    for i in range(0, len(names), batch):
+        out += await client.load(names[i : i + batch])
+    return out
+
+
+async def medium_of(client: Client, key: bytes) -> str | None:
+    found = await client.lookup([key])
+    return found.media[0] if found.count else None
+
+
+# -- 1. serving ----------------------------------------------------------------------------
+
+
+async def test_subprocess_serves_stored_blocks(tmp_path: Path, spawn: Spawn) -> None:
+    daemon = await spawn(daemon_config(tmp_path, cpu_blocks=8, block_bytes=BLOCK))
+    names = keys("serve", 6)
+    async with await daemon.connect() as client:
+        assert client.pool is not None  # the zero-copy path, through the mapped pool
+        assert await client.store(names, [block(k) for k in names]) == 6
+        assert (await client.lookup(names)).count == 6
+        assert await client.load(names) == [block(k) for k in names]
+    assert await daemon.stop() == 0
+
+
+# -- 2. SIGTERM while loads run ------------------------------------------------------------
+
+
+async def _load_checked(client: Client, names: list[bytes]) -> str:
+    """Load ``names``: ``"ok"`` when they came back intact, else the error code of the
+    daemon's refusal or ``"unreachable"`` (the connection closed under the request)."""
+    try:
+        got = await client.load(names)
+    except DaemonError as exc:
+        return exc.code
+    except Unreachable:
+        return "unreachable"
+    assert got == [block(k) for k in names]
+    return "ok"
+
+
+async def test_sigterm_during_loads_exits_cleanly_and_keeps_blocks(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    config = daemon_config(
+        tmp_path, cpu_blocks=64, disk_blocks=512, block_bytes=BLOCK, shutdown={"grace": 30}
+    )
+    daemon = await spawn(config)
+    names = keys("term", 256)
+    async with await daemon.connect() as client:
+        await store_all(client, names, 32)
+        cpu_used = (await client.stats())["tiers"][0]["used"]
+    assert cpu_used == 64  # so the first 192 blocks live on disk only
+
+    clients = [await daemon.connect() for _ in range(4)]
+    try:
+        # 24 loads of 2 blocks, each needing a promotion from disk: together they fit
+        # the CPU tier (none is refused for room) and leave 16 dirty blocks to flush.
+        loads = [
+            asyncio.create_task(_load_checked(clients[i % 4], names[2 * i : 2 * i + 2]))
+            for i in range(24)
+        ]
+        # SIGTERM once the daemon is serving them: when the first load has come back.
+        async with asyncio.timeout(DEADLINE_S):
+            await asyncio.wait(loads, return_when=asyncio.FIRST_COMPLETED)
+        daemon.signal(signal.SIGTERM)
+        async with asyncio.timeout(EXIT_DEADLINE_S):
+            results = await asyncio.gather(*loads)
+    finally:
+        for client in clients:
+            await client.close()
+    assert "ok" in results
+    assert set(results) <= {"ok", "shutting_down", "unreachable"}, results
+    assert await daemon.wait() == 0
+    stderr = daemon.stderr()
+    assert "grace period over" not in stderr, stderr
+    assert not exists(daemon.socket_path)
+    assert pool_files(daemon.pid) == []
+
+    again = await spawn(config)
+    async with await again.connect() as client:
+        assert (await client.lookup(names)).count == len(names)
+        assert await load_all(client, names, 64) == [block(k) for k in names]
+    assert await again.stop() == 0
+
+
+# -- 3. restart and write-back ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("write_back", ["flush", "none"])
+async def test_restart_keeps_the_disk_tier(tmp_path: Path, spawn: Spawn, write_back: str) -> None:
+    config = daemon_config(
+        tmp_path, cpu_blocks=8, disk_blocks=64, shutdown={"write_back": write_back}
+    )
+    daemon = await spawn(config)
+    names = keys("restart", 12)
+    async with await daemon.connect() as client:
+        await store_all(client, names, 4)
+        media = {key: await medium_of(client, key) for key in names}
+        tiers = (await client.stats())["tiers"]
+    on_disk = [k for k in names if media[k] == "DISK"]
+    cpu_only = [k for k in names if media[k] == "CPU"]
+    # Nothing was written through, so every CPU block is dirty: on no disk.
+    assert (len(cpu_only), len(on_disk)) == (8, 4)
+    assert (tiers[0]["used"], tiers[1]["used"]) == (8, 4)
+    assert await daemon.stop() == 0
+
+    again = await spawn(config)
+    async with await again.connect() as client:
+        for key in on_disk:
+            assert await medium_of(client, key) == "DISK"
+        for key in cpu_only:
+            expected = "DISK" if write_back == "flush" else None
+            assert await medium_of(client, key) == expected
+        kept = names if write_back == "flush" else on_disk
+        assert await load_all(client, kept, 8) == [block(k) for k in kept]
+    assert await again.stop() == 0
+
+
+# -- 4. a second stop request forces the exit (in this loop) -------------------------------
+
+
+async def _start_in_loop(cfg: DaemonConfig) -> tuple[Daemon, asyncio.Task[int]]:
+    daemon = Daemon(cfg, handle_signals=False)
+    task = asyncio.create_task(daemon.run())
+    ready = asyncio.create_task(daemon.ready.wait())
+    async with asyncio.timeout(DEADLINE_S):
+        await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        ready.cancel()
+        raise AssertionError(f"the daemon exited before it was ready: {task.result()}")
+    return daemon, task
+
+
+@contextlib.asynccontextmanager
+async def _gated_flush(daemon: Daemon) -> AsyncIterator[tuple[asyncio.Event, asyncio.Event]]:
+    """Replace the chain's flush (the shutdown write-back) with one that waits at a gate:
+    yields ``(entered, gate)``."""
+    chain = daemon.chain
+    assert chain is not None
+    entered, gate = asyncio.Event(), asyncio.Event()
+    flush = chain.flush
+
+    async def gated() -> int:
+        entered.set()
+        await gate.wait()
+        return await flush()
+
+    chain.flush = gated  # type: ignore[method-assign]
+    try:
+        yield entered, gate
+    finally:
+        gate.set()
+
+
+async def _store_dirty(cfg: DaemonConfig, names: list[bytes]) -> str:
+    async with await Client.connect(str(cfg.socket.path), namespace=NAMESPACE) as client:
+        assert client.pool is not None
+        await store_all(client, names, 4)
+        return str(client.pool.path)
+
+
+async def test_second_stop_during_drain_forces_exit_status_1(tmp_path: Path) -> None:
+    cfg = DaemonConfig.model_validate(daemon_config(tmp_path, cpu_blocks=8))
+    daemon, task = await _start_in_loop(cfg)
+    names = keys("forced", 12)
+    pool_path = await _store_dirty(cfg, names)
+    async with await Client.connect(str(cfg.socket.path), namespace=NAMESPACE) as client:
+        on_disk = [k for k in names if await medium_of(client, k) == "DISK"]
+    assert len(on_disk) == 4  # and 8 dirty blocks in the CPU tier only
+    async with _gated_flush(daemon) as (entered, gate):
+        daemon.request_stop()
+        async with asyncio.timeout(DEADLINE_S):
+            await entered.wait()  # the drain is now writing back, held at the gate
+        daemon.request_stop()
+        async with asyncio.timeout(DEADLINE_S):
+            status = await task
+        assert not gate.is_set()
+    assert status == 1
+    assert not exists(cfg.socket.path)
+    assert not exists(pool_path)
+
+    # The write-back was skipped: only what was on disk survived (and its index did).
+    daemon, task = await _start_in_loop(cfg)
+    async with await Client.connect(str(cfg.socket.path), namespace=NAMESPACE) as client:
+        for key in names:
+            assert await medium_of(client, key) == ("DISK" if key in on_disk else None)
+        assert await client.load(on_disk) == [block(k) for k in on_disk]
+    daemon.request_stop()
+    async with asyncio.timeout(DEADLINE_S):
+        assert await task == 0
+
+
+async def test_two_stop_requests_before_the_drain_skip_it(tmp_path: Path) -> None:
+    """Regression: two signals handled in one loop turn (before the drain task started)
+    ran the whole drain and write-back anyway."""
+    cfg = DaemonConfig.model_validate(daemon_config(tmp_path, cpu_blocks=8))
+    daemon, task = await _start_in_loop(cfg)
+    await _store_dirty(cfg, keys("twice", 4))
+    async with _gated_flush(daemon) as (entered, _gate):
+        daemon.request_stop()
+        daemon.request_stop()
+        async with asyncio.timeout(DEADLINE_S):
+            status = await task
+        assert not entered.is_set()
+    assert status == 1
+    assert not exists(cfg.socket.path)
+
+
+async def test_cancelling_the_daemon_during_the_drain_propagates(tmp_path: Path) -> None:
+    """Regression: cancelling ``Daemon.run()`` while it drained was swallowed and the run
+    returned 0 as if it had stopped normally."""
+    cfg = DaemonConfig.model_validate(daemon_config(tmp_path, cpu_blocks=8))
+    daemon, task = await _start_in_loop(cfg)
+    await _store_dirty(cfg, keys("cancel", 4))
+    async with _gated_flush(daemon) as (entered, _gate):
+        daemon.request_stop()
+        async with asyncio.timeout(DEADLINE_S):
+            await entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            async with asyncio.timeout(DEADLINE_S):
+                await task
+    assert task.cancelled()
+    assert not exists(cfg.socket.path)
+
+
+# -- 5. the socket path: stale and live ----------------------------------------------------
+
+
+async def test_stale_socket_is_replaced_and_live_one_is_kept(tmp_path: Path, spawn: Spawn) -> None:
+    path = short_socket_path()
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)
+    stale.close()  # the file stays, and nobody listens on it
+    assert exists(path)
+
+    config = daemon_config(tmp_path, cpu_blocks=8, socket_path=path)
+    first = await spawn(config)
+    inode = os.stat(path).st_ino
+    async with await first.connect() as client:
+        await client.store([b"live"], [block(b"live")])
+
+    second = await spawn(config, ready=False)
+    status = await second.wait()
+    assert status != 0
+    assert "already running" in second.stderr()
+    assert pool_files(second.pid) == []  # it gave up before opening a pool
+    assert os.stat(path).st_ino == inode
+    async with await first.connect() as client:
+        assert await client.load([b"live"]) == [block(b"live")]
+    assert await first.stop() == 0
+
+
+# -- 6. sd_notify --------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["path", "abstract"])
+def notify_socket(request: pytest.FixtureRequest) -> Iterator[tuple[str, socket.socket]]:
+    """A datagram socket for ``NOTIFY_SOCKET``: ``(the variable's value, the socket)``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    directory = tempfile.mkdtemp(prefix="tierd-notify-", dir="/tmp")
+    try:
+        if request.param == "path":
+            value = os.path.join(directory, "notify")
+            sock.bind(value)
+        else:
+            value = f"@tierd-test-notify-{secrets.token_hex(8)}"
+            sock.bind("\0" + value[1:])
+        yield value, sock
+    finally:
+        sock.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def _notification(sock: socket.socket, daemon: DaemonProcess) -> bytes:
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            return await asyncio.get_running_loop().sock_recv(sock, 256)
+    except TimeoutError:
+        raise AssertionError(f"no notification:\n{daemon.stderr()}") from None
+
+
+async def test_sd_notify_ready_and_stopping(
+    tmp_path: Path, spawn: Spawn, notify_socket: tuple[str, socket.socket]
+) -> None:
+    value, sock = notify_socket
+    daemon = await spawn(daemon_config(tmp_path), env=child_env(NOTIFY_SOCKET=value), ready=False)
+    assert await _notification(sock, daemon) == b"READY=1"
+    # READY=1 comes after the socket accepts: a hello is answered at once, no polling.
+    async with await daemon.connect() as client:
+        assert (await client.health())["status"] == "ok"
+    daemon.signal(signal.SIGTERM)
+    assert await _notification(sock, daemon) == b"STOPPING=1"
+    assert await daemon.wait() == 0
+
+
+# -- 7. permissions ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [None, 0o660])
+async def test_socket_and_pool_modes(tmp_path: Path, spawn: Spawn, mode: int | None) -> None:
+    sections: dict[str, Any] = {} if mode is None else {"socket": {"mode": f"0o{mode:o}"}}
+    daemon = await spawn(daemon_config(tmp_path, **sections))
+    expected = 0o600 if mode is None else mode
+    assert os.stat(daemon.socket_path).st_mode & 0o777 == expected
+    async with await daemon.connect() as client:
+        pool_path = client.info["pool"]["path"]
+    assert os.stat(pool_path).st_mode & 0o777 == expected
+    assert await daemon.stop() == 0
+
+
+# -- 8. stale shared-memory pools ---------------------------------------------------------------
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    with pytest.raises(ProcessLookupError):
+        os.kill(proc.pid, 0)
+    return proc.pid
+
+
+def fake_pool(pid: int) -> str:
+    path = f"/dev/shm/tierd-{pid}-{secrets.token_hex(6)}"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 4096)
+    return path
+
+
+def test_reap_stale_pools_removes_only_dead_daemons_pools() -> None:
+    dead, mine = fake_pool(dead_pid()), fake_pool(os.getpid())
+    try:
+        removed = reap_stale_pools()
+        assert os.path.basename(dead) in removed
+        assert os.path.basename(mine) not in removed
+        assert not exists(dead)
+        assert exists(mine)
+    finally:
+        for path in (dead, mine):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+async def test_daemon_start_reaps_stale_pools(tmp_path: Path, spawn: Spawn) -> None:
+    dead = fake_pool(dead_pid())
+    try:
+        daemon = await spawn(daemon_config(tmp_path))
+        assert not exists(dead)
+        assert await daemon.stop() == 0
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dead)
+
+
+# -- 9. a client killed holding leases -----------------------------------------------------
+
+
+async def _leases(client: Client) -> tuple[int, int, int]:
+    stats = await client.stats()
+    cpu = stats["tiers"][0]
+    return cpu["pinned"], cpu["writing"], stats["server"]["leases"]
+
+
+async def test_killed_client_releases_its_leases(tmp_path: Path, spawn: Spawn) -> None:
+    daemon = await spawn(daemon_config(tmp_path, cpu_blocks=8, disk_blocks=64))
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(TESTS / "daemon_client_child.py"),
+        daemon.socket_path,
+        NAMESPACE,
+        str(BLOCK),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            line = await child.stdout.readline() if child.stdout else b""
+        assert line == b"ready\n"
+        async with await daemon.connect() as client:
+            assert await _leases(client) == (1, 2, 2)
+            child.kill()
+            await child.wait()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + DEADLINE_S
+            # The daemon learns of the death on its own schedule: ask until it has.
+            while (held := await _leases(client)) != (0, 0, 0):
+                assert loop.time() < deadline, f"still held: {held}"
+                await asyncio.sleep(0.02)
+            # Every CPU slot is usable again: a batch as large as the tier fits.
+            fresh = keys("after-kill", 8)
+            assert await client.store(fresh, [block(k) for k in fresh]) == 8
+            assert await client.load(fresh) == [block(k) for k in fresh]
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    assert await daemon.stop() == 0
+
+
+# -- 10. metrics over HTTP -----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=DEADLINE_S) as reply:
+            return int(reply.status), reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+async def test_metrics_over_http(tmp_path: Path, spawn: Spawn) -> None:
+    port = free_port()
+    daemon = await spawn(daemon_config(tmp_path, metrics={"http_port": port}))
+    # Right after the first hello: the endpoint is up before clients are answered.
+    status, text = await asyncio.to_thread(http_get, f"http://127.0.0.1:{port}/metrics")
+    assert status == 200
+    assert 'tierd_tier_used_blocks{medium="CPU",tier="cpu"} 0.0' in text
+    assert 'tierd_tier_used_blocks{medium="DISK",tier="disk"} 0.0' in text
+    status, _ = await asyncio.to_thread(http_get, f"http://127.0.0.1:{port}/other")
+    assert status == 404
+    assert await daemon.stop() == 0
+
+
+# -- 11. logging ---------------------------------------------------------------------------
+
+
+async def test_json_logs(tmp_path: Path, spawn: Spawn) -> None:
+    daemon = await spawn(daemon_config(tmp_path, logging={"format": "json"}))
+    assert await daemon.stop() == 0
+    lines = [line for line in daemon.stderr().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]
+    assert all(isinstance(r, dict) and "event" in r and "level" in r for r in records)
+    events = [r["event"] for r in records]
+    assert "ready" in events
+    assert "stopped" in events
+
+
+# -- 12. configuration errors --------------------------------------------------------------
+
+
+async def test_config_errors_exit_78_naming_every_yaml_path(tmp_path: Path, spawn: Spawn) -> None:
+    config = daemon_config(tmp_path, bogus_key=1)
+    config["tiers"][0]["policy"] = "no-such-policy"
+    daemon = await spawn(config, ready=False)
+    assert await daemon.wait() == 78
+    stderr = daemon.stderr()
+    assert "bogus_key" in stderr
+    assert "tiers.0.policy" in stderr
+    assert not exists(daemon.socket_path)  # it stopped before binding anything
