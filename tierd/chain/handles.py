@@ -27,24 +27,31 @@ if TYPE_CHECKING:
 __all__ = ["LoadHandle", "StoreHandle"]
 
 
-class LoadHandle:
-    """Pinned blocks at one level, readable through ``views`` until ``release()``."""
+class _SlotHandle:
+    """``keys[i]`` lives in ``slots[i]`` of one level's store."""
 
     def __init__(self, chain: TierChain, level: int, keys: list[BlockKey], slots: list[int]):
         self._chain = chain
         self.level = level
         self.keys = keys
         self.slots = slots
-        self.released = False
 
     @property
     def store(self) -> BlockStore:
         return self._chain.levels[self.level].store
 
     def views(self) -> list[Buffer]:
-        """Zero-copy views of the pinned slots, co-indexed with ``keys``."""
+        """Zero-copy views of the slots, co-indexed with ``keys``."""
         store = self.store
         return [store.view(slot) for slot in self.slots]
+
+
+class LoadHandle(_SlotHandle):
+    """Pinned blocks at one level, readable through ``views`` until ``release()``."""
+
+    def __init__(self, chain: TierChain, level: int, keys: list[BlockKey], slots: list[int]):
+        super().__init__(chain, level, keys, slots)
+        self.released = False
 
     async def read_into(self, out: Sequence[Buffer]) -> list[bool]:
         """Copy the pinned blocks into caller buffers (for stores without views)."""
@@ -63,7 +70,7 @@ class LoadHandle:
         self.release()
 
 
-class StoreHandle:
+class StoreHandle(_SlotHandle):
     """Entry-level slots reserved for new blocks: ``keys[i]`` goes into ``slots[i]``.
 
     ``skipped`` are the requested keys that need no write (already held or in flight at
@@ -78,21 +85,9 @@ class StoreHandle:
         plan: StorePlan,
         futures: list[asyncio.Future[bool]],
     ) -> None:
-        self._chain = chain
+        super().__init__(chain, level, list(plan.keys), list(plan.slots))
         self._futures = futures
-        self.level = level
-        self.keys = list(plan.keys)
-        self.slots = list(plan.slots)
         self.finished = False
-
-    @property
-    def store(self) -> BlockStore:
-        return self._chain.levels[self.level].store
-
-    def views(self) -> list[Buffer]:
-        """Writable zero-copy views of the reserved slots, co-indexed with ``keys``."""
-        store = self.store
-        return [store.view(slot) for slot in self.slots]
 
     async def commit(self, ok: Sequence[bool] | bool = True) -> list[BlockKey]:
         """Mark the blocks written (``ok`` per key, or one flag for all); the failed ones

@@ -23,6 +23,7 @@ __all__ = [
     "EXIT_USAGE",
     "Command",
     "UsageError",
+    "add_sets",
 ]
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 2, 3, 78
@@ -30,6 +31,18 @@ EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 2, 3,
 
 class UsageError(Exception):
     """A command-line mistake: reported on stderr, exit status 2."""
+
+
+def add_sets(parser: argparse.ArgumentParser) -> None:
+    """The repeatable ``--set PATH=VALUE`` override (highest precedence), as ``args.sets``."""
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override one value, e.g. socket.mode=0o660 or tiers.0.capacity=2GiB (repeatable)",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from tierd.cli.base import EXIT_OK, Command
+from tierd.cli.base import EXIT_OK, Command, add_sets
 from tierd.config import DaemonConfig
 from tierd.settings import effective_config_dict, load_settings
 
@@ -27,24 +27,13 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="validate a config file (with TIERD_* variables and --set) and summarise it",
     )
     check.add_argument("file", type=Path, help="the YAML config file")
-    _add_sets(check)
+    add_sets(check)
     show = actions.add_parser("show", help="print the effective configuration")
     show.add_argument(
         "-c", "--config", type=Path, help="the YAML config file (default: $TIERD_CONFIG, if set)"
     )
-    _add_sets(show)
+    add_sets(show)
     show.add_argument("--json", action="store_true", help="print JSON instead of YAML")
-
-
-def _add_sets(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="PATH=VALUE",
-        help="override one value, e.g. socket.mode=0o660 or tiers.0.capacity=2GiB (repeatable)",
-    )
 
 
 def _run(args: argparse.Namespace) -> int:

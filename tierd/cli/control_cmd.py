@@ -64,7 +64,8 @@ def socket_path(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     return str(default_socket_path(env))
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
+def add_socket_options(parser: argparse.ArgumentParser) -> None:
+    """``--socket`` and ``-c/--config``: how a client command finds the daemon."""
     parser.add_argument(
         "--socket",
         type=Path,
@@ -78,6 +79,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help=f"take the socket path from this config (default: ${CONFIG_ENV}, if set)",
     )
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    add_socket_options(parser)
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
 
 

@@ -121,16 +121,19 @@ def _describe(result: SimulationResult) -> str:
 class ProgressBar:
     """A one-line progress bar redrawn in place (meant for a terminal)."""
 
-    def __init__(self, stream: TextIO, width: int = 40) -> None:
+    def __init__(self, stream: TextIO, width: int = 40, label: str = "") -> None:
         self._stream = stream
         self._width = width
+        self._label = f"{label} " if label else ""
         self._drawn = False
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, done: int, total: int, suffix: str = "") -> None:
         share = done / total if total else 1.0
         filled = int(share * self._width)
         bar = "#" * filled + "." * (self._width - filled)
-        self._stream.write(f"\r[{bar}] {share:4.0%} {done:,}/{total:,} requests")
+        self._stream.write(
+            f"\r{self._label}[{bar}] {share:4.0%} {done:,}/{total:,} requests{suffix}"
+        )
         self._stream.flush()
         self._drawn = True
 

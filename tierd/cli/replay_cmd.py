@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE, Command, UsageError
 from tierd.cli.control_cmd import CONNECT_TIMEOUT, SOCKET_ENV
+from tierd.cli.offline import ProgressBar
 from tierd.client import DaemonError, Unreachable
 from tierd.config import ChainConfig, default_socket_path, load_config
 from tierd.units import parse_size
@@ -317,10 +318,7 @@ class _ReplayBar:
     place at most ten times a second (meant for a terminal)."""
 
     def __init__(self, stream: TextIO, width: int = 30, label: str = "") -> None:
-        self._stream = stream
-        self._width = width
-        self._label = f"{label} " if label else ""
-        self._drawn = False
+        self._bar = ProgressBar(stream, width, label)
         self._last = 0.0
 
     def __call__(self, tick: ReplayProgress) -> None:
@@ -328,22 +326,12 @@ class _ReplayBar:
         if tick.done < tick.total and now - self._last < 0.1:
             return
         self._last = now
-        share = tick.done / tick.total if tick.total else 1.0
-        filled = int(share * self._width)
         rate = tick.done / tick.seconds if tick.seconds > 0 else 0.0
         ratio = tick.hits / tick.accesses if tick.accesses else 0.0
-        self._stream.write(
-            f"\r{self._label}[{'#' * filled}{'.' * (self._width - filled)}] {share:4.0%} "
-            f"{tick.done:,}/{tick.total:,} requests  {rate:,.0f}/s  hit ratio {ratio:.3f}"
-        )
-        self._stream.flush()
-        self._drawn = True
+        self._bar(tick.done, tick.total, f"  {rate:,.0f}/s  hit ratio {ratio:.3f}")
 
     def close(self) -> None:
-        if self._drawn:
-            self._stream.write("\n")
-            self._stream.flush()
-            self._drawn = False
+        self._bar.close()
 
 
 def _fail(message: str, status: int) -> int:

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tierd.cli.base import EXIT_BAD_INPUT, Command
+from tierd.cli.base import EXIT_BAD_INPUT, Command, add_sets
 from tierd.errors import AlreadyRunning
 from tierd.settings import load_settings
 
@@ -28,14 +28,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-c", "--config", type=Path, help="the YAML config file (default: $TIERD_CONFIG, if set)"
     )
-    parser.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="PATH=VALUE",
-        help="override one value, e.g. socket.path=/run/tierd/tierd.sock (repeatable)",
-    )
+    add_sets(parser)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -21,13 +21,11 @@ import shutil
 import sys
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE, Command, UsageError
-from tierd.cli.control_cmd import CONNECT_TIMEOUT, SOCKET_ENV, socket_path
+from tierd.cli.control_cmd import CONNECT_TIMEOUT, add_socket_options, socket_path
 from tierd.client import Client, DaemonError, Unreachable
-from tierd.settings import CONFIG_ENV
 
 if TYPE_CHECKING:
     import curses
@@ -57,19 +55,7 @@ class _CannotReach(Exception):
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--socket",
-        type=Path,
-        metavar="PATH",
-        help=f"the daemon's control socket (default: ${SOCKET_ENV}, else the config's)",
-    )
-    parser.add_argument(
-        "-c",
-        "--config",
-        type=Path,
-        metavar="FILE",
-        help=f"take the socket path from this config (default: ${CONFIG_ENV}, if set)",
-    )
+    add_socket_options(parser)
     parser.add_argument(
         "--interval", type=float, default=1.0, metavar="SECONDS", help="refresh every SECONDS"
     )
