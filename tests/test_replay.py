@@ -336,3 +336,22 @@ async def test_cli_refuses_a_block_size_that_is_not_the_daemons(
     assert status == 2
     assert "8192" in capsys.readouterr().err
     assert stats["chain"]["lookups"] == 0
+
+
+async def test_a_load_that_promotes_from_disk_counts_as_a_disk_load(tmp_path: Path) -> None:
+    # 0-23 fill the 24-block CPU tier, 24-29 push 0-5 down to disk; the last request reads
+    # 24-26 (CPU) and 0-2 (DISK) in one chunk of 6 (a quarter of the CPU tier): its
+    # latency is the disk's.
+    records = [
+        TraceRecord(0, 1024, 16, tuple(range(24))),
+        TraceRecord(1, 1024, 16, tuple(range(24, 30))),
+        TraceRecord(2, 1024, 16, (24, 25, 26, 0, 1, 2)),
+    ]
+    write_trace(tmp_path / "t.jsonl", records)
+    trace = read_trace(tmp_path / "t.jsonl")
+    async with tierd.open(config_in(tmp_path, cpu_blocks=24, disk_blocks=64)) as chain:
+        summary = await replay(trace, [ChainBackend(chain)], speed=None)
+    assert summary.wrong_bytes == 0
+    assert (summary.hits_by_medium["CPU"], summary.hits_by_medium["DISK"]) == (3, 3)
+    assert summary.latency["load"]["DISK"]["count"] == 1
+    assert "CPU" not in summary.latency["load"]

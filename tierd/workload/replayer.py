@@ -111,7 +111,8 @@ class ReplaySummary:
 
     Counts are blocks unless named otherwise; ratios are of ``block_accesses``; times are
     seconds. ``latency``: ``lookup`` and ``store`` -> {p50, p90, p99, mean, count}, and
-    ``load`` -> medium -> the same (the medium of a loaded chunk's first block).
+    ``load`` -> medium -> the same (the slowest medium a loaded chunk came from: a chunk
+    with one block promoted from disk counts as a DISK load).
     ``errors``: kind -> occurrences (``wrong_bytes`` counts blocks, the others calls).
     ``timeline``: {t, requests, accesses, hits: {medium: cumulative}, occupancy: {tier:
     used}}, from before the first request to after the last. ``tiers``: the final stats'
@@ -291,7 +292,7 @@ class _Replay:
                 self.errors[f"load_{_code(exc)}"] += 1
                 blocks = []
             else:
-                medium = media[start]
+                medium = _slowest(media[start : start + len(part)])
                 if medium not in self.load_lat:
                     self.load_lat[medium] = _Latencies(keep=SAMPLE_CAP)
                 self.load_lat[medium].add(time.perf_counter() - began)
@@ -452,3 +453,12 @@ def _code(exc: BaseException) -> str:
 
 def _rate(amount: float, per: float) -> float:
     return amount / per if per > 0 else 0.0
+
+
+_SPEED_ORDER = {"GPU": 0, "MEMORY": 1, "CPU": 2, "DISK": 3}
+
+
+def _slowest(media: Sequence[str]) -> str:
+    """The slowest of the media a chunk is served from (fastest first: GPU, MEMORY, CPU,
+    DISK), which decides how long its load takes."""
+    return max(media, key=lambda m: _SPEED_ORDER.get(m, len(_SPEED_ORDER)))
