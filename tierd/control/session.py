@@ -55,6 +55,7 @@ log = structlog.get_logger("tierd.control")
 Reply = dict[str, Any]
 Lease = StoreHandle | LoadHandle
 # Refused while the daemon drains; finishing a lease (complete_store) is still allowed.
+_MAX_ID = (1 << 64) - 1
 _STARTS_WORK = frozenset({"prepare_store", "prepare_load", "put", "get", "flush"})
 _H = TypeVar("_H", StoreHandle, LoadHandle)
 
@@ -103,6 +104,23 @@ class Session:
     def handle(self, msg: Any) -> None:
         """Answer one decoded message (a :class:`ProtocolError` for an undecodable one)."""
         self.ctx.requests += 1
+        if type(msg) is dict and self.greeted:
+            # The hot path: a well-formed synchronous request (lookup, touch, ...).
+            request_id, op = msg.get("id"), msg.get("op")
+            if type(request_id) is int and type(op) is str and 0 <= request_id <= _MAX_ID:
+                sync = self._sync.get(op)
+                if sync is not None:
+                    try:
+                        fields = sync(msg)
+                    except Exception as exc:  # cancellation propagates
+                        self._fail(request_id, exc)
+                    else:
+                        self._reply(request_id, fields)
+                    return
+        self._dispatch(msg)
+
+    def _dispatch(self, msg: Any) -> None:
+        """Every other message: check it field by field, then answer or start it."""
         request_id = msg.get("id", 0) if isinstance(msg, dict) else 0
         if not isinstance(request_id, int) or isinstance(request_id, bool) or request_id < 0:
             request_id = 0
