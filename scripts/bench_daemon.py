@@ -761,9 +761,9 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         "Baseline: a bare length-prefixed msgpack server in its own process, uvloop, a Unix "
         "socket; it decodes each request and answers a lookup-shaped reply of the same size "
         "(`count`, one medium per key, `in_flight`), the replies of one read in one write.",
-        f"Client: the same raw asyncio.Protocol client under uvloop for both (not "
-        f"`tierd.client`), in spawned client processes (1 client: one connection in one "
-        "process), {args.keys} keys of {KEY_BYTES} bytes per lookup, all hits; the "
+        "Client: the same raw asyncio.Protocol client under uvloop for both (not "
+        "`tierd.client`), in spawned client processes (1 client: one connection in one "
+        f"process), {args.keys} keys of {KEY_BYTES} bytes per lookup, all hits; the "
         "next request is written from `data_received`. Round trip: one request at a time, "
         f"{args.n} after {args.warmup} warm-up requests (1 client), {args.multi_n} per "
         f"connection ({args.clients} clients). Pipelined: a window of {args.window} requests "
