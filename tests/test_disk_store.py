@@ -309,6 +309,49 @@ async def test_journal_checkpoints_bound_its_size(tmp_path: Path) -> None:
         assert store.index() == {s: int_key(19 * 16 + s) for s in range(16)}
 
 
+class _JournalRestartFails(FileIO):
+    """Fails, once, the header write that restarts the journal after a checkpoint."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self._after_truncate = False
+
+    def truncate(self, fd: int, nbytes: int) -> None:
+        super().truncate(fd, nbytes)
+        self._after_truncate = self.armed
+
+    def write(self, fd: int, data: bytes) -> int:
+        if self._after_truncate:
+            self._after_truncate = self.armed = False
+            raise OSError(errno.ENOSPC, "injected: no space left on device")
+        return super().write(fd, data)
+
+
+async def test_a_journal_whose_restart_failed_still_means_a_crash(tmp_path: Path) -> None:
+    # A checkpoint renamed its snapshot into place, then could not write the new journal's
+    # header. Blocks synced after that must survive a crash: the header-less journal left
+    # behind is a crash, not a clean shutdown that would trust the older snapshot.
+    live = tmp_path / "live"
+    live.mkdir()
+    io = _JournalRestartFails()
+    async with store_at(live, num_blocks=64, journal_limit_bytes=2048, fileio=io) as store:
+        io.armed = True
+        written = 0
+        while not store.stats().details["journal_errors"]:
+            assert await put(store, range(written, written + 4)) == [True] * 4
+            await store.sync()
+            written += 4
+        assert not io.armed
+        for _ in range(2):  # synced after the failed restart
+            assert await put(store, range(written, written + 4)) == [True] * 4
+            await store.sync()
+            written += 4
+        dead = crash_copy(live, tmp_path / "dead")
+    async with store_at(dead, num_blocks=64) as store:
+        assert store.stats().details["recovery"] == ["crash"]
+        assert store.index() == {s: int_key(s) for s in range(written)}
+
+
 # -- corruption and faults -------------------------------------------------------------
 
 

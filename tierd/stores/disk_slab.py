@@ -286,17 +286,21 @@ class Slab:
 
     def _load_index(self) -> None:
         snap = di.load_snapshot(self.journal.snapshot_path, self.uuid)
-        replay = di.Journal.replay(self.journal.path, self.uuid)
-        if snap is not None and (replay is None or replay[0] != snap.epoch):
+        # A clean close removes the journal; any journal left, even one whose header is
+        # unreadable (a checkpoint that failed to restart it), means the daemon died and
+        # blocks may have been written after the snapshot.
+        crashed = os.path.exists(self.journal.path)
+        if snap is not None and not crashed:
             self.entries, self.next_gen, self.epoch = snap.entries, snap.next_gen, snap.epoch
             self.recovery = "clean"
             return
+        replay = di.Journal.replay(self.journal.path, self.uuid) if crashed else None
         known: dict[int, di.Record] = {}
         if snap is not None:
             known = {s: (di.Op.SET, e.gen, e.key) for s, e in snap.entries.items()}
             self.epoch = snap.epoch
-        if replay is not None:
-            known.update(replay[1])
+        if replay is not None and (snap is None or replay[0] == snap.epoch):
+            known.update(replay[1])  # an older journal's records predate the snapshot
         self._rebuild(known)
 
     def _rebuild(self, known: dict[int, di.Record]) -> None:
