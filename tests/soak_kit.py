@@ -63,6 +63,7 @@ from soak_daemon import FaultControl, FaultPlan, content  # noqa: E402
 from tierd.client import Client, DaemonError, Unreachable  # noqa: E402
 from tierd.control.protocol import (  # noqa: E402
     HEADER,
+    OPERATIONS,
     PROTOCOL_VERSION,
     ErrorCode,
     FrameDecoder,
@@ -323,26 +324,7 @@ class Worker:
 
 # -- the fuzzer ------------------------------------------------------------------------------
 
-OPS = [
-    "hello",
-    "lookup",
-    "touch",
-    "prepare_store",
-    "complete_store",
-    "abort_store",
-    "prepare_load",
-    "complete_load",
-    "put",
-    "get",
-    "subscribe",
-    "unsubscribe",
-    "stats",
-    "health",
-    "config",
-    "metrics",
-    "flush",
-    "clear",
-]
+OPS = list(OPERATIONS)
 FIELDS = ("keys", "lease", "ok", "data", "tier", "namespace", "version", "block_bytes", "id")
 
 

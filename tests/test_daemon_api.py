@@ -1213,3 +1213,13 @@ async def test_a_subscriber_that_never_reads_does_not_stall_the_daemon(tmp_path:
                 if push["dropped"] > 0:
                     break
         await stuck.close()
+
+
+def test_every_listed_operation_is_answered_and_no_other() -> None:
+    from tierd.control.context import ServerContext
+    from tierd.control.protocol import OPERATIONS
+    from tierd.control.session import Session
+
+    session = Session(ServerContext(chain=None), lambda message: None)  # type: ignore[arg-type]
+    assert set(session._sync) | set(session._async) == set(OPERATIONS)
+    assert not set(session._sync) & set(session._async)

@@ -29,7 +29,14 @@ from hypothesis import strategies as st
 
 import tierd.control.server as server_module
 from tierd.client import Client, DaemonError, LoadLease, StoreLease, Unreachable
-from tierd.control.protocol import HEADER, PROTOCOL_VERSION, ErrorCode, FrameDecoder, encode
+from tierd.control.protocol import (
+    HEADER,
+    OPERATIONS,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    FrameDecoder,
+    encode,
+)
 from tierd.daemon import Daemon
 from tierd.errors import ProtocolError
 from tierd.testing import daemon_config, running_daemon
@@ -43,26 +50,7 @@ MAX_FRAME = 128 << 10
 MAX_KEYS = 16
 NS = "fuzz"
 CODES = {str(code) for code in ErrorCode}
-OPS = [
-    "hello",
-    "lookup",
-    "touch",
-    "prepare_store",
-    "complete_store",
-    "abort_store",
-    "prepare_load",
-    "complete_load",
-    "put",
-    "get",
-    "subscribe",
-    "unsubscribe",
-    "stats",
-    "health",
-    "config",
-    "metrics",
-    "flush",
-    "clear",
-]
+OPS = list(OPERATIONS)
 
 
 def content(key: bytes) -> bytes:

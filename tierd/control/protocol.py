@@ -26,6 +26,7 @@ from tierd.errors import ProtocolError
 __all__ = [
     "HEADER",
     "NAMESPACE_ID_BYTES",
+    "OPERATIONS",
     "PROTOCOL_VERSION",
     "ErrorCode",
     "FrameDecoder",
@@ -40,6 +41,27 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
+# Every operation a session answers (docs/protocol.md, section 5).
+OPERATIONS = (
+    "hello",
+    "lookup",
+    "touch",
+    "prepare_store",
+    "complete_store",
+    "abort_store",
+    "prepare_load",
+    "complete_load",
+    "put",
+    "get",
+    "subscribe",
+    "unsubscribe",
+    "stats",
+    "health",
+    "config",
+    "metrics",
+    "flush",
+    "clear",
+)
 HEADER = struct.Struct(">I")
 # A namespaced key is an 8-byte namespace id followed by the client's key, so a client
 # key may be at most MAX_KEY_BYTES - 8 = 56 bytes.
