@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from tierd.chain.handles import LoadHandle, StoreHandle
+from tierd.chain.invariants import check_levels
 from tierd.chain.values import ChainStats, Level, LookupResult
 from tierd.errors import BlockMissing, CapacityError
 from tierd.events import EventBus
@@ -419,8 +420,7 @@ class TierChain:
         return need == 0 or self._uses.get(key, 0) >= need
 
     def _count_uses(self, keys: Sequence[BlockKey]) -> None:
-        if not any(level.admission.min_reuse for level in self.levels):
-            return
+        """Count uses for admission rules (callers check ``_tracks_uses`` first)."""
         uses = self._uses
         for key in keys:
             uses[key] = uses.get(key, 0) + 1
@@ -471,24 +471,4 @@ class TierChain:
     def check_invariants(self, *, idle: bool = False) -> None:
         """Raise ``AssertionError`` naming the first broken invariant. With ``idle=True``
         (no operation in progress) pins, in-flight writes and pending futures must be 0."""
-        for level in self.levels:
-            tier = level.tier
-            slots = [tier.slot_of(k) for k in tier.ready_keys()]
-            stats = tier.stats()
-            _require(stats.used <= tier.num_blocks, f"{tier.name} over capacity")
-            _require(len(set(slots)) == len(slots), f"{tier.name}: a slot has two keys")
-            _require(
-                all(s is not None and 0 <= s < tier.num_blocks for s in slots),
-                f"{tier.name}: slot out of range",
-            )
-            _require(len(tier.policy) == len(slots), f"{tier.name}: policy and index disagree")
-            if idle:
-                _require(stats.pinned == 0, f"{tier.name}: {stats.pinned} blocks still pinned")
-                _require(stats.writing == 0, f"{tier.name}: {stats.writing} blocks in flight")
-        if idle:
-            _require(not self._pending, f"{len(self._pending)} writes still pending")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
+        check_levels(self.levels, idle=idle, pending=len(self._pending))
