@@ -166,8 +166,9 @@ async def test_admission_reuse_rule_refuses_cold_blocks(tmp_path: Path) -> None:
     async with tierd.open(config) as chain:
         hot, cold, x, y = keys_of(1, 2, 3, 4)
         await store_all(chain, [hot, cold])
-        chain.lookup([hot])
-        chain.touch([hot])  # hot: two uses; cold: none
+        chain.lookup([hot, cold])  # a query: no use
+        chain.touch([hot])
+        chain.touch([hot])  # hot: used by two requests; cold: by none
         await store_all(chain, [x, y])  # evicts both
         assert hot in chain.levels[1].tier
         assert cold not in chain.levels[1].tier

@@ -82,9 +82,8 @@ class TierChain:
         raise ValueError(f"no level on medium {medium!r}")
 
     def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
-        """How many leading keys are ready at some level, and where."""
-        if self._tracks_uses:
-            self._count_uses(keys)
+        """How many leading keys are ready at some level, and where. A lookup is a query:
+        it may be repeated while a request waits (``in_flight``), so it counts no use."""
         tiers = self._tiers
         top, hits = tiers[0], self._hits_by_level
         found: list[int] = []
@@ -114,7 +113,8 @@ class TierChain:
         return LookupResult(len(found), tuple(found), media, in_flight)
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        """Mark ``keys`` used at every level that holds them."""
+        """Mark ``keys`` used at every level that holds them. A touch is a request's use of
+        its keys, held or not: admission rules count one use per key per touch."""
         if self._tracks_uses:
             self._count_uses(keys)
         for level in self.levels:
@@ -420,9 +420,10 @@ class TierChain:
         return need == 0 or self._uses.get(key, 0) >= need
 
     def _count_uses(self, keys: Sequence[BlockKey]) -> None:
-        """Count uses for admission rules (callers check ``_tracks_uses`` first)."""
+        """Count one use per distinct key for admission rules (callers check
+        ``_tracks_uses`` first)."""
         uses = self._uses
-        for key in keys:
+        for key in dict.fromkeys(keys):
             uses[key] = uses.get(key, 0) + 1
             uses.move_to_end(key)
         while len(uses) > self._reuse_memory:

@@ -13,8 +13,9 @@ __all__ = ["Admission"]
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """Which demoted blocks a level accepts: all (``min_reuse=0``), or only blocks that
-    were looked up or touched at least ``min_reuse`` times."""
+    """Which demoted blocks a level accepts: all (``min_reuse=0``), or only blocks used by
+    at least ``min_reuse`` requests. A use is a touch (one per request, as engines touch
+    the keys a request reuses); lookups are queries and count nothing."""
 
     min_reuse: int = 0
 

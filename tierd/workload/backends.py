@@ -84,6 +84,10 @@ class DaemonBackend:
                 break
         return count, media
 
+    async def touch(self, keys: Sequence[bytes]) -> None:
+        for start in range(0, len(keys), self._max_keys):
+            await self.client.touch(keys[start : start + self._max_keys])
+
     async def load(self, keys: Sequence[bytes]) -> list[bytes]:
         return await self.client.load(keys)
 
@@ -152,6 +156,9 @@ class ChainBackend:
     async def lookup(self, keys: Sequence[bytes]) -> tuple[int, tuple[str, ...]]:
         found = self.chain.lookup(cast(Sequence[BlockKey], keys))
         return found.count, tuple(str(m) for m in found.media)
+
+    async def touch(self, keys: Sequence[bytes]) -> None:
+        self.chain.touch(cast(Sequence[BlockKey], keys))
 
     async def load(self, keys: Sequence[bytes]) -> list[bytes]:
         try:

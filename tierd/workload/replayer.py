@@ -87,6 +87,8 @@ class ReplayBackend(Protocol):
 
     async def lookup(self, keys: Sequence[bytes]) -> tuple[int, tuple[str, ...]]: ...
 
+    async def touch(self, keys: Sequence[bytes]) -> None: ...  # one use per request
+
     async def load(self, keys: Sequence[bytes]) -> list[bytes]: ...
 
     async def store(self, keys: Sequence[bytes], data: Sequence[bytes]) -> int: ...
@@ -274,6 +276,12 @@ class _Replay:
         self.hits += count
         self.by_medium.update(media)
         loaded = await self._load(backend, keys, count, media) if count else 0
+        try:
+            await backend.touch(keys)  # the request's use of its keys, as an engine does
+        except _FATAL:
+            raise
+        except TierdError as exc:
+            self.errors[f"touch_{_code(exc)}"] += 1
         if loaded < len(keys):
             await self._store(backend, keys[loaded:])
 
