@@ -205,8 +205,9 @@ class ChainMachine(RuleBasedStateMachine):
     @rule()
     def flush(self) -> None:
         held = self.held_anywhere()
-        copied = self.run(self.chain.flush())
-        assert copied >= 0
+        done = self.run(self.chain.flush())
+        assert done.copied >= 0
+        assert done.left_dirty == sum(done.dirty.values()) >= 0
         # The last level ends up holding everything it can. (A block may still be dirty
         # at an upper level: copying into level i+1 may evict the clean copy of another
         # block there, which is then demoted, so a second flush need not copy nothing.)

@@ -415,12 +415,13 @@ async def test_flush_copies_dirty_blocks_down(tmp_path: Path) -> None:
     ):
         await store_via_pool(client, keys)
         assert tier_stats(await client.stats(), "disk")["used"] == 0
-        assert await client.flush() == 3
+        done = await client.flush()
+        assert (done.copied, done.dirty, done.dirty_by_tier, done.reason) == (3, 0, {}, "")
         stats = await client.stats()
         assert (tier_stats(stats, "cpu")["used"], tier_stats(stats, "disk")["used"]) == (3, 3)
         (route,) = [r for r in stats["routes"] if (r["src"], r["dst"]) == ("CPU", "DISK")]
         assert route["blocks"] == 3
-        assert await client.flush() == 0  # nothing dirty any more
+        assert (await client.flush()).copied == 0  # nothing dirty any more
         # The disk copies are whole: with the cpu tier cleared they still load.
         assert await operator.clear("cpu") == 3
         assert await client.load(keys) == [content(k) for k in keys]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import sys
 import json
 import os
 import random
@@ -298,6 +299,38 @@ async def test_failed_demotion_writes_drop_the_blocks(
         assert await client.load(keys[16:24]) == blocks(keys[16:24])
         assert await client.load(keys[24:]) == blocks(keys[24:])
         daemon.chain.check_invariants(idle=True)
+
+
+async def test_flush_on_a_full_disk_says_what_stayed_dirty(
+    tmp_path: Path, faults: FaultControl
+) -> None:
+    """A flush whose writes fail reports the blocks left dirty and why, and ``tierd flush``
+    exits 1 saying so; once the disk has room again, a flush leaves nothing dirty."""
+    keys = make_keys("flush", 8)
+    async with serve(tmp_path) as daemon, await connect(daemon) as client:
+        await store_batches(client, keys)
+        faults.set(FaultPlan(write_rate=1.0, write_mode="enospc", journal_rate=1.0))
+        done = await client.flush()
+        assert (done.copied, done.dirty, done.dirty_by_tier) == (0, 8, {"cpu": 8})
+        assert "8 failed writes into tier disk" in done.reason
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tierd",
+            "flush",
+            "--socket",
+            str(daemon.config.socket.path),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await cli.communicate()
+        assert cli.returncode == 1, err
+        assert "8 stayed dirty: 8 failed writes into tier disk" in out.decode()
+
+        faults.set(FaultPlan())
+        done = await client.flush()
+        assert (done.copied, done.dirty, done.reason) == (8, 0, "")
+        assert await client.load(keys) == blocks(keys)
 
 
 # -- 4. disk read errors during promotion ------------------------------------------------------

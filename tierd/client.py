@@ -9,6 +9,7 @@ path for engines::
 from tierd.control.client import (
     Client,
     DaemonError,
+    Flushed,
     LoadLease,
     Lookup,
     PoolMap,
@@ -16,4 +17,13 @@ from tierd.control.client import (
     Unreachable,
 )
 
-__all__ = ["Client", "DaemonError", "LoadLease", "Lookup", "PoolMap", "StoreLease", "Unreachable"]
+__all__ = [
+    "Client",
+    "DaemonError",
+    "Flushed",
+    "LoadLease",
+    "Lookup",
+    "PoolMap",
+    "StoreLease",
+    "Unreachable",
+]

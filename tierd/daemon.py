@@ -201,8 +201,16 @@ class Daemon:
             left = max(0.0, deadline - time.monotonic())
             try:
                 async with asyncio.timeout(left):
-                    copied = await self.chain.flush()
-                log.info("wrote dirty blocks down", blocks=copied)
+                    done = await self.chain.flush()
+                if done.dirty:
+                    log.warning(
+                        "blocks stayed dirty at shutdown",
+                        copied=done.copied,
+                        dirty=done.left_dirty,
+                        reason=done.reason,
+                    )
+                else:
+                    log.info("wrote dirty blocks down", blocks=done.copied)
             except TimeoutError:
                 log.warning("grace period over before every dirty block was written down")
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from tierd.chain.handles import LoadHandle, StoreHandle
 from tierd.chain.invariants import check_levels
-from tierd.chain.values import ChainStats, Level, LookupResult
+from tierd.chain.values import ChainStats, FlushResult, Level, LookupResult
 from tierd.errors import BlockMissing, CapacityError
 from tierd.events import EventBus
 from tierd.keys import BlockKey, Medium
@@ -437,15 +437,36 @@ class TierChain:
 
     # -- whole-chain operations ----------------------------------------------------------
 
-    async def flush(self) -> int:
+    async def flush(self) -> FlushResult:
         """Copy every dirty block down, level by level, so that the last level ends up
-        holding everything it can; returns the blocks copied."""
+        holding everything it can; says what was copied and what stayed dirty, and why."""
         copied = 0
-        for index in range(len(self.levels) - 1):
-            tier, lower = self.levels[index].tier, self.levels[index + 1].tier
-            dirty = [k for k in tier.ready_keys() if k not in lower and not lower.is_writing(k)]
-            copied += len(await self._copy_down(index, dirty))
-        return copied
+        errors = [level.io_errors for level in self.levels]
+        upper = range(len(self.levels) - 1)
+        # Copying into level i+1 may evict (and demote) the clean copy of another block of
+        # level i, dirty again: a few more passes settle that; a tier below that is too
+        # small never settles, so the passes are bounded.
+        for _ in range(len(self.levels)):
+            moved = 0
+            for index in upper:
+                moved += len(await self._copy_down(index, self._dirty(index)))
+            copied += moved
+            if not moved:
+                break
+        dirty = {self._tiers[i].name: n for i in upper if (n := len(self._dirty(i)))}
+        failed = {
+            level.tier.name: level.io_errors - before
+            for level, before in zip(self.levels, errors, strict=True)
+            if level.io_errors > before
+        }
+        return FlushResult(copied, dirty, failed)
+
+    def _dirty(self, index: int) -> list[BlockKey]:
+        """Ready blocks at ``index`` that the level below neither holds nor is writing."""
+        lower = self._tiers[index + 1]
+        return [
+            k for k in self._tiers[index].ready_keys() if k not in lower and not lower.is_writing(k)
+        ]
 
     def clear(self, index: int | None = None) -> int:
         """Drop every idle block at one level (or all); returns how many were removed."""

@@ -9,7 +9,7 @@ from tierd.policy.admission import Admission
 from tierd.stores import BlockStore
 from tierd.tier import Tier
 
-__all__ = ["Admission", "ChainStats", "Level", "LookupResult"]
+__all__ = ["Admission", "ChainStats", "FlushResult", "Level", "LookupResult"]
 
 
 @dataclass(slots=True)
@@ -51,3 +51,31 @@ class ChainStats:
     hits_by_level: tuple[int, ...]  # block hits served by each level (its highest holder)
     events_published: int
     events_dropped: int
+
+
+@dataclass(frozen=True, slots=True)
+class FlushResult:
+    """What a flush did: blocks ``copied`` down, and per tier the blocks that are still
+    ``dirty`` (held there and not in the tier below) with the failed writes behind them."""
+
+    copied: int
+    dirty: dict[str, int] = field(default_factory=dict)  # tier name -> blocks still dirty
+    write_errors: dict[str, int] = field(default_factory=dict)  # tier name -> failed writes
+
+    @property
+    def left_dirty(self) -> int:
+        return sum(self.dirty.values())
+
+    @property
+    def reason(self) -> str:
+        """Why blocks stayed dirty, in one line ("" when none did)."""
+        if not self.dirty:
+            return ""
+        parts = [f"{n} failed writes into tier {name}" for name, n in self.write_errors.items()]
+        if not parts or self.left_dirty > sum(self.write_errors.values()):
+            below = ", ".join(self.dirty)
+            parts.append(
+                f"no room below tier {below}: the tier below is full of pinned or in-flight"
+                " blocks, or smaller than what it must hold"
+            )
+        return "; ".join(parts)

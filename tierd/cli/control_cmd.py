@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import json
 import os
@@ -356,9 +357,14 @@ def _event_text(event: dict[str, Any], dropped: int, as_json: bool, split: bool)
 
 @_talks_to_daemon
 def _run_flush(args: argparse.Namespace) -> int:
-    copied = _with_client(args, Client.flush)
-    _emit(json.dumps({"copied": copied}) if args.json else f"copied {copied:,} blocks")
-    return EXIT_OK
+    done = _with_client(args, Client.flush)
+    if args.json:
+        _emit(json.dumps(dataclasses.asdict(done)))
+    elif done.dirty:
+        _emit(f"copied {done.copied:,} blocks; {done.dirty:,} stayed dirty: {done.reason}")
+    else:
+        _emit(f"copied {done.copied:,} blocks; nothing left dirty")
+    return EXIT_BAD_INPUT if done.dirty else EXIT_OK  # 1: the operation failed
 
 
 def _configure_clear(parser: argparse.ArgumentParser) -> None:

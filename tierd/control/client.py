@@ -33,7 +33,16 @@ from typing import Any, Self, cast
 from tierd.control.protocol import PROTOCOL_VERSION, FrameDecoder, encode
 from tierd.errors import ProtocolError, TierdError
 
-__all__ = ["Client", "DaemonError", "Lookup", "PoolMap", "StoreLease", "LoadLease", "Unreachable"]
+__all__ = [
+    "Client",
+    "DaemonError",
+    "Flushed",
+    "LoadLease",
+    "Lookup",
+    "PoolMap",
+    "StoreLease",
+    "Unreachable",
+]
 
 Buffer = bytes | bytearray | memoryview
 # Error codes the daemon sends with id 0 just before it closes the connection.
@@ -57,6 +66,16 @@ class Lookup:
     count: int
     media: tuple[str, ...]
     in_flight: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Flushed:
+    """A flush's reply: blocks ``copied`` down, blocks still ``dirty`` (per tier), and why."""
+
+    copied: int
+    dirty: int
+    dirty_by_tier: dict[str, int]
+    reason: str
 
 
 class PoolMap:
@@ -370,8 +389,15 @@ class Client:
     async def metrics(self) -> str:
         return str((await self.request("metrics"))["text"])
 
-    async def flush(self) -> int:
-        return int((await self.request("flush"))["copied"])
+    async def flush(self) -> Flushed:
+        """Copy every dirty block down; what stayed dirty, and why, is in the result."""
+        reply = await self.request("flush")
+        return Flushed(
+            copied=int(reply["copied"]),
+            dirty=int(reply["dirty"]),
+            dirty_by_tier={str(k): int(v) for k, v in reply["dirty_by_tier"].items()},
+            reason=str(reply["reason"]),
+        )
 
     async def clear(self, tier: str | None = None) -> int:
         fields = {} if tier is None else {"tier": tier}

@@ -252,7 +252,13 @@ class Session:
         return {"removed": self.ctx.chain.clear(index)}
 
     async def _flush(self, msg: dict[str, Any]) -> Reply:
-        return {"copied": await self.ctx.chain.flush()}
+        done = await self.ctx.chain.flush()
+        return {
+            "copied": done.copied,
+            "dirty": done.left_dirty,
+            "dirty_by_tier": done.dirty,
+            "reason": done.reason,
+        }
 
     # -- zero-copy data path ----------------------------------------------------------
 
