@@ -214,6 +214,36 @@ def test_lines_fit_the_width(width: int) -> None:
     assert any(len(line) == width for line in lines)  # the long error line is cut
 
 
+def test_the_header_fits_80_columns_without_losing_a_word() -> None:
+    tiers = [_tier("cpu", "CPU", used=4), _tier("disk", "DISK", capacity=10**6)]
+    prev = _snapshot(tiers, requests=1_000_000)
+    cur = _snapshot(
+        tiers,
+        requests=123_456_789,
+        connections=1_024,
+        leases=65_536,
+        errors={"capacity": 12_345},
+        hit_blocks=987_654_321,
+        miss_blocks=123_456_789,
+    )
+    cur["server"].update(uptime_s=3 * 86_400 + 4 * 3_600, subscribers=12, version="10.20.30")
+    cur["chain"].update(lookups=55_555_555, events_dropped=1_234_567)
+    lines = render_frame(prev, cur, 1.0, width=80)
+    header = lines[: lines.index("")]
+
+    assert all(len(line) <= 80 for line in lines)
+    words = " ".join(header).split()
+    for expected in [
+        "tierd", "10.20.30", "up", "3d", "04h", "clients", "1,024", "leases", "65,536",
+        "subscribers", "12", "requests", "123,456,789", "(122,456,789.0/s)", "errors",
+        "12,345", "(capacity", "chain", "hit", "ratio", "88.9%", "(987,654,321", "of",
+        "1,111,111,110", "looked-up", "blocks)", "lookups", "55,555,555", "events",
+        "dropped", "1,234,567",
+    ]:  # fmt: skip
+        assert expected in words, f"{expected!r} missing from the header:\n" + "\n".join(header)
+    assert not any(line.endswith(" ") for line in header)
+
+
 def test_the_bar_grows_with_the_width() -> None:
     cur = _wide_snapshot()
     bars = [len(_row(render_frame(cur, cur, 1.0, width=w), "cpu")[3]) for w in (60, 80, 200)]

@@ -222,13 +222,29 @@ def render_frame(
     characters. Rates (requests/s, route bytes/s) are the differences from ``prev``, taken
     ``elapsed_s`` seconds earlier; without ``prev`` (the first frame) they show ``-``."""
     rate_base = prev if prev is not None and elapsed_s > 0 else None
-    lines = [*_server_lines(rate_base, cur, elapsed_s), _chain_line(cur.get("chain") or {}), ""]
+    # The header's figures are packed into as many lines as the width needs, never cut.
+    header = [*_server_fields(rate_base, cur, elapsed_s), *_chain_fields(cur.get("chain") or {})]
+    lines = [*_pack(header, width), ""]
     lines += _tier_lines(cur.get("tiers") or [], width)
     lines += ["", *_route_lines(rate_base, cur.get("routes") or [], elapsed_s)]
     return [line[:width] for line in lines]
 
 
-def _server_lines(
+def _pack(fields: list[str], width: int) -> list[str]:
+    """``fields`` two spaces apart, a new line whenever the next one would not fit (a
+    field longer than the whole line is cut later, like any line)."""
+    lines: list[str] = []
+    line = ""
+    for field in fields:
+        if line and len(line) + 2 + len(field) > width:
+            lines.append(line)
+            line = field
+        else:
+            line = f"{line}  {field}" if line else field
+    return [*lines, line]
+
+
+def _server_fields(
     prev: Mapping[str, Any] | None, cur: Mapping[str, Any], elapsed_s: float
 ) -> list[str]:
     server = cur.get("server")
@@ -241,21 +257,23 @@ def _server_lines(
     detail = ", ".join(f"{code} {n:,}" for code, n in sorted(errors.items()))
     state = " (shutting down)" if server.get("shutting_down") else ""
     return [
-        f"tierd {server.get('version', '?')}{state}  up {_duration(server.get('uptime_s', 0))}"
-        f"  clients {server.get('connections', 0):,}  leases {server.get('leases', 0):,}"
-        f"  subscribers {server.get('subscribers', 0):,}",
-        f"requests {requests:,} ({rate}/s)  errors {sum(errors.values()):,}"
-        + (f" ({detail})" if detail else ""),
+        f"tierd {server.get('version', '?')}{state}",
+        f"up {_duration(server.get('uptime_s', 0))}",
+        f"clients {server.get('connections', 0):,}",
+        f"leases {server.get('leases', 0):,}",
+        f"subscribers {server.get('subscribers', 0):,}",
+        f"requests {requests:,} ({rate}/s)",
+        f"errors {sum(errors.values()):,}" + (f" ({detail})" if detail else ""),
     ]
 
 
-def _chain_line(chain: Mapping[str, Any]) -> str:
+def _chain_fields(chain: Mapping[str, Any]) -> list[str]:
     hit, miss = int(chain.get("hit_blocks", 0)), int(chain.get("miss_blocks", 0))
-    return (
-        f"chain hit ratio {_percent(hit, hit + miss)} ({hit:,} of {hit + miss:,} looked-up "
-        f"blocks, {int(chain.get('lookups', 0)):,} lookups)"
-        f"  events dropped {int(chain.get('events_dropped', 0)):,}"
-    )
+    return [
+        f"chain hit ratio {_percent(hit, hit + miss)} ({hit:,} of {hit + miss:,} looked-up blocks)",
+        f"lookups {int(chain.get('lookups', 0)):,}",
+        f"events dropped {int(chain.get('events_dropped', 0)):,}",
+    ]
 
 
 def _tier_lines(tiers: list[Mapping[str, Any]], width: int) -> list[str]:
