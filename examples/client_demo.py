@@ -4,7 +4,8 @@
     python examples/client_demo.py load --count 64       # read them back, check every byte
 
 Block contents are derived from the key, so ``load`` can verify them even after the
-daemon was restarted. ``--socket`` defaults to the daemon's default socket path.
+daemon was restarted. ``--socket`` defaults to ``$TIERD_SOCKET``, else the daemon's
+default socket path. Exit status: 0 ok; 1 a block missing or wrong; 3 no daemon answers.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import os
 import sys
 
-from tierd.client import Client
+from tierd.client import Client, Unreachable
 from tierd.config import default_socket_path
 
 NAMESPACE = "demo/client"
@@ -59,9 +61,18 @@ async def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["store", "load"])
     parser.add_argument("--count", type=int, default=64)
-    parser.add_argument("--socket", default=str(default_socket_path()))
+    parser.add_argument(
+        "--socket", default=os.environ.get("TIERD_SOCKET") or str(default_socket_path())
+    )
     args = parser.parse_args(argv)
-    async with await Client.connect(args.socket, namespace=NAMESPACE) as client:
+    try:
+        client = await Client.connect(args.socket, namespace=NAMESPACE)
+    except Unreachable as exc:
+        cause = exc.__cause__
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else exc
+        print(f"client_demo: cannot reach tierd at {args.socket}: {reason}", file=sys.stderr)
+        return 3
+    async with client:
         if args.action == "store":
             await store(client, args.count)
             return 0

@@ -362,6 +362,7 @@ def test_events_json_prints_a_store_made_elsewhere(
             "tier": "cpu",
             "keys": [namespace_id + key.hex() for key in keys],
             "dropped": 0,
+            "batch": 1,
         }
     ]
 
@@ -379,7 +380,9 @@ def test_events_of_one_namespace_show_its_own_keys(
 
     assert cli.join() == 0
     # The other namespace's store came first and was not shown: one batch, this one.
-    assert capsys.readouterr().out == f"stored CPU cpu 2 keys: {b'k1'.hex()} {b'k2'.hex()}\n"
+    assert capsys.readouterr().out == (
+        f"batch 1 (1 event)\nstored CPU cpu 2 keys: {b'k1'.hex()} {b'k2'.hex()}\n"
+    )
 
 
 def test_events_end_with_status_3_when_the_daemon_goes(

@@ -1,6 +1,7 @@
 """The README's first session, end to end, with real processes: the shipped default config,
-`tierd serve`, the example client storing from a second process, `tierd stats`, SIGTERM,
-a restart, and the blocks loaded back byte-identical from the disk tier."""
+`tierd serve`, `tierd events` waiting in the background while the example client stores
+from a second process, `tierd stats`, SIGTERM, a restart, and the blocks loaded back
+byte-identical from the disk tier."""
 
 from __future__ import annotations
 
@@ -79,9 +80,24 @@ def settings(tmp_path: Path) -> tuple[list[str], str]:
 def test_first_session_from_the_readme(tmp_path: Path, settings: tuple[list[str], str]) -> None:
     sets, socket_path = settings
     serve = Serve(sets, tmp_path)
+    tierd = [sys.executable, "-m", "tierd"]
+    events = subprocess.Popen(
+        [*tierd, "events", "--count", "1", "--socket", socket_path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
+        # `tierd events --count 1 &`: it says so once it listens (or exits, failing).
+        assert events.stderr is not None
+        announced = events.stderr.readline()
+        assert announced.startswith("tierd: following events"), announced
         assert "stored 64 new blocks" in demo("store", "--count", "64", "--socket", socket_path)
-        tierd = [sys.executable, "-m", "tierd"]
+        out, err = events.communicate(timeout=60)  # the store's first batch ends it
+        assert events.returncode == 0, err
+        header, event = out.splitlines()  # one batch of one event: 16 blocks stored
+        assert header == "batch 1 (1 event)"
+        assert event.startswith("stored CPU cpu 16 keys: ")
         stats = json.loads(run(*tierd, "stats", "--json", "--socket", socket_path).stdout)
         cpu = next(t for t in stats["tiers"] if t["name"] == "cpu")
         assert cpu["used"] == 64  # 64 blocks of 256 KiB fit in the 16 MiB CPU tier
@@ -89,6 +105,9 @@ def test_first_session_from_the_readme(tmp_path: Path, settings: tuple[list[str]
         assert "loaded 64 blocks byte-identical, 0 wrong" in loaded
         assert serve.stop() == 0  # SIGTERM: drain, write the CPU blocks down, exit 0
     finally:
+        if events.poll() is None:
+            events.kill()
+            events.communicate()
         serve.kill()
     assert not os.path.exists(socket_path)
 

@@ -50,6 +50,7 @@ class _CannotReach(Exception):
 
     def __init__(self, path: str, reason: str) -> None:
         super().__init__(f"cannot reach the daemon at {path}: {reason}")
+        self.path, self.reason = path, reason
 
 
 def socket_path(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str:
@@ -321,8 +322,12 @@ async def _follow(client: Client, args: argparse.Namespace) -> None:
     print(f"tierd: following events{where} (Ctrl-C to stop)", file=sys.stderr, flush=True)
     batches = dropped = 0
     async for push in client.events():
+        batches += 1
+        if not args.json:
+            count = len(push["events"])
+            _emit(f"batch {batches} ({count} event{'s' if count != 1 else ''})")
         for event in push["events"]:
-            _emit(_event_text(event, push["dropped"], args.json, split=not args.namespace))
+            _emit(_event_text(event, push["dropped"], batches, args.json, not args.namespace))
         if push["dropped"] > dropped and not args.json:
             print(
                 f"tierd: warning: {push['dropped'] - dropped:,} events dropped "
@@ -330,17 +335,18 @@ async def _follow(client: Client, args: argparse.Namespace) -> None:
                 file=sys.stderr,
             )
         dropped = push["dropped"]
-        batches += 1
         if args.count is not None and batches >= args.count:
             return
     raise Unreachable("the daemon closed the connection")
 
 
-def _event_text(event: dict[str, Any], dropped: int, as_json: bool, split: bool) -> str:
-    """One line per event; ``split`` shows a key as ``<namespace id>:<client key>``."""
+def _event_text(event: dict[str, Any], dropped: int, batch: int, as_json: bool, split: bool) -> str:
+    """One line per event; ``split`` shows a key as ``<namespace id>:<client key>``. In
+    JSON, ``batch`` numbers the pushes this reader received, from 1 (text mode prints a
+    ``batch N (K events)`` line before each)."""
     if as_json:
         keys = [bytes(key).hex() for key in event["keys"]]
-        return json.dumps({**event, "keys": keys, "dropped": dropped})
+        return json.dumps({**event, "keys": keys, "dropped": dropped, "batch": batch})
     keys = [
         f"{key[:NAMESPACE_ID_BYTES].hex()}:{key[NAMESPACE_ID_BYTES:].hex()}"
         if split
@@ -384,9 +390,17 @@ def _run_clear(args: argparse.Namespace) -> int:
 
 @_talks_to_daemon
 def _run_health(args: argparse.Namespace) -> int:
-    health = _with_client(args, Client.health)
+    try:
+        health = _with_client(args, Client.health)
+    except _CannotReach as exc:
+        if not args.json:
+            raise
+        # A script asked for JSON: it gets JSON, whatever the answer.
+        unreachable = {"ok": False, "error": "unreachable", "socket": exc.path}
+        _emit(json.dumps({**unreachable, "detail": exc.reason}))
+        return EXIT_UNREACHABLE
     if args.json:
-        _emit(json.dumps(health))
+        _emit(json.dumps({"ok": health["status"] == "ok", **health}))
     else:
         _emit(
             f"status       {health['status']}\n"
