@@ -18,10 +18,9 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from tierd.chain import Admission, Level, TierChain
 from tierd.config import ChainConfig, TierConfig, TierKind, load_config
+from tierd.logs import get_logger
 from tierd.stores import BlockStore
 from tierd.stores.cpu import CpuStore
 from tierd.stores.disk import DiskStore
@@ -32,7 +31,7 @@ from tierd.transfer import TransferEngine
 
 __all__ = ["build_store", "open_chain", "restore_tier"]
 
-log = structlog.get_logger("tierd")
+log = get_logger("tierd")
 
 
 def build_store(

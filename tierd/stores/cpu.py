@@ -25,10 +25,9 @@ import secrets
 import time
 from typing import Any
 
-import structlog
-
 from tierd.errors import StoreIOError
 from tierd.keys import Medium
+from tierd.logs import get_logger
 from tierd.stores.base import INLINE_COPY_BYTES, StoreStats, run_copy
 from tierd.stores.cuda import (
     CudaCallError,
@@ -40,7 +39,7 @@ from tierd.stores.memory import HostPoolStore
 
 __all__ = ["PAGE", "CpuStore", "default_pool_name"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 PAGE = 4096
 

@@ -21,8 +21,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import structlog
 import torch
+
+from tierd.logs import get_logger
 
 __all__ = [
     "CudaCallError",
@@ -34,7 +35,7 @@ __all__ = [
     "host_unregister",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # cudaHostRegisterPortable: the pages count as pinned in every CUDA context.
 HOST_REGISTER_PORTABLE = 1
