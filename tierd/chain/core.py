@@ -301,7 +301,7 @@ class TierChain:
         wanted = list(dict.fromkeys(keys))
         pinned: set[BlockKey] = set()
         try:
-            await self._gather(target, wanted, pinned)
+            deepest = await self._gather(target, wanted, pinned)
         except BaseException:
             self._unpin(target, list(pinned))
             raise
@@ -322,11 +322,11 @@ class TierChain:
                 key=wanted[0],
             )
         slots = [tier.slot_of(k) for k in prefix]
-        return LoadHandle(self, target, prefix, [s for s in slots if s is not None])
+        return LoadHandle(self, target, prefix, [s for s in slots if s is not None], deepest)
 
-    async def _gather(self, target: int, keys: list[BlockKey], pinned: set[BlockKey]) -> None:
+    async def _gather(self, target: int, keys: list[BlockKey], pinned: set[BlockKey]) -> int:
         """Make ``keys`` ready at ``target`` as far as possible, pinning each as soon as it
-        is there (so nothing evicts it meanwhile)."""
+        is there (so nothing evicts it meanwhile). Returns the slowest level read from."""
         tier = self.levels[target].tier
         sources: dict[int, list[BlockKey]] = {}
         reachable: list[BlockKey] = []
@@ -359,6 +359,7 @@ class TierChain:
                 await asyncio.shield(future)
             if key not in pinned and key in tier:
                 self._pin(target, [key], pinned)
+        return max(sources, default=target)  # levels go fastest first
 
     def _source_of(self, key: BlockKey, target: int) -> int | None:
         """The level nearest to ``target`` that holds ``key`` ready."""

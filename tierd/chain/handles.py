@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tierd.keys import BlockKey
+from tierd.keys import BlockKey, Medium
 from tierd.stores import BlockStore, Buffer
 from tierd.tier import StorePlan
 
@@ -47,11 +47,25 @@ class _SlotHandle:
 
 
 class LoadHandle(_SlotHandle):
-    """Pinned blocks at one level, readable through ``views`` until ``release()``."""
+    """Pinned blocks at one level, readable through ``views`` until ``release()``.
+    ``source``: the slowest level the load read from (``level`` when nothing moved)."""
 
-    def __init__(self, chain: TierChain, level: int, keys: list[BlockKey], slots: list[int]):
+    def __init__(
+        self,
+        chain: TierChain,
+        level: int,
+        keys: list[BlockKey],
+        slots: list[int],
+        source: int | None = None,
+    ):
         super().__init__(chain, level, keys, slots)
+        self.source = level if source is None else source
         self.released = False
+
+    @property
+    def source_medium(self) -> Medium:
+        """The medium of :attr:`source`: what the load's latency depended on."""
+        return self._chain.levels[self.source].medium
 
     async def read_into(self, out: Sequence[Buffer]) -> list[bool]:
         """Copy the pinned blocks into caller buffers (for stores without views)."""
