@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.disk_crash_child import content
-from tierd.errors import SlotError, StoreClosed, StoreIOError
+from tierd.errors import SlabInUse, SlotError, StoreClosed, StoreIOError
 from tierd.keys import int_key
 from tierd.stores.base import BlockStore
 from tierd.stores.disk import DiskStore
@@ -442,6 +442,66 @@ async def test_read_only_directory(read_only_dir: Path) -> None:
         await store_at(read_only_dir).open()
     assert info.value.errno == errno.EACCES
     assert str(read_only_dir) in info.value.path
+
+
+# -- opening: a slab in use, a failed preallocation -------------------------------------
+
+
+class _AllocateFails(FileIO):
+    """Preallocation fails with ``code`` (a full drive, a file system's size limit)."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def allocate(self, fd: int, nbytes: int) -> None:
+        raise OSError(self.code, os.strerror(self.code))
+
+
+async def test_a_slab_open_elsewhere_is_in_use(tmp_path: Path) -> None:
+    async with store_at(tmp_path) as first:
+        assert await put(first, [1]) == [True]
+        with pytest.raises(SlabInUse) as caught:
+            async with store_at(tmp_path):
+                pass
+        slab = str(tmp_path / "tierd-slab.bin")
+        assert str(caught.value) == (
+            f"the slab {slab} is in use by another process (a running tierd daemon?)"
+        )
+        assert caught.value.path == slab
+        assert await get(first, 1, 1) == block(1)  # the holder is untouched
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG])
+async def test_a_failed_preallocation_leaves_no_partial_slab(tmp_path: Path, code: int) -> None:
+    with pytest.raises(StoreIOError) as caught:
+        async with store_at(tmp_path, fileio=_AllocateFails(code)):
+            pass
+    assert caught.value.errno == code
+    assert f"({os.strerror(code)}; the partial slab was removed)" in str(caught.value)
+    size = ALIGN + 16 * SLOT  # the superblock and 16 slots
+    assert str(caught.value).startswith(f"cannot preallocate {size:,} bytes for the disk slab")
+    assert os.listdir(tmp_path) == []
+
+
+async def test_a_failed_reformat_removes_the_old_slab_too(tmp_path: Path) -> None:
+    async with store_at(tmp_path, num_blocks=16) as store:
+        assert await put(store, [1]) == [True]
+    with pytest.raises(StoreIOError):  # another geometry: the old blocks are discarded
+        async with store_at(tmp_path, num_blocks=32, fileio=_AllocateFails(errno.ENOSPC)):
+            pass
+    assert not (tmp_path / "tierd-slab.bin").exists()
+
+
+async def test_a_failed_open_keeps_a_reused_slab(tmp_path: Path) -> None:
+    async with store_at(tmp_path) as store:
+        assert await put(store, [1]) == [True]
+    faulty = FaultyIO()
+    faulty.refuse_direct = True
+    with pytest.raises(StoreIOError, match="O_DIRECT probe failed"):
+        async with store_at(tmp_path, fileio=faulty, o_direct=True):
+            pass
+    async with store_at(tmp_path) as store:
+        assert await get(store, 1, 1) == block(1)
 
 
 # -- striping and O_DIRECT -------------------------------------------------------------

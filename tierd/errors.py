@@ -20,6 +20,7 @@ miss is never an exception: it is a return value.
     │   └── StoreClosed
     ├── SlotError                   a slot index or buffer does not fit the store
     ├── StoreIOError                an OS-level I/O failure (path, errno)
+    │   └── SlabInUse               another process holds the disk slab's lock
     ├── TransferError               a copy between stores failed
     ├── ProtocolError               a malformed request on the control socket
     ├── AlreadyRunning              another daemon serves the configured socket
@@ -42,6 +43,7 @@ __all__ = [
     "ConfigError",
     "ProtocolError",
     "ResourceClosed",
+    "SlabInUse",
     "SlotError",
     "StoreClosed",
     "StoreIOError",
@@ -137,6 +139,14 @@ class StoreIOError(TierdError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class SlabInUse(StoreIOError):
+    """Another process (a running daemon, most likely) holds the lock of a disk slab."""
+
+    def __init__(self, path: str, errno: int | None) -> None:
+        super().__init__("slab in use", path=path, errno=errno, medium="DISK")
+        self.args = (f"the slab {path} is in use by another process (a running tierd daemon?)",)
 
 
 class TransferError(TierdError):

@@ -22,22 +22,24 @@ import uuid as uuidlib
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 import xxhash
 
-from tierd.errors import StoreIOError
+from tierd.errors import SlabInUse, StoreIOError
+from tierd.logs import get_logger
 from tierd.stores import disk_index as di
 from tierd.stores.fileio import ALIGN, FileIO, address_of, aligned_buffer, round_up
 
-__all__ = ["BAD_BLOCK", "OK", "Slab", "SlabConfig"]
+__all__ = ["BAD_BLOCK", "OK", "SLAB_FILE", "Slab", "SlabConfig", "slab_file_bytes"]
 
 OK = 0  # a chunk routine's per-block result; a positive value is an errno
 BAD_BLOCK = -1  # header, key, generation or checksum did not match
 
+SLAB_FILE = "tierd-slab.bin"  # the slab's name in its directory
+_LOCKED = frozenset({errno.EAGAIN, errno.EWOULDBLOCK})
 _SUPER = struct.Struct("<8sIIQQQII16s")
 _SUPER_MAGIC = b"TIERDSLB"
 _U64 = struct.Struct("<Q")
-_log = structlog.get_logger("tierd.disk")
+_log = get_logger("tierd.disk")
 _tls = threading.local()
 
 WriteJob = tuple[int, bytes, int, memoryview]  # (local slot, key, gen, data)
@@ -55,6 +57,11 @@ class SlabConfig:
     sync: bool  # fsync the journal and fdatasync the slab per write batch
 
 
+def slab_file_bytes(local_slots: int, block_bytes: int) -> int:
+    """The size of a slab file holding ``local_slots`` blocks of ``block_bytes``."""
+    return ALIGN + local_slots * (ALIGN + round_up(block_bytes))
+
+
 def _staging(nbytes: int) -> memoryview:
     """This thread's page-aligned scratch buffer of at least ``nbytes``."""
     buf: memoryview | None = getattr(_tls, "buf", None)
@@ -70,10 +77,10 @@ class Slab:
     def __init__(self, cfg: SlabConfig, io: FileIO) -> None:
         self.cfg = cfg
         self.io = io
-        self.path = os.path.join(cfg.directory, "tierd-slab.bin")
+        self.path = os.path.join(cfg.directory, SLAB_FILE)
         self.data_io = round_up(cfg.block_bytes)  # bytes moved per block under O_DIRECT
         self.slot_size = ALIGN + self.data_io
-        self.file_bytes = ALIGN + cfg.local_slots * self.slot_size
+        self.file_bytes = slab_file_bytes(cfg.local_slots, cfg.block_bytes)
         self.entries: dict[int, di.Entry] = {}
         self.pending: dict[int, int] = {}  # local slot -> generation of the write in flight
         self.next_gen = 1
@@ -87,6 +94,7 @@ class Slab:
         self.journal = di.Journal(io, cfg.directory)
         self._lock_fd = -1  # buffered descriptor; holds the flock
         self._fd = -1  # descriptor for block I/O (O_DIRECT when the probe passed)
+        self._formatted = False  # this open truncated the slab to format it
 
     # -- loop-thread bookkeeping -------------------------------------------------------
 
@@ -197,10 +205,21 @@ class Slab:
     # -- open / close (I/O thread) -----------------------------------------------------
 
     def open_sync(self) -> None:
-        """Open or create the slab, probe O_DIRECT, load or rebuild the index."""
+        """Open or create the slab, probe O_DIRECT, load or rebuild the index.
+
+        :class:`SlabInUse` when another process holds the slab. When the slab cannot be
+        preallocated (ENOSPC, EFBIG) it holds no block any more: the file, and the
+        journal and snapshot this open created, are removed rather than left behind."""
+        created = [p for p in self._own_files() if not os.path.exists(p)]
+        self._formatted = False
         try:
             self._lock_fd = self.io.open(self.path, os.O_RDWR | os.O_CREAT)
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in _LOCKED:
+                    raise SlabInUse(self.path, exc.errno) from exc
+                raise
             fresh = self._prepare_file()
             self._fd = self._probe_direct()
             self.journal.uuid = self.uuid
@@ -211,10 +230,32 @@ class Slab:
             self.journal.flush(sync=True)
         except OSError as exc:
             self.close_fds()
+            if isinstance(exc, SlabInUse):
+                raise
+            formatted = self._formatted  # the old blocks are gone: nothing worth keeping
+            self._remove([*created, self.path] if formatted else created)
             if isinstance(exc, StoreIOError):
                 raise
             path = exc.filename if isinstance(exc.filename, str) else self.path
+            if exc.errno in (errno.ENOSPC, errno.EFBIG) and formatted:
+                message = (
+                    f"cannot preallocate {self.file_bytes:,} bytes for the disk slab"
+                    f" ({os.strerror(exc.errno)}; the partial slab was removed)"
+                )
+                raise StoreIOError(message, path=path, errno=exc.errno) from exc
             raise StoreIOError("cannot open disk slab", path=path, errno=exc.errno) from exc
+
+    def _own_files(self) -> list[str]:
+        return [self.path, self.journal.path, self.journal.snapshot_path]
+
+    def _remove(self, paths: list[str]) -> None:
+        for path in paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                _log.warning("cannot remove", path=path, error=exc.strerror)
 
     def final_checkpoint(self) -> None:
         """Queue the snapshot that :meth:`close_sync` writes (on the loop's thread, so the
@@ -252,6 +293,7 @@ class Slab:
                 return False
             _log.warning("slab geometry changed; discarding its blocks", path=self.path)
         self.uuid = uuidlib.uuid4().bytes
+        self._formatted = True
         self.io.truncate(self._lock_fd, 0)
         self.io.allocate(self._lock_fd, self.file_bytes)
         _SUPER.pack_into(page, 0, _SUPER_MAGIC, 1, 0, *self._geometry(), self.uuid)
