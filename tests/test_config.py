@@ -213,7 +213,73 @@ def test_namespaces() -> None:
 def test_unknown_keys_are_named(data: dict[str, Any]) -> None:
     section, inner = next(iter(data.items()))
     path = ".".join([section, *inner]) if inner else section
-    assert problems(data).startswith(f"{path}: Extra inputs are not permitted")
+    assert problems(data).startswith(f"{path}: not a setting")
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        ({"socket": {"pth": "/x"}}, "socket.pth: not a setting; did you mean socket.path?"),
+        ({"sockets": {}}, "sockets: not a setting; did you mean socket?"),
+        ({"blok_bytes": 4096}, "blok_bytes: not a setting; did you mean block_bytes?"),
+        (
+            {"tiers": [{"name": "m", "kind": "memory", "capacity": 4, "polcy": "lru"}]},
+            "tiers.0.polcy: not a setting; did you mean tiers.0.policy?",
+        ),
+        ({"shutdown": {"zzz": 1}}, "shutdown.zzz: not a setting"),
+    ],
+)
+def test_a_misspelt_key_suggests_the_setting(data: dict[str, Any], problem: str) -> None:
+    assert problems(data) == problem
+
+
+def test_a_misspelt_set_suggests_the_setting() -> None:
+    assert problems(sets=["tiers.0.capacty=4"]) == (
+        "tiers.0.capacty (from --set): not a setting; did you mean tiers.0.capacity?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("variable", "problem"),
+    [
+        ("TIERD_BLOK_BYTES", "TIERD_BLOK_BYTES: not a setting; did you mean TIERD_BLOCK_BYTES?"),
+        ("TIERD_SOCKT__PATH", "TIERD_SOCKT__PATH: not a setting; did you mean TIERD_SOCKET?"),
+        ("TIERD_CONFG", "TIERD_CONFG: not a setting; did you mean TIERD_CONFIG?"),
+        (
+            "TIERD_LOGGING__LEVL",
+            "logging.levl (from TIERD_LOGGING__LEVL): not a setting; did you mean logging.level?",
+        ),
+    ],
+)
+def test_a_misspelt_variable_suggests_the_setting(
+    tmp_path: Path, variable: str, problem: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(write(tmp_path), environ={variable: "1"})
+    assert str(caught.value) == problem
+
+
+def test_disk_directories_expand_home_and_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("DRIVE", "/mnt/nvme0")
+    monkeypatch.delenv("UNSET_STATE", raising=False)
+    dirs = ["~/a", "$DRIVE/b", "${DRIVE}/c", "${UNSET_STATE:-~/state}/d", "${DRIVE:-/x}/e"]
+    tiers = [{"name": "d", "kind": "disk", "capacity": 8, "directories": dirs}]
+    cfg = load_config({"tiers": tiers}, ChainConfig)
+    assert [str(d) for d in cfg.tiers[0].directories] == [
+        f"{tmp_path}/a",
+        "/mnt/nvme0/b",
+        "/mnt/nvme0/c",
+        f"{tmp_path}/state/d",
+        "/mnt/nvme0/e",
+    ]
+    tiers[0]["directories"] = ["$UNSET_STATE/d"]
+    assert problems({"tiers": tiers}) == (
+        "tiers.0.directories: $UNSET_STATE is not set (write ${UNSET_STATE:-DEFAULT} to give a"
+        " default)"
+    )
 
 
 def test_chain_errors_name_their_paths() -> None:
@@ -233,7 +299,7 @@ def test_a_daemon_file_still_opens_as_a_chain(tmp_path: Path) -> None:
     cfg = load_config(path, ChainConfig)
     assert isinstance(cfg, DaemonConfig)
     assert cfg.shutdown.grace == 5.0
-    with pytest.raises(ConfigError, match=r"socket\.pth: Extra inputs"):
+    with pytest.raises(ConfigError, match=r"socket\.pth: not a setting; did you mean socket\.path"):
         load_config(write(tmp_path, TWO_TIERS + "  pth: /x\n"), ChainConfig)
     plain = load_config({"tiers": [{"name": "m", "kind": "memory", "capacity": 4}]}, ChainConfig)
     assert type(plain) is ChainConfig
@@ -351,7 +417,10 @@ def test_problems_say_where_the_value_came_from(tmp_path: Path) -> None:
     lines = str(caught.value).splitlines()
     assert any(line.startswith("socket.mode (from --set): mode must include") for line in lines)
     assert any(line.startswith("shutdown.grace (from TIERD_SHUTDOWN__GRACE): ") for line in lines)
-    assert any(line.startswith("socket.paht (from TIERD_SOCKET__PAHT): Extra") for line in lines)
+    assert any(
+        line == "socket.paht (from TIERD_SOCKET__PAHT): not a setting; did you mean socket.path?"
+        for line in lines
+    )
     assert any(line.startswith("metrics.http_host (from --set): ") for line in lines)
 
 
@@ -397,6 +466,7 @@ def test_effective_config_round_trips(tmp_path: Path) -> None:
     data = effective_config_dict(cfg)
     assert data["socket"] == {
         "path": "/from/file.sock",
+        "pid_file": None,
         "mode": "0o640",
         "allow_uids": [],
         "allow_gids": [],
@@ -474,9 +544,17 @@ def test_cli_show_follows_the_environment(
 # -- the shipped files ------------------------------------------------------------------
 
 
-def test_shipped_default_config() -> None:
+def test_shipped_default_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
     cfg = load_settings(ROOT / "config" / "tierd.yaml", environ={})
     assert [(t.name, t.kind) for t in cfg.tiers] == [("cpu", "cpu"), ("disk", "disk")]
+    # A first run fits a laptop: a small disk tier in the XDG state directory.
+    assert cfg.tiers[1].directories == [tmp_path / ".local" / "state" / "tierd" / "disk"]
+    assert cfg.tiers[1].num_blocks(cfg.block_bytes) * cfg.block_bytes == 2 << 30
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    cfg = load_settings(ROOT / "config" / "tierd.yaml", environ={})
+    assert cfg.tiers[1].directories == [tmp_path / "state" / "tierd" / "disk"]
     assert cfg.block_bytes == 256 << 10
     assert cfg.entry == "cpu"
     assert cfg.socket.path == Path(f"/tmp/tierd-{os.getuid()}.sock")  # the default applies

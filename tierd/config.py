@@ -24,7 +24,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, cast
 
-import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -36,6 +35,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from tierd.configfile import AT_PATH, expand_path, format_validation_error, read_config_file
 from tierd.errors import ConfigError
 from tierd.keys import Medium
 from tierd.policy import policy_names
@@ -69,7 +69,7 @@ _M = TypeVar("_M", bound=BaseModel)
 Size = Annotated[int, BeforeValidator(parse_size)]
 Mode = Annotated[int, BeforeValidator(parse_mode)]
 Seconds = Annotated[float, BeforeValidator(parse_seconds)]
-_AT = "config_path"  # the error type of _error_at: format_validation_error reads its path
+_AT = AT_PATH  # the error type of _error_at: format_validation_error reads its path
 
 
 def _error_at(path: str, message: str) -> PydanticCustomError:
@@ -103,9 +103,17 @@ class TierConfig(_Strict):
     write_through: bool = False
     admission: str = "always"
     device: str | None = None  # gpu: "cuda:0" (or "cpu" for development)
-    directories: list[Path] = Field(default_factory=list)  # disk: one slab file each
+    # disk: one slab file each; "~", "$VAR" and "${VAR:-default}" are expanded
+    directories: list[Path] = Field(default_factory=list)
     o_direct: bool | str = "auto"  # disk: true, false or "auto" (probe)
     shm_name: str | None = None  # cpu: the /dev/shm file name (default: unique)
+
+    @field_validator("directories", mode="before")
+    @classmethod
+    def _expand(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        return [expand_path(v) if isinstance(v, str | Path) else v for v in value]
 
     @field_validator("policy")
     @classmethod
@@ -207,6 +215,7 @@ class SocketConfig(_Strict):
     """
 
     path: Path = Field(default_factory=default_socket_path)
+    pid_file: Path | None = None  # default: the socket path + ".pid"
     mode: Mode = 0o600
     allow_uids: list[int] = Field(default_factory=list)
     allow_gids: list[int] = Field(default_factory=list)
@@ -340,52 +349,6 @@ def _capacity_parts(value: int | str) -> tuple[int, bool]:
     raise ValueError(f"capacity {value!r} is not a block count or a size like '64GiB'")
 
 
-def format_validation_error(
-    error: ValidationError, prefix: str = "", *, sources: Mapping[str, str] | None = None
-) -> str:
-    """One line per problem: ``path: message (got value)``. ``sources`` maps a dotted path
-    to where its value came from (``"--set"``); a problem at or below it says so:
-    ``socket.mode (from --set): ...``."""
-    lines = []
-    for problem in error.errors():
-        loc = [str(part) for part in (prefix, *problem["loc"]) if part != ""]
-        if problem["type"] == _AT:
-            loc += str(problem.get("ctx", {})["path"]).split(".")
-        path = ".".join(loc)
-        origin = _origin(path, sources or {})
-        where = f"{path or '<root>'}{f' (from {origin})' if origin else ''}"
-        message = problem["msg"].removeprefix("Value error, ")
-        got = problem.get("input")
-        quiet = problem["type"] == _AT or isinstance(got, dict | list | BaseModel)
-        lines.append(f"{where}: {message}{'' if quiet else f' (got {got!r})'}")
-    return "\n".join(lines)
-
-
-def _origin(path: str, sources: Mapping[str, str]) -> str | None:
-    """The source of the longest path in ``sources`` that is ``path`` or contains it."""
-    for known in sorted(sources, key=len, reverse=True):
-        if path == known or path.startswith(f"{known}."):
-            return sources[known]
-    return None
-
-
-def read_config_file(path: Path | str) -> dict[str, Any]:
-    """The top-level mapping of a YAML file (an empty file is an empty mapping);
-    :class:`ConfigError` naming the file when it cannot be read or is not a mapping."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file: {exc.strerror}", path=str(path)) from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"not valid YAML: {exc}", path=str(path)) from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError("the config must be a mapping at the top level", path=str(path))
-    return data
-
-
 def load_config(source: Path | str | dict[str, Any], model: type[_M]) -> _M:
     """Validate a YAML file (path) or a mapping into ``model``; :class:`ConfigError` on
     any problem, one line each, naming the YAML path.
@@ -400,4 +363,4 @@ def load_config(source: Path | str | dict[str, Any], model: type[_M]) -> _M:
     try:
         return cast(_M, target.model_validate(data))
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from exc
+        raise ConfigError(format_validation_error(exc, model=target)) from exc

@@ -12,11 +12,12 @@ index, or by its ``name`` (``tiers.disk.capacity``). Values are read as YAML (``
 ``10``, ``[a, b]``, ``0o600``); text that is not valid YAML is taken as a plain string.
 
 Environment variables are ``TIERD_<PATH>`` with ``__`` between segments, in any case:
-``TIERD_SOCKET__PATH=/run/tierd/tierd.sock``, ``TIERD_TIERS__0__CAPACITY=2GiB``. Only a
-variable whose first segment is a top-level field is config, and one that would replace a
-whole section with a plain value is not: ``TIERD_SOCKET`` is the client commands' override
-of the socket path, not config. ``TIERD_CONFIG`` names the file when none is given;
-``TIERD_HYPOTHESIS_PROFILE`` belongs to the tests.
+``TIERD_SOCKET__PATH=/run/tierd/tierd.sock``, ``TIERD_TIERS__0__CAPACITY=2GiB``. Every
+other ``TIERD_*`` variable must be one of :data:`NON_SETTING_ENV` (``TIERD_CONFIG`` names
+the file when none is given, ``TIERD_SOCKET`` is the client commands' override of the
+socket path; the rest belong to the scripts and the tests): a misspelt one
+(``TIERD_BLOK_BYTES``) is an error that suggests the closest setting, as is a misspelt key
+below a section (``TIERD_SHUTDOWN__GRASE``), in the file or in ``--set``.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ from tierd.config import (
     format_validation_error,
     read_config_file,
 )
+from tierd.configfile import close_matches
 from tierd.errors import ConfigError
 
 __all__ = [
     "CONFIG_ENV",
     "ENV_PREFIX",
+    "NON_SETTING_ENV",
     "Override",
     "effective_config_dict",
     "env_overrides",
@@ -50,6 +53,19 @@ __all__ = [
 
 CONFIG_ENV = "TIERD_CONFIG"
 ENV_PREFIX = "TIERD_"
+# TIERD_* variables that are not settings: the config file, the client commands' socket,
+# and those of scripts/setup, scripts/test and the test suite.
+NON_SETTING_ENV = frozenset(
+    {
+        CONFIG_ENV,
+        "TIERD_SOCKET",
+        "TIERD_SLOW",
+        "TIERD_HYPOTHESIS_PROFILE",
+        "TIERD_TORCH_SPEC",
+        "TIERD_EXTRAS",
+        "TIERD_VENV",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +99,7 @@ def load_settings(
     if path is not None:
         _merge(data, read_config_file(path))
     sources: dict[str, str] = {}
-    problems: list[str] = []
+    problems = unknown_variables(env)
     for overrides, lenient in ((env_overrides(env), True), (command_line, False)):
         for override in overrides:
             try:
@@ -98,7 +114,8 @@ def load_settings(
     try:
         return DaemonConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, sources=sources)) from exc
+        message = format_validation_error(exc, sources=sources, model=DaemonConfig)
+        raise ConfigError(message) from exc
 
 
 def parse_sets(items: Sequence[str]) -> list[Override]:
@@ -128,6 +145,22 @@ def env_overrides(environ: Mapping[str, str]) -> list[Override]:
         if path[0] in DaemonConfig.model_fields:
             overrides.append(Override(path, _parse_value(environ[name]), name))
     return overrides
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One problem per ``TIERD_*`` variable that is neither a setting nor one of
+    :data:`NON_SETTING_ENV`, suggesting the closest name."""
+    problems = []
+    known = [name.upper() for name in DaemonConfig.model_fields]
+    known += [name.removeprefix(ENV_PREFIX) for name in NON_SETTING_ENV]
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in NON_SETTING_ENV or name == ENV_PREFIX:
+            continue
+        first = name.removeprefix(ENV_PREFIX).lower().split("__")[0]
+        if first not in DaemonConfig.model_fields:
+            hint = close_matches(first.upper(), known, ENV_PREFIX)
+            problems.append(f"{name}: not a setting{hint}")
+    return problems
 
 
 def effective_config_dict(cfg: DaemonConfig) -> dict[str, Any]:

@@ -1,0 +1,143 @@
+"""Reading config files and reporting their problems, one line each, for :mod:`tierd.config`.
+
+Every problem names its YAML path (``tiers.1.policy``), the bad value and what is allowed;
+a key that is not a setting also suggests the setting it may be a misspelling of
+(``socket.pth: not a setting; did you mean socket.path?``). Directory values expand ``~``
+and ``$VAR`` / ``${VAR}`` / ``${VAR:-default}``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from tierd.errors import ConfigError
+
+__all__ = [
+    "AT_PATH",
+    "close_matches",
+    "expand_path",
+    "format_validation_error",
+    "read_config_file",
+]
+
+AT_PATH = "config_path"  # the error type whose ``ctx.path`` extends its location
+_VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
+
+
+def expand_path(value: str | Path, environ: Mapping[str, str] | None = None) -> Path:
+    """``value`` with ``$VAR``, ``${VAR}`` and ``${VAR:-default}`` replaced (the default
+    when the variable is unset or empty), then a leading ``~`` expanded. ``ValueError``
+    names a variable that is unset and has no default."""
+    env = os.environ if environ is None else environ
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(3)
+        value = env.get(name, "")
+        if value:
+            return value
+        if match.group(2) is not None:
+            return match.group(2)
+        raise ValueError(f"${name} is not set (write ${{{name}:-DEFAULT}} to give a default)")
+
+    return Path(os.path.expanduser(_VARIABLE.sub(replace, str(value))))
+
+
+def close_matches(word: str, choices: Iterable[str], prefix: str = "") -> str:
+    """``"; did you mean PREFIX+X?"`` for the closest X of ``choices``, else ``""``."""
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{found[0]}?" if found else ""
+
+
+def format_validation_error(
+    error: ValidationError,
+    prefix: str = "",
+    *,
+    sources: Mapping[str, str] | None = None,
+    model: type[BaseModel] | None = None,
+) -> str:
+    """One line per problem: ``path: message (got value)``. ``sources`` maps a dotted path
+    to where its value came from (``"--set"``); a problem at or below it says so:
+    ``socket.mode (from --set): ...``. With ``model`` (the validated model), an unknown
+    key suggests the closest known one."""
+    lines = []
+    for problem in error.errors():
+        loc = [str(part) for part in (prefix, *problem["loc"]) if part != ""]
+        if problem["type"] == AT_PATH:
+            loc += str(problem.get("ctx", {})["path"]).split(".")
+        path = ".".join(loc)
+        origin = _origin(path, sources or {})
+        where = f"{path or '<root>'}{f' (from {origin})' if origin else ''}"
+        message = problem["msg"].removeprefix("Value error, ")
+        got = problem.get("input")
+        quiet = problem["type"] == AT_PATH or isinstance(got, dict | list | BaseModel)
+        if problem["type"] == "extra_forbidden" and model is not None:
+            known = _fields_at(model, [str(part) for part in problem["loc"][:-1]])
+            parent = "".join(f"{part}." for part in loc[:-1])
+            message, quiet = f"not a setting{close_matches(loc[-1], known, parent)}", True
+        lines.append(f"{where}: {message}{'' if quiet else f' (got {got!r})'}")
+    return "\n".join(lines)
+
+
+def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:
+    """The field names of the model found at ``loc`` below ``model`` (list indexes
+    skipped), or none when ``loc`` does not lead to a model."""
+    current: Any = model
+    for part in loc:
+        if part.isdigit():
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return []
+        field = current.model_fields.get(part)
+        if field is None:
+            return []
+        current = _model_in(field.annotation)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return []
+
+
+def _model_in(annotation: Any) -> Any:
+    """The model class inside ``annotation`` (``X``, ``list[X]``, ``X | None``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (list, typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _model_in(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _origin(path: str, sources: Mapping[str, str]) -> str | None:
+    """The source of the longest path in ``sources`` that is ``path`` or contains it."""
+    for known in sorted(sources, key=len, reverse=True):
+        if path == known or path.startswith(f"{known}."):
+            return sources[known]
+    return None
+
+
+def read_config_file(path: Path | str) -> dict[str, Any]:
+    """The top-level mapping of a YAML file (an empty file is an empty mapping);
+    :class:`ConfigError` naming the file when it cannot be read or is not a mapping."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file: {exc.strerror}", path=str(path)) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"not valid YAML: {exc}", path=str(path)) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("the config must be a mapping at the top level", path=str(path))
+    return data
