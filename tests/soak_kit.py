@@ -511,7 +511,7 @@ class Fuzzer:
 
     def _random_map(self) -> dict[str, Any]:
         rng = self.rng
-        ops = OPS if self._named else [op for op in OPS if op != "clear"]
+        ops = OPS if self._named else [op for op in OPS if op not in ("clear", "stop")]
         message: dict[str, Any] = {"id": self._value(0), "op": rng.choice(ops)}
         if rng.random() < 0.1:
             message["op"] = self._value(0)

@@ -1,16 +1,22 @@
 """The composition root: ``tierd serve``'s process, from config to exit status.
 
-Start-up, in order: configure logging; claim the socket path (so a second daemon fails
-with "already running" before it touches the pool or the disk tier); remove shared-memory
-pools left by crashed daemons; open the chain (a disk tier reloads its index or rebuilds
-it); start serving; tell systemd ``READY=1``.
+Start-up, in order: configure logging; check the tiers' sizes against the machine
+(:mod:`tierd.preflight`: nothing is allocated for a config that cannot fit); claim the
+socket path (so a second daemon fails with "already running" before it touches the pool or
+the disk tier) and write the pid file beside it (``<socket>.pid``, or ``socket.pid_file``);
+remove shared-memory pools left by crashed daemons; create the disk tiers' missing
+directories; open the chain (a disk tier reloads its index or rebuilds it); start serving;
+tell systemd ``READY=1``. A start that fails logs ``start failed`` with the reason and
+removes what it created: the socket, the pid file, the pool, the directories.
 
-Shutdown on SIGTERM or SIGINT: ``STOPPING=1``; stop accepting and refuse new work; wait
+Shutdown on SIGTERM, SIGINT, SIGHUP (a closed terminal) or the ``stop`` operation (``tierd
+stop``): ``STOPPING=1``; stop accepting and refuse new work; wait
 for running requests up to ``shutdown.grace`` seconds (then cancel them: their pins and
 slots are released); write dirty blocks down per ``shutdown.write_back`` within what is
 left of the grace; close every connection; close the stores in reverse order (the disk
-tier persists its index); remove the socket file. Exit status 0. A second signal skips
-what is left of the draining and the write-back and exits with status 1.
+tier persists its index); remove the socket file and the pid file. Exit status 0. A
+second signal skips what is left of the draining and the write-back and exits with
+status 1.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -34,14 +42,24 @@ from tierd.config import DaemonConfig, LoggingConfig
 from tierd.control.context import Limits, PoolInfo, ServerContext
 from tierd.control.server import Server, bind_unix_socket
 from tierd.library import open_chain
+from tierd.preflight import check_machine, directories_to_create
 from tierd.settings import effective_config_dict
 from tierd.stores.cpu import CpuStore
 
-__all__ = ["Daemon", "configure_logging", "reap_stale_pools", "run_daemon", "sd_notify"]
+__all__ = [
+    "Daemon",
+    "configure_logging",
+    "reap_stale_pools",
+    "remove_pid_file",
+    "run_daemon",
+    "sd_notify",
+    "write_pid_file",
+]
 
 log = structlog.get_logger("tierd")
 
 EXIT_FORCED = 1
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _POOL_NAME = re.compile(r"^tierd-(\d+)-[0-9a-f]+$")
 
 
@@ -124,6 +142,11 @@ class Daemon:
         self._shutdown: asyncio.Task[None] | None = None
         self._signals = 0
 
+    def stop_once(self) -> None:
+        """What the ``stop`` operation does: start a graceful stop, never force one."""
+        if self._signals == 0:
+            self.request_stop()
+
     def request_stop(self) -> None:
         """What SIGTERM does: the first call drains and stops, a second forces."""
         self._signals += 1
@@ -137,15 +160,34 @@ class Daemon:
                 self._shutdown.cancel()
 
     async def run(self) -> int:
+        try:
+            return await self._run()
+        except BaseException as exc:
+            if not self.ready.is_set():
+                log.error("start failed", reason=str(exc) or type(exc).__name__)
+            raise
+        finally:
+            if self.ready.is_set():
+                log.info("stopped", forced=self._forced)
+
+    async def _run(self) -> int:
         cfg = self.config
         path = str(cfg.socket.path)
+        check_machine(cfg)
         # Claim the socket first: a second daemon must fail before it opens the pool or
         # the disk tier that the first one is using.
         sock = bind_unix_socket(path, cfg.socket.mode)
         server: Server | None = None
+        pid_file = cfg.socket.pid_file or Path(f"{path}.pid")
+        created: list[Path] = []
         try:
+            write_pid_file(pid_file)
             reap_stale_pools()
+            for directory in directories_to_create(cfg):
+                directory.mkdir()
+                created.append(directory)
             async with open_chain(cfg, pool_mode=cfg.socket.mode) as chain:
+                created = []  # the chain opened: its directories are the daemon's now
                 self.chain = chain
                 self.server = server = Server(self._context(chain))
                 server.adopt(sock, path)
@@ -157,7 +199,8 @@ class Daemon:
                 sock.close()
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-            log.info("stopped", forced=self._forced)
+            _remove_created(created)
+            remove_pid_file(pid_file)
 
     async def _serve(self, server: Server) -> int:
         # Signal handlers and the metrics endpoint come before the first client is
@@ -234,6 +277,7 @@ class Daemon:
             pool=pool,
             config=effective_config_dict(cfg),
             check_namespace=cfg.namespaces.check,
+            request_stop=self.stop_once,
             allow_uids=frozenset(cfg.socket.allow_uids),
             allow_gids=frozenset(cfg.socket.allow_gids),
         )
@@ -242,11 +286,11 @@ class Daemon:
         if not self.handle_signals:
             return lambda: None
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in _STOP_SIGNALS:
             loop.add_signal_handler(sig, self.request_stop)
 
         def restore() -> None:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in _STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
 
         return restore
@@ -282,6 +326,31 @@ class Daemon:
         server = await asyncio.start_server(answer, host, port)
         log.info("metrics over HTTP", url=f"http://{host}:{port}/metrics")
         return server
+
+
+def _remove_created(created: list[Path]) -> None:
+    """Remove the directories a failed start created (parents first in ``created``), with
+    what it put in them (a slab, say): they did not exist a moment ago."""
+    for directory in created:
+        if directory.parent not in created:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def write_pid_file(path: Path) -> None:
+    """Write this process's pid to ``path`` (atomically, replacing a stale one: the caller
+    holds the socket, so no live daemon owns it)."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(f"{os.getpid()}\n")
+    os.replace(temporary, path)
+
+
+def remove_pid_file(path: Path) -> None:
+    """Remove ``path`` if it still names this process."""
+    try:
+        if path.read_text().strip() == str(os.getpid()):
+            path.unlink()
+    except (OSError, ValueError):
+        pass  # gone already, or another daemon's now
 
 
 def run_daemon(config: DaemonConfig) -> int:

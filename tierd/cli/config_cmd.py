@@ -2,7 +2,8 @@
 one, without starting anything. Both read the same layers as ``tierd serve`` (defaults <
 file < ``TIERD_*`` environment < ``--set``; see :mod:`tierd.settings`); an invalid config
 raises :class:`~tierd.errors.ConfigError`, which the ``tierd`` wrapper reports with exit
-status 78.
+status 78. ``check`` also checks the tiers' sizes against this machine (free disk space,
+available memory, /dev/shm; see :mod:`tierd.preflight`), as ``tierd serve`` does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import yaml
 
 from tierd.cli.base import EXIT_OK, Command, add_sets
 from tierd.config import DaemonConfig
+from tierd.preflight import check_machine
 from tierd.settings import effective_config_dict, load_settings
 
 __all__ = ["COMMANDS", "describe"]
@@ -39,6 +41,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.action == "check":
         cfg = load_settings(args.file, sets=args.sets)
+        check_machine(cfg)
         print(f"ok: {args.file} ({describe(cfg)})")
         return EXIT_OK
     data = effective_config_dict(load_settings(args.config, sets=args.sets))

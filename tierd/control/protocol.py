@@ -61,6 +61,7 @@ OPERATIONS = (
     "metrics",
     "flush",
     "clear",
+    "stop",
 )
 HEADER = struct.Struct(">I")
 # A namespaced key is an 8-byte namespace id followed by the client's key, so a client

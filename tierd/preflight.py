@@ -1,0 +1,199 @@
+"""Checks of a config against this machine, made before anything is allocated.
+
+``tierd serve`` and ``tierd config check`` refuse a config whose tiers cannot fit:
+
+- a disk tier's slab files must fit the free space of their file systems; a slab file of
+  the same tier already there is reused, so only its growth counts;
+- a disk tier's directory must be a directory (or be creatable: see
+  :func:`directories_to_create`);
+- the CPU tiers' shared-memory pools (and memory tiers) must fit the memory available
+  (``MemAvailable``), and the pools the free space of ``/dev/shm``.
+
+Each problem is a :class:`~tierd.errors.ConfigError` line naming the tier, the directory,
+the size asked and the space free.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierd.config import ChainConfig, TierConfig, TierKind
+from tierd.errors import ConfigError
+from tierd.stores.disk_slab import SLAB_FILE, slab_file_bytes
+from tierd.stores.fileio import round_up
+
+__all__ = ["check_machine", "directories_to_create", "format_bytes"]
+
+_SHM = "/dev/shm"
+
+
+@dataclass(frozen=True, slots=True)
+class _Slab:
+    index: int  # the tier's index in the config
+    tier: TierConfig
+    directory: Path
+    size: int
+
+
+def check_machine(cfg: ChainConfig, *, shm_dir: str = _SHM, meminfo: str = "/proc/meminfo") -> None:
+    """:class:`ConfigError` listing every tier that does not fit this machine."""
+    problems = _disk_problems(cfg) + _memory_problems(cfg, shm_dir, meminfo)
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def directories_to_create(cfg: ChainConfig, home: Path | None = None) -> list[Path]:
+    """The missing directories that opening ``cfg``'s disk tiers needs, parents first.
+
+    A tier's own directory is created when its parent exists; missing parents are created
+    only inside the home directory (``~/.local/state/tierd`` on a fresh account), never
+    elsewhere: a missing mount point must fail rather than fill the root file system."""
+    home = Path.home() if home is None else home
+    missing: list[Path] = []
+    for tier in cfg.tiers:
+        for directory in tier.directories:
+            path = directory.absolute()
+            chain = [path] if path.parent.is_dir() else _missing_parents(path, home)
+            missing += [p for p in chain if not p.exists() and p not in missing]
+    return missing
+
+
+def format_bytes(size: int) -> str:
+    """``1.5 GiB``, ``512 MiB``, ``1 PiB``."""
+    value = float(size)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "bytes" else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value:.3g} PiB"
+
+
+# -- disk tiers --------------------------------------------------------------------------
+
+
+def _slabs(cfg: ChainConfig) -> Iterator[_Slab]:
+    for index, tier in enumerate(cfg.tiers):
+        if tier.kind is not TierKind.DISK:
+            continue
+        blocks, count = tier.num_blocks(cfg.block_bytes), len(tier.directories)
+        for i, directory in enumerate(tier.directories):
+            size = slab_file_bytes(len(range(i, blocks, count)), cfg.block_bytes)
+            yield _Slab(index, tier, directory, size)
+
+
+def _disk_problems(cfg: ChainConfig) -> list[str]:
+    problems = []
+    claimed: dict[int, int] = {}  # file system (st_dev) -> bytes the slabs before need
+    for slab in _slabs(cfg):
+        where = f"tiers.{slab.index}.directories"
+        name = f"disk tier {slab.tier.name!r}"
+        if slab.directory.exists() and not slab.directory.is_dir():
+            problems.append(f"{where}: {slab.directory} is not a directory ({name})")
+            continue
+        anchor = _existing_ancestor(slab.directory)
+        if anchor is None or not _creatable(slab.directory, anchor):
+            problems.append(
+                f"{where}: {slab.directory.parent} does not exist ({name}; create it, or"
+                " mount the drive it stands for)"
+            )
+            continue
+        growth = slab.size - _allocated(slab.directory / SLAB_FILE)
+        fs = os.statvfs(anchor)
+        device = os.stat(anchor).st_dev
+        free = fs.f_bavail * fs.f_frsize - claimed.get(device, 0)
+        claimed[device] = claimed.get(device, 0) + max(growth, 0)
+        if growth > free:
+            problems.append(
+                f"tiers.{slab.index}.capacity: the {name} needs {format_bytes(slab.size)} in"
+                f" {slab.directory}, but its file system has {format_bytes(max(free, 0))}"
+                f" free{_reused(slab.size - growth)} (lower the capacity, or choose another"
+                " directory)"
+            )
+    return problems
+
+
+def _reused(existing: int) -> str:
+    return f" (besides the {format_bytes(existing)} of its slab file)" if existing > 0 else ""
+
+
+def _allocated(path: Path) -> int:
+    """The bytes a file already takes on its device (0 when it does not exist)."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except OSError:
+        return 0
+
+
+def _existing_ancestor(path: Path) -> Path | None:
+    for candidate in (path, *path.absolute().parents):
+        if candidate.is_dir():
+            return candidate
+        if candidate.exists():
+            return None  # a file in the way
+    return None
+
+
+def _creatable(directory: Path, anchor: Path) -> bool:
+    """Whether :func:`directories_to_create` would create ``directory`` below ``anchor``."""
+    path = directory.absolute()
+    return path == anchor or path.parent == anchor or path.is_relative_to(Path.home())
+
+
+def _missing_parents(path: Path, home: Path) -> list[Path]:
+    if not path.is_relative_to(home):
+        return []
+    chain = [path]
+    while not chain[-1].parent.exists():
+        chain.append(chain[-1].parent)
+    return list(reversed(chain))
+
+
+# -- memory tiers ------------------------------------------------------------------------
+
+
+def _memory_problems(cfg: ChainConfig, shm_dir: str, meminfo: str) -> list[str]:
+    sizes = {
+        index: tier.num_blocks(cfg.block_bytes) * round_up(cfg.block_bytes)
+        for index, tier in enumerate(cfg.tiers)
+        if tier.kind in (TierKind.CPU, TierKind.MEMORY)
+    }
+    if not sizes:
+        return []
+    problems = []
+    available = _mem_available(meminfo)
+    shm = os.statvfs(shm_dir)
+    shm_free = shm.f_bavail * shm.f_frsize
+    memory_left, shm_left = available, shm_free
+    for index, size in sizes.items():
+        tier = cfg.tiers[index]
+        name = f"tiers.{index}.capacity: the {tier.kind} tier {tier.name!r} needs"
+        if memory_left is not None and size > memory_left:
+            problems.append(
+                f"{name} {format_bytes(size)} of memory, but {format_bytes(memory_left)} is"
+                " available (MemAvailable; lower the capacity)"
+            )
+        elif tier.kind is TierKind.CPU and size > shm_left:
+            problems.append(
+                f"{name} {format_bytes(size)} in {shm_dir}, but it has"
+                f" {format_bytes(shm_left)} free (lower the capacity, or grow {shm_dir})"
+            )
+        if memory_left is not None:
+            memory_left = max(memory_left - size, 0)
+        if tier.kind is TierKind.CPU:
+            shm_left = max(shm_left - size, 0)
+    return problems
+
+
+def _mem_available(meminfo: str) -> int | None:
+    """``MemAvailable`` in bytes, or ``None`` where the kernel does not report it."""
+    try:
+        with open(meminfo) as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
