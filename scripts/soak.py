@@ -10,8 +10,10 @@ Runs a real daemon in a child process with small tiers (64 KiB blocks, 64 CPU bl
 protocol fuzzer and a subscriber that never reads, while it SIGKILLs and restarts the
 daemon, SIGKILLs clients holding leases and injects disk write errors, ENOSPC, a full
 disk, read errors and a slow disk (``tests/soak_kit.py`` has the whole story). Prints a
-table and writes ``OUT/soak.json``; the daemon's logs are under ``OUT/work``. Exit status
-0 when every check passed, 1 otherwise (the reasons are listed), 2 on bad arguments.
+table and writes ``OUT/soak.json``; the daemon's logs are under ``OUT/work``. A progress
+bar of the load's minutes goes to stderr when it is a terminal (``--progress`` /
+``--no-progress``). Exit status 0 when every check passed, 1 otherwise (the reasons are
+listed), 2 on bad arguments.
 
 Expect figures to vary with whatever else runs on the machine.
 """
@@ -24,7 +26,10 @@ import json
 import shutil
 import sys
 import tempfile
+import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 for path in (str(ROOT), str(ROOT / "tests")):
@@ -32,6 +37,10 @@ for path in (str(ROOT), str(ROOT / "tests")):
         sys.path.insert(0, path)
 
 import soak_kit  # noqa: E402
+
+from tierd.cli.progress import add_progress_option, make_bar  # noqa: E402
+
+BAR_TICK_S = 1.0  # how often the bar moves
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--keep-disk", action="store_true", help="keep the disk tier's slab under OUT/work"
     )
+    add_progress_option(parser)
     return parser
 
 
@@ -62,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     sock_dir = tempfile.mkdtemp(prefix="tierd-soak-", dir="/tmp")  # socket paths are short
     try:
-        report = _run(soak_kit.run_campaign(settings, work, f"{sock_dir}/tierd.sock"))
+        campaign = soak_kit.run_campaign(settings, work, f"{sock_dir}/tierd.sock")
+        report = _run(_with_bar(campaign, settings.seconds, args.progress))
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
         if not args.keep_disk:
@@ -71,6 +82,28 @@ def main(argv: list[str] | None = None) -> int:
     print(soak_kit.render(report))
     print(f"\nreport: {out / 'soak.json'}")
     return 0 if report["passed"] else 1
+
+
+async def _with_bar(
+    campaign: Coroutine[Any, Any, dict[str, Any]], seconds: float, flag: bool | None
+) -> dict[str, Any]:
+    """Run ``campaign``, moving a bar of its ``seconds`` of load once a second; the final
+    checks come on top (the bar then stays full and says so)."""
+    total = max(1, round(seconds))
+    bar = make_bar(flag, total, label="soak", unit="s")
+    if bar is None:
+        return await campaign
+    task = asyncio.ensure_future(campaign)
+    started = time.monotonic()
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=BAR_TICK_S)
+            elapsed = round(time.monotonic() - started)
+            bar(min(total, elapsed), total, "final checks" if elapsed >= total else "load")
+        return task.result()
+    finally:
+        task.cancel()  # a no-op once it is done
+        bar.close()
 
 
 def _run(coro):  # type: ignore[no-untyped-def]

@@ -1,4 +1,11 @@
-"""Offline commands that need no daemon: ``tierd simulate`` and ``tierd trace``."""
+"""Offline commands that need no daemon: ``tierd simulate`` and ``tierd trace``.
+
+``simulate`` draws a progress bar on stderr when it is a terminal (``--progress`` /
+``--no-progress``); Ctrl-C ends it early with the results so far, marked ``interrupted
+after N of M requests``, and exit status 130. A trace that is missing is a usage error
+(2); one that cannot be used (a directory, unreadable, not UTF-8, a malformed line) is
+unusable input (1), with a one-line message naming the file and line.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +14,16 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING
 
 from tierd.cli.base import EXIT_OK, Command, UsageError
+from tierd.cli.progress import (
+    EXIT_INTERRUPTED,
+    add_progress_option,
+    interrupted_line,
+    make_bar,
+    stop_flag,
+)
 from tierd.policy import policy_class, policy_names
 from tierd.workload import SimulationResult, read_trace, simulate, write_trace
 from tierd.workload.generate import GeneratorConfig, generate
@@ -18,7 +32,7 @@ from tierd.workload.trace import Trace
 if TYPE_CHECKING:
     from tierd.workload.chain_replay import ChainReplayResult
 
-__all__ = ["COMMANDS", "ProgressBar"]
+__all__ = ["COMMANDS", "load_trace"]
 
 
 # -- tierd simulate ------------------------------------------------------------------------
@@ -40,18 +54,26 @@ def _configure_simulate(parser: argparse.ArgumentParser) -> None:
         help="replay through the whole chain of this YAML config instead (hits per medium)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_progress_option(parser)
+
+
+def load_trace(path: Path) -> Trace:
+    """The trace a command was given: a missing file is a usage error; any other trouble
+    is a :class:`~tierd.errors.TraceError` naming the file (and line)."""
+    if not path.exists():
+        raise UsageError(f"trace file not found: {path}")
+    return read_trace(path)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
     policy_class(args.policy)  # an unknown name fails before the trace is read
-    if not args.trace.is_file():
-        raise UsageError(f"trace file not found: {args.trace}")
-    trace = read_trace(args.trace)
+    trace = load_trace(args.trace)
     if args.config is not None:
         return _run_chain_simulate(args, trace)
-    bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
+    bar = make_bar(args.progress, len(trace))
     try:
-        result = simulate(trace, args.policy, args.capacity, progress=bar)
+        with stop_flag() as stop:
+            result = simulate(trace, args.policy, args.capacity, progress=bar, stop=stop)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     finally:
@@ -61,7 +83,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         print(json.dumps({"trace": str(args.trace), **result.to_dict()}))
     else:
         print(_describe(result))
-    return EXIT_OK
+    return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
 
 
 def _run_chain_simulate(args: argparse.Namespace, trace: Trace) -> int:
@@ -73,11 +95,12 @@ def _run_chain_simulate(args: argparse.Namespace, trace: Trace) -> int:
 
     async def run() -> ChainReplayResult:
         async with open_chain(args.config) as chain:
-            return await replay_chain(chain, trace.key_lists(), progress=bar)
+            return await replay_chain(chain, trace.key_lists(), progress=bar, stop=stop)
 
-    bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
+    bar = make_bar(args.progress, len(trace))
     try:
-        result = asyncio.run(run())
+        with stop_flag() as stop:
+            result = asyncio.run(run())
     finally:
         if bar is not None:
             bar.close()
@@ -85,8 +108,11 @@ def _run_chain_simulate(args: argparse.Namespace, trace: Trace) -> int:
         print(
             json.dumps({"trace": str(args.trace), "config": str(args.config), **result.to_dict()})
         )
-        return EXIT_OK
-    lines = [f"hit ratio       {result.hit_ratio:.4f} ({result.hits:,} block hits)"]
+        return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
+    lines = []
+    if result.interrupted:
+        lines.append(interrupted_line(result.requests, result.planned_requests))
+    lines += [f"hit ratio       {result.hit_ratio:.4f} ({result.hits:,} block hits)"]
     for medium, ratio in result.hit_ratio_by_medium.items():
         lines.append(f"  from {medium:<9} {ratio:.4f} ({result.hits_by_medium[medium]:,})")
     for tier in result.tiers:
@@ -100,12 +126,14 @@ def _run_chain_simulate(args: argparse.Namespace, trace: Trace) -> int:
         f"accesses/s      {result.accesses_per_second:,.0f} ({result.seconds:.3f} s)",
     ]
     print("\n".join(lines))
-    return EXIT_OK
+    return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
 
 
 def _describe(result: SimulationResult) -> str:
+    mark = [interrupted_line(result.requests, result.planned_requests)]
     return "\n".join(
         [
+            *(mark if result.interrupted else []),
             f"policy          {result.policy}",
             f"capacity        {result.capacity:,} blocks "
             f"({result.capacity / result.unique_blocks:.1%} of {result.unique_blocks:,} "
@@ -116,32 +144,6 @@ def _describe(result: SimulationResult) -> str:
             f"accesses/s      {result.accesses_per_second:,.0f} ({result.seconds:.3f} s)",
         ]
     )
-
-
-class ProgressBar:
-    """A one-line progress bar redrawn in place (meant for a terminal)."""
-
-    def __init__(self, stream: TextIO, width: int = 40, label: str = "") -> None:
-        self._stream = stream
-        self._width = width
-        self._label = f"{label} " if label else ""
-        self._drawn = False
-
-    def __call__(self, done: int, total: int, suffix: str = "") -> None:
-        share = done / total if total else 1.0
-        filled = int(share * self._width)
-        bar = "#" * filled + "." * (self._width - filled)
-        self._stream.write(
-            f"\r{self._label}[{bar}] {share:4.0%} {done:,}/{total:,} requests{suffix}"
-        )
-        self._stream.flush()
-        self._drawn = True
-
-    def close(self) -> None:
-        if self._drawn:
-            self._stream.write("\n")
-            self._stream.flush()
-            self._drawn = False
 
 
 # -- tierd trace generate ------------------------------------------------------------------
@@ -177,6 +179,8 @@ def _run_trace(args: argparse.Namespace) -> int:
     records = generate(config)
     try:
         count = write_trace(sys.stdout if args.out == "-" else Path(args.out), records)
+    except BrokenPipeError:
+        raise  # the reader went away: ``tierd.cli.main`` ends quietly
     except OSError as exc:
         raise UsageError(f"cannot write {args.out}: {exc.strerror}") from None
     accesses = sum(len(record.hash_ids) for record in records)

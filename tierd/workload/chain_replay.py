@@ -16,7 +16,7 @@ from typing import Any
 from tierd.chain import TierChain
 from tierd.errors import BlockMissing, CapacityError
 from tierd.keys import BlockKey
-from tierd.workload.simulate import Progress
+from tierd.workload.simulate import Progress, Stop
 
 __all__ = ["ChainReplayResult", "replay_chain"]
 
@@ -37,6 +37,8 @@ class ChainReplayResult:
     seconds: float
     accesses_per_second: float
     tiers: list[dict[str, Any]]
+    planned_requests: int = 0  # ``requests`` falls short of it when ``interrupted``
+    interrupted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -46,14 +48,19 @@ async def replay_chain(
     chain: TierChain,
     key_lists: Sequence[Sequence[BlockKey]],
     progress: Progress | None = None,
+    stop: Stop | None = None,
 ) -> ChainReplayResult:
-    """Replay requests through ``chain`` and count hits per medium."""
+    """Replay requests through ``chain`` and count hits per medium (until ``stop()``)."""
     filler = bytes(chain.block_bytes)
     room = chain.levels[chain.entry].tier.num_blocks
     by_medium: dict[str, int] = {str(level.medium): 0 for level in chain.levels}
     hits = accesses = refusals = 0
     started = time.perf_counter()
+    done = 0
     for index, keys in enumerate(key_lists):
+        if stop is not None and index % _CHUNK == 0 and stop():
+            break
+        done = index + 1
         found = chain.lookup(keys)
         accesses += len(keys)
         hits += found.count
@@ -72,9 +79,9 @@ async def replay_chain(
             progress(index + 1, len(key_lists))
     seconds = time.perf_counter() - started
     if progress is not None:
-        progress(len(key_lists), len(key_lists))
+        progress(done, len(key_lists))
     return ChainReplayResult(
-        requests=len(key_lists),
+        requests=done,
         block_accesses=accesses,
         hits=hits,
         hit_ratio=hits / accesses if accesses else 0.0,
@@ -84,6 +91,8 @@ async def replay_chain(
         seconds=seconds,
         accesses_per_second=accesses / seconds if seconds > 0 else 0.0,
         tiers=[asdict(level.tier.stats()) for level in chain.levels],
+        planned_requests=len(key_lists),
+        interrupted=done < len(key_lists),
     )
 
 

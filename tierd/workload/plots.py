@@ -8,6 +8,10 @@
   p50 and p99 marked;
 - ``occupancy.png``: each tier's used share of its capacity over time.
 
+:func:`write_compare_plot` draws several replays of one trace (``tierd replay --compare``)
+on the same axes: the cumulative hit ratio over the requests replayed, one line per
+config, and the final hit ratio per medium, one bar per config.
+
 A figure without data (an empty timeline, one sample for the windowed panel, no loads)
 still comes out, as a valid PNG that says "no data", so a report never has a hole.
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +32,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["MISSING_MATPLOTLIB", "write_plots"]
+__all__ = ["MISSING_MATPLOTLIB", "CompareSeries", "write_compare_plot", "write_plots"]
 
 MISSING_MATPLOTLIB = "matplotlib is needed for plots: pip install tierd[plots]"
 
@@ -40,11 +45,7 @@ def write_plots(summary: Mapping[str, Any], out_dir: Path) -> list[Path]:
     into ``out_dir`` (created if missing); returns their paths in that order.
 
     Raises :class:`RuntimeError` when matplotlib is not installed."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise RuntimeError(MISSING_MATPLOTLIB) from exc
+    FigureCanvasAgg, Figure = _matplotlib()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     timeline = list(summary.get("timeline") or [])
@@ -60,6 +61,87 @@ def write_plots(summary: Mapping[str, Any], out_dir: Path) -> list[Path]:
         figure.savefig(path, format="png", dpi=_DPI)
         paths.append(path)
     return paths
+
+
+def _matplotlib() -> tuple[Any, type[Figure]]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise RuntimeError(MISSING_MATPLOTLIB) from exc
+    return FigureCanvasAgg, Figure
+
+
+# -- several replays on the same axes ----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CompareSeries:
+    """What :func:`write_compare_plot` drew: per run, (requests replayed, cumulative hit
+    ratio in %) points, and the final hit ratio (0-1) per medium."""
+
+    hit_ratio: dict[str, list[tuple[int, float]]]
+    by_medium: dict[str, dict[str, float]]
+
+
+def write_compare_plot(runs: Mapping[str, Mapping[str, Any]], path: Path) -> CompareSeries:
+    """Draw every run (name -> replay summary dict) on the same axes into the PNG at
+    ``path``; returns the series drawn. Raises :class:`RuntimeError` without matplotlib."""
+    FigureCanvasAgg, Figure = _matplotlib()
+    series = CompareSeries(
+        hit_ratio={name: _cumulative_points(run) for name, run in runs.items()},
+        by_medium={name: dict(run.get("hit_ratio_by_medium") or {}) for name, run in runs.items()},
+    )
+    fig = Figure(figsize=(12, 5), layout="constrained")
+    over_time, bars = fig.subplots(1, 2, width_ratios=(3, 2))
+    fig.suptitle(f"{' vs '.join(runs)}: block hit ratio")
+    over_time.set_title("Cumulative hit ratio over the requests replayed")
+    drawn = 0
+    for name, points in series.hit_ratio.items():
+        if points:
+            xs, ys = zip(*points, strict=True)
+            over_time.plot(xs, ys, label=name, marker="o" if len(points) < 30 else None)
+            drawn += 1
+    if drawn:
+        over_time.set_xlabel("requests replayed")
+        over_time.set_ylabel("hit ratio (%)")
+        over_time.set_ylim(0, 100)
+        over_time.grid(alpha=0.3)
+        over_time.legend(loc="best", title="config")
+    else:
+        _no_data(over_time, "no block accesses in the timelines")
+    _draw_medium_bars(bars, series.by_medium)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    fig.savefig(path, format="png", dpi=_DPI)
+    return series
+
+
+def _cumulative_points(run: Mapping[str, Any]) -> list[tuple[int, float]]:
+    points = []
+    for sample in run.get("timeline") or []:
+        accesses = int(sample.get("accesses", 0))
+        if accesses > 0:
+            hits = sum(int(n) for n in (sample.get("hits") or {}).values())
+            points.append((int(sample.get("requests", 0)), 100 * hits / accesses))
+    return points
+
+
+def _draw_medium_bars(ax: Axes, by_medium: dict[str, dict[str, float]]) -> None:
+    ax.set_title("Final hit ratio by medium")
+    media = list(dict.fromkeys(m for ratios in by_medium.values() for m in ratios))
+    if not media:
+        _no_data(ax, "no hits by medium")
+        return
+    width = 0.8 / len(by_medium)
+    for index, (name, ratios) in enumerate(by_medium.items()):
+        xs = [i + (index - (len(by_medium) - 1) / 2) * width for i in range(len(media))]
+        ax.bar(xs, [100 * ratios.get(m, 0.0) for m in media], width, label=name)
+    ax.set_xticks(range(len(media)), media)
+    ax.set_ylabel("hit ratio (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(loc="best", title="config")
 
 
 # -- hit ratio ---------------------------------------------------------------------------

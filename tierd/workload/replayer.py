@@ -5,15 +5,16 @@ Per request: ``lookup`` the keys; load the hit prefix in chunks and compare each
 with :func:`block_content` of its key; store the rest (the misses, and whatever a load
 could not bring back) in chunks, with that same content. A block whose bytes differ is a
 ``wrong_bytes`` error (its key is kept); a load that brings back fewer blocks than the
-lookup promised is a ``load_shortfall`` (a correct cache may do that: the block was
-evicted meanwhile, or its checksum failed); a store the cache had no room for is a
-``store_refused``.
+lookup promised is a shortfall (counted in ``load_shortfalls``, not as an error: a
+correct cache does that under contention, when the block was evicted meanwhile, or when
+its checksum failed); a store the cache had no room for is a ``store_refused``.
 
 The cache sits behind a :class:`ReplayBackend` (see :mod:`tierd.workload.backends`: a
 daemon over its socket, or an in-process chain). ``len(backends)`` workers take requests
 in trace order; request *i* starts no earlier than ``start + (ts_i - ts_0) / speed``
 (``speed=None``: as fast as the workers go), and requests start (send their lookup) in
-trace order even when many run at once.
+trace order even when many run at once. Once ``stop()`` is true no request starts
+any more: the replay returns what it measured so far, ``interrupted``.
 
 Throughput is defined two ways: ``store_gb_s``/``load_gb_s`` are the bytes moved divided
 by the wall time of the whole replay; ``store_call_gb_s``/``load_call_gb_s`` are the same
@@ -27,19 +28,22 @@ function that the package exports, and a submodule of that name would replace it
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import math
-import random
 import time
-from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Protocol, overload
+from typing import Any, Protocol
 
 from tierd.control.client import Unreachable
 from tierd.errors import CapacityError, ResourceClosed, TierdError
 from tierd.keys import BlockKey
+from tierd.workload.replay_figures import (
+    SAMPLE_CAP,
+    Contents,
+    Latencies,
+    ReplayProgress,
+    ReplaySummary,
+    block_content,
+)
 from tierd.workload.trace import Trace, TraceRequest
 
 __all__ = [
@@ -51,16 +55,9 @@ __all__ = [
 ]
 
 MAX_CHUNK_BLOCKS = 64
-SAMPLE_CAP = 20_000  # load latency samples kept per medium (reservoir)
 WRONG_KEYS_KEPT = 100
-_SEED = 0x7EE1D
+STOP_CHECK = 0.2  # seconds: how often a paced wait checks whether to stop
 _FATAL = (ResourceClosed, Unreachable)  # the cache is gone: end the replay
-
-
-def block_content(key: bytes, block_bytes: int) -> bytes:
-    """The bytes the replay stores under ``key``: its 64-byte BLAKE2b digest, repeated."""
-    seed = hashlib.blake2b(key, digest_size=64).digest()
-    return (seed * (block_bytes // 64 + 1))[:block_bytes]
 
 
 class ReplayBackend(Protocol):
@@ -98,107 +95,6 @@ class ReplayBackend(Protocol):
     async def close(self) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class ReplayProgress:
-    done: int
-    total: int
-    hits: int
-    accesses: int
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class ReplaySummary:
-    """What one replay measured; :meth:`to_dict` is the JSON (``summary.json``) form.
-
-    Counts are blocks unless named otherwise; ratios are of ``block_accesses``; times are
-    seconds. ``latency``: ``lookup`` and ``store`` -> {p50, p90, p99, mean, count}, and
-    ``load`` -> medium -> the same (the slowest medium a loaded chunk came from: a chunk
-    with one block promoted from disk counts as a DISK load).
-    ``errors``: kind -> occurrences (``wrong_bytes`` counts blocks, the others calls).
-    ``timeline``: {t, requests, accesses, hits: {medium: cumulative}, occupancy: {tier:
-    used}}, from before the first request to after the last. ``tiers``: the final stats'
-    tiers. ``load_latency_samples``: medium -> up to 20,000 durations (a reservoir)."""
-
-    requests: int
-    lookups: int
-    block_accesses: int
-    hits: int
-    misses: int
-    hit_ratio: float
-    hits_by_medium: dict[str, int]
-    hit_ratio_by_medium: dict[str, float]
-    loaded_blocks: int
-    stored_blocks: int
-    seconds: float
-    latency: dict[str, Any]
-    throughput: dict[str, float]
-    errors: dict[str, int]
-    wrong_bytes: int
-    wrong_bytes_keys: list[str]
-    timeline: list[dict[str, Any]]
-    load_latency_samples: dict[str, list[float]]
-    config: dict[str, Any]
-    tiers: list[dict[str, Any]]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class _Contents(Sequence[bytes]):
-    """Block contents of ``keys``, made only for the rows a store actually writes."""
-
-    def __init__(self, keys: Sequence[bytes], block_bytes: int) -> None:
-        self._keys = keys
-        self._size = block_bytes
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    @overload
-    def __getitem__(self, index: int) -> bytes: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[bytes]: ...
-
-    def __getitem__(self, index: int | slice) -> bytes | Sequence[bytes]:
-        if isinstance(index, slice):
-            return [block_content(k, self._size) for k in self._keys[index]]
-        return block_content(self._keys[index], self._size)
-
-
-class _Latencies:
-    """Every duration of one kind of call (seconds), and optionally a fixed-size sample."""
-
-    def __init__(self, keep: int = 0) -> None:
-        self.values = array("d")
-        self.total = 0.0
-        self.sample: list[float] = []
-        self._keep = keep
-        self._rng = random.Random(_SEED)
-
-    def add(self, seconds: float) -> None:
-        self.values.append(seconds)
-        self.total += seconds
-        if len(self.sample) < self._keep:
-            self.sample.append(seconds)
-        elif self._keep:
-            slot = self._rng.randrange(len(self.values))
-            if slot < self._keep:
-                self.sample[slot] = seconds
-
-    def summary(self) -> dict[str, float | int]:
-        ordered = sorted(self.values)
-        count = len(ordered)
-
-        def rank(q: float) -> float:
-            return ordered[max(0, math.ceil(q * count) - 1)] if count else 0.0
-
-        mean = self.total / count if count else 0.0
-        return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "mean": mean,
-                "count": count}  # fmt: skip
-
-
 class _Replay:
     """The state of one replay, shared by its workers (one event loop: no locks needed
     except the start gate, which keeps starts in trace order)."""
@@ -210,8 +106,10 @@ class _Replay:
         speed: float | None,
         sample_every: int,
         progress: Callable[[ReplayProgress], None] | None,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         first = backends[0]
+        self.stop = stop
         self.requests, self.backends, self.speed = requests, backends, speed
         self.block_bytes = first.block_bytes
         self.chunk = max(1, min(MAX_CHUNK_BLOCKS, first.entry_capacity // 4))
@@ -220,12 +118,12 @@ class _Replay:
         self.progress_every = max(1, len(requests) // 1000)
         self.gate = asyncio.Lock()
         self.cursor = self.done = self.lookups = self.accesses = self.hits = 0
-        self.loaded = self.stored = 0
+        self.loaded = self.stored = self.shortfalls = 0
         self.by_medium: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.wrong_keys: list[str] = []
-        self.lookup_lat, self.store_lat = _Latencies(), _Latencies()
-        self.load_lat: dict[str, _Latencies] = {}
+        self.lookup_lat, self.store_lat = Latencies(), Latencies()
+        self.load_lat: dict[str, Latencies] = {}
         self.timeline: list[dict[str, Any]] = []
         self.started = time.perf_counter()
 
@@ -250,15 +148,27 @@ class _Replay:
         the lookups leave in order too."""
         async with self.gate:
             index = self.cursor
-            if index >= len(self.requests):
+            if index >= len(self.requests) or self.stopped:
                 return None
             self.cursor += 1
             if self.speed is not None:
                 offset = self.requests[index].timestamp - self.requests[0].timestamp
                 delay = self.started + offset / 1000 / self.speed - time.perf_counter()
                 if delay > 0:
-                    await asyncio.sleep(delay)  # pacing, not synchronisation
-            return index
+                    await self._pause(delay)
+            return None if self.stopped else index
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop()
+
+    async def _pause(self, delay: float) -> None:
+        """Wait ``delay`` seconds (pacing, not synchronisation), or until stopped: the
+        stop is checked at least every :data:`STOP_CHECK` seconds."""
+        deadline = time.perf_counter() + delay
+        # A flag, not an Event: it is set from a signal handler, outside the event loop.
+        while (left := deadline - time.perf_counter()) > 0 and not self.stopped:  # noqa: ASYNC110
+            await asyncio.sleep(min(left, STOP_CHECK))
 
     async def _serve(self, backend: ReplayBackend, keys: Sequence[BlockKey]) -> None:
         self.accesses += len(keys)
@@ -302,12 +212,12 @@ class _Replay:
             else:
                 medium = _slowest(media[start : start + len(part)])
                 if medium not in self.load_lat:
-                    self.load_lat[medium] = _Latencies(keep=SAMPLE_CAP)
+                    self.load_lat[medium] = Latencies(keep=SAMPLE_CAP)
                 self.load_lat[medium].add(time.perf_counter() - began)
             self.loaded += len(blocks)
             self._verify(part, blocks)
             if len(blocks) < len(part):
-                self.errors["load_shortfall"] += 1
+                self.shortfalls += 1
                 return start + len(blocks)
         return count
 
@@ -326,7 +236,7 @@ class _Replay:
             try:
                 # Not ``self.stored += await ...``: that reads the counter before the
                 # await and loses what other workers added meanwhile.
-                stored = await backend.store(part, _Contents(part, self.block_bytes))
+                stored = await backend.store(part, Contents(part, self.block_bytes))
             except CapacityError:
                 self.errors["store_refused"] += 1
             except _FATAL:
@@ -367,7 +277,9 @@ class _Replay:
         acc = self.accesses
         first = self.backends[0]
         return ReplaySummary(
-            requests=len(self.requests),
+            requests=self.done,
+            planned_requests=len(self.requests),
+            interrupted=self.done < len(self.requests),
             lookups=self.lookups,
             block_accesses=acc,
             hits=self.hits,
@@ -377,6 +289,7 @@ class _Replay:
             hit_ratio_by_medium={m: _rate(n, acc) for m, n in hits_by.items()},
             loaded_blocks=self.loaded,
             stored_blocks=self.stored,
+            load_shortfalls=self.shortfalls,
             seconds=seconds,
             latency={
                 "lookup": self.lookup_lat.summary(),
@@ -411,7 +324,7 @@ class _Replay:
             "load_gb_s": _rate(loaded_gb, seconds),
             "store_call_gb_s": _rate(stored_gb, self.store_lat.total),
             "load_call_gb_s": _rate(loaded_gb, load_time),
-            "requests_per_s": _rate(len(self.requests), seconds),
+            "requests_per_s": _rate(self.done, seconds),
             "accesses_per_s": _rate(self.accesses, seconds),
         }
 
@@ -424,11 +337,14 @@ async def replay(
     limit: int | None = None,
     sample_every: int | None = None,
     progress: Callable[[ReplayProgress], None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> ReplaySummary:
     """Replay ``trace`` (its first ``limit`` requests) with one worker per backend.
 
     ``speed``: how much faster than the trace's own clock (``None``: no pacing).
     ``sample_every``: requests between timeline points (default: 1/200 of the replay).
+    ``stop``: once it returns true, no request starts any more; the summary says
+    ``interrupted``.
     """
     if not backends:
         raise ValueError("a replay needs at least one backend")
@@ -438,7 +354,7 @@ async def replay(
     if limit is not None:
         requests = requests[: max(0, limit)]
     every = sample_every or max(1, len(requests) // 200)
-    run = _Replay(requests, backends, speed, every, progress)
+    run = _Replay(requests, backends, speed, every, progress, stop)
     await run.sample(backends[0])
     run.started = time.perf_counter()
     run.timeline[0]["t"] = 0.0

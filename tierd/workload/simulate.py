@@ -11,6 +11,8 @@ Each request goes through the tier exactly as a prefix-caching engine drives it:
 
 The block hit ratio is ``sum(n) / sum(len(keys))``. No bytes move: this measures the
 policy and the tier's bookkeeping, which is also what the throughput figure times.
+A ``stop`` callable, checked every few hundred requests, ends a replay early; the result
+then covers the requests replayed and says ``interrupted``.
 """
 
 from __future__ import annotations
@@ -30,16 +32,22 @@ __all__ = ["SimulationResult", "parse_capacity", "replay", "simulate"]
 Progress = Callable[[int, int], None]
 """Called as ``progress(requests_done, requests_total)`` every few hundred requests."""
 
+Stop = Callable[[], bool]
+"""Asked every few hundred requests whether to end the replay there."""
+
 _CHUNK = 512
 
 
 @dataclass(frozen=True, slots=True)
 class SimulationResult:
-    """What one replay measured."""
+    """What one replay measured: ``requests`` of ``planned_requests`` (fewer when it was
+    ``interrupted``), and the block accesses and hits of those."""
 
     policy: str
     capacity: int
     requests: int
+    planned_requests: int
+    interrupted: bool
     block_accesses: int
     hits: int
     unique_blocks: int
@@ -81,6 +89,16 @@ def replay(
     progress: Progress | None = None,
 ) -> int:
     """Replay requests through ``tier``; returns the number of block hits."""
+    return _replay(tier, key_lists, progress, None)[0]
+
+
+def _replay(
+    tier: Tier,
+    key_lists: Sequence[Sequence[BlockKey]],
+    progress: Progress | None,
+    stop: Stop | None,
+) -> tuple[int, int]:
+    """Block hits, and how many requests were replayed (fewer once ``stop()`` is true)."""
     lookup, touch, prepare, complete, take = (
         tier.lookup,
         tier.touch,
@@ -90,7 +108,10 @@ def replay(
     )
     total = len(key_lists)
     hits = 0
+    done = 0
     for start in range(0, total, _CHUNK):
+        if stop is not None and stop():
+            break
         for keys in key_lists[start : start + _CHUNK]:
             hits += lookup(keys)
             touch(keys)
@@ -98,9 +119,10 @@ def replay(
             if plan is not None:
                 complete(plan.keys)
             take()
+        done = min(start + _CHUNK, total)
         if progress is not None:
-            progress(min(start + _CHUNK, total), total)
-    return hits
+            progress(done, total)
+    return hits, done
 
 
 def simulate(
@@ -109,6 +131,7 @@ def simulate(
     capacity: str | int,
     *,
     progress: Progress | None = None,
+    stop: Stop | None = None,
 ) -> SimulationResult:
     """Replay ``trace`` through a fresh tier of ``capacity`` blocks under ``policy``.
 
@@ -118,13 +141,16 @@ def simulate(
     tier = Tier(blocks, policy, name="simulate")
     key_lists = trace.key_lists()
     started = time.perf_counter()
-    hits = replay(tier, key_lists, progress)
+    hits, done = _replay(tier, key_lists, progress, stop)
     seconds = time.perf_counter() - started
-    accesses = trace.block_accesses
+    whole = done == len(key_lists)
+    accesses = trace.block_accesses if whole else sum(map(len, key_lists[:done]))
     return SimulationResult(
         policy=tier.policy.name,
         capacity=blocks,
-        requests=len(key_lists),
+        requests=done,
+        planned_requests=len(key_lists),
+        interrupted=done < len(key_lists),
         block_accesses=accesses,
         hits=hits,
         unique_blocks=trace.unique_blocks,

@@ -1,0 +1,138 @@
+"""What a replay measures and hands back (:class:`ReplaySummary`, :class:`ReplayProgress`),
+the block contents it stores (:func:`block_content`), and its latency records; the replay
+itself is :mod:`tierd.workload.replayer`."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from array import array
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, overload
+
+__all__ = [
+    "SAMPLE_CAP",
+    "Contents",
+    "Latencies",
+    "ReplayProgress",
+    "ReplaySummary",
+    "block_content",
+]
+
+SAMPLE_CAP = 20_000  # load latency samples kept per medium (reservoir)
+_SEED = 0x7EE1D
+
+
+def block_content(key: bytes, block_bytes: int) -> bytes:
+    """The bytes the replay stores under ``key``: its 64-byte BLAKE2b digest, repeated."""
+    seed = hashlib.blake2b(key, digest_size=64).digest()
+    return (seed * (block_bytes // 64 + 1))[:block_bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayProgress:
+    done: int
+    total: int
+    hits: int
+    accesses: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaySummary:
+    """What one replay measured; :meth:`to_dict` is the JSON (``summary.json``) form.
+
+    Counts are blocks unless named otherwise; ratios are of ``block_accesses``; times are
+    seconds. ``latency``: ``lookup`` and ``store`` -> {p50, p90, p99, mean, count}, and
+    ``load`` -> medium -> the same (the slowest medium a loaded chunk came from: a chunk
+    with one block promoted from disk counts as a DISK load).
+    ``errors``: kind -> occurrences (``wrong_bytes`` counts blocks, the others calls).
+    ``timeline``: {t, requests, accesses, hits: {medium: cumulative}, occupancy: {tier:
+    used}}, from before the first request to after the last. ``tiers``: the final stats'
+    tiers. ``load_latency_samples``: medium -> up to 20,000 durations (a reservoir).
+    ``requests`` is how many were replayed, of ``planned_requests``; fewer when the replay
+    was ``interrupted``. ``load_shortfalls``: loads that brought back fewer blocks than
+    their lookup promised (normal under contention; those blocks are stored again)."""
+
+    requests: int
+    planned_requests: int
+    interrupted: bool
+    lookups: int
+    block_accesses: int
+    hits: int
+    misses: int
+    hit_ratio: float
+    hits_by_medium: dict[str, int]
+    hit_ratio_by_medium: dict[str, float]
+    loaded_blocks: int
+    stored_blocks: int
+    load_shortfalls: int
+    seconds: float
+    latency: dict[str, Any]
+    throughput: dict[str, float]
+    errors: dict[str, int]
+    wrong_bytes: int
+    wrong_bytes_keys: list[str]
+    timeline: list[dict[str, Any]]
+    load_latency_samples: dict[str, list[float]]
+    config: dict[str, Any]
+    tiers: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Contents(Sequence[bytes]):
+    """Block contents of ``keys``, made only for the rows a store actually writes."""
+
+    def __init__(self, keys: Sequence[bytes], block_bytes: int) -> None:
+        self._keys = keys
+        self._size = block_bytes
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[bytes]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(index, slice):
+            return [block_content(k, self._size) for k in self._keys[index]]
+        return block_content(self._keys[index], self._size)
+
+
+class Latencies:
+    """Every duration of one kind of call (seconds), and optionally a fixed-size sample."""
+
+    def __init__(self, keep: int = 0) -> None:
+        self.values = array("d")
+        self.total = 0.0
+        self.sample: list[float] = []
+        self._keep = keep
+        self._rng = random.Random(_SEED)
+
+    def add(self, seconds: float) -> None:
+        self.values.append(seconds)
+        self.total += seconds
+        if len(self.sample) < self._keep:
+            self.sample.append(seconds)
+        elif self._keep:
+            slot = self._rng.randrange(len(self.values))
+            if slot < self._keep:
+                self.sample[slot] = seconds
+
+    def summary(self) -> dict[str, float | int]:
+        ordered = sorted(self.values)
+        count = len(ordered)
+
+        def rank(q: float) -> float:
+            return ordered[max(0, math.ceil(q * count) - 1)] if count else 0.0
+
+        mean = self.total / count if count else 0.0
+        return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "mean": mean,
+                "count": count}  # fmt: skip
