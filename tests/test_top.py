@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
@@ -337,6 +339,22 @@ async def _store_and_pin(path: str, stored: int, pinned: int) -> Activity:
 async def _finish(activity: Activity) -> None:
     await activity.lease.release()
     await activity.client.close()
+
+
+def test_top_plain_into_a_closed_pipe_ends_quietly_with_status_0(
+    background_daemon: BackgroundDaemon,
+) -> None:
+    argv = ["top", "--plain", "--interval", "0.05", "--socket", background_daemon.path]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierd", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()  # `| head -1`
+    proc.stdout.close()
+    err = proc.stderr.read()  # until it exits: it runs until its next frame finds no reader
+    assert proc.wait(timeout=60) == 0
+    assert first.startswith(b"tierd top at ")
+    assert err == b""
 
 
 @pytest.mark.parametrize("how", ["--socket", "TIERD_SOCKET", "-c"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -18,6 +19,7 @@ from tierd.cli import config_cmd, control_cmd, offline, replay_cmd, serve_cmd, t
 from tierd.cli.base import (
     EXIT_BAD_INPUT,
     EXIT_CONFIG,
+    EXIT_OK,
     EXIT_USAGE,
     Command,
     UsageError,
@@ -51,7 +53,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``tierd`` command; returns the exit status."""
+    """Run the ``tierd`` command; returns the exit status.
+
+    A reader that goes away (``tierd top --plain | head``) ends the command quietly with
+    status 0: what it did not read was not wanted."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe shows up here
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_OK
+    return status
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush does not fail again (the
+    recipe of the Python documentation, under "Note on SIGPIPE")."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a file (a test's capture, say)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging()
     try:

@@ -94,18 +94,32 @@ class _Interner(dict[int, BlockKey]):
 
 
 def read_trace(path: str | Path) -> Trace:
-    """Load the trace at ``path``; :class:`TraceError` names the file (and line) if it
-    cannot be read, a line is malformed, or it holds no request."""
+    """Load the trace at ``path``; :class:`TraceError` names the file (and line) if it is
+    missing, a directory or not a regular file, cannot be read, a line is not UTF-8 or is
+    malformed, or it holds no request."""
     source = str(path)
+    if Path(path).is_dir():
+        raise TraceError("is a directory, not a trace file", path=source)
+    if Path(path).exists() and not Path(path).is_file():
+        raise TraceError("not a regular file (a trace is a JSONL file)", path=source)
     try:
-        with open(path, encoding="utf-8") as handle:
-            return parse_trace(handle, source=source)
+        with open(path, "rb") as handle:
+            return parse_trace(_decoded(handle, source), source=source)
     except FileNotFoundError:
         raise TraceError("no such trace file", path=source) from None
-    except UnicodeDecodeError as exc:
-        raise TraceError(f"not a UTF-8 text file ({exc.reason})", path=source) from None
     except OSError as exc:
-        raise TraceError(f"cannot read the trace: {exc.strerror}", path=source) from exc
+        raise TraceError(f"cannot read the trace: {exc.strerror}", path=source) from None
+
+
+def _decoded(lines: Iterable[bytes], source: str) -> Iterator[str]:
+    """Each line as text; one that is not UTF-8 is a :class:`TraceError` naming it."""
+    for number, line in enumerate(lines, start=1):
+        try:
+            yield line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TraceError(
+                f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=source, line=number
+            ) from None
 
 
 def parse_trace(lines: Iterable[str], *, source: str = "<memory>") -> Trace:
