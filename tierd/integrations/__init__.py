@@ -1,0 +1,8 @@
+"""Engines on top of tierd's client: each integration is a client of the daemon only.
+
+- :mod:`tierd.integrations.vllm`: a secondary tier of vLLM's KV offloading (needs vLLM).
+- :mod:`tierd.integrations.link`: the daemon connection an integration keeps on its own
+  thread and event loop, reconnecting with backoff (no engine imports).
+- :mod:`tierd.integrations.naming`: namespaces derived from what makes KV bytes
+  interchangeable (no engine imports).
+"""

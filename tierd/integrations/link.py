@@ -1,0 +1,186 @@
+"""A daemon connection for code that is called synchronously, from threads of its own.
+
+An engine's scheduler calls an integration synchronously and must never wait on the
+daemon. :class:`DaemonLink` runs a :class:`~tierd.client.Client` on its own thread with
+its own event loop; callers hand it coroutines (:meth:`DaemonLink.submit`) and get a
+``concurrent.futures.Future`` back at once.
+
+The connection is made on demand. When it is lost (the daemon stopped, was killed or
+restarted), :meth:`DaemonLink.client` raises :class:`~tierd.client.Unreachable` at once
+until the next attempt is due; attempts back off exponentially up to ``reconnect_max_s``.
+The loss is logged once as a warning, the return once as info.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import structlog
+
+from tierd.client import Client, DaemonError, Unreachable
+from tierd.errors import TierdError
+
+__all__ = ["BlockSizeMismatch", "DaemonLink", "LinkSettings"]
+
+T = TypeVar("T")
+log = structlog.get_logger("tierd.integrations.link")
+
+_FIRST_BACKOFF_S = 0.05
+_CLOSE_TIMEOUT_S = 10.0
+
+
+class BlockSizeMismatch(TierdError):
+    """The daemon's ``block_bytes`` is not the size the engine needs."""
+
+    def __init__(self, daemon_bytes: int, wanted_bytes: int, socket_path: str) -> None:
+        super().__init__(
+            f"the tierd daemon at {socket_path} stores blocks of {daemon_bytes} bytes, but "
+            f"one row of vLLM's CPU tier is {wanted_bytes} bytes: set `block_bytes: "
+            f"{wanted_bytes}` in tierd's config and restart the daemon"
+        )
+        self.daemon_bytes = daemon_bytes
+        self.wanted_bytes = wanted_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSettings:
+    socket_path: str
+    namespace: str
+    block_bytes: int
+    reconnect_max_s: float = 10.0
+
+
+class DaemonLink:
+    """One client connection, owned by a private thread and event loop."""
+
+    def __init__(self, settings: LinkSettings, *, name: str = "tierd-link") -> None:
+        self.settings = settings
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._client: Client | None = None
+        self._connecting = asyncio.Lock()  # binds to the link's loop on first use
+        self._next_attempt = 0.0
+        self._backoff = _FIRST_BACKOFF_S
+        self._lost_reported = False
+        self._ever_connected = False
+        self._closed = False
+        self.connects = 0  # successful connections so far (a reconnect adds one)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+        self._loop.close()
+
+    # -- from any thread --------------------------------------------------------------
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the link's loop; never blocks."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """Run ``coro`` and wait for it (start-up and shutdown only)."""
+        future = self.submit(coro)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise Unreachable(f"no answer from the daemon within {timeout_s:g} s") from None
+
+    def close(self) -> None:
+        """Close the connection, stop the loop and join its thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Unreachable):
+            self.call(self._disconnect(), _CLOSE_TIMEOUT_S)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(_CLOSE_TIMEOUT_S)
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    # -- on the link's loop -----------------------------------------------------------
+
+    async def client(self) -> Client:
+        """The live client, connecting if an attempt is due; else :class:`Unreachable`.
+
+        :class:`BlockSizeMismatch` when the daemon answers with another block size.
+        """
+        if self._client is not None:
+            return self._client
+        if self._closed:
+            raise Unreachable("the link is closed")
+        async with self._connecting:
+            if self._client is not None:
+                return self._client
+            if time.monotonic() < self._next_attempt:
+                raise Unreachable("the daemon is unreachable; reconnecting with backoff")
+            try:
+                client = await self._connect()
+            except (TierdError, OSError) as exc:
+                self._schedule_retry(exc)
+                raise
+            self._on_connected()
+            self._client = client
+            return client
+
+    async def _connect(self) -> Client:
+        s = self.settings
+        client = await Client.connect(s.socket_path, namespace=s.namespace)
+        if client.block_bytes != s.block_bytes:
+            daemon_bytes = client.block_bytes
+            await client.close()
+            raise BlockSizeMismatch(daemon_bytes, s.block_bytes, s.socket_path)
+        return client
+
+    def _schedule_retry(self, exc: BaseException) -> None:
+        self._next_attempt = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, self.settings.reconnect_max_s)
+        if not self._lost_reported:
+            self._lost_reported = True
+            event = "tierd daemon lost" if self._ever_connected else "tierd daemon unreachable"
+            log.warning(
+                event,
+                socket=self.settings.socket_path,
+                error=str(exc),
+                consequence="its blocks count as misses until it is back",
+            )
+
+    def _on_connected(self) -> None:
+        self.connects += 1
+        if self._lost_reported:
+            log.info("tierd daemon reachable again", socket=self.settings.socket_path)
+        self._lost_reported = False
+        self._ever_connected = True
+        self._backoff = _FIRST_BACKOFF_S
+        self._next_attempt = 0.0
+
+    async def failed(self, client: Client, exc: BaseException) -> None:
+        """A request on ``client`` failed with ``exc``: drop the connection if it is gone.
+
+        A :class:`DaemonError` is an answer (the connection lives) unless the daemon is
+        shutting down; anything else means the connection is lost.
+        """
+        if isinstance(exc, DaemonError) and exc.code != "shutting_down":
+            return
+        if self._client is not client:
+            return
+        self._client = None
+        self._schedule_retry(exc)
+        with contextlib.suppress(TierdError, OSError):
+            await client.close()
+
+    async def _disconnect(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(TierdError, OSError):
+                await client.close()

@@ -1,0 +1,361 @@
+"""tierd as a secondary tier of vLLM's KV offloading (vLLM 0.33, ``TieringOffloadingSpec``).
+
+vLLM loads the class by module path (``docs/vllm.md`` has the config to paste)::
+
+    {"type": "TierdSecondaryTier", "module_path": "tierd.integrations.vllm",
+     "socket": "/run/user/1000/tierd.sock"}
+
+vLLM's scheduler calls every method synchronously, so none of them waits on the daemon:
+the client lives on a :class:`~tierd.integrations.link.DaemonLink` (its own thread and
+event loop). Lookups answer from a cache and are sent to the daemon in one batch per
+scheduler step (vLLM's ``AsyncLookupManager``): RETRY until the answer arrives, then HIT
+or MISS. Stores and loads run as coroutines on the link and are reported by
+``get_finished_jobs``. Any failure (daemon down, killed, restarted, ``capacity``, a block
+evicted or failing its checksum) is a failed job or a miss, never an exception in vLLM.
+
+This module needs vLLM (``scripts/setup_vllm``); nothing else in tierd imports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import queue
+import time
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import structlog
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from tierd.client import Unreachable
+from tierd.config import default_socket_path
+from tierd.errors import TierdError
+from tierd.integrations.copies import LoadOutcome, load_rows, lookup_present, store_rows
+from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
+from tierd.integrations.naming import derive_namespace
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+__all__ = ["BlockSizeMismatch", "TierdSecondaryTier", "Unreachable"]
+
+log = structlog.get_logger("tierd.integrations.vllm")
+
+METRIC_STORED = "vllm:kv_offload_tierd_blocks_stored"
+METRIC_LOADED = "vllm:kv_offload_tierd_blocks_loaded"
+METRIC_FAILED = "vllm:kv_offload_tierd_failed_jobs"
+METRIC_CONNECTED = "vllm:kv_offload_tierd_connected"
+METRIC_USED = "vllm:kv_offload_tierd_daemon_used_blocks"
+METRIC_HITS = "vllm:kv_offload_tierd_daemon_hits"
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    """A finished job as the link's loop reports it to the scheduler thread."""
+
+    job_id: int
+    is_load: bool
+    keys: tuple[OffloadKey, ...]
+    elapsed_s: float
+    ok_keys: tuple[OffloadKey, ...]
+    error: str | None
+
+
+class _Lookups(AsyncLookupManager):
+    """vLLM's per-step lookup batching, answered by the daemon."""
+
+    def __init__(self, tier: TierdSecondaryTier, tier_type: str) -> None:
+        self._tier = tier
+        super().__init__(tier_type)
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return self._tier._present(keys)
+
+
+class TierdSecondaryTier(SecondaryTierManager):
+    """A vLLM secondary tier backed by a running ``tierd serve``."""
+
+    medium: ClassVar[Medium] = Medium.CPU
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        socket: str | None = None,
+        namespace: str | None = None,
+        job_timeout_s: float = 30.0,
+        connect_timeout_s: float = 5.0,
+        reconnect_max_s: float = 10.0,
+        stats_interval_s: float = 5.0,
+        enable_kv_events: bool = False,
+        backpressure_detector: BackpressureDetector | None = None,
+        **unknown: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if unknown:
+            raise ValueError(
+                f"unknown keys in the TierdSecondaryTier config: {sorted(unknown)} "
+                "(see docs/vllm.md)"
+            )
+        row_bytes = self.block_size_bytes
+        if row_bytes <= 0 or primary_kv_view.nbytes % row_bytes:
+            raise ValueError(f"vLLM's CPU view has rows of {row_bytes} bytes; cannot use it")
+        # One uint8 row per chunk, sharing vLLM's memory (no copy).
+        self._rows = np.frombuffer(primary_kv_view, dtype=np.uint8).reshape(-1, row_bytes)
+        self.namespace = namespace or derive_namespace(offloading_spec, row_bytes)
+        self.socket_path = str(socket) if socket else str(default_socket_path())
+        self._job_timeout_s = job_timeout_s
+        self._stats_interval_s = stats_interval_s
+        self._link = DaemonLink(
+            LinkSettings(self.socket_path, self.namespace, row_bytes, reconnect_max_s),
+            name=f"tierd-vllm-{tier_type}",
+        )
+        self._jobs: dict[int, concurrent.futures.Future[_Done]] = {}
+        self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        self._events: list[OffloadingEvent] | None = (
+            [] if enable_kv_events and _events_enabled(offloading_spec) else None
+        )
+        self._counts = {METRIC_STORED: 0, METRIC_LOADED: 0, METRIC_FAILED: 0}
+        self._daemon_tiers: list[dict[str, Any]] = []
+        self._stats_due = 0.0
+        self._stats_future: concurrent.futures.Future[dict[str, Any]] | None = None
+        try:
+            self._link.call(self._link.client(), connect_timeout_s)
+        except BlockSizeMismatch:
+            self._link.close()
+            raise
+        except (TierdError, OSError) as exc:
+            log.warning(
+                "tierd not reachable at start-up; its blocks miss until it is",
+                socket=self.socket_path,
+                error=str(exc),
+            )
+        self._lookups = _Lookups(self, tier_type)
+        log.info("tierd secondary tier ready", socket=self.socket_path, namespace=self.namespace)
+
+    # -- lookups ----------------------------------------------------------------------
+
+    def _present(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        """On the lookup thread: ask the daemon, waiting at most one job timeout."""
+        future = self._link.submit(lookup_present(self._link, [bytes(k) for k in keys]))
+        try:
+            return future.result(self._job_timeout_s)
+        except (TierdError, OSError, concurrent.futures.TimeoutError):
+            future.cancel()
+            return [False] * len(keys)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self._lookups.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookups.flush()
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookups.cleanup(req_context.req_id)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Forward to the daemon's touch (one admission use per key); fire and forget."""
+        if keys:
+            self._link.submit(self._touch([bytes(k) for k in keys]))
+
+    async def _touch(self, keys: list[bytes]) -> None:
+        try:
+            client = await self._link.client()
+        except (TierdError, OSError):
+            return  # a touch of an unreachable daemon changes nothing
+        try:
+            await client.touch(keys)
+        except (TierdError, OSError) as exc:
+            await self._link.failed(client, exc)
+
+    # -- jobs -------------------------------------------------------------------------
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, is_load=False)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, is_load=True)
+
+    def _submit(self, job: TransferJob, *, is_load: bool) -> None:
+        keys = tuple(job.keys)
+        row_ids = [int(c) for c in job.chunk_ids]
+        future = self._link.submit(self._run_job(job.job_id, keys, row_ids, is_load))
+        self._jobs[job.job_id] = future
+        future.add_done_callback(functools.partial(self._finished, job.job_id, keys, is_load))
+
+    async def _run_job(
+        self, job_id: int, keys: tuple[OffloadKey, ...], row_ids: list[int], is_load: bool
+    ) -> _Done:
+        started = time.monotonic()
+        raw = [bytes(k) for k in keys]
+        outcome = LoadOutcome(())
+        error: str | None = None
+        try:
+            async with asyncio.timeout(self._job_timeout_s):
+                if is_load:
+                    outcome = await load_rows(self._link, raw, self._rows, row_ids)
+                    error = outcome.error
+                else:
+                    await store_rows(self._link, raw, self._rows, row_ids)
+                    outcome = LoadOutcome(tuple(range(len(keys))))
+        except (TierdError, OSError) as exc:
+            error = str(exc)
+        except TimeoutError:
+            error = f"no answer from the daemon within {self._job_timeout_s:g} s"
+        ok = tuple(keys[i] for i in outcome.loaded)
+        return _Done(job_id, is_load, keys, time.monotonic() - started, ok, error)
+
+    def _finished(
+        self,
+        job_id: int,
+        keys: tuple[OffloadKey, ...],
+        is_load: bool,
+        future: concurrent.futures.Future[_Done],
+    ) -> None:
+        """On the link's thread: queue the result (a crash of the job is a failure)."""
+        if future.cancelled():
+            done = _Done(job_id, is_load, keys, 0.0, (), "cancelled")
+        elif (exc := future.exception()) is not None:
+            log.error("tierd job crashed", job=job_id, error=repr(exc))
+            done = _Done(job_id, is_load, keys, 0.0, (), repr(exc))
+        else:
+            done = future.result()
+        self._done.put(done)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        while True:
+            try:
+                done = self._done.get_nowait()
+            except queue.Empty:
+                break
+            self._jobs.pop(done.job_id, None)
+            results.append(self._result(done))
+        self._poll_stats()
+        return results
+
+    def _result(self, done: _Done) -> JobResult:
+        success = len(done.ok_keys) == len(done.keys)
+        metric = METRIC_LOADED if done.is_load else METRIC_STORED
+        self._counts[metric] += len(done.ok_keys)
+        if not success:
+            self._counts[METRIC_FAILED] += 1
+            log.debug("tierd job failed", job=done.job_id, error=done.error)
+        if done.is_load and not success:
+            ok = set(done.ok_keys)
+            self._lookups.mark_miss([k for k in done.keys if k not in ok])
+        if not done.is_load and success and self._events is not None and done.keys:
+            self._events.append(
+                OffloadingEvent(keys=list(done.keys), medium=self.medium, removed=False)
+            )
+        return JobResult(
+            job_id=done.job_id,
+            success=success,
+            successful_keys=done.ok_keys if done.is_load and not success and done.ok_keys else None,
+            transfer_time=done.elapsed_s,
+            transfer_bytes=len(done.ok_keys) * self.block_size_bytes,
+        )
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs)
+
+    def drain_jobs(self) -> None:
+        """Wait for every submitted job (each is bounded by its own timeout)."""
+        pending = list(self._jobs.values())
+        if pending:
+            concurrent.futures.wait(pending, timeout=self._job_timeout_s + 5.0)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if not self._events:
+            return ()
+        events, self._events = self._events, []
+        return events
+
+    def shutdown(self) -> None:
+        self.drain_jobs()
+        self._lookups.shutdown()
+        self._link.close()
+
+    # -- figures ----------------------------------------------------------------------
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            METRIC_STORED: OffloadingCounterMetadata("Blocks stored into tierd"),
+            METRIC_LOADED: OffloadingCounterMetadata("Blocks loaded from tierd"),
+            METRIC_FAILED: OffloadingCounterMetadata("tierd store/load jobs that failed"),
+            METRIC_CONNECTED: OffloadingGaugeMetadata("1 while the tierd daemon is connected"),
+            METRIC_USED: OffloadingGaugeMetadata("Blocks held per tierd tier", ("tierd_tier",)),
+            METRIC_HITS: OffloadingGaugeMetadata("Hits served per tierd tier", ("tierd_tier",)),
+        }
+
+    def _poll_stats(self) -> None:
+        """Take the daemon's figures fetched last time; ask again when due (never waits)."""
+        future = self._stats_future
+        if future is not None and future.done():
+            self._stats_future = None
+            if not future.cancelled() and future.exception() is None:
+                self._daemon_tiers = list(future.result().get("tiers", []))
+        now = time.monotonic()
+        if self._stats_future is None and now >= self._stats_due and self._link.connected:
+            self._stats_due = now + self._stats_interval_s
+            self._stats_future = self._link.submit(self._fetch_stats())
+
+    async def _fetch_stats(self) -> dict[str, Any]:
+        client = await self._link.client()
+        try:
+            return await client.stats()
+        except (TierdError, OSError) as exc:
+            await self._link.failed(client, exc)
+            raise
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        stats = OffloadingConnectorStats()
+        for name, value in self._counts.items():
+            if value:
+                stats.increase_counter(name, value)
+            self._counts[name] = 0
+        stats.set_gauge(METRIC_CONNECTED, int(self._link.connected))
+        for tier in self._daemon_tiers:
+            name = str(tier.get("name"))
+            stats.set_gauge(METRIC_USED, int(tier.get("used", 0)), (name,))
+            stats.set_gauge(METRIC_HITS, int(tier.get("hits", 0)), (name,))
+        return stats
+
+    def config_info(self) -> dict[str, str | int | float | bool]:
+        return {}
+
+
+def _events_enabled(offloading_spec: Any) -> bool:
+    events = getattr(offloading_spec, "kv_events_config", None)
+    return getattr(events, "enable_kv_cache_events", False) is True
