@@ -354,8 +354,12 @@ def remove_pid_file(path: Path) -> None:
 
 
 def run_daemon(config: DaemonConfig) -> int:
-    """Run the daemon under uvloop until it stops; returns the exit status."""
+    """Run the daemon under uvloop until it stops; returns the exit status. A stop signal
+    that comes during start-up, before the daemon's own handlers are in place, raises
+    KeyboardInterrupt as Ctrl-C does, so the start unwinds and removes what it created."""
     import uvloop
 
     configure_logging(config.logging)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
     return uvloop.run(Daemon(config).run())
