@@ -1,4 +1,5 @@
-"""Packaging: every import the package makes is declared in pyproject.toml, and
+"""Packaging: every import the package makes is declared in pyproject.toml (or is the host
+package of a module another program loads, ``[tool.tierd.host-modules]``), and
 ``scripts/setup`` skips an up-to-date venv and runs one at a time.
 
 The clean-install check itself (a fresh venv, ``pip install .``, every module imported, one
@@ -90,6 +91,13 @@ def third_party_imports() -> list[Import]:
     return found
 
 
+def host_modules(pyproject: Path) -> dict[str, str]:
+    """Modules another program loads, each with the package that program brings."""
+    tool = tomllib.loads(pyproject.read_text()).get("tool", {})
+    hosts: dict[str, str] = tool.get("tierd", {}).get("host-modules", {})
+    return hosts
+
+
 def declared(pyproject: Path) -> tuple[set[str], dict[str, set[str]]]:
     """The core dependencies and each extra's, as normalised distribution names."""
     project = tomllib.loads(pyproject.read_text())["project"]
@@ -104,8 +112,12 @@ def declared(pyproject: Path) -> tuple[set[str], dict[str, set[str]]]:
 def undeclared_imports(pyproject: Path) -> list[str]:
     """Every import of tierd/ that pyproject.toml does not cover, one line each."""
     core, extras = declared(pyproject)
+    hosts = host_modules(pyproject)
     problems = []
     for imp in third_party_imports():
+        module = imp.path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        if hosts.get(module) == imp.module:
+            continue  # the program that loads the module brings this package
         dist = _normalise(DISTRIBUTION_OF.get(imp.module, imp.module))
         where = f"{imp.path}:{imp.line}: {imp.module} (distribution {dist})"
         allowed = set(core)
@@ -131,6 +143,12 @@ def test_the_import_audit_sees_an_undeclared_import(tmp_path: Path) -> None:
     (tmp_path / "pyproject.toml").write_text(without)
     problems = undeclared_imports(tmp_path / "pyproject.toml")
     assert any("tierd/stores/fileio.py" in p and ": numpy " in p for p in problems), problems
+
+
+def test_host_modules_are_modules_of_the_package() -> None:
+    for module in host_modules(ROOT / "pyproject.toml"):
+        path = ROOT / (module.replace(".", "/") + ".py")
+        assert path.is_file(), f"[tool.tierd.host-modules] names {module}, which is not a module"
 
 
 def test_the_import_audit_sorts_eager_and_lazy_imports() -> None:
