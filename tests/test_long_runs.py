@@ -114,26 +114,35 @@ def test_ctrl_c_during_a_compare_shows_the_runs_so_far_and_exits_130(
     assert run["block_accesses"] > 0
 
 
+@pytest.mark.parametrize(("chain", "chunk"), [(False, 512), (True, 256)])
 def test_ctrl_c_during_simulate_prints_the_partial_result(
-    trace_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    trace_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    chain: bool,
+    chunk: int,
 ) -> None:
     # simulate runs too fast to catch from outside: the first bar update sends the SIGINT.
     drawn = progress.Bar.__call__
+    sent: list[int] = []
 
     def draw_then_interrupt(self: progress.Bar, done: int, total: int, note: str = "") -> None:
         drawn(self, done, total, note)
-        if done < total:
+        if done < total and not sent:  # once: a second Ctrl-C means "stop at once"
+            sent.append(done)
             signal.raise_signal(signal.SIGINT)
 
     monkeypatch.setattr(progress.Bar, "__call__", draw_then_interrupt)
-    status = main(["simulate", str(trace_path), "--progress", "--json"])
+    config = ["--config", str(chain_config(tmp_path / "c.yaml", 512))] if chain else []
+    status = main(["simulate", str(trace_path), *config, "--progress", "--json"])
 
     out, err = capsys.readouterr()
     assert status == 130
     assert BAR.search(err.encode())
     result = json.loads(out)
     assert result["interrupted"] is True
-    assert result["requests"] == 512  # the first chunk, then it stopped
+    assert result["requests"] == chunk  # the first chunk, then it stopped
     assert result["planned_requests"] == len(read_trace(trace_path))
     assert 0 < result["hits"] <= result["block_accesses"]
 
