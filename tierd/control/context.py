@@ -17,6 +17,7 @@ import xxhash
 
 from tierd.control.protocol import NAMESPACE_ID_BYTES, PROTOCOL_VERSION, ErrorCode
 from tierd.control.stats import collect_stats, render_prometheus
+from tierd.control.timing import RequestTiming
 from tierd.errors import ProtocolError
 from tierd.keys import MAX_KEY_BYTES
 from tierd.version import __version__
@@ -67,11 +68,13 @@ class ServerContext:
     check_namespace: Callable[[str], str | None] = lambda name: None
     allow_uids: frozenset[int] = frozenset()
     allow_gids: frozenset[int] = frozenset()
+    request_stop: Callable[[], None] | None = None  # the ``stop`` operation; None: refused
     shutting_down: bool = False
     connections: int = 0
     requests: int = 0
     errors: Counter[str] = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
+    timing: RequestTiming = field(default_factory=RequestTiming)
     _next_lease: int = 0
     _open_leases: Callable[[], int] = lambda: 0
 
@@ -148,7 +151,7 @@ class ServerContext:
         return {**collect_stats(self.chain), "server": self.server_fields()}
 
     def metrics(self) -> str:
-        return render_prometheus(self.stats())
+        return render_prometheus(self.stats(), self.timing.collectors())
 
     def health(self) -> dict[str, Any]:
         return {

@@ -8,6 +8,8 @@
   ``SO_PEERCRED``, decodes frames, hands each message to its :class:`Session`, and writes
   the replies of one read in one call. When the client stops reading, the connection
   stops reading too (and event batches wait, then drop), so no buffer grows unbounded.
+  Each connection has a number (``conn`` in log lines); at debug level its opening and
+  closing are logged with the peer's pid and uid, so a request's ``conn`` names a process.
 - :class:`Server` owns the listener and the connections: ``start``, ``stop_accepting``,
   ``drain`` (wait for running requests, up to a deadline) and ``close``.
 """
@@ -99,7 +101,8 @@ class Connection(asyncio.Protocol):
     def __init__(self, server: Server) -> None:
         self.server = server
         self.ctx = server.ctx
-        self.session = Session(server.ctx, self._send)
+        self.id = server.new_connection_id()
+        self.session = Session(server.ctx, self._send, self.id)
         self.decoder = FrameDecoder(server.ctx.limits.max_frame_bytes)
         self.transport: asyncio.Transport | None = None
         self._batch: list[bytes] | None = None
@@ -117,9 +120,12 @@ class Connection(asyncio.Protocol):
         if refusal is not None:
             code, message = refusal
             self.ctx.count_error(code)
-            log.warning("connection refused", reason=message, pid=self.peer[0])
+            log.warning("connection refused", reason=message, pid=self.peer[0], conn=self.id)
             transport.write(encode(error_reply(0, code, message)))
             transport.close()
+        elif self.ctx.timing.debug:
+            pid, uid, _ = self.peer
+            log.debug("connection opened", conn=self.id, pid=pid, uid=uid)
 
     def _refusal(self, transport: asyncio.Transport) -> tuple[ErrorCode, str] | None:
         sock = transport.get_extra_info("socket")
@@ -171,6 +177,8 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
         self.ctx.connections -= 1
+        if self.ctx.timing.debug:
+            log.debug("connection closed", conn=self.id, requests_in_flight=len(self.session.tasks))
         self.session.writable.set()  # let a waiting event pump see the close
         self.session.close()
         self.transport = None
@@ -222,7 +230,12 @@ class Server:
         self._inode: int | None = None
         self._sock: socket.socket | None = None
         self._server: asyncio.Server | None = None
+        self._connections_made = 0
         ctx._open_leases = lambda: sum(len(c.session.leases) for c in self.connections)
+
+    def new_connection_id(self) -> int:
+        self._connections_made += 1
+        return self._connections_made
 
     def bind(self, path: str, mode: int = 0o600) -> None:
         """Claim the socket path (fails with :class:`AlreadyRunning` if it is live)."""

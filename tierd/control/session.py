@@ -14,11 +14,15 @@ protocol can be exercised without one.
   a slot.
 - **Errors.** A bad request gets an error reply and changes nothing; an unexpected
   exception is logged with its traceback and answered ``internal``.
+- **Timing.** Every answered request of a known operation is timed from its arrival to
+  its reply into ``ctx.timing`` (latency histograms, per-request debug lines).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -58,14 +62,20 @@ Lease = StoreHandle | LoadHandle
 _MAX_ID = (1 << 64) - 1
 _STARTS_WORK = frozenset({"prepare_store", "prepare_load", "put", "get", "flush"})
 _H = TypeVar("_H", StoreHandle, LoadHandle)
+# A load's reply carries the slowest medium it read from under this key, for the timing;
+# it is taken out before the reply is sent.
+_LOADED_FROM = "_loaded_from"
 
 
 class Session:
     """Requests from one client; ``send`` writes a message back to it."""
 
-    def __init__(self, ctx: ServerContext, send: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(
+        self, ctx: ServerContext, send: Callable[[dict[str, Any]], None], conn: int = 0
+    ) -> None:
         self.ctx = ctx
         self.send = send
+        self.conn = conn  # the connection's id, in debug lines
         self.greeted = False
         self.namespace: str | None = None
         self.prefix = b""
@@ -85,6 +95,7 @@ class Session:
             "subscribe": self._subscribe,
             "unsubscribe": self._unsubscribe,
             "clear": self._clear,
+            "stop": self._stop,
             "stats": lambda msg: {"stats": ctx.stats()},
             "health": lambda msg: ctx.health(),
             "config": lambda msg: {"config": ctx.config},
@@ -104,6 +115,7 @@ class Session:
     def handle(self, msg: Any) -> None:
         """Answer one decoded message (a :class:`ProtocolError` for an undecodable one)."""
         self.ctx.requests += 1
+        started = time.perf_counter_ns()
         if type(msg) is dict and self.greeted:
             # The hot path: a well-formed synchronous request (lookup, touch, ...).
             request_id, op = msg.get("id"), msg.get("op")
@@ -113,17 +125,20 @@ class Session:
                     try:
                         fields = sync(msg)
                     except Exception as exc:  # cancellation propagates
-                        self._fail(request_id, exc)
+                        result = self._fail(request_id, exc)
                     else:
                         self._reply(request_id, fields)
+                        result = "ok"
+                    self.ctx.timing.observe(self.conn, op, msg, started, result)
                     return
-        self._dispatch(msg)
+        self._dispatch(msg, started)
 
-    def _dispatch(self, msg: Any) -> None:
+    def _dispatch(self, msg: Any, started: int) -> None:
         """Every other message: check it field by field, then answer or start it."""
         request_id = msg.get("id", 0) if isinstance(msg, dict) else 0
         if not isinstance(request_id, int) or isinstance(request_id, bool) or request_id < 0:
             request_id = 0
+        known: str | None = None  # the op, once it names an operation: then it is timed
         try:
             if isinstance(msg, ProtocolError):
                 raise msg
@@ -133,6 +148,8 @@ class Session:
             op = msg.get("op")
             if not isinstance(op, str):
                 raise ProtocolError("field 'op' must be a string", code=ErrorCode.BAD_REQUEST)
+            if op in self._sync or op in self._async:
+                known = op
             if not self.greeted and op != "hello":
                 raise ProtocolError(
                     "the first request must be hello", code=ErrorCode.HELLO_REQUIRED
@@ -143,20 +160,31 @@ class Session:
             if sync is not None:
                 self._reply(request_id, sync(msg))
             elif op in self._async:
-                self._spawn(request_id, self._async[op](msg))
+                self._spawn(request_id, self._async[op](msg), op, msg, started)
+                return  # timed when it replies
             else:
                 raise ProtocolError(f"unknown op {op[:64]!r}", code=ErrorCode.UNKNOWN_OP)
         except Exception as exc:  # every failure becomes a reply; cancellation propagates
-            self._fail(request_id, exc)
+            result = self._fail(request_id, exc)
+        else:
+            result = "ok"
+        if known is not None:
+            self.ctx.timing.observe(self.conn, known, msg, started, result)
 
-    def _spawn(self, request_id: int, work: Awaitable[Reply]) -> None:
+    def _spawn(
+        self, request_id: int, work: Awaitable[Reply], op: str, msg: Reply, started: int
+    ) -> None:
         async def run() -> None:
+            medium = None
             try:
                 reply = await work
             except Exception as exc:
-                self._fail(request_id, exc)
+                result = self._fail(request_id, exc)
             else:
+                medium = reply.pop(_LOADED_FROM, None)
                 self._reply(request_id, reply)
+                result = "ok"
+            self.ctx.timing.observe(self.conn, op, msg, started, result, medium)
 
         task = asyncio.get_running_loop().create_task(run())
         self.tasks.add(task)
@@ -166,13 +194,15 @@ class Session:
         if not self.closed:
             self.send({"id": request_id, "ok": True, **fields})
 
-    def _fail(self, request_id: int, exc: Exception) -> None:
+    def _fail(self, request_id: int, exc: Exception) -> str:
+        """Answer ``exc`` as an error reply; returns its code."""
         code = _error_code(exc)
         if code is ErrorCode.INTERNAL:
             log.error("request failed", namespace=self.namespace, exc_info=exc)
         self.ctx.count_error(code)
         if not self.closed:
             self.send(error_reply(request_id, code, str(exc) or type(exc).__name__))
+        return str(code)
 
     # -- handshake and queries --------------------------------------------------------
 
@@ -251,6 +281,18 @@ class Session:
         index = None if name is None else names.index(name)
         return {"removed": self.ctx.chain.clear(index)}
 
+    def _stop(self, msg: dict[str, Any]) -> Reply:
+        if self.namespace is not None:
+            raise ProtocolError(
+                "stop ends the daemon for every client: only a connection without a"
+                " namespace (an operator's) may send it",
+                code=ErrorCode.NOT_ALLOWED,
+            )
+        if self.ctx.request_stop is None:
+            raise ProtocolError("this server cannot be stopped", code=ErrorCode.NOT_ALLOWED)
+        self.ctx.request_stop()  # the daemon drains on a later turn: this reply goes first
+        return {"pid": os.getpid()}
+
     async def _flush(self, msg: dict[str, Any]) -> Reply:
         done = await self.ctx.chain.flush()
         return {
@@ -292,7 +334,12 @@ class Session:
             handle = await self.ctx.chain.load(keys)
         except BlockMissing:
             return {"lease": None, "count": 0, "slots": []}
-        return {"lease": self._lease(handle), "count": len(handle.keys), "slots": handle.slots}
+        return {
+            "lease": self._lease(handle),
+            "count": len(handle.keys),
+            "slots": handle.slots,
+            _LOADED_FROM: str(handle.source_medium),
+        }
 
     def _complete_load(self, msg: dict[str, Any]) -> Reply:
         lease, handle = self._lease_of(msg, LoadHandle)
@@ -328,7 +375,7 @@ class Session:
                 data = [bytes(b) for b in out[: _leading(ok)]]
         finally:
             handle.release()
-        return {"count": len(data), "data": data}
+        return {"count": len(data), "data": data, _LOADED_FROM: str(handle.source_medium)}
 
     # -- leases -----------------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 :func:`collect_stats` reads the chain (per tier, per route, whole chain);
 :func:`render_prometheus` turns a snapshot, with the server's own ``server`` section,
 into the text exposition format through prometheus-client, so names and escaping follow
-the format exactly.
+the format exactly, together with the server's latency histograms
+(:mod:`tierd.control.timing`). Every family is documented in ``docs/metrics.md``.
 
 Per tier, ``hits`` counts block hits served by that tier (its highest holder at lookup
 time) and ``misses`` the looked-up blocks that reached it and were not there: the chain's
@@ -12,7 +13,7 @@ misses plus the hits served by the tiers below it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -156,8 +157,11 @@ class _SnapshotCollector(Collector):
         yield GaugeMetricFamily("tierd_uptime_seconds", "Seconds since start", server["uptime_s"])
 
 
-def render_prometheus(stats: dict[str, Any]) -> str:
-    """The Prometheus text exposition of a :func:`collect_stats` snapshot."""
+def render_prometheus(stats: dict[str, Any], collectors: Iterable[Collector] = ()) -> str:
+    """The Prometheus text exposition of a :func:`collect_stats` snapshot, followed by
+    ``collectors`` (the server's latency histograms)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(stats))
+    for collector in collectors:
+        registry.register(collector)
     return generate_latest(registry).decode()
