@@ -5,9 +5,9 @@ the rows to copy by index. Stores write the rows into the daemon's pool slots th
 store lease (or send them inline when the daemon has no pool); loads copy pinned pool
 slots into the rows through load leases, as many keys as the daemon can serve.
 
-These run on a :class:`~tierd.integrations.link.DaemonLink`'s loop and raise nothing but
-:class:`~tierd.errors.TierdError` and ``OSError`` subclasses; callers turn those into
-failed jobs.
+These run on a :class:`~tierd.integrations.link.DaemonLink`'s loop (through
+``DaemonLink.run``) and raise nothing but :class:`~tierd.errors.TierdError` and
+``OSError`` subclasses; callers turn those into failed jobs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import numpy.typing as npt
 
 from tierd.client import Client
 from tierd.errors import TierdError
-from tierd.integrations.link import DaemonLink
 
 __all__ = ["LoadOutcome", "load_rows", "lookup_present", "store_rows"]
 
@@ -46,63 +45,54 @@ def _batch_size(client: Client, total: int) -> int:
     return max(1, min(total, pool.num_blocks // 2))
 
 
-async def lookup_present(link: DaemonLink, keys: Sequence[bytes]) -> list[bool]:
+async def lookup_present(client: Client, keys: Sequence[bytes]) -> list[bool]:
     """Whether each key is held ready by the daemon (in flight counts as absent)."""
     present = [False] * len(keys)
-    client = await link.client()
     start = 0
-    try:
-        while start < len(keys):  # each round settles at least one key
-            reply = await client.lookup(keys[start:])
-            for i in range(reply.count):
-                present[start + i] = True
-            start += reply.count + 1
-    except (TierdError, OSError) as exc:
-        await link.failed(client, exc)
-        raise
+    while start < len(keys):  # each round settles at least one key
+        reply = await client.lookup(keys[start:])
+        for i in range(reply.count):
+            present[start + i] = True
+        start += reply.count + 1
     return present
 
 
 async def store_rows(
-    link: DaemonLink, keys: Sequence[bytes], rows: Rows, row_ids: Sequence[int]
+    client: Client, keys: Sequence[bytes], rows: Rows, row_ids: Sequence[int]
 ) -> int:
     """Store ``rows[row_ids[i]]`` under ``keys[i]``; returns how many blocks were new."""
-    client = await link.client()
     stored = 0
-    try:
-        size = _batch_size(client, len(keys))
-        for first in range(0, len(keys), size):
-            batch = list(keys[first : first + size])
-            ids = row_ids[first : first + size]
-            if client.pool is None:
-                stored += await client.put(batch, [rows[int(r)].data for r in ids])
-                continue
-            lease = await client.prepare_store(batch)
-            if lease.finished:
-                continue  # the daemon holds (or is being given) every block already
-            try:
-                for view, i in zip(lease.views(), lease.to_write, strict=True):
-                    view[:] = rows[int(ids[i])].data
-            except BaseException:
-                with contextlib.suppress(TierdError, OSError):
-                    await lease.abort()
-                raise
-            stored += await lease.commit()
-    except (TierdError, OSError) as exc:
-        await link.failed(client, exc)
-        raise
+    size = _batch_size(client, len(keys))
+    for first in range(0, len(keys), size):
+        batch = list(keys[first : first + size])
+        ids = row_ids[first : first + size]
+        if client.pool is None:
+            stored += await client.put(batch, [rows[int(r)].data for r in ids])
+            continue
+        lease = await client.prepare_store(batch)
+        if lease.finished:
+            continue  # the daemon holds (or is being given) every block already
+        try:
+            for view, i in zip(lease.views(), lease.to_write, strict=True):
+                view[:] = rows[int(ids[i])].data
+        except BaseException:
+            with contextlib.suppress(TierdError, OSError):
+                await lease.abort()
+            raise
+        stored += await lease.commit()
     return stored
 
 
 async def load_rows(
-    link: DaemonLink, keys: Sequence[bytes], rows: Rows, row_ids: Sequence[int]
+    client: Client, keys: Sequence[bytes], rows: Rows, row_ids: Sequence[int]
 ) -> LoadOutcome:
     """Copy the daemon's blocks of ``keys`` into ``rows[row_ids[i]]``.
 
     A key the daemon cannot serve (evicted, never stored, failed its checksum) is skipped
-    and the load goes on with the next one, so a short load still fills what it can.
+    and the load goes on with the next one, so a short load still fills what it can. An
+    error before anything loaded is raised; after, the keys loaded so far are returned
+    with the error.
     """
-    client = await link.client()
     loaded: list[int] = []
     start = 0
     try:
@@ -111,7 +101,8 @@ async def load_rows(
             count = await _load_batch(client, batch, rows, row_ids[start:], loaded, start)
             start += count if count == len(batch) else count + 1
     except (TierdError, OSError) as exc:
-        await link.failed(client, exc)
+        if not loaded:
+            raise
         return LoadOutcome(tuple(loaded), str(exc))
     return LoadOutcome(tuple(loaded))
 

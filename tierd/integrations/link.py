@@ -18,19 +18,18 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import structlog
-
 from tierd.client import Client, DaemonError, Unreachable
 from tierd.errors import TierdError
+from tierd.logs import get_logger
 
 __all__ = ["BlockSizeMismatch", "DaemonLink", "LinkSettings"]
 
 T = TypeVar("T")
-log = structlog.get_logger("tierd.integrations.link")
+log = get_logger("tierd.integrations.link")
 
 _FIRST_BACKOFF_S = 0.05
 _CLOSE_TIMEOUT_S = 10.0
@@ -67,7 +66,7 @@ class DaemonLink:
         self._client: Client | None = None
         self._connecting = asyncio.Lock()  # binds to the link's loop on first use
         self._next_attempt = 0.0
-        self._backoff = _FIRST_BACKOFF_S
+        self._backoff = min(_FIRST_BACKOFF_S, settings.reconnect_max_s)
         self._lost_reported = False
         self._ever_connected = False
         self._closed = False
@@ -142,9 +141,14 @@ class DaemonLink:
             raise BlockSizeMismatch(daemon_bytes, s.block_bytes, s.socket_path)
         return client
 
-    def _schedule_retry(self, exc: BaseException) -> None:
-        self._next_attempt = time.monotonic() + self._backoff
-        self._backoff = min(self._backoff * 2, self.settings.reconnect_max_s)
+    def _schedule_retry(self, exc: BaseException, *, at_once: bool = False) -> None:
+        """After a failed connect, the next attempt waits (longer each time); after a
+        lost connection (``at_once``), the next one may be made at once."""
+        if at_once:
+            self._next_attempt = 0.0
+        else:
+            self._next_attempt = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, self.settings.reconnect_max_s)
         if not self._lost_reported:
             self._lost_reported = True
             event = "tierd daemon lost" if self._ever_connected else "tierd daemon unreachable"
@@ -161,23 +165,37 @@ class DaemonLink:
             log.info("tierd daemon reachable again", socket=self.settings.socket_path)
         self._lost_reported = False
         self._ever_connected = True
-        self._backoff = _FIRST_BACKOFF_S
+        self._backoff = min(_FIRST_BACKOFF_S, self.settings.reconnect_max_s)
         self._next_attempt = 0.0
 
-    async def failed(self, client: Client, exc: BaseException) -> None:
-        """A request on ``client`` failed with ``exc``: drop the connection if it is gone.
+    async def run(self, op: Callable[[Client], Awaitable[T]]) -> T:
+        """``await op(client)``; if the connection turns out lost (the daemon restarted
+        since the last request, say), once more on a fresh connection."""
+        for attempt in range(2):
+            client = await self.client()
+            try:
+                return await op(client)
+            except (TierdError, OSError) as exc:
+                if not await self.failed(client, exc) or attempt:
+                    raise
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    async def failed(self, client: Client, exc: BaseException) -> bool:
+        """A request on ``client`` failed with ``exc``: drop the connection if it is gone
+        (returns whether it did).
 
         A :class:`DaemonError` is an answer (the connection lives) unless the daemon is
         shutting down; anything else means the connection is lost.
         """
         if isinstance(exc, DaemonError) and exc.code != "shutting_down":
-            return
+            return False
         if self._client is not client:
-            return
+            return self._client is None
         self._client = None
-        self._schedule_retry(exc)
+        self._schedule_retry(exc, at_once=True)
         with contextlib.suppress(TierdError, OSError):
             await client.close()
+        return True
 
     async def _disconnect(self) -> None:
         client, self._client = self._client, None

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
-import queue
+import contextlib
 import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-import structlog
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -53,6 +51,7 @@ from tierd.errors import TierdError
 from tierd.integrations.copies import LoadOutcome, load_rows, lookup_present, store_rows
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
 from tierd.integrations.naming import derive_namespace
+from tierd.logs import get_logger
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -60,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BlockSizeMismatch", "TierdSecondaryTier", "Unreachable"]
 
-log = structlog.get_logger("tierd.integrations.vllm")
+log = get_logger("tierd.integrations.vllm")
 
 METRIC_STORED = "vllm:kv_offload_tierd_blocks_stored"
 METRIC_LOADED = "vllm:kv_offload_tierd_blocks_loaded"
@@ -80,6 +79,13 @@ class _Done:
     elapsed_s: float
     ok_keys: tuple[OffloadKey, ...]
     error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    future: concurrent.futures.Future[_Done]
+    keys: tuple[OffloadKey, ...]
+    is_load: bool
 
 
 class _Lookups(AsyncLookupManager):
@@ -132,8 +138,7 @@ class TierdSecondaryTier(SecondaryTierManager):
             LinkSettings(self.socket_path, self.namespace, row_bytes, reconnect_max_s),
             name=f"tierd-vllm-{tier_type}",
         )
-        self._jobs: dict[int, concurrent.futures.Future[_Done]] = {}
-        self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        self._jobs: dict[int, _Pending] = {}
         self._events: list[OffloadingEvent] | None = (
             [] if enable_kv_events and _events_enabled(offloading_spec) else None
         )
@@ -159,7 +164,8 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def _present(self, keys: Sequence[OffloadKey]) -> list[bool]:
         """On the lookup thread: ask the daemon, waiting at most one job timeout."""
-        future = self._link.submit(lookup_present(self._link, [bytes(k) for k in keys]))
+        raw = [bytes(k) for k in keys]
+        future = self._link.submit(self._link.run(lambda c: lookup_present(c, raw)))
         try:
             return future.result(self._job_timeout_s)
         except (TierdError, OSError, concurrent.futures.TimeoutError):
@@ -187,14 +193,8 @@ class TierdSecondaryTier(SecondaryTierManager):
             self._link.submit(self._touch([bytes(k) for k in keys]))
 
     async def _touch(self, keys: list[bytes]) -> None:
-        try:
-            client = await self._link.client()
-        except (TierdError, OSError):
-            return  # a touch of an unreachable daemon changes nothing
-        try:
-            await client.touch(keys)
-        except (TierdError, OSError) as exc:
-            await self._link.failed(client, exc)
+        with contextlib.suppress(TierdError, OSError):  # unreachable: nothing to touch
+            await self._link.run(lambda c: c.touch(keys))
 
     # -- jobs -------------------------------------------------------------------------
 
@@ -208,8 +208,7 @@ class TierdSecondaryTier(SecondaryTierManager):
         keys = tuple(job.keys)
         row_ids = [int(c) for c in job.chunk_ids]
         future = self._link.submit(self._run_job(job.job_id, keys, row_ids, is_load))
-        self._jobs[job.job_id] = future
-        future.add_done_callback(functools.partial(self._finished, job.job_id, keys, is_load))
+        self._jobs[job.job_id] = _Pending(future, keys, is_load)
 
     async def _run_job(
         self, job_id: int, keys: tuple[OffloadKey, ...], row_ids: list[int], is_load: bool
@@ -221,10 +220,10 @@ class TierdSecondaryTier(SecondaryTierManager):
         try:
             async with asyncio.timeout(self._job_timeout_s):
                 if is_load:
-                    outcome = await load_rows(self._link, raw, self._rows, row_ids)
+                    outcome = await self._link.run(lambda c: load_rows(c, raw, self._rows, row_ids))
                     error = outcome.error
                 else:
-                    await store_rows(self._link, raw, self._rows, row_ids)
+                    await self._link.run(lambda c: store_rows(c, raw, self._rows, row_ids))
                     outcome = LoadOutcome(tuple(range(len(keys))))
         except (TierdError, OSError) as exc:
             error = str(exc)
@@ -233,34 +232,25 @@ class TierdSecondaryTier(SecondaryTierManager):
         ok = tuple(keys[i] for i in outcome.loaded)
         return _Done(job_id, is_load, keys, time.monotonic() - started, ok, error)
 
-    def _finished(
-        self,
-        job_id: int,
-        keys: tuple[OffloadKey, ...],
-        is_load: bool,
-        future: concurrent.futures.Future[_Done],
-    ) -> None:
-        """On the link's thread: queue the result (a crash of the job is a failure)."""
-        if future.cancelled():
-            done = _Done(job_id, is_load, keys, 0.0, (), "cancelled")
-        elif (exc := future.exception()) is not None:
-            log.error("tierd job crashed", job=job_id, error=repr(exc))
-            done = _Done(job_id, is_load, keys, 0.0, (), repr(exc))
-        else:
-            done = future.result()
-        self._done.put(done)
-
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        results = []
-        while True:
-            try:
-                done = self._done.get_nowait()
-            except queue.Empty:
-                break
-            self._jobs.pop(done.job_id, None)
-            results.append(self._result(done))
+        finished = [job_id for job_id, p in self._jobs.items() if p.future.done()]
+        results = [
+            self._result(self._outcome(job_id, self._jobs.pop(job_id))) for job_id in finished
+        ]
         self._poll_stats()
         return results
+
+    @staticmethod
+    def _outcome(job_id: int, pending: _Pending) -> _Done:
+        """A finished job's result; a job that crashed or was cancelled failed."""
+        future = pending.future
+        if future.cancelled():
+            return _Done(job_id, pending.is_load, pending.keys, 0.0, (), "cancelled")
+        exc = future.exception()
+        if exc is not None:
+            log.error("tierd job crashed", job=job_id, error=repr(exc))
+            return _Done(job_id, pending.is_load, pending.keys, 0.0, (), repr(exc))
+        return future.result()
 
     def _result(self, done: _Done) -> JobResult:
         success = len(done.ok_keys) == len(done.keys)
@@ -289,7 +279,7 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         """Wait for every submitted job (each is bounded by its own timeout)."""
-        pending = list(self._jobs.values())
+        pending = [p.future for p in self._jobs.values()]
         if pending:
             concurrent.futures.wait(pending, timeout=self._job_timeout_s + 5.0)
 
@@ -332,12 +322,7 @@ class TierdSecondaryTier(SecondaryTierManager):
             self._stats_future = self._link.submit(self._fetch_stats())
 
     async def _fetch_stats(self) -> dict[str, Any]:
-        client = await self._link.client()
-        try:
-            return await client.stats()
-        except (TierdError, OSError) as exc:
-            await self._link.failed(client, exc)
-            raise
+        return await self._link.run(lambda c: c.stats())
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats = OffloadingConnectorStats()

@@ -1,0 +1,261 @@
+"""TierdSecondaryTier against real ``tierd serve`` processes (proof 1 of docs/vllm.md).
+
+Every tier is built the way vLLM builds it: by its factory, from ``module_path``. Every
+failure of the daemon (down, killed, restarted, out of room, a block gone) must surface as
+a failed job or a miss, never as an exception in vLLM's scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import numpy as np
+import pytest
+
+pytest.importorskip(
+    "vllm.v1.kv_offload.tiering.base", reason="vLLM is not installed: run scripts/setup_vllm"
+)
+
+import structlog
+import test_daemon_lifecycle
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm_kit import (
+    ROW,
+    ask,
+    fill,
+    keys,
+    make_tier,
+    offloading_spec,
+    primary_rows,
+    resolve,
+    run_job,
+)
+
+from tierd.client import Client
+from tierd.integrations.vllm import BlockSizeMismatch, TierdSecondaryTier
+from tierd.testing import daemon_config
+
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+spawn = test_daemon_lifecycle.spawn  # real `tierd serve` processes, killed at the end
+
+
+def config(tmp_path, **kw):
+    kw.setdefault("block_bytes", ROW)
+    return daemon_config(tmp_path, **kw)
+
+
+async def test_factory_lookup_miss_retry_hit_and_byte_exact_load(tmp_path, spawn) -> None:
+    daemon = await spawn(config(tmp_path))
+    rows = primary_rows(8)
+    tier = make_tier(daemon.socket_path, rows)
+    try:
+        by_path = {"type": "TierdSecondaryTier", "module_path": "tierd.integrations.vllm"}
+        assert SecondaryTierFactory.get_tier_class(by_path) is TierdSecondaryTier
+        ks = keys("a", 3)
+        ctx = ReqContext(req_id="r1")
+        tier.on_new_request(ctx)
+        assert tier.lookup(ks[0], ctx) is LookupResult.RETRY  # not asked yet
+        assert resolve(tier, ks, ctx) == [MISS, MISS, MISS]
+        tier.on_request_finished(ctx)
+
+        fill(rows, [0, 1, 2], seed=1)
+        expected = rows[:3].copy()
+        result = run_job(tier, 1, ks, [0, 1, 2], load=False)
+        assert result.success and result.transfer_bytes == 3 * ROW
+
+        ctx2 = ReqContext(req_id="r2")
+        assert resolve(tier, ks, ctx2) == [HIT, HIT, HIT]
+        rows[:] = 0
+        result = run_job(tier, 2, ks, [5, 3, 7], load=True)
+        assert result.success and result.successful_keys is None
+        assert np.array_equal(rows[[5, 3, 7]], expected)
+    finally:
+        tier.shutdown()
+
+
+async def test_engines_share_blocks_exactly_when_bytes_are_interchangeable(tmp_path, spawn) -> None:
+    daemon = await spawn(config(tmp_path))
+    rows_a, rows_b, rows_c = primary_rows(4), primary_rows(4), primary_rows(4)
+    a = make_tier(daemon.socket_path, rows_a)
+    b = make_tier(daemon.socket_path, rows_b)  # a second engine, same model
+    c = make_tier(daemon.socket_path, rows_c, offloading_spec("other-model"))
+    d = make_tier(daemon.socket_path, primary_rows(4), offloading_spec(dtype="bfloat16"))
+    try:
+        assert a.namespace == b.namespace
+        assert len({a.namespace, c.namespace, d.namespace}) == 3
+        ks = keys("shared", 2)
+        fill(rows_a, [0, 1], seed=2)
+        assert run_job(a, 1, ks, [0, 1], load=False).success
+        assert ask(b, ks, "b") == [HIT, HIT]
+        assert run_job(b, 2, ks, [2, 3], load=True).success
+        assert np.array_equal(rows_b[2:4], rows_a[0:2])
+        assert ask(c, ks, "c") == [MISS, MISS]
+        assert ask(d, ks, "d") == [MISS, MISS]
+        result = run_job(c, 3, ks, [0, 1], load=True)
+        assert not result.success and result.successful_keys is None
+        assert not rows_c.any()
+    finally:
+        for tier in (a, b, c, d):
+            tier.shutdown()
+
+
+async def test_partial_load_reports_the_keys_it_loaded(tmp_path, spawn) -> None:
+    daemon = await spawn(config(tmp_path))
+    rows = primary_rows(8)
+    tier = make_tier(daemon.socket_path, rows)
+    try:
+        ks = keys("p", 4)
+        fill(rows, range(4), seed=3)
+        expected = rows[:4].copy()
+        assert run_job(tier, 1, [ks[0], ks[2]], [0, 2], load=False).success
+        ctx = ReqContext(req_id="r")
+        assert resolve(tier, ks, ctx) == [HIT, MISS, HIT, MISS]
+        rows[:] = 0
+        result = run_job(tier, 2, ks, [4, 5, 6, 7], load=True)
+        assert not result.success
+        assert list(result.successful_keys) == [ks[0], ks[2]]
+        assert np.array_equal(rows[4], expected[0]) and np.array_equal(rows[6], expected[2])
+        assert not rows[5].any() and not rows[7].any()
+    finally:
+        tier.shutdown()
+
+
+async def test_block_evicted_between_lookup_and_load_is_a_failed_load(tmp_path, spawn) -> None:
+    daemon = await spawn(config(tmp_path, cpu_blocks=4, disk_blocks=None))
+    rows = primary_rows(8)
+    tier = make_tier(daemon.socket_path, rows)
+    try:
+        ks = keys("e", 2)
+        fill(rows, [0, 1], seed=4)
+        assert run_job(tier, 1, ks, [0, 1], load=False).success
+        ctx = ReqContext(req_id="r")
+        assert resolve(tier, ks, ctx) == [HIT, HIT]
+        async with await Client.connect(daemon.socket_path) as operator:
+            assert await operator.clear() == 2  # gone between the lookup and the load
+        result = run_job(tier, 2, ks, [2, 3], load=True)
+        assert not result.success and result.successful_keys is None
+        assert [tier.lookup(k, ctx) for k in ks] == [MISS, MISS]  # no retry livelock
+    finally:
+        tier.shutdown()
+
+
+async def test_capacity_fails_the_store_and_nothing_else(tmp_path, spawn) -> None:
+    daemon = await spawn(config(tmp_path, cpu_blocks=4, disk_blocks=None))
+    rows = primary_rows(4)
+    tier = make_tier(daemon.socket_path, rows, namespace="capacity-test")
+    other = await Client.connect(daemon.socket_path, namespace="hog")
+    try:
+        hog = await other.prepare_store([b"h0", b"h1", b"h2", b"h3"])  # every slot reserved
+        result = run_job(tier, 1, keys("c", 1), [0], load=False)
+        assert not result.success
+        await hog.abort()
+        assert run_job(tier, 2, keys("c", 1), [0], load=False).success
+    finally:
+        await other.close()
+        tier.shutdown()
+
+
+async def test_daemon_down_at_start_then_up(tmp_path, spawn) -> None:
+    cfg = config(tmp_path)
+    rows = primary_rows(4)
+    with structlog.testing.capture_logs() as logs:
+        tier = make_tier(cfg["socket"]["path"], rows)  # nothing listens yet
+        try:
+            ks = keys("d", 2)
+            assert ask(tier, ks, "r") == [MISS, MISS]
+            assert not run_job(tier, 1, ks, [0, 1], load=False).success
+            assert not run_job(tier, 2, ks, [0, 1], load=True).success
+            tier.touch(ks, ReqContext(req_id="r"))
+            await spawn(cfg)
+            fill(rows, [0, 1], seed=5)
+            assert run_job(tier, 3, ks, [0, 1], load=False).success
+            assert ask(tier, ks, "r2") == [HIT, HIT]
+        finally:
+            tier.shutdown()
+    events = [e["event"] for e in logs if e["log_level"] in ("warning", "info")]
+    assert events.count("tierd daemon unreachable") == 1
+    assert events.count("tierd daemon reachable again") == 1
+
+
+async def test_killed_mid_run_then_restarted_with_write_back(tmp_path, spawn) -> None:
+    cfg = config(tmp_path)
+    daemon = await spawn(cfg)
+    rows = primary_rows(8)
+    with structlog.testing.capture_logs() as logs:
+        tier = make_tier(daemon.socket_path, rows)
+        try:
+            ks = keys("k", 3)
+            fill(rows, range(3), seed=6)
+            expected = rows[:3].copy()
+            assert run_job(tier, 1, ks, [0, 1, 2], load=False).success
+            daemon.signal(signal.SIGKILL)
+            await daemon.wait()
+            # Jobs in flight or submitted now fail; lookups miss; nothing raises.
+            assert not run_job(tier, 2, ks, [3, 4, 5], load=True).success
+            assert not run_job(tier, 3, keys("x", 1), [6], load=False).success
+            assert ask(tier, ks, "r") == [MISS, MISS, MISS]
+            tier.touch(ks, ReqContext(req_id="r"))
+            assert tier.get_stats() is not None
+
+            daemon = await spawn(cfg)  # same socket: a fresh daemon, a fresh pool
+            assert run_job(tier, 4, ks, [0, 1, 2], load=False).success
+            await asyncio.wait_for(daemon.stop(), 60)  # SIGTERM: written back to disk
+            daemon = await spawn(cfg)
+            rows[:] = 0
+            assert ask(tier, ks, "r2") == [HIT, HIT, HIT]
+            assert run_job(tier, 5, ks, [5, 6, 7], load=True).success
+            assert np.array_equal(rows[5:8], expected)
+        finally:
+            tier.shutdown()
+    events = [e["event"] for e in logs if e["log_level"] in ("warning", "info")]
+    assert events.count("tierd daemon lost") == 2  # the kill and the clean stop
+    assert events.count("tierd daemon reachable again") == 2
+
+
+async def test_block_size_mismatch_is_refused_at_start_up(tmp_path, spawn) -> None:
+    daemon = await spawn(config(tmp_path))
+    with pytest.raises(BlockSizeMismatch, match=r"set `block_bytes: 8192` in tierd's config"):
+        make_tier(daemon.socket_path, primary_rows(2, row_bytes=2 * ROW))
+
+
+async def test_drain_jobs_stats_touch_and_shutdown(tmp_path, spawn) -> None:
+    daemon = await spawn(config(tmp_path, cpu_blocks=4, disk_blocks=None))
+    rows = primary_rows(8)
+    tier = make_tier(daemon.socket_path, rows, stats_interval_s=0.0)
+    try:
+        ks = keys("t", 5)
+        fill(rows, range(5), seed=7)
+        for i in range(4):
+            tier.submit_store(_job(i, [ks[i]], [i]))
+        assert tier.has_pending_work()
+        tier.drain_jobs()
+        assert sorted(r.job_id for r in tier.get_finished_jobs() if r.success) == [0, 1, 2, 3]
+        assert not tier.has_pending_work()
+        # LRU after the stores: k0 is the oldest. A touch makes it the newest, so the next
+        # store evicts k1 instead.
+        tier.touch([ks[0]], ReqContext(req_id="r"))
+        assert run_job(tier, 9, [ks[4]], [4], load=False).success
+        assert ask(tier, ks[:2], "r2") == [HIT, MISS]
+        stats = tier.get_stats()
+        reduced = stats.reduce()
+        assert reduced["vllm:kv_offload_tierd_blocks_stored"] == 5
+        assert reduced["vllm:kv_offload_tierd_connected"] == 1
+    finally:
+        tier.shutdown()
+    link_threads = [
+        t for t in __import__("threading").enumerate() if t.name.startswith("tierd-vllm")
+    ]
+    assert link_threads == []
+
+
+def _job(job_id, key_list, row_ids):
+    return TransferJob(
+        job_id=job_id,
+        keys=key_list,
+        chunk_ids=np.asarray(row_ids, dtype=np.int64),
+        is_promotion=False,
+        req_context=ReqContext(req_id=f"job-{job_id}"),
+    )
