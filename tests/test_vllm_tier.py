@@ -36,7 +36,7 @@ from vllm_kit import (
 
 from tierd.client import Client
 from tierd.integrations.vllm import BlockSizeMismatch, TierdSecondaryTier
-from tierd.testing import daemon_config
+from tierd.testing import corrupt_disk_block, daemon_config, running_daemon
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 spawn = test_daemon_lifecycle.spawn  # real `tierd serve` processes, killed at the end
@@ -259,3 +259,31 @@ def _job(job_id, key_list, row_ids):
         is_promotion=False,
         req_context=ReqContext(req_id=f"job-{job_id}"),
     )
+
+
+async def test_a_block_failing_its_checksum_is_a_short_load(tmp_path) -> None:
+    # An in-loop daemon, to reach its disk slab; the tier's blocking calls run in a
+    # worker thread so that this loop keeps serving.
+    cfg = config(tmp_path, cpu_blocks=4, disk_blocks=16)
+    rows = primary_rows(12)
+    async with running_daemon(cfg) as daemon:
+        tier = await asyncio.to_thread(make_tier, cfg["socket"]["path"], rows)
+        try:
+            ks = keys("sum", 8)
+            fill(rows, range(8), seed=8)
+            expected = rows[:3].copy()
+            assert (await asyncio.to_thread(run_job, tier, 1, ks[:4], range(4), load=False)).success
+            assert (
+                await asyncio.to_thread(run_job, tier, 2, ks[4:], range(4, 8), load=False)
+            ).success
+            disk = daemon.chain.levels[1]  # keys 0..3 are now only on disk
+            prefix = bytes.fromhex(tier._link._client.info["namespace_id"])
+            corrupt_disk_block(disk.store, disk.tier.slot_of(prefix + bytes(ks[1])))
+            rows[:] = 0
+            result = await asyncio.to_thread(run_job, tier, 3, ks[:3], [8, 9, 10], load=True)
+            assert not result.success
+            assert list(result.successful_keys) == [ks[0], ks[2]]  # never the bad bytes
+            assert np.array_equal(rows[8], expected[0]) and np.array_equal(rows[10], expected[2])
+            assert not rows[9].any()
+        finally:
+            await asyncio.to_thread(tier.shutdown)
