@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
@@ -116,6 +117,7 @@ class TierdSecondaryTier(SecondaryTierManager):
         reconnect_max_s: float = 10.0,
         stats_interval_s: float = 5.0,
         enable_kv_events: bool = False,
+        locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
         **unknown: Any,
     ) -> None:
@@ -125,6 +127,7 @@ class TierdSecondaryTier(SecondaryTierManager):
                 f"unknown keys in the TierdSecondaryTier config: {sorted(unknown)} "
                 "(see docs/vllm.md)"
             )
+        self.locality = Locality(locality) if locality is not None else None
         row_bytes = self.block_size_bytes
         if row_bytes <= 0 or primary_kv_view.nbytes % row_bytes:
             raise ValueError(f"vLLM's CPU view has rows of {row_bytes} bytes; cannot use it")
