@@ -8,7 +8,13 @@ a failed job or a miss, never as an exception in vLLM's scheduler.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
@@ -35,6 +41,7 @@ from vllm_kit import (
 )
 
 from tierd.client import Client
+from tierd.integrations.naming import derive_namespace
 from tierd.integrations.vllm import BlockSizeMismatch, TierdSecondaryTier
 from tierd.testing import corrupt_disk_block, daemon_config, running_daemon
 
@@ -245,9 +252,7 @@ async def test_drain_jobs_stats_touch_and_shutdown(tmp_path, spawn) -> None:
         assert reduced["vllm:kv_offload_tierd_connected"] == 1
     finally:
         tier.shutdown()
-    link_threads = [
-        t for t in __import__("threading").enumerate() if t.name.startswith("tierd-vllm")
-    ]
+    link_threads = [t for t in threading.enumerate() if t.name.startswith("tierd-vllm")]
     assert link_threads == []
 
 
@@ -287,3 +292,37 @@ async def test_a_block_failing_its_checksum_is_a_short_load(tmp_path) -> None:
             assert not rows[9].any()
         finally:
             await asyncio.to_thread(tier.shutdown)
+
+
+def test_namespaces_follow_what_makes_bytes_interchangeable() -> None:
+    base = derive_namespace(offloading_spec(), ROW)
+    assert base.startswith("vllm/tiny-llama/") and len(base) <= 128
+    assert derive_namespace(offloading_spec(), ROW) == base
+    # The same facts in another process give the same name (no per-process hash seed).
+    code = "from vllm_kit import *; from tierd.integrations.naming import derive_namespace as d; "
+    code += f"print(d(offloading_spec(), {ROW}))"
+    other = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parent,
+    )
+    assert other.stdout.strip() == base
+    different = {
+        derive_namespace(offloading_spec("meta-llama/Llama-3-8B"), ROW),
+        derive_namespace(offloading_spec(dtype="bfloat16"), ROW),
+        derive_namespace(offloading_spec(tp=2), ROW),
+        derive_namespace(offloading_spec(), 2 * ROW),
+    }
+    assert len(different | {base}) == 5
+    # Bytes vLLM declares independent of the parallel layout are shared across layouts.
+    spec1, spec2 = offloading_spec(tp=1), offloading_spec(tp=2)
+    for spec in (spec1, spec2):
+        parallel = dataclasses.replace(spec.config.parallel, is_parallelism_agnostic=True)
+        spec.config = dataclasses.replace(
+            spec.config, parallel=parallel, worker_kv_bytes_per_block=ROW
+        )
+    assert derive_namespace(spec1, ROW) == derive_namespace(spec2, ROW)
+    # A spec without the facts (vLLM's tests pass a MagicMock) still names a stable one.
+    assert derive_namespace(MagicMock(), ROW) == derive_namespace(MagicMock(), ROW)
