@@ -228,6 +228,15 @@ async def test_block_size_mismatch_is_refused_at_start_up(tmp_path, spawn) -> No
         make_tier(daemon.socket_path, primary_rows(2, row_bytes=2 * ROW))
 
 
+async def test_a_config_the_daemon_refuses_is_refused_at_start_up(tmp_path, spawn) -> None:
+    daemon = await spawn(config(tmp_path))
+    with pytest.raises(ValueError, match="refused the tier: bad_namespace"):
+        make_tier(daemon.socket_path, primary_rows(2), namespace="spaces are not allowed")
+    with pytest.raises(ValueError, match=r"unknown keys .*\['sokcet'\]"):
+        make_tier(daemon.socket_path, primary_rows(2), sokcet="/tmp/x.sock")
+    assert [t for t in threading.enumerate() if t.name.startswith("tierd-vllm")] == []
+
+
 async def test_drain_jobs_stats_touch_and_shutdown(tmp_path, spawn) -> None:
     daemon = await spawn(config(tmp_path, cpu_blocks=4, disk_blocks=None))
     rows = primary_rows(8)

@@ -46,7 +46,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tierd.client import Unreachable
+from tierd.client import DaemonError, Unreachable
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
 from tierd.integrations.copies import LoadOutcome, load_rows, lookup_present, store_rows
@@ -62,6 +62,8 @@ __all__ = ["BlockSizeMismatch", "TierdSecondaryTier", "Unreachable"]
 
 log = get_logger("tierd.integrations.vllm")
 
+# Hello errors that may pass (anything else refuses the tier's config at start-up).
+_TRANSIENT = frozenset({"busy", "shutting_down"})
 METRIC_STORED = "vllm:kv_offload_tierd_blocks_stored"
 METRIC_LOADED = "vllm:kv_offload_tierd_blocks_loaded"
 METRIC_FAILED = "vllm:kv_offload_tierd_failed_jobs"
@@ -154,14 +156,19 @@ class TierdSecondaryTier(SecondaryTierManager):
         except BlockSizeMismatch:
             self._link.close()
             raise
-        except (TierdError, OSError) as exc:
-            log.warning(
-                "tierd not reachable at start-up; its blocks miss until it is",
-                socket=self.socket_path,
-                error=str(exc),
-            )
+        except DaemonError as exc:
+            if exc.code not in _TRANSIENT:  # the daemon refuses this config: say so now
+                self._link.close()
+                raise ValueError(f"tierd at {self.socket_path} refused the tier: {exc}") from exc
+        except (TierdError, OSError) as exc:  # the link has warned: blocks miss until it answers
+            log.debug("tierd not reachable at start-up", error=str(exc))
         self._lookups = _Lookups(self, tier_type)
-        log.info("tierd secondary tier ready", socket=self.socket_path, namespace=self.namespace)
+        log.info(
+            "tierd secondary tier ready",
+            socket=self.socket_path,
+            namespace=self.namespace,
+            connected=self._link.connected,
+        )
 
     # -- lookups ----------------------------------------------------------------------
 
