@@ -238,6 +238,7 @@ def report(
         "runs": args.runs,
         "model": {"layers": args.layers, "kv_heads": args.kv_heads, "hidden": args.hidden},
         "prefill_median_s": medians,
+        "prefill_s": times,
         "speedup_vs_cold": {
             name: medians["cold"] / value for name, value in medians.items() if name != "cold"
         },

