@@ -419,12 +419,13 @@ def test_events_end_with_status_3_when_the_daemon_goes(
 def test_flush_copies_dirty_blocks_down(live: Live, capsys: pytest.CaptureFixture[str]) -> None:
     store(live.socket, names("f", 3))
 
-    assert run_cli(capsys, "flush", "--socket", live.socket) == (0, "copied 3 blocks\n", "")
+    done = run_cli(capsys, "flush", "--socket", live.socket)
+    assert done == (0, "copied 3 blocks; nothing left dirty\n", "")
     assert tier(stats(live.socket), "disk")["used"] == 3
     # Every block is clean now.
     assert run_cli(capsys, "flush", "--socket", live.socket, "--json") == (
         0,
-        '{"copied": 0}\n',
+        '{"copied": 0, "dirty": 0, "dirty_by_tier": {}, "reason": ""}\n',
         "",
     )
 
