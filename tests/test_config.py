@@ -570,15 +570,3 @@ def test_shipped_gpu_node_config() -> None:
     assert cfg.socket.path == Path("/run/tierd/tierd.sock")
     assert cfg.socket.mode == 0o660
     assert cfg.socket.allow_gids
-
-
-def test_shipped_service_unit() -> None:
-    unit = (ROOT / "config" / "tierd.service").read_text()
-    settings = dict(
-        line.split("=", 1) for line in unit.splitlines() if "=" in line and line[0] != "#"
-    )
-    assert settings["Type"] == "notify"
-    assert settings["ExecStart"] == "/usr/local/bin/tierd serve -c /etc/tierd/tierd.yaml"
-    assert settings["RestartPreventExitStatus"] == "78"
-    assert settings["RuntimeDirectory"] == "tierd"
-    assert float(settings["TimeoutStopSec"]) > DaemonConfig().shutdown.grace

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tierd.config import DaemonConfig
+
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "config" / "tierd.service"
 CONFIG = ROOT / "config" / "tierd.yaml"  # what the unit's install notes put in /etc/tierd
@@ -61,6 +63,8 @@ def test_unit_keeps_notify_and_no_restart_on_a_bad_config(service: dict[str, lis
     assert one(service, "Type") == "notify"
     assert one(service, "RestartPreventExitStatus") == "78"
     assert one(service, "User") not in ("", "root")
+    # systemd must wait for the drain and the write-back before it kills the daemon.
+    assert float(one(service, "TimeoutStopSec")) > DaemonConfig().shutdown.grace
 
 
 def test_unit_is_hardened(service: dict[str, list[str]]) -> None:
