@@ -8,12 +8,15 @@ a failed job or a miss, never as an exception in vLLM's scheduler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from unittest.mock import MagicMock
 
 import numpy as np
@@ -52,6 +55,18 @@ spawn = test_daemon_lifecycle.spawn  # real `tierd serve` processes, killed at t
 def config(tmp_path, **kw):
     kw.setdefault("block_bytes", ROW)
     return daemon_config(tmp_path, **kw)
+
+
+@contextlib.contextmanager
+def captured_logs() -> Iterator[list[dict[str, Any]]]:
+    """Every log line, whatever level an earlier test's in-process daemon configured:
+    capture_logs swaps structlog's processors but keeps its level filter."""
+    structlog.reset_defaults()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            yield logs
+    finally:
+        structlog.reset_defaults()
 
 
 async def test_factory_lookup_miss_retry_hit_and_byte_exact_load(tmp_path, spawn) -> None:
@@ -168,7 +183,7 @@ async def test_capacity_fails_the_store_and_nothing_else(tmp_path, spawn) -> Non
 async def test_daemon_down_at_start_then_up(tmp_path, spawn) -> None:
     cfg = config(tmp_path)
     rows = primary_rows(4)
-    with structlog.testing.capture_logs() as logs:
+    with captured_logs() as logs:
         tier = make_tier(cfg["socket"]["path"], rows)  # nothing listens yet
         try:
             ks = keys("d", 2)
@@ -191,7 +206,7 @@ async def test_killed_mid_run_then_restarted_with_write_back(tmp_path, spawn) ->
     cfg = config(tmp_path)
     daemon = await spawn(cfg)
     rows = primary_rows(8)
-    with structlog.testing.capture_logs() as logs:
+    with captured_logs() as logs:
         tier = make_tier(daemon.socket_path, rows)
         try:
             ks = keys("k", 3)
