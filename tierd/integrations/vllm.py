@@ -303,6 +303,9 @@ class TierdSecondaryTier(SecondaryTierManager):
         self.drain_jobs()
         self._lookups.shutdown()
         self._link.close()
+        # Let go of vLLM's primary view: an array over it keeps its buffer exported, and
+        # vLLM cannot close the mapping behind it while one is.
+        self._rows = np.empty((0, self._rows.shape[1]), dtype=np.uint8)
 
     # -- figures ----------------------------------------------------------------------
 
