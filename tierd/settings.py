@@ -54,7 +54,7 @@ __all__ = [
 CONFIG_ENV = "TIERD_CONFIG"
 ENV_PREFIX = "TIERD_"
 # TIERD_* variables that are not settings: the config file, the client commands' socket,
-# and those of scripts/setup, scripts/test and the test suite.
+# and those of the set-up scripts (scripts/setup*, scripts/check_install) and the test suite.
 NON_SETTING_ENV = frozenset(
     {
         CONFIG_ENV,
@@ -64,6 +64,11 @@ NON_SETTING_ENV = frozenset(
         "TIERD_TORCH_SPEC",
         "TIERD_EXTRAS",
         "TIERD_VENV",
+        "TIERD_CHECK_INSTALL_TMP",
+        "TIERD_REQUIRE_ENGINES",
+        "TIERD_VLLM_WHEEL",
+        "TIERD_VLLM_RELOCK",
+        "TIERD_VLLM_VENV",
     }
 )
 
