@@ -101,22 +101,9 @@ def _talks_to_daemon(handler: Handler) -> Handler:
             return _fail(str(exc), EXIT_BAD_INPUT)
         except KeyboardInterrupt:
             return EXIT_OK
-        except BrokenPipeError:  # the reader went away (``tierd events | head``): done
-            _silence_stdout()
-            return EXIT_OK
+        # A reader that went away (``tierd events | head``) is handled once, in main.
 
     return run
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):
-        return  # not a file (a test's capture, say)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, fd)
-    os.close(devnull)
 
 
 def _with_client(
