@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tierd.chain import FlushResult
 from tierd.client import Client, DaemonError, Unreachable
 from tierd.config import DaemonConfig
 from tierd.daemon import Daemon, reap_stale_pools
@@ -329,7 +330,7 @@ async def _gated_flush(daemon: Daemon) -> AsyncIterator[tuple[asyncio.Event, asy
     entered, gate = asyncio.Event(), asyncio.Event()
     flush = chain.flush
 
-    async def gated() -> int:
+    async def gated() -> FlushResult:
         entered.set()
         await gate.wait()
         return await flush()
