@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tierd.cli.base import EXIT_OK, Command, UsageError
+from tierd.cli.curve_cmd import check_curve_args, run_curve
 from tierd.cli.progress import (
     EXIT_INTERRUPTED,
     add_progress_option,
@@ -51,8 +52,15 @@ def _configure_simulate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         type=Path,
-        help="replay through the whole chain of this YAML config instead (hits per medium)",
+        help="replay through the whole chain of this YAML config instead (hits per medium); "
+        "with --curve, mark its tiers on the curve",
     )
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="the LRU hit ratio at every capacity in one pass (--capacity is not used)",
+    )
+    parser.add_argument("--out", type=Path, help="with --curve: draw it into this PNG file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_progress_option(parser)
 
@@ -67,7 +75,10 @@ def load_trace(path: Path) -> Trace:
 
 def _run_simulate(args: argparse.Namespace) -> int:
     policy_class(args.policy)  # an unknown name fails before the trace is read
+    check_curve_args(args)
     trace = load_trace(args.trace)
+    if args.curve:
+        return run_curve(args, trace)
     if args.config is not None:
         return _run_chain_simulate(args, trace)
     bar = make_bar(args.progress, len(trace))
