@@ -283,6 +283,26 @@ async def test_the_default_disk_tier_goes_to_the_xdg_state_directory(tmp_path: P
     assert disk["directories"] == [str(tmp_path / ".local" / "state" / "tierd" / "disk")]
 
 
+async def test_an_xdg_state_directory_outside_home_is_created_on_a_first_run(
+    tmp_path: Path,
+) -> None:
+    """The default config's directory lies under $XDG_STATE_HOME, which a user may point
+    anywhere: its missing parents are created there too, not refused as a missing mount."""
+    home, state = tmp_path / "home", tmp_path / "elsewhere" / "state"
+    home.mkdir()
+    env = child_env(XDG_STATE_HOME=str(state), HOME=str(home))
+    done = await tierd("config", "check", str(ROOT / "config" / "tierd.yaml"), env=env)
+    assert done.returncode == 0, done.stderr
+
+
+async def test_a_file_in_the_way_of_a_disk_directory_is_named(tmp_path: Path) -> None:
+    (tmp_path / "plain").write_text("not a directory")
+    where = f"tiers.disk.directories=[{tmp_path / 'plain' / 'sub'}]"
+    done = await tierd("config", "check", str(ROOT / "config" / "tierd.yaml"), "--set", where)
+    assert done.returncode == 78
+    assert f"{tmp_path / 'plain'} is not a directory (disk tier 'disk')" in done.stderr
+
+
 # -- misspelt settings -------------------------------------------------------------------------
 
 

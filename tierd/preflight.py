@@ -49,8 +49,9 @@ def directories_to_create(cfg: ChainConfig, home: Path | None = None) -> list[Pa
     """The missing directories that opening ``cfg``'s disk tiers needs, parents first.
 
     A tier's own directory is created when its parent exists; missing parents are created
-    only inside the home directory (``~/.local/state/tierd`` on a fresh account), never
-    elsewhere: a missing mount point must fail rather than fill the root file system."""
+    only inside the home directory (``~/.local/state/tierd`` on a fresh account) or the
+    XDG state directory, never elsewhere: a missing mount point must fail rather than fill
+    the root file system."""
     home = Path.home() if home is None else home
     missing: list[Path] = []
     for tier in cfg.tiers:
@@ -90,11 +91,11 @@ def _disk_problems(cfg: ChainConfig) -> list[str]:
     for slab in _slabs(cfg):
         where = f"tiers.{slab.index}.directories"
         name = f"disk tier {slab.tier.name!r}"
-        if slab.directory.exists() and not slab.directory.is_dir():
-            problems.append(f"{where}: {slab.directory} is not a directory ({name})")
-            continue
         anchor = _existing_ancestor(slab.directory)
-        if anchor is None or not _creatable(slab.directory, anchor):
+        if not anchor.is_dir():
+            problems.append(f"{where}: {anchor} is not a directory ({name})")
+            continue
+        if not _creatable(slab.directory, anchor):
             problems.append(
                 f"{where}: {slab.directory.parent} does not exist ({name}; create it, or"
                 " mount the drive it stands for)"
@@ -127,23 +128,32 @@ def _allocated(path: Path) -> int:
         return 0
 
 
-def _existing_ancestor(path: Path) -> Path | None:
+def _existing_ancestor(path: Path) -> Path:
+    """The nearest of ``path`` and its parents that exists: a directory, or the file in
+    the way (``/`` always exists)."""
     for candidate in (path, *path.absolute().parents):
-        if candidate.is_dir():
-            return candidate
         if candidate.exists():
-            return None  # a file in the way
-    return None
+            return candidate
+    return Path("/")
+
+
+def _own_roots(home: Path) -> list[Path]:
+    """Where missing parents may be created: the user's home, and the XDG state directory
+    the default config names (which may lie outside it)."""
+    state = os.environ.get("XDG_STATE_HOME", "")
+    return [home, Path(state)] if os.path.isabs(state) else [home]
 
 
 def _creatable(directory: Path, anchor: Path) -> bool:
     """Whether :func:`directories_to_create` would create ``directory`` below ``anchor``."""
     path = directory.absolute()
-    return path == anchor or path.parent == anchor or path.is_relative_to(Path.home())
+    if path == anchor or path.parent == anchor:
+        return True
+    return any(path.is_relative_to(root) for root in _own_roots(Path.home()))
 
 
 def _missing_parents(path: Path, home: Path) -> list[Path]:
-    if not path.is_relative_to(home):
+    if not any(path.is_relative_to(root) for root in _own_roots(home)):
         return []
     chain = [path]
     while not chain[-1].parent.exists():
