@@ -34,7 +34,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE, Command, UsageError
@@ -46,7 +46,7 @@ from tierd.client import DaemonError, Unreachable
 from tierd.config import ChainConfig, default_socket_path, load_config
 from tierd.units import parse_size
 from tierd.workload.backends import DEFAULT_NAMESPACE, chain_backends, daemon_backends
-from tierd.workload.replayer import ReplayProgress, ReplaySummary, replay
+from tierd.workload.replayer import ReplayBackend, ReplayProgress, ReplaySummary, replay
 from tierd.workload.trace import Trace
 
 __all__ = ["COMMANDS"]
@@ -224,14 +224,20 @@ async def _replay_daemon(
         connect_timeout=CONNECT_TIMEOUT,
     )
     async with opening as backends:
-        return await replay(
-            trace,
-            backends,
-            speed=_speed_of(args),
-            limit=args.limit,
-            progress=_ticks(bar),
-            stop=stop,
-        )
+        return await _replay_with(args, trace, backends, bar, stop)
+
+
+async def _replay_with(
+    args: argparse.Namespace,
+    trace: Trace,
+    backends: Sequence[ReplayBackend],
+    bar: Bar | None,
+    stop: Stop,
+) -> ReplaySummary:
+    """Replay ``trace`` through ``backends`` with the pacing, limit and bar ``args`` ask."""
+    return await replay(
+        trace, backends, speed=_speed_of(args), limit=args.limit, progress=_ticks(bar), stop=stop
+    )
 
 
 async def _replay_chain(
@@ -247,14 +253,7 @@ async def _replay_chain(
         )
     async with open_chain(cfg) as chain:
         backends = chain_backends(chain, args.clients, target=str(path))
-        return await replay(
-            trace,
-            backends,
-            speed=_speed_of(args),
-            limit=args.limit,
-            progress=_ticks(bar),
-            stop=stop,
-        )
+        return await _replay_with(args, trace, backends, bar, stop)
 
 
 def _verdict(summary: ReplaySummary) -> int:
