@@ -24,8 +24,9 @@ from tierd.config import ChainConfig, TierConfig, TierKind
 from tierd.errors import ConfigError
 from tierd.stores.disk_slab import SLAB_FILE, slab_file_bytes
 from tierd.stores.fileio import round_up
+from tierd.units import format_bytes
 
-__all__ = ["check_machine", "directories_to_create", "format_bytes"]
+__all__ = ["check_machine", "directories_to_create"]
 
 _SHM = "/dev/shm"
 
@@ -60,16 +61,6 @@ def directories_to_create(cfg: ChainConfig, home: Path | None = None) -> list[Pa
             chain = [path] if path.parent.is_dir() else _missing_parents(path, home)
             missing += [p for p in chain if not p.exists() and p not in missing]
     return missing
-
-
-def format_bytes(size: int) -> str:
-    """``1.5 GiB``, ``512 MiB``, ``1 PiB``."""
-    value = float(size)
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "bytes" else f"{value:.3g} {unit}"
-        value /= 1024
-    return f"{value:.3g} PiB"
 
 
 # -- disk tiers --------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["parse_mode", "parse_seconds", "parse_size"]
+__all__ = ["parse_mode", "parse_seconds", "parse_size", "format_bytes"]
 
 _UNITS = {
     "": 1,
@@ -79,3 +79,13 @@ def parse_seconds(value: object) -> float:
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError("a duration must be positive")
     return seconds
+
+
+def format_bytes(size: int) -> str:
+    """``1.5 GiB``, ``512 MiB``, ``1 PiB``."""
+    value = float(size)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "bytes" else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value:.3g} PiB"
