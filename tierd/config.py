@@ -227,6 +227,12 @@ class LimitsConfig(_Strict):
     max_frame_bytes: Size = Field(default=64 << 20, ge=4096)
     max_keys_per_request: int = Field(default=4096, ge=1)
     max_connections: int = Field(default=1024, ge=1)
+    max_requests_in_flight: int = Field(default=256, ge=1, le=1 << 20)
+    hello_timeout_s: float = Field(default=5.0, gt=0, le=3600)
+    frame_deadline_s: float = Field(default=30.0, gt=0, le=3600)
+    partial_frame_bytes: Size = Field(default=256 << 20, ge=4096)
+    output_buffer_bytes: Size = Field(default=16 << 20, ge=4096)
+    output_stall_s: float = Field(default=60.0, gt=0, le=86400)
 
 
 class NamespaceConfig(_Strict):

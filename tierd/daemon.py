@@ -269,7 +269,13 @@ class Daemon:
             max_frame_bytes=cfg.limits.max_frame_bytes,
             max_keys_per_request=cfg.limits.max_keys_per_request,
             max_connections=cfg.limits.max_connections,
+            max_requests_in_flight=cfg.limits.max_requests_in_flight,
             event_queue_batches=cfg.events.queue_batches,
+            hello_timeout_s=cfg.limits.hello_timeout_s,
+            frame_deadline_s=cfg.limits.frame_deadline_s,
+            partial_frame_bytes=cfg.limits.partial_frame_bytes,
+            output_buffer_bytes=cfg.limits.output_buffer_bytes,
+            output_stall_s=cfg.limits.output_stall_s,
         )
         return ServerContext(
             chain=chain,

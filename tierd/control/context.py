@@ -37,6 +37,11 @@ class Limits:
     max_connections: int = 1024
     max_requests_in_flight: int = 256  # per connection; reading pauses beyond it
     event_queue_batches: int = 1024
+    hello_timeout_s: float = 5.0  # a connection that has not said hello by then is closed
+    frame_deadline_s: float = 30.0  # a started frame must complete within this (while read)
+    partial_frame_bytes: int = 256 << 20  # unfinished frames, all connections together
+    output_buffer_bytes: int = 16 << 20  # unsent replies (and reserved ones) per connection
+    output_stall_s: float = 60.0  # replies left unread this long close the connection
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +78,8 @@ class ServerContext:
     connections: int = 0
     requests: int = 0
     errors: Counter[str] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)  # connections, by reason
+    dropped: Counter[str] = field(default_factory=Counter)  # closed by a guard, by reason
     started: float = field(default_factory=time.monotonic)
     timing: RequestTiming = field(default_factory=RequestTiming)
     _next_lease: int = 0
@@ -142,6 +149,8 @@ class ServerContext:
             "connections": self.connections,
             "requests": self.requests,
             "errors": dict(self.errors),
+            "refused": dict(self.refused),
+            "dropped": dict(self.dropped),
             "leases": self._open_leases(),
             "subscribers": self.chain.bus.subscriber_count,
             "shutting_down": self.shutting_down,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "NAMESPACE_ID_BYTES",
     "OPERATIONS",
     "PROTOCOL_VERSION",
+    "DecodeLimits",
     "ErrorCode",
     "FrameDecoder",
     "FrameTooLarge",
@@ -115,16 +117,42 @@ class FrameTooLarge(ProtocolError):
         self.before = before
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeLimits:
+    """What one frame may decode into. A request is a map of a few fields, at most two of
+    them lists (keys and data): these bounds make the cost of decoding any frame a small
+    multiple of the largest valid request, whatever its bytes say. ``containers`` counts
+    every list and map in the frame, nested or not."""
+
+    items: int  # elements of one list (keys, data)
+    bin_bytes: int  # one bin value (a block)
+    str_chars: int = 4096  # one string
+    map_entries: int = 64  # one map (a request's fields)
+    containers: int = 16  # lists and maps in one frame
+
+    @classmethod
+    def for_requests(cls, max_keys: int, max_frame_bytes: int) -> DecodeLimits:
+        # Twice the key limit, so an over-long key list still decodes and is answered
+        # too_many_keys rather than bad_frame.
+        return cls(items=2 * max_keys + 16, bin_bytes=max_frame_bytes)
+
+
+class _TooManyContainers(Exception):
+    pass
+
+
 class FrameDecoder:
     """Reassembles frames from a byte stream; ``feed`` returns the complete messages.
 
     A frame longer than ``max_frame_bytes`` raises :class:`FrameTooLarge` before its body
     is buffered (framing is lost: the caller closes the connection). A
-    body that is not msgpack yields a :class:`ProtocolError` in place of its message, so
-    the caller can answer it and go on (framing is intact)."""
+    body that is not msgpack, or that breaks ``limits``, yields a :class:`ProtocolError`
+    in place of its message, so the caller can answer it and go on (framing is intact).
+    The server decodes with limits; a client trusts its daemon and decodes without."""
 
-    def __init__(self, max_frame_bytes: int) -> None:
+    def __init__(self, max_frame_bytes: int, limits: DecodeLimits | None = None) -> None:
         self.max_frame_bytes = max_frame_bytes
+        self.limits = limits
         self._buf = bytearray()
 
     @property
@@ -147,19 +175,48 @@ class FrameDecoder:
             if end - pos - HEADER.size < size:
                 break
             start = pos + HEADER.size
-            out.append(_unpack(buf[start : start + size]))
+            out.append(_unpack(buf[start : start + size], self.limits))
             pos = start + size
         if pos:
             del buf[:pos]
         return out
 
 
-def _unpack(body: bytes | bytearray) -> Any:
+def _unpack(body: bytes | bytearray, limits: DecodeLimits | None) -> Any:
+    if limits is None:
+        options: dict[str, Any] = {}
+    else:
+        seen = 0
+
+        def count(container: Any) -> Any:
+            nonlocal seen
+            seen += 1
+            if seen > limits.containers:
+                raise _TooManyContainers
+            return container
+
+        options = {
+            "list_hook": count,
+            "object_hook": count,
+            "max_array_len": limits.items,
+            "max_map_len": limits.map_entries,
+            "max_str_len": limits.str_chars,
+            "max_bin_len": limits.bin_bytes,
+            "max_ext_len": 0,
+        }
     try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True, **options)
+    except _TooManyContainers:
+        return ProtocolError(
+            f"the frame holds more than {limits.containers if limits else 0} lists and maps:"
+            " no request needs that many",
+            code=ErrorCode.BAD_FRAME,
+        )
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
-        # msgpack's errors for bad bytes are ValueError subclasses (plus the rest here).
-        return ProtocolError("the frame is not a msgpack message", code=ErrorCode.BAD_FRAME)
+        # msgpack's errors for bad bytes and broken limits are ValueError subclasses.
+        return ProtocolError(
+            "the frame is not a msgpack message within limits", code=ErrorCode.BAD_FRAME
+        )
 
 
 # -- field checks ------------------------------------------------------------------------

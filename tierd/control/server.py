@@ -24,12 +24,21 @@ import socket
 import stat
 import struct
 import tempfile
+from collections import deque
 from typing import Any, cast
 
 import structlog
 
 from tierd.control.context import ServerContext
-from tierd.control.protocol import ErrorCode, FrameDecoder, FrameTooLarge, encode, error_reply
+from tierd.control.guards import Deadline, PartialFrames, RateLimitedLog
+from tierd.control.protocol import (
+    DecodeLimits,
+    ErrorCode,
+    FrameDecoder,
+    FrameTooLarge,
+    encode,
+    error_reply,
+)
 from tierd.control.session import Session
 from tierd.errors import AlreadyRunning
 
@@ -96,17 +105,34 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 
 class Connection(asyncio.Protocol):
-    """One client: frames in, replies and event pushes out."""
+    """One client: frames in, replies and event pushes out.
+
+    Decoded requests wait in ``backlog`` and are handed to the session only while the
+    connection has room: fewer than ``max_requests_in_flight`` running, and its unsent
+    replies plus the replies reserved by running ``get`` requests under
+    ``output_buffer_bytes``. Past that the connection stops reading; it reads again as
+    replies drain. A client that never reads therefore holds at most about one limit's
+    worth of replies (plus one reply), and after ``output_stall_s`` it is closed."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
-        self.ctx = server.ctx
+        self.ctx = ctx = server.ctx
         self.id = server.new_connection_id()
-        self.session = Session(server.ctx, self._send, self.id)
-        self.decoder = FrameDecoder(server.ctx.limits.max_frame_bytes)
+        self.session = Session(ctx, self._send, self.id)
+        limits = ctx.limits
+        self.decoder = FrameDecoder(
+            limits.max_frame_bytes,
+            DecodeLimits.for_requests(limits.max_keys_per_request, limits.max_frame_bytes),
+        )
         self.transport: asyncio.Transport | None = None
+        self.backlog: deque[Any] = deque()
         self._batch: list[bytes] | None = None
+        self._batch_bytes = 0
+        self._reserved = 0  # bytes of replies promised by running get requests
         self._reading_paused = False
+        self._hello = Deadline(limits.hello_timeout_s, lambda: self._drop("hello_timeout"))
+        self._frame = Deadline(limits.frame_deadline_s, lambda: self._drop("frame_deadline"))
+        self._stall = Deadline(limits.output_stall_s, lambda: self._drop("output_stall"))
         self.peer: tuple[int, int, int] = (0, -1, -1)
 
     # -- asyncio.Protocol -------------------------------------------------------------
@@ -118,65 +144,85 @@ class Connection(asyncio.Protocol):
         self.ctx.connections += 1
         refusal = self._refusal(transport)
         if refusal is not None:
-            code, message = refusal
+            code, reason, message = refusal
             self.ctx.count_error(code)
-            log.warning("connection refused", reason=message, pid=self.peer[0], conn=self.id)
+            self.ctx.refused[reason] += 1
+            self.server.refusals(reason, message=message, pid=self.peer[0], conn=self.id)
             transport.write(encode(error_reply(0, code, message)))
             transport.close()
-        elif self.ctx.timing.debug:
+            return
+        self.server.silent[self] = None
+        self._hello.arm()
+        if self.ctx.timing.debug:
             pid, uid, _ = self.peer
             log.debug("connection opened", conn=self.id, pid=pid, uid=uid)
 
-    def _refusal(self, transport: asyncio.Transport) -> tuple[ErrorCode, str] | None:
+    def _refusal(self, transport: asyncio.Transport) -> tuple[ErrorCode, str, str] | None:
         sock = transport.get_extra_info("socket")
         try:
             self.peer = peer_credentials(sock)
         except OSError as exc:
-            return ErrorCode.NOT_ALLOWED, f"cannot read the peer's credentials: {exc.strerror}"
+            message = f"cannot read the peer's credentials: {exc.strerror}"
+            return ErrorCode.NOT_ALLOWED, "credentials", message
         _, uid, gid = self.peer
         ctx = self.ctx
         if uid != os.getuid() and uid not in ctx.allow_uids and gid not in ctx.allow_gids:
-            return ErrorCode.NOT_ALLOWED, f"uid {uid} / gid {gid} is not allowed"
-        if ctx.connections > ctx.limits.max_connections:
-            return ErrorCode.BUSY, f"too many connections (limit {ctx.limits.max_connections})"
+            return ErrorCode.NOT_ALLOWED, "not_allowed", f"uid {uid} / gid {gid} is not allowed"
         if ctx.shutting_down:
-            return ErrorCode.SHUTTING_DOWN, "the daemon is shutting down"
+            return ErrorCode.SHUTTING_DOWN, "shutting_down", "the daemon is shutting down"
+        if ctx.connections > ctx.limits.max_connections and not self.server.make_room():
+            limit = ctx.limits.max_connections
+            return ErrorCode.BUSY, "busy", f"too many connections (limit {limit})"
         return None
 
     def data_received(self, data: bytes) -> None:
         transport = self.transport
         if transport is None or transport.is_closing():
             return
+        before = self.decoder.buffered
         try:
             messages = self.decoder.feed(data)
         except FrameTooLarge as exc:
             # Framing is lost: answer the whole frames that came before, then hang up.
-            self._handle(transport, exc.before)
+            self.server.partial.change(before, 0)
+            self.backlog.extend(exc.before)
+            self._work()
             self.ctx.count_error(ErrorCode.FRAME_TOO_LARGE)
             transport.write(encode(error_reply(0, exc.code, str(exc))))
             transport.close()
             return
-        self._handle(transport, messages)
-        if len(self.session.tasks) >= self.ctx.limits.max_requests_in_flight:
-            self._pause_reading()
-            for task in list(self.session.tasks):
-                task.add_done_callback(self._maybe_resume)
+        if not self._account_partial(before, messages):
+            return
+        self.backlog.extend(messages)
+        self._work()
 
-    def _handle(self, transport: asyncio.Transport, messages: list[Any]) -> None:
-        """Hand each message to the session; the replies of one read go out in one write."""
-        batch: list[bytes] = []
-        self._batch = batch
-        try:
-            for message in messages:
-                self.session.handle(message)
-        finally:
-            self._batch = None
-            if batch:
-                transport.writelines(batch)
+    def _account_partial(self, before: int, messages: list[Any]) -> bool:
+        """Charge the unfinished frame to the shared budget and (re)arm its deadline."""
+        after = self.decoder.buffered
+        if not self.server.partial.change(before, after):
+            self.server.partial.change(before, 0)
+            self.decoder = FrameDecoder(0)  # forget the bytes: the connection is done
+            budget = self.server.partial.budget
+            message = (
+                f"unfinished frames of all connections would pass {budget} bytes;"
+                " send whole frames sooner"
+            )
+            self._drop("partial_budget", message=message)
+            return False
+        if after == 0:
+            self._frame.disarm()
+        elif messages or not self._frame.armed:
+            self._frame.arm()  # a frame has started (or one completed and the next began)
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self.server.silent.pop(self, None)
+        self.server.partial.change(self.decoder.buffered, 0)
         self.ctx.connections -= 1
+        for deadline in (self._hello, self._frame, self._stall):
+            deadline.disarm()
+        self.backlog.clear()
         if self.ctx.timing.debug:
             log.debug("connection closed", conn=self.id, requests_in_flight=len(self.session.tasks))
         self.session.writable.set()  # let a waiting event pump see the close
@@ -189,35 +235,113 @@ class Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.session.writable.set()
-        self._maybe_resume()
+        self._work()
 
-    # -- output and flow control ------------------------------------------------------
+    # -- requests, output and flow control ----------------------------------------------
+
+    def _work(self, *_: object) -> None:
+        """Hand waiting requests to the session while there is room; pause reading when
+        there is not (and while requests wait), read again once all are handed over.
+        The replies of one pass go out in one write."""
+        transport = self.transport
+        if transport is None:
+            return
+        batch: list[bytes] = []
+        self._batch, self._batch_bytes = batch, 0
+        try:
+            while self.backlog and self._has_room(transport):
+                self._handle(self.backlog.popleft())
+        finally:
+            self._batch = None
+            if batch and not transport.is_closing():
+                transport.writelines(batch)
+        if self.session.greeted and self in self.server.silent:
+            del self.server.silent[self]
+            self._hello.disarm()
+        if self.backlog or not self._has_room(transport):
+            self._pause_reading()
+        elif self._reading_paused and not transport.is_closing():
+            self._reading_paused = False
+            self._stall.disarm()
+            transport.resume_reading()
+            if self.decoder.buffered:
+                self._frame.arm()
+
+    def _has_room(self, transport: asyncio.Transport) -> bool:
+        limits = self.ctx.limits
+        if len(self.session.tasks) >= limits.max_requests_in_flight:
+            return False
+        if not self.session.writable.is_set():
+            return False
+        unsent = transport.get_write_buffer_size() + self._batch_bytes + self._reserved
+        return unsent < limits.output_buffer_bytes
+
+    def _handle(self, message: Any) -> None:
+        """One request to the session; a ``get`` reserves its reply's bytes until done."""
+        self.session.spawned = None
+        self.session.handle(message)
+        task = self.session.spawned
+        if task is None:
+            return
+        if type(message) is dict and message.get("op") == "get":
+            keys = message.get("keys")
+            cost = len(keys) * self.ctx.block_bytes if isinstance(keys, list) else 0
+            self._reserved += cost
+            task.add_done_callback(lambda _: self._release(cost))
+        task.add_done_callback(self._work)
+
+    def _release(self, cost: int) -> None:
+        self._reserved -= cost
 
     def _send(self, message: dict[str, Any]) -> None:
         frame = encode(message)
         if self._batch is not None:
             self._batch.append(frame)
+            self._batch_bytes += len(frame)
         elif self.transport is not None and not self.transport.is_closing():
             self.transport.write(frame)
 
     def _pause_reading(self) -> None:
         if not self._reading_paused and self.transport is not None:
             self._reading_paused = True
+            self._frame.disarm()  # a frame is not late while the daemon is not reading
             self.transport.pause_reading()
+        if self.transport is not None and self.transport.get_write_buffer_size():
+            if not self._stall.armed:
+                self._stall.arm()
+        else:
+            self._stall.disarm()
 
-    def _maybe_resume(self, *_: object) -> None:
-        if (
-            self._reading_paused
-            and self.transport is not None
-            and self.session.writable.is_set()
-            and len(self.session.tasks) < self.ctx.limits.max_requests_in_flight
-        ):
-            self._reading_paused = False
-            self.transport.resume_reading()
+    def _drop(self, reason: str, code: ErrorCode | None = None, message: str | None = None) -> None:
+        """Close the connection for breaking a guard: counted, logged at a bounded rate."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        default_code, template = _DROPS[reason]
+        code = code or default_code
+        text = message or template.format(limits=self.ctx.limits)
+        self.ctx.dropped[reason] += 1
+        self.server.drops(reason, message=text, pid=self.peer[0], conn=self.id)
+        if reason != "output_stall":  # a client that does not read would not see it
+            transport.write(encode(error_reply(0, code, text)))
+        transport.close()
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+# Why a guard closed a connection: the error code and message the client is sent.
+_DROPS = {
+    "hello_timeout": (ErrorCode.HELLO_REQUIRED, "no hello within {limits.hello_timeout_s} s"),
+    "frame_deadline": (
+        ErrorCode.BAD_FRAME,
+        "a frame did not complete within {limits.frame_deadline_s} s",
+    ),
+    "output_stall": (ErrorCode.BUSY, "replies left unread for {limits.output_stall_s} s"),
+    "made_room": (ErrorCode.BUSY, "closed to make room for a new connection: no hello yet"),
+    "partial_budget": (ErrorCode.BUSY, "unfinished frames are over the daemon's budget"),
+}
 
 
 class Server:
@@ -231,7 +355,21 @@ class Server:
         self._sock: socket.socket | None = None
         self._server: asyncio.Server | None = None
         self._connections_made = 0
+        # Connections that have not said hello yet, oldest first: the first to go when
+        # the daemon is full, so silent sockets cannot lock clients out.
+        self.silent: dict[Connection, None] = {}
+        self.partial = PartialFrames(ctx.limits.partial_frame_bytes)
+        self.refusals = RateLimitedLog(log, "connection refused")
+        self.drops = RateLimitedLog(log, "connection dropped")
         ctx._open_leases = lambda: sum(len(c.session.leases) for c in self.connections)
+
+    def make_room(self) -> bool:
+        """Close the oldest connection that has not said hello; False if there is none."""
+        for conn in self.silent:
+            conn._drop("made_room")
+            self.silent.pop(conn, None)
+            return True
+        return False
 
     def new_connection_id(self) -> int:
         self._connections_made += 1

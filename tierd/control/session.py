@@ -81,6 +81,7 @@ class Session:
         self.prefix = b""
         self.leases: dict[int, Lease] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self.spawned: asyncio.Task[None] | None = None  # the task of the last request handled
         self.closed = False
         self._events: asyncio.Task[None] | None = None
         self._subscription: Subscription | None = None
@@ -189,6 +190,7 @@ class Session:
         task = asyncio.get_running_loop().create_task(run())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        self.spawned = task
 
     def _reply(self, request_id: int, fields: Reply) -> None:
         if not self.closed:

@@ -153,6 +153,20 @@ class _SnapshotCollector(Collector):
         for code, count in sorted(server["errors"].items()):
             errors.add_metric([code], count)
         yield errors
+        refused = CounterMetricFamily(
+            "tierd_connections_refused", "Connections refused at accept", labels=["reason"]
+        )
+        for reason, count in sorted(server.get("refused", {}).items()):
+            refused.add_metric([reason], count)
+        yield refused
+        dropped = CounterMetricFamily(
+            "tierd_connections_dropped",
+            "Connections closed by a guard (deadline, budget, stall)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(server.get("dropped", {}).items()):
+            dropped.add_metric([reason], count)
+        yield dropped
         yield GaugeMetricFamily("tierd_subscribers", "Event subscribers", server["subscribers"])
         yield GaugeMetricFamily("tierd_uptime_seconds", "Seconds since start", server["uptime_s"])
 
