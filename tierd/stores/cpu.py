@@ -19,6 +19,7 @@ references and unmaps at once when no view is left, or when the last one is drop
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
@@ -123,15 +124,37 @@ class CpuStore(HostPoolStore):
                 if os.fstat(fd).st_mode & 0o7777 != self.mode:
                     os.fchmod(fd, self.mode)
                 os.ftruncate(fd, self.size)
+                self._allocate(fd)
             elif (found := os.fstat(fd).st_size) != self.size:
                 raise OSError(0, f"pool file holds {found} bytes, expected {self.size}")
             return mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
         except OSError as exc:
             if self.create:
                 self._unlink()
+            if isinstance(exc, StoreIOError):
+                raise
             raise self._io_error("cannot map the shared-memory pool", exc) from exc
         finally:
             os.close(fd)
+
+    def _allocate(self, fd: int) -> None:
+        """Allocate every page now. A shared-memory file maps fine past the free space of
+        its file system and then kills the process with SIGBUS on the first touch of a
+        page that cannot be had: allocating up front turns that into an error here."""
+        try:
+            os.posix_fallocate(fd, 0, self.size)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise
+            shm_dir = os.path.dirname(self.path)
+            free = os.statvfs(shm_dir)
+            message = (
+                f"cannot allocate the shared-memory pool: it needs {self.size:,} bytes"
+                f" ({self.size / (1 << 20):.1f} MiB) in {shm_dir}, which has"
+                f" {free.f_bavail * free.f_frsize:,} bytes free ({os.strerror(exc.errno)});"
+                f" lower the tier's capacity or grow {shm_dir}"
+            )
+            raise self._io_error(message, exc) from exc
 
     def _release(self) -> None:
         """Unregister, drop the mapping (now, or with the last view) and unlink."""

@@ -33,9 +33,12 @@ from typing import Any, Literal
 import torch
 
 from tierd.keys import BlockKey, Medium
+from tierd.logs import get_logger
 from tierd.stores.base import BlockStore, Buffer, StoreStats, block_views, device_rows
 from tierd.stores.disk_slab import BAD_BLOCK, OK, Slab, SlabConfig
 from tierd.stores.fileio import FileIO
+
+_log = get_logger("tierd.disk")
 
 __all__ = ["DiskStore"]
 
@@ -129,9 +132,15 @@ class DiskStore(BlockStore):
                 await asyncio.wrap_future(fut)
             for slab in self._slabs:
                 slab.final_checkpoint()
-            await asyncio.gather(
+            unsaved = await asyncio.gather(
                 *(loop.run_in_executor(self._writers, s.close_sync) for s in self._slabs)
             )
+            for what in filter(None, unsaved):
+                _log.error(
+                    "could not save the disk index; the next start rebuilds it from the"
+                    " slab (every block written stays readable)",
+                    unsaved=what,
+                )
         finally:
             for slab in self._slabs:
                 slab.close_fds()

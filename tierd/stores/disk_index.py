@@ -16,15 +16,20 @@ then fixed 88-byte records ``op u8 | key_len u8 | pad u16 | slot u32 | gen u64 |
 xxh3 u64``. Replay stops at the first record whose checksum fails (a torn tail).
 
 Snapshot: ``xxh3 u64`` of the payload, then a msgpack map ``{version, uuid, epoch,
-next_gen, slots: [slot, key, gen, ...]}``, written to a temporary file, fsynced and renamed.
+next_gen, clean, slots: [slot, key, gen, ...]}``, written to a temporary file, fsynced and
+renamed (a failed write removes the temporary file and leaves the previous snapshot).
 A journal extends the snapshot whose ``epoch`` equals its base epoch; any other journal is
-stale and ignored.
+stale and ignored. ``clean`` is true only in the snapshot a clean close writes last: a
+shutdown is clean because it says so, never because a file is missing, so a journal
+deleted under a running daemon still reads as a crash. A snapshot that cannot be read
+(torn, forged, from another slab) is ignored and the index is rebuilt from the slab.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import os
 import struct
 import threading
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 import msgpack
 import xxhash
 
+from tierd.logs import get_logger
 from tierd.stores.fileio import FileIO
 
 __all__ = [
@@ -59,6 +65,7 @@ _REC = struct.Struct("<BBHIQ64s")
 _REC_BYTES = _REC.size + 8
 _U64 = struct.Struct("<Q")
 _VERSION = 1
+_log = get_logger("tierd.disk")
 
 
 def _xxh(data: bytes | memoryview) -> int:
@@ -124,26 +131,37 @@ class Snapshot:
     epoch: int
     next_gen: int
     entries: dict[int, Entry]
+    clean: bool = False  # written by a clean close, as its last act
 
 
-def save_snapshot(
-    io: FileIO, path: str, uuid: bytes, epoch: int, next_gen: int, entries: dict[int, Entry]
-) -> None:
-    """Write the snapshot atomically: temporary file, fsync, rename, fsync the directory."""
+def save_snapshot(io: FileIO, path: str, uuid: bytes, cp: _Checkpoint) -> None:
+    """Write the snapshot atomically: temporary file, fsync, rename, fsync the directory.
+    On failure (ENOSPC, EIO) the temporary file is removed and the old snapshot stays."""
     flat: list[int | bytes] = []
-    for slot, entry in entries.items():
+    for slot, entry in cp.entries.items():
         flat += (slot, entry.key, entry.gen)
-    payload = msgpack.packb(
-        {"version": _VERSION, "uuid": uuid, "epoch": epoch, "next_gen": next_gen, "slots": flat}
-    )
+    doc = {
+        "version": _VERSION,
+        "uuid": uuid,
+        "epoch": cp.epoch,
+        "next_gen": cp.next_gen,
+        "clean": cp.clean,
+        "slots": flat,
+    }
+    payload = msgpack.packb(doc)
     tmp = path + ".tmp"
-    fd = io.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
-        _write_all(io, fd, _U64.pack(_xxh(payload)) + payload)
-        io.fsync(fd)
-    finally:
-        io.close(fd)
-    os.replace(tmp, path)
+        fd = io.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(io, fd, _U64.pack(_xxh(payload)) + payload)
+            io.fsync(fd)
+        finally:
+            io.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     _fsync_dir(io, os.path.dirname(path))
 
 
@@ -155,13 +173,35 @@ def load_snapshot(path: str, uuid: bytes) -> Snapshot | None:
     except FileNotFoundError:
         return None
     if len(raw) < 8 or _U64.unpack_from(raw)[0] != _xxh(raw[8:]):
+        _log.warning("index snapshot is torn; rebuilding the index from the slab", path=path)
         return None
-    doc = msgpack.unpackb(raw[8:])
+    try:
+        return _parse_snapshot(msgpack.unpackb(raw[8:]), uuid)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+        _log.warning(
+            "index snapshot is unreadable; rebuilding the index from the slab",
+            path=path,
+            error=f"{type(exc).__name__}: {exc}",
+        )
+        return None
+
+
+def _parse_snapshot(doc: object, uuid: bytes) -> Snapshot | None:
+    if not isinstance(doc, dict):
+        raise TypeError(f"the snapshot body is a {type(doc).__name__}, not a map")
     if doc.get("version") != _VERSION or doc.get("uuid") != uuid:
         return None
     flat = doc["slots"]
-    entries = {flat[i]: Entry(flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)}
-    return Snapshot(int(doc["epoch"]), int(doc["next_gen"]), entries)
+    if not isinstance(flat, list) or len(flat) % 3:
+        raise ValueError("the slot list is not a list of (slot, key, gen) triples")
+    entries: dict[int, Entry] = {}
+    for i in range(0, len(flat), 3):
+        slot, key, gen = flat[i : i + 3]
+        if type(slot) is not int or type(key) is not bytes or type(gen) is not int:
+            raise TypeError(f"slot entry {i // 3} is not (int, bin, int)")
+        entries[slot] = Entry(key, gen)
+    clean = doc.get("clean") is True
+    return Snapshot(int(doc["epoch"]), int(doc["next_gen"]), entries, clean)
 
 
 # -- journal ---------------------------------------------------------------------------
@@ -175,6 +215,7 @@ class _Checkpoint:
     epoch: int
     next_gen: int
     entries: dict[int, Entry]
+    clean: bool = False
 
 
 class Journal:
@@ -205,23 +246,33 @@ class Journal:
         self._queue.append(rec + _U64.pack(_xxh(rec)))
         self.bytes += _REC_BYTES
 
-    def checkpoint(self, epoch: int, next_gen: int, entries: dict[int, Entry]) -> None:
-        self._queue.append(_Checkpoint(epoch, next_gen, dict(entries)))
+    def checkpoint(
+        self, epoch: int, next_gen: int, entries: dict[int, Entry], *, clean: bool = False
+    ) -> None:
+        self._queue.append(_Checkpoint(epoch, next_gen, dict(entries), clean))
         self.bytes = _JNL_HDR.size + 8
 
     def flush(self, sync: bool) -> None:
         """Write everything queued so far; fsync when ``sync``. Thread-safe."""
         with self._lock:
-            chunk: list[bytes] = []
+            # Items leave the queue only once written, so a failure (ENOSPC) keeps them
+            # for the next flush, in order. Only this thread pops; the loop thread only
+            # appends, so a copy of the queue's head stays its head.
             while self._queue:
-                item = self._queue.popleft()
-                if isinstance(item, bytes):
-                    chunk.append(item)
-                    continue
-                self._write(chunk, sync)
-                chunk = []
-                self._start(item)
-            self._write(chunk, sync)
+                items = list(self._queue)
+                head = items[0]
+                if isinstance(head, bytes):
+                    chunk: list[bytes] = []
+                    for item in items:
+                        if not isinstance(item, bytes):
+                            break
+                        chunk.append(item)
+                    self._write(chunk, sync)
+                else:
+                    self._start(head)
+                    chunk = [b""]
+                for _ in chunk:
+                    self._queue.popleft()
 
     def close(self, remove: bool) -> None:
         with self._lock:
@@ -234,13 +285,15 @@ class Journal:
                 _fsync_dir(self._io, os.path.dirname(self.path))
 
     def _write(self, chunk: list[bytes], sync: bool) -> None:
-        if chunk and self._fd >= 0:
+        if chunk and self._fd < 0:
+            raise OSError(errno.EBADF, "the journal has not been started")
+        if chunk:
             _write_all(self._io, self._fd, b"".join(chunk))
             if sync:
                 self._io.fdatasync(self._fd)
 
     def _start(self, cp: _Checkpoint) -> None:
-        save_snapshot(self._io, self.snapshot_path, self.uuid, cp.epoch, cp.next_gen, cp.entries)
+        save_snapshot(self._io, self.snapshot_path, self.uuid, cp)
         if self._fd < 0:
             self._fd = self._io.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         self._io.truncate(self._fd, 0)

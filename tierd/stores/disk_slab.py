@@ -18,6 +18,7 @@ import fcntl
 import os
 import struct
 import threading
+import time
 import uuid as uuidlib
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ _SUPER = struct.Struct("<8sIIQQQII16s")
 _SUPER_MAGIC = b"TIERDSLB"
 _U64 = struct.Struct("<Q")
 _log = get_logger("tierd.disk")
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
+_WARN_EVERY_S = 5.0  # at most one journal warning per slab this often
 _tls = threading.local()
 
 WriteJob = tuple[int, bytes, int, memoryview]  # (local slot, key, gen, data)
@@ -91,6 +94,8 @@ class Slab:
         self.recovery = "new"
         self.dropped = 0
         self.journal_errors = 0
+        self.read_only = ""  # why the slab takes no writes (no room for its journal)
+        self._warned = self._retried = -_WARN_EVERY_S
         self.journal = di.Journal(io, cfg.directory)
         self._lock_fd = -1  # buffered descriptor; holds the flock
         self._fd = -1  # descriptor for block I/O (O_DIRECT when the probe passed)
@@ -136,15 +141,34 @@ class Slab:
     # -- I/O-thread routines -----------------------------------------------------------
 
     def flush_journal(self, sync: bool) -> int:
-        """Write the queued journal records; an errno on failure (logged and counted: the
-        headers stay the truth, so a lost record costs recovery time, never bytes)."""
+        """Write the queued journal records; an errno on failure (logged at a bounded
+        rate and counted: the headers stay the truth, so a lost record costs recovery
+        time, never bytes). A read-only slab first retries its opening journal."""
         try:
+            if self.read_only:
+                self._retry_journal()
             self.journal.flush(sync)
         except OSError as exc:
             self.journal_errors += 1
-            _log.warning("journal write failed", path=self.journal.path, error=str(exc))
+            now = time.monotonic()
+            if now - self._warned >= _WARN_EVERY_S:
+                self._warned = now
+                _log.warning(
+                    "journal write failed: writes to this slab fail until it succeeds",
+                    path=self.journal.path,
+                    error=str(exc),
+                    failures=self.journal_errors,
+                )
             return exc.errno or errno.EIO
         return OK
+
+    def _retry_journal(self) -> None:
+        if time.monotonic() - self._retried < _WARN_EVERY_S:
+            raise OSError(errno.ENOSPC, f"read-only since start: {self.read_only}")
+        self._retried = time.monotonic()
+        self.journal.flush(sync=True)
+        self.read_only = ""
+        _log.info("disk index written: the slab takes writes again", path=self.path)
 
     def write_chunk(self, jobs: list[WriteJob]) -> list[int]:
         # BEGIN records must be on disk before the slots they announce are overwritten.
@@ -227,7 +251,7 @@ class Slab:
                 self._load_index()
             self.epoch += 1
             self.journal.checkpoint(self.epoch, self.next_gen, self.entries)
-            self.journal.flush(sync=True)
+            self._start_journal()
         except OSError as exc:
             self.close_fds()
             if isinstance(exc, SlabInUse):
@@ -245,6 +269,24 @@ class Slab:
                 raise StoreIOError(message, path=path, errno=exc.errno) from exc
             raise StoreIOError("cannot open disk slab", path=path, errno=exc.errno) from exc
 
+    def _start_journal(self) -> None:
+        """Write the opening snapshot and journal. Without room for them (a full file
+        system) the slab still serves its blocks, read-only: a write needs its journal
+        record on disk first. Writes retry the journal, and resume once there is room."""
+        try:
+            self.journal.flush(sync=True)
+        except OSError as exc:
+            if exc.errno not in _NO_ROOM:
+                raise
+            self.read_only = os.strerror(exc.errno)
+            _log.warning(
+                "no room for the disk index: serving this slab's blocks read-only until"
+                " space is freed",
+                path=self.path,
+                error=self.read_only,
+                blocks=len(self.entries),
+            )
+
     def _own_files(self) -> list[str]:
         return [self.path, self.journal.path, self.journal.snapshot_path]
 
@@ -259,17 +301,24 @@ class Slab:
 
     def final_checkpoint(self) -> None:
         """Queue the snapshot that :meth:`close_sync` writes (on the loop's thread, so the
-        index cannot change while it is copied)."""
+        index cannot change while it is copied). It is the one marked clean."""
         self.epoch += 1
-        self.journal.checkpoint(self.epoch, self.next_gen, self.entries)
+        self.journal.checkpoint(self.epoch, self.next_gen, self.entries, clean=True)
 
-    def close_sync(self) -> None:
-        """Persist the index (snapshot + fsync + rename), drop the journal, close files."""
-        self.journal.flush(sync=True)
-        self.journal.close(remove=True)
-        if self._fd >= 0:
-            self.io.fsync(self._fd)
-        self.close_fds()
+    def close_sync(self) -> str | None:
+        """Persist the index (slab fsync, then the clean snapshot), drop the journal, close
+        files. Returns what could not be saved (the next start then rebuilds the index
+        from the slab, losing nothing that was written), or None."""
+        try:
+            if self._fd >= 0:
+                self.io.fsync(self._fd)
+            self.journal.flush(sync=True)
+            self.journal.close(remove=True)
+        except OSError as exc:
+            return f"the index of {self.path} ({exc.strerror or exc})"
+        finally:
+            self.close_fds()
+        return None
 
     def close_fds(self) -> None:
         for fd in {self._fd, self._lock_fd} - {-1}:
@@ -332,10 +381,15 @@ class Slab:
         # unreadable (a checkpoint that failed to restart it), means the daemon died and
         # blocks may have been written after the snapshot.
         crashed = os.path.exists(self.journal.path)
-        if snap is not None and not crashed:
+        if snap is not None and snap.clean and not crashed:
             self.entries, self.next_gen, self.epoch = snap.entries, snap.next_gen, snap.epoch
             self.recovery = "clean"
             return
+        if snap is not None and not crashed:
+            _log.warning(
+                "no record of a clean shutdown and no journal (deleted?); verifying the slab",
+                path=self.path,
+            )
         replay = di.Journal.replay(self.journal.path, self.uuid) if crashed else None
         known: dict[int, di.Record] = {}
         if snap is not None:
@@ -381,7 +435,10 @@ class Slab:
         return found
 
     def details(self) -> dict[str, Any]:
-        return {"path": self.path, "o_direct": self.o_direct, "reason": self.reason}
+        details = {"path": self.path, "o_direct": self.o_direct, "reason": self.reason}
+        if self.read_only:
+            details["read_only"] = self.read_only
+        return details
 
 
 def _xxh(data: memoryview) -> int:
