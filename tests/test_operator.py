@@ -251,7 +251,8 @@ async def test_a_slab_held_by_a_daemon(tmp_path: Path, spawn: Spawn) -> None:
     daemon = await spawn(second, env=child_env(HOME=str(home)), ready=False)
     assert await daemon.wait() == 1
     message = (
-        f"tierd: error: the slab {slab} is in use by another process (a running tierd daemon?)"
+        f"tierd: error: tier 'held' (disk): the slab {slab} is in use by another process"
+        " (a running tierd daemon?)"
     )
     assert daemon.stderr().splitlines()[-1] == message
     assert_nothing_left(daemon)
@@ -264,7 +265,7 @@ async def test_a_slab_held_by_a_daemon(tmp_path: Path, spawn: Spawn) -> None:
     config_file = write_config(tmp_path, first.config, "first.yaml")
     done = await tierd("simulate", str(trace), "--config", str(config_file))
     assert done.returncode == 1
-    assert done.stderr.splitlines() == [message]
+    assert done.stderr.splitlines() == [message.replace("tier 'held'", "tier 'disk'")]
     assert await first.stop() == 0
 
 

@@ -141,6 +141,23 @@ class TierConfig(_Strict):
         _capacity_parts(value)
         return value
 
+    @field_validator("shm_name")
+    @classmethod
+    def _shm_name(cls, value: str | None) -> str | None:
+        if value is not None and (not _SHM_NAME.match(value) or value in (".", "..")):
+            raise ValueError(
+                "shm_name is a file name in /dev/shm: letters, digits, '_', '.', '-',"
+                " at most 200 characters, no '/'"
+            )
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str | None) -> str | None:
+        if value is not None and not _DEVICE.match(value):
+            raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {value[:40]!r}")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> TierConfig:
         if self.kind is TierKind.DISK and not self.directories:
@@ -177,8 +194,9 @@ class ChainConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ChainConfig:
-        if self.block_bytes <= 0:
-            raise _error_at("block_bytes", f"must be positive, got {self.block_bytes}")
+        if not 0 < self.block_bytes <= MAX_BLOCK_BYTES:
+            message = f"must be between 1 byte and 1GiB ({MAX_BLOCK_BYTES:,} bytes)"
+            raise _error_at("block_bytes", message)
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise _error_at("tiers", f"tier names must be unique, got {names}")
@@ -188,6 +206,9 @@ class ChainConfig(_Strict):
             count, is_bytes = _capacity_parts(tier.capacity)
             if is_bytes and count < self.block_bytes:
                 message = f"{tier.capacity!r} holds no block of {self.block_bytes} bytes"
+                raise _error_at(f"tiers.{index}.capacity", message)
+            if is_bytes and count // self.block_bytes > MAX_BLOCKS:
+                message = f"{tier.capacity!r} is more than {MAX_BLOCKS:,} blocks (2**40)"
                 raise _error_at(f"tiers.{index}.capacity", message)
         return self
 
@@ -219,6 +240,17 @@ class SocketConfig(_Strict):
     mode: Mode = 0o600
     allow_uids: list[int] = Field(default_factory=list)
     allow_gids: list[int] = Field(default_factory=list)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: Path) -> Path:
+        size = len(os.fsencode(value))
+        if size > SOCKET_PATH_MAX:
+            raise ValueError(
+                f"a Unix socket path is at most {SOCKET_PATH_MAX} bytes, this one is {size}:"
+                " choose a shorter directory"
+            )
+        return value
 
 
 class LimitsConfig(_Strict):
@@ -338,17 +370,27 @@ class DaemonConfig(ChainConfig):
         return self
 
 
+MAX_BLOCK_BYTES = 1 << 30
+MAX_BLOCKS = 1 << 40  # per tier: past any machine's memory for the index
+_SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_DEVICE = re.compile(r"^(cpu|cuda(:[0-9]{1,3})?)$")
+# sun_path holds 108 bytes with the terminating NUL (Linux's sockaddr_un).
+SOCKET_PATH_MAX = 107
+
+
 def _capacity_parts(value: int | str) -> tuple[int, bool]:
     """``(count, is_bytes)`` for a capacity value."""
     if isinstance(value, int) and not isinstance(value, bool):
         if value <= 0:
-            raise ValueError(f"capacity must be positive, got {value}")
+            raise ValueError("capacity must be positive")
+        if value > MAX_BLOCKS:
+            raise ValueError(f"capacity is at most {MAX_BLOCKS:,} blocks (2**40)")
         return value, False
     if isinstance(value, str):
         text = value.strip().lower()
         if text.endswith("blocks"):
             count = text.removesuffix("blocks").strip()
-            if count.isdigit() and int(count) > 0:
+            if count.isdigit() and 0 < len(count) <= 12 and 0 < int(count) <= MAX_BLOCKS:
                 return int(count), False
         else:
             return parse_size(value), True

@@ -71,7 +71,7 @@ def format_validation_error(
     key suggests the closest known one."""
     lines = []
     for problem in error.errors():
-        loc = [str(part) for part in (prefix, *problem["loc"]) if part != ""]
+        loc = ([prefix] if prefix else []) + [str(part) or "''" for part in problem["loc"]]
         if problem["type"] == AT_PATH:
             loc += str(problem.get("ctx", {})["path"]).split(".")
         path = ".".join(loc)
@@ -84,8 +84,21 @@ def format_validation_error(
             known = _fields_at(model, [str(part) for part in problem["loc"][:-1]])
             parent = "".join(f"{part}." for part in loc[:-1])
             message, quiet = f"not a setting{close_matches(loc[-1], known, parent)}", True
-        lines.append(f"{where}: {message}{'' if quiet else f' (got {got!r})'}")
+        lines.append(f"{where}: {message}{'' if quiet else f' (got {_shown(got)})'}")
     return "\n".join(lines)
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """``repr(value)``, shortened: a config value can be a 400-digit number."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return (
+            f"an integer of about {int.bit_length(value) * 3 // 10} digits"
+            if isinstance(value, int)
+            else "?"
+        )
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:
@@ -131,11 +144,16 @@ def read_config_file(path: Path | str) -> dict[str, Any]:
     :class:`ConfigError` naming the file when it cannot be read or is not a mapping."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read config file: {exc.strerror}", path=str(path)) from exc
+    except UnicodeDecodeError as exc:
+        message = f"not a text file: byte {exc.start} is not UTF-8 (is this the right file?)"
+        raise ConfigError(message, path=str(path)) from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"not valid YAML: {exc}", path=str(path)) from exc
+    except (ValueError, RecursionError) as exc:  # e.g. an integer of 5,000 digits
+        raise ConfigError(f"cannot read the YAML: {exc}", path=str(path)) from exc
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -20,6 +20,7 @@ from typing import Any
 
 from tierd.chain import Admission, Level, TierChain
 from tierd.config import ChainConfig, TierConfig, TierKind, load_config
+from tierd.errors import TierdError
 from tierd.logs import get_logger
 from tierd.stores import BlockStore
 from tierd.stores.cpu import CpuStore
@@ -88,9 +89,13 @@ async def open_chain(
         levels: list[Level] = []
         for spec in cfg.tiers:
             num_blocks = spec.num_blocks(cfg.block_bytes)
-            store = await stack.enter_async_context(
-                build_store(spec, num_blocks, cfg.block_bytes, pool_mode=pool_mode)
-            )
+            try:
+                store = await stack.enter_async_context(
+                    build_store(spec, num_blocks, cfg.block_bytes, pool_mode=pool_mode)
+                )
+            except TierdError as exc:  # name the tier: a config may have several alike
+                exc.args = (f"tier {spec.name!r} ({spec.kind}): {exc}", *exc.args[1:])
+                raise
             tier = Tier(num_blocks, spec.policy, name=spec.name, medium=spec.kind.medium)
             restored = restore_tier(tier, store)
             log.info(

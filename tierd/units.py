@@ -27,19 +27,27 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
+MAX_SIZE = 1 << 62  # any size past this is a typo, and would overflow a C off_t
+
+
 def parse_size(value: object) -> int:
     """Bytes from ``4096``, ``"4096"``, ``"64GiB"``, ``"1.5 GB"``; raises ``ValueError``."""
     if isinstance(value, bool):
         raise ValueError("a size must be a number of bytes or a string like '64GiB'")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"a size cannot be negative, got {value}")
+            raise ValueError("a size cannot be negative")
+        if value > MAX_SIZE:
+            raise ValueError("a size must be at most 4 EiB (2**62 bytes)")
         return value
     if isinstance(value, str):
         match = _SIZE.match(value)
         unit = match.group(2).lower() if match else None
         if match and unit in _UNITS:
-            return int(float(match.group(1)) * _UNITS[unit])
+            size = float(match.group(1)) * _UNITS[unit]
+            if not math.isfinite(size) or size > MAX_SIZE:
+                raise ValueError("a size must be at most 4 EiB (2**62 bytes)")
+            return int(size)
     raise ValueError(f"{value!r} is not a size (use bytes or a unit: KiB MiB GiB TiB KB MB GB TB)")
 
 
