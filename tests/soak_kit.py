@@ -59,6 +59,7 @@ for _path in (str(TESTS.parent), str(TESTS)):
         sys.path.insert(1, _path)
 
 from soak_daemon import FaultControl, FaultPlan, content  # noqa: E402
+from soak_hostile import GUARD_LIMITS, Hostile, RealFullDisk  # noqa: E402
 
 from tierd.client import Client, DaemonError, Unreachable  # noqa: E402
 from tierd.control.protocol import (  # noqa: E402
@@ -87,6 +88,7 @@ DISK_EPISODES: dict[str, FaultPlan] = {
     "disk_full": FaultPlan(write_rate=0.5, write_mode="short", journal_rate=0.5),
     "disk_read_eio": FaultPlan(read_rate=0.3),
     "disk_slow": FaultPlan(slow_s=0.02),
+    "disk_real_full": FaultPlan(),  # no injection: a real tmpfs filled up (root only)
 }
 # The fault layer's counter that shows an episode really injected something.
 EPISODE_COUNTERS = {
@@ -121,10 +123,14 @@ class Settings:
         return self.sequences * self.seq_len
 
 
-def soak_config(workdir: Path, socket_path: str, settings: Settings) -> dict[str, Any]:
-    """The daemon's config: a CPU pool over a disk tier in ``workdir``, both small."""
+def soak_config(
+    workdir: Path, socket_path: str, settings: Settings, full_disk: Path | None = None
+) -> dict[str, Any]:
+    """The daemon's config: a CPU pool over a disk tier in ``workdir``, both small (with
+    ``full_disk``, a second directory of the disk tier: a tmpfs that episodes fill)."""
     disk = workdir / "disk"
     disk.mkdir(parents=True, exist_ok=True)
+    directories = [str(disk)] + ([str(full_disk)] if full_disk is not None else [])
     return {
         "block_bytes": settings.block_bytes,
         "tiers": [
@@ -133,11 +139,14 @@ def soak_config(workdir: Path, socket_path: str, settings: Settings) -> dict[str
                 "name": "disk",
                 "kind": "disk",
                 "capacity": settings.disk_blocks,
-                "directories": [str(disk)],
+                "directories": directories,
             },
         ],
         "socket": {"path": socket_path},
-        "limits": {"max_frame_bytes": max(256 << 10, 2 * settings.block_bytes + (64 << 10))},
+        "limits": {
+            "max_frame_bytes": max(256 << 10, 2 * settings.block_bytes + (64 << 10)),
+            **GUARD_LIMITS,
+        },
         "shutdown": {"write_back": "flush", "grace": 30},
         "events": {"queue_batches": 64},
         "logging": {"format": "json", "level": "info"},
@@ -796,7 +805,13 @@ class Campaign:
         self.keys = KeySpace(settings.sequences, settings.seq_len)
         self.tally = Tally(settings.block_bytes)
         self.gate = Gate()
-        self.daemon = DaemonProcess(workdir, soak_config(workdir, socket_path, settings))
+        # The tmpfs holds its half of the slab, plus room for the index and a journal.
+        share = settings.disk_blocks // 2 * (settings.block_bytes + 4096) + 4096
+        self.full_disk = RealFullDisk(workdir, share + (20 << 20))
+        config = soak_config(workdir, socket_path, settings, self.full_disk.directory)
+        self.daemon = DaemonProcess(workdir, config)
+        self.hostile = Hostile(lambda: self.path, "soak-hostile")
+        self.real_full = self.full_disk.directory is not None
         self.faults = FaultSwitch(self.daemon.control)
         self.injected: Counter[str] = Counter()
         self.durability: Counter[str] = Counter()
@@ -857,11 +872,13 @@ class Campaign:
             await self.daemon.kill()
             self.fault_calls = self.daemon.control.counters()
             self.daemon.cleanup()
+            self.full_disk.unmount()
         return self.report()
 
     async def _load_phase(self) -> None:
         tasks = [asyncio.create_task(w.run(self.stop)) for w in self.workers]
         tasks.append(asyncio.create_task(self.fuzzer.run(self.stop)))
+        tasks.append(asyncio.create_task(self.hostile.run(self.stop)))
         sampler = asyncio.create_task(self._sample())
         try:
             await asyncio.gather(self._process_lane(), self._disk_lane())
@@ -902,6 +919,9 @@ class Campaign:
         control = self.daemon.control
         for offset, kind in self.plan["disk"]:
             await self._at(offset)
+            if kind == "disk_real_full":
+                await self._real_full_episode()
+                continue
             counter = EPISODE_COUNTERS[kind]
             for _attempt in range(3):
                 before = control.counters()[counter]
@@ -914,6 +934,19 @@ class Campaign:
                 if injected:
                     self.injected[kind] += 1
                     break
+
+    async def _real_full_episode(self) -> None:
+        """Fill the tmpfs directory of the disk tier, hold it full, free it again."""
+        if not await asyncio.to_thread(self.full_disk.fill):
+            self.note("disk_real_full skipped: no tmpfs (not root)")
+            return
+        self.injected["disk_real_full"] += 1
+        self.note("disk_real_full: the tmpfs is full")
+        try:
+            await asyncio.sleep(self.plan["episode_s"])
+        finally:
+            self.full_disk.release()
+            self.note("disk_real_full: space freed")
 
     async def _sample(self) -> None:
         """Every second: the daemon's RSS; every other: its stats. Restarts a daemon that
@@ -1166,7 +1199,11 @@ class Campaign:
             "blocks": dict(t.blocks),
             "ops_per_s": {"overall": round(ops_total / span, 1), "per_minute": minutes},
             "faults": {
-                **{kind: self.injected[kind] for kind in FAULT_KINDS},
+                **{
+                    kind: self.injected[kind]
+                    for kind in FAULT_KINDS
+                    if kind != "disk_real_full" or self.real_full
+                },
                 "fuzz_connection": self.fuzzer.counts["connections"],
             },
             "fault_calls": self.fault_calls,
@@ -1174,6 +1211,7 @@ class Campaign:
             "restarts": self.restarts,
             "unexpected_exits": self.unexpected_exits,
             "fuzz": dict(self.fuzzer.counts),
+            "hostile": self.hostile.report(),
             "fuzz_examples": self.fuzzer.examples,
             "bad_frames_sent": self.fuzzer.counts["bad_frames"],
             "client_errors": dict(t.errors),
@@ -1275,6 +1313,9 @@ def judge(report: dict[str, Any]) -> list[str]:
         reasons.append(f"the daemon exited on its own {report['unexpected_exits']} times")
     if report["exit_statuses"] != [0, 0]:
         reasons.append(f"SIGTERM exit statuses {report['exit_statuses']}, expected [0, 0]")
+    hostile = report.get("hostile", {})
+    if hostile.get("unexpected"):
+        reasons.append(f"misbehaving clients met no guard: {hostile['unexpected'][:3]}")
     missing = [kind for kind, count in report["faults"].items() if not count]
     if missing:
         reasons.append(f"fault kinds never injected: {', '.join(missing)}")
@@ -1314,6 +1355,8 @@ def render(report: dict[str, Any]) -> str:
         add(f"fault.{kind}", count)
     for kind, count in report["fault_calls"].items():
         add(f"fault_calls.{kind}", count)
+    for kind, count in sorted(report.get("hostile", {}).get("counts", {}).items()):
+        add(f"hostile.{kind}", count)
     add("restarts (SIGKILL)", report["restarts"])
     add("bad frames sent", report["bad_frames_sent"])
     fuzz = report["fuzz"]

@@ -1,0 +1,217 @@
+"""The soak's misbehaving clients and its real full file system.
+
+- :class:`Hostile` runs, beside the honest workers, one attacker of each kind in turn
+  until the load stops: a msgpack bomb (a frame of 200,000 empty arrays), a client
+  that pipelines ``get`` requests and never reads, a slowloris (half a frame, then
+  silence), and idle sockets that never say hello. Each attack must end the way the
+  daemon's guards promise (``bad_frame`` reply, closed connection): what happened is
+  counted in ``counts`` and any other outcome is an ``unexpected`` entry in the report.
+- :class:`RealFullDisk` mounts a small tmpfs as one of the disk tier's directories (root
+  only) and fills it during episodes, so the daemon meets a real ENOSPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from tierd.control.protocol import HEADER, PROTOCOL_VERSION, FrameDecoder, encode
+
+# The daemon's guards, set short in the soak's config so that attacks end within a run.
+GUARD_LIMITS = {
+    "hello_timeout_s": 2,
+    "frame_deadline_s": 3,
+    "output_stall_s": 4,
+    "output_buffer_bytes": 1 << 20,
+}
+_WAIT_S = 30.0  # safety net for one attack; the guards act within a few seconds
+_ATTACK_PAUSE_S = 0.5
+ATTACKS = ("bomb", "non_reader", "slowloris", "idle")
+
+
+class Hostile:
+    """One attack at a time, in a seeded order, until ``stop`` is set."""
+
+    def __init__(self, path: Callable[[], str], namespace: str) -> None:
+        self._path = path
+        self._namespace = namespace
+        self.counts: Counter[str] = Counter()
+        self.unexpected: list[str] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        turn = 0
+        while not stop.is_set():
+            attack = ATTACKS[turn % len(ATTACKS)]
+            turn += 1
+            try:
+                async with asyncio.timeout(_WAIT_S):
+                    await getattr(self, f"_{attack}")()
+            except (ConnectionError, FileNotFoundError, ConnectionRefusedError):
+                self.counts["daemon_away"] += 1  # restarting: not the attack's outcome
+            except TimeoutError:
+                self._odd(f"{attack}: no end within {_WAIT_S} s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), _ATTACK_PAUSE_S)
+
+    def _odd(self, what: str) -> None:
+        self.counts["unexpected"] += 1
+        if len(self.unexpected) < 20:
+            self.unexpected.append(what)
+
+    async def _open(self, hello: bool = True) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_unix_connection(self._path())
+        if hello:
+            writer.write(
+                encode(
+                    {
+                        "id": 1,
+                        "op": "hello",
+                        "version": PROTOCOL_VERSION,
+                        "namespace": self._namespace,
+                    }
+                )
+            )
+            first = await _replies(reader, 1)
+            if not first or not first[0].get("ok"):
+                writer.close()
+                raise ConnectionError(f"hello refused: {first}")
+        return reader, writer
+
+    async def _bomb(self) -> None:
+        count = 200_000  # under the soak's frame limit: the decoder's limits must act
+        head = msgpack.packb({"id": 2, "op": "health", "x": []})
+        body = head[:-1] + b"\xdd" + count.to_bytes(4, "big") + b"\x90" * count
+        reader, writer = await self._open()
+        try:
+            writer.write(HEADER.pack(len(body)) + body)
+            replies = await _replies(reader, 1)
+            if replies and replies[0].get("error") in ("bad_frame", "frame_too_large"):
+                self.counts["bomb_refused"] += 1
+            else:
+                self._odd(f"bomb answered {replies[:1]}")
+        finally:
+            writer.close()
+
+    async def _non_reader(self) -> None:
+        """Pipelines a thousand ``metrics`` requests (megabytes of replies) and never
+        reads: the daemon stops reading, then closes the connection after the stall."""
+        reader, writer = await self._open()
+        try:
+            writer.write(b"".join(encode({"id": 10 + i, "op": "metrics"}) for i in range(1000)))
+            if await _closed(reader, skip=True):
+                self.counts["non_reader_closed"] += 1
+            else:
+                self._odd("non-reader: the connection stayed open")
+        finally:
+            writer.close()
+
+    async def _slowloris(self) -> None:
+        reader, writer = await self._open()
+        try:
+            writer.write(HEADER.pack(1 << 16) + b"\x00" * 1000)
+            replies = await _replies(reader, 1)
+            if replies and replies[0].get("error") == "bad_frame" and await _closed(reader):
+                self.counts["slowloris_closed"] += 1
+            else:
+                self._odd(f"slowloris answered {replies[:1]}")
+        finally:
+            writer.close()
+
+    async def _idle(self) -> None:
+        opened = [await self._open(hello=False) for _ in range(8)]
+        try:
+            closed = await asyncio.gather(*(_closed(reader, skip=True) for reader, _ in opened))
+            self.counts["idle_closed"] += sum(closed)
+            if not all(closed):
+                self._odd(f"idle: {closed.count(False)} of 8 silent sockets stayed open")
+        finally:
+            for _, writer in opened:
+                writer.close()
+
+    def report(self) -> dict[str, Any]:
+        return {"counts": dict(self.counts), "unexpected": self.unexpected}
+
+
+async def _replies(reader: asyncio.StreamReader, count: int) -> list[dict[str, Any]]:
+    decoder = FrameDecoder(1 << 30)
+    out: list[dict[str, Any]] = []
+    while len(out) < count:
+        data = await reader.read(1 << 16)
+        if not data:
+            break
+        out += decoder.feed(data)
+    return out
+
+
+async def _closed(reader: asyncio.StreamReader, *, skip: bool = False) -> bool:
+    """Whether the daemon closes the connection (reading, and dropping, what it sends
+    when ``skip``; a non-reader reads nothing until the stall limit has passed)."""
+    if skip:
+        await asyncio.sleep(GUARD_LIMITS["output_stall_s"] + 1)
+    while True:
+        try:
+            data = await reader.read(1 << 20)
+        except ConnectionError:
+            return True
+        if not data:
+            return True
+
+
+# -- a real full file system ------------------------------------------------------------------
+
+
+class RealFullDisk:
+    """A tmpfs of ``size`` bytes mounted at ``workdir/fullfs`` (root only: else
+    :attr:`directory` is None and the campaign runs without it)."""
+
+    def __init__(self, workdir: Path, size: int) -> None:
+        self.directory: Path | None = None
+        self.fills = 0
+        if os.geteuid() != 0:
+            return
+        target = workdir / "fullfs"
+        target.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)],
+            capture_output=True,
+            check=False,
+        )
+        if done.returncode == 0:
+            self.directory = target
+
+    def fill(self) -> bool:
+        """Write a filler until the file system is full; whether it got full."""
+        if self.directory is None:
+            return False
+        chunk = b"\xee" * (64 << 10)
+        fd, _ = tempfile.mkstemp(prefix="filler-", dir=self.directory)
+        try:
+            while True:
+                os.write(fd, chunk)
+        except OSError:
+            self.fills += 1
+            return True
+        finally:
+            os.close(fd)
+
+    def release(self) -> None:
+        if self.directory is None:
+            return
+        for name in os.listdir(self.directory):
+            if name.startswith("filler-"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.directory / name)
+
+    def unmount(self) -> None:
+        if self.directory is not None:
+            subprocess.run(["umount", "-l", str(self.directory)], capture_output=True, check=False)
+            self.directory = None
