@@ -1,9 +1,7 @@
 """The control socket: binding it safely, accepting peers, moving frames.
 
-- :func:`bind_unix_socket` creates the socket file with its final mode and no window in
-  which it is more open (bound inside a fresh 0700 directory, chmod-ed, then renamed into
-  place). A socket file left by a crashed daemon (nobody accepts on it) is replaced; a
-  live one is an error, "already running".
+- :func:`~tierd.control.socketfile.bind_unix_socket` (in its own module) creates the
+  socket file; this module serves on it.
 - :class:`Connection` is an :class:`asyncio.Protocol`: it checks the peer with
   ``SO_PEERCRED``, decodes frames, hands each message to its :class:`Session`, and writes
   the replies of one read in one call. When the client stops reading, the connection
@@ -18,12 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import os
 import socket
-import stat
-import struct
-import tempfile
 from collections import deque
 from typing import Any, cast
 
@@ -40,68 +34,12 @@ from tierd.control.protocol import (
     error_reply,
 )
 from tierd.control.session import Session
+from tierd.control.socketfile import bind_unix_socket, peer_credentials
 from tierd.errors import AlreadyRunning
 
 __all__ = ["AlreadyRunning", "Connection", "Server", "bind_unix_socket", "peer_credentials"]
 
 log = structlog.get_logger("tierd.control")
-
-_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-def bind_unix_socket(path: str, mode: int) -> socket.socket:
-    """A listening Unix stream socket at ``path`` with permissions ``mode``."""
-    _clear_stale(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    private = tempfile.mkdtemp(prefix=".tierd-bind-", dir=directory)  # mode 0700
-    staged = os.path.join(private, "sock")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(staged)
-        os.chmod(staged, mode)
-        # Listen before the path appears: a connect in between would be refused, and a
-        # daemon starting at that moment would take the socket for a stale one.
-        sock.listen(1024)
-        os.rename(staged, path)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(staged)
-        raise
-    finally:
-        os.rmdir(private)
-    return sock
-
-
-def _clear_stale(path: str) -> None:
-    """Remove a socket file nobody listens on; refuse to touch a live one or a non-socket."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise AlreadyRunning(f"{path} exists and is not a socket; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError as exc:
-        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-            raise
-        log.warning("replacing a stale socket left by an earlier run", path=path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    else:
-        raise AlreadyRunning(f"tierd is already running on {path}")
-    finally:
-        probe.close()
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` of the process at the other end of a Unix socket."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
-    pid, uid, gid = _CREDS.unpack(raw)
-    return pid, uid, gid
 
 
 class Connection(asyncio.Protocol):
@@ -132,7 +70,8 @@ class Connection(asyncio.Protocol):
         self._reading_paused = False
         self._hello = Deadline(limits.hello_timeout_s, lambda: self._drop("hello_timeout"))
         self._frame = Deadline(limits.frame_deadline_s, lambda: self._drop("frame_deadline"))
-        self._stall = Deadline(limits.output_stall_s, lambda: self._drop("output_stall"))
+        self._stall = Deadline(limits.output_stall_s, self._stalled)
+        self._stall_mark = 0  # unsent bytes when the stall clock started
         self.peer: tuple[int, int, int] = (0, -1, -1)
 
     # -- asyncio.Protocol -------------------------------------------------------------
@@ -306,11 +245,24 @@ class Connection(asyncio.Protocol):
             self._reading_paused = True
             self._frame.disarm()  # a frame is not late while the daemon is not reading
             self.transport.pause_reading()
-        if self.transport is not None and self.transport.get_write_buffer_size():
-            if not self._stall.armed:
-                self._stall.arm()
-        else:
+        unsent = self.transport.get_write_buffer_size() if self.transport is not None else 0
+        if not unsent:
             self._stall.disarm()
+        elif not self._stall.armed:
+            self._stall_mark = unsent
+            self._stall.arm()
+
+    def _stalled(self) -> None:
+        """The stall clock ran out: close the connection unless the client read some of
+        its replies meanwhile (then the clock starts again)."""
+        if self.transport is None:
+            return
+        unsent = self.transport.get_write_buffer_size()
+        if unsent and unsent >= self._stall_mark:
+            self._drop("output_stall")
+        elif unsent:
+            self._stall_mark = unsent
+            self._stall.arm()
 
     def _drop(self, reason: str, code: ErrorCode | None = None, message: str | None = None) -> None:
         """Close the connection for breaking a guard: counted, logged at a bounded rate."""

@@ -1,0 +1,83 @@
+"""The socket file: binding it safely, and who is at the other end.
+
+- :func:`bind_unix_socket` creates the socket file with its final mode and no window in
+  which it is more open (bound inside a fresh 0700 directory, chmod-ed, then renamed into
+  place). A socket file left by a crashed daemon (nobody accepts on it) is replaced; a
+  live one is an error, "already running".
+- :func:`peer_credentials` reads ``SO_PEERCRED``: the pid, uid and gid of the peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import stat
+import struct
+import tempfile
+
+import structlog
+
+from tierd.errors import AlreadyRunning
+
+__all__ = ["bind_unix_socket", "peer_credentials"]
+
+log = structlog.get_logger("tierd.control")
+
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def bind_unix_socket(path: str, mode: int) -> socket.socket:
+    """A listening Unix stream socket at ``path`` with permissions ``mode``."""
+    _clear_stale(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    private = tempfile.mkdtemp(prefix=".tierd-bind-", dir=directory)  # mode 0700
+    staged = os.path.join(private, "sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(staged)
+        os.chmod(staged, mode)
+        # Listen before the path appears: a connect in between would be refused, and a
+        # daemon starting at that moment would take the socket for a stale one.
+        sock.listen(1024)
+        os.rename(staged, path)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staged)
+        raise
+    finally:
+        os.rmdir(private)
+    return sock
+
+
+def _clear_stale(path: str) -> None:
+    """Remove a socket file nobody listens on; refuse to touch a live one or a non-socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise AlreadyRunning(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError as exc:
+        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+            raise
+        log.warning("replacing a stale socket left by an earlier run", path=path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    else:
+        raise AlreadyRunning(f"tierd is already running on {path}")
+    finally:
+        probe.close()
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+    pid, uid, gid = _CREDS.unpack(raw)
+    return pid, uid, gid
