@@ -35,15 +35,21 @@ GUARD_LIMITS = {
 }
 _WAIT_S = 30.0  # safety net for one attack; the guards act within a few seconds
 _ATTACK_PAUSE_S = 0.5
+_RESTART_GRACE_S = 10.0  # how long a killed daemon may take to be counted as restarted
 ATTACKS = ("bomb", "non_reader", "slowloris", "idle")
 
 
 class Hostile:
     """One attack at a time, in a seeded order, until ``stop`` is set."""
 
-    def __init__(self, path: Callable[[], str], namespace: str) -> None:
+    def __init__(
+        self, path: Callable[[], str], namespace: str, incarnation: Callable[[], int]
+    ) -> None:
         self._path = path
         self._namespace = namespace
+        self._incarnation = incarnation  # changes when the daemon was killed and restarted
+        self._began = 0
+        self._odd_now: list[str] = []
         self.counts: Counter[str] = Counter()
         self.unexpected: list[str] = []
 
@@ -52,20 +58,34 @@ class Hostile:
         while not stop.is_set():
             attack = ATTACKS[turn % len(ATTACKS)]
             turn += 1
+            self._began = self._incarnation()
+            self._odd_now = []
             try:
                 async with asyncio.timeout(_WAIT_S):
                     await getattr(self, f"_{attack}")()
             except (ConnectionError, FileNotFoundError, ConnectionRefusedError):
                 self.counts["daemon_away"] += 1  # restarting: not the attack's outcome
             except TimeoutError:
-                self._odd(f"{attack}: no end within {_WAIT_S} s")
+                self._odd_now.append(f"{attack}: no end within {_WAIT_S} s")
+            await self._judge()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), _ATTACK_PAUSE_S)
 
     def _odd(self, what: str) -> None:
+        self._odd_now.append(what)
+
+    async def _judge(self) -> None:
+        """An odd end counts only if the same daemon ran the whole attack: one killed
+        and restarted meanwhile (the campaign's SIGKILLs) ends connections its own way."""
+        if not self._odd_now:
+            return
+        await asyncio.sleep(_RESTART_GRACE_S)  # a kill's restart shows by then
+        if self._incarnation() != self._began:
+            self.counts["daemon_away"] += 1
+            return
         self.counts["unexpected"] += 1
         if len(self.unexpected) < 20:
-            self.unexpected.append(what)
+            self.unexpected.extend(self._odd_now)
 
     async def _open(self, hello: bool = True) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         reader, writer = await asyncio.open_unix_connection(self._path())

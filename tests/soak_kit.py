@@ -810,7 +810,7 @@ class Campaign:
         self.full_disk = RealFullDisk(workdir, share + (20 << 20))
         config = soak_config(workdir, socket_path, settings, self.full_disk.directory)
         self.daemon = DaemonProcess(workdir, config)
-        self.hostile = Hostile(lambda: self.path, "soak-hostile")
+        self.hostile = Hostile(lambda: self.path, "soak-hostile", lambda: self.daemon.incarnation)
         self.real_full = self.full_disk.directory is not None
         self.faults = FaultSwitch(self.daemon.control)
         self.injected: Counter[str] = Counter()
@@ -1357,6 +1357,8 @@ def render(report: dict[str, Any]) -> str:
         add(f"fault_calls.{kind}", count)
     for kind, count in sorted(report.get("hostile", {}).get("counts", {}).items()):
         add(f"hostile.{kind}", count)
+    for what in report.get("hostile", {}).get("unexpected", []):
+        add("hostile.unexpected", what)
     add("restarts (SIGKILL)", report["restarts"])
     add("bad frames sent", report["bad_frames_sent"])
     fuzz = report["fuzz"]
