@@ -15,6 +15,7 @@ from tierd.control.client import (
     PoolMap,
     StoreLease,
     Unreachable,
+    UntrustedDaemon,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "PoolMap",
     "StoreLease",
     "Unreachable",
+    "UntrustedDaemon",
 ]

@@ -25,12 +25,13 @@ import asyncio
 import contextlib
 import mmap
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Self, cast
 
 from tierd.control.protocol import PROTOCOL_VERSION, FrameDecoder, encode
+from tierd.control.socketfile import peer_credentials
 from tierd.errors import ProtocolError, TierdError
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "PoolMap",
     "StoreLease",
     "Unreachable",
+    "UntrustedDaemon",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -59,6 +61,25 @@ class DaemonError(TierdError):
 
 class Unreachable(TierdError):
     """No daemon answers on the socket (missing, refused, or the connection was lost)."""
+
+
+class UntrustedDaemon(Unreachable):
+    """The socket is served by a process of another user: not a daemon to trust."""
+
+
+def _check_server(protocol: _Protocol, path: str, server_uids: Collection[int]) -> None:
+    transport = protocol.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        raise Unreachable(f"cannot read who serves {path}")
+    pid, uid, _ = peer_credentials(sock)
+    if uid in (os.getuid(), 0) or uid in server_uids:
+        return
+    raise UntrustedDaemon(
+        f"refusing the socket {path}: it is served by uid {uid} (pid {pid}), not by this"
+        f" user (uid {os.getuid()}) or root. Another user may have bound it first; if that"
+        " daemon is the one you mean, trust its uid (server_uids)."
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,9 +242,15 @@ class Client:
         block_bytes: int | None = None,
         map_pool: bool = True,
         max_frame_bytes: int = 1 << 30,
+        server_uids: Collection[int] = (),
     ) -> Client:
         """Connect, say hello (naming ``namespace``; ``block_bytes`` must then match the
-        daemon's) and map the pool when there is one and ``map_pool``."""
+        daemon's) and map the pool when there is one and ``map_pool``.
+
+        Before a byte is sent, the process serving the socket must run as this user, as
+        root, or as one of ``server_uids`` (``SO_PEERCRED``): a socket path bound first by
+        another user (squatting) is refused with :class:`UntrustedDaemon`, so no KV bytes
+        are ever written to, or read from, an impostor."""
         client = cls()
         loop = asyncio.get_running_loop()
         try:
@@ -236,6 +263,7 @@ class Client:
             ) from exc
         client._protocol = protocol
         try:
+            _check_server(protocol, os.fspath(path), server_uids)
             hello: dict[str, Any] = {"version": PROTOCOL_VERSION}
             if namespace is not None:
                 hello["namespace"] = namespace
