@@ -94,11 +94,14 @@ def test_defaults_validate() -> None:
 
 
 def test_default_socket_path() -> None:
-    assert default_socket_path({"XDG_RUNTIME_DIR": "/run/user/7"}) == Path("/run/user/7/tierd.sock")
-    assert default_socket_path({}) == Path(f"/tmp/tierd-{os.getuid()}.sock")
-    assert default_socket_path({"XDG_RUNTIME_DIR": ""}) == Path(f"/tmp/tierd-{os.getuid()}.sock")
+    runtime = Path("/run/user/7/tierd/tierd.sock")
+    assert default_socket_path({"XDG_RUNTIME_DIR": "/run/user/7"}) == runtime
+    assert default_socket_path({}) == Path(f"/tmp/tierd-{os.getuid()}/tierd.sock")
+    assert default_socket_path({"XDG_RUNTIME_DIR": ""}) == Path(
+        f"/tmp/tierd-{os.getuid()}/tierd.sock"
+    )
     cfg = load_settings(None, environ={"XDG_RUNTIME_DIR": "/run/user/7"})
-    assert cfg.socket.path == Path("/run/user/7/tierd.sock")
+    assert cfg.socket.path == Path("/run/user/7/tierd/tierd.sock")
 
 
 @pytest.mark.parametrize(
@@ -525,8 +528,9 @@ def test_cli_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert [tier["name"] for tier in data["tiers"]] == ["cpu", "disk"]
     assert main(["config", "show"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
-    assert shown["socket"]["path"] == str(tmp_path / "tierd.sock")  # from XDG_RUNTIME_DIR
-    assert shown == effective_config_dict(DaemonConfig(socket={"path": tmp_path / "tierd.sock"}))
+    own = tmp_path / "tierd" / "tierd.sock"
+    assert shown["socket"]["path"] == str(own)  # from XDG_RUNTIME_DIR
+    assert shown == effective_config_dict(DaemonConfig(socket={"path": own}))
 
 
 def test_cli_show_follows_the_environment(
@@ -557,7 +561,7 @@ def test_shipped_default_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert cfg.tiers[1].directories == [tmp_path / "state" / "tierd" / "disk"]
     assert cfg.block_bytes == 256 << 10
     assert cfg.entry == "cpu"
-    assert cfg.socket.path == Path(f"/tmp/tierd-{os.getuid()}.sock")  # the default applies
+    assert cfg.socket.path == Path(f"/tmp/tierd-{os.getuid()}/tierd.sock")  # the default
     assert cfg.shutdown.write_back == "flush"
 
 

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tierd.client import Client
-from tierd.client import Unreachable as UntrustedDaemon
+from tierd.client import Client, Unreachable, UntrustedDaemon
 
 NOBODY = 65534
 pytestmark = pytest.mark.skipif(
@@ -109,3 +108,67 @@ async def test_a_trusted_server_uid_is_accepted(impostor: Impostor) -> None:
     assert client.info["server"] == "tierd 0"
     await client.close()
     assert await impostor.received() > 0  # the hello went out
+
+
+def _serve(runtime: Path, config: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERD_")}
+    env["XDG_RUNTIME_DIR"] = str(runtime)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tierd", "serve", "-c", str(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.fixture
+def runtime_dir() -> Iterator[Path]:
+    """An XDG_RUNTIME_DIR of the test's own (short: socket paths are limited)."""
+    directory = Path(tempfile.mkdtemp(prefix="tierd-rt-", dir="/tmp"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def cpu_only(tmp_path: Path) -> Path:
+    config = tmp_path / "tierd.yaml"
+    config.write_text("block_bytes: 4096\ntiers: [{name: cpu, kind: cpu, capacity: 8}]\n")
+    return config
+
+
+async def test_the_daemon_refuses_a_socket_directory_another_user_owns(
+    runtime_dir: Path, cpu_only: Path
+) -> None:
+    squatted = runtime_dir / "tierd"
+    squatted.mkdir()
+    os.chown(squatted, NOBODY, NOBODY)
+    daemon = _serve(runtime_dir, cpu_only)
+    out, _ = await asyncio.to_thread(daemon.communicate, timeout=60)
+    assert daemon.returncode == 1
+    assert f"the socket directory {squatted} belongs to uid {NOBODY}" in out
+    assert "Traceback" not in out
+    assert list(squatted.iterdir()) == []
+
+
+async def test_the_daemon_makes_its_socket_directory_private(
+    runtime_dir: Path, cpu_only: Path
+) -> None:
+    daemon = _serve(runtime_dir, cpu_only)
+    try:
+        path = runtime_dir / "tierd" / "tierd.sock"
+        client = None
+        for _ in range(600):  # start-up: nothing to wait on but the socket (60 s at most)
+            assert daemon.poll() is None, daemon.stdout.read() if daemon.stdout else ""
+            try:
+                client = await Client.connect(path)
+                break
+            except Unreachable:
+                await asyncio.sleep(0.1)
+        assert client is not None
+        await client.close()
+        st = os.stat(runtime_dir / "tierd")
+        assert (st.st_uid, st.st_mode & 0o777) == (os.getuid(), 0o700)
+    finally:
+        daemon.terminate()
+        await asyncio.to_thread(daemon.wait, 60)

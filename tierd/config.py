@@ -222,9 +222,12 @@ class ChainConfig(_Strict):
 
 
 def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:
-    """``$XDG_RUNTIME_DIR/tierd.sock`` when that is set, else ``/tmp/tierd-<uid>.sock``."""
+    """``$XDG_RUNTIME_DIR/tierd/tierd.sock`` when that is set, else
+    ``/tmp/tierd-<uid>/tierd.sock``: in a directory of this user's own, which the daemon
+    creates 0700 and refuses when another user owns it (socket squatting)."""
     runtime = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
-    return Path(runtime) / "tierd.sock" if runtime else Path(f"/tmp/tierd-{os.getuid()}.sock")
+    directory = Path(runtime) / "tierd" if runtime else Path(f"/tmp/tierd-{os.getuid()}")
+    return directory / "tierd.sock"
 
 
 class SocketConfig(_Strict):

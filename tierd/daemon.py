@@ -38,9 +38,10 @@ from typing import Any
 import structlog
 
 from tierd.chain import TierChain
-from tierd.config import DaemonConfig, LoggingConfig
+from tierd.config import DaemonConfig, LoggingConfig, default_socket_path
 from tierd.control.context import Limits, PoolInfo, ServerContext
 from tierd.control.server import Server, bind_unix_socket
+from tierd.control.socketfile import prepare_socket_directory
 from tierd.library import open_chain
 from tierd.preflight import check_machine, directories_to_create
 from tierd.settings import effective_config_dict
@@ -99,6 +100,15 @@ def configure_logging(cfg: LoggingConfig, stream: Any = None) -> None:
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, cfg.level.upper())),
         cache_logger_on_first_use=False,
     )
+
+
+def _claim_socket(path: str, mode: int) -> socket.socket:
+    """Bind the socket, in a directory nobody else controls (the per-user default one is
+    created when missing)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    own = Path(directory) == default_socket_path().parent
+    prepare_socket_directory(directory, create=own, socket_mode=mode)
+    return bind_unix_socket(path, mode)
 
 
 def reap_stale_pools(shm_dir: str = "/dev/shm") -> list[str]:
@@ -176,7 +186,7 @@ class Daemon:
         check_machine(cfg)
         # Claim the socket first: a second daemon must fail before it opens the pool or
         # the disk tier that the first one is using.
-        sock = bind_unix_socket(path, cfg.socket.mode)
+        sock = _claim_socket(path, cfg.socket.mode)
         server: Server | None = None
         pid_file = cfg.socket.pid_file or Path(f"{path}.pid")
         created: list[Path] = []

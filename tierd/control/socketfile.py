@@ -5,6 +5,10 @@
   place). A socket file left by a crashed daemon (nobody accepts on it) is replaced; a
   live one is an error, "already running".
 - :func:`peer_credentials` reads ``SO_PEERCRED``: the pid, uid and gid of the peer.
+- :func:`prepare_socket_directory` makes sure nobody else controls the directory the
+  socket goes in: it must belong to this user (or root), and be writable by others only
+  with the sticky bit (like /tmp). The default per-user directory is created, with only
+  the access the socket's mode gives others.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import structlog
 
 from tierd.errors import AlreadyRunning
 
-__all__ = ["bind_unix_socket", "peer_credentials"]
+__all__ = ["bind_unix_socket", "peer_credentials", "prepare_socket_directory"]
 
 log = structlog.get_logger("tierd.control")
 
@@ -81,3 +85,31 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
     pid, uid, gid = _CREDS.unpack(raw)
     return pid, uid, gid
+
+
+def prepare_socket_directory(directory: str, *, create: bool, socket_mode: int) -> None:
+    """Create ``directory`` when missing and ``create`` (mode 0700, plus search
+    permission for the group or others when ``socket_mode`` lets them connect), then
+    refuse it (:class:`PermissionError`, saying why) when another user owns it or may
+    replace the socket in it."""
+    if create:
+        search = (0o050 if socket_mode & 0o060 else 0) | (0o005 if socket_mode & 0o006 else 0)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o700 | search)
+            os.chmod(directory, 0o700 | search)  # past the umask
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"the socket directory {directory} is not a directory")
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise PermissionError(
+            f"the socket directory {directory} belongs to uid {st.st_uid}, not to this user"
+            f" (uid {me}): another user may be squatting it; remove it, or set socket.path"
+        )
+    loose = st.st_mode & 0o022
+    if loose and not st.st_mode & stat.S_ISVTX:
+        raise PermissionError(
+            f"the socket directory {directory} is writable by"
+            f" {'others' if loose & 0o002 else 'its group'} (mode {stat.S_IMODE(st.st_mode):o}),"
+            " who could replace the socket: chmod go-w it, or set socket.path"
+        )
