@@ -164,6 +164,26 @@ async def test_many_small_maps_are_refused(tmp_path: Path, spawn: Spawn) -> None
         assert read_replies(sock, 1)[0]["error"] == "bad_frame"
 
 
+async def big_blocks(
+    tmp_path: Path, spawn: Spawn, limits: dict[str, Any]
+) -> tuple[DaemonProcess, list[bytes], list[bytes]]:
+    """A daemon of 256 KiB blocks (CPU tier only) under ``limits``, holding 16 blocks:
+    a ``get`` of them is a 4 MiB reply. Returns the daemon, the keys and the blocks."""
+    block_bytes = 256 << 10
+    cfg = daemon_config(
+        tmp_path, cpu_blocks=32, disk_blocks=None, block_bytes=block_bytes, limits=limits
+    )
+    daemon = await spawn(cfg)
+    names = keys("big", 16)
+    values = [bytes([i]) * block_bytes for i in range(len(names))]
+    client = await Client.connect(daemon.socket_path, namespace=NS, block_bytes=block_bytes)
+    try:
+        assert await client.store(names, values) == len(names)
+    finally:
+        await client.close()
+    return daemon, names, values
+
+
 # -- a client that never reads -----------------------------------------------------------------
 
 
@@ -173,22 +193,7 @@ async def test_a_client_that_never_reads_cannot_grow_the_daemon(
     """200 pipelined gets of 16 blocks of 256 KiB = 800 MiB of replies. The daemon stops
     reading the connection once its unsent replies pass the output limit, so it holds
     a few of them, and the client gets every reply, in order, once it reads."""
-    block_bytes = 256 << 10
-    cfg = daemon_config(
-        tmp_path,
-        cpu_blocks=32,
-        disk_blocks=None,
-        block_bytes=block_bytes,
-        limits={"output_buffer_bytes": 8 << 20},
-    )
-    daemon = await spawn(cfg)
-    names = keys("nr", 16)
-    client = await Client.connect(daemon.socket_path, namespace=NS, block_bytes=block_bytes)
-    try:
-        values = [bytes([i]) * block_bytes for i in range(len(names))]
-        assert await client.store(names, values) == len(names)
-    finally:
-        await client.close()
+    daemon, names, values = await big_blocks(tmp_path, spawn, {"output_buffer_bytes": 8 << 20})
     before = rss_bytes(daemon.pid)
     requests = 200
     frames = b"".join(encode({"id": 100 + i, "op": "get", "keys": names}) for i in range(requests))
@@ -317,21 +322,8 @@ async def test_refused_connections_are_counted_not_logged_one_by_one(
 async def test_replies_left_unread_too_long_close_the_connection(
     tmp_path: Path, spawn: Spawn
 ) -> None:
-    block_bytes = 256 << 10
-    cfg = daemon_config(
-        tmp_path,
-        cpu_blocks=16,
-        disk_blocks=None,
-        block_bytes=block_bytes,
-        limits={"output_buffer_bytes": 1 << 20, "output_stall_s": 1},
-    )
-    daemon = await spawn(cfg)
-    names = keys("st", 16)
-    client = await Client.connect(daemon.socket_path, namespace=NS, block_bytes=block_bytes)
-    try:
-        assert await client.store(names, [bytes(block_bytes)] * len(names)) == len(names)
-    finally:
-        await client.close()
+    limits = {"output_buffer_bytes": 1 << 20, "output_stall_s": 1}
+    daemon, names, _ = await big_blocks(tmp_path, spawn, limits)
     with sockets() as opened:
         sock = raw_connect(daemon)
         opened.append(sock)

@@ -16,12 +16,13 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
 import xxhash
 
-from tests.test_daemon_lifecycle import BLOCK, Spawn, block, keys, spawn
+from tests.test_daemon_lifecycle import BLOCK, DaemonProcess, Spawn, block, keys, spawn
 from tierd.client import Client
 from tierd.testing import daemon_config
 
@@ -152,16 +153,27 @@ async def test_a_full_file_system_loses_no_block_silently(tmp_path: Path, spawn:
 # -- the journal deleted while running ------------------------------------------------------------
 
 
-async def test_a_missing_journal_after_a_kill_means_a_crash(tmp_path: Path, spawn: Spawn) -> None:
+async def flushed_daemon(
+    tmp_path: Path, spawn: Spawn, names: list[bytes]
+) -> tuple[DaemonProcess, dict[str, Any], Path]:
+    """A daemon (CPU 8 over disk 64) holding ``names``, flushed to its disk tier; with
+    its config and its disk directory."""
     cfg = daemon_config(tmp_path, cpu_blocks=8, disk_blocks=64)
-    directory = Path(cfg["tiers"][1]["directories"][0])  # type: ignore[index]
+    directory = Path(cfg["tiers"][1]["directories"][0])
     daemon = await spawn(cfg)
     client = await connect(daemon.socket_path)
+    try:
+        for i in range(0, len(names), 8):
+            await client.store(names[i : i + 8], [block(k) for k in names[i : i + 8]])
+        assert (await client.flush()).dirty == 0
+    finally:
+        await client.close()
+    return daemon, cfg, directory
+
+
+async def test_a_missing_journal_after_a_kill_means_a_crash(tmp_path: Path, spawn: Spawn) -> None:
     names = keys("kept", 40)
-    for i in range(0, len(names), 8):
-        await client.store(names[i : i + 8], [block(k) for k in names[i : i + 8]])
-    assert (await client.flush()).dirty == 0
-    await client.close()
+    daemon, cfg, directory = await flushed_daemon(tmp_path, spawn, names)
     (directory / "tierd-journal.bin").unlink()
     daemon.signal(signal.SIGKILL)
     await daemon.wait()
@@ -181,14 +193,8 @@ async def test_a_missing_journal_after_a_kill_means_a_crash(tmp_path: Path, spaw
 
 
 async def test_a_forged_snapshot_is_rebuilt_from_the_slab(tmp_path: Path, spawn: Spawn) -> None:
-    cfg = daemon_config(tmp_path, cpu_blocks=8, disk_blocks=64)
-    directory = Path(cfg["tiers"][1]["directories"][0])  # type: ignore[index]
-    daemon = await spawn(cfg)
-    client = await connect(daemon.socket_path)
     names = keys("forged", 8)
-    await client.store(names, [block(k) for k in names])
-    assert (await client.flush()).dirty == 0
-    await client.close()
+    daemon, cfg, directory = await flushed_daemon(tmp_path, spawn, names)
     assert await daemon.stop() == 0
     body = msgpack.packb([1, 2, 3])  # a checksummed body that is not a map
     (directory / "tierd-index.msgpack").write_bytes(
