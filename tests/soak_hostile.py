@@ -30,12 +30,15 @@ from tierd.control.protocol import HEADER, PROTOCOL_VERSION, FrameDecoder, encod
 GUARD_LIMITS = {
     "hello_timeout_s": 2,
     "frame_deadline_s": 3,
-    "output_stall_s": 4,
+    "output_stall_s": 2,
     "output_buffer_bytes": 1 << 20,
 }
 _WAIT_S = 30.0  # safety net for one attack; the guards act within a few seconds
 _ATTACK_PAUSE_S = 0.5
 _RESTART_GRACE_S = 10.0  # how long a killed daemon may take to be counted as restarted
+# How long a non-reader (or a silent socket) stays silent before it looks for the close:
+# several times the guards' limits, so that a loaded machine has time to fill the buffers.
+_SKIP_S = 5 * max(GUARD_LIMITS["output_stall_s"], GUARD_LIMITS["hello_timeout_s"])
 ATTACKS = ("bomb", "non_reader", "slowloris", "idle")
 
 
@@ -43,8 +46,13 @@ class Hostile:
     """One attack at a time, in a seeded order, until ``stop`` is set."""
 
     def __init__(
-        self, path: Callable[[], str], namespace: str, incarnation: Callable[[], int]
+        self,
+        path: Callable[[], str],
+        namespace: str,
+        incarnation: Callable[[], int],
+        turn: Callable[[], contextlib.AbstractAsyncContextManager[None]],
     ) -> None:
+        self._turn = turn  # the campaign's gate: checkpoints wait for the attack running
         self._path = path
         self._namespace = namespace
         self._incarnation = incarnation  # changes when the daemon was killed and restarted
@@ -61,7 +69,7 @@ class Hostile:
             self._began = self._incarnation()
             self._odd_now = []
             try:
-                async with asyncio.timeout(_WAIT_S):
+                async with self._turn(), asyncio.timeout(_WAIT_S):
                     await getattr(self, f"_{attack}")()
             except (ConnectionError, FileNotFoundError, ConnectionRefusedError):
                 self.counts["daemon_away"] += 1  # restarting: not the attack's outcome
@@ -176,7 +184,7 @@ async def _closed(reader: asyncio.StreamReader, *, skip: bool = False) -> bool:
     """Whether the daemon closes the connection (reading, and dropping, what it sends
     when ``skip``; a non-reader reads nothing until the stall limit has passed)."""
     if skip:
-        await asyncio.sleep(GUARD_LIMITS["output_stall_s"] + 1)
+        await asyncio.sleep(_SKIP_S)
     while True:
         try:
             data = await reader.read(1 << 20)

@@ -773,14 +773,21 @@ class FaultSwitch:
     """The disk lane's wish, unless suspended (durability checks and restarts run with a
     healthy disk: they check the crash, not a crash with a failing drive at once)."""
 
-    def __init__(self, control: FaultControl) -> None:
+    def __init__(self, control: FaultControl, full_disk: RealFullDisk) -> None:
         self.control = control
+        self.full_disk = full_disk  # the real full file system, filled while wanted
         self.wanted = FaultPlan()
+        self.full_wanted = False
         self.suspended = 0
 
     def want(self, plan: FaultPlan) -> None:
         self.wanted = plan
         self._apply()
+
+    def want_full(self, full: bool) -> bool:
+        """Fill (or free) the real file system; whether it is full now."""
+        self.full_wanted = full
+        return self._apply()
 
     def suspend(self) -> None:
         self.suspended += 1
@@ -790,8 +797,12 @@ class FaultSwitch:
         self.suspended -= 1
         self._apply()
 
-    def _apply(self) -> None:
+    def _apply(self) -> bool:
         self.control.set(FaultPlan() if self.suspended else self.wanted)
+        if self.full_wanted and not self.suspended:
+            return self.full_disk.fill()
+        self.full_disk.release()
+        return False
 
 
 class Campaign:
@@ -810,9 +821,11 @@ class Campaign:
         self.full_disk = RealFullDisk(workdir, share + (20 << 20))
         config = soak_config(workdir, socket_path, settings, self.full_disk.directory)
         self.daemon = DaemonProcess(workdir, config)
-        self.hostile = Hostile(lambda: self.path, "soak-hostile", lambda: self.daemon.incarnation)
+        self.hostile = Hostile(
+            lambda: self.path, "soak-hostile", lambda: self.daemon.incarnation, self.gate.turn
+        )
         self.real_full = self.full_disk.directory is not None
-        self.faults = FaultSwitch(self.daemon.control)
+        self.faults = FaultSwitch(self.daemon.control, self.full_disk)
         self.injected: Counter[str] = Counter()
         self.durability: Counter[str] = Counter()
         self.lost_examples: list[str] = []
@@ -936,17 +949,23 @@ class Campaign:
                     break
 
     async def _real_full_episode(self) -> None:
-        """Fill the tmpfs directory of the disk tier, hold it full, free it again."""
-        if not await asyncio.to_thread(self.full_disk.fill):
+        """Fill the tmpfs directory of the disk tier, hold it full, free it again (it is
+        freed too while faults are suspended: checkpoints and restarts see a healthy
+        disk). An attempt that fell into a suspension is run again."""
+        if self.full_disk.directory is None:
             self.note("disk_real_full skipped: no tmpfs (not root)")
             return
-        self.injected["disk_real_full"] += 1
-        self.note("disk_real_full: the tmpfs is full")
-        try:
-            await asyncio.sleep(self.plan["episode_s"])
-        finally:
-            self.full_disk.release()
-            self.note("disk_real_full: space freed")
+        for _attempt in range(3):
+            full = self.faults.want_full(True)
+            self.note(f"disk_real_full: {'the tmpfs is full' if full else 'suspended'}")
+            try:
+                await asyncio.sleep(self.plan["episode_s"])
+            finally:
+                self.faults.want_full(False)
+                self.note("disk_real_full: space freed")
+            if full:
+                self.injected["disk_real_full"] += 1
+                return
 
     async def _sample(self) -> None:
         """Every second: the daemon's RSS; every other: its stats. Restarts a daemon that
