@@ -46,7 +46,7 @@ class FaultyIO(FileIO):
         self.refuse_direct = False
         self.data_addresses: list[int] = []
 
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
         if self.refuse_direct and flags & self.o_direct_flag:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
         return super().open(path, flags, mode)

@@ -193,8 +193,11 @@ class Daemon:
         try:
             write_pid_file(pid_file)
             reap_stale_pools()
+            own = {d.absolute() for tier in cfg.tiers for d in tier.directories}
             for directory in directories_to_create(cfg):
-                directory.mkdir()
+                # A tier's own directory holds its tenants' data: 0700. Parents (such as
+                # ~/.local/state) get the usual mode.
+                directory.mkdir(mode=0o700 if directory in own else 0o777)
                 created.append(directory)
             async with open_chain(cfg, pool_mode=cfg.socket.mode) as chain:
                 created = []  # the chain opened: its directories are the daemon's now

@@ -51,7 +51,7 @@ def build_store(
         # Create the tier's own directory, never its parents: a missing mount point
         # must fail loudly rather than fill the root file system.
         if directory.parent.is_dir():
-            directory.mkdir(exist_ok=True)
+            directory.mkdir(mode=0o700, exist_ok=True)
     o_direct: Any = spec.o_direct
     return DiskStore(
         num_blocks=num_blocks,

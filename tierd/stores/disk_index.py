@@ -296,6 +296,7 @@ class Journal:
         save_snapshot(self._io, self.snapshot_path, self.uuid, cp)
         if self._fd < 0:
             self._fd = self._io.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            private(self._fd)
         self._io.truncate(self._fd, 0)
         head = _JNL_HDR.pack(_JNL_MAGIC, _VERSION, 0, cp.epoch, self.uuid)
         _write_all(self._io, self._fd, head + _U64.pack(_xxh(head)))
@@ -358,6 +359,13 @@ def reconcile(
         else:
             verify[slot] = hdr
     return trusted, verify
+
+
+def private(fd: int) -> None:
+    """Make a file of the disk tier readable and writable by its owner only: cached
+    blocks reveal the prompts they came from, and an older tierd created them 0644."""
+    if os.fstat(fd).st_mode & 0o077:
+        os.fchmod(fd, 0o600)
 
 
 def _write_all(io: FileIO, fd: int, data: bytes) -> None:

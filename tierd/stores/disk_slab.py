@@ -238,6 +238,7 @@ class Slab:
         self._formatted = False
         try:
             self._lock_fd = self.io.open(self.path, os.O_RDWR | os.O_CREAT)
+            di.private(self._lock_fd)
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:

@@ -52,7 +52,7 @@ class FileIO:
 
     o_direct_flag = _O_DIRECT
 
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
         return os.open(path, flags, mode)
 
     def close(self, fd: int) -> None:
