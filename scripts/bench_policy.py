@@ -32,7 +32,7 @@ from tierd.policy import policy_names
 from tierd.tier import Tier
 from tierd.workload import parse_capacity, read_trace, replay
 from tierd.workload.generate import GeneratorConfig, generate
-from tierd.workload.trace import Trace, TraceRequest
+from tierd.workload.trace import Trace, parse_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_TRACE = ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
@@ -192,13 +192,7 @@ def load_trace(path: Path | None) -> Trace:
     if SHARED_TRACE.is_file():
         return read_trace(SHARED_TRACE)
     records = generate(GeneratorConfig(seed=0))
-    requests = tuple(
-        TraceRequest(r.timestamp, r.input_length, r.output_length, tuple(map(int_key, r.hash_ids)))
-        for r in records
-    )
-    unique = len({key for request in requests for key in request.keys})
-    accesses = sum(len(request.keys) for request in requests)
-    return Trace(requests, unique, accesses, "generated (seed 0)")
+    return parse_trace((record.to_json() for record in records), source="generated (seed 0)")
 
 
 def report(

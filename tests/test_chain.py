@@ -14,6 +14,7 @@ from tierd.chain import TierChain
 from tierd.errors import BlockMissing, CapacityError
 from tierd.events import EventKind, TierEvent
 from tierd.keys import BlockKey, Medium, int_key
+from tierd.policy import policy_names
 
 BLOCK = 4096
 
@@ -68,7 +69,7 @@ THREE_TIERS = [
 
 
 @pytest.mark.parametrize("kinds", THREE_TIERS)
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", policy_names())
 async def test_pressure_demotes_to_disk_and_promotion_returns_identical_bytes(
     tmp_path: Path, kinds: tuple[str, ...], policy: str
 ) -> None:

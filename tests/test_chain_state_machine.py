@@ -30,13 +30,14 @@ import tierd
 from tierd.chain import LoadHandle, TierChain
 from tierd.errors import BlockMissing, CapacityError
 from tierd.keys import BlockKey, int_key
+from tierd.policy import policy_names
 from tierd.testing import as_bytes
 
 BLOCK = 4096
 KEYS = [int_key(i) for i in range(10)]
 store_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=3)
 small_store_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=2)
-policies = st.sampled_from(["lru", "arc"])
+policies = st.sampled_from(policy_names())
 
 
 def content(key: BlockKey) -> bytes:

@@ -129,7 +129,7 @@ def test_replay_leaves_a_consistent_tier(trace: Trace) -> None:
 
 
 def test_unknown_policy(trace: Trace) -> None:
-    with pytest.raises(UnknownPolicy, match="valid policies: arc, lru"):
+    with pytest.raises(UnknownPolicy, match="valid policies: arc, duel, lru"):
         simulate(trace, "nope", 10)
 
 
@@ -143,6 +143,24 @@ def test_unknown_policy(trace: Trace) -> None:
 def test_shared_trace_lru_hit_ratios(shared_trace: Path, capacity: int, expected: float) -> None:
     result = simulate(read_trace(shared_trace), "lru", capacity)
     assert result.hit_ratio == pytest.approx(expected, abs=0.002)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "lru", "arc", "duel"),
+    [
+        (1827, 0.0523, 0.0751, 0.0758),
+        (9139, 0.1957, 0.2119, 0.2120),
+        (18279, 0.2787, 0.2864, 0.2836),
+        (45697, 0.3535, 0.3358, 0.3535),
+    ],
+)
+def test_shared_trace_duel_follows_the_better_of_lru_and_arc(
+    shared_trace: Path, capacity: int, lru: float, arc: float, duel: float
+) -> None:
+    """ARC wins at small sizes, LRU at 25 %; duel is within 0.003 of the better one."""
+    result = simulate(read_trace(shared_trace), "duel", capacity)
+    assert result.hit_ratio == pytest.approx(duel, abs=0.0005)
+    assert result.hit_ratio >= max(lru, arc) - 0.003
 
 
 # -- the command line -------------------------------------------------------------------
@@ -173,7 +191,7 @@ def test_cli_simulate_json(trace_file: Path, capsys: pytest.CaptureFixture[str])
 @pytest.mark.parametrize(
     ("args", "status", "message"),
     [
-        (["--policy", "nope"], 2, "unknown cache policy 'nope'; valid policies: arc, lru"),
+        (["--policy", "nope"], 2, "unknown cache policy 'nope'; valid policies: arc, duel, lru"),
         (["--capacity", "lots"], 2, "capacity must be a block count or a percentage"),
     ],
 )

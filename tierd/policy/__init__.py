@@ -6,10 +6,12 @@ from tierd.policy.registry import make_policy, policy_class, policy_names, regis
 # Importing the implementations registers them.
 from tierd.policy.lru import LRUPolicy  # isort: skip
 from tierd.policy.arc import ARCPolicy  # isort: skip
+from tierd.policy.duel import DuelPolicy  # isort: skip
 
 __all__ = [
     "ARCPolicy",
     "CachePolicy",
+    "DuelPolicy",
     "LRUPolicy",
     "make_policy",
     "policy_class",
