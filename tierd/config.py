@@ -50,6 +50,7 @@ __all__ = [
     "LoggingConfig",
     "MetricsConfig",
     "NamespaceConfig",
+    "RemoteConfig",
     "ShutdownConfig",
     "SocketConfig",
     "TierConfig",
@@ -180,6 +181,57 @@ class TierConfig(_Strict):
         return blocks
 
 
+class RemoteConfig(_Strict):
+    """The shared level below the last local tier: a Redis-protocol server or cluster.
+
+    The server owns eviction (``maxmemory`` with ``allkeys-lru`` or ``allkeys-lfu``), so
+    the remote level has no capacity here and the daemon keeps no index of it."""
+
+    kind: Literal["redis"] = "redis"
+    name: str = Field(default="remote", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    url: str | None = None  # redis://host:port/db, rediss://..., unix:///path?db=0
+    cluster_nodes: list[str] | None = None  # "host:port" seeds of a cluster
+    key_prefix: str = Field(default="tierd:", max_length=256)
+    pool_size: int = Field(default=16, ge=1, le=1024)
+    deadline: Seconds = Field(default=0.1, gt=0, le=60)  # per call
+    ttl: Seconds = Field(default=0.0, ge=0)  # 0: keys never expire (the server evicts)
+    admission: str = "always"
+    max_pending_writes: Size = Field(default=64 << 20, ge=0)  # bytes queued to write
+    breaker_failures: int = Field(default=3, ge=1)
+    breaker_backoff: Seconds = Field(default=0.5, gt=0)
+    breaker_max_backoff: Seconds = Field(default=30.0, gt=0)
+
+    @field_validator("admission")
+    @classmethod
+    def _admission(cls, value: str) -> str:
+        Admission.parse(value)
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"url must start with redis://, rediss:// or unix://, got {value!r}")
+        return value
+
+    @field_validator("cluster_nodes")
+    @classmethod
+    def _nodes(cls, value: list[str] | None) -> list[str] | None:
+        for node in value or ():
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"a cluster node is 'host:port', got {node!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> RemoteConfig:
+        if (self.url is None) == (not self.cluster_nodes):
+            raise _error_at("url", "give exactly one of url and cluster_nodes")
+        if self.breaker_max_backoff < self.breaker_backoff:
+            raise _error_at("breaker_max_backoff", "must be at least breaker_backoff")
+        return self
+
+
 class TransferConfig(_Strict):
     budget_per_route: Size = 256 << 20
 
@@ -191,6 +243,12 @@ class ChainConfig(_Strict):
     tiers: list[TierConfig] = Field(min_length=1)
     entry: str | None = None  # tier name; default: the first tier
     transfer: TransferConfig = Field(default_factory=TransferConfig)
+    remote: RemoteConfig | None = None  # a shared level below the last tier
+
+    @field_validator("remote", mode="before")
+    @classmethod
+    def _remote(cls, value: Any) -> Any:
+        return None if value in ({}, None) else value
 
     @model_validator(mode="after")
     def _check(self) -> ChainConfig:
@@ -200,6 +258,8 @@ class ChainConfig(_Strict):
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise _error_at("tiers", f"tier names must be unique, got {names}")
+        if self.remote is not None and self.remote.name in names:
+            raise _error_at("remote.name", f"{self.remote.name!r} is also a tier's name")
         if self.entry is not None and self.entry not in names:
             raise _error_at("entry", f"{self.entry!r} is not a tier name ({', '.join(names)})")
         for index, tier in enumerate(self.tiers):

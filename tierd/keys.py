@@ -25,6 +25,7 @@ class Medium(StrEnum):
     GPU = "GPU"
     CPU = "CPU"
     DISK = "DISK"
+    REMOTE = "REMOTE"  # a shared server (Redis, Valkey) below the local tiers
 
 
 def block_key(raw: bytes | bytearray | memoryview) -> BlockKey:

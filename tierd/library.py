@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from tierd.chain import Admission, Level, TierChain
-from tierd.config import ChainConfig, TierConfig, TierKind, load_config
+from tierd.chain.remote import RemoteLevel, RemoteSide
+from tierd.config import ChainConfig, RemoteConfig, TierConfig, TierKind, load_config
 from tierd.errors import TierdError
 from tierd.logs import get_logger
 from tierd.stores import BlockStore
@@ -30,7 +31,7 @@ from tierd.stores.memory import MemoryStore
 from tierd.tier import Tier
 from tierd.transfer import TransferEngine
 
-__all__ = ["build_store", "open_chain", "restore_tier"]
+__all__ = ["build_store", "open_chain", "open_remote", "restore_tier"]
 
 log = get_logger("tierd")
 
@@ -111,4 +112,30 @@ async def open_chain(
         engine = await stack.enter_async_context(
             TransferEngine(budget_bytes=max(cfg.transfer.budget_per_route, cfg.block_bytes))
         )
-        yield TierChain(levels, engine, entry=cfg.entry_index)
+        remote = None
+        if cfg.remote is not None:
+            remote = RemoteSide(await open_remote(cfg.remote, cfg.block_bytes))
+            remote.admission = Admission.parse(cfg.remote.admission)
+            stack.push_async_callback(remote.level.close)
+        yield TierChain(levels, engine, entry=cfg.entry_index, remote=remote)
+
+
+async def open_remote(spec: RemoteConfig, block_bytes: int) -> RemoteLevel:
+    """The remote level of ``spec``, opened (its client library loads only here)."""
+    from tierd.remote.redis_level import RedisLevel, RemoteSettings
+
+    settings = RemoteSettings(
+        name=spec.name,
+        block_bytes=block_bytes,
+        url=spec.url,
+        cluster_nodes=tuple(spec.cluster_nodes or ()),
+        key_prefix=spec.key_prefix,
+        pool_size=spec.pool_size,
+        deadline_s=spec.deadline,
+        ttl_s=spec.ttl,
+        max_pending_bytes=spec.max_pending_writes,
+        breaker_failures=spec.breaker_failures,
+        breaker_backoff_s=spec.breaker_backoff,
+        breaker_max_backoff_s=spec.breaker_max_backoff,
+    )
+    return await RedisLevel(settings).open()

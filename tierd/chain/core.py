@@ -28,7 +28,8 @@ from typing import Any
 
 from tierd.chain.handles import LoadHandle, StoreHandle
 from tierd.chain.invariants import check_levels
-from tierd.chain.values import ChainStats, FlushResult, Level, LookupResult
+from tierd.chain.remote import RemoteSide
+from tierd.chain.values import Admission, ChainStats, FlushResult, Level, LookupResult
 from tierd.errors import BlockMissing, CapacityError
 from tierd.events import EventBus
 from tierd.keys import BlockKey, Medium
@@ -37,6 +38,8 @@ from tierd.tier import StorePlan
 from tierd.transfer import TransferEngine
 
 __all__ = ["TierChain"]
+
+_REMOTE_BATCH = 256  # blocks per round trip when a flush sends the last level's blocks
 
 
 class TierChain:
@@ -50,6 +53,7 @@ class TierChain:
         entry: int = 0,
         bus: EventBus | None = None,
         reuse_memory: int = 1 << 20,
+        remote: RemoteSide | None = None,
     ) -> None:
         if not levels:
             raise ValueError("a chain needs at least one level")
@@ -70,7 +74,10 @@ class TierChain:
         self._hits_by_level = [0] * len(self.levels)
         self._media = [level.medium for level in self.levels]
         self._tiers = [level.tier for level in self.levels]
-        self._tracks_uses = any(level.admission.min_reuse for level in self.levels)
+        self.remote = remote
+        self._tracks_uses = any(level.admission.min_reuse for level in self.levels) or bool(
+            remote and remote.admission.min_reuse
+        )
 
     # -- queries ---------------------------------------------------------------------
 
@@ -111,6 +118,29 @@ class TierChain:
         self._miss_blocks += n - len(found)
         media = tuple(map(self._media.__getitem__, found))
         return LookupResult(len(found), tuple(found), media, in_flight)
+
+    async def find(self, keys: Sequence[BlockKey]) -> LookupResult:
+        """:meth:`lookup`, then, with a remote level, one batched existence check there for
+        the keys past the local run (faults there are misses, bounded by its deadline).
+        Without a remote level it is :meth:`lookup` and never awaits."""
+        local = self.lookup(keys)
+        remote = self.remote
+        if remote is None or local.in_flight or local.count == len(keys):
+            return local
+        rest = keys[local.count :]
+        run = await remote.level.exists(rest)
+        if not run:
+            return local
+        remote.hits += run
+        self._hit_blocks += run
+        self._miss_blocks -= run
+        where = len(self.levels)  # the remote level comes after the local ones
+        return LookupResult(
+            local.count + run,
+            local.levels + (where,) * run,
+            local.media + (remote.level.medium,) * run,
+            False,
+        )
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark ``keys`` used at every level that holds them. A touch is a request's use of
@@ -230,7 +260,7 @@ class TierChain:
         level = self.levels[index]
         below = index + 1
         if below >= len(self.levels):
-            level.dropped += len(plan.evicted)
+            await self._demote_remote(level, plan)
             return
         lower = self.levels[below]
         source = dict(zip(plan.evicted, plan.evicted_slots, strict=True))
@@ -255,11 +285,41 @@ class TierChain:
         if not planned:  # refused for lack of room (everything below pinned or in flight)
             lower.refused += len(admitted)
 
+    async def _demote_remote(self, level: Level, plan: StorePlan) -> None:
+        """Evicted from the last local level: send the admitted victims to the remote
+        level (queued: an eviction does not wait on the network), or drop them."""
+        remote = self.remote
+        if remote is None:
+            level.dropped += len(plan.evicted)
+            return
+        admitted = [k for k in plan.evicted if self._admits_rule(remote.admission, k)]
+        remote.refused += len(plan.evicted) - len(admitted)
+        slots = dict(zip(plan.evicted, plan.evicted_slots, strict=True))
+        sent = await remote.copy_out(level.store, [slots[k] for k in admitted], admitted)
+        level.demotions += sent
+        level.dropped += len(plan.evicted) - sent
+
     async def _write_through(self, index: int, keys: list[BlockKey]) -> None:
-        """Copy freshly stored blocks down from every write-through level."""
+        """Copy freshly stored blocks down from every write-through level (from the last
+        local level to the remote one, when there is one)."""
         while keys and self.levels[index].write_through and index + 1 < len(self.levels):
             keys = await self._copy_down(index, keys)
             index += 1
+        if keys and self.levels[index].write_through and self.remote is not None:
+            await self._send_remote(index, keys, wait=False)
+
+    async def _send_remote(self, index: int, keys: list[BlockKey], *, wait: bool) -> int:
+        """Copy ready blocks of level ``index`` to the remote level, pinned meanwhile."""
+        assert self.remote is not None
+        tier = self.levels[index].tier
+        keys = [k for k in keys if k in tier]
+        if not keys:
+            return 0
+        slots = tier.prepare_load(keys)
+        try:
+            return await self.remote.copy_out(self.levels[index].store, slots, keys, wait=wait)
+        finally:
+            self._unpin(index, keys)
 
     async def _copy_down(self, index: int, keys: list[BlockKey]) -> list[BlockKey]:
         """Copy ready blocks from level ``index`` to the next one, pinned meanwhile; the
@@ -330,12 +390,16 @@ class TierChain:
         tier = self.levels[target].tier
         sources: dict[int, list[BlockKey]] = {}
         reachable: list[BlockKey] = []
+        remote: list[BlockKey] = []  # held by no local level: asked of the remote one
         for key in keys[: tier.num_blocks]:  # a load cannot hold more than the level
             if key not in tier and (target, key) not in self._pending:
                 source = self._source_of(key, target)
                 if source is None:
-                    break  # nothing beyond the first absent key can be part of the prefix
-                sources.setdefault(source, []).append(key)
+                    if self.remote is None or any(t.is_writing(key) for t in self._tiers):
+                        break  # nothing beyond the first absent key can be in the prefix
+                    remote.append(key)
+                else:
+                    sources.setdefault(source, []).append(key)
             reachable.append(key)
         # Pinning keys past that point would only take room the promotions need.
         keys = reachable
@@ -353,12 +417,16 @@ class TierChain:
         finally:
             for source, group in waiting.items():
                 self._unpin(source, group)
+        if remote:
+            await self._promote_remote(target, remote, pinned)
         for key in keys:
             future = self._pending.get((target, key))
             if key not in pinned and future is not None:
                 await asyncio.shield(future)
             if key not in pinned and key in tier:
                 self._pin(target, [key], pinned)
+        if remote and any(k in pinned for k in remote):
+            return len(self.levels)  # read from the remote level, the slowest
         return max(sources, default=target)  # levels go fastest first
 
     def _source_of(self, key: BlockKey, target: int) -> int | None:
@@ -396,6 +464,25 @@ class TierChain:
             lower.io_errors += len(failed)
             lower.tier.discard([k for k in failed if not lower.tier.is_pinned(k)])
 
+    async def _promote_remote(
+        self, target: int, keys: list[BlockKey], pinned: set[BlockKey]
+    ) -> None:
+        """Fetch the leading ``keys`` the remote level holds intact (verified into private
+        buffers first) and store them into ``target``, pinned there."""
+        assert self.remote is not None
+        payloads = await self.remote.level.get(keys)
+        if not payloads:
+            return
+        fetched = dict(zip(keys, payloads, strict=False))
+
+        async def fill(store: BlockStore, plan: StorePlan) -> list[bool]:
+            return await store.write(plan.slots, plan.keys, [fetched[k] for k in plan.keys])
+
+        moved = await self._store_into(target, list(fetched), fill)
+        self.remote.promotions += len(moved)
+        self.levels[target].promotions += len(moved)
+        self._pin(target, moved, pinned)
+
     # -- housekeeping ------------------------------------------------------------------
 
     def _pin(self, index: int, keys: list[BlockKey], pinned: set[BlockKey]) -> None:
@@ -417,7 +504,10 @@ class TierChain:
         return futures
 
     def _admits(self, level: Level, key: BlockKey) -> bool:
-        need = level.admission.min_reuse
+        return self._admits_rule(level.admission, key)
+
+    def _admits_rule(self, admission: Admission, key: BlockKey) -> bool:
+        need = admission.min_reuse
         return need == 0 or self._uses.get(key, 0) >= need
 
     def _count_uses(self, keys: Sequence[BlockKey]) -> None:
@@ -435,6 +525,8 @@ class TierChain:
             events = level.tier.take_events()
             if events:
                 self.bus.publish(events)
+        if self.remote is not None and (events := self.remote.level.take_events()):
+            self.bus.publish(events)
 
     # -- whole-chain operations ----------------------------------------------------------
 
@@ -454,6 +546,15 @@ class TierChain:
             copied += moved
             if not moved:
                 break
+        if self.remote is not None:  # the server skips what it holds already
+            last = len(self.levels) - 1
+            ready = self._tiers[last].ready_keys()
+            for start in range(0, len(ready), _REMOTE_BATCH):
+                copied += await self._send_remote(
+                    last, ready[start : start + _REMOTE_BATCH], wait=True
+                )
+            await self.remote.level.drain()
+            self._publish()
         dirty = {self._tiers[i].name: n for i in upper if (n := len(self._dirty(i)))}
         failed = {
             level.tier.name: level.io_errors - before
@@ -481,6 +582,8 @@ class TierChain:
         for level, hits in zip(self.levels, self._hits_by_level, strict=True):
             if hits:
                 by_medium[level.medium] = by_medium.get(level.medium, 0) + hits
+        if self.remote is not None and self.remote.hits:
+            by_medium[self.remote.level.medium] = self.remote.hits
         return ChainStats(
             lookups=self._lookups,
             hit_blocks=self._hit_blocks,

@@ -226,6 +226,8 @@ def render_frame(
     header = [*_server_fields(rate_base, cur, elapsed_s), *_chain_fields(cur.get("chain") or {})]
     lines = [*_pack(header, width), ""]
     lines += _tier_lines(cur.get("tiers") or [], width)
+    if cur.get("remote"):
+        lines += ["", *_pack(_remote_fields(cur["remote"]), width)]
     lines += ["", *_route_lines(rate_base, cur.get("routes") or [], elapsed_s)]
     return [line[:width] for line in lines]
 
@@ -295,6 +297,21 @@ def _tier_lines(tiers: list[Mapping[str, Any]], width: int) -> list[str]:
         for t in tiers
     ]
     return [*_table(occupancy, left=4), "", *_table(counters, left=1)]
+
+
+def _remote_fields(remote: Mapping[str, Any]) -> list[str]:
+    """The remote level in one packed paragraph: where, its breaker, its counters."""
+    fields = [
+        f"remote {remote.get('name', '?')} (REMOTE) {remote.get('endpoint', '?')}",
+        f"breaker {remote.get('state', '?')}",
+    ]
+    for key in ("lookup_hits", "hits", "misses", "stores", "skipped", "corrupt", "timeouts"):
+        fields.append(f"{key.replace('_', ' ')} {int(remote.get(key, 0)):,}")
+    for key in ("errors", "dropped", "write_errors"):
+        fields.append(f"{key.replace('_', ' ')} {int(remote.get(key, 0)):,}")
+    if remote.get("last_error"):
+        fields.append(f"last error: {remote['last_error']}")
+    return fields
 
 
 def _occupancy_row(tier: Mapping[str, Any]) -> list[str]:

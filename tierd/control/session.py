@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from tierd.chain import LoadHandle, StoreHandle
+from tierd.chain import LoadHandle, LookupResult, StoreHandle
 from tierd.control.context import ServerContext
 from tierd.control.protocol import (
     PROTOCOL_VERSION,
@@ -110,6 +110,9 @@ class Session:
             "get": self._get,
             "flush": self._flush,
         }
+        if getattr(ctx.chain, "remote", None) is not None:  # a lookup asks the remote level too
+            del self._sync["lookup"]
+            self._async["lookup"] = self._find
 
     # -- dispatch ---------------------------------------------------------------------
 
@@ -255,7 +258,13 @@ class Session:
         raise ProtocolError(f"field {name!r} is not a list of keys", code=ErrorCode.BAD_KEY)
 
     def _lookup(self, msg: dict[str, Any]) -> Reply:
-        result = self.ctx.chain.lookup(self._keys(msg))
+        return self._lookup_reply(self.ctx.chain.lookup(self._keys(msg)))
+
+    async def _find(self, msg: dict[str, Any]) -> Reply:
+        return self._lookup_reply(await self.ctx.chain.find(self._keys(msg)))
+
+    @staticmethod
+    def _lookup_reply(result: LookupResult) -> Reply:
         return {
             "count": result.count,
             "media": list(result.media),  # StrEnum values pack as msgpack str

@@ -30,6 +30,7 @@ __all__ = ["collect_stats", "render_prometheus"]
 def collect_stats(chain: TierChain) -> dict[str, Any]:
     chain_stats = chain.stats()
     hits = chain_stats.hits_by_level
+    remote_hits = chain.remote.hits if chain.remote is not None else 0
     tiers = []
     for index, level in enumerate(chain.levels):
         tier = level.tier.stats()
@@ -43,7 +44,7 @@ def collect_stats(chain: TierChain) -> dict[str, Any]:
                 "pinned": tier.pinned,
                 "writing": tier.writing,
                 "hits": hits[index],
-                "misses": chain_stats.miss_blocks + sum(hits[index + 1 :]),
+                "misses": chain_stats.miss_blocks + sum(hits[index + 1 :]) + remote_hits,
                 "stores": tier.stores,
                 "evictions": tier.evictions,
                 "demotions": level.demotions,
@@ -68,9 +69,21 @@ def collect_stats(chain: TierChain) -> dict[str, Any]:
         if route.blocks or route.failures or route.in_flight_bytes
     ]
     looked_up = chain_stats.hit_blocks + chain_stats.miss_blocks
+    remote = None
+    if chain.remote is not None:
+        side = chain.remote
+        remote = {
+            **side.level.stats(),
+            "lookup_hits": side.hits,
+            "sent": side.sent,
+            "admission_refused": side.refused,
+            "promotions": side.promotions,
+            "read_errors": side.read_errors,
+        }
     return {
         "block_bytes": chain.block_bytes,
         "tiers": tiers,
+        "remote": remote,
         "routes": routes,
         "chain": {
             "lookups": chain_stats.lookups,
@@ -101,6 +114,26 @@ _TIER_METRICS = [
 ]
 
 
+_REMOTE_COUNTERS = [
+    ("lookups", "Batched existence checks sent to the remote level"),
+    ("lookup_hits", "Block hits lookups found only on the remote level"),
+    ("hits", "Blocks read from the remote level and verified"),
+    ("misses", "Blocks asked of the remote level and not served"),
+    ("stores", "Blocks written to the remote level"),
+    ("skipped", "Blocks not written: the server held them already"),
+    ("corrupt", "Values that failed a check (deleted, served as misses)"),
+    ("errors", "Calls that failed to reach the server"),
+    ("timeouts", "Calls past the per-call deadline"),
+    ("write_errors", "Blocks the server refused to store"),
+    ("dropped", "Blocks not sent: write queue full or breaker open"),
+    ("refused", "Calls refused at once by the open circuit breaker"),
+    ("breaker_opened", "Times the circuit breaker opened"),
+    ("promotions", "Blocks copied from the remote level into a local tier"),
+    ("bytes_written", "Bytes written to the remote level"),
+    ("bytes_read", "Bytes read from the remote level"),
+]
+
+
 class _SnapshotCollector(Collector):
     def __init__(self, stats: dict[str, Any]) -> None:
         self._stats = stats
@@ -108,6 +141,8 @@ class _SnapshotCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._tiers(self._stats["tiers"])
         yield from self._routes(self._stats["routes"])
+        if self._stats.get("remote"):
+            yield from self._remote(self._stats["remote"])
         chain = self._stats["chain"]
         for key in ("lookups", "hit_blocks", "miss_blocks", "events_published", "events_dropped"):
             yield CounterMetricFamily(f"tierd_{key}", f"Chain {key.replace('_', ' ')}", chain[key])
@@ -123,6 +158,24 @@ class _SnapshotCollector(Collector):
             for tier in tiers:
                 family.add_metric([tier["name"], tier["medium"]], tier[key])
             yield family
+
+    def _remote(self, remote: dict[str, Any]) -> Iterator[Metric]:
+        labels = [remote["name"], remote["endpoint"]]
+        for key, text in _REMOTE_COUNTERS:
+            family = CounterMetricFamily(f"tierd_remote_{key}", text, labels=["remote", "endpoint"])
+            family.add_metric(labels, remote[key])
+            yield family
+        pending = GaugeMetricFamily(
+            "tierd_remote_pending_bytes", "Bytes queued to write", labels=["remote", "endpoint"]
+        )
+        pending.add_metric(labels, remote["pending_bytes"])
+        state = GaugeMetricFamily(
+            "tierd_remote_breaker_open",
+            "1 while the circuit breaker refuses calls (open or probing)",
+            labels=["remote", "endpoint"],
+        )
+        state.add_metric(labels, 0 if remote["state"] == "closed" else 1)
+        yield from (pending, state)
 
     def _routes(self, routes: list[dict[str, Any]]) -> Iterator[Metric]:
         moved = CounterMetricFamily("tierd_route_bytes", "Bytes copied", labels=["src", "dst"])
