@@ -143,6 +143,21 @@ async def test_a_block_evicted_on_one_node_is_a_hit_on_another(server: RedisServ
         assert stats["hits"] == 4 and stats["corrupt"] == 0
 
 
+async def test_an_in_process_replay_finds_the_remote_level(server: RedisServer) -> None:
+    """``tierd replay --config`` and ``--compare`` drive a chain through ChainBackend: its
+    lookups must ask the remote level too, as the daemon's do."""
+    from tierd.workload.backends import ChainBackend
+
+    keys = names("replayed", 4)
+    async with node({"url": server.url}, write_through=True) as a:
+        await a.store(keys, [block(k) for k in keys])
+        await settle(a)
+    async with node({"url": server.url}) as b:
+        backend = ChainBackend(b)
+        assert await backend.lookup(keys) == (4, ("REMOTE",) * 4)
+        assert await backend.load(keys) == [block(k) for k in keys]
+
+
 async def test_write_through_and_each_prefix_written_once(server: RedisServer) -> None:
     keys = names("once", 3)
     async with (

@@ -64,8 +64,12 @@ class LoadHandle(_SlotHandle):
 
     @property
     def source_medium(self) -> Medium:
-        """The medium of :attr:`source`: what the load's latency depended on."""
-        return self._chain.levels[self.source].medium
+        """The medium of :attr:`source`: what the load's latency depended on (a source
+        past the last level is the chain's remote level)."""
+        levels = self._chain.levels
+        if self.source >= len(levels) and self._chain.remote is not None:
+            return self._chain.remote.level.medium
+        return levels[self.source].medium
 
     async def read_into(self, out: Sequence[Buffer]) -> list[bool]:
         """Copy the pinned blocks into caller buffers (for stores without views)."""

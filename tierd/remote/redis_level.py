@@ -1,12 +1,20 @@
 """The remote level on a Redis-protocol server: batched existence checks, verified reads,
 writes that skip what the server holds, a deadline on every call and a circuit breaker.
 
-Every call is one pipelined round trip for a whole batch of keys (two for a write: which
-keys are missing, then ``SET NX`` of those, so N nodes storing the same prefix send its
-bytes once). Faults are misses, never stalls and never errors to the caller:
+Every call is one pipelined round trip for a whole batch of keys. A write is ``SET NX``,
+so a block is stored once however many nodes send it. Asking first which keys the server
+holds (``EXISTS``, one more round trip and one more command per block) saves sending the
+bytes of those it holds: worth it only where that saves more than it costs, so a write
+asks first while the share of blocks that recent writes found on the server, times the
+block size, is above what a check costs (:data:`CHECK_COST_BYTES`). With big blocks and
+nodes that share prefixes, N nodes storing the same prefix then send its bytes once;
+with small blocks, or writes that are new, every write is one round trip, and the
+``SET NX`` replies keep the estimate current. Faults are misses, never stalls and never
+errors to the caller:
 
-- each call runs under ``deadline`` (``asyncio.timeout``; the client's own socket timeouts
-  are set to it too, and its retries are off, so nothing waits behind a dead node);
+- each call runs under ``deadline`` (``asyncio.timeout``; the client's connect timeout is
+  set to it too, and its retries are off, so nothing waits behind a dead node; there is
+  no per-reply socket timeout, which would cost a timer per key);
 - a call that times out or cannot connect counts towards the :class:`CircuitBreaker`;
   while it is open calls return at once as misses, and a probe after the back-off
   closes it again;
@@ -30,15 +38,15 @@ from urllib.parse import urlsplit, urlunsplit
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 from redis.retry import Retry
 
 from tierd.events import EventKind, TierEvent
-from tierd.keys import BlockKey, Medium
+from tierd.keys import MAX_KEY_BYTES, BlockKey, Medium
 from tierd.logs import get_logger
 from tierd.remote.breaker import CircuitBreaker
-from tierd.remote.values import HEADER_BYTES, decode_block, encode_block
+from tierd.remote.values import HEADER_BYTES, decode_block, encode_into
 
 __all__ = ["RedisLevel", "RemoteSettings"]
 
@@ -47,6 +55,13 @@ Payload = bytes | bytearray | memoryview
 log = get_logger("tierd.remote")
 
 _UNREACHABLE = (RedisError, OSError)
+_SPARE_BYTES = 32 << 20  # value buffers kept for reuse between writes, at most
+# What asking EXISTS for one block costs, in bytes of payload that are as costly to send:
+# redis-py's work for one more command and reply (about 30 us here) and its share of a
+# round trip (scripts/bench_remote.py). A write asks first while the expected bytes saved
+# per block, the share of blocks recent writes found there times the block size, exceed it.
+CHECK_COST_BYTES = 32 << 10
+_HELD_WEIGHT = 0.25  # each write's weight in the moving average of that share
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +132,15 @@ class RedisLevel:
         self._events: list[TierEvent] = []
         self._last_error = ""
         self._last_logged = 0.0
+        # Value buffers of finished writes, reused: a fresh buffer per value costs more
+        # (its pages are faulted in) than the copy of the payload into it.
+        self._value_room = HEADER_BYTES + MAX_KEY_BYTES + settings.block_bytes
+        self._spare: list[bytearray] = []
+        self._spare_max = _SPARE_BYTES // self._value_room
+        # Check first while held_share > check_above; it starts above it (when checking
+        # can pay at all), so that the first writes check until they show otherwise.
+        self.check_above = min(1.0, CHECK_COST_BYTES / settings.block_bytes)
+        self.held_share = min(1.0, 2 * self.check_above)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -126,7 +150,9 @@ class RedisLevel:
         s = self.settings
         common: dict[str, Any] = {
             "max_connections": s.pool_size,
-            "socket_timeout": s.deadline_s,
+            # No per-reply timeout (redis-py's default is 5 s): the deadline of each call
+            # bounds every read of it, and a timer per reply would cost more than the read.
+            "socket_timeout": None,
             "socket_connect_timeout": s.deadline_s,
             "retry": Retry(NoBackoff(), 0),
         }
@@ -216,9 +242,17 @@ class RedisLevel:
 
     async def get(self, keys: Sequence[BlockKey]) -> list[memoryview]:
         """The verified payloads of the leading ``keys`` the server holds intact (one round
-        trip). Stops at the first key missing, unreadable or failing a check; a value that
-        fails a check is deleted and counted."""
-        replies = await self._pipeline([("GET", self._key(k)) for k in keys])
+        trip: one ``MGET`` on a single server, a ``GET`` per key on a cluster, whose keys
+        lie in different slots). Stops at the first key missing, unreadable or failing a
+        check; a value that fails a check is deleted and counted."""
+        if not keys:
+            return []
+        replies: list[Any] | None
+        if isinstance(self._client, RedisCluster):
+            replies = await self._pipeline([("GET", self._key(k)) for k in keys])
+        else:
+            reply = await self._pipeline([("MGET", *map(self._key, keys))])
+            replies = None if reply is None or isinstance(reply[0], BaseException) else reply[0]
         if replies is None:
             self.counters.misses += len(keys)
             return []
@@ -243,30 +277,43 @@ class RedisLevel:
         return out
 
     async def put(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> int:
-        """Write blocks the server does not hold yet; returns how many were written."""
-        present = await self._pipeline([("EXISTS", self._key(k)) for k in keys])
-        if present is None:
-            self.counters.dropped += len(keys)
+        """Write blocks the server does not hold yet (``SET NX``, after an ``EXISTS`` check
+        while writes often find their blocks there); returns how many were written."""
+        if not keys:
             return 0
-        todo = [
-            (key, payload)
-            for key, payload, there in zip(keys, payloads, present, strict=True)
-            if isinstance(there, BaseException) or not there
-        ]
-        self.counters.skipped += len(keys) - len(todo)
-        if not todo:
-            return 0
+        todo = list(zip(keys, payloads, strict=True))
+        if self.held_share > self.check_above:
+            present = await self._pipeline([("EXISTS", self._key(k)) for k in keys])
+            if present is None:
+                self.counters.dropped += len(keys)
+                return 0
+            todo = [
+                item
+                for item, there in zip(todo, present, strict=True)
+                if isinstance(there, BaseException) or not there
+            ]
+            self.counters.skipped += len(keys) - len(todo)
+            if not todo:
+                self._held(len(keys), len(keys))
+                return 0
         ttl_ms = int(self.settings.ttl_s * 1000)
+        expiry = ("PX", ttl_ms) if ttl_ms > 0 else ()
+        buffers = [self._value_buffer(len(key), len(payload)) for key, payload in todo]
         commands = []
-        for key, payload in todo:
-            value = encode_block(key, payload)
-            expiry = ("PX", ttl_ms) if ttl_ms > 0 else ()
-            commands.append(("SET", self._key(key), value, "NX", *expiry))
+        for (key, payload), buffer in zip(todo, buffers, strict=True):
+            size = encode_into(buffer, key, payload)
+            commands.append(("SET", self._key(key), memoryview(buffer)[:size], "NX", *expiry))
         replies = await self._pipeline(commands)
         if replies is None:
+            # Not reused: a write cut short may still hold them in the connection.
             self.counters.dropped += len(todo)
             return 0
+        # A buffer whose command was answered was read whole by the server: reuse it. One
+        # whose reply is a failure (a cluster node lost under it) may still sit in a
+        # closing connection's queue, so it is left alone.
+        self._recycle([b for b, r in zip(buffers, replies, strict=True) if not _failed(r)])
         written: list[BlockKey] = []
+        there = 0
         for (key, payload), reply in zip(todo, replies, strict=True):
             if isinstance(reply, BaseException):
                 self.counters.write_errors += 1
@@ -275,11 +322,28 @@ class RedisLevel:
                 written.append(key)
                 self.counters.bytes_written += HEADER_BYTES + len(key) + len(payload)
             else:
-                self.counters.skipped += 1  # another node wrote it meanwhile
+                there += 1  # held already: by another node, or written meanwhile
+        self.counters.skipped += there
+        self._held(len(keys) - len(todo) + there, len(keys))
         self.counters.stores += len(written)
         if written:
             self._events.append(TierEvent(EventKind.STORED, tuple(written), self.medium, self.name))
         return len(written)
+
+    def _held(self, there: int, asked: int) -> None:
+        """Fold one write's share of blocks found on the server into the average."""
+        self.held_share += _HELD_WEIGHT * (there / asked - self.held_share)
+
+    def _value_buffer(self, key_bytes: int, payload_bytes: int) -> bytearray:
+        """A buffer for one value: a spare one when the value fits it, else a new one."""
+        size = HEADER_BYTES + key_bytes + payload_bytes
+        if size > self._value_room:
+            return bytearray(size)
+        return self._spare.pop() if self._spare else bytearray(self._value_room)
+
+    def _recycle(self, buffers: list[bytearray]) -> None:
+        room = self._spare_max - len(self._spare)
+        self._spare += [b for b in buffers[:room] if len(b) == self._value_room]
 
     def put_later(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> bool:
         """Queue a write of private copies of blocks; False (and counted as dropped) when
@@ -341,6 +405,12 @@ class RedisLevel:
             "bytes_read": c.bytes_read,
             "last_error": self._last_error,
         }
+
+
+def _failed(reply: Any) -> bool:
+    """Whether a pipelined reply is a failure to get the command answered (a connection
+    error or a timeout), not an answer (an error reply such as OOM is one)."""
+    return isinstance(reply, BaseException) and not isinstance(reply, ResponseError)
 
 
 def _host_port(node: str) -> tuple[str, int]:

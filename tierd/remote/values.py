@@ -23,7 +23,7 @@ import struct
 
 from xxhash import xxh3_64_intdigest
 
-__all__ = ["HEADER_BYTES", "MAGIC", "VERSION", "decode_block", "encode_block"]
+__all__ = ["HEADER_BYTES", "MAGIC", "VERSION", "decode_block", "encode_block", "encode_into"]
 
 MAGIC = b"TDKV"
 VERSION = 1
@@ -36,6 +36,21 @@ def encode_block(key: bytes, payload: bytes | bytearray | memoryview) -> bytes:
     view = memoryview(payload).cast("B")
     header = _HEADER.pack(MAGIC, VERSION, len(key), view.nbytes, xxh3_64_intdigest(view))
     return b"".join((header, key, view))
+
+
+def encode_into(buffer: bytearray, key: bytes, payload: bytes | bytearray | memoryview) -> int:
+    """Write the value stored for ``key`` at the start of ``buffer`` (which must hold
+    ``HEADER_BYTES + len(key) + len(payload)`` bytes) and return its length: the same bytes
+    as :func:`encode_block`, in a buffer the caller reuses, so a write costs one copy of the
+    payload into memory already mapped rather than into a fresh allocation."""
+    view = memoryview(payload).cast("B")
+    start = HEADER_BYTES + len(key)
+    end = start + view.nbytes
+    _HEADER.pack_into(buffer, 0, MAGIC, VERSION, len(key), view.nbytes, xxh3_64_intdigest(view))
+    target = memoryview(buffer)
+    target[HEADER_BYTES:start] = key
+    target[start:end] = view
+    return end
 
 
 def decode_block(key: bytes, value: bytes, block_bytes: int) -> memoryview | str:

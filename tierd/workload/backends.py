@@ -154,7 +154,8 @@ class ChainBackend:
         return self.chain.levels[self.chain.entry].tier.num_blocks
 
     async def lookup(self, keys: Sequence[bytes]) -> tuple[int, tuple[str, ...]]:
-        found = self.chain.lookup(cast(Sequence[BlockKey], keys))
+        # find: lookup, then the remote level (if any) for what the local tiers lack
+        found = await self.chain.find(cast(Sequence[BlockKey], keys))
         return found.count, tuple(str(m) for m in found.media)
 
     async def touch(self, keys: Sequence[bytes]) -> None:
