@@ -21,7 +21,6 @@ that finds a block in flight waits for it (or, from ``lookup``, is told to retry
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,6 +32,7 @@ from tierd.chain.values import Admission, ChainStats, FlushResult, Level, Lookup
 from tierd.errors import BlockMissing, CapacityError
 from tierd.events import EventBus
 from tierd.keys import BlockKey, Medium
+from tierd.policy.admission import Comeback, KeyUses
 from tierd.stores import BlockStore, Buffer
 from tierd.tier import StorePlan
 from tierd.transfer import TransferEngine
@@ -68,16 +68,20 @@ class TierChain:
         self.bus = bus or EventBus()
         self.block_bytes = block_sizes.pop()
         self._pending: dict[tuple[int, BlockKey], asyncio.Future[bool]] = {}
-        self._uses: OrderedDict[BlockKey, int] = OrderedDict()
+        rules = [level.admission for level in self.levels] + ([remote.admission] if remote else [])
+        self._uses = KeyUses(  # what admission rules know of each recently used key
+            reuse_memory,
+            draws=any(rule.sample for rule in rules),
+            ends=any(rule.comeback for rule in rules),
+        )
+        self._comebacks: dict[int, Comeback] = {}  # id(level or remote side) -> its shadow
         self._reuse_memory = reuse_memory
         self._lookups = self._hit_blocks = self._miss_blocks = 0
         self._hits_by_level = [0] * len(self.levels)
         self._media = [level.medium for level in self.levels]
         self._tiers = [level.tier for level in self.levels]
         self.remote = remote
-        self._tracks_uses = any(level.admission.min_reuse for level in self.levels) or bool(
-            remote and remote.admission.min_reuse
-        )
+        self._tracks_uses = any(rule.counts_uses for rule in rules)
 
     # -- queries ---------------------------------------------------------------------
 
@@ -292,7 +296,7 @@ class TierChain:
         if remote is None:
             level.dropped += len(plan.evicted)
             return
-        admitted = [k for k in plan.evicted if self._admits_rule(remote.admission, k)]
+        admitted = [k for k in plan.evicted if self._admits(remote, k)]
         remote.refused += len(plan.evicted) - len(admitted)
         slots = dict(zip(plan.evicted, plan.evicted_slots, strict=True))
         sent = await remote.copy_out(level.store, [slots[k] for k in admitted], admitted)
@@ -352,16 +356,26 @@ class TierChain:
         finally:
             handle.release()
 
-    async def load(self, keys: Sequence[BlockKey], into: Medium | str | None = None) -> LoadHandle:
+    async def load(
+        self,
+        keys: Sequence[BlockKey],
+        into: Medium | str | None = None,
+        *,
+        wait_s: float | None = None,
+    ) -> LoadHandle:
         """Promote ``keys`` up to the level on ``into`` (default: the entry level) and pin
         them there. The handle holds the leading keys that could be loaded: it stops at
         the first key held nowhere or whose copy failed (a repeated key counts once).
-        Raises :class:`BlockMissing` if not even the first key can be loaded."""
+        A key still being written (another store's reservation) is waited for at most
+        ``wait_s`` seconds from the call (``None``: until that store ends); past that the
+        load stops before it. Raises :class:`BlockMissing` if not even the first key can
+        be loaded."""
         target = self.entry if into is None else self.level_of(into)
         wanted = list(dict.fromkeys(keys))
         pinned: set[BlockKey] = set()
+        deadline = None if wait_s is None else asyncio.get_running_loop().time() + wait_s
         try:
-            deepest = await self._gather(target, wanted, pinned)
+            deepest = await self._gather(target, wanted, pinned, deadline)
         except BaseException:
             self._unpin(target, list(pinned))
             raise
@@ -384,9 +398,13 @@ class TierChain:
         slots = [tier.slot_of(k) for k in prefix]
         return LoadHandle(self, target, prefix, [s for s in slots if s is not None], deepest)
 
-    async def _gather(self, target: int, keys: list[BlockKey], pinned: set[BlockKey]) -> int:
+    async def _gather(
+        self, target: int, keys: list[BlockKey], pinned: set[BlockKey], deadline: float | None
+    ) -> int:
         """Make ``keys`` ready at ``target`` as far as possible, pinning each as soon as it
-        is there (so nothing evicts it meanwhile). Returns the slowest level read from."""
+        is there (so nothing evicts it meanwhile); a key in flight is waited for until
+        ``deadline`` (loop time), then the run stops before it. Returns the slowest level
+        read from."""
         tier = self.levels[target].tier
         sources: dict[int, list[BlockKey]] = {}
         reachable: list[BlockKey] = []
@@ -421,8 +439,8 @@ class TierChain:
             await self._promote_remote(target, remote, pinned)
         for key in keys:
             future = self._pending.get((target, key))
-            if key not in pinned and future is not None:
-                await asyncio.shield(future)
+            if key not in pinned and future is not None and not await _wait(future, deadline):
+                break  # another client is still writing it: the prefix ends here
             if key not in pinned and key in tier:
                 self._pin(target, [key], pinned)
         if remote and any(k in pinned for k in remote):
@@ -503,22 +521,32 @@ class TierChain:
             self._pending[(index, key)] = future
         return futures
 
-    def _admits(self, level: Level, key: BlockKey) -> bool:
-        return self._admits_rule(level.admission, key)
+    def _admits(self, side: Level | RemoteSide, key: BlockKey) -> bool:
+        """Whether the level (or remote side) ``side`` admits ``key``, a candidate now;
+        call once per candidate (a ``comeback`` rule records each one)."""
+        rule = side.admission
+        shadow = None
+        if rule.comeback:  # the shadow spans the level's size (the remote: the reuse memory)
+            shadow = self._comebacks.get(id(side))
+            if shadow is None or shadow.threshold != rule.comeback:
+                horizon = side.tier.num_blocks if isinstance(side, Level) else self._reuse_memory
+                shadow = self._comebacks[id(side)] = Comeback(
+                    rule.comeback, horizon, self._reuse_memory
+                )
+        return self._admits_rule(rule, key, shadow)
 
-    def _admits_rule(self, admission: Admission, key: BlockKey) -> bool:
-        need = admission.min_reuse
-        return need == 0 or self._uses.get(key, 0) >= need
+    def _admits_rule(
+        self, admission: Admission, key: BlockKey, shadow: Comeback | None = None
+    ) -> bool:
+        return admission.admits(key, self._uses, shadow)
 
     def _count_uses(self, keys: Sequence[BlockKey]) -> None:
-        """Count one use per distinct key for admission rules (callers check
-        ``_tracks_uses`` first)."""
-        uses = self._uses
-        for key in dict.fromkeys(keys):
-            uses[key] = uses.get(key, 0) + 1
-            uses.move_to_end(key)
-        while len(uses) > self._reuse_memory:
-            uses.popitem(last=False)
+        """Count one use per distinct key for admission rules, and tell ``comeback``
+        shadows which of their candidates came back (callers check ``_tracks_uses``
+        first)."""
+        self._uses.count(keys)
+        for shadow in self._comebacks.values():
+            shadow.touched(keys)
 
     def _publish(self) -> None:
         for level in self.levels:
@@ -598,3 +626,17 @@ class TierChain:
         """Raise ``AssertionError`` naming the first broken invariant. With ``idle=True``
         (no operation in progress) pins, in-flight writes and pending futures must be 0."""
         check_levels(self.levels, idle=idle, pending=len(self._pending))
+
+
+async def _wait(future: asyncio.Future[bool], deadline: float | None) -> bool:
+    """Wait for a store in flight to end, until ``deadline``; whether it ended."""
+    if deadline is None:
+        await asyncio.shield(future)
+        return True
+    left = deadline - asyncio.get_running_loop().time()
+    try:
+        async with asyncio.timeout(max(left, 0.0)):
+            await asyncio.shield(future)
+    except TimeoutError:
+        return future.done()
+    return True

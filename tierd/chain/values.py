@@ -66,6 +66,18 @@ class FlushResult:
     def left_dirty(self) -> int:
         return sum(self.dirty.values())
 
+    def plus(self, other: FlushResult) -> FlushResult:
+        """Both flushes in one result (several chains of the same tiers)."""
+
+        def add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+            return {name: a.get(name, 0) + b.get(name, 0) for name in {**a, **b}}
+
+        return FlushResult(
+            self.copied + other.copied,
+            add(self.dirty, other.dirty),
+            add(self.write_errors, other.write_errors),
+        )
+
     @property
     def reason(self) -> str:
         """Why blocks stayed dirty, in one line ("" when none did)."""
