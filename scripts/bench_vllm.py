@@ -79,7 +79,7 @@ def write_config(args: argparse.Namespace, directory: Path) -> tuple[Path, str]:
 
     blocks = args.prefix_tokens // BLOCK_TOKENS
     socket_path = str(directory / "tierd.sock")
-    (directory / "disk").mkdir()
+    (directory / "disk").mkdir(mode=0o700)
     config = {
         "block_bytes": row_bytes(args),
         "tiers": [

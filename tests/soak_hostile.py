@@ -209,7 +209,7 @@ class RealFullDisk:
         target = workdir / "fullfs"
         target.mkdir(parents=True, exist_ok=True)
         done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)],
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(target)],
             capture_output=True,
             check=False,
         )

@@ -227,13 +227,14 @@ async def test_hello_reply_describes_the_daemon(tmp_path: Path) -> None:
         assert pool["num_blocks"] == 8
         assert pool["stride"] >= BLOCK
         assert pool["size"] >= pool["stride"] * pool["num_blocks"]
-        assert os.stat(pool["path"]).st_size == pool["size"]
+        assert "path" not in pool  # passed as a descriptor: nothing to open by name
+        assert info["tenant"] == "default"
         assert info["namespace_id"] == xxhash.xxh3_64_digest(NS.encode()).hex()
         limits = daemon.config.limits
         assert info["max_frame_bytes"] == limits.max_frame_bytes
         assert info["max_keys_per_request"] == limits.max_keys_per_request
         assert info["max_key_bytes"] == 56
-        assert client.pool is not None
+        assert client.pool is not None and client.pool.num_blocks == 8
 
 
 async def test_lookup_reports_the_medium_of_each_hit(tmp_path: Path) -> None:
@@ -1064,19 +1065,29 @@ async def test_requests_in_flight_limit_does_not_stall_the_connection(tmp_path: 
 # -- 7. security -----------------------------------------------------------------------------------
 
 
+def memfd_pools(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/maps") as maps:
+        return [line for line in maps if "/memfd:tierd" in line]
+
+
 def mode_of(path: str | os.PathLike[str]) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
 @pytest.mark.parametrize("mode", [None, 0o660])
-async def test_socket_and_pool_have_the_configured_mode(tmp_path: Path, mode: int | None) -> None:
+async def test_socket_has_the_configured_mode_and_the_pool_no_path(
+    tmp_path: Path, mode: int | None
+) -> None:
     options: dict[str, Any] = {} if mode is None else {"socket": {"mode": mode}}
+    before = set(os.listdir("/dev/shm"))
     async with serve(tmp_path, **options) as daemon, await connect(daemon) as client:
         expected = 0o600 if mode is None else mode
         assert stat.S_ISSOCK(os.stat(socket_of(daemon)).st_mode)
         assert mode_of(socket_of(daemon)) == expected
         assert client.pool is not None
-        assert mode_of(client.pool.path) == expected
+        # The pool is a memfd passed over the socket: no file anyone could open by name.
+        assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("tierd")}
+        assert memfd_pools(os.getpid())  # this process maps it from the descriptor
 
 
 _CHILD = r"""
@@ -1098,7 +1109,7 @@ def frame(message):
 
 
 try:
-    sock.sendall(frame({"id": 1, "op": "hello", "version": 1, "namespace": "child"})
+    sock.sendall(frame({"id": 1, "op": "hello", "version": 2, "namespace": "child"})
                  + frame({"id": 2, "op": "put", "keys": [b"k"], "data": [bytes(4096)]}))
 except (BrokenPipeError, ConnectionResetError):
     pass  # refused: the daemon hung up after its answer
@@ -1221,6 +1232,6 @@ def test_every_listed_operation_is_answered_and_no_other() -> None:
     from tierd.control.protocol import OPERATIONS
     from tierd.control.session import Session
 
-    session = Session(ServerContext(chain=None), lambda message: None)  # type: ignore[arg-type]
+    session = Session(ServerContext.for_chain(None), lambda message: None)  # type: ignore[arg-type]
     assert set(session._sync) | set(session._async) == set(OPERATIONS)
     assert not set(session._sync) & set(session._async)

@@ -225,7 +225,14 @@ def fuzzd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonThread]:
         cpu_blocks=CPU_BLOCKS,
         disk_blocks=DISK_BLOCKS,
         block_bytes=BLOCK,
-        limits={"max_frame_bytes": MAX_FRAME, "max_keys_per_request": MAX_KEYS},
+        # The model knows the chain's capacity, not the lease bounds (tests/test_leases.py):
+        # a repeated load of pinned blocks counts again against them, and here it must not.
+        limits={
+            "max_frame_bytes": MAX_FRAME,
+            "max_keys_per_request": MAX_KEYS,
+            "lease_blocks_per_connection": 1 << 20,
+            "lease_blocks_per_tenant": 1 << 20,
+        },
         events={"queue_batches": 8},
         shutdown={"write_back": "none"},
     )

@@ -39,7 +39,7 @@ import yaml
 from tierd.chain import FlushResult
 from tierd.client import Client, DaemonError, Unreachable
 from tierd.config import DaemonConfig
-from tierd.daemon import Daemon, reap_stale_pools
+from tierd.daemon import Daemon
 from tierd.testing import daemon_config, short_socket_path
 
 TESTS = Path(__file__).resolve().parent
@@ -75,8 +75,31 @@ def exists(path: str | os.PathLike[str]) -> bool:
     return os.path.exists(path)
 
 
-def pool_files(pid: int) -> list[str]:
-    return glob.glob(f"/dev/shm/tierd-{pid}-*")
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    with pytest.raises(ProcessLookupError):
+        os.kill(proc.pid, 0)
+    return proc.pid
+
+
+def memfd_pools(pid: int) -> set[str]:
+    """The memfd pools process ``pid`` maps (none once it is gone)."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return set()
+    return {
+        line.split("/memfd:", 1)[1].split(" ")[0]
+        for line in maps.splitlines()
+        if "/memfd:tierd" in line
+    }
+
+
+def shm_pools() -> set[str]:
+    """tierd's files in /dev/shm (a daemon makes none: its pools are memfds)."""
+    return {os.path.basename(p) for p in glob.glob("/dev/shm/tierd-*")}
 
 
 class DaemonProcess:
@@ -148,19 +171,25 @@ def _popen(command: list[str], stderr_path: Path, env: dict[str, str]) -> subpro
 
 @pytest.fixture
 def spawn(tmp_path: Path) -> Iterator[Spawn]:
-    """``await spawn(config, env=..., ready=True)`` starts a daemon from ``config`` (a
-    mapping written as YAML); at the end every daemon still running is killed."""
+    """``await spawn(config, env=..., ready=True, wrap=None)`` starts a daemon from
+    ``config`` (a mapping written as YAML; ``wrap``: a command to run it under, such as
+    ``unshare``); at the end every daemon still running is killed."""
     started: list[DaemonProcess] = []
     numbers = itertools.count()
 
     async def start(
-        config: dict[str, Any], *, env: dict[str, str] | None = None, ready: bool = True
+        config: dict[str, Any],
+        *,
+        env: dict[str, str] | None = None,
+        ready: bool = True,
+        wrap: list[str] | None = None,
     ) -> DaemonProcess:
         number = next(numbers)
         config_file = tmp_path / f"tierd-{number}.yaml"
         config_file.write_text(yaml.safe_dump(config))
         stderr_path = tmp_path / f"tierd-{number}.stderr"
-        proc = _popen(serve_command(config_file), stderr_path, child_env() if env is None else env)
+        command = [*(wrap or []), *serve_command(config_file)]
+        proc = _popen(command, stderr_path, child_env() if env is None else env)
         daemon = DaemonProcess(proc, config, stderr_path)
         started.append(daemon)
         if ready:
@@ -172,9 +201,6 @@ def spawn(tmp_path: Path) -> Iterator[Spawn]:
         if daemon.proc.poll() is None:
             daemon.proc.kill()
             daemon.proc.wait()
-        for path in pool_files(daemon.pid):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
         shutil.rmtree(os.path.dirname(daemon.socket_path), ignore_errors=True)
 
 
@@ -264,7 +290,6 @@ async def test_sigterm_during_loads_exits_cleanly_and_keeps_blocks(
     stderr = daemon.stderr()
     assert "grace period over" not in stderr, stderr
     assert not exists(daemon.socket_path)
-    assert pool_files(daemon.pid) == []
 
     again = await spawn(config)
     async with await again.connect() as client:
@@ -342,18 +367,17 @@ async def _gated_flush(daemon: Daemon) -> AsyncIterator[tuple[asyncio.Event, asy
         gate.set()
 
 
-async def _store_dirty(cfg: DaemonConfig, names: list[bytes]) -> str:
+async def _store_dirty(cfg: DaemonConfig, names: list[bytes]) -> None:
     async with await Client.connect(str(cfg.socket.path), namespace=NAMESPACE) as client:
         assert client.pool is not None
         await store_all(client, names, 4)
-        return str(client.pool.path)
 
 
 async def test_second_stop_during_drain_forces_exit_status_1(tmp_path: Path) -> None:
     cfg = DaemonConfig.model_validate(daemon_config(tmp_path, cpu_blocks=8))
     daemon, task = await _start_in_loop(cfg)
     names = keys("forced", 12)
-    pool_path = await _store_dirty(cfg, names)
+    await _store_dirty(cfg, names)
     async with await Client.connect(str(cfg.socket.path), namespace=NAMESPACE) as client:
         on_disk = [k for k in names if await medium_of(client, k) == "DISK"]
     assert len(on_disk) == 4  # and 8 dirty blocks in the CPU tier only
@@ -367,7 +391,6 @@ async def test_second_stop_during_drain_forces_exit_status_1(tmp_path: Path) -> 
         assert not gate.is_set()
     assert status == 1
     assert not exists(cfg.socket.path)
-    assert not exists(pool_path)
 
     # The write-back was skipped: only what was on disk survived (and its index did).
     daemon, task = await _start_in_loop(cfg)
@@ -434,7 +457,6 @@ async def test_stale_socket_is_replaced_and_live_one_is_kept(tmp_path: Path, spa
     status = await second.wait()
     assert status != 0
     assert "already running" in second.stderr()
-    assert pool_files(second.pid) == []  # it gave up before opening a pool
     assert os.stat(path).st_ino == inode
     async with await first.connect() as client:
         assert await client.load([b"live"]) == [block(b"live")]
@@ -489,59 +511,51 @@ async def test_sd_notify_ready_and_stopping(
 
 
 @pytest.mark.parametrize("mode", [None, 0o660])
-async def test_socket_and_pool_modes(tmp_path: Path, spawn: Spawn, mode: int | None) -> None:
+async def test_socket_mode_and_a_pool_with_no_path(
+    tmp_path: Path, spawn: Spawn, mode: int | None
+) -> None:
     sections: dict[str, Any] = {} if mode is None else {"socket": {"mode": f"0o{mode:o}"}}
+    before = shm_pools()
     daemon = await spawn(daemon_config(tmp_path, **sections))
     expected = 0o600 if mode is None else mode
     assert os.stat(daemon.socket_path).st_mode & 0o777 == expected
     async with await daemon.connect() as client:
-        pool_path = client.info["pool"]["path"]
-    assert os.stat(pool_path).st_mode & 0o777 == expected
+        assert client.pool is not None  # mapped from the descriptor passed with hello
+        assert "path" not in client.info["pool"]
+    assert shm_pools() == before  # nothing another user could open by name
     assert await daemon.stop() == 0
 
 
-# -- 8. stale shared-memory pools ---------------------------------------------------------------
+# -- 8. no pool to reap -------------------------------------------------------------------------
 
 
-def dead_pid() -> int:
-    """The pid of a process that has exited and been reaped."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    with pytest.raises(ProcessLookupError):
-        os.kill(proc.pid, 0)
-    return proc.pid
-
-
-def fake_pool(pid: int) -> str:
-    path = f"/dev/shm/tierd-{pid}-{secrets.token_hex(6)}"
-    with open(path, "wb") as f:
-        f.write(b"\0" * 4096)
-    return path
-
-
-def test_reap_stale_pools_removes_only_dead_daemons_pools() -> None:
-    dead, mine = fake_pool(dead_pid()), fake_pool(os.getpid())
-    try:
-        removed = reap_stale_pools()
-        assert os.path.basename(dead) in removed
-        assert os.path.basename(mine) not in removed
-        assert not exists(dead)
-        assert exists(mine)
-    finally:
-        for path in (dead, mine):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-
-
-async def test_daemon_start_reaps_stale_pools(tmp_path: Path, spawn: Spawn) -> None:
-    dead = fake_pool(dead_pid())
-    try:
-        daemon = await spawn(daemon_config(tmp_path))
-        assert not exists(dead)
-        assert await daemon.stop() == 0
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(dead)
+@pytest.mark.skipif(os.getuid() != 0, reason="a PID namespace (unshare --pid) needs root")
+async def test_daemons_in_separate_pid_namespaces_leave_each_other_alone(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    """Two containers of one pod share /dev/shm but not their PID namespace: a daemon
+    starting in one took the other's pool file for a dead daemon's (its pid is not
+    visible there) and deleted it, so the live daemon's next client could not map it.
+    Pools are memfds now: nothing in /dev/shm to judge, and nothing is reaped."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    first = await spawn(daemon_config(tmp_path / "a", cpu_blocks=8))
+    names = keys("pidns", 6)
+    async with await first.connect() as client:
+        await store_all(client, names, 6)
+    before = shm_pools()
+    second = await spawn(
+        daemon_config(tmp_path / "b", cpu_blocks=8),
+        wrap=["unshare", "--pid", "--fork", "--kill-child=SIGTERM"],
+    )
+    async with await second.connect() as client:  # the second daemon serves, in its own
+        assert client.pool is not None
+        await store_all(client, names[:2], 2)
+    assert shm_pools() == before
+    async with await first.connect() as client:  # a new client of the first one
+        assert client.pool is not None
+        assert await load_all(client, names, 6) == [block(k) for k in names]
+    assert await first.stop() == 0
 
 
 # -- 9. a client killed holding leases -----------------------------------------------------

@@ -8,6 +8,8 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
+
 from tests.test_daemon_lifecycle import BLOCK, Spawn, block, keys, spawn
 from tierd.client import Client
 from tierd.testing import daemon_config
@@ -60,3 +62,35 @@ async def test_files_left_readable_by_an_older_daemon_are_tightened(
     finally:
         assert await again.stop() == 0
     assert mode(directory / "tierd-index.msgpack") == 0o600
+
+
+async def test_a_disk_directory_others_can_read_or_write_is_refused(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    """Like ssh with a key file others can read: the daemon will not keep blocks where
+    another user could list or read them, and says how to fix it."""
+    cfg = daemon_config(tmp_path)
+    directory = Path(cfg["tiers"][1]["directories"][0])
+    for loose, who in ((0o755, "its group and others"), (0o750, "its group"), (0o703, "others")):
+        os.chmod(directory, loose)
+        daemon = await spawn(cfg, ready=False)
+        assert await daemon.wait() != 0
+        err = daemon.stderr()
+        assert f"can be read or written by {who} (mode {loose:o})" in err, err
+        assert f"chmod 700 {directory}" in err
+        assert "tiers.1.directories" in err
+        assert not (directory / "tierd-slab.bin").exists()  # refused before anything
+    os.chmod(directory, 0o711)  # search only: nobody can list or read it
+    daemon = await spawn(cfg)
+    assert await daemon.stop() == 0
+
+
+async def test_a_disk_directory_of_another_user_is_refused(tmp_path: Path, spawn: Spawn) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another user (chown) needs root")
+    cfg = daemon_config(tmp_path)
+    directory = Path(cfg["tiers"][1]["directories"][0])
+    os.chown(directory, 65534, 65534)
+    daemon = await spawn(cfg, ready=False)
+    assert await daemon.wait() != 0
+    assert "belongs to uid 65534, not to the daemon's user" in daemon.stderr()

@@ -37,7 +37,8 @@ def tmpfs(size: str) -> Iterator[Path]:
     """A fresh tmpfs of ``size`` mounted on a temporary directory."""
     mount_point = Path(tempfile.mkdtemp(prefix="tierd-tmpfs-"))
     subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], check=True
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mount_point)],
+        check=True,
     )
     try:
         yield mount_point
@@ -209,3 +210,32 @@ async def test_a_forged_snapshot_is_rebuilt_from_the_slab(tmp_path: Path, spawn:
     assert "snapshot" in again.stderr() and "rebuil" in again.stderr()
     assert await again.stop() == 0
     await asyncio.sleep(0)
+
+
+# -- tenants' slabs on a small file system ------------------------------------------------------
+
+
+@needs_root
+async def test_tenants_slabs_are_reused_at_restart_not_asked_for_again(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    """Each tenant's slab is in ``<directory>/<tenant>/``. The machine checks looked for a
+    slab in the directory itself, found none, and asked for the whole tier again on top
+    of the slabs already there: a daemon whose disk tier took most of its file system
+    could start once and never again."""
+    with tmpfs("4m") as directory:
+        cfg = disk_config(tmp_path, directory)
+        # 384 blocks: 2 slabs of 192, 1.5 MiB each (a 4 KiB header per 4 KiB block), 3 MiB
+        # of a 4 MiB file system.
+        cfg["tiers"][1]["capacity"] = "1536KiB"
+        cfg["tenants"] = [
+            {"name": "ops", "uids": [0], "operator": True},
+            {"name": "other", "uids": [54321]},
+        ]
+        first = await spawn(cfg)
+        assert await first.stop() == 0
+        assert sorted(p.name for p in directory.iterdir()) == ["ops", "other"]
+        again = await spawn(cfg)  # refused before: "needs 1.5 MiB ... has 1 MiB free"
+        async with await connect(again.socket_path) as client:
+            assert (await client.stats())["tenants"].keys() == {"ops", "other"}
+        assert await again.stop() == 0

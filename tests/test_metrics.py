@@ -118,7 +118,10 @@ def documented_names() -> set[str]:
 
 async def test_every_exposed_metric_family_is_documented(tmp_path: Path, spawn: Spawn) -> None:
     port = free_port()
-    daemon = await spawn(daemon_config(tmp_path, metrics={"http_port": port}))
+    # A remote level whose server is absent (a closed loopback port): its families are
+    # exposed all the same, its calls fail as misses.
+    remote = {"url": f"redis://127.0.0.1:{free_port()}/0"}
+    daemon = await spawn(daemon_config(tmp_path, metrics={"http_port": port}, remote=remote))
     status, text = await asyncio.to_thread(http_get, f"http://127.0.0.1:{port}/metrics")
     assert status == 200
     assert await daemon.stop() == 0

@@ -31,7 +31,7 @@ from tests.test_daemon_lifecycle import (
     exists,
     keys,
     medium_of,
-    pool_files,
+    memfd_pools,
     spawn,
     store_all,
 )
@@ -97,7 +97,6 @@ async def test_tierd_stop_drains_writes_back_and_waits_for_the_exit(
     assert daemon.proc.poll() == 0  # gone when the command returned, exit status 0
     assert not exists(daemon.socket_path)
     assert not exists(pid_file(daemon))
-    assert pool_files(daemon.pid) == []
 
     again = await spawn(config)
     async with await again.connect() as client:
@@ -149,12 +148,11 @@ async def test_a_configured_pid_file(tmp_path: Path, spawn: Spawn) -> None:
 
 async def test_sighup_stops_cleanly(tmp_path: Path, spawn: Spawn) -> None:
     daemon = await spawn(daemon_config(tmp_path, block_bytes=BLOCK))
-    assert pool_files(daemon.pid)
+    assert memfd_pools(daemon.pid)  # its pool: a memfd, gone with the process
     daemon.signal(signal.SIGHUP)
     assert await daemon.wait() == 0
     assert not exists(daemon.socket_path)
     assert not exists(pid_file(daemon))
-    assert pool_files(daemon.pid) == []
     assert '"stopped"' in daemon.stderr()
 
 
@@ -164,7 +162,6 @@ async def test_sighup_stops_cleanly(tmp_path: Path, spawn: Spawn) -> None:
 def assert_nothing_left(daemon: DaemonProcess) -> None:
     assert not exists(daemon.socket_path)
     assert not exists(pid_file(daemon))
-    assert pool_files(daemon.pid) == []
     assert '"stopped"' not in daemon.stderr()  # it never started
     assert len(start_failures(daemon)) == 1
 

@@ -198,7 +198,13 @@ async def test_sigkill_restart_keeps_flushed_disk_blocks(
 ) -> None:
     """Blocks acknowledged and flushed before a SIGKILL come back byte-identical, also
     when the kill lands while the disk tears block writes or refuses journal records."""
-    settings = soak_kit.Settings(block_bytes=BLOCK, cpu_blocks=8, disk_blocks=64)
+    settings = soak_kit.Settings(
+        block_bytes=BLOCK,
+        cpu_blocks=8,
+        disk_blocks=64,
+        lease_per_connection="100%",
+        lease_per_tenant="100%",
+    )
     daemon = soak_kit.DaemonProcess(
         tmp_path, soak_kit.soak_config(tmp_path, short_socket_path(), settings)
     )

@@ -9,6 +9,7 @@ reach it and none of its bytes are loaded as the client's own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -108,6 +109,38 @@ async def test_a_trusted_server_uid_is_accepted(impostor: Impostor) -> None:
     assert client.info["server"] == "tierd 0"
     await client.close()
     assert await impostor.received() > 0  # the hello went out
+
+
+async def test_the_command_line_refuses_an_impostor_unless_told_to_trust_it(
+    impostor: Impostor,
+) -> None:
+    tierd = [sys.executable, "-m", "tierd", "health", "--socket", str(impostor.path)]
+    refused = await asyncio.to_thread(
+        subprocess.run, tierd, capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 3, refused.stderr
+    assert f"served by uid {NOBODY}" in refused.stderr
+    assert await impostor.received() == 0
+
+
+async def test_the_command_line_trusts_a_service_users_daemon_when_told(
+    impostor: Impostor,
+) -> None:
+    """``--trust-uid`` names a daemon's service user: the hello goes out. (The impostor
+    never answers the request that follows: the command is stopped after a moment.)"""
+    tierd = [sys.executable, "-m", "tierd", "health", "--socket", str(impostor.path)]
+    trusting = await asyncio.create_subprocess_exec(
+        *tierd, "--trust-uid", str(NOBODY), stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(3):
+                await trusting.wait()
+    finally:
+        if trusting.returncode is None:
+            trusting.kill()
+        await trusting.communicate()
+    assert await impostor.received() > 0
 
 
 def _serve(runtime: Path, config: Path) -> subprocess.Popen[str]:

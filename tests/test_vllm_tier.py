@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ pytest.importorskip(
 
 import structlog
 import test_daemon_lifecycle
+import test_squatting
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -50,6 +52,7 @@ from tierd.testing import corrupt_disk_block, daemon_config, running_daemon
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 spawn = test_daemon_lifecycle.spawn  # real `tierd serve` processes, killed at the end
+impostor = test_squatting.impostor  # a socket bound first by user nobody
 
 
 def config(tmp_path, **kw):
@@ -350,3 +353,24 @@ def test_namespaces_follow_what_makes_bytes_interchangeable() -> None:
     assert derive_namespace(spec1, ROW) == derive_namespace(spec2, ROW)
     # A spec without the facts (vLLM's tests pass a MagicMock) still names a stable one.
     assert derive_namespace(MagicMock(), ROW) == derive_namespace(MagicMock(), ROW)
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or os.getuid() != 0, reason="an impostor of another uid needs root"
+)
+def test_a_socket_served_by_another_user_is_refused_unless_trusted(impostor) -> None:
+    """A squatter on the socket path gets not a byte: the tier refuses to start, naming
+    the setting that trusts a daemon's service user."""
+    with pytest.raises(ValueError, match=r"served by uid 65534.*server_uids"):
+        make_tier(str(impostor.path), primary_rows(2))
+    assert asyncio.run(impostor.received()) == 0
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or os.getuid() != 0, reason="an impostor of another uid needs root"
+)
+def test_a_trusted_service_user_is_talked_to(impostor) -> None:
+    # The impostor's hello names 4096-byte blocks: the tier got that far, and says so.
+    with pytest.raises(BlockSizeMismatch):
+        make_tier(str(impostor.path), primary_rows(2, row_bytes=2 * ROW), server_uids=[65534])
+    assert asyncio.run(impostor.received()) > 0

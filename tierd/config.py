@@ -40,7 +40,15 @@ from tierd.errors import ConfigError
 from tierd.keys import Medium
 from tierd.policy import policy_names
 from tierd.policy.admission import Admission
-from tierd.units import parse_mode, parse_seconds, parse_size
+from tierd.tenancy import DEFAULT_TENANT, QuotaProblem, TenantConfig, quota_blocks
+from tierd.units import (
+    MAX_BLOCKS,
+    capacity_parts,
+    parse_mode,
+    parse_seconds,
+    parse_size,
+    share_parts,
+)
 
 __all__ = [
     "ChainConfig",
@@ -107,7 +115,7 @@ class TierConfig(_Strict):
     # disk: one slab file each; "~", "$VAR" and "${VAR:-default}" are expanded
     directories: list[Path] = Field(default_factory=list)
     o_direct: bool | str = "auto"  # disk: true, false or "auto" (probe)
-    shm_name: str | None = None  # cpu: the /dev/shm file name (default: unique)
+    shm_name: str | None = None  # cpu: the pool's name, seen as /memfd:NAME in /proc/PID/maps
 
     @field_validator("directories", mode="before")
     @classmethod
@@ -139,7 +147,7 @@ class TierConfig(_Strict):
     @field_validator("capacity")
     @classmethod
     def _capacity(cls, value: int | str) -> int | str:
-        _capacity_parts(value)
+        capacity_parts(value)
         return value
 
     @field_validator("shm_name")
@@ -147,8 +155,8 @@ class TierConfig(_Strict):
     def _shm_name(cls, value: str | None) -> str | None:
         if value is not None and (not _SHM_NAME.match(value) or value in (".", "..")):
             raise ValueError(
-                "shm_name is a file name in /dev/shm: letters, digits, '_', '.', '-',"
-                " at most 200 characters, no '/'"
+                "shm_name names the pool (/memfd:NAME in /proc/PID/maps): letters,"
+                " digits, '_', '.', '-', at most 200 characters, no '/'"
             )
         return value
 
@@ -171,7 +179,7 @@ class TierConfig(_Strict):
 
     def num_blocks(self, block_bytes: int) -> int:
         """The capacity in blocks for blocks of ``block_bytes``."""
-        count, is_bytes = _capacity_parts(self.capacity)
+        count, is_bytes = capacity_parts(self.capacity)
         blocks = count // block_bytes if is_bytes else count
         if blocks <= 0:
             raise ConfigError(
@@ -263,7 +271,7 @@ class ChainConfig(_Strict):
         if self.entry is not None and self.entry not in names:
             raise _error_at("entry", f"{self.entry!r} is not a tier name ({', '.join(names)})")
         for index, tier in enumerate(self.tiers):
-            count, is_bytes = _capacity_parts(tier.capacity)
+            count, is_bytes = capacity_parts(tier.capacity)
             if is_bytes and count < self.block_bytes:
                 message = f"{tier.capacity!r} holds no block of {self.block_bytes} bytes"
                 raise _error_at(f"tiers.{index}.capacity", message)
@@ -293,10 +301,11 @@ def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:
 class SocketConfig(_Strict):
     """The control socket, and who may use it.
 
-    ``mode`` applies to the socket file and to the shared-memory pool that clients map.
-    A connecting peer (``SO_PEERCRED``) is admitted when its uid is the daemon's own uid,
-    or is in ``allow_uids``, or its gid is in ``allow_gids``; everyone else is refused.
-    """
+    ``mode`` applies to the socket file (pools have no file: each tenant's is a memfd
+    passed to its clients). Without a ``tenants:`` section a connecting peer
+    (``SO_PEERCRED``) is admitted when its uid is the daemon's own uid (an operator), or
+    is in ``allow_uids``, or its gid is in ``allow_gids`` (members of the one tenant);
+    with one, the tenants name who is admitted (:mod:`tierd.tenancy`)."""
 
     path: Path = Field(default_factory=default_socket_path)
     pid_file: Path | None = None  # default: the socket path + ".pid"
@@ -323,11 +332,29 @@ class LimitsConfig(_Strict):
     max_keys_per_request: int = Field(default=4096, ge=1)
     max_connections: int = Field(default=1024, ge=1)
     max_requests_in_flight: int = Field(default=256, ge=1, le=1 << 20)
-    hello_timeout_s: float = Field(default=5.0, gt=0, le=3600)
-    frame_deadline_s: float = Field(default=30.0, gt=0, le=3600)
+    hello_timeout_s: Seconds = Field(default=5.0, gt=0, le=3600)
+    frame_deadline_s: Seconds = Field(default=30.0, gt=0, le=3600)
     partial_frame_bytes: Size = Field(default=256 << 20, ge=4096)
     output_buffer_bytes: Size = Field(default=16 << 20, ge=4096)
-    output_stall_s: float = Field(default=60.0, gt=0, le=86400)
+    output_stall_s: Seconds = Field(default=60.0, gt=0, le=86400)
+    # Blocks one connection, and one tenant's connections together, may hold in open
+    # leases (reserved for a store, pinned by a load): a count, or a share of the
+    # tenant's entry tier. The rest stays free for other clients and for promotions.
+    lease_blocks_per_connection: int | str = "50%"
+    lease_blocks_per_tenant: int | str = "75%"
+    store_lease_ttl_s: Seconds = Field(default=30.0, gt=0, le=86400)  # then it is aborted
+    load_wait_s: Seconds = Field(default=5.0, gt=0, le=3600)  # on another client's store
+
+    @field_validator("lease_blocks_per_connection", "lease_blocks_per_tenant")
+    @classmethod
+    def _lease_blocks(cls, value: int | str) -> int | str:
+        try:
+            share_parts(value)
+        except ValueError as exc:
+            raise ValueError(
+                f"a lease bound is a positive block count or a share like '50%' ({exc})"
+            ) from None
+        return value
 
 
 class NamespaceConfig(_Strict):
@@ -394,7 +421,7 @@ class ShutdownConfig(_Strict):
     copies dirty blocks down to the last tier so they survive a restart (``none`` drops
     them)."""
 
-    grace: Seconds = 10.0
+    grace: Seconds = Field(default=10.0, gt=0, le=86400)
     write_back: Literal["none", "flush"] = "flush"
 
 
@@ -420,6 +447,51 @@ class DaemonConfig(ChainConfig):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
+    tenants: list[TenantConfig] = Field(default_factory=list)  # see tierd.tenancy
+
+    @model_validator(mode="after")
+    def _tenants(self) -> DaemonConfig:
+        if not self.tenants:
+            return self
+        if self.socket.allow_uids or self.socket.allow_gids:
+            raise _error_at(
+                "socket.allow_uids" if self.socket.allow_uids else "socket.allow_gids",
+                "with tenants, list who may connect in tenants.N.uids and tenants.N.gids",
+            )
+        seen: dict[str, dict[int, str]] = {"uids": {}, "gids": {}}
+        names: set[str] = set()
+        for index, tenant in enumerate(self.tenants):
+            if tenant.name in names:
+                raise _error_at(f"tenants.{index}.name", f"{tenant.name!r} is named twice")
+            names.add(tenant.name)
+            if not tenant.uids and not tenant.gids:
+                raise _error_at(f"tenants.{index}", "names no uid or gid: nobody could use it")
+            for field, ids in (("uids", tenant.uids), ("gids", tenant.gids)):
+                for value in ids:
+                    other = seen[field].setdefault(value, tenant.name)
+                    if other != tenant.name:
+                        message = f"{value} is also in tenant {other!r}: a peer has one tenant"
+                        raise _error_at(f"tenants.{index}.{field}", message)
+        try:
+            self.tenant_blocks()
+        except QuotaProblem as problem:
+            raise _error_at(problem.path, problem.message) from None
+        return self
+
+    def tenant_blocks(self) -> dict[str, dict[str, int]]:
+        """Blocks of each tier for each configured tenant (see :mod:`tierd.tenancy`)."""
+        tiers = [(tier.name, tier.num_blocks(self.block_bytes)) for tier in self.tiers]
+        return quota_blocks(self.tenants, tiers, self.block_bytes)
+
+    def tenant_chains(self) -> list[tuple[TenantConfig, ChainConfig]]:
+        """Each tenant with the chain it gets: without a ``tenants:`` section, the one
+        ``default`` tenant (the daemon's own user, an operator) with this chain as it is;
+        with it, each tenant's part of it (:func:`tenant_chain`)."""
+        if not self.tenants:
+            own = TenantConfig(name=DEFAULT_TENANT, uids=[os.getuid()], operator=True)
+            return [(own, self)]
+        blocks = self.tenant_blocks()
+        return [(t, tenant_chain(self, t.name, blocks[t.name])) for t in self.tenants]
 
     @model_validator(mode="after")
     def _frame_fits_a_block(self) -> DaemonConfig:
@@ -433,31 +505,37 @@ class DaemonConfig(ChainConfig):
         return self
 
 
+def tenant_chain(cfg: ChainConfig, tenant: str, blocks: Mapping[str, int]) -> ChainConfig:
+    """``cfg`` cut down to one tenant's part: each tier its ``blocks`` (by tier name), a
+    pool named after the tenant, each disk directory a subdirectory of the tenant's own,
+    and the remote level's keys under a prefix of the tenant's own."""
+    tiers = [
+        tier.model_copy(
+            update={
+                "capacity": blocks[tier.name],
+                "directories": [directory / tenant for directory in tier.directories],
+                "shm_name": f"{tier.shm_name or 'tierd'}-{tenant}",
+            }
+        )
+        for tier in cfg.tiers
+    ]
+    remote = cfg.remote
+    if remote is not None:
+        remote = remote.model_copy(update={"key_prefix": f"{remote.key_prefix}{tenant}:"})
+    return ChainConfig(
+        block_bytes=cfg.block_bytes,
+        tiers=tiers,
+        entry=cfg.entry,
+        transfer=cfg.transfer,
+        remote=remote,
+    )
+
+
 MAX_BLOCK_BYTES = 1 << 30
-MAX_BLOCKS = 1 << 40  # per tier: past any machine's memory for the index
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _DEVICE = re.compile(r"^(cpu|cuda(:[0-9]{1,3})?)$")
 # sun_path holds 108 bytes with the terminating NUL (Linux's sockaddr_un).
 SOCKET_PATH_MAX = 107
-
-
-def _capacity_parts(value: int | str) -> tuple[int, bool]:
-    """``(count, is_bytes)`` for a capacity value."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value <= 0:
-            raise ValueError("capacity must be positive")
-        if value > MAX_BLOCKS:
-            raise ValueError(f"capacity is at most {MAX_BLOCKS:,} blocks (2**40)")
-        return value, False
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text.endswith("blocks"):
-            count = text.removesuffix("blocks").strip()
-            if count.isdigit() and 0 < len(count) <= 12 and 0 < int(count) <= MAX_BLOCKS:
-                return int(count), False
-        else:
-            return parse_size(value), True
-    raise ValueError(f"capacity {value!r} is not a block count or a size like '64GiB'")
 
 
 def load_config(source: Path | str | dict[str, Any], model: type[_M]) -> _M:

@@ -4,10 +4,17 @@ Start-up, in order: configure logging; check the tiers' sizes against the machin
 (:mod:`tierd.preflight`: nothing is allocated for a config that cannot fit); claim the
 socket path (so a second daemon fails with "already running" before it touches the pool or
 the disk tier) and write the pid file beside it (``<socket>.pid``, or ``socket.pid_file``);
-remove shared-memory pools left by crashed daemons; create the disk tiers' missing
-directories; open the chain (a disk tier reloads its index or rebuilds it); start serving;
+create the disk tiers' missing directories; open each tenant's chain (a disk tier reloads
+its index or rebuilds it); start serving;
 tell systemd ``READY=1``. A start that fails logs ``start failed`` with the reason and
-removes what it created: the socket, the pid file, the pool, the directories.
+removes what it created: the socket, the pid file, the directories.
+
+Tenants (:mod:`tierd.tenancy`): one chain is opened per tenant, each with its quota of
+every tier, its own memfd pool (handed to its clients as a descriptor: nothing of it is
+in /dev/shm, so there is nothing to reap after a crash and nothing another daemon, in
+another PID namespace or not, could remove) and its own disk slab under
+``<directory>/<tenant>``. Without a ``tenants:`` section there is one tenant,
+``default``, with whole tiers and the disk directories themselves.
 
 Shutdown on SIGTERM, SIGINT, SIGHUP (a closed terminal) or the ``stop`` operation (``tierd
 stop``): ``STOPPING=1``; stop accepting and refuse new work; wait
@@ -25,32 +32,35 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from tierd.chain import TierChain
+from tierd.chain import FlushResult, TierChain
 from tierd.config import DaemonConfig, LoggingConfig, default_socket_path
-from tierd.control.context import Limits, PoolInfo, ServerContext
+from tierd.control.context import Limits, ServerContext
 from tierd.control.server import Server, bind_unix_socket
 from tierd.control.socketfile import prepare_socket_directory
+from tierd.control.tenants import Grant, PoolInfo, Tenant, TenantTable
+from tierd.errors import TierdError
 from tierd.library import open_chain
 from tierd.preflight import check_machine, directories_to_create
 from tierd.settings import effective_config_dict
 from tierd.stores.cpu import CpuStore
+from tierd.stores.disk_slab import SLAB_FILE
+from tierd.units import share_parts
 
 __all__ = [
     "Daemon",
     "configure_logging",
-    "reap_stale_pools",
     "remove_pid_file",
     "run_daemon",
     "sd_notify",
@@ -61,7 +71,6 @@ log = structlog.get_logger("tierd")
 
 EXIT_FORCED = 1
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-_POOL_NAME = re.compile(r"^tierd-(\d+)-[0-9a-f]+$")
 
 
 def sd_notify(state: str, environ: dict[str, str] | None = None) -> bool:
@@ -111,33 +120,6 @@ def _claim_socket(path: str, mode: int) -> socket.socket:
     return bind_unix_socket(path, mode)
 
 
-def reap_stale_pools(shm_dir: str = "/dev/shm") -> list[str]:
-    """Remove pool files (``tierd-<pid>-<hex>``) whose daemon is gone: a SIGKILLed daemon
-    cannot unlink its pool, and every restart would otherwise leak one. Returns them."""
-    removed = []
-    with contextlib.suppress(OSError):
-        for name in os.listdir(shm_dir):
-            match = _POOL_NAME.match(name)
-            if match is None or _alive(int(match.group(1))):
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(shm_dir, name))
-                removed.append(name)
-    if removed:
-        log.warning("removed shared-memory pools of dead daemons", pools=removed)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Daemon:
     """One run of the service. ``run()`` returns the exit status."""
 
@@ -146,11 +128,16 @@ class Daemon:
         self.handle_signals = handle_signals
         self.ready = asyncio.Event()  # set once clients can connect
         self.server: Server | None = None
-        self.chain: TierChain | None = None
+        self.chains: dict[str, TierChain] = {}  # by tenant, once open
         self._stop = asyncio.Event()
         self._forced = False
         self._shutdown: asyncio.Task[None] | None = None
         self._signals = 0
+
+    @property
+    def chain(self) -> TierChain | None:
+        """The first tenant's chain: the only one without a ``tenants:`` section."""
+        return next(iter(self.chains.values()), None)
 
     def stop_once(self) -> None:
         """What the ``stop`` operation does: start a graceful stop, never force one."""
@@ -192,17 +179,16 @@ class Daemon:
         created: list[Path] = []
         try:
             write_pid_file(pid_file)
-            reap_stale_pools()
             own = {d.absolute() for tier in cfg.tiers for d in tier.directories}
             for directory in directories_to_create(cfg):
                 # A tier's own directory holds its tenants' data: 0700. Parents (such as
                 # ~/.local/state) get the usual mode.
                 directory.mkdir(mode=0o700 if directory in own else 0o777)
                 created.append(directory)
-            async with open_chain(cfg, pool_mode=cfg.socket.mode) as chain:
-                created = []  # the chain opened: its directories are the daemon's now
-                self.chain = chain
-                self.server = server = Server(self._context(chain))
+            async with AsyncExitStack() as stack:
+                table = await self._open_tenants(stack)
+                created = []  # the chains opened: their directories are the daemon's now
+                self.server = server = Server(self._context(table))
                 server.adopt(sock, path)
                 return await self._serve(server)
         finally:
@@ -253,11 +239,13 @@ class Daemon:
         finished = await server.drain(self.config.shutdown.grace)
         if not finished:
             log.warning("grace period over: cancelled the requests still running")
-        if self.config.shutdown.write_back == "flush" and self.chain is not None:
+        if self.config.shutdown.write_back == "flush" and self.chains:
             left = max(0.0, deadline - time.monotonic())
             try:
                 async with asyncio.timeout(left):
-                    done = await self.chain.flush()
+                    done = FlushResult(0)
+                    for chain in self.chains.values():
+                        done = done.plus(await chain.flush())
                 if done.dirty:
                     log.warning(
                         "blocks stayed dirty at shutdown",
@@ -272,12 +260,48 @@ class Daemon:
 
     # -- wiring -----------------------------------------------------------------------
 
-    def _context(self, chain: TierChain) -> ServerContext:
+    async def _open_tenants(self, stack: AsyncExitStack) -> TenantTable:
+        """Open one chain per tenant (see :mod:`tierd.tenancy`) and say who is which."""
         cfg = self.config
-        entry = chain.levels[chain.entry].store
-        pool = None
-        if isinstance(entry, CpuStore):
-            pool = PoolInfo(entry.path, entry.size, entry.stride, entry.num_blocks)
+        table = TenantTable()
+        _warn_of_untenanted_slabs(cfg)
+        for spec, chain_cfg in cfg.tenant_chains():
+            try:
+                chain = await stack.enter_async_context(open_chain(chain_cfg))
+            except TierdError as exc:
+                if cfg.tenants:  # name the tenant: each has tiers of the same names
+                    exc.args = (f"tenant {spec.name!r}: {exc}", *exc.args[1:])
+                raise
+            self.chains[spec.name] = chain
+            entry = chain.levels[chain.entry].store
+            pool = None
+            if isinstance(entry, CpuStore) and entry.fd is not None:
+                pool = PoolInfo(entry.fd, entry.name, entry.size, entry.stride, entry.num_blocks)
+            blocks = entry.num_blocks
+            table.tenants.append(
+                Tenant(
+                    spec.name,
+                    chain,
+                    pool,
+                    namespaces=tuple(spec.namespaces),
+                    max_held=_lease_bound(cfg.limits.lease_blocks_per_tenant, blocks),
+                    max_held_per_connection=_lease_bound(
+                        cfg.limits.lease_blocks_per_connection, blocks
+                    ),
+                )
+            )
+        table.grants = _grants(cfg, table)
+        if cfg.tenants:
+            log.info(
+                "tenants",
+                tenants={
+                    t.name: [lv.tier.num_blocks for lv in t.chain.levels] for t in table.tenants
+                },
+            )
+        return table
+
+    def _context(self, table: TenantTable) -> ServerContext:
+        cfg = self.config
         limits = Limits(
             max_frame_bytes=cfg.limits.max_frame_bytes,
             max_keys_per_request=cfg.limits.max_keys_per_request,
@@ -289,16 +313,15 @@ class Daemon:
             partial_frame_bytes=cfg.limits.partial_frame_bytes,
             output_buffer_bytes=cfg.limits.output_buffer_bytes,
             output_stall_s=cfg.limits.output_stall_s,
+            store_lease_ttl_s=cfg.limits.store_lease_ttl_s,
+            load_wait_s=cfg.limits.load_wait_s,
         )
         return ServerContext(
-            chain=chain,
+            tenants=table,
             limits=limits,
-            pool=pool,
             config=effective_config_dict(cfg),
             check_namespace=cfg.namespaces.check,
             request_stop=self.stop_once,
-            allow_uids=frozenset(cfg.socket.allow_uids),
-            allow_gids=frozenset(cfg.socket.allow_gids),
         )
 
     def _install_signals(self) -> Callable[[], None]:
@@ -345,6 +368,52 @@ class Daemon:
         server = await asyncio.start_server(answer, host, port)
         log.info("metrics over HTTP", url=f"http://{host}:{port}/metrics")
         return server
+
+
+def _warn_of_untenanted_slabs(cfg: DaemonConfig) -> None:
+    """With tenants, each tenant's slab is in ``<directory>/<tenant>/``: a slab left in a
+    directory itself by a daemon without tenants serves nobody, and still takes its space."""
+    if not cfg.tenants:
+        return
+    for tier in cfg.tiers:
+        for directory in tier.directories:
+            left = directory / SLAB_FILE
+            if left.exists():
+                log.warning(
+                    "a slab of a daemon without tenants is left here: no tenant is served"
+                    " its blocks; remove it to free its space",
+                    tier=tier.name,
+                    path=str(left),
+                    bytes=left.stat().st_size,
+                )
+
+
+def _grants(cfg: DaemonConfig, table: TenantTable) -> list[Grant]:
+    """Who is which tenant. Without ``tenants:``, the daemon's own user is the default
+    tenant's operator and ``socket.allow_uids``/``allow_gids`` are its members; with it,
+    the daemon's own user, when no tenant lists it, may run operator commands only."""
+    me = os.getuid()
+    if not cfg.tenants:
+        tenant = table.tenants[0]
+        return [
+            Grant(tenant, True, frozenset({me})),
+            Grant(
+                tenant, False, frozenset(cfg.socket.allow_uids), frozenset(cfg.socket.allow_gids)
+            ),
+        ]
+    grants = [
+        Grant(tenant, spec.operator, frozenset(spec.uids), frozenset(spec.gids))
+        for tenant, spec in zip(table.tenants, cfg.tenants, strict=True)
+    ]
+    if not any(me in spec.uids for spec in cfg.tenants):
+        grants.append(Grant(None, True, frozenset({me})))
+    return grants
+
+
+def _lease_bound(value: int | str, entry_blocks: int) -> int:
+    """A lease bound in blocks: a count, or a share of the tenant's entry tier."""
+    amount, is_share = share_parts(value)
+    return max(1, int(amount * entry_blocks)) if is_share else int(amount)
 
 
 def _remove_created(created: list[Path]) -> None:

@@ -31,20 +31,23 @@ from tierd.stores.memory import MemoryStore
 from tierd.tier import Tier
 from tierd.transfer import TransferEngine
 
-__all__ = ["build_store", "open_chain", "open_remote", "restore_tier"]
+__all__ = [
+    "build_store",
+    "open_chain",
+    "open_remote",
+    "restore_tier",
+]
 
 log = get_logger("tierd")
 
 
-def build_store(
-    spec: TierConfig, num_blocks: int, block_bytes: int, *, pool_mode: int = 0o600
-) -> BlockStore:
-    """An unopened store for one configured tier (``pool_mode``: a CPU pool file's mode)."""
+def build_store(spec: TierConfig, num_blocks: int, block_bytes: int) -> BlockStore:
+    """An unopened store for one configured tier (a CPU pool is a sealed memfd: no path)."""
     if spec.kind is TierKind.MEMORY:
         return MemoryStore(num_blocks=num_blocks, block_bytes=block_bytes)
     if spec.kind is TierKind.CPU:
         return CpuStore(
-            num_blocks=num_blocks, block_bytes=block_bytes, name=spec.shm_name, mode=pool_mode
+            num_blocks=num_blocks, block_bytes=block_bytes, name=spec.shm_name, memfd=True
         )
     if spec.kind is TierKind.GPU:
         return GpuStore(num_blocks=num_blocks, block_bytes=block_bytes, device=spec.device or "")
@@ -80,11 +83,9 @@ def restore_tier(tier: Tier, store: BlockStore) -> int:
 
 
 @asynccontextmanager
-async def open_chain(
-    config: ChainConfig | Path | str | dict[str, Any], *, pool_mode: int = 0o600
-) -> AsyncIterator[TierChain]:
+async def open_chain(config: ChainConfig | Path | str | dict[str, Any]) -> AsyncIterator[TierChain]:
     """Open every store of ``config`` (a model, a YAML path or a mapping) and yield the
-    chain; closes them in reverse order on exit. ``pool_mode``: the CPU pool file's mode."""
+    chain; closes them in reverse order on exit."""
     cfg = config if isinstance(config, ChainConfig) else load_config(config, ChainConfig)
     async with AsyncExitStack() as stack:
         levels: list[Level] = []
@@ -92,7 +93,7 @@ async def open_chain(
             num_blocks = spec.num_blocks(cfg.block_bytes)
             try:
                 store = await stack.enter_async_context(
-                    build_store(spec, num_blocks, cfg.block_bytes, pool_mode=pool_mode)
+                    build_store(spec, num_blocks, cfg.block_bytes)
                 )
             except TierdError as exc:  # name the tier: a config may have several alike
                 exc.args = (f"tier {spec.name!r} ({spec.kind}): {exc}", *exc.args[1:])

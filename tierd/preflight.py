@@ -5,9 +5,12 @@
 - a disk tier's slab files must fit the free space of their file systems; a slab file of
   the same tier already there is reused, so only its growth counts;
 - a disk tier's directory must be a directory (or be creatable: see
-  :func:`directories_to_create`);
-- the CPU tiers' shared-memory pools (and memory tiers) must fit the memory available
-  (``MemAvailable``), and the pools the free space of ``/dev/shm``.
+  :func:`directories_to_create`), the daemon's user's own, and neither readable nor
+  writable by its group or others (it is created 0700);
+- the CPU tiers' shared-memory pools (memfds, not files in ``/dev/shm``) and memory
+  tiers must fit the memory available (``MemAvailable``).
+
+With tenants, each tenant's slab (in ``<directory>/<tenant>/``, of its quota) is checked.
 
 Each problem is a :class:`~tierd.errors.ConfigError` line naming the tier, the directory,
 the size asked and the space free.
@@ -16,11 +19,12 @@ the size asked and the space free.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierd.config import ChainConfig, TierConfig, TierKind
+from tierd.config import ChainConfig, DaemonConfig, TierConfig, TierKind
 from tierd.errors import ConfigError
 from tierd.stores.disk_slab import SLAB_FILE, slab_file_bytes
 from tierd.stores.fileio import round_up
@@ -28,20 +32,19 @@ from tierd.units import format_bytes
 
 __all__ = ["check_machine", "directories_to_create"]
 
-_SHM = "/dev/shm"
-
 
 @dataclass(frozen=True, slots=True)
 class _Slab:
     index: int  # the tier's index in the config
     tier: TierConfig
-    directory: Path
+    directory: Path  # as configured (a tenant's slab is in a subdirectory of it)
+    file: Path  # the slab file
     size: int
 
 
-def check_machine(cfg: ChainConfig, *, shm_dir: str = _SHM, meminfo: str = "/proc/meminfo") -> None:
+def check_machine(cfg: ChainConfig, *, meminfo: str = "/proc/meminfo") -> None:
     """:class:`ConfigError` listing every tier that does not fit this machine."""
-    problems = _disk_problems(cfg) + _memory_problems(cfg, shm_dir, meminfo)
+    problems = _disk_problems(cfg) + _memory_problems(cfg, meminfo)
     if problems:
         raise ConfigError("\n".join(problems))
 
@@ -67,13 +70,20 @@ def directories_to_create(cfg: ChainConfig, home: Path | None = None) -> list[Pa
 
 
 def _slabs(cfg: ChainConfig) -> Iterator[_Slab]:
-    for index, tier in enumerate(cfg.tiers):
-        if tier.kind is not TierKind.DISK:
-            continue
-        blocks, count = tier.num_blocks(cfg.block_bytes), len(tier.directories)
-        for i, directory in enumerate(tier.directories):
-            size = slab_file_bytes(len(range(i, blocks, count)), cfg.block_bytes)
-            yield _Slab(index, tier, directory, size)
+    """Every slab file the config's disk tiers use: with tenants, one per tenant in a
+    subdirectory of each configured directory, of the tenant's quota."""
+    parts = cfg.tenant_chains() if isinstance(cfg, DaemonConfig) else [(None, cfg)]
+    for _, part in parts:
+        for index, tier in enumerate(part.tiers):
+            if tier.kind is not TierKind.DISK:
+                continue
+            blocks, count = tier.num_blocks(cfg.block_bytes), len(tier.directories)
+            configured = cfg.tiers[index]
+            for i, directory in enumerate(tier.directories):
+                size = slab_file_bytes(len(range(i, blocks, count)), cfg.block_bytes)
+                yield _Slab(
+                    index, configured, configured.directories[i], directory / SLAB_FILE, size
+                )
 
 
 def _disk_problems(cfg: ChainConfig) -> list[str]:
@@ -86,13 +96,17 @@ def _disk_problems(cfg: ChainConfig) -> list[str]:
         if not anchor.is_dir():
             problems.append(f"{where}: {anchor} is not a directory ({name})")
             continue
+        loose = _loose(slab.directory)
+        if loose is not None:
+            problems.append(f"{where}: {loose} ({name})")
+            continue
         if not _creatable(slab.directory, anchor):
             problems.append(
                 f"{where}: {slab.directory.parent} does not exist ({name}; create it, or"
                 " mount the drive it stands for)"
             )
             continue
-        growth = slab.size - _allocated(slab.directory / SLAB_FILE)
+        growth = slab.size - _allocated(slab.file)
         fs = os.statvfs(anchor)
         device = os.stat(anchor).st_dev
         free = fs.f_bavail * fs.f_frsize - claimed.get(device, 0)
@@ -100,11 +114,41 @@ def _disk_problems(cfg: ChainConfig) -> list[str]:
         if growth > free:
             problems.append(
                 f"tiers.{slab.index}.capacity: the {name} needs {format_bytes(slab.size)} in"
-                f" {slab.directory}, but its file system has {format_bytes(max(free, 0))}"
+                f" {slab.file.parent}, but its file system has {format_bytes(max(free, 0))}"
                 f" free{_reused(slab.size - growth)} (lower the capacity, or choose another"
                 " directory)"
             )
     return problems
+
+
+def _loose(directory: Path) -> str | None:
+    """Why an existing disk directory may not hold blocks: another user owns it, or its
+    group or others may read or write it (KV-cache blocks reveal the prompts they came
+    from; the way ssh refuses a key file others can read). ``None`` when it is private,
+    or missing (it is then created 0700)."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return None  # named by the checks that follow
+    if st.st_uid != os.geteuid():
+        return (
+            f"{directory} belongs to uid {st.st_uid}, not to the daemon's user"
+            f" (uid {os.geteuid()}): use a directory of the daemon's own"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o066:
+        who = (
+            "its group and others"
+            if mode & 0o060 and mode & 0o006
+            else ("its group" if mode & 0o060 else "others")
+        )
+        return (
+            f"{directory} can be read or written by {who} (mode {mode:o}): the blocks"
+            f" in it reveal the prompts they came from; chmod 700 {directory}"
+        )
+    return None
 
 
 def _reused(existing: int) -> str:
@@ -155,36 +199,28 @@ def _missing_parents(path: Path, home: Path) -> list[Path]:
 # -- memory tiers ------------------------------------------------------------------------
 
 
-def _memory_problems(cfg: ChainConfig, shm_dir: str, meminfo: str) -> list[str]:
+def _memory_problems(cfg: ChainConfig, meminfo: str) -> list[str]:
+    """CPU pools are memfds (not files in /dev/shm, whatever its size) and memory tiers
+    plain memory: together they must fit what the kernel says is available."""
     sizes = {
         index: tier.num_blocks(cfg.block_bytes) * round_up(cfg.block_bytes)
         for index, tier in enumerate(cfg.tiers)
         if tier.kind in (TierKind.CPU, TierKind.MEMORY)
     }
-    if not sizes:
+    available = _mem_available(meminfo)
+    if not sizes or available is None:
         return []
     problems = []
-    available = _mem_available(meminfo)
-    shm = os.statvfs(shm_dir)
-    shm_free = shm.f_bavail * shm.f_frsize
-    memory_left, shm_left = available, shm_free
+    memory_left = available
     for index, size in sizes.items():
         tier = cfg.tiers[index]
-        name = f"tiers.{index}.capacity: the {tier.kind} tier {tier.name!r} needs"
-        if memory_left is not None and size > memory_left:
+        if size > memory_left:
             problems.append(
-                f"{name} {format_bytes(size)} of memory, but {format_bytes(memory_left)} is"
+                f"tiers.{index}.capacity: the {tier.kind} tier {tier.name!r} needs"
+                f" {format_bytes(size)} of memory, but {format_bytes(memory_left)} is"
                 " available (MemAvailable; lower the capacity)"
             )
-        elif tier.kind is TierKind.CPU and size > shm_left:
-            problems.append(
-                f"{name} {format_bytes(size)} in {shm_dir}, but it has"
-                f" {format_bytes(shm_left)} free (lower the capacity, or grow {shm_dir})"
-            )
-        if memory_left is not None:
-            memory_left = max(memory_left - size, 0)
-        if tier.kind is TierKind.CPU:
-            shm_left = max(shm_left - size, 0)
+        memory_left = max(memory_left - size, 0)
     return problems
 
 

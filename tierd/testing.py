@@ -70,7 +70,7 @@ def daemon_config(
     tiers: list[dict[str, Any]] = [{"name": "cpu", "kind": "cpu", "capacity": cpu_blocks}]
     if disk_blocks is not None:
         directory = tmp_path / "disk"
-        directory.mkdir(exist_ok=True)
+        directory.mkdir(mode=0o700, exist_ok=True)
         tiers.append(
             {
                 "name": "disk",
@@ -80,7 +80,19 @@ def daemon_config(
             }
         )
     socket = {"path": socket_path or short_socket_path(), **sections.pop("socket", {})}
-    return {"block_bytes": block_bytes, "tiers": tiers, "socket": socket, **sections}
+    # A test tier of a few blocks is often filled by one lease: the default bounds on
+    # leases (a share of the entry tier) are tested where they are meant.
+    limits = {**_WHOLE_TIER_LEASES, **sections.pop("limits", {})}
+    return {
+        "block_bytes": block_bytes,
+        "tiers": tiers,
+        "socket": socket,
+        "limits": limits,
+        **sections,
+    }
+
+
+_WHOLE_TIER_LEASES = {"lease_blocks_per_connection": "100%", "lease_blocks_per_tenant": "100%"}
 
 
 @asynccontextmanager

@@ -10,7 +10,15 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["parse_mode", "parse_seconds", "parse_size", "format_bytes"]
+__all__ = [
+    "MAX_BLOCKS",
+    "capacity_parts",
+    "format_bytes",
+    "parse_mode",
+    "parse_seconds",
+    "parse_size",
+    "share_parts",
+]
 
 _UNITS = {
     "": 1,
@@ -51,6 +59,47 @@ def parse_size(value: object) -> int:
     raise ValueError(f"{value!r} is not a size (use bytes or a unit: KiB MiB GiB TiB KB MB GB TB)")
 
 
+MAX_BLOCKS = 1 << 40  # per tier: past any machine's memory for the index
+
+
+def capacity_parts(value: int | str) -> tuple[int, bool]:
+    """``(count, is_bytes)`` for a capacity: a block count (``4096``, ``"4096 blocks"``)
+    or a size (``"64GiB"``); raises ``ValueError``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError("capacity must be positive")
+        if value > MAX_BLOCKS:
+            raise ValueError(f"capacity is at most {MAX_BLOCKS:,} blocks (2**40)")
+        return value, False
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text.endswith("blocks"):
+            count = text.removesuffix("blocks").strip()
+            if count.isdigit() and 0 < len(count) <= 12 and 0 < int(count) <= MAX_BLOCKS:
+                return int(count), False
+        else:
+            return parse_size(value), True
+    raise ValueError(f"capacity {value!r} is not a block count or a size like '64GiB'")
+
+
+_SHARE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+def share_parts(value: int | str) -> tuple[float, bool]:
+    """``(amount, is_share)``: ``"25%"`` gives ``(0.25, True)``, a block count (``12``,
+    ``"12 blocks"``) gives ``(12.0, False)``; anything else (a size too) raises
+    ``ValueError``."""
+    if isinstance(value, str) and (match := _SHARE.match(value)) is not None:
+        share = float(match.group(1)) / 100
+        if not 0 < share <= 1:
+            raise ValueError(f"a share must be more than 0% and at most 100%, got {value!r}")
+        return share, True
+    count, is_bytes = capacity_parts(value)
+    if is_bytes:
+        raise ValueError(f"{value!r} is a size: give a block count or a share like '50%'")
+    return float(count), False
+
+
 _OWNER_RW = 0o600
 
 
@@ -76,16 +125,16 @@ _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
 def parse_seconds(value: object) -> float:
-    """Positive seconds from ``10``, ``2.5``, ``"10s"``, ``"500ms"``, ``"2m"``, ``"1h"``;
-    raises ``ValueError``."""
+    """Seconds (0 or more) from ``10``, ``2.5``, ``"10s"``, ``"500ms"``, ``"2m"``, ``"1h"``;
+    raises ``ValueError``. A field that needs more than 0 says so itself (``gt=0``)."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         seconds = float(value)
     elif isinstance(value, str) and (match := _DURATION.match(value.lower())):
         seconds = float(match.group(1)) * _SECONDS[match.group(2)]
     else:
         raise ValueError("not a duration: use seconds, or a string like '10s', '500ms', '2m'")
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError("a duration must be positive")
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError("a duration must be 0 or more, and finite")
     return seconds
 
 

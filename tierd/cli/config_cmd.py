@@ -58,7 +58,19 @@ def describe(cfg: DaemonConfig) -> str:
         f"{tier.name} {tier.num_blocks(cfg.block_bytes)} blocks {tier.policy}" for tier in cfg.tiers
     )
     count = f"{len(cfg.tiers)} tier{'s' if len(cfg.tiers) != 1 else ''}"
-    return f"{count}: {tiers}; block {_format_size(cfg.block_bytes)}; socket {cfg.socket.path}"
+    line = f"{count}: {tiers}; block {_format_size(cfg.block_bytes)}; socket {cfg.socket.path}"
+    if cfg.remote is not None:
+        where = cfg.remote.url or "cluster " + ",".join(cfg.remote.cluster_nodes or ())
+        line += f"; remote {cfg.remote.name} {where.rpartition('@')[2]}"
+    if cfg.tenants:
+        blocks = cfg.tenant_blocks()
+        parts = [
+            f"{t.name}{' (operator)' if t.operator else ''} "
+            + "/".join(str(blocks[t.name][tier.name]) for tier in cfg.tiers)
+            for t in cfg.tenants
+        ]
+        line += f"; tenants (blocks per tier): {', '.join(parts)}"
+    return line
 
 
 def _format_size(size: int) -> str:

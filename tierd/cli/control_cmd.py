@@ -66,8 +66,23 @@ def socket_path(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     return str(default_socket_path(env))
 
 
+def trusted_uids(args: argparse.Namespace) -> tuple[int, ...]:
+    """The uids ``--trust-uid`` names: whose daemon to talk to besides this user's and
+    root's (a daemon run by a service user)."""
+    return tuple(getattr(args, "trust_uid", None) or ())
+
+
 def add_socket_options(parser: argparse.ArgumentParser) -> None:
-    """``--socket`` and ``-c/--config``: how a client command finds the daemon."""
+    """``--socket``, ``-c/--config`` and ``--trust-uid``: how a client command finds the
+    daemon, and whose daemon it will talk to."""
+    parser.add_argument(
+        "--trust-uid",
+        type=int,
+        action="append",
+        metavar="UID",
+        help="talk to a daemon run by this uid too (default: only this user's or root's;"
+        " a socket served by anyone else is refused, as a squatter's would be)",
+    )
     parser.add_argument(
         "--socket",
         type=Path,
@@ -117,7 +132,9 @@ def _with_client(
     async def main() -> _T:
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT):
-                client = await Client.connect(path, namespace=namespace, map_pool=False)
+                client = await Client.connect(
+                    path, namespace=namespace, map_pool=False, server_uids=trusted_uids(args)
+                )
         except TimeoutError:
             raise _CannotReach(path, f"no answer within {CONNECT_TIMEOUT:g} s") from None
         except DaemonError as exc:
@@ -195,12 +212,27 @@ def _stats_text(stats: dict[str, Any], as_json: bool) -> str:
     if as_json:
         return json.dumps(stats)
     parts = [_tier_table(stats["tiers"]), _route_table(stats["routes"])]
+    if stats.get("tenant"):
+        parts.insert(0, f"tenant {stats['tenant']} (its own tiers only)")
+    tenants = stats.get("tenants") or {}
+    if len(tenants) > 1:
+        parts.insert(1, _tenant_table(tenants))
     chain = stats["chain"]
     looked_up = chain["hit_blocks"] + chain["miss_blocks"]
     parts.append(
         f"chain hit ratio {_ratio(chain['hit_blocks'], looked_up)} "
         f"({chain['hit_blocks']:,} of {looked_up:,} looked-up blocks)"
     )
+    remote = stats.get("remote")
+    if remote:
+        parts.append(
+            f"remote {remote['name']} (REMOTE) {remote['endpoint']}: breaker {remote['state']},"
+            f" {remote['lookup_hits']:,} lookup hits, {remote['hits']:,} blocks read,"
+            f" {remote['stores']:,} written, {remote['skipped']:,} skipped,"
+            f" {remote['corrupt']:,} corrupt, {remote['timeouts']:,} timeouts,"
+            f" {remote['errors']:,} errors, {remote['dropped']:,} dropped"
+            + (f" (last error: {remote['last_error']})" if remote["last_error"] else "")
+        )
     server = stats.get("server")
     if server is not None:
         errors = server["errors"]
@@ -241,6 +273,21 @@ def _tier_table(tiers: list[dict[str, Any]]) -> str:
             ]
         )
     return _table(header, rows, left=2)
+
+
+def _tenant_table(tenants: dict[str, dict[str, Any]]) -> str:
+    """Each tenant's share of each tier, and its leases."""
+    names = [tier["name"] for tier in next(iter(tenants.values()))["tiers"]]
+    rows = [
+        [
+            name,
+            *(f"{t['used']:,}/{t['capacity']:,}" for t in snapshot["tiers"]),
+            f"{snapshot['leases']['leases_held_blocks']:,}",
+            f"{snapshot['leases']['leases_expired']:,}",
+        ]
+        for name, snapshot in tenants.items()
+    ]
+    return _table(["tenant", *names, "leased", "expired"], rows, left=1)
 
 
 def _route_table(routes: list[dict[str, Any]]) -> str:

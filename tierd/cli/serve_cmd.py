@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE, Command, add_sets
-from tierd.cli.control_cmd import CONNECT_TIMEOUT, add_socket_options, socket_path
+from tierd.cli.control_cmd import CONNECT_TIMEOUT, add_socket_options, socket_path, trusted_uids
 from tierd.client import Client, DaemonError, Unreachable
 from tierd.errors import AlreadyRunning, StoreIOError
 from tierd.settings import load_settings
@@ -76,7 +76,7 @@ def _run_stop(args: argparse.Namespace) -> int:
         return _fail(f"--timeout must be positive, got {args.timeout:g}", EXIT_BAD_INPUT)
     path = socket_path(args)
     try:
-        pid = asyncio.run(_send_stop(path))
+        pid = asyncio.run(_send_stop(path, trusted_uids(args)))
     except TimeoutError:
         reason = f"no answer within {CONNECT_TIMEOUT:g} s"
         return _fail(f"cannot reach the daemon at {path}: {reason}", EXIT_UNREACHABLE)
@@ -98,9 +98,9 @@ def _run_stop(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _send_stop(path: str) -> int:
+async def _send_stop(path: str, server_uids: tuple[int, ...] = ()) -> int:
     async with asyncio.timeout(CONNECT_TIMEOUT):
-        client = await Client.connect(path, map_pool=False)
+        client = await Client.connect(path, map_pool=False, server_uids=server_uids)
         async with client:
             reply = await client.request("stop")
     return int(reply["pid"])

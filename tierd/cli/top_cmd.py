@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE, Command, UsageError
-from tierd.cli.control_cmd import CONNECT_TIMEOUT, add_socket_options, socket_path
+from tierd.cli.control_cmd import CONNECT_TIMEOUT, add_socket_options, socket_path, trusted_uids
 from tierd.client import Client, DaemonError, Unreachable
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def _run(args: argparse.Namespace) -> int:
     path = socket_path(args)
     try:
         with asyncio.Runner() as runner:
-            client = runner.run(_connect(path))
+            client = runner.run(_connect(path, trusted_uids(args)))
             try:
                 _show(runner, _Feed(client), args)
             finally:
@@ -94,10 +94,10 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _connect(path: str) -> Client:
+async def _connect(path: str, server_uids: tuple[int, ...] = ()) -> Client:
     try:
         async with asyncio.timeout(CONNECT_TIMEOUT):
-            return await Client.connect(path, map_pool=False)
+            return await Client.connect(path, map_pool=False, server_uids=server_uids)
     except TimeoutError:
         raise _CannotReach(f"no answer within {CONNECT_TIMEOUT:g} s") from None
     except Unreachable as exc:

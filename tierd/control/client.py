@@ -25,6 +25,8 @@ import asyncio
 import contextlib
 import mmap
 import os
+import socket
+from array import array
 from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -49,6 +51,7 @@ __all__ = [
 Buffer = bytes | bytearray | memoryview
 # Error codes the daemon sends with id 0 just before it closes the connection.
 _FATAL = frozenset({"not_allowed", "busy", "shutting_down", "frame_too_large"})
+_MAX_FDS = 4  # descriptors accepted with the hello reply (the daemon passes one)
 
 
 class DaemonError(TierdError):
@@ -67,12 +70,11 @@ class UntrustedDaemon(Unreachable):
     """The socket is served by a process of another user: not a daemon to trust."""
 
 
-def _check_server(protocol: _Protocol, path: str, server_uids: Collection[int]) -> None:
-    transport = protocol.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None:
-        raise Unreachable(f"cannot read who serves {path}")
-    pid, uid, _ = peer_credentials(sock)
+def _check_server(sock: socket.socket, path: str, server_uids: Collection[int]) -> None:
+    try:
+        pid, uid, _ = peer_credentials(sock)
+    except OSError as exc:
+        raise Unreachable(f"cannot read who serves {path}: {exc.strerror or exc}") from exc
     if uid in (os.getuid(), 0) or uid in server_uids:
         return
     raise UntrustedDaemon(
@@ -100,16 +102,20 @@ class Flushed:
 
 
 class PoolMap:
-    """The daemon's shared-memory pool, mapped into this process."""
+    """The tenant's shared-memory pool, mapped into this process from the descriptor the
+    daemon passed with its hello reply (the pool has no path anyone could open)."""
 
-    def __init__(self, path: str, size: int, stride: int, num_blocks: int, block_bytes: int):
-        self.path, self.stride, self.block_bytes = path, stride, block_bytes
+    def __init__(
+        self, fd: int, size: int, stride: int, num_blocks: int, block_bytes: int, name: str = ""
+    ) -> None:
+        self.name, self.stride, self.block_bytes = name, stride, block_bytes
         self.num_blocks = num_blocks
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        if num_blocks < 1 or stride < block_bytes or size < num_blocks * stride:
+            raise ProtocolError(f"the daemon described an impossible pool ({size} bytes)")
+        found = os.fstat(fd).st_size
+        if found < size:
+            raise ProtocolError(f"the pool passed holds {found} bytes, not the {size} named")
+        self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._view = memoryview(self._mm)
 
     def view(self, slot: int) -> memoryview:
@@ -193,6 +199,52 @@ class LoadLease:
             await self._client.request("complete_load", lease=self.lease)
 
 
+async def _first_replies(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, decoder: FrameDecoder, fds: list[int]
+) -> list[Any]:
+    """Read until the first whole reply (the hello's), collecting the descriptors passed
+    with it into ``fds``; the messages decoded so far."""
+    while True:
+        try:
+            data, ancillary, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(_MAX_FDS * 4))
+        except BlockingIOError:
+            await _readable(loop, sock)
+            continue
+        except OSError as exc:
+            raise Unreachable(f"the connection was lost: {exc.strerror or exc}") from exc
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
+        if not data:
+            raise Unreachable("the daemon closed the connection before its hello reply")
+        messages = decoder.feed(data)
+        if messages:
+            return messages
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(sock.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+def _hello_reply(message: Any) -> dict[str, Any]:
+    """The hello reply's fields, or the error the daemon answered with."""
+    if not isinstance(message, dict):
+        raise ProtocolError("the daemon's first reply is not a map")
+    if not message.get("ok"):
+        raise DaemonError(str(message.get("error")), str(message.get("message")))
+    return message
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self, client: Client, max_frame_bytes: int) -> None:
         self.client = client
@@ -253,29 +305,47 @@ class Client:
         are ever written to, or read from, an impostor."""
         client = cls()
         loop = asyncio.get_running_loop()
+        where = os.fspath(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
         try:
-            _, protocol = await loop.create_unix_connection(
-                lambda: _Protocol(client, max_frame_bytes), os.fspath(path)
-            )
+            await loop.sock_connect(sock, where)
         except OSError as exc:
-            raise Unreachable(
-                f"cannot connect to {os.fspath(path)}: {exc.strerror or exc}"
-            ) from exc
-        client._protocol = protocol
+            sock.close()
+            raise Unreachable(f"cannot connect to {where}: {exc.strerror or exc}") from exc
+        protocol = _Protocol(client, max_frame_bytes)
+        fds: list[int] = []
         try:
-            _check_server(protocol, os.fspath(path), server_uids)
-            hello: dict[str, Any] = {"version": PROTOCOL_VERSION}
+            _check_server(sock, where, server_uids)
+            want_pool = map_pool and namespace is not None
+            hello: dict[str, Any] = {"version": PROTOCOL_VERSION, "pool_fd": want_pool}
             if namespace is not None:
                 hello["namespace"] = namespace
             if block_bytes is not None:
                 hello["block_bytes"] = block_bytes
-            client.info = await client.request("hello", **hello)
+            client._next_id = 1
+            # Refused at accept, the daemon has hung up: its reason is waiting to be read.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                await loop.sock_sendall(sock, encode({"id": 1, "op": "hello", **hello}))
+            replies = await _first_replies(loop, sock, protocol.decoder, fds)
+            client.info = _hello_reply(replies[0])
             pool = client.info.get("pool")
-            if map_pool and pool is not None and namespace is not None:
-                client.pool = PoolMap(block_bytes=client.info["block_bytes"], **pool)
+            if want_pool and pool is not None:
+                if not fds:
+                    raise ProtocolError("the daemon named a pool but did not pass it")
+                client.pool = PoolMap(fds[0], block_bytes=client.info["block_bytes"], **pool)
+            await loop.create_unix_connection(lambda: protocol, sock=sock)
         except BaseException:
-            await client.close()
+            sock.close()
+            if client.pool is not None:
+                client.pool.close()
             raise
+        finally:
+            for fd in fds:
+                os.close(fd)  # mapped (the mapping keeps the memory) or not wanted
+        client._protocol = protocol
+        for message in replies[1:]:
+            client._dispatch(message)
         return client
 
     @property

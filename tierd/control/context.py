@@ -1,4 +1,4 @@
-"""What every session of one server shares: the chain, the limits, the pool, the counters.
+"""What every session of one server shares: the tenants, the limits, the counters.
 
 The composition root (the daemon) builds a :class:`ServerContext` from plain values; no
 config model reaches this layer. Sessions read limits from it and report to its
@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from tierd.control.protocol import NAMESPACE_ID_BYTES, PROTOCOL_VERSION, ErrorCode
-from tierd.control.stats import collect_stats, render_prometheus
+from tierd.control.stats import collect_stats, merge_stats, render_prometheus
+from tierd.control.tenants import Grant, PoolInfo, Tenant, TenantTable
 from tierd.control.timing import RequestTiming
-from tierd.errors import ProtocolError
 from tierd.keys import MAX_KEY_BYTES
 from tierd.version import __version__
 
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from tierd.chain import TierChain
 
 __all__ = ["Limits", "PoolInfo", "ServerContext"]
+
+_LEASE_KEYS = ("leases_held_blocks", "leases_expired", "lease_refusals")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,37 +44,18 @@ class Limits:
     partial_frame_bytes: int = 256 << 20  # unfinished frames, all connections together
     output_buffer_bytes: int = 16 << 20  # unsent replies (and reserved ones) per connection
     output_stall_s: float = 60.0  # replies left unread this long close the connection
-
-
-@dataclass(frozen=True, slots=True)
-class PoolInfo:
-    """The shared-memory file clients map: slot ``s`` is ``[s*stride, s*stride+block_bytes)``."""
-
-    path: str
-    size: int
-    stride: int
-    num_blocks: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "size": self.size,
-            "stride": self.stride,
-            "num_blocks": self.num_blocks,
-        }
+    store_lease_ttl_s: float = 30.0  # a store lease not finished by then is aborted
+    load_wait_s: float = 5.0  # a load waits this long at most on another client's store
 
 
 @dataclass(slots=True)
 class ServerContext:
     """Shared state of one server. ``check_namespace`` returns a problem or ``None``."""
 
-    chain: TierChain
+    tenants: TenantTable
     limits: Limits = field(default_factory=Limits)
-    pool: PoolInfo | None = None
     config: dict[str, Any] = field(default_factory=dict)
     check_namespace: Callable[[str], str | None] = lambda name: None
-    allow_uids: frozenset[int] = frozenset()
-    allow_gids: frozenset[int] = frozenset()
     request_stop: Callable[[], None] | None = None  # the ``stop`` operation; None: refused
     shutting_down: bool = False
     connections: int = 0
@@ -85,9 +68,14 @@ class ServerContext:
     _next_lease: int = 0
     _open_leases: Callable[[], int] = lambda: 0
 
+    @classmethod
+    def for_chain(cls, chain: TierChain, **fields: Any) -> ServerContext:
+        """A server of one chain, whose only tenant's operator is this process's user."""
+        return cls(TenantTable.single(chain), **fields)
+
     @property
     def block_bytes(self) -> int:
-        return self.chain.block_bytes
+        return self.tenants.tenants[0].chain.block_bytes
 
     @property
     def max_keys(self) -> int:
@@ -112,19 +100,14 @@ class ServerContext:
     def count_error(self, code: ErrorCode) -> None:
         self.errors[str(code)] += 1
 
-    def require_pool(self) -> None:
-        if self.pool is None:
-            raise ProtocolError(
-                "the entry tier is not a shared-memory pool: use put and get",
-                code=ErrorCode.NO_POOL,
-            )
-
-    def hello_fields(self, prefix: bytes) -> dict[str, Any]:
-        chain = self.chain
+    def hello_fields(self, prefix: bytes, tenant: Tenant | None) -> dict[str, Any]:
+        """The hello reply: the block size, the tenant's own tiers and pool."""
+        chain = tenant.chain if tenant is not None else None
         return {
             "server": f"tierd {__version__}",
             "protocol": PROTOCOL_VERSION,
-            "block_bytes": chain.block_bytes,
+            "block_bytes": self.block_bytes,
+            "tenant": tenant.name if tenant is not None else None,
             "tiers": [
                 {
                     "name": level.tier.name,
@@ -132,14 +115,19 @@ class ServerContext:
                     "policy": level.tier.policy.name,
                     "capacity": level.tier.num_blocks,
                 }
-                for level in chain.levels
+                for level in (chain.levels if chain is not None else [])
             ],
-            "entry": chain.levels[chain.entry].tier.name,
-            "pool": None if self.pool is None else self.pool.to_dict(),
+            "entry": chain.levels[chain.entry].tier.name if chain is not None else None,
+            "pool": tenant.pool.to_dict() if tenant is not None and tenant.pool else None,
             "namespace_id": prefix.hex(),
             "max_frame_bytes": self.limits.max_frame_bytes,
             "max_keys_per_request": self.limits.max_keys_per_request,
             "max_key_bytes": self.max_key_bytes,
+            "store_lease_ttl_s": self.limits.store_lease_ttl_s,
+            # Blocks this connection may hold in open leases at once (0: no tenant).
+            "max_lease_blocks": (
+                min(tenant.max_held_per_connection, tenant.max_held) if tenant else 0
+            ),
         }
 
     def server_fields(self) -> dict[str, Any]:
@@ -152,12 +140,24 @@ class ServerContext:
             "refused": dict(self.refused),
             "dropped": dict(self.dropped),
             "leases": self._open_leases(),
-            "subscribers": self.chain.bus.subscriber_count,
+            "subscribers": sum(chain.bus.subscriber_count for chain in self.tenants.chains()),
             "shutting_down": self.shutting_down,
         }
 
-    def stats(self) -> dict[str, Any]:
-        return {**collect_stats(self.chain), "server": self.server_fields()}
+    def stats(self, grant: Grant | None = None) -> dict[str, Any]:
+        """Every tenant's tiers added up, and each tenant's own (for an operator, or
+        ``grant=None``: the daemon itself); a member sees its own tenant only."""
+        if grant is not None and not grant.operator and grant.tenant is not None:
+            tenant = grant.tenant
+            own = {**collect_stats(tenant.chain), "leases": tenant.counters()}
+            return {**own, "tenant": tenant.name, "server": self.server_fields()}
+        each = {
+            tenant.name: {**collect_stats(tenant.chain), "leases": tenant.counters()}
+            for tenant in self.tenants.tenants
+        }
+        merged = merge_stats(list(each.values()))
+        leases = {key: sum(s["leases"][key] for s in each.values()) for key in _LEASE_KEYS}
+        return {**merged, "leases": leases, "tenants": each, "server": self.server_fields()}
 
     def metrics(self) -> str:
         return render_prometheus(self.stats(), self.timing.collectors())

@@ -28,6 +28,7 @@ __all__ = [
     "HEADER",
     "NAMESPACE_ID_BYTES",
     "OPERATIONS",
+    "PASS_FDS",
     "PROTOCOL_VERSION",
     "DecodeLimits",
     "ErrorCode",
@@ -42,7 +43,11 @@ __all__ = [
     "opt_str_field",
 ]
 
-PROTOCOL_VERSION = 1
+# 2: pools are passed as file descriptors (hello's ``pool_fd``), never named by a path.
+PROTOCOL_VERSION = 2
+# A reply field the session sets and the connection takes out: descriptors to pass with
+# that reply's frame (SCM_RIGHTS). Never sent as a field.
+PASS_FDS = "_pass_fds"
 # Every operation a session answers (docs/protocol.md, section 5).
 OPERATIONS = (
     "hello",
@@ -86,12 +91,12 @@ class ErrorCode(StrEnum):
     NAMESPACE_REQUIRED = "namespace_required"  # data ops need a namespace in hello
     TOO_MANY_KEYS = "too_many_keys"  # over limits.max_keys_per_request
     BAD_KEY = "bad_key"  # empty, too long or not bytes
-    UNKNOWN_LEASE = "unknown_lease"  # not a lease of this connection (or already finished)
+    UNKNOWN_LEASE = "unknown_lease"  # not a lease of this connection (finished, or expired)
     UNKNOWN_TIER = "unknown_tier"
     NO_POOL = "no_pool"  # the entry tier is not a shared-memory pool: use put/get
-    CAPACITY = "capacity"  # no room even after eviction (everything pinned or in flight)
+    CAPACITY = "capacity"  # no room even after eviction, or past a lease bound
     IO_ERROR = "io_error"
-    NOT_ALLOWED = "not_allowed"  # peer uid/gid not admitted; connection closed
+    NOT_ALLOWED = "not_allowed"  # peer in no tenant (id 0, closed), or an operator's op
     BUSY = "busy"  # too many connections; connection closed
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"  # a bug: logged with a traceback, state untouched

@@ -2,8 +2,10 @@
 
 - :func:`~tierd.control.socketfile.bind_unix_socket` (in its own module) creates the
   socket file; this module serves on it.
-- :class:`Connection` is an :class:`asyncio.Protocol`: it checks the peer with
-  ``SO_PEERCRED``, decodes frames, hands each message to its :class:`Session`, and writes
+- :class:`Connection` is an :class:`asyncio.Protocol`: it finds the peer's tenant from
+  its ``SO_PEERCRED`` credentials (refusing a peer of no tenant), passes the tenant's
+  pool descriptor with the hello reply that asks for it (SCM_RIGHTS), decodes frames,
+  hands each message to its :class:`Session`, and writes
   the replies of one read in one call. When the client stops reading, the connection
   stops reading too (and event batches wait, then drop), so no buffer grows unbounded.
   Each connection has a number (``conn`` in log lines); at debug level its opening and
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import os
 import socket
+from array import array
 from collections import deque
 from typing import Any, cast
 
@@ -26,6 +29,7 @@ import structlog
 from tierd.control.context import ServerContext
 from tierd.control.guards import Deadline, PartialFrames, RateLimitedLog
 from tierd.control.protocol import (
+    PASS_FDS,
     DecodeLimits,
     ErrorCode,
     FrameDecoder,
@@ -105,8 +109,10 @@ class Connection(asyncio.Protocol):
             return ErrorCode.NOT_ALLOWED, "credentials", message
         _, uid, gid = self.peer
         ctx = self.ctx
-        if uid != os.getuid() and uid not in ctx.allow_uids and gid not in ctx.allow_gids:
+        grant = ctx.tenants.identify(uid, gid)
+        if grant is None:
             return ErrorCode.NOT_ALLOWED, "not_allowed", f"uid {uid} / gid {gid} is not allowed"
+        self.session.admit(grant)
         if ctx.shutting_down:
             return ErrorCode.SHUTTING_DOWN, "shutting_down", "the daemon is shutting down"
         if ctx.connections > ctx.limits.max_connections and not self.server.make_room():
@@ -233,12 +239,49 @@ class Connection(asyncio.Protocol):
         self._reserved -= cost
 
     def _send(self, message: dict[str, Any]) -> None:
+        fds = message.pop(PASS_FDS, None)
         frame = encode(message)
+        if fds:
+            self._send_with_fds(frame, fds)
+            return
         if self._batch is not None:
             self._batch.append(frame)
             self._batch_bytes += len(frame)
         elif self.transport is not None and not self.transport.is_closing():
             self.transport.write(frame)
+
+    def _send_with_fds(self, frame: bytes, fds: list[int]) -> None:
+        """Send ``frame`` with descriptors attached (SCM_RIGHTS). Everything before it
+        goes out first; the descriptors ride on the frame's first bytes, so the client
+        receives them with the reply they belong to."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if self._batch:
+            transport.writelines(self._batch)
+            self._batch.clear()
+            self._batch_bytes = 0
+        if transport.get_write_buffer_size():
+            # Replies the client has not read are still queued: the frame would overtake
+            # them. A client asks for its pool in its first request, so this is a client
+            # that piled requests before its hello and did not read their errors.
+            self._drop("fd_blocked")
+            return
+        fd = transport.get_extra_info("socket").fileno()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(fd)) as sock:
+            try:
+                sent = sock.sendmsg(
+                    [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array("i", fds))]
+                )
+            except BlockingIOError:
+                sent = -1
+            except OSError:
+                transport.close()
+                return
+        if sent < 0:
+            self._drop("fd_blocked")
+        elif sent < len(frame):
+            transport.write(frame[sent:])
 
     def _pause_reading(self) -> None:
         if not self._reading_paused and self.transport is not None:
@@ -293,11 +336,15 @@ _DROPS = {
     "output_stall": (ErrorCode.BUSY, "replies left unread for {limits.output_stall_s} s"),
     "made_room": (ErrorCode.BUSY, "closed to make room for a new connection: no hello yet"),
     "partial_budget": (ErrorCode.BUSY, "unfinished frames are over the daemon's budget"),
+    "fd_blocked": (
+        ErrorCode.BAD_REQUEST,
+        "cannot pass the pool: earlier replies are unread; send hello first and read its reply",
+    ),
 }
 
 
 class Server:
-    """Accepts clients on one Unix socket and serves them from ``ctx.chain``."""
+    """Accepts clients on one Unix socket and serves them their tenants' chains."""
 
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx

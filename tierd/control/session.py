@@ -4,14 +4,24 @@ A :class:`Session` turns decoded requests into chain calls and replies; it owns 
 socket (the connection hands it messages and a ``send`` callback), so every rule of the
 protocol can be exercised without one.
 
-- **Namespaces.** ``hello`` names the client's namespace; every key the client sends is
-  prefixed with the namespace's 8-byte id before it reaches the chain, and stripped from
-  the events it receives, so blocks of different namespaces never collide.
+- **Tenants.** The connection's :class:`~tierd.control.tenants.Grant` (decided by the
+  server from the peer's kernel credentials, never from what the client says) names its
+  tenant: every data operation goes to that tenant's chain and no other. Operator
+  operations (``clear``, ``flush``, ``stop``, ``config``, ``metrics``) need an operator
+  grant; others get ``not_allowed``.
+- **Namespaces.** ``hello`` names the client's namespace, which must be one of its
+  tenant's patterns; every key the client sends is prefixed with the namespace's 8-byte
+  id before it reaches the chain, and stripped from the events it receives, so blocks of
+  different namespaces never collide.
+- **Pool.** A ``hello`` with ``pool_fd: true`` gets the tenant's pool descriptor passed
+  with its reply (SCM_RIGHTS, by the connection); no pool has a path to open.
 - **Leases.** ``prepare_store`` and ``prepare_load`` hand out a lease id naming the
-  reserved or pinned blocks; only this session can finish it. :meth:`close` aborts and
-  releases every lease left, and a request still running when the session closes gives
-  its lease back as soon as it ends. A client that dies therefore never leaks a pin or
-  a slot.
+  reserved or pinned blocks; only this session can finish it. The blocks a connection,
+  and its tenant, hold in open leases are bounded; a store lease not finished within
+  ``store_lease_ttl_s`` is aborted; a load waits at most ``load_wait_s`` on blocks
+  another client is still writing. :meth:`close` aborts and releases every lease left,
+  and a request still running when the session closes gives its lease back as soon as
+  it ends. A client that dies therefore never leaks a pin or a slot.
 - **Errors.** A bad request gets an error reply and changes nothing; an unexpected
   exception is logged with its traceback and answered ``internal``.
 - **Timing.** Every answered request of a known operation is timed from its arrival to
@@ -28,9 +38,11 @@ from typing import Any, TypeVar
 
 import structlog
 
-from tierd.chain import LoadHandle, LookupResult, StoreHandle
+from tierd.chain import FlushResult, LoadHandle, LookupResult, StoreHandle, TierChain
 from tierd.control.context import ServerContext
+from tierd.control.event_stream import EventStream
 from tierd.control.protocol import (
+    PASS_FDS,
     PROTOCOL_VERSION,
     ErrorCode,
     bool_list_field,
@@ -40,6 +52,7 @@ from tierd.control.protocol import (
     keys_field,
     opt_str_field,
 )
+from tierd.control.tenants import Grant, Tenant
 from tierd.errors import (
     BlockMissing,
     CapacityError,
@@ -49,7 +62,6 @@ from tierd.errors import (
     TierdError,
     TransferError,
 )
-from tierd.events import Subscription, TierEvent
 from tierd.keys import MAX_KEY_BYTES, BlockKey
 
 __all__ = ["Session"]
@@ -62,6 +74,7 @@ Lease = StoreHandle | LoadHandle
 _MAX_ID = (1 << 64) - 1
 _STARTS_WORK = frozenset({"prepare_store", "prepare_load", "put", "get", "flush"})
 _H = TypeVar("_H", StoreHandle, LoadHandle)
+_EXPIRED_MEMORY = 1024  # lease ids remembered as expired, for a clear error
 # A load's reply carries the slowest medium it read from under this key, for the timing;
 # it is taken out before the reply is sent.
 _LOADED_FROM = "_loaded_from"
@@ -71,20 +84,29 @@ class Session:
     """Requests from one client; ``send`` writes a message back to it."""
 
     def __init__(
-        self, ctx: ServerContext, send: Callable[[dict[str, Any]], None], conn: int = 0
+        self,
+        ctx: ServerContext,
+        send: Callable[[dict[str, Any]], None],
+        conn: int = 0,
+        grant: Grant | None = None,
     ) -> None:
         self.ctx = ctx
         self.send = send
         self.conn = conn  # the connection's id, in debug lines
+        self.grant = Grant(None, False)  # no rights until admitted
+        self.tenant: Tenant | None = None
         self.greeted = False
         self.namespace: str | None = None
         self.prefix = b""
         self.leases: dict[int, Lease] = {}
+        self.held = 0  # blocks this connection holds in open leases
+        self._held_by_lease: dict[int, int] = {}
+        self._expiry: dict[int, asyncio.TimerHandle] = {}
+        self._expired: dict[int, None] = {}  # recently expired lease ids, oldest first
         self.tasks: set[asyncio.Task[None]] = set()
         self.spawned: asyncio.Task[None] | None = None  # the task of the last request handled
         self.closed = False
-        self._events: asyncio.Task[None] | None = None
-        self._subscription: Subscription | None = None
+        self._stream: EventStream | None = None
         self.writable = asyncio.Event()  # cleared while the client's socket is full
         self.writable.set()
         self._sync: dict[str, Callable[[dict[str, Any]], Reply]] = {
@@ -97,10 +119,10 @@ class Session:
             "unsubscribe": self._unsubscribe,
             "clear": self._clear,
             "stop": self._stop,
-            "stats": lambda msg: {"stats": ctx.stats()},
+            "stats": lambda msg: {"stats": ctx.stats(self.grant)},
             "health": lambda msg: ctx.health(),
-            "config": lambda msg: {"config": ctx.config},
-            "metrics": lambda msg: {"text": ctx.metrics()},
+            "config": self._config,
+            "metrics": self._metrics,
         }
         self._async: dict[str, Callable[[dict[str, Any]], Awaitable[Reply]]] = {
             "prepare_store": self._prepare_store,
@@ -110,8 +132,15 @@ class Session:
             "get": self._get,
             "flush": self._flush,
         }
-        if getattr(ctx.chain, "remote", None) is not None:  # a lookup asks the remote level too
-            del self._sync["lookup"]
+        if grant is not None:
+            self.admit(grant)
+
+    def admit(self, grant: Grant) -> None:
+        """The peer is ``grant``'s (decided by the server from its credentials)."""
+        self.grant = grant
+        self.tenant = grant.tenant
+        if self.tenant is not None and self.tenant.chain.remote is not None:
+            self._sync.pop("lookup", None)  # a lookup asks the remote level too
             self._async["lookup"] = self._find
 
     # -- dispatch ---------------------------------------------------------------------
@@ -229,16 +258,59 @@ class Session:
             )
         namespace = opt_str_field(msg, "namespace", max_len=1024)
         if namespace is not None:
-            problem = self.ctx.check_namespace(namespace)
+            if self.tenant is None:
+                raise ProtocolError(
+                    "this user belongs to no tenant: it may run operator commands, without"
+                    " a namespace, and keeps no blocks",
+                    code=ErrorCode.NOT_ALLOWED,
+                )
+            problem = self.ctx.check_namespace(namespace) or self.tenant.namespace_problem(
+                namespace
+            )
             if problem is not None:
                 raise ProtocolError(problem, code=ErrorCode.BAD_NAMESPACE)
             self.prefix = self.ctx.namespace_id(namespace)
             self.namespace = namespace
         self.greeted = True
-        return self.ctx.hello_fields(self.prefix)
+        reply = self.ctx.hello_fields(self.prefix, self.tenant)
+        pool = self.tenant.pool if self.tenant is not None else None
+        if msg.get("pool_fd") is True and pool is not None:
+            reply[PASS_FDS] = [pool.fd]  # the connection sends it beside this reply
+        return reply
+
+    def _chain(self) -> TierChain:
+        """The chain of this connection's tenant."""
+        if self.tenant is None:
+            raise ProtocolError(
+                "this user belongs to no tenant: it keeps no blocks",
+                code=ErrorCode.NOT_ALLOWED,
+            )
+        return self.tenant.chain
+
+    def _require_operator(self, op: str, *, without_namespace: bool = False) -> None:
+        if not self.grant.operator:
+            raise ProtocolError(
+                f"{op} needs an operator: tenant {self.grant.label} may not send it",
+                code=ErrorCode.NOT_ALLOWED,
+            )
+        if without_namespace and self.namespace is not None:
+            raise ProtocolError(
+                f"{op} acts for every client: only a connection without a namespace (an"
+                " operator's) may send it",
+                code=ErrorCode.NOT_ALLOWED,
+            )
+
+    def _config(self, msg: dict[str, Any]) -> Reply:
+        self._require_operator("config")
+        return {"config": self.ctx.config}
+
+    def _metrics(self, msg: dict[str, Any]) -> Reply:
+        self._require_operator("metrics")
+        return {"text": self.ctx.metrics()}
 
     def _keys(self, msg: dict[str, Any], name: str = "keys") -> list[BlockKey]:
         if self.namespace is None:
+            self._chain()  # a user of no tenant is told that first
             raise ProtocolError(
                 "data operations need a namespace: name one in hello",
                 code=ErrorCode.NAMESPACE_REQUIRED,
@@ -258,10 +330,10 @@ class Session:
         raise ProtocolError(f"field {name!r} is not a list of keys", code=ErrorCode.BAD_KEY)
 
     def _lookup(self, msg: dict[str, Any]) -> Reply:
-        return self._lookup_reply(self.ctx.chain.lookup(self._keys(msg)))
+        return self._lookup_reply(self._chain().lookup(self._keys(msg)))
 
     async def _find(self, msg: dict[str, Any]) -> Reply:
-        return self._lookup_reply(await self.ctx.chain.find(self._keys(msg)))
+        return self._lookup_reply(await self._chain().find(self._keys(msg)))
 
     @staticmethod
     def _lookup_reply(result: LookupResult) -> Reply:
@@ -272,40 +344,45 @@ class Session:
         }
 
     def _touch(self, msg: dict[str, Any]) -> Reply:
-        self.ctx.chain.touch(self._keys(msg))
+        self._chain().touch(self._keys(msg))
         return {}
 
+    def _tenants_asked(self, msg: dict[str, Any]) -> list[Tenant]:
+        """Every tenant, or the one the ``tenant`` field names."""
+        name = opt_str_field(msg, "tenant")
+        if name is None:
+            return list(self.ctx.tenants.tenants)
+        tenant = self.ctx.tenants.named(name)
+        if tenant is None:
+            names = ", ".join(t.name for t in self.ctx.tenants.tenants)
+            raise ProtocolError(f"no tenant named {name!r} ({names})", code=ErrorCode.BAD_REQUEST)
+        return [tenant]
+
     def _clear(self, msg: dict[str, Any]) -> Reply:
-        if self.namespace is not None:
-            raise ProtocolError(
-                "clear drops every namespace's blocks: only a connection without a"
-                " namespace (an operator's) may send it",
-                code=ErrorCode.NOT_ALLOWED,
-            )
+        self._require_operator("clear", without_namespace=True)
+        tenants = self._tenants_asked(msg)
         name = opt_str_field(msg, "tier")
-        names = [level.tier.name for level in self.ctx.chain.levels]
+        names = [level.tier.name for level in tenants[0].chain.levels]
         if name is not None and name not in names:
             raise ProtocolError(
                 f"no tier named {name!r} (tiers: {', '.join(names)})",
                 code=ErrorCode.UNKNOWN_TIER,
             )
         index = None if name is None else names.index(name)
-        return {"removed": self.ctx.chain.clear(index)}
+        return {"removed": sum(tenant.chain.clear(index) for tenant in tenants)}
 
     def _stop(self, msg: dict[str, Any]) -> Reply:
-        if self.namespace is not None:
-            raise ProtocolError(
-                "stop ends the daemon for every client: only a connection without a"
-                " namespace (an operator's) may send it",
-                code=ErrorCode.NOT_ALLOWED,
-            )
+        self._require_operator("stop", without_namespace=True)
         if self.ctx.request_stop is None:
             raise ProtocolError("this server cannot be stopped", code=ErrorCode.NOT_ALLOWED)
         self.ctx.request_stop()  # the daemon drains on a later turn: this reply goes first
         return {"pid": os.getpid()}
 
     async def _flush(self, msg: dict[str, Any]) -> Reply:
-        done = await self.ctx.chain.flush()
+        self._require_operator("flush")
+        done = FlushResult(0)
+        for tenant in self._tenants_asked(msg):
+            done = done.plus(await tenant.chain.flush())
         return {
             "copied": done.copied,
             "dirty": done.left_dirty,
@@ -315,10 +392,24 @@ class Session:
 
     # -- zero-copy data path ----------------------------------------------------------
 
+    def _require_pool(self) -> None:
+        if self.tenant is not None and self.tenant.pool is None:
+            raise ProtocolError(
+                "the entry tier is not a shared-memory pool: use put and get",
+                code=ErrorCode.NO_POOL,
+            )
+
     async def _prepare_store(self, msg: dict[str, Any]) -> Reply:
         keys = _distinct(self._keys(msg))
-        self.ctx.require_pool()
-        handle = await self.ctx.chain.begin_store(keys)
+        chain = self._chain()
+        self._require_pool()
+        taken = self._take(len(keys))
+        try:
+            handle = await chain.begin_store(keys)
+        except BaseException:
+            self._give(taken)
+            raise
+        self._give(taken - len(handle.keys))
         slot_of = dict(zip(handle.keys, handle.slots, strict=True))
         slots = [slot_of.get(key) for key in keys]
         if not handle.keys:
@@ -329,22 +420,29 @@ class Session:
     async def _complete_store(self, msg: dict[str, Any]) -> Reply:
         lease, handle = self._lease_of(msg, StoreHandle)
         ok = bool_list_field(msg, "ok", count=len(handle.keys))
-        del self.leases[lease]
+        self._end(lease)
         return {"stored": len(await handle.commit(ok))}
 
     def _abort_store(self, msg: dict[str, Any]) -> Reply:
         lease, handle = self._lease_of(msg, StoreHandle)
-        del self.leases[lease]
+        self._end(lease)
         handle.abort()
         return {}
 
     async def _prepare_load(self, msg: dict[str, Any]) -> Reply:
         keys = self._keys(msg)
-        self.ctx.require_pool()
+        chain = self._chain()
+        self._require_pool()
+        taken = self._take(len(dict.fromkeys(keys)))
         try:
-            handle = await self.ctx.chain.load(keys)
+            handle = await chain.load(keys, wait_s=self.ctx.limits.load_wait_s)
         except BlockMissing:
+            self._give(taken)
             return {"lease": None, "count": 0, "slots": []}
+        except BaseException:
+            self._give(taken)
+            raise
+        self._give(taken - len(handle.keys))
         return {
             "lease": self._lease(handle),
             "count": len(handle.keys),
@@ -354,7 +452,7 @@ class Session:
 
     def _complete_load(self, msg: dict[str, Any]) -> Reply:
         lease, handle = self._lease_of(msg, LoadHandle)
-        del self.leases[lease]
+        self._end(lease)
         handle.release()
         return {}
 
@@ -363,10 +461,11 @@ class Session:
     async def _put(self, msg: dict[str, Any]) -> Reply:
         keys = _distinct(self._keys(msg))
         data = bytes_list_field(msg, "data", count=len(keys), size=self.ctx.block_bytes)
-        return {"stored": len(await self.ctx.chain.store(keys, data))}
+        return {"stored": len(await self._chain().store(keys, data))}
 
     async def _get(self, msg: dict[str, Any]) -> Reply:
         keys = self._keys(msg)
+        chain = self._chain()
         room = (self.ctx.limits.max_frame_bytes - 4096) // (self.ctx.block_bytes + 16)
         if len(keys) > room:
             raise ProtocolError(
@@ -374,7 +473,7 @@ class Session:
                 code=ErrorCode.TOO_MANY_KEYS,
             )
         try:
-            handle = await self.ctx.chain.load(keys)
+            handle = await chain.load(keys, wait_s=self.ctx.limits.load_wait_s)
         except BlockMissing:
             return {"count": 0, "data": []}
         try:
@@ -390,15 +489,70 @@ class Session:
 
     # -- leases -----------------------------------------------------------------------
 
+    def _take(self, blocks: int) -> int:
+        """Count ``blocks`` as held by this connection before asking the chain for them
+        (so pipelined requests cannot all pass the bounds); refused past a bound."""
+        tenant = self.tenant
+        if tenant is None:
+            return 0
+        problem = tenant.lease_problem(self.held, blocks)
+        if problem is not None:
+            tenant.lease_refusals += 1
+            raise ProtocolError(problem, code=ErrorCode.CAPACITY)
+        self.held += blocks
+        tenant.held += blocks
+        return blocks
+
+    def _give(self, blocks: int) -> None:
+        if blocks and self.tenant is not None:
+            self.held -= blocks
+            self.tenant.held -= blocks
+
     def _lease(self, handle: Lease) -> int:
         """Register ``handle`` as this session's; if the session closed meanwhile (the
-        request outlived its client), give the blocks back at once."""
+        request outlived its client), give the blocks back at once. A store lease is
+        aborted if it is not finished within ``store_lease_ttl_s``."""
         if self.closed:
+            self._give(len(handle.keys))
             _finish(handle)
             raise ProtocolError("the connection closed", code=ErrorCode.SHUTTING_DOWN)
         lease = self.ctx.new_lease_id()
         self.leases[lease] = handle
+        self._held_by_lease[lease] = len(handle.keys)
+        if isinstance(handle, StoreHandle):
+            loop = asyncio.get_running_loop()
+            ttl = self.ctx.limits.store_lease_ttl_s
+            self._expiry[lease] = loop.call_later(ttl, self._expire, lease)
         return lease
+
+    def _end(self, lease: int) -> Lease:
+        """Forget ``lease`` (the caller finishes its handle): its blocks are free."""
+        handle = self.leases.pop(lease)
+        self._give(self._held_by_lease.pop(lease, 0))
+        timer = self._expiry.pop(lease, None)
+        if timer is not None:
+            timer.cancel()
+        return handle
+
+    def _expire(self, lease: int) -> None:
+        """A store lease outlived ``store_lease_ttl_s``: abort it, free its slots."""
+        self._expiry.pop(lease, None)
+        if lease not in self.leases:
+            return
+        handle = self._end(lease)
+        _finish(handle)
+        self._expired[lease] = None
+        if len(self._expired) > _EXPIRED_MEMORY:
+            del self._expired[next(iter(self._expired))]
+        if self.tenant is not None:
+            self.tenant.leases_expired += 1
+        log.info(
+            "store lease expired",
+            conn=self.conn,
+            lease=lease,
+            blocks=len(handle.keys),
+            ttl_s=self.ctx.limits.store_lease_ttl_s,
+        )
 
     def _lease_of(self, msg: dict[str, Any], kind: type[_H]) -> tuple[int, _H]:
         """The lease named by ``msg``, which must be of ``kind`` and held here."""
@@ -406,57 +560,40 @@ class Session:
         handle = self.leases.get(lease)
         if not isinstance(handle, kind):
             what = "store" if kind is StoreHandle else "load"
-            raise ProtocolError(
-                f"lease {lease} is not a {what} lease held by this connection",
-                code=ErrorCode.UNKNOWN_LEASE,
-            )
+            if lease in self._expired and kind is StoreHandle:
+                ttl = self.ctx.limits.store_lease_ttl_s
+                message = (
+                    f"store lease {lease} expired: it was not finished within {ttl} s"
+                    " (limits.store_lease_ttl_s), and its slots were freed"
+                )
+            else:
+                message = f"lease {lease} is not a {what} lease held by this connection"
+            raise ProtocolError(message, code=ErrorCode.UNKNOWN_LEASE)
         return lease, handle
 
     # -- events -----------------------------------------------------------------------
 
     def _subscribe(self, msg: dict[str, Any]) -> Reply:
-        if self._events is None:
-            subscription = self.ctx.chain.bus.subscribe(self.ctx.event_queue_batches)
-            self._subscription = subscription
-            self._events = asyncio.get_running_loop().create_task(self._pump(subscription))
+        if self._stream is None:
+            if self.tenant is not None and not (self.grant.operator and self.namespace is None):
+                chains = [(self.tenant.name, self.tenant.chain)]
+            else:  # an operator without a namespace follows every tenant
+                chains = [(t.name, t.chain) for t in self.ctx.tenants.tenants]
+            self._stream = EventStream(
+                chains,
+                prefix=self.prefix,
+                queue_batches=self.ctx.event_queue_batches,
+                writable=self.writable,
+                send=self.send,
+                is_closed=lambda: self.closed,
+            )
         return {}
 
     def _unsubscribe(self, msg: dict[str, Any]) -> Reply:
-        if self._events is not None:
-            self._events.cancel()
-            self._events = None
-        if self._subscription is not None:
-            # Closed here, not only in the pump's ``finally``: a pump cancelled before its
-            # first step (subscribe and unsubscribe in one read) never runs that block.
-            self._subscription.close()
-            self._subscription = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         return {}
-
-    async def _pump(self, subscription: Subscription) -> None:
-        try:
-            async for batch in subscription:
-                await self.writable.wait()
-                events = [e for e in (self._event_fields(ev) for ev in batch) if e is not None]
-                if events and not self.closed:
-                    self.send({"push": "events", "events": events, "dropped": subscription.dropped})
-        finally:
-            subscription.close()
-
-    def _event_fields(self, event: TierEvent) -> dict[str, Any] | None:
-        prefix = self.prefix
-        if prefix:
-            size = len(prefix)
-            keys = [k[size:] for k in event.keys if k[:size] == prefix]
-            if not keys:
-                return None
-        else:
-            keys = list(event.keys)
-        return {
-            "kind": str(event.kind),
-            "medium": str(event.medium),
-            "tier": event.tier,
-            "keys": keys,
-        }
 
     # -- end of life ------------------------------------------------------------------
 
@@ -467,9 +604,8 @@ class Session:
             return
         self.closed = True
         self._unsubscribe({})
-        leases, self.leases = self.leases, {}
-        for handle in leases.values():
-            _finish(handle)
+        for lease in list(self.leases):
+            _finish(self._end(lease))
 
 
 def _finish(handle: Lease) -> None:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from tierd.chain import TierChain
 
 
-__all__ = ["collect_stats", "render_prometheus"]
+__all__ = ["collect_stats", "merge_stats", "render_prometheus"]
 
 
 def collect_stats(chain: TierChain) -> dict[str, Any]:
@@ -96,6 +96,50 @@ def collect_stats(chain: TierChain) -> dict[str, Any]:
     }
 
 
+def merge_stats(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """One snapshot for several chains of the same tiers (one per tenant): counts and
+    sizes add up, tier by tier and route by route; ratios are computed again."""
+    first = snapshots[0]
+    tiers = [_add([s["tiers"][i] for s in snapshots]) for i in range(len(first["tiers"]))]
+    by_route: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for snapshot in snapshots:
+        for route in snapshot["routes"]:
+            by_route.setdefault((route["src"], route["dst"]), []).append(route)
+    routes = []
+    for group in by_route.values():
+        route = _add(group)
+        if len(group) > 1:
+            busy = route["busy_s"]
+            route["gb_per_s"] = round(route["bytes"] / busy / 1e9, 3) if busy else 0.0
+        routes.append(route)
+    chain = _add([s["chain"] for s in snapshots])
+    looked_up = chain["hit_blocks"] + chain["miss_blocks"]
+    chain["hit_ratio"] = round(chain["hit_blocks"] / looked_up, 6) if looked_up else 0.0
+    remotes = [s["remote"] for s in snapshots if s.get("remote")]
+    remote = None
+    if remotes:
+        remote = _add(remotes)
+        states = [r["state"] for r in remotes if r["state"] != "closed"]
+        remote["state"] = states[0] if states else "closed"
+        remote["last_error"] = next((r["last_error"] for r in remotes if r["last_error"]), "")
+    return {
+        "block_bytes": first["block_bytes"],
+        "tiers": tiers,
+        "remote": remote,
+        "routes": routes,
+        "chain": chain,
+    }
+
+
+def _add(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Numbers summed key by key; anything else taken from the first item."""
+    out = dict(items[0])
+    for key, value in out.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = sum(item.get(key, 0) for item in items)
+    return out
+
+
 # (stats key, metric suffix, help, is a counter)
 _TIER_METRICS = [
     ("capacity", "capacity_blocks", "Slots in the tier", False),
@@ -111,6 +155,13 @@ _TIER_METRICS = [
     ("dropped", "dropped", "Dirty blocks lost at eviction", True),
     ("refused", "refused", "Demotions into this tier refused (admission or room)", True),
     ("io_errors", "io_errors", "Blocks whose copy in or out failed", True),
+]
+
+
+_TENANT_METRICS = [
+    ("leases_held_blocks", "Blocks a tenant's connections hold in open leases"),
+    ("leases_expired", "Store leases aborted for not being committed in time"),
+    ("lease_refusals", "Requests refused for a lease bound"),
 ]
 
 
@@ -149,6 +200,29 @@ class _SnapshotCollector(Collector):
         server = self._stats.get("server")
         if server is not None:
             yield from self._server(server)
+        if self._stats.get("tenants"):
+            yield from self._tenants(self._stats["tenants"])
+
+    def _tenants(self, tenants: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+        used = GaugeMetricFamily(
+            "tierd_tenant_used_blocks", "Blocks a tenant holds", labels=["tenant", "tier"]
+        )
+        quota = GaugeMetricFamily(
+            "tierd_tenant_quota_blocks", "A tenant's quota of a tier", labels=["tenant", "tier"]
+        )
+        families = {
+            key: (GaugeMetricFamily if key == "leases_held_blocks" else CounterMetricFamily)(
+                f"tierd_tenant_{key}", text, labels=["tenant"]
+            )
+            for key, text in _TENANT_METRICS
+        }
+        for name, snapshot in sorted(tenants.items()):
+            for tier in snapshot["tiers"]:
+                used.add_metric([name, tier["name"]], tier["used"])
+                quota.add_metric([name, tier["name"]], tier["capacity"])
+            for key, family in families.items():
+                family.add_metric([name], snapshot["leases"][key])
+        yield from (used, quota, *families.values())
 
     def _tiers(self, tiers: list[dict[str, Any]]) -> Iterator[Metric]:
         for key, suffix, text, counter in _TIER_METRICS:

@@ -37,12 +37,14 @@ class LoadOutcome:
 
 
 def _batch_size(client: Client, total: int) -> int:
-    """Keys per lease: at most half the entry tier, so one job never asks for more slots
-    than the tier can free (the daemon would answer ``capacity``)."""
+    """Keys per lease: at most half of what the daemon lets one connection hold in open
+    leases (``max_lease_blocks``, a share of the entry tier), so a store job and a load
+    job of this link can hold leases at once without one being refused ``capacity``."""
     pool = client.pool
     if pool is None:
         return max(1, min(total, 256))
-    return max(1, min(total, pool.num_blocks // 2))
+    bound = int(client.info.get("max_lease_blocks") or pool.num_blocks)
+    return max(1, min(total, bound // 2))
 
 
 async def lookup_present(client: Client, keys: Sequence[bytes]) -> list[bool]:

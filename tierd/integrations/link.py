@@ -54,6 +54,7 @@ class LinkSettings:
     namespace: str
     block_bytes: int
     reconnect_max_s: float = 10.0
+    server_uids: tuple[int, ...] = ()  # besides this user and root: whose daemon to trust
 
 
 class DaemonLink:
@@ -134,7 +135,9 @@ class DaemonLink:
 
     async def _connect(self) -> Client:
         s = self.settings
-        client = await Client.connect(s.socket_path, namespace=s.namespace)
+        client = await Client.connect(
+            s.socket_path, namespace=s.namespace, server_uids=s.server_uids
+        )
         if client.block_bytes != s.block_bytes:
             daemon_bytes = client.block_bytes
             await client.close()

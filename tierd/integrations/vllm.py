@@ -46,7 +46,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tierd.client import DaemonError, Unreachable
+from tierd.client import DaemonError, Unreachable, UntrustedDaemon
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
 from tierd.integrations.copies import LoadOutcome, load_rows, lookup_present, store_rows
@@ -120,6 +120,7 @@ class TierdSecondaryTier(SecondaryTierManager):
         stats_interval_s: float = 5.0,
         enable_kv_events: bool = False,
         locality: str | None = None,
+        server_uids: Sequence[int] = (),
         backpressure_detector: BackpressureDetector | None = None,
         **unknown: Any,
     ) -> None:
@@ -140,7 +141,13 @@ class TierdSecondaryTier(SecondaryTierManager):
         self._job_timeout_s = job_timeout_s
         self._stats_interval_s = stats_interval_s
         self._link = DaemonLink(
-            LinkSettings(self.socket_path, self.namespace, row_bytes, reconnect_max_s),
+            LinkSettings(
+                self.socket_path,
+                self.namespace,
+                row_bytes,
+                reconnect_max_s,
+                tuple(int(uid) for uid in server_uids),
+            ),
             name=f"tierd-vllm-{tier_type}",
         )
         self._jobs: dict[int, _Pending] = {}
@@ -156,6 +163,9 @@ class TierdSecondaryTier(SecondaryTierManager):
         except BlockSizeMismatch:
             self._link.close()
             raise
+        except UntrustedDaemon as exc:  # another user serves the socket: never use it
+            self._link.close()
+            raise ValueError(f"{exc} (TierdSecondaryTier config: server_uids)") from exc
         except DaemonError as exc:
             if exc.code not in _TRANSIENT:  # the daemon refuses this config: say so now
                 self._link.close()

@@ -1,13 +1,19 @@
 """The pinned CPU pool: every slot in one shared-memory file, page-locked for CUDA.
 
-Layout, for any process that maps the pool (``CpuStore(..., create=False)`` does it)::
+Layout, for any process that maps the pool::
 
-    file    = <shm_dir>/<name>            (default /dev/shm/tierd-<pid>-<random>)
+    file    = an anonymous memfd (memfd=True: what the daemon uses), handed to clients
+              as a file descriptor; or <shm_dir>/<name> (default
+              /dev/shm/tierd-<pid>-<random>), which ``CpuStore(..., create=False)`` maps
     size    = num_blocks * stride         (exactly; no power-of-two rounding)
     stride  = block_bytes rounded up to a multiple of 4096
     slot s  = bytes [s * stride, s * stride + block_bytes)   (every slot 4096-aligned)
 
-The file is created with ``O_CREAT | O_EXCL`` and its final mode (default ``0o600``) in one
+A memfd has no path: nothing in /dev/shm can be opened by another user, or reaped by
+another daemon, and it is gone with the last descriptor and mapping. It is sealed at its
+size (``F_SEAL_SHRINK | F_SEAL_GROW``), so a client that holds it cannot truncate it
+under the daemon (which would kill the daemon with SIGBUS on its next touch). A named
+file is created with ``O_CREAT | O_EXCL`` and its final mode (default ``0o600``) in one
 call, so it is never visible with looser permissions, and it is unlinked on close unless
 ``keep=True``. With CUDA the mapping is registered with ``cudaHostRegister`` in chunks
 (progress in the log) and unregistered before it is unmapped; without CUDA it is plain
@@ -20,6 +26,7 @@ references and unmaps at once when no view is left, or when the last one is drop
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import secrets
@@ -53,9 +60,11 @@ def default_pool_name() -> str:
 class CpuStore(HostPoolStore):
     """A shared-memory host pool, page-locked when CUDA is present.
 
-    ``name``: the file name under ``shm_dir`` (unique default). ``mode``: permissions at
-    creation. ``keep``: leave the file behind on close. ``create=False`` maps an existing
-    pool (made by another store or process) instead; such a store never unlinks it.
+    ``memfd=True``: an anonymous, sealed memfd named ``name`` (for ``/proc/PID/maps``);
+    :attr:`fd` is the descriptor to hand to clients. Otherwise a file: ``name`` under
+    ``shm_dir`` (unique default), ``mode`` its permissions at creation, ``keep`` leaves it
+    behind on close, and ``create=False`` maps an existing pool (made by another store
+    or process) instead; such a store never unlinks it.
     ``pin=False`` skips page-locking. ``register_chunk_bytes``: how much to register per
     ``cudaHostRegister`` call.
     """
@@ -73,6 +82,7 @@ class CpuStore(HostPoolStore):
         create: bool = True,
         pin: bool = True,
         shm_dir: str = "/dev/shm",
+        memfd: bool = False,
         register_chunk_bytes: int = 1 << 30,
         inline_limit: int = INLINE_COPY_BYTES,
     ) -> None:
@@ -83,10 +93,14 @@ class CpuStore(HostPoolStore):
         self.name = default_pool_name() if name is None else name
         if not self.name or "/" in self.name or self.name in (".", ".."):
             raise ValueError(f"invalid pool name {self.name!r}")
-        self.path = os.path.join(shm_dir, self.name)
+        if memfd and not create:
+            raise ValueError("a memfd pool is always created: it has no name to map")
+        self.memfd = memfd
+        self.path = f"memfd:{self.name}" if memfd else os.path.join(shm_dir, self.name)
         self.mode = mode
-        self.keep = keep or not create
+        self.keep = keep or not create or memfd
         self.create = create
+        self._fd = -1  # the memfd, kept open to hand to clients
         self.pin = pin
         self.register_chunk_bytes = max(1, register_chunk_bytes // stride) * stride
         self.size = num_blocks * stride
@@ -111,7 +125,15 @@ class CpuStore(HostPoolStore):
     async def _close(self) -> None:
         self._release()
 
+    @property
+    def fd(self) -> int | None:
+        """The memfd to hand to clients (with SCM_RIGHTS), while open; ``None`` for a
+        pool file."""
+        return self._fd if self._fd >= 0 else None
+
     def _map(self) -> mmap.mmap:
+        if self.memfd:
+            return self._map_memfd()
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if self.create else 0)
         try:
             fd = os.open(self.path, flags, self.mode)
@@ -137,6 +159,25 @@ class CpuStore(HostPoolStore):
         finally:
             os.close(fd)
 
+    def _map_memfd(self) -> mmap.mmap:
+        try:
+            fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            raise self._io_error("cannot create the shared-memory pool", exc) from exc
+        try:
+            os.ftruncate(fd, self.size)
+            self._allocate(fd)
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+            mapping = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+        except OSError as exc:
+            os.close(fd)
+            if isinstance(exc, StoreIOError):
+                raise
+            raise self._io_error("cannot map the shared-memory pool", exc) from exc
+        self._fd = fd
+        return mapping
+
     def _allocate(self, fd: int) -> None:
         """Allocate every page now. A shared-memory file maps fine past the free space of
         its file system and then kills the process with SIGBUS on the first touch of a
@@ -146,14 +187,20 @@ class CpuStore(HostPoolStore):
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise
-            shm_dir = os.path.dirname(self.path)
-            free = os.statvfs(shm_dir)
-            message = (
-                f"cannot allocate the shared-memory pool: it needs {self.size:,} bytes"
-                f" ({self.size / (1 << 20):.1f} MiB) in {shm_dir}, which has"
-                f" {free.f_bavail * free.f_frsize:,} bytes free ({os.strerror(exc.errno)});"
-                f" lower the tier's capacity or grow {shm_dir}"
-            )
+            need = f"it needs {self.size:,} bytes ({self.size / (1 << 20):.1f} MiB)"
+            if self.memfd:
+                message = (
+                    f"cannot allocate the shared-memory pool: {need} of memory"
+                    f" ({os.strerror(exc.errno)}); lower the tier's capacity"
+                )
+            else:
+                shm_dir = os.path.dirname(self.path)
+                free = os.statvfs(shm_dir)
+                message = (
+                    f"cannot allocate the shared-memory pool: {need} in {shm_dir}, which"
+                    f" has {free.f_bavail * free.f_frsize:,} bytes free"
+                    f" ({os.strerror(exc.errno)}); lower the tier's capacity or grow {shm_dir}"
+                )
             raise self._io_error(message, exc) from exc
 
     def _release(self) -> None:
@@ -170,6 +217,9 @@ class CpuStore(HostPoolStore):
             except BufferError:
                 log.debug("pool views outlive the store; unmapped with the last", path=self.path)
             self._mmap = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if not self.keep:
             self._unlink()
 

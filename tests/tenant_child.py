@@ -1,0 +1,140 @@
+"""A client of another user, for the tenant tests: run as root, it imports what it needs,
+drops to ``UID``/``GID`` (no supplementary groups) and then runs a plan of steps against
+the daemon, printing one JSON result per step.
+
+Usage: ``python tenant_child.py UID GID SOCKET PLAN`` where PLAN is a JSON list of steps:
+
+- ``{"do": "connect", "namespace": NS}``: connect (mapping the pool); ``tenant``, ``pool``
+- ``{"do": "store", "keys": [...], "fill": N}``: blocks of byte N; how many were stored
+- ``{"do": "load", "keys": [...]}``: the byte each loaded block is made of ("mixed" if none)
+- ``{"do": "lookup" | "get", "keys": [...]}``: how many leading blocks were found
+- ``{"do": "op", "name": OP}``: a control operation (stats, clear, flush, stop, config,
+  metrics): its reply, or its error code
+- ``{"do": "scribble"}``: write 0xEE over every byte of the mapped pool; the pool's inode
+- ``{"do": "peek", "pid": PID, "paths": [...]}``: try to open the daemon's descriptors
+  (``/proc/PID/fd/*``, ``/proc/PID/map_files/*``) and ``paths``; list tierd's /dev/shm files
+- ``{"do": "flood", "count": N, "batch": B, "fill": X}``: store N blocks as fast as it
+  can (B per request); stored and refused counts
+
+A step that fails with a daemon error gives ``{"error": CODE, "message": ...}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import mmap
+import os
+import sys
+from typing import Any
+
+from tierd.client import Client, DaemonError, Unreachable
+
+
+def key(name: str) -> bytes:
+    return name.encode()
+
+
+def made_of(block: bytes) -> str:
+    return f"{block[0]:02x}" if block and block.count(block[0]) == len(block) else "mixed"
+
+
+def pool_inode() -> int:
+    """The inode of this process's memfd mapping (the pool), from /proc/self/maps."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "/memfd:" in line:
+                return int(line.split()[4])
+    return -1
+
+
+def try_open(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+async def step(client: Client | None, socket_path: str, plan: dict[str, Any]) -> Any:
+    do = plan["do"]
+    if do == "peek":
+        pid = plan["pid"]
+        names = glob.glob(f"/proc/{pid}/fd/*") + glob.glob(f"/proc/{pid}/map_files/*")
+        listing_denied = not os.access(f"/proc/{pid}/fd", os.R_OK)
+        opened = [p for p in [*names, *plan.get("paths", [])] if try_open(p)]
+        shm = [os.path.basename(p) for p in glob.glob("/dev/shm/tierd*")]
+        return {"opened": opened, "listing_denied": listing_denied, "shm": shm}
+    assert client is not None, "connect first"
+    keys = [key(k) for k in plan.get("keys", [])]
+    if do == "store":
+        return await client.store(keys, [bytes([plan["fill"]]) * client.block_bytes] * len(keys))
+    if do == "load":
+        return [made_of(b) for b in await client.load(keys)]
+    if do == "lookup":
+        return (await client.lookup(keys)).count
+    if do == "get":
+        return len(await client.get(keys))
+    if do == "op":
+        reply = await client.request(plan["name"])
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+    if do == "scribble":
+        pool = client.require_pool()
+        view = pool._view  # the whole mapping, every slot and the gaps between
+        view[:] = b"\xee" * len(view)
+        return pool_inode()
+    if do == "flood":
+        stored = refused = 0
+        for start in range(0, plan["count"], plan["batch"]):
+            names = [key(f"flood-{i}") for i in range(start, start + plan["batch"])]
+            try:
+                block = bytes([plan["fill"]]) * client.block_bytes
+                stored += await client.store(names, [block] * len(names))
+            except DaemonError:
+                refused += 1
+        return {"stored": stored, "refused": refused}
+    raise SystemExit(f"unknown step {do!r}")
+
+
+async def run(socket_path: str, plans: list[dict[str, Any]]) -> list[Any]:
+    results: list[Any] = []
+    client: Client | None = None
+    try:
+        for plan in plans:
+            try:
+                if plan["do"] == "connect":
+                    if client is not None:
+                        await client.close()
+                    client = await Client.connect(socket_path, namespace=plan.get("namespace"))
+                    results.append({"tenant": client.info.get("tenant"), "pool": bool(client.pool)})
+                else:
+                    results.append(await step(client, socket_path, plan))
+            except DaemonError as exc:
+                results.append({"error": exc.code, "message": str(exc)})
+            except Unreachable as exc:
+                results.append({"error": "unreachable", "message": str(exc)})
+    finally:
+        if client is not None:
+            await client.close()
+    return results
+
+
+def main() -> None:
+    uid, gid, socket_path, plan = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    assert mmap  # imported before the drop, like everything else the plan needs
+    # The interpreter's own files may not be readable by the user dropped to: make the
+    # loop (and what it imports) first.
+    loop = asyncio.new_event_loop()
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    try:
+        print(json.dumps(loop.run_until_complete(run(socket_path, json.loads(plan)))))
+    finally:
+        loop.close()
+
+
+if __name__ == "__main__":
+    main()

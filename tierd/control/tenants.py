@@ -1,0 +1,141 @@
+"""Tenants at run time: each with its own chain and pool, and who is which.
+
+The daemon builds a :class:`TenantTable` from the config (:mod:`tierd.tenancy`); the
+server asks it, for each new connection, which :class:`Grant` the peer's kernel
+credentials (``SO_PEERCRED`` uid and primary gid) match: a uid match wins over a gid
+match, and a peer that matches none is refused. A grant names the peer's tenant (whose
+chain and pool its session uses, and nothing else) and whether it is an operator.
+
+A grant may name no tenant: the daemon's own user, when the ``tenants:`` section does not
+list it, may run operator commands (stats, flush, stop, ...) but holds no blocks.
+
+Lease accounting lives here too: every tenant counts the blocks its connections hold in
+open leases (reserved for a store or pinned by a load), against its own bound and each
+connection's, so that one client cannot take its tenant's whole entry tier.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tierd.chain import TierChain
+
+__all__ = ["Grant", "PoolInfo", "Tenant", "TenantTable"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    """A tenant's shared-memory pool, handed to its clients as the descriptor ``fd``
+    (SCM_RIGHTS with the hello reply): slot ``s`` is ``[s*stride, s*stride+block_bytes)``."""
+
+    fd: int
+    name: str
+    size: int
+    stride: int
+    num_blocks: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """What the hello reply says of it (the descriptor travels beside the frame)."""
+        return {
+            "name": self.name,
+            "size": self.size,
+            "stride": self.stride,
+            "num_blocks": self.num_blocks,
+        }
+
+
+@dataclass(slots=True)
+class Tenant:
+    """One tenant's chain, pool, namespace patterns and lease bounds (in blocks)."""
+
+    name: str
+    chain: TierChain
+    pool: PoolInfo | None = None
+    namespaces: tuple[str, ...] = ("*",)
+    max_held: int = 1 << 62  # blocks all its connections may hold in open leases
+    max_held_per_connection: int = 1 << 62
+    held: int = 0  # blocks held in open leases now
+    leases_expired: int = 0  # store leases aborted for not being committed in time
+    lease_refusals: int = 0  # requests refused for a lease bound
+
+    def namespace_problem(self, name: str) -> str | None:
+        """Why ``name`` is not one of this tenant's namespaces, or ``None``."""
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.namespaces):
+            return None
+        allowed = ", ".join(self.namespaces)
+        return f"namespace {name!r} is not one of tenant {self.name!r}'s ({allowed})"
+
+    def lease_problem(self, connection_held: int, more: int) -> str | None:
+        """Why a connection holding ``connection_held`` blocks may not take ``more``."""
+        if connection_held + more > self.max_held_per_connection:
+            return (
+                f"this connection would hold {connection_held + more} blocks in open leases;"
+                f" at most {self.max_held_per_connection} (limits.lease_blocks_per_connection):"
+                " finish some leases first, or ask for fewer blocks at once"
+            )
+        if self.held + more > self.max_held:
+            return (
+                f"tenant {self.name!r} would hold {self.held + more} blocks in open leases;"
+                f" at most {self.max_held} (limits.lease_blocks_per_tenant)"
+            )
+        return None
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "leases_held_blocks": self.held,
+            "leases_expired": self.leases_expired,
+            "lease_refusals": self.lease_refusals,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Peers with one of ``uids`` (or, failing a uid match, one of ``gids``) belong to
+    ``tenant`` (``None``: to none) and may run operator commands when ``operator``."""
+
+    tenant: Tenant | None
+    operator: bool
+    uids: frozenset[int] = frozenset()
+    gids: frozenset[int] = frozenset()
+
+    @property
+    def label(self) -> str:
+        role = "operator" if self.operator else "member"
+        return f"{self.tenant.name if self.tenant else '(no tenant)'} ({role})"
+
+
+@dataclass(slots=True)
+class TenantTable:
+    """Every tenant, and the grants that say who is which."""
+
+    tenants: list[Tenant] = field(default_factory=list)
+    grants: list[Grant] = field(default_factory=list)
+
+    def identify(self, uid: int, gid: int) -> Grant | None:
+        """The grant of a peer: by its uid first, then by its primary gid."""
+        for grant in self.grants:
+            if uid in grant.uids:
+                return grant
+        for grant in self.grants:
+            if gid in grant.gids:
+                return grant
+        return None
+
+    def chains(self) -> Iterator[TierChain]:
+        return (tenant.chain for tenant in self.tenants)
+
+    def named(self, name: str) -> Tenant | None:
+        return next((t for t in self.tenants if t.name == name), None)
+
+    @classmethod
+    def single(cls, chain: TierChain, pool: PoolInfo | None = None) -> TenantTable:
+        """One tenant, ``default``, whose operator is this process's own user (what a
+        daemon without a ``tenants:`` section serves, and what tests build)."""
+        import os
+
+        tenant = Tenant("default", chain, pool)
+        return cls([tenant], [Grant(tenant, True, frozenset({os.getuid()}))])
