@@ -9,28 +9,68 @@
 
 Both are idempotent to finish, so an owner that cleans up on every exit path (a
 connection that closes, an exception) can always call ``release``/``abort``.
+
+A handle knows its chain only through :class:`HandleOwner`, the five calls it makes back
+(which :class:`~tierd.chain.core.TierChain` provides): this module imports nothing of the
+chain's, so dependencies point one way, from the chain to its handles.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tierd.keys import BlockKey, Medium
 from tierd.stores import BlockStore, Buffer
 from tierd.tier import StorePlan
 
-if TYPE_CHECKING:
-    from tierd.chain.core import TierChain
+__all__ = ["HandleOwner", "LoadHandle", "StoreHandle"]
 
-__all__ = ["LoadHandle", "StoreHandle"]
+
+class HandleOwner(Protocol):
+    """What a handle asks of the chain that made it."""
+
+    def store_at(self, level: int) -> BlockStore:
+        """The store of level ``level``."""
+        ...
+
+    def medium_at(self, level: int) -> Medium:
+        """The medium of level ``level`` (one past the last: the remote level's)."""
+        ...
+
+    def release_pins(self, level: int, keys: list[BlockKey]) -> None:
+        """Unpin ``keys`` at ``level``."""
+        ...
+
+    def end_store(
+        self,
+        level: int,
+        keys: Sequence[BlockKey],
+        ok: Sequence[bool],
+        futures: list[asyncio.Future[bool]],
+        *,
+        io_failed: bool = True,
+    ) -> list[BlockKey]:
+        """Complete a write: the ``ok`` blocks become ready, the rest are dropped."""
+        ...
+
+    async def commit_store(
+        self,
+        level: int,
+        keys: Sequence[BlockKey],
+        ok: Sequence[bool],
+        futures: list[asyncio.Future[bool]],
+    ) -> list[BlockKey]:
+        """:meth:`end_store` for a client's write, then copy it down where the chain
+        writes through."""
+        ...
 
 
 class _SlotHandle:
     """``keys[i]`` lives in ``slots[i]`` of one level's store."""
 
-    def __init__(self, chain: TierChain, level: int, keys: list[BlockKey], slots: list[int]):
+    def __init__(self, chain: HandleOwner, level: int, keys: list[BlockKey], slots: list[int]):
         self._chain = chain
         self.level = level
         self.keys = keys
@@ -38,7 +78,7 @@ class _SlotHandle:
 
     @property
     def store(self) -> BlockStore:
-        return self._chain.levels[self.level].store
+        return self._chain.store_at(self.level)
 
     def views(self) -> list[Buffer]:
         """Zero-copy views of the slots, co-indexed with ``keys``."""
@@ -52,7 +92,7 @@ class LoadHandle(_SlotHandle):
 
     def __init__(
         self,
-        chain: TierChain,
+        chain: HandleOwner,
         level: int,
         keys: list[BlockKey],
         slots: list[int],
@@ -66,10 +106,7 @@ class LoadHandle(_SlotHandle):
     def source_medium(self) -> Medium:
         """The medium of :attr:`source`: what the load's latency depended on (a source
         past the last level is the chain's remote level)."""
-        levels = self._chain.levels
-        if self.source >= len(levels) and self._chain.remote is not None:
-            return self._chain.remote.level.medium
-        return levels[self.source].medium
+        return self._chain.medium_at(self.source)
 
     async def read_into(self, out: Sequence[Buffer]) -> list[bool]:
         """Copy the pinned blocks into caller buffers (for stores without views)."""
@@ -79,7 +116,7 @@ class LoadHandle(_SlotHandle):
         """Unpin the blocks; releasing twice is a no-op."""
         if not self.released:
             self.released = True
-            self._chain._unpin(self.level, self.keys)
+            self._chain.release_pins(self.level, self.keys)
 
     async def __aenter__(self) -> LoadHandle:
         return self
@@ -98,7 +135,7 @@ class StoreHandle(_SlotHandle):
 
     def __init__(
         self,
-        chain: TierChain,
+        chain: HandleOwner,
         level: int,
         plan: StorePlan,
         futures: list[asyncio.Future[bool]],
@@ -115,17 +152,17 @@ class StoreHandle(_SlotHandle):
         self.finished = True
         flags = [ok] * len(self.keys) if isinstance(ok, bool) else list(ok)
         if len(flags) != len(self.keys):
-            self._chain._finish_store(
+            self._chain.end_store(
                 self.level, self.keys, [False] * len(self.keys), self._futures, io_failed=False
             )
             raise ValueError(f"commit needs {len(self.keys)} flags, got {len(flags)}")
-        return await self._chain._commit(self.level, self.keys, flags, self._futures)
+        return await self._chain.commit_store(self.level, self.keys, flags, self._futures)
 
     def abort(self) -> None:
         """Drop the reserved blocks and free their slots; a no-op once finished."""
         if not self.finished:
             self.finished = True
-            self._chain._finish_store(
+            self._chain.end_store(
                 self.level, self.keys, [False] * len(self.keys), self._futures, io_failed=False
             )
 

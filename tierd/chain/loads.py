@@ -1,0 +1,197 @@
+"""Loading blocks: promotion up the chain to the level a caller asked for.
+
+``load`` pins the leading keys it can make ready at the target level: the ones there
+already, the ones it copies up from the nearest level below that holds them (the lower
+copy stays, so a promoted block is clean), and past the local levels the ones the remote
+level holds intact. Two callers promoting the same block share one read; a block another
+caller is still writing is waited for, until a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from tierd.chain.handles import LoadHandle
+from tierd.chain.moves import ChainMoves
+from tierd.errors import BlockMissing
+from tierd.keys import BlockKey, Medium
+from tierd.stores import BlockStore
+from tierd.tier import StorePlan
+
+__all__ = ["ChainLoads"]
+
+
+class ChainLoads(ChainMoves):
+    """Loads: promotion and pinning at the target level."""
+
+    @asynccontextmanager
+    async def loading(
+        self, keys: Sequence[BlockKey], into: Medium | str | None = None
+    ) -> AsyncIterator[LoadHandle]:
+        """``async with chain.loading(keys) as handle:`` — :meth:`load`, released on exit."""
+        handle = await self.load(keys, into)
+        try:
+            yield handle
+        finally:
+            handle.release()
+
+    async def load(
+        self,
+        keys: Sequence[BlockKey],
+        into: Medium | str | None = None,
+        *,
+        wait_s: float | None = None,
+    ) -> LoadHandle:
+        """Promote ``keys`` up to the level on ``into`` (default: the entry level) and pin
+        them there. The handle holds the leading keys that could be loaded: it stops at
+        the first key held nowhere or whose copy failed (a repeated key counts once).
+        A key still being written (another store's reservation) is waited for at most
+        ``wait_s`` seconds from the call (``None``: until that store ends); past that the
+        load stops before it. Raises :class:`BlockMissing` if not even the first key can
+        be loaded."""
+        target = self.entry if into is None else self.level_of(into)
+        wanted = list(dict.fromkeys(keys))
+        pinned: set[BlockKey] = set()
+        deadline = None if wait_s is None else asyncio.get_running_loop().time() + wait_s
+        try:
+            deepest = await self._gather(target, wanted, pinned, deadline)
+        except BaseException:
+            self._unpin(target, list(pinned))
+            raise
+        finally:
+            self._publish()
+        prefix: list[BlockKey] = []
+        for key in wanted:
+            if key not in pinned:
+                break
+            prefix.append(key)
+        self._unpin(target, [k for k in pinned if k not in set(prefix)])
+        tier = self.levels[target].tier
+        if not prefix and wanted:
+            raise BlockMissing(
+                "no leading block can be loaded",
+                tier=tier.name,
+                medium=str(tier.medium),
+                key=wanted[0],
+            )
+        slots = [tier.slot_of(k) for k in prefix]
+        return LoadHandle(self, target, prefix, [s for s in slots if s is not None], deepest)
+
+    async def _gather(
+        self, target: int, keys: list[BlockKey], pinned: set[BlockKey], deadline: float | None
+    ) -> int:
+        """Make ``keys`` ready at ``target`` as far as possible, pinning each as soon as it
+        is there (so nothing evicts it meanwhile); a key in flight is waited for until
+        ``deadline`` (loop time), then the run stops before it. Returns the slowest level
+        read from."""
+        tier = self.levels[target].tier
+        sources: dict[int, list[BlockKey]] = {}
+        reachable: list[BlockKey] = []
+        remote: list[BlockKey] = []  # held by no local level: asked of the remote one
+        for key in keys[: tier.num_blocks]:  # a load cannot hold more than the level
+            if key not in tier and (target, key) not in self._pending:
+                source = self._source_of(key, target)
+                if source is None:
+                    if self.remote is None or any(t.is_writing(key) for t in self._tiers):
+                        break  # nothing beyond the first absent key can be in the prefix
+                    remote.append(key)
+                else:
+                    sources.setdefault(source, []).append(key)
+            reachable.append(key)
+        # Pinning keys past that point would only take room the promotions need.
+        keys = reachable
+        self._pin(target, [k for k in keys if k in tier], pinned)
+        # Hold every source until its turn, so that promoting one group (which may evict
+        # and demote at the levels below) cannot push another group's source away.
+        waiting = dict(sources)
+        for source, group in waiting.items():
+            self.levels[source].tier.prepare_load(group)
+        try:
+            for source, group in sources.items():
+                del waiting[source]
+                self._unpin(source, group)  # _promote pins them again before it awaits
+                await self._promote(source, target, group, pinned)
+        finally:
+            for source, group in waiting.items():
+                self._unpin(source, group)
+        if remote:
+            await self._promote_remote(target, remote, pinned)
+        for key in keys:
+            future = self._pending.get((target, key))
+            if key not in pinned and future is not None and not await _wait(future, deadline):
+                break  # another client is still writing it: the prefix ends here
+            if key not in pinned and key in tier:
+                self._pin(target, [key], pinned)
+        if remote and any(k in pinned for k in remote):
+            return len(self.levels)  # read from the remote level, the slowest
+        return max(sources, default=target)  # levels go fastest first
+
+    def _source_of(self, key: BlockKey, target: int) -> int | None:
+        """The level nearest to ``target`` that holds ``key`` ready."""
+        order = sorted(range(len(self.levels)), key=lambda i: (abs(i - target), i))
+        return next((i for i in order if i != target and key in self.levels[i].tier), None)
+
+    async def _promote(
+        self, source: int, target: int, keys: list[BlockKey], pinned: set[BlockKey]
+    ) -> None:
+        """Copy ready blocks from ``source`` into ``target``; the source copy stays."""
+        upper, lower = self.levels[target], self.levels[source]
+        keys = [k for k in keys if k in lower.tier]
+        if not keys:
+            return
+        slots = dict(zip(keys, lower.tier.prepare_load(keys), strict=True))
+        failed: list[BlockKey] = []
+
+        async def fill(store: BlockStore, plan: StorePlan) -> list[bool]:
+            src = [slots[k] for k in plan.keys]
+            ok = await self.transfer.copy(lower.store, src, store, plan.slots, plan.keys)
+            failed.extend(k for k, flag in zip(plan.keys, ok, strict=True) if not flag)
+            return ok
+
+        try:
+            moved = await self._store_into(target, keys, fill)
+            upper.promotions += len(moved)
+            self._pin(target, moved, pinned)
+        finally:
+            self._unpin(source, keys)
+        if failed and lower.medium not in (Medium.MEMORY, Medium.CPU):
+            # A block that cannot be read is useless below too (bad checksum, bad sector).
+            # Host memory cannot fail a read: there the destination's write failed (it
+            # counted the error itself) and the copy below is intact, so it stays.
+            lower.io_errors += len(failed)
+            lower.tier.discard([k for k in failed if not lower.tier.is_pinned(k)])
+
+    async def _promote_remote(
+        self, target: int, keys: list[BlockKey], pinned: set[BlockKey]
+    ) -> None:
+        """Fetch the leading ``keys`` the remote level holds intact (verified into private
+        buffers first) and store them into ``target``, pinned there."""
+        assert self.remote is not None
+        payloads = await self.remote.level.get(keys)
+        if not payloads:
+            return
+        fetched = dict(zip(keys, payloads, strict=False))
+
+        async def fill(store: BlockStore, plan: StorePlan) -> list[bool]:
+            return await store.write(plan.slots, plan.keys, [fetched[k] for k in plan.keys])
+
+        moved = await self._store_into(target, list(fetched), fill)
+        self.remote.promotions += len(moved)
+        self.levels[target].promotions += len(moved)
+        self._pin(target, moved, pinned)
+
+
+async def _wait(future: asyncio.Future[bool], deadline: float | None) -> bool:
+    """Wait for a store in flight to end, until ``deadline``; whether it ended."""
+    if deadline is None:
+        await asyncio.shield(future)
+        return True
+    left = deadline - asyncio.get_running_loop().time()
+    try:
+        async with asyncio.timeout(max(left, 0.0)):
+            await asyncio.shield(future)
+    except TimeoutError:
+        return future.done()
+    return True
