@@ -49,8 +49,9 @@ from tierd.stores.memory import MemoryStore
 from tierd.tier import Tier
 from tierd.transfer import TransferEngine
 from tierd.workload import read_trace
-from tierd.workload.chain_replay import ChainReplayResult, replay_chain
+from tierd.workload.backends import replay_chain
 from tierd.workload.generate import GeneratorConfig, generate
+from tierd.workload.replay_figures import ReplaySummary
 from tierd.workload.trace import Trace, parse_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,7 +210,7 @@ async def real_chain(work: Workload, rule: str) -> AsyncIterator[TierChain]:
 def run_point(work: Workload, rule: str, *, real: bool) -> Point:
     opener = real_chain if real and rule not in PROTOTYPES else memory_chain
 
-    async def run() -> tuple[ChainReplayResult, ChainReplayResult, int]:
+    async def run() -> tuple[ReplaySummary, ReplaySummary, int]:
         half = len(work.keys) // 2
         async with opener(work, rule) as chain:
             early = await replay_chain(chain, work.keys[:half])
@@ -235,7 +236,7 @@ def run_point(work: Workload, rule: str, *, real: bool) -> Point:
     )
 
 
-def disk_stores(result: ChainReplayResult) -> int:
+def disk_stores(result: ReplaySummary) -> int:
     return int(next(t["stores"] for t in result.tiers if t["name"] == "disk"))
 
 

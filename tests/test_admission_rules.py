@@ -19,7 +19,7 @@ from tierd.config import ChainConfig, load_config
 from tierd.errors import ConfigError
 from tierd.keys import BlockKey, int_key
 from tierd.policy.admission import Admission, Comeback, KeyUses
-from tierd.workload.chain_replay import replay_chain
+from tierd.workload.backends import replay_chain
 
 # -- parsing -----------------------------------------------------------------------------
 

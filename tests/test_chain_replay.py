@@ -1,4 +1,5 @@
-"""Trace replay through a whole chain: hits per medium, and what a disk tier adds."""
+"""Trace replay through a whole chain (the replay engine in its hit-ratio mode, what
+``tierd simulate --config`` runs): hits per medium, and what a disk tier adds."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import pytest
 
 import tierd
-from tierd.workload.chain_replay import replay_chain
+from tierd.workload.backends import replay_chain
 from tierd.workload.generate import GeneratorConfig, generate
 from tierd.workload.simulate import simulate
 from tierd.workload.trace import Trace, read_trace, write_trace
@@ -43,7 +44,7 @@ async def test_cpu_only_chain_matches_the_single_tier_simulation(
 ) -> None:
     capacity = max(8, trace.unique_blocks // 10)
     async with tierd.open(config(tmp_path, capacity, None)) as chain:
-        result = await replay_chain(chain, trace.key_lists())
+        result = await replay_chain(chain, trace)
     reference = simulate(trace, "lru", capacity)
     assert result.block_accesses == reference.block_accesses
     assert result.hits == reference.hits
@@ -55,9 +56,9 @@ async def test_a_disk_tier_below_adds_hits_and_reports_them_per_medium(
 ) -> None:
     capacity = max(8, trace.unique_blocks // 20)
     async with tierd.open(config(tmp_path, capacity, None)) as chain:
-        alone = await replay_chain(chain, trace.key_lists())
+        alone = await replay_chain(chain, trace)
     async with tierd.open(config(tmp_path, capacity, trace.unique_blocks)) as chain:
-        both = await replay_chain(chain, trace.key_lists())
+        both = await replay_chain(chain, trace)
         chain.check_invariants(idle=True)
     assert both.hit_ratio >= alone.hit_ratio
     assert both.hits_by_medium["DISK"] > 0

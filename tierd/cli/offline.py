@@ -31,7 +31,7 @@ from tierd.workload.generate import GeneratorConfig, generate
 from tierd.workload.trace import Trace
 
 if TYPE_CHECKING:
-    from tierd.workload.chain_replay import ChainReplayResult
+    from tierd.workload.replay_figures import ReplaySummary
 
 __all__ = ["COMMANDS", "load_trace"]
 
@@ -98,15 +98,16 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 def _run_chain_simulate(args: argparse.Namespace, trace: Trace) -> int:
+    """The chain of ``--config``, driven by the replay engine in its hit-ratio mode."""
     from tierd.library import open_chain  # torch and the stores load only when needed
-    from tierd.workload.chain_replay import replay_chain
+    from tierd.workload.backends import replay_chain
 
     if not args.config.is_file():
         raise UsageError(f"config file not found: {args.config}")
 
-    async def run() -> ChainReplayResult:
+    async def run() -> ReplaySummary:
         async with open_chain(args.config) as chain:
-            return await replay_chain(chain, trace.key_lists(), progress=bar, stop=stop)
+            return await replay_chain(chain, trace, progress=bar, stop=stop)
 
     bar = make_bar(args.progress, len(trace))
     try:
@@ -115,11 +116,17 @@ def _run_chain_simulate(args: argparse.Namespace, trace: Trace) -> int:
     finally:
         if bar is not None:
             bar.close()
+    status = EXIT_INTERRUPTED if result.interrupted else EXIT_OK
     if args.json:
         print(
             json.dumps({"trace": str(args.trace), "config": str(args.config), **result.to_dict()})
         )
-        return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
+        return status
+    print("\n".join(_chain_lines(result)))
+    return status
+
+
+def _chain_lines(result: ReplaySummary) -> list[str]:
     lines = []
     if result.interrupted:
         lines.append(interrupted_line(result.requests, result.planned_requests))
@@ -131,13 +138,13 @@ def _run_chain_simulate(args: argparse.Namespace, trace: Trace) -> int:
             f"tier {tier['name']:<10} {tier['medium']:<5} {tier['capacity']:,} blocks, "
             f"{tier['policy']}, {tier['evictions']:,} evictions"
         )
+    rate = result.throughput["accesses_per_s"]
     lines += [
         f"requests        {result.requests:,}",
         f"block accesses  {result.block_accesses:,}",
-        f"accesses/s      {result.accesses_per_second:,.0f} ({result.seconds:.3f} s)",
+        f"accesses/s      {rate:,.0f} ({result.seconds:.3f} s)",
     ]
-    print("\n".join(lines))
-    return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
+    return lines
 
 
 def _describe(result: SimulationResult) -> str:

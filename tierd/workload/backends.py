@@ -6,14 +6,15 @@
   :func:`daemon_backends` opens one per worker.
 - :class:`ChainBackend`: an in-process :class:`~tierd.chain.TierChain` that the caller
   opened (``tierd.library.open_chain``; this layer may not build one itself). Any number
-  of them may share one chain: :func:`chain_backends`.
+  of them may share one chain: :func:`chain_backends`. :func:`replay_chain` is what
+  ``tierd simulate --config`` runs on one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, cast
 
@@ -21,6 +22,9 @@ from tierd.control.client import Client, DaemonError, Unreachable
 from tierd.control.stats import collect_stats
 from tierd.errors import BlockMissing, CapacityError
 from tierd.keys import BlockKey
+from tierd.workload.replay_figures import ReplaySummary
+from tierd.workload.replayer import replay
+from tierd.workload.trace import Trace, TraceRequest
 
 if TYPE_CHECKING:
     from tierd.chain import TierChain
@@ -30,6 +34,7 @@ __all__ = [
     "DaemonBackend",
     "chain_backends",
     "daemon_backends",
+    "replay_chain",
 ]
 
 DEFAULT_NAMESPACE = "replay"
@@ -202,3 +207,24 @@ def _copy(view: Any) -> bytes:
 
         flat = view.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
         return bytes(tensor_memoryview(flat))
+
+
+async def replay_chain(
+    chain: TierChain,
+    requests: Trace | Sequence[Sequence[BlockKey]],
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> ReplaySummary:
+    """What ``tierd simulate --config`` runs: the replayer in its hit-ratio mode
+    (``verify=False``), one worker, as fast as it goes, through an in-process chain.
+    ``requests``: a trace, or the key lists of its requests."""
+    trace = (
+        requests
+        if isinstance(requests, Trace)
+        else [TraceRequest(0, 0, 0, tuple(keys)) for keys in requests]
+    )
+    report = None if progress is None else (lambda p: progress(p.done, p.total))
+    return await replay(
+        trace, [ChainBackend(chain)], speed=None, progress=report, stop=stop, verify=False
+    )

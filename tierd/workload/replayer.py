@@ -21,6 +21,12 @@ by the wall time of the whole replay; ``store_call_gb_s``/``load_call_gb_s`` are
 bytes divided by the summed duration of the calls that moved them (the rate one call
 sees). GB is 10**9 bytes.
 
+Two modes, one engine. ``verify=True`` (``tierd replay``) stores each block's own content
+and checks every byte loaded back, in chunks of at most :data:`MAX_CHUNK_BLOCKS`.
+``verify=False`` (``tierd simulate --config``, :func:`replay_chain`) is about hit ratios:
+every block is the same filler, loads are not compared, and chunks are the entry tier's
+size, so nothing but the chain's own behaviour decides the figures.
+
 (The module is not called ``replay``: ``tierd.workload.replay`` is the single-tier replay
 function that the package exports, and a submodule of that name would replace it.)
 """
@@ -107,12 +113,18 @@ class _Replay:
         sample_every: int,
         progress: Callable[[ReplayProgress], None] | None,
         stop: Callable[[], bool] | None = None,
+        verify: bool = True,
     ) -> None:
         first = backends[0]
         self.stop = stop
         self.requests, self.backends, self.speed = requests, backends, speed
         self.block_bytes = first.block_bytes
-        self.chunk = max(1, min(MAX_CHUNK_BLOCKS, first.entry_capacity // 4))
+        self.verify = verify
+        if verify:
+            self.chunk = max(1, min(MAX_CHUNK_BLOCKS, first.entry_capacity // 4))
+        else:
+            self.chunk = max(1, first.entry_capacity)
+        self.filler = [bytes(self.block_bytes)] * self.chunk
         self.sample_every = sample_every
         self.progress = progress
         self.progress_every = max(1, len(requests) // 1000)
@@ -215,7 +227,8 @@ class _Replay:
                     self.load_lat[medium] = Latencies(keep=SAMPLE_CAP)
                 self.load_lat[medium].add(time.perf_counter() - began)
             self.loaded += len(blocks)
-            self._verify(part, blocks)
+            if self.verify:
+                self._verify(part, blocks)
             if len(blocks) < len(part):
                 self.shortfalls += 1
                 return start + len(blocks)
@@ -236,7 +249,8 @@ class _Replay:
             try:
                 # Not ``self.stored += await ...``: that reads the counter before the
                 # await and loses what other workers added meanwhile.
-                stored = await backend.store(part, Contents(part, self.block_bytes))
+                data = Contents(part, self.block_bytes) if self.verify else self.filler
+                stored = await backend.store(part, data)
             except CapacityError:
                 self.errors["store_refused"] += 1
             except _FATAL:
@@ -307,6 +321,7 @@ class _Replay:
                 "speed": "max" if self.speed is None else self.speed,
                 "block_bytes": self.block_bytes,
                 "chunk_blocks": self.chunk,
+                "verify": self.verify,
                 "backend": first.kind,
                 "socket" if first.kind == "daemon" else "path": first.target,
             },
@@ -338,13 +353,14 @@ async def replay(
     sample_every: int | None = None,
     progress: Callable[[ReplayProgress], None] | None = None,
     stop: Callable[[], bool] | None = None,
+    verify: bool = True,
 ) -> ReplaySummary:
     """Replay ``trace`` (its first ``limit`` requests) with one worker per backend.
 
     ``speed``: how much faster than the trace's own clock (``None``: no pacing).
     ``sample_every``: requests between timeline points (default: 1/200 of the replay).
     ``stop``: once it returns true, no request starts any more; the summary says
-    ``interrupted``.
+    ``interrupted``. ``verify``: the mode (see the module's docstring).
     """
     if not backends:
         raise ValueError("a replay needs at least one backend")
@@ -354,7 +370,7 @@ async def replay(
     if limit is not None:
         requests = requests[: max(0, limit)]
     every = sample_every or max(1, len(requests) // 200)
-    run = _Replay(requests, backends, speed, every, progress, stop)
+    run = _Replay(requests, backends, speed, every, progress, stop, verify)
     await run.sample(backends[0])
     run.started = time.perf_counter()
     run.timeline[0]["t"] = 0.0
