@@ -17,23 +17,33 @@ daemon has one), ``storing``/``loading`` hand out memoryviews (or torch tensors)
 pool slots themselves; without it ``put``/``get`` carry the bytes in the messages. The
 context managers always finish their lease, on error too; if the client dies instead,
 the daemon releases the lease when the connection closes.
+
+This module owns :class:`Client` (requests, replies, events, the connection's end) and
+the values its replies become; connecting and the hello exchange are
+:mod:`~tierd.control.handshake`'s, the pool mapping and the leases
+:mod:`~tierd.control.client_pool`'s. Every public name of those is importable from here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import mmap
 import os
-import socket
-from array import array
 from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Self, cast
 
-from tierd.control.protocol import PROTOCOL_VERSION, FrameDecoder, encode
-from tierd.control.socketfile import peer_credentials
+from tierd.control.client_pool import LoadLease, PoolMap, StoreLease
+from tierd.control.handshake import (
+    HELLO_ID,
+    DaemonError,
+    Unreachable,
+    UntrustedDaemon,
+    check_server,
+    greet,
+    open_socket,
+)
+from tierd.control.protocol import FrameDecoder, encode
 from tierd.errors import ProtocolError, TierdError
 
 __all__ = [
@@ -51,37 +61,6 @@ __all__ = [
 Buffer = bytes | bytearray | memoryview
 # Error codes the daemon sends with id 0 just before it closes the connection.
 _FATAL = frozenset({"not_allowed", "busy", "shutting_down", "frame_too_large"})
-_MAX_FDS = 4  # descriptors accepted with the hello reply (the daemon passes one)
-
-
-class DaemonError(TierdError):
-    """The daemon answered with an error; ``code`` is the wire error code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-
-
-class Unreachable(TierdError):
-    """No daemon answers on the socket (missing, refused, or the connection was lost)."""
-
-
-class UntrustedDaemon(Unreachable):
-    """The socket is served by a process of another user: not a daemon to trust."""
-
-
-def _check_server(sock: socket.socket, path: str, server_uids: Collection[int]) -> None:
-    try:
-        pid, uid, _ = peer_credentials(sock)
-    except OSError as exc:
-        raise Unreachable(f"cannot read who serves {path}: {exc.strerror or exc}") from exc
-    if uid in (os.getuid(), 0) or uid in server_uids:
-        return
-    raise UntrustedDaemon(
-        f"refusing the socket {path}: it is served by uid {uid} (pid {pid}), not by this"
-        f" user (uid {os.getuid()}) or root. Another user may have bound it first; if that"
-        " daemon is the one you mean, trust its uid (server_uids)."
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,150 +78,6 @@ class Flushed:
     dirty: int
     dirty_by_tier: dict[str, int]
     reason: str
-
-
-class PoolMap:
-    """The tenant's shared-memory pool, mapped into this process from the descriptor the
-    daemon passed with its hello reply (the pool has no path anyone could open)."""
-
-    def __init__(
-        self, fd: int, size: int, stride: int, num_blocks: int, block_bytes: int, name: str = ""
-    ) -> None:
-        self.name, self.stride, self.block_bytes = name, stride, block_bytes
-        self.num_blocks = num_blocks
-        if num_blocks < 1 or stride < block_bytes or size < num_blocks * stride:
-            raise ProtocolError(f"the daemon described an impossible pool ({size} bytes)")
-        found = os.fstat(fd).st_size
-        if found < size:
-            raise ProtocolError(f"the pool passed holds {found} bytes, not the {size} named")
-        self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._view = memoryview(self._mm)
-
-    def view(self, slot: int) -> memoryview:
-        if not 0 <= slot < self.num_blocks:
-            raise ProtocolError(f"the daemon named slot {slot}, outside the pool")
-        start = slot * self.stride
-        return self._view[start : start + self.block_bytes]
-
-    def tensor(self, slot: int) -> Any:
-        """A uint8 torch tensor over one slot (no copy)."""
-        import torch
-
-        self.view(slot)  # bounds check
-        return torch.frombuffer(
-            self._mm, dtype=torch.uint8, count=self.block_bytes, offset=slot * self.stride
-        )
-
-    def close(self) -> None:
-        self._view.release()
-        # A caller may still hold a view: the mapping then goes when the last one does.
-        with contextlib.suppress(BufferError):
-            self._mm.close()
-
-
-class StoreLease:
-    """Pool slots reserved for the blocks of ``keys`` that the daemon does not hold yet:
-    ``to_write[i]`` is the index in ``keys`` of the i-th view."""
-
-    def __init__(self, client: Client, keys: Sequence[bytes], reply: dict[str, Any]) -> None:
-        self._client = client
-        self.keys = list(keys)
-        self.lease: int | None = reply["lease"]
-        self.slots: list[int | None] = reply["slots"]
-        self.to_write = [i for i, slot in enumerate(self.slots) if slot is not None]
-        self.finished = self.lease is None
-
-    def views(self) -> list[memoryview]:
-        pool = self._client.require_pool()
-        return [pool.view(cast(int, self.slots[i])) for i in self.to_write]
-
-    def tensors(self) -> list[Any]:
-        pool = self._client.require_pool()
-        return [pool.tensor(cast(int, self.slots[i])) for i in self.to_write]
-
-    async def commit(self, ok: bool | Sequence[bool] = True) -> int:
-        """Tell the daemon the views are written; returns how many blocks it stored."""
-        if self.finished:
-            return 0
-        self.finished = True
-        reply = await self._client.request("complete_store", lease=self.lease, ok=ok)
-        return int(reply["stored"])
-
-    async def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            await self._client.request("abort_store", lease=self.lease)
-
-
-class LoadLease:
-    """The leading ``count`` keys, pinned in the pool until ``release``."""
-
-    def __init__(self, client: Client, keys: Sequence[bytes], reply: dict[str, Any]) -> None:
-        self._client = client
-        self.lease: int | None = reply["lease"]
-        self.count: int = reply["count"]
-        self.slots: list[int] = reply["slots"]
-        self.keys = list(dict.fromkeys(keys))[: self.count]
-        self.released = self.lease is None
-
-    def views(self) -> list[memoryview]:
-        pool = self._client.require_pool()
-        return [pool.view(slot) for slot in self.slots]
-
-    def tensors(self) -> list[Any]:
-        pool = self._client.require_pool()
-        return [pool.tensor(slot) for slot in self.slots]
-
-    async def release(self) -> None:
-        if not self.released:
-            self.released = True
-            await self._client.request("complete_load", lease=self.lease)
-
-
-async def _first_replies(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, decoder: FrameDecoder, fds: list[int]
-) -> list[Any]:
-    """Read until the first whole reply (the hello's), collecting the descriptors passed
-    with it into ``fds``; the messages decoded so far."""
-    while True:
-        try:
-            data, ancillary, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(_MAX_FDS * 4))
-        except BlockingIOError:
-            await _readable(loop, sock)
-            continue
-        except OSError as exc:
-            raise Unreachable(f"the connection was lost: {exc.strerror or exc}") from exc
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
-        if not data:
-            raise Unreachable("the daemon closed the connection before its hello reply")
-        messages = decoder.feed(data)
-        if messages:
-            return messages
-
-
-async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_reader(sock.fileno(), wake)
-    try:
-        await ready
-    finally:
-        loop.remove_reader(sock.fileno())
-
-
-def _hello_reply(message: Any) -> dict[str, Any]:
-    """The hello reply's fields, or the error the daemon answered with."""
-    if not isinstance(message, dict):
-        raise ProtocolError("the daemon's first reply is not a map")
-    if not message.get("ok"):
-        raise DaemonError(str(message.get("error")), str(message.get("message")))
-    return message
 
 
 class _Protocol(asyncio.Protocol):
@@ -306,45 +141,28 @@ class Client:
         client = cls()
         loop = asyncio.get_running_loop()
         where = os.fspath(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await loop.sock_connect(sock, where)
-        except OSError as exc:
-            sock.close()
-            raise Unreachable(f"cannot connect to {where}: {exc.strerror or exc}") from exc
+        sock = await open_socket(loop, where)
         protocol = _Protocol(client, max_frame_bytes)
-        fds: list[int] = []
         try:
-            _check_server(sock, where, server_uids)
-            want_pool = map_pool and namespace is not None
-            hello: dict[str, Any] = {"version": PROTOCOL_VERSION, "pool_fd": want_pool}
-            if namespace is not None:
-                hello["namespace"] = namespace
-            if block_bytes is not None:
-                hello["block_bytes"] = block_bytes
-            client._next_id = 1
-            # Refused at accept, the daemon has hung up: its reason is waiting to be read.
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                await loop.sock_sendall(sock, encode({"id": 1, "op": "hello", **hello}))
-            replies = await _first_replies(loop, sock, protocol.decoder, fds)
-            client.info = _hello_reply(replies[0])
-            pool = client.info.get("pool")
-            if want_pool and pool is not None:
-                if not fds:
-                    raise ProtocolError("the daemon named a pool but did not pass it")
-                client.pool = PoolMap(fds[0], block_bytes=client.info["block_bytes"], **pool)
+            check_server(sock, where, server_uids)
+            greeting = await greet(
+                loop,
+                sock,
+                protocol.decoder,
+                namespace=namespace,
+                block_bytes=block_bytes,
+                map_pool=map_pool,
+            )
+            client.info, client.pool = greeting.info, greeting.pool
+            client._next_id = HELLO_ID
             await loop.create_unix_connection(lambda: protocol, sock=sock)
         except BaseException:
             sock.close()
             if client.pool is not None:
                 client.pool.close()
             raise
-        finally:
-            for fd in fds:
-                os.close(fd)  # mapped (the mapping keeps the memory) or not wanted
         client._protocol = protocol
-        for message in replies[1:]:
+        for message in greeting.more:
             client._dispatch(message)
         return client
 

@@ -1,17 +1,12 @@
-"""The control socket: binding it safely, accepting peers, moving frames.
+"""The control socket's server: the listener, its connections, draining and closing.
 
 - :func:`~tierd.control.socketfile.bind_unix_socket` (in its own module) creates the
-  socket file; this module serves on it.
-- :class:`Connection` is an :class:`asyncio.Protocol`: it finds the peer's tenant from
-  its ``SO_PEERCRED`` credentials (refusing a peer of no tenant), passes the tenant's
-  pool descriptor with the hello reply that asks for it (SCM_RIGHTS), decodes frames,
-  hands each message to its :class:`Session`, and writes
-  the replies of one read in one call. When the client stops reading, the connection
-  stops reading too (and event batches wait, then drop), so no buffer grows unbounded.
-  Each connection has a number (``conn`` in log lines); at debug level its opening and
-  closing are logged with the peer's pid and uid, so a request's ``conn`` names a process.
+  socket file; :class:`Server` serves on it.
+- :class:`~tierd.control.connection.Connection` (in its own module) is one client's
+  connection: frames, flow control, guards, descriptor passing.
 - :class:`Server` owns the listener and the connections: ``start``, ``stop_accepting``,
-  ``drain`` (wait for running requests, up to a deadline) and ``close``.
+  ``drain`` (wait for running requests, up to a deadline) and ``close``. When the daemon
+  is full, the oldest connection that has not said hello makes room for a new one.
 """
 
 from __future__ import annotations
@@ -20,327 +15,18 @@ import asyncio
 import contextlib
 import os
 import socket
-from array import array
-from collections import deque
-from typing import Any, cast
 
 import structlog
 
+from tierd.control.connection import Connection
 from tierd.control.context import ServerContext
-from tierd.control.guards import Deadline, PartialFrames, RateLimitedLog
-from tierd.control.protocol import (
-    PASS_FDS,
-    DecodeLimits,
-    ErrorCode,
-    FrameDecoder,
-    FrameTooLarge,
-    encode,
-    error_reply,
-)
-from tierd.control.session import Session
+from tierd.control.guards import PartialFrames, RateLimitedLog
 from tierd.control.socketfile import bind_unix_socket, peer_credentials
 from tierd.errors import AlreadyRunning
 
 __all__ = ["AlreadyRunning", "Connection", "Server", "bind_unix_socket", "peer_credentials"]
 
 log = structlog.get_logger("tierd.control")
-
-
-class Connection(asyncio.Protocol):
-    """One client: frames in, replies and event pushes out.
-
-    Decoded requests wait in ``backlog`` and are handed to the session only while the
-    connection has room: fewer than ``max_requests_in_flight`` running, and its unsent
-    replies plus the replies reserved by running ``get`` requests under
-    ``output_buffer_bytes``. Past that the connection stops reading; it reads again as
-    replies drain. A client that never reads therefore holds at most about one limit's
-    worth of replies (plus one reply), and after ``output_stall_s`` it is closed."""
-
-    def __init__(self, server: Server) -> None:
-        self.server = server
-        self.ctx = ctx = server.ctx
-        self.id = server.new_connection_id()
-        self.session = Session(ctx, self._send, self.id)
-        limits = ctx.limits
-        self.decoder = FrameDecoder(
-            limits.max_frame_bytes,
-            DecodeLimits.for_requests(limits.max_keys_per_request, limits.max_frame_bytes),
-        )
-        self.transport: asyncio.Transport | None = None
-        self.backlog: deque[Any] = deque()
-        self._batch: list[bytes] | None = None
-        self._batch_bytes = 0
-        self._reserved = 0  # bytes of replies promised by running get requests
-        self._reading_paused = False
-        self._hello = Deadline(limits.hello_timeout_s, lambda: self._drop("hello_timeout"))
-        self._frame = Deadline(limits.frame_deadline_s, lambda: self._drop("frame_deadline"))
-        self._stall = Deadline(limits.output_stall_s, self._stalled)
-        self._stall_mark = 0  # unsent bytes when the stall clock started
-        self.peer: tuple[int, int, int] = (0, -1, -1)
-
-    # -- asyncio.Protocol -------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport = cast(asyncio.Transport, transport)  # a stream server makes no other
-        self.transport = transport
-        self.server.connections.add(self)
-        self.ctx.connections += 1
-        refusal = self._refusal(transport)
-        if refusal is not None:
-            code, reason, message = refusal
-            self.ctx.count_error(code)
-            self.ctx.refused[reason] += 1
-            self.server.refusals(reason, message=message, pid=self.peer[0], conn=self.id)
-            transport.write(encode(error_reply(0, code, message)))
-            transport.close()
-            return
-        self.server.silent[self] = None
-        self._hello.arm()
-        if self.ctx.timing.debug:
-            pid, uid, _ = self.peer
-            log.debug("connection opened", conn=self.id, pid=pid, uid=uid)
-
-    def _refusal(self, transport: asyncio.Transport) -> tuple[ErrorCode, str, str] | None:
-        sock = transport.get_extra_info("socket")
-        try:
-            self.peer = peer_credentials(sock)
-        except OSError as exc:
-            message = f"cannot read the peer's credentials: {exc.strerror}"
-            return ErrorCode.NOT_ALLOWED, "credentials", message
-        _, uid, gid = self.peer
-        ctx = self.ctx
-        grant = ctx.tenants.identify(uid, gid)
-        if grant is None:
-            return ErrorCode.NOT_ALLOWED, "not_allowed", f"uid {uid} / gid {gid} is not allowed"
-        self.session.admit(grant)
-        if ctx.shutting_down:
-            return ErrorCode.SHUTTING_DOWN, "shutting_down", "the daemon is shutting down"
-        if ctx.connections > ctx.limits.max_connections and not self.server.make_room():
-            limit = ctx.limits.max_connections
-            return ErrorCode.BUSY, "busy", f"too many connections (limit {limit})"
-        return None
-
-    def data_received(self, data: bytes) -> None:
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        before = self.decoder.buffered
-        try:
-            messages = self.decoder.feed(data)
-        except FrameTooLarge as exc:
-            # Framing is lost: answer the whole frames that came before, then hang up.
-            self.server.partial.change(before, 0)
-            self.backlog.extend(exc.before)
-            self._work()
-            self.ctx.count_error(ErrorCode.FRAME_TOO_LARGE)
-            transport.write(encode(error_reply(0, exc.code, str(exc))))
-            transport.close()
-            return
-        if not self._account_partial(before, messages):
-            return
-        self.backlog.extend(messages)
-        self._work()
-
-    def _account_partial(self, before: int, messages: list[Any]) -> bool:
-        """Charge the unfinished frame to the shared budget and (re)arm its deadline."""
-        after = self.decoder.buffered
-        if not self.server.partial.change(before, after):
-            self.server.partial.change(before, 0)
-            self.decoder = FrameDecoder(0)  # forget the bytes: the connection is done
-            budget = self.server.partial.budget
-            message = (
-                f"unfinished frames of all connections would pass {budget} bytes;"
-                " send whole frames sooner"
-            )
-            self._drop("partial_budget", message=message)
-            return False
-        if after == 0:
-            self._frame.disarm()
-        elif messages or not self._frame.armed:
-            self._frame.arm()  # a frame has started (or one completed and the next began)
-        return True
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.server.connections.discard(self)
-        self.server.silent.pop(self, None)
-        self.server.partial.change(self.decoder.buffered, 0)
-        self.ctx.connections -= 1
-        for deadline in (self._hello, self._frame, self._stall):
-            deadline.disarm()
-        self.backlog.clear()
-        if self.ctx.timing.debug:
-            log.debug("connection closed", conn=self.id, requests_in_flight=len(self.session.tasks))
-        self.session.writable.set()  # let a waiting event pump see the close
-        self.session.close()
-        self.transport = None
-
-    def pause_writing(self) -> None:
-        self.session.writable.clear()
-        self._pause_reading()
-
-    def resume_writing(self) -> None:
-        self.session.writable.set()
-        self._work()
-
-    # -- requests, output and flow control ----------------------------------------------
-
-    def _work(self, *_: object) -> None:
-        """Hand waiting requests to the session while there is room; pause reading when
-        there is not (and while requests wait), read again once all are handed over.
-        The replies of one pass go out in one write."""
-        transport = self.transport
-        if transport is None:
-            return
-        batch: list[bytes] = []
-        self._batch, self._batch_bytes = batch, 0
-        try:
-            while self.backlog and self._has_room(transport):
-                self._handle(self.backlog.popleft())
-        finally:
-            self._batch = None
-            if batch and not transport.is_closing():
-                transport.writelines(batch)
-        if self.session.greeted and self in self.server.silent:
-            del self.server.silent[self]
-            self._hello.disarm()
-        if self.backlog or not self._has_room(transport):
-            self._pause_reading()
-        elif self._reading_paused and not transport.is_closing():
-            self._reading_paused = False
-            self._stall.disarm()
-            transport.resume_reading()
-            if self.decoder.buffered:
-                self._frame.arm()
-
-    def _has_room(self, transport: asyncio.Transport) -> bool:
-        limits = self.ctx.limits
-        if len(self.session.tasks) >= limits.max_requests_in_flight:
-            return False
-        if not self.session.writable.is_set():
-            return False
-        unsent = transport.get_write_buffer_size() + self._batch_bytes + self._reserved
-        return unsent < limits.output_buffer_bytes
-
-    def _handle(self, message: Any) -> None:
-        """One request to the session; a ``get`` reserves its reply's bytes until done."""
-        self.session.spawned = None
-        self.session.handle(message)
-        task = self.session.spawned
-        if task is None:
-            return
-        if type(message) is dict and message.get("op") == "get":
-            keys = message.get("keys")
-            cost = len(keys) * self.ctx.block_bytes if isinstance(keys, list) else 0
-            self._reserved += cost
-            task.add_done_callback(lambda _: self._release(cost))
-        task.add_done_callback(self._work)
-
-    def _release(self, cost: int) -> None:
-        self._reserved -= cost
-
-    def _send(self, message: dict[str, Any]) -> None:
-        fds = message.pop(PASS_FDS, None)
-        frame = encode(message)
-        if fds:
-            self._send_with_fds(frame, fds)
-            return
-        if self._batch is not None:
-            self._batch.append(frame)
-            self._batch_bytes += len(frame)
-        elif self.transport is not None and not self.transport.is_closing():
-            self.transport.write(frame)
-
-    def _send_with_fds(self, frame: bytes, fds: list[int]) -> None:
-        """Send ``frame`` with descriptors attached (SCM_RIGHTS). Everything before it
-        goes out first; the descriptors ride on the frame's first bytes, so the client
-        receives them with the reply they belong to."""
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        if self._batch:
-            transport.writelines(self._batch)
-            self._batch.clear()
-            self._batch_bytes = 0
-        if transport.get_write_buffer_size():
-            # Replies the client has not read are still queued: the frame would overtake
-            # them. A client asks for its pool in its first request, so this is a client
-            # that piled requests before its hello and did not read their errors.
-            self._drop("fd_blocked")
-            return
-        fd = transport.get_extra_info("socket").fileno()
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(fd)) as sock:
-            try:
-                sent = sock.sendmsg(
-                    [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array("i", fds))]
-                )
-            except BlockingIOError:
-                sent = -1
-            except OSError:
-                transport.close()
-                return
-        if sent < 0:
-            self._drop("fd_blocked")
-        elif sent < len(frame):
-            transport.write(frame[sent:])
-
-    def _pause_reading(self) -> None:
-        if not self._reading_paused and self.transport is not None:
-            self._reading_paused = True
-            self._frame.disarm()  # a frame is not late while the daemon is not reading
-            self.transport.pause_reading()
-        unsent = self.transport.get_write_buffer_size() if self.transport is not None else 0
-        if not unsent:
-            self._stall.disarm()
-        elif not self._stall.armed:
-            self._stall_mark = unsent
-            self._stall.arm()
-
-    def _stalled(self) -> None:
-        """The stall clock ran out: close the connection unless the client read some of
-        its replies meanwhile (then the clock starts again)."""
-        if self.transport is None:
-            return
-        unsent = self.transport.get_write_buffer_size()
-        if unsent and unsent >= self._stall_mark:
-            self._drop("output_stall")
-        elif unsent:
-            self._stall_mark = unsent
-            self._stall.arm()
-
-    def _drop(self, reason: str, code: ErrorCode | None = None, message: str | None = None) -> None:
-        """Close the connection for breaking a guard: counted, logged at a bounded rate."""
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        default_code, template = _DROPS[reason]
-        code = code or default_code
-        text = message or template.format(limits=self.ctx.limits)
-        self.ctx.dropped[reason] += 1
-        self.server.drops(reason, message=text, pid=self.peer[0], conn=self.id)
-        if reason != "output_stall":  # a client that does not read would not see it
-            transport.write(encode(error_reply(0, code, text)))
-        transport.close()
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-
-# Why a guard closed a connection: the error code and message the client is sent.
-_DROPS = {
-    "hello_timeout": (ErrorCode.HELLO_REQUIRED, "no hello within {limits.hello_timeout_s} s"),
-    "frame_deadline": (
-        ErrorCode.BAD_FRAME,
-        "a frame did not complete within {limits.frame_deadline_s} s",
-    ),
-    "output_stall": (ErrorCode.BUSY, "replies left unread for {limits.output_stall_s} s"),
-    "made_room": (ErrorCode.BUSY, "closed to make room for a new connection: no hello yet"),
-    "partial_budget": (ErrorCode.BUSY, "unfinished frames are over the daemon's budget"),
-    "fd_blocked": (
-        ErrorCode.BAD_REQUEST,
-        "cannot pass the pool: earlier replies are unread; send hello first and read its reply",
-    ),
-}
 
 
 class Server:
@@ -365,7 +51,7 @@ class Server:
     def make_room(self) -> bool:
         """Close the oldest connection that has not said hello; False if there is none."""
         for conn in self.silent:
-            conn._drop("made_room")
+            conn.drop("made_room")
             self.silent.pop(conn, None)
             return True
         return False

@@ -1,0 +1,173 @@
+"""The requests that move block bytes: stores and loads, through the pool or inline.
+
+- **Zero-copy** (the tenant's entry tier is a shared-memory pool): ``prepare_store``
+  reserves slots for the keys the chain does not hold and ``complete_store`` (or
+  ``abort_store``) finishes it; ``prepare_load`` pins the leading cached blocks and
+  ``complete_load`` unpins them. Each hands out a lease of the session's
+  :class:`~tierd.control.leases.Leases`, whose bounds are taken before the chain is asked.
+  A load waits at most ``load_wait_s`` on blocks another client is still writing.
+- **Inline**: ``put`` and ``get`` carry the bytes in the messages (``get`` at most what
+  fits in one frame).
+
+``lookup`` and ``touch`` move no bytes: the session answers them itself, on its fast path.
+A :class:`BlockRequests` knows its session only through :class:`Requester`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from tierd.chain import LoadHandle, StoreHandle, TierChain
+from tierd.control.context import ServerContext
+from tierd.control.leases import Leases
+from tierd.control.protocol import ErrorCode, bool_list_field, bytes_list_field, int_field
+from tierd.control.tenants import Tenant
+from tierd.errors import BlockMissing, ProtocolError
+from tierd.keys import BlockKey
+
+__all__ = ["LOADED_FROM", "BlockRequests", "Requester"]
+
+Reply = dict[str, Any]
+# A load's reply carries the slowest medium it read from under this key, for the timing;
+# the session takes it out before the reply is sent.
+LOADED_FROM = "_loaded_from"
+
+
+class Requester(Protocol):
+    """What the block requests ask of the session they serve."""
+
+    @property
+    def tenant(self) -> Tenant | None:
+        """The connection's tenant (None: a user of no tenant)."""
+        ...
+
+    def chain(self) -> TierChain:
+        """The tenant's chain; refused for a user of no tenant."""
+        ...
+
+    def keys(self, msg: dict[str, Any], name: str = "keys") -> list[BlockKey]:
+        """The keys of ``msg``'s field ``name``, prefixed with the namespace's id."""
+        ...
+
+
+class BlockRequests:
+    """Stores and loads for one session; every lease they open is in ``leases``."""
+
+    def __init__(self, ctx: ServerContext, session: Requester, leases: Leases) -> None:
+        self.ctx = ctx
+        self.session = session
+        self.leases = leases
+
+    def _require_pool(self) -> None:
+        tenant = self.session.tenant
+        if tenant is not None and tenant.pool is None:
+            raise ProtocolError(
+                "the entry tier is not a shared-memory pool: use put and get",
+                code=ErrorCode.NO_POOL,
+            )
+
+    # -- zero-copy, through the pool --------------------------------------------------
+
+    async def prepare_store(self, msg: dict[str, Any]) -> Reply:
+        keys = _distinct(self.session.keys(msg))
+        chain = self.session.chain()
+        self._require_pool()
+        taken = self.leases.take(len(keys))
+        try:
+            handle = await chain.begin_store(keys)
+        except BaseException:
+            self.leases.give(taken)
+            raise
+        self.leases.give(taken - len(handle.keys))
+        slot_of = dict(zip(handle.keys, handle.slots, strict=True))
+        slots = [slot_of.get(key) for key in keys]
+        if not handle.keys:
+            await handle.commit()
+            return {"lease": None, "slots": slots}
+        return {"lease": self.leases.register(handle), "slots": slots}
+
+    async def complete_store(self, msg: dict[str, Any]) -> Reply:
+        lease = int_field(msg, "lease")
+        handle = self.leases.named(lease, StoreHandle)
+        ok = bool_list_field(msg, "ok", count=len(handle.keys))
+        self.leases.end(lease)
+        return {"stored": len(await handle.commit(ok))}
+
+    def abort_store(self, msg: dict[str, Any]) -> Reply:
+        lease = int_field(msg, "lease")
+        handle = self.leases.named(lease, StoreHandle)
+        self.leases.end(lease)
+        handle.abort()
+        return {}
+
+    async def prepare_load(self, msg: dict[str, Any]) -> Reply:
+        keys = self.session.keys(msg)
+        chain = self.session.chain()
+        self._require_pool()
+        taken = self.leases.take(len(dict.fromkeys(keys)))
+        try:
+            handle = await chain.load(keys, wait_s=self.ctx.limits.load_wait_s)
+        except BlockMissing:
+            self.leases.give(taken)
+            return {"lease": None, "count": 0, "slots": []}
+        except BaseException:
+            self.leases.give(taken)
+            raise
+        self.leases.give(taken - len(handle.keys))
+        return {
+            "lease": self.leases.register(handle),
+            "count": len(handle.keys),
+            "slots": handle.slots,
+            LOADED_FROM: str(handle.source_medium),
+        }
+
+    def complete_load(self, msg: dict[str, Any]) -> Reply:
+        lease = int_field(msg, "lease")
+        handle = self.leases.named(lease, LoadHandle)
+        self.leases.end(lease)
+        handle.release()
+        return {}
+
+    # -- inline, in the messages ------------------------------------------------------
+
+    async def put(self, msg: dict[str, Any]) -> Reply:
+        keys = _distinct(self.session.keys(msg))
+        data = bytes_list_field(msg, "data", count=len(keys), size=self.ctx.block_bytes)
+        return {"stored": len(await self.session.chain().store(keys, data))}
+
+    async def get(self, msg: dict[str, Any]) -> Reply:
+        keys = self.session.keys(msg)
+        chain = self.session.chain()
+        room = (self.ctx.limits.max_frame_bytes - 4096) // (self.ctx.block_bytes + 16)
+        if len(keys) > room:
+            raise ProtocolError(
+                f"a get of {len(keys)} blocks would not fit in one frame: at most {room}",
+                code=ErrorCode.TOO_MANY_KEYS,
+            )
+        try:
+            handle = await chain.load(keys, wait_s=self.ctx.limits.load_wait_s)
+        except BlockMissing:
+            return {"count": 0, "data": []}
+        try:
+            if handle.store.has_views:
+                data = [bytes(memoryview(v).cast("B")) for v in handle.views()]
+            else:
+                out = [bytearray(self.ctx.block_bytes) for _ in handle.keys]
+                ok = await handle.read_into(out)
+                data = [bytes(b) for b in out[: _leading(ok)]]
+        finally:
+            handle.release()
+        return {"count": len(data), "data": data, LOADED_FROM: str(handle.source_medium)}
+
+
+def _distinct(keys: list[BlockKey]) -> list[BlockKey]:
+    if len(set(keys)) != len(keys):
+        raise ProtocolError("a key appears twice in one store", code=ErrorCode.BAD_REQUEST)
+    return keys
+
+
+def _leading(flags: list[bool]) -> int:
+    for i, flag in enumerate(flags):
+        if not flag:
+            return i
+    return len(flags)

@@ -1,0 +1,132 @@
+"""The client's side of the shared-memory pool: the mapping, and leases on its slots.
+
+- :class:`PoolMap` maps the tenant's pool into this process from the descriptor the
+  daemon passed with its hello reply, and hands out views (or torch tensors) of one slot
+  at a time, bounds checked.
+- :class:`StoreLease` and :class:`LoadLease` are the replies of ``prepare_store`` and
+  ``prepare_load``: slots to write, or pinned slots to read, until the lease is finished
+  (``commit``/``abort``, ``release``). A lease knows its client only through
+  :class:`PoolUser`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
+
+from tierd.errors import ProtocolError
+
+__all__ = ["LoadLease", "PoolMap", "PoolUser", "StoreLease"]
+
+
+class PoolMap:
+    """The tenant's shared-memory pool, mapped into this process from the descriptor the
+    daemon passed with its hello reply (the pool has no path anyone could open)."""
+
+    def __init__(
+        self, fd: int, size: int, stride: int, num_blocks: int, block_bytes: int, name: str = ""
+    ) -> None:
+        self.name, self.stride, self.block_bytes = name, stride, block_bytes
+        self.num_blocks = num_blocks
+        if num_blocks < 1 or stride < block_bytes or size < num_blocks * stride:
+            raise ProtocolError(f"the daemon described an impossible pool ({size} bytes)")
+        found = os.fstat(fd).st_size
+        if found < size:
+            raise ProtocolError(f"the pool passed holds {found} bytes, not the {size} named")
+        self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._view = memoryview(self._mm)
+
+    def view(self, slot: int) -> memoryview:
+        if not 0 <= slot < self.num_blocks:
+            raise ProtocolError(f"the daemon named slot {slot}, outside the pool")
+        start = slot * self.stride
+        return self._view[start : start + self.block_bytes]
+
+    def tensor(self, slot: int) -> Any:
+        """A uint8 torch tensor over one slot (no copy)."""
+        import torch
+
+        self.view(slot)  # bounds check
+        return torch.frombuffer(
+            self._mm, dtype=torch.uint8, count=self.block_bytes, offset=slot * self.stride
+        )
+
+    def close(self) -> None:
+        self._view.release()
+        # A caller may still hold a view: the mapping then goes when the last one does.
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+
+
+class PoolUser(Protocol):
+    """What a lease asks of its client (:class:`~tierd.control.client.Client`)."""
+
+    def require_pool(self) -> PoolMap:
+        """The mapped pool; refused when none is mapped."""
+        ...
+
+    async def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send one request and wait for its reply."""
+        ...
+
+
+class StoreLease:
+    """Pool slots reserved for the blocks of ``keys`` that the daemon does not hold yet:
+    ``to_write[i]`` is the index in ``keys`` of the i-th view."""
+
+    def __init__(self, client: PoolUser, keys: Sequence[bytes], reply: dict[str, Any]) -> None:
+        self._client = client
+        self.keys = list(keys)
+        self.lease: int | None = reply["lease"]
+        self.slots: list[int | None] = reply["slots"]
+        self.to_write = [i for i, slot in enumerate(self.slots) if slot is not None]
+        self.finished = self.lease is None
+
+    def views(self) -> list[memoryview]:
+        pool = self._client.require_pool()
+        return [pool.view(cast(int, self.slots[i])) for i in self.to_write]
+
+    def tensors(self) -> list[Any]:
+        pool = self._client.require_pool()
+        return [pool.tensor(cast(int, self.slots[i])) for i in self.to_write]
+
+    async def commit(self, ok: bool | Sequence[bool] = True) -> int:
+        """Tell the daemon the views are written; returns how many blocks it stored."""
+        if self.finished:
+            return 0
+        self.finished = True
+        reply = await self._client.request("complete_store", lease=self.lease, ok=ok)
+        return int(reply["stored"])
+
+    async def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            await self._client.request("abort_store", lease=self.lease)
+
+
+class LoadLease:
+    """The leading ``count`` keys, pinned in the pool until ``release``."""
+
+    def __init__(self, client: PoolUser, keys: Sequence[bytes], reply: dict[str, Any]) -> None:
+        self._client = client
+        self.lease: int | None = reply["lease"]
+        self.count: int = reply["count"]
+        self.slots: list[int] = reply["slots"]
+        self.keys = list(dict.fromkeys(keys))[: self.count]
+        self.released = self.lease is None
+
+    def views(self) -> list[memoryview]:
+        pool = self._client.require_pool()
+        return [pool.view(slot) for slot in self.slots]
+
+    def tensors(self) -> list[Any]:
+        pool = self._client.require_pool()
+        return [pool.tensor(slot) for slot in self.slots]
+
+    async def release(self) -> None:
+        if not self.released:
+            self.released = True
+            await self._client.request("complete_load", lease=self.lease)

@@ -1,0 +1,152 @@
+"""One connection's lease book: the blocks it holds in open leases, and their bounds.
+
+A lease names the blocks of a :class:`~tierd.chain.StoreHandle` (slots reserved for a
+store) or a :class:`~tierd.chain.LoadHandle` (blocks pinned for a load) by an id only the
+connection that opened it can finish. :class:`Leases` keeps those ids for one session:
+
+- **Bounds.** :meth:`Leases.take` counts blocks as held, by the connection and by its
+  tenant, *before* the chain is asked for them, so pipelined requests cannot all pass
+  the bounds; :meth:`Leases.give` hands back what a request did not use.
+- **Expiry.** A store lease not finished within ``store_lease_ttl_s`` is aborted and its
+  id remembered (the last ``_EXPIRED_MEMORY``), so finishing it later gets a clear error.
+- **End of life.** :meth:`Leases.close` finishes every lease left; a handle registered
+  after that (its request outlived the client) is finished at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TypeVar
+
+import structlog
+
+from tierd.chain import LoadHandle, StoreHandle
+from tierd.control.context import ServerContext
+from tierd.control.protocol import ErrorCode
+from tierd.control.tenants import Tenant
+from tierd.errors import ProtocolError
+
+__all__ = ["Lease", "Leases", "finish"]
+
+log = structlog.get_logger("tierd.control")
+
+Lease = StoreHandle | LoadHandle
+_H = TypeVar("_H", StoreHandle, LoadHandle)
+_EXPIRED_MEMORY = 1024  # lease ids remembered as expired, for a clear error
+
+
+class Leases:
+    """The open leases of one connection, by id. Every block they hold counts against the
+    connection's bounds and its tenant's until the lease ends; after :meth:`close` no
+    lease is left open and none can be opened."""
+
+    def __init__(self, ctx: ServerContext, conn: int = 0) -> None:
+        self.ctx = ctx
+        self.conn = conn  # the connection's id, in log lines
+        self.tenant: Tenant | None = None  # set when the connection is admitted
+        self.closed = False
+        self.open: dict[int, Lease] = {}
+        self.held = 0  # blocks this connection holds in open leases
+        self._held_by_lease: dict[int, int] = {}
+        self._expiry: dict[int, asyncio.TimerHandle] = {}
+        self._expired: dict[int, None] = {}  # recently expired lease ids, oldest first
+
+    def __len__(self) -> int:
+        """How many leases are open."""
+        return len(self.open)
+
+    def take(self, blocks: int) -> int:
+        """Count ``blocks`` as held by this connection before asking the chain for them
+        (so pipelined requests cannot all pass the bounds); refused past a bound."""
+        tenant = self.tenant
+        if tenant is None:
+            return 0
+        problem = tenant.lease_problem(self.held, blocks)
+        if problem is not None:
+            tenant.lease_refusals += 1
+            raise ProtocolError(problem, code=ErrorCode.CAPACITY)
+        self.held += blocks
+        tenant.held += blocks
+        return blocks
+
+    def give(self, blocks: int) -> None:
+        """Hand back ``blocks`` counted by :meth:`take` and not held after all."""
+        if blocks and self.tenant is not None:
+            self.held -= blocks
+            self.tenant.held -= blocks
+
+    def register(self, handle: Lease) -> int:
+        """Register ``handle`` under a new lease id; if the connection closed meanwhile
+        (the request outlived its client), give the blocks back at once. A store lease is
+        aborted if it is not finished within ``store_lease_ttl_s``."""
+        if self.closed:
+            self.give(len(handle.keys))
+            finish(handle)
+            raise ProtocolError("the connection closed", code=ErrorCode.SHUTTING_DOWN)
+        lease = self.ctx.new_lease_id()
+        self.open[lease] = handle
+        self._held_by_lease[lease] = len(handle.keys)
+        if isinstance(handle, StoreHandle):
+            loop = asyncio.get_running_loop()
+            ttl = self.ctx.limits.store_lease_ttl_s
+            self._expiry[lease] = loop.call_later(ttl, self._expire, lease)
+        return lease
+
+    def end(self, lease: int) -> Lease:
+        """Forget ``lease`` (the caller finishes its handle): its blocks are free."""
+        handle = self.open.pop(lease)
+        self.give(self._held_by_lease.pop(lease, 0))
+        timer = self._expiry.pop(lease, None)
+        if timer is not None:
+            timer.cancel()
+        return handle
+
+    def named(self, lease: int, kind: type[_H]) -> _H:
+        """The handle of ``lease``, which must be of ``kind`` and held here."""
+        handle = self.open.get(lease)
+        if isinstance(handle, kind):
+            return handle
+        what = "store" if kind is StoreHandle else "load"
+        if lease in self._expired and kind is StoreHandle:
+            ttl = self.ctx.limits.store_lease_ttl_s
+            message = (
+                f"store lease {lease} expired: it was not finished within {ttl} s"
+                " (limits.store_lease_ttl_s), and its slots were freed"
+            )
+        else:
+            message = f"lease {lease} is not a {what} lease held by this connection"
+        raise ProtocolError(message, code=ErrorCode.UNKNOWN_LEASE)
+
+    def _expire(self, lease: int) -> None:
+        """A store lease outlived ``store_lease_ttl_s``: abort it, free its slots."""
+        self._expiry.pop(lease, None)
+        if lease not in self.open:
+            return
+        handle = self.end(lease)
+        finish(handle)
+        self._expired[lease] = None
+        if len(self._expired) > _EXPIRED_MEMORY:
+            del self._expired[next(iter(self._expired))]
+        if self.tenant is not None:
+            self.tenant.leases_expired += 1
+        log.info(
+            "store lease expired",
+            conn=self.conn,
+            lease=lease,
+            blocks=len(handle.keys),
+            ttl_s=self.ctx.limits.store_lease_ttl_s,
+        )
+
+    def close(self) -> None:
+        """The connection is gone: finish every lease left; refuse new ones."""
+        self.closed = True
+        for lease in list(self.open):
+            finish(self.end(lease))
+
+
+def finish(handle: Lease) -> None:
+    """Give ``handle``'s blocks back to the chain: abort a store, release a load."""
+    if isinstance(handle, StoreHandle):
+        handle.abort()
+    else:
+        handle.release()

@@ -1,0 +1,110 @@
+"""The operator's requests: ``clear``, ``stop``, ``flush``, ``config`` and ``metrics``.
+
+Each needs an operator grant (decided by the server from the peer's credentials); others
+get ``not_allowed``. ``clear`` and ``stop`` act for every client, so they also need a
+connection without a namespace. ``clear`` and ``flush`` act on every tenant, or on the
+one their ``tenant`` field names. An :class:`OperatorRequests` knows its session only
+through :class:`Caller`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+from tierd.chain import FlushResult
+from tierd.control.context import ServerContext
+from tierd.control.protocol import ErrorCode, opt_str_field
+from tierd.control.tenants import Grant, Tenant
+from tierd.errors import ProtocolError
+
+__all__ = ["Caller", "OperatorRequests"]
+
+Reply = dict[str, Any]
+
+
+class Caller(Protocol):
+    """Who sends the requests: what the operator checks ask of the session."""
+
+    @property
+    def grant(self) -> Grant:
+        """The connection's rights, from its peer's credentials."""
+        ...
+
+    @property
+    def namespace(self) -> str | None:
+        """The namespace named in hello (None: none was)."""
+        ...
+
+
+class OperatorRequests:
+    """The operator requests of one session: each checks the caller's grant first."""
+
+    def __init__(self, ctx: ServerContext, caller: Caller) -> None:
+        self.ctx = ctx
+        self.caller = caller
+
+    def _require_operator(self, op: str, *, without_namespace: bool = False) -> None:
+        grant = self.caller.grant
+        if not grant.operator:
+            raise ProtocolError(
+                f"{op} needs an operator: tenant {grant.label} may not send it",
+                code=ErrorCode.NOT_ALLOWED,
+            )
+        if without_namespace and self.caller.namespace is not None:
+            raise ProtocolError(
+                f"{op} acts for every client: only a connection without a namespace (an"
+                " operator's) may send it",
+                code=ErrorCode.NOT_ALLOWED,
+            )
+
+    def _tenants_asked(self, msg: dict[str, Any]) -> list[Tenant]:
+        """Every tenant, or the one the ``tenant`` field names."""
+        name = opt_str_field(msg, "tenant")
+        if name is None:
+            return list(self.ctx.tenants.tenants)
+        tenant = self.ctx.tenants.named(name)
+        if tenant is None:
+            names = ", ".join(t.name for t in self.ctx.tenants.tenants)
+            raise ProtocolError(f"no tenant named {name!r} ({names})", code=ErrorCode.BAD_REQUEST)
+        return [tenant]
+
+    def config(self, msg: dict[str, Any]) -> Reply:
+        self._require_operator("config")
+        return {"config": self.ctx.config}
+
+    def metrics(self, msg: dict[str, Any]) -> Reply:
+        self._require_operator("metrics")
+        return {"text": self.ctx.metrics()}
+
+    def clear(self, msg: dict[str, Any]) -> Reply:
+        self._require_operator("clear", without_namespace=True)
+        tenants = self._tenants_asked(msg)
+        name = opt_str_field(msg, "tier")
+        names = [level.tier.name for level in tenants[0].chain.levels]
+        if name is not None and name not in names:
+            raise ProtocolError(
+                f"no tier named {name!r} (tiers: {', '.join(names)})",
+                code=ErrorCode.UNKNOWN_TIER,
+            )
+        index = None if name is None else names.index(name)
+        return {"removed": sum(tenant.chain.clear(index) for tenant in tenants)}
+
+    def stop(self, msg: dict[str, Any]) -> Reply:
+        self._require_operator("stop", without_namespace=True)
+        if self.ctx.request_stop is None:
+            raise ProtocolError("this server cannot be stopped", code=ErrorCode.NOT_ALLOWED)
+        self.ctx.request_stop()  # the daemon drains on a later turn: this reply goes first
+        return {"pid": os.getpid()}
+
+    async def flush(self, msg: dict[str, Any]) -> Reply:
+        self._require_operator("flush")
+        done = FlushResult(0)
+        for tenant in self._tenants_asked(msg):
+            done = done.plus(await tenant.chain.flush())
+        return {
+            "copied": done.copied,
+            "dirty": done.left_dirty,
+            "dirty_by_tier": done.dirty,
+            "reason": done.reason,
+        }
