@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tierd.cli import main
-from tierd.cli.top_cmd import render_frame
+from tierd.cli.top_frame import render_frame
 from tierd.client import Client, LoadLease
 from tierd.testing import daemon_config, running_daemon, short_socket_path
 

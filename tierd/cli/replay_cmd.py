@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE, Command, UsageError
-from tierd.cli.control_cmd import CONNECT_TIMEOUT, SOCKET_ENV
+from tierd.cli.connection import CONNECT_TIMEOUT, SOCKET_ENV
 from tierd.cli.offline import load_trace
 from tierd.cli.progress import EXIT_INTERRUPTED, Bar, add_progress_option, make_bar, stop_flag
 from tierd.cli.replay_report import compare_table, describe, write_compare_out, write_out

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE, Command, add_sets
-from tierd.cli.control_cmd import CONNECT_TIMEOUT, add_socket_options, socket_path, trusted_uids
+from tierd.cli.connection import CONNECT_TIMEOUT, add_socket_options, socket_path, trusted_uids
 from tierd.client import Client, DaemonError, Unreachable
 from tierd.errors import AlreadyRunning, StoreIOError
 from tierd.settings import load_settings

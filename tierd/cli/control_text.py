@@ -1,0 +1,159 @@
+"""What the control commands print: a ``stats`` reply as tables (tiers, tenants, routes)
+and summary lines, an event as one line, a ``health`` uptime as a duration; with
+``--json``, a stats reply or an event as one JSON line instead. Pure functions of the
+daemon's replies: the commands themselves are in :mod:`tierd.cli.control_cmd`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tierd.control.protocol import NAMESPACE_ID_BYTES
+
+__all__ = ["duration", "event_text", "stats_text"]
+
+_KEYS_SHOWN = 4
+
+
+def stats_text(stats: dict[str, Any], as_json: bool) -> str:
+    """A ``stats`` reply for people (or as JSON): tables, then the summary lines."""
+    if as_json:
+        return json.dumps(stats)
+    parts = [_tier_table(stats["tiers"]), _route_table(stats["routes"])]
+    if stats.get("tenant"):
+        parts.insert(0, f"tenant {stats['tenant']} (its own tiers only)")
+    tenants = stats.get("tenants") or {}
+    if len(tenants) > 1:
+        parts.insert(1, _tenant_table(tenants))
+    chain = stats["chain"]
+    looked_up = chain["hit_blocks"] + chain["miss_blocks"]
+    parts.append(
+        f"chain hit ratio {_ratio(chain['hit_blocks'], looked_up)} "
+        f"({chain['hit_blocks']:,} of {looked_up:,} looked-up blocks)"
+    )
+    remote = stats.get("remote")
+    if remote:
+        parts.append(
+            f"remote {remote['name']} (REMOTE) {remote['endpoint']}: breaker {remote['state']},"
+            f" {remote['lookup_hits']:,} lookup hits, {remote['hits']:,} blocks read,"
+            f" {remote['stores']:,} written, {remote['skipped']:,} skipped,"
+            f" {remote['corrupt']:,} corrupt, {remote['timeouts']:,} timeouts,"
+            f" {remote['errors']:,} errors, {remote['dropped']:,} dropped"
+            + (f" (last error: {remote['last_error']})" if remote["last_error"] else "")
+        )
+    server = stats.get("server")
+    if server is not None:
+        errors = server["errors"]
+        detail = ", ".join(f"{code} {n:,}" for code, n in sorted(errors.items()))
+        parts.append(
+            f"server: {server['connections']:,} connections, {server['leases']:,} leases, "
+            f"{server['requests']:,} requests, {sum(errors.values()):,} errors"
+            + (f" ({detail})" if detail else "")
+        )
+    return "\n\n".join(parts)
+
+
+_TIER_COUNTERS = (
+    "hits",
+    "misses",
+    "hit ratio",
+    "stores",
+    "evictions",
+    "demotions",
+    "promotions",
+    "io_errors",
+)
+
+
+def _tier_table(tiers: list[dict[str, Any]]) -> str:
+    header = ["tier", "medium", "used/capacity", *_TIER_COUNTERS]
+    rows = []
+    for tier in tiers:
+        used, capacity = tier["used"], tier["capacity"]
+        share = f"{used / capacity:.1%}" if capacity else "-"
+        figures = {**tier, "hit ratio": _ratio(tier["hits"], tier["hits"] + tier["misses"])}
+        rows.append(
+            [
+                tier["name"],
+                tier["medium"],
+                f"{used:,}/{capacity:,} ({share})",
+                *(_number(figures[key]) for key in _TIER_COUNTERS),
+            ]
+        )
+    return _table(header, rows, left=2)
+
+
+def _tenant_table(tenants: dict[str, dict[str, Any]]) -> str:
+    """Each tenant's share of each tier, and its leases."""
+    names = [tier["name"] for tier in next(iter(tenants.values()))["tiers"]]
+    rows = [
+        [
+            name,
+            *(f"{t['used']:,}/{t['capacity']:,}" for t in snapshot["tiers"]),
+            f"{snapshot['leases']['leases_held_blocks']:,}",
+            f"{snapshot['leases']['leases_expired']:,}",
+        ]
+        for name, snapshot in tenants.items()
+    ]
+    return _table(["tenant", *names, "leased", "expired"], rows, left=1)
+
+
+def _route_table(routes: list[dict[str, Any]]) -> str:
+    if not routes:
+        return "routes: no copies yet"
+    rows = [[f"{r['src']}->{r['dst']}", f"{r['bytes']:,}", f"{r['gb_per_s']:.3f}"] for r in routes]
+    return _table(["route", "bytes", "GB/s"], rows, left=1)
+
+
+def _table(header: list[str], rows: list[list[str]], left: int) -> str:
+    """Columns padded to their widest cell: the first ``left`` to the left, the rest
+    (figures) to the right."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for row in [header, *rows]:
+        cells = [
+            cell.ljust(width) if i < left else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _ratio(part: int, whole: int) -> str:
+    return f"{part / whole:.1%}" if whole else "-"
+
+
+def _number(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def event_text(event: dict[str, Any], dropped: int, batch: int, as_json: bool, split: bool) -> str:
+    """One line per event; ``split`` shows a key as ``<namespace id>:<client key>``. In
+    JSON, ``batch`` numbers the pushes this reader received, from 1 (text mode prints a
+    ``batch N (K events)`` line before each)."""
+    if as_json:
+        keys = [bytes(key).hex() for key in event["keys"]]
+        return json.dumps({**event, "keys": keys, "dropped": dropped, "batch": batch})
+    keys = [
+        f"{key[:NAMESPACE_ID_BYTES].hex()}:{key[NAMESPACE_ID_BYTES:].hex()}"
+        if split
+        else bytes(key).hex()
+        for key in event["keys"]
+    ]
+    shown = " ".join(keys[:_KEYS_SHOWN]) + (" ..." if len(keys) > _KEYS_SHOWN else "")
+    count = f"{len(keys)} key{'s' if len(keys) != 1 else ''}"
+    return f"{event['kind']} {event['medium']} {event['tier']} {count}: {shown}"
+
+
+def duration(seconds: float) -> str:
+    """``42.1 s``, ``5m 03s``, ``2h 05m``, ``3d 04h``."""
+    whole = int(seconds)
+    if whole < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(whole, 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d {hours:02d}h"
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"

@@ -1,0 +1,37 @@
+"""What every config model shares: the strict base model, the field types that parse
+sizes, modes and durations, and the error a model validator raises at one of its fields.
+
+:class:`StrictModel` forbids unknown keys and freezes the model. ``Size``, ``Mode`` and
+``Seconds`` accept the spellings of :mod:`tierd.units` (``"64GiB"``, ``"0600"``,
+``"500ms"``). :func:`error_at` points a model validator's error at a path below the model,
+so that :func:`tierd.configfile.format_validation_error` names that YAML path.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic_core import PydanticCustomError
+
+from tierd.configfile import AT_PATH
+from tierd.units import parse_mode, parse_seconds, parse_size
+
+__all__ = ["Mode", "Seconds", "Size", "StrictModel", "error_at"]
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+Mode = Annotated[int, BeforeValidator(parse_mode)]
+Seconds = Annotated[float, BeforeValidator(parse_seconds)]
+_AT = AT_PATH  # the error type of error_at: format_validation_error reads its path
+
+
+def error_at(path: str, message: str) -> PydanticCustomError:
+    """A validation error at ``path`` below the model whose validator raises it (a model
+    validator's own errors would otherwise point at the whole model)."""
+    return PydanticCustomError(_AT, "{message}", {"path": path, "message": message})
+
+
+class StrictModel(BaseModel):
+    """A config section: unknown keys are errors, and a validated model is frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)

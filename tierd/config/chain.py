@@ -1,0 +1,231 @@
+"""The chain's config: block size, the tiers fastest first, where stores enter, copy
+budgets and the shared remote level.
+
+:class:`ChainConfig` is what the library opens (:func:`tierd.open`) and what each of the
+daemon's tenants gets a part of; :class:`TierConfig` is one tier, :class:`RemoteConfig`
+the Redis-protocol level below the last one. A tier's ``capacity`` is a number of blocks
+(``4096`` or ``"4096 blocks"``) or a size (``"64GiB"``, divided by ``block_bytes``).
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field, field_validator, model_validator
+
+from tierd.config.base import Seconds, Size, StrictModel, error_at
+from tierd.configfile import expand_path
+from tierd.errors import ConfigError
+from tierd.keys import Medium
+from tierd.policy import policy_names
+from tierd.policy.admission import Admission
+from tierd.units import MAX_BLOCKS, capacity_parts
+
+
+def _admission_rule(value: str) -> str:
+    Admission.parse(value)  # raises ValueError naming what is allowed
+    return value
+
+
+# A level's admission rule (``always``, ``reuse>=2``, ``comeback>=0.1|sample<=0.5``, ...).
+AdmissionRule = Annotated[str, AfterValidator(_admission_rule)]
+
+__all__ = [
+    "MAX_BLOCK_BYTES",
+    "ChainConfig",
+    "RemoteConfig",
+    "TierConfig",
+    "TierKind",
+    "TransferConfig",
+]
+
+
+class TierKind(StrEnum):
+    MEMORY = "memory"
+    CPU = "cpu"
+    GPU = "gpu"
+    DISK = "disk"
+
+    @property
+    def medium(self) -> Medium:
+        return Medium(self.value.upper())
+
+
+class TierConfig(StrictModel):
+    """One level of the chain."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    kind: TierKind
+    capacity: int | str = Field(description="blocks (4096, '4096 blocks') or bytes ('64GiB')")
+    policy: str = "lru"
+    write_through: bool = False
+    admission: AdmissionRule = "always"
+    device: str | None = None  # gpu: "cuda:0" (or "cpu" for development)
+    # disk: one slab file each; "~", "$VAR" and "${VAR:-default}" are expanded
+    directories: list[Path] = Field(default_factory=list)
+    o_direct: bool | str = "auto"  # disk: true, false or "auto" (probe)
+    shm_name: str | None = None  # cpu: the pool's name, seen as /memfd:NAME in /proc/PID/maps
+
+    @field_validator("directories", mode="before")
+    @classmethod
+    def _expand(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        return [expand_path(v) if isinstance(v, str | Path) else v for v in value]
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, value: str) -> str:
+        if value not in policy_names():
+            raise ValueError(f"policy {value!r} is not one of: {', '.join(policy_names())}")
+        return value
+
+    @field_validator("o_direct")
+    @classmethod
+    def _o_direct(cls, value: bool | str) -> bool | str:
+        if value not in (True, False, "auto"):
+            raise ValueError("o_direct must be true, false or 'auto'")
+        return value
+
+    @field_validator("capacity")
+    @classmethod
+    def _capacity(cls, value: int | str) -> int | str:
+        capacity_parts(value)
+        return value
+
+    @field_validator("shm_name")
+    @classmethod
+    def _shm_name(cls, value: str | None) -> str | None:
+        if value is not None and (not _SHM_NAME.match(value) or value in (".", "..")):
+            raise ValueError(
+                "shm_name names the pool (/memfd:NAME in /proc/PID/maps): letters,"
+                " digits, '_', '.', '-', at most 200 characters, no '/'"
+            )
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str | None) -> str | None:
+        if value is not None and not _DEVICE.match(value):
+            raise ValueError(f"device must be 'cuda', 'cuda:N' or 'cpu', got {value[:40]!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> TierConfig:
+        if self.kind is TierKind.DISK and not self.directories:
+            raise error_at("directories", "a disk tier needs at least one directory")
+        if self.kind is not TierKind.DISK and self.directories:
+            raise error_at("directories", f"only applies to disk tiers, not {self.kind}")
+        if self.kind is TierKind.GPU and self.device is None:
+            raise error_at("device", "a gpu tier needs a device ('cuda:0', or 'cpu' to test)")
+        return self
+
+    def num_blocks(self, block_bytes: int) -> int:
+        """The capacity in blocks for blocks of ``block_bytes``."""
+        count, is_bytes = capacity_parts(self.capacity)
+        blocks = count // block_bytes if is_bytes else count
+        if blocks <= 0:
+            raise ConfigError(
+                f"capacity {self.capacity!r} holds no block of {block_bytes} bytes",
+                path=f"tiers.{self.name}.capacity",
+            )
+        return blocks
+
+
+class RemoteConfig(StrictModel):
+    """The shared level below the last local tier: a Redis-protocol server or cluster.
+
+    The server owns eviction (``maxmemory`` with ``allkeys-lru`` or ``allkeys-lfu``), so
+    the remote level has no capacity here and the daemon keeps no index of it."""
+
+    kind: Literal["redis"] = "redis"
+    name: str = Field(default="remote", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    url: str | None = None  # redis://host:port/db, rediss://..., unix:///path?db=0
+    cluster_nodes: list[str] | None = None  # "host:port" seeds of a cluster
+    key_prefix: str = Field(default="tierd:", max_length=256)
+    pool_size: int = Field(default=16, ge=1, le=1024)
+    deadline: Seconds = Field(default=0.1, gt=0, le=60)  # per call
+    ttl: Seconds = Field(default=0.0, ge=0)  # 0: keys never expire (the server evicts)
+    admission: AdmissionRule = "always"
+    max_pending_writes: Size = Field(default=64 << 20, ge=0)  # bytes queued to write
+    breaker_failures: int = Field(default=3, ge=1)
+    breaker_backoff: Seconds = Field(default=0.5, gt=0)
+    breaker_max_backoff: Seconds = Field(default=30.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"url must start with redis://, rediss:// or unix://, got {value!r}")
+        return value
+
+    @field_validator("cluster_nodes")
+    @classmethod
+    def _nodes(cls, value: list[str] | None) -> list[str] | None:
+        for node in value or ():
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"a cluster node is 'host:port', got {node!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> RemoteConfig:
+        if (self.url is None) == (not self.cluster_nodes):
+            raise error_at("url", "give exactly one of url and cluster_nodes")
+        if self.breaker_max_backoff < self.breaker_backoff:
+            raise error_at("breaker_max_backoff", "must be at least breaker_backoff")
+        return self
+
+
+class TransferConfig(StrictModel):
+    budget_per_route: Size = 256 << 20
+
+
+class ChainConfig(StrictModel):
+    """The chain: block size, levels fastest first, and where stores enter."""
+
+    block_bytes: Size = 2 << 20
+    tiers: list[TierConfig] = Field(min_length=1)
+    entry: str | None = None  # tier name; default: the first tier
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
+    remote: RemoteConfig | None = None  # a shared level below the last tier
+
+    @field_validator("remote", mode="before")
+    @classmethod
+    def _remote(cls, value: Any) -> Any:
+        return None if value in ({}, None) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> ChainConfig:
+        if not 0 < self.block_bytes <= MAX_BLOCK_BYTES:
+            message = f"must be between 1 byte and 1GiB ({MAX_BLOCK_BYTES:,} bytes)"
+            raise error_at("block_bytes", message)
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise error_at("tiers", f"tier names must be unique, got {names}")
+        if self.remote is not None and self.remote.name in names:
+            raise error_at("remote.name", f"{self.remote.name!r} is also a tier's name")
+        if self.entry is not None and self.entry not in names:
+            raise error_at("entry", f"{self.entry!r} is not a tier name ({', '.join(names)})")
+        for index, tier in enumerate(self.tiers):
+            count, is_bytes = capacity_parts(tier.capacity)
+            if is_bytes and count < self.block_bytes:
+                message = f"{tier.capacity!r} holds no block of {self.block_bytes} bytes"
+                raise error_at(f"tiers.{index}.capacity", message)
+            if is_bytes and count // self.block_bytes > MAX_BLOCKS:
+                message = f"{tier.capacity!r} is more than {MAX_BLOCKS:,} blocks (2**40)"
+                raise error_at(f"tiers.{index}.capacity", message)
+        return self
+
+    @property
+    def entry_index(self) -> int:
+        names = [t.name for t in self.tiers]
+        return 0 if self.entry is None else names.index(self.entry)
+
+
+MAX_BLOCK_BYTES = 1 << 30
+_SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_DEVICE = re.compile(r"^(cpu|cuda(:[0-9]{1,3})?)$")

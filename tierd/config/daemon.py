@@ -1,0 +1,284 @@
+"""The daemon's config: the chain plus the sections only ``tierd serve`` reads.
+
+:class:`DaemonConfig` is a :class:`~tierd.config.chain.ChainConfig` with the socket and who
+may use it, limits on clients, namespaces, logging, metrics, shutdown, events and tenants;
+every field has a default. :func:`tenant_chain` cuts the chain down to one tenant's part
+(:mod:`tierd.tenancy`); :func:`default_socket_path` is where a daemon listens, and where
+clients look, when nothing says otherwise.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from tierd.config.base import Mode, Seconds, Size, StrictModel, error_at
+from tierd.config.chain import ChainConfig, TierConfig, TierKind
+from tierd.tenancy import DEFAULT_TENANT, QuotaProblem, TenantConfig, quota_blocks
+from tierd.units import share_parts
+
+__all__ = [
+    "SOCKET_PATH_MAX",
+    "DaemonConfig",
+    "EventsConfig",
+    "LimitsConfig",
+    "LoggingConfig",
+    "MetricsConfig",
+    "NamespaceConfig",
+    "ShutdownConfig",
+    "SocketConfig",
+    "default_socket_path",
+    "tenant_chain",
+]
+
+
+def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_RUNTIME_DIR/tierd/tierd.sock`` when that is set, else
+    ``/tmp/tierd-<uid>/tierd.sock``: in a directory of this user's own, which the daemon
+    creates 0700 and refuses when another user owns it (socket squatting)."""
+    runtime = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
+    directory = Path(runtime) / "tierd" if runtime else Path(f"/tmp/tierd-{os.getuid()}")
+    return directory / "tierd.sock"
+
+
+class SocketConfig(StrictModel):
+    """The control socket, and who may use it.
+
+    ``mode`` applies to the socket file (pools have no file: each tenant's is a memfd
+    passed to its clients). Without a ``tenants:`` section a connecting peer
+    (``SO_PEERCRED``) is admitted when its uid is the daemon's own uid (an operator), or
+    is in ``allow_uids``, or its gid is in ``allow_gids`` (members of the one tenant);
+    with one, the tenants name who is admitted (:mod:`tierd.tenancy`)."""
+
+    path: Path = Field(default_factory=default_socket_path)
+    pid_file: Path | None = None  # default: the socket path + ".pid"
+    mode: Mode = 0o600
+    allow_uids: list[int] = Field(default_factory=list)
+    allow_gids: list[int] = Field(default_factory=list)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: Path) -> Path:
+        size = len(os.fsencode(value))
+        if size > SOCKET_PATH_MAX:
+            raise ValueError(
+                f"a Unix socket path is at most {SOCKET_PATH_MAX} bytes, this one is {size}:"
+                " choose a shorter directory"
+            )
+        return value
+
+
+class LimitsConfig(StrictModel):
+    """Bounds on what one client can ask of the daemon."""
+
+    max_frame_bytes: Size = Field(default=64 << 20, ge=4096)
+    max_keys_per_request: int = Field(default=4096, ge=1)
+    max_connections: int = Field(default=1024, ge=1)
+    max_requests_in_flight: int = Field(default=256, ge=1, le=1 << 20)
+    hello_timeout_s: Seconds = Field(default=5.0, gt=0, le=3600)
+    frame_deadline_s: Seconds = Field(default=30.0, gt=0, le=3600)
+    partial_frame_bytes: Size = Field(default=256 << 20, ge=4096)
+    output_buffer_bytes: Size = Field(default=16 << 20, ge=4096)
+    output_stall_s: Seconds = Field(default=60.0, gt=0, le=86400)
+    # Blocks one connection, and one tenant's connections together, may hold in open
+    # leases (reserved for a store, pinned by a load): a count, or a share of the
+    # tenant's entry tier. The rest stays free for other clients and for promotions.
+    lease_blocks_per_connection: int | str = "50%"
+    lease_blocks_per_tenant: int | str = "75%"
+    store_lease_ttl_s: Seconds = Field(default=30.0, gt=0, le=86400)  # then it is aborted
+    load_wait_s: Seconds = Field(default=5.0, gt=0, le=3600)  # on another client's store
+
+    @field_validator("lease_blocks_per_connection", "lease_blocks_per_tenant")
+    @classmethod
+    def _lease_blocks(cls, value: int | str) -> int | str:
+        try:
+            share_parts(value)
+        except ValueError as exc:
+            raise ValueError(
+                f"a lease bound is a positive block count or a share like '50%' ({exc})"
+            ) from None
+        return value
+
+
+class NamespaceConfig(StrictModel):
+    """Which namespace names clients may use: the whole name must match ``pattern`` and,
+    when ``allowed`` is not empty, be one of its entries."""
+
+    pattern: str = r"^[A-Za-z0-9_.:/@+=-]{1,128}$"
+    allowed: list[str] = Field(default_factory=list)
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"pattern is not a valid regular expression: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _allowed(self) -> NamespaceConfig:
+        for index, name in enumerate(self.allowed):
+            if re.fullmatch(self.pattern, name) is None:
+                raise error_at(f"allowed.{index}", f"{name!r} does not match {self.pattern}")
+        return self
+
+    def check(self, name: str) -> str | None:
+        """Why ``name`` is refused, or ``None`` when it is a valid namespace."""
+        if re.fullmatch(self.pattern, name) is None:
+            return f"namespace {name!r} does not match {self.pattern}"
+        if self.allowed and name not in self.allowed:
+            return f"namespace {name!r} is not allowed (allowed: {', '.join(self.allowed)})"
+        return None
+
+
+class LoggingConfig(StrictModel):
+    """``format: auto`` logs JSON when stderr is not a terminal, key-value when it is."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+
+
+class MetricsConfig(StrictModel):
+    """The Prometheus endpoint: off unless ``http_port`` is set; loopback only."""
+
+    http_port: int | None = Field(default=None, ge=1, le=65535)
+    http_host: str = "127.0.0.1"
+
+    @field_validator("http_host")
+    @classmethod
+    def _loopback(cls, value: str) -> str:
+        if value == "localhost":
+            return value
+        try:
+            loopback = ipaddress.ip_address(value).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ValueError("http_host must be a loopback address (127.0.0.1, ::1, localhost)")
+        return value
+
+
+class ShutdownConfig(StrictModel):
+    """On SIGTERM: ``grace`` seconds to drain in-flight work; then ``write_back: flush``
+    copies dirty blocks down to the last tier so they survive a restart (``none`` drops
+    them)."""
+
+    grace: Seconds = Field(default=10.0, gt=0, le=86400)
+    write_back: Literal["none", "flush"] = "flush"
+
+
+class EventsConfig(StrictModel):
+    """Each event subscriber gets a queue of at most ``queue_batches`` event batches."""
+
+    queue_batches: int = Field(default=1024, ge=1)
+
+
+def _default_tiers() -> list[TierConfig]:
+    return [TierConfig(name="cpu", kind=TierKind.CPU, capacity="1GiB", policy="lru")]
+
+
+class DaemonConfig(ChainConfig):
+    """What ``tierd serve`` runs: the chain plus the daemon's sections. Every field has a
+    default, so ``DaemonConfig()`` is a valid config (one 1GiB CPU tier)."""
+
+    tiers: list[TierConfig] = Field(default_factory=_default_tiers, min_length=1)
+    socket: SocketConfig = Field(default_factory=SocketConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    namespaces: NamespaceConfig = Field(default_factory=NamespaceConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
+    tenants: list[TenantConfig] = Field(default_factory=list)  # see tierd.tenancy
+
+    @model_validator(mode="after")
+    def _tenants(self) -> DaemonConfig:
+        if not self.tenants:
+            return self
+        if self.socket.allow_uids or self.socket.allow_gids:
+            raise error_at(
+                "socket.allow_uids" if self.socket.allow_uids else "socket.allow_gids",
+                "with tenants, list who may connect in tenants.N.uids and tenants.N.gids",
+            )
+        seen: dict[str, dict[int, str]] = {"uids": {}, "gids": {}}
+        names: set[str] = set()
+        for index, tenant in enumerate(self.tenants):
+            if tenant.name in names:
+                raise error_at(f"tenants.{index}.name", f"{tenant.name!r} is named twice")
+            names.add(tenant.name)
+            if not tenant.uids and not tenant.gids:
+                raise error_at(f"tenants.{index}", "names no uid or gid: nobody could use it")
+            for field, ids in (("uids", tenant.uids), ("gids", tenant.gids)):
+                for value in ids:
+                    other = seen[field].setdefault(value, tenant.name)
+                    if other != tenant.name:
+                        message = f"{value} is also in tenant {other!r}: a peer has one tenant"
+                        raise error_at(f"tenants.{index}.{field}", message)
+        try:
+            self.tenant_blocks()
+        except QuotaProblem as problem:
+            raise error_at(problem.path, problem.message) from None
+        return self
+
+    def tenant_blocks(self) -> dict[str, dict[str, int]]:
+        """Blocks of each tier for each configured tenant (see :mod:`tierd.tenancy`)."""
+        tiers = [(tier.name, tier.num_blocks(self.block_bytes)) for tier in self.tiers]
+        return quota_blocks(self.tenants, tiers, self.block_bytes)
+
+    def tenant_chains(self) -> list[tuple[TenantConfig, ChainConfig]]:
+        """Each tenant with the chain it gets: without a ``tenants:`` section, the one
+        ``default`` tenant (the daemon's own user, an operator) with this chain as it is;
+        with it, each tenant's part of it (:func:`tenant_chain`)."""
+        if not self.tenants:
+            own = TenantConfig(name=DEFAULT_TENANT, uids=[os.getuid()], operator=True)
+            return [(own, self)]
+        blocks = self.tenant_blocks()
+        return [(t, tenant_chain(self, t.name, blocks[t.name])) for t in self.tenants]
+
+    @model_validator(mode="after")
+    def _frame_fits_a_block(self) -> DaemonConfig:
+        need = self.block_bytes + (64 << 10)
+        if self.limits.max_frame_bytes < need:
+            message = (
+                f"{self.limits.max_frame_bytes} is too small for an inline put of one block: "
+                f"it must be at least block_bytes + 64KiB ({need})"
+            )
+            raise error_at("limits.max_frame_bytes", message)
+        return self
+
+
+def tenant_chain(cfg: ChainConfig, tenant: str, blocks: Mapping[str, int]) -> ChainConfig:
+    """``cfg`` cut down to one tenant's part: each tier its ``blocks`` (by tier name), a
+    pool named after the tenant, each disk directory a subdirectory of the tenant's own,
+    and the remote level's keys under a prefix of the tenant's own."""
+    tiers = [
+        tier.model_copy(
+            update={
+                "capacity": blocks[tier.name],
+                "directories": [directory / tenant for directory in tier.directories],
+                "shm_name": f"{tier.shm_name or 'tierd'}-{tenant}",
+            }
+        )
+        for tier in cfg.tiers
+    ]
+    remote = cfg.remote
+    if remote is not None:
+        remote = remote.model_copy(update={"key_prefix": f"{remote.key_prefix}{tenant}:"})
+    return ChainConfig(
+        block_bytes=cfg.block_bytes,
+        tiers=tiers,
+        entry=cfg.entry,
+        transfer=cfg.transfer,
+        remote=remote,
+    )
+
+
+# sun_path holds 108 bytes with the terminating NUL (Linux's sockaddr_un).
+SOCKET_PATH_MAX = 107

@@ -1,0 +1,20 @@
+"""The composition root: ``tierd serve``'s process, from config to exit status.
+
+:mod:`tierd.daemon.lifecycle` holds :class:`Daemon` (start-up, serving, shutdown, in the
+order its docstring gives) and :func:`run_daemon`; :mod:`tierd.daemon.tenants` opens each
+tenant's chain and says who is which; :mod:`tierd.daemon.metrics_http` serves the
+Prometheus endpoint; :mod:`tierd.daemon.service` is what a service manager sees:
+``sd_notify``, the pid file, the logs.
+"""
+
+from tierd.daemon.lifecycle import Daemon, run_daemon
+from tierd.daemon.service import configure_logging, remove_pid_file, sd_notify, write_pid_file
+
+__all__ = [
+    "Daemon",
+    "configure_logging",
+    "remove_pid_file",
+    "run_daemon",
+    "sd_notify",
+    "write_pid_file",
+]

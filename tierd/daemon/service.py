@@ -1,0 +1,76 @@
+"""What a service manager sees of the daemon's process: ``sd_notify`` messages to
+systemd, the pid file beside the socket, and where and how the logs are written
+(structlog: JSON under a service manager, key-value on a terminal).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from tierd.config import LoggingConfig
+
+__all__ = ["configure_logging", "remove_pid_file", "sd_notify", "write_pid_file"]
+
+log = structlog.get_logger("tierd")
+
+
+def sd_notify(state: str, environ: dict[str, str] | None = None) -> bool:
+    """Send ``state`` (``READY=1``, ``STOPPING=1``) to systemd's notify socket, if the
+    service runs under one (``NOTIFY_SOCKET``); returns whether it was sent."""
+    target = (os.environ if environ is None else environ).get("NOTIFY_SOCKET")
+    if not target:
+        return False
+    address = "\0" + target[1:] if target.startswith("@") else target
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.sendto(state.encode(), address)
+        except OSError as exc:
+            log.warning("cannot notify systemd", socket=target, error=exc.strerror)
+            return False
+    return True
+
+
+def configure_logging(cfg: LoggingConfig, stream: Any = None) -> None:
+    """structlog to stderr: JSON under a service manager (or ``format: json``), key-value
+    on a terminal."""
+    stream = sys.stderr if stream is None else stream
+    as_json = cfg.format == "json" or (cfg.format == "auto" and not stream.isatty())
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, cfg.level.upper())),
+        cache_logger_on_first_use=False,
+    )
+
+
+def write_pid_file(path: Path) -> None:
+    """Write this process's pid to ``path`` (atomically, replacing a stale one: the caller
+    holds the socket, so no live daemon owns it)."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(f"{os.getpid()}\n")
+    os.replace(temporary, path)
+
+
+def remove_pid_file(path: Path) -> None:
+    """Remove ``path`` if it still names this process."""
+    try:
+        if path.read_text().strip() == str(os.getpid()):
+            path.unlink()
+    except (OSError, ValueError):
+        pass  # gone already, or another daemon's now

@@ -1,0 +1,120 @@
+"""The daemon's tenants (:mod:`tierd.tenancy`): their chains, who is which, and how much
+each may hold in leases.
+
+One chain is opened per tenant, each with its quota of every tier, its own memfd pool
+(handed to its clients as a descriptor: nothing of it is in /dev/shm, so there is nothing
+to reap after a crash and nothing another daemon, in another PID namespace or not, could
+remove) and its own disk slab under ``<directory>/<tenant>``. Without a ``tenants:``
+section there is one tenant, ``default``, with whole tiers and the disk directories
+themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AsyncExitStack
+
+import structlog
+
+from tierd.chain import TierChain
+from tierd.config import DaemonConfig
+from tierd.control.tenants import Grant, PoolInfo, Tenant, TenantTable
+from tierd.errors import TierdError
+from tierd.library import open_chain
+from tierd.stores.cpu import CpuStore
+from tierd.stores.disk_slab import SLAB_FILE
+from tierd.tenancy import TenantConfig
+from tierd.units import share_parts
+
+__all__ = ["grants_for", "lease_bound", "open_tenants", "warn_of_untenanted_slabs"]
+
+log = structlog.get_logger("tierd")
+
+
+async def open_tenants(
+    cfg: DaemonConfig, stack: AsyncExitStack, chains: dict[str, TierChain]
+) -> TenantTable:
+    """Open one chain per tenant (see :mod:`tierd.tenancy`) and say who is which. Each
+    chain is entered into ``stack`` and put in ``chains`` (by tenant) as it opens."""
+    table = TenantTable()
+    warn_of_untenanted_slabs(cfg)
+    for spec, chain_cfg in cfg.tenant_chains():
+        try:
+            chain = await stack.enter_async_context(open_chain(chain_cfg))
+        except TierdError as exc:
+            if cfg.tenants:  # name the tenant: each has tiers of the same names
+                exc.args = (f"tenant {spec.name!r}: {exc}", *exc.args[1:])
+            raise
+        chains[spec.name] = chain
+        table.tenants.append(_tenant(cfg, spec, chain))
+    table.grants = grants_for(cfg, table)
+    if cfg.tenants:
+        log.info(
+            "tenants",
+            tenants={t.name: [lv.tier.num_blocks for lv in t.chain.levels] for t in table.tenants},
+        )
+    return table
+
+
+def _tenant(cfg: DaemonConfig, spec: TenantConfig, chain: TierChain) -> Tenant:
+    """Tenant ``spec`` with its open ``chain``: the pool its clients map (when the entry
+    tier is a CPU tier in a memfd) and its lease bounds (shares of the entry tier)."""
+    entry = chain.levels[chain.entry].store
+    pool = None
+    if isinstance(entry, CpuStore) and entry.fd is not None:
+        pool = PoolInfo(entry.fd, entry.name, entry.size, entry.stride, entry.num_blocks)
+    blocks = entry.num_blocks
+    return Tenant(
+        spec.name,
+        chain,
+        pool,
+        namespaces=tuple(spec.namespaces),
+        max_held=lease_bound(cfg.limits.lease_blocks_per_tenant, blocks),
+        max_held_per_connection=lease_bound(cfg.limits.lease_blocks_per_connection, blocks),
+    )
+
+
+def warn_of_untenanted_slabs(cfg: DaemonConfig) -> None:
+    """With tenants, each tenant's slab is in ``<directory>/<tenant>/``: a slab left in a
+    directory itself by a daemon without tenants serves nobody, and still takes its space."""
+    if not cfg.tenants:
+        return
+    for tier in cfg.tiers:
+        for directory in tier.directories:
+            left = directory / SLAB_FILE
+            if left.exists():
+                log.warning(
+                    "a slab of a daemon without tenants is left here: no tenant is served"
+                    " its blocks; remove it to free its space",
+                    tier=tier.name,
+                    path=str(left),
+                    bytes=left.stat().st_size,
+                )
+
+
+def grants_for(cfg: DaemonConfig, table: TenantTable) -> list[Grant]:
+    """Who is which tenant. Without ``tenants:``, the daemon's own user is the default
+    tenant's operator and ``socket.allow_uids``/``allow_gids`` are its members; with it,
+    the daemon's own user, when no tenant lists it, may run operator commands only."""
+    me = os.getuid()
+    if not cfg.tenants:
+        tenant = table.tenants[0]
+        return [
+            Grant(tenant, True, frozenset({me})),
+            Grant(
+                tenant, False, frozenset(cfg.socket.allow_uids), frozenset(cfg.socket.allow_gids)
+            ),
+        ]
+    grants = [
+        Grant(tenant, spec.operator, frozenset(spec.uids), frozenset(spec.gids))
+        for tenant, spec in zip(table.tenants, cfg.tenants, strict=True)
+    ]
+    if not any(me in spec.uids for spec in cfg.tenants):
+        grants.append(Grant(None, True, frozenset({me})))
+    return grants
+
+
+def lease_bound(value: int | str, entry_blocks: int) -> int:
+    """A lease bound in blocks: a count, or a share of the tenant's entry tier."""
+    amount, is_share = share_parts(value)
+    return max(1, int(amount * entry_blocks)) if is_share else int(amount)
