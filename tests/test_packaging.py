@@ -24,8 +24,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tierd"
 SETUP = ROOT / "scripts" / "setup"
-# Module whose module-level imports may come from an extra: it is for tests only.
-TEST_ONLY_MODULES = {"tierd/testing.py": "test"}
+# Modules whose module-level imports may come from an extra: they are for tests only.
+TEST_ONLY_MODULES = {"tierd/testing/conformance.py": "test"}
 # Import names whose distribution is not the import name with "_" read as "-".
 DISTRIBUTION_OF = {"yaml": "pyyaml"}
 

@@ -123,7 +123,8 @@ async def open_chain(config: ChainConfig | Path | str | dict[str, Any]) -> Async
 
 async def open_remote(spec: RemoteConfig, block_bytes: int) -> RemoteLevel:
     """The remote level of ``spec``, opened (its client library loads only here)."""
-    from tierd.remote.redis_level import RedisLevel, RemoteSettings
+    from tierd.remote.calls import RemoteSettings
+    from tierd.remote.redis_level import RedisLevel
 
     settings = RemoteSettings(
         name=spec.name,

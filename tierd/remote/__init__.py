@@ -1,8 +1,8 @@
 """The shared remote level: blocks kept on a Redis-protocol server (Redis, Valkey, or a
 cluster of either) that every node's daemon reads and writes.
 
-Importing this package loads no client library: :mod:`tierd.remote.redis_level` does,
-when a chain with a remote level opens.
+Importing this package loads no client library: :mod:`tierd.remote.redis_level` does
+(through :mod:`tierd.remote.calls`), when a chain with a remote level opens.
 """
 
 from tierd.remote.breaker import CircuitBreaker

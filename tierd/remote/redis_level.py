@@ -12,14 +12,17 @@ with small blocks, or writes that are new, every write is one round trip, and th
 ``SET NX`` replies keep the estimate current. Faults are misses, never stalls and never
 errors to the caller:
 
-- each call runs under ``deadline`` (``asyncio.timeout``; the client's connect timeout is
-  set to it too, and its retries are off, so nothing waits behind a dead node; there is
-  no per-reply socket timeout, which would cost a timer per key);
+- each call runs under ``deadline``, with no retry and no per-reply timer;
 - a call that times out or cannot connect counts towards the :class:`CircuitBreaker`;
   while it is open calls return at once as misses, and a probe after the back-off
   closes it again;
 - a server error reply (``OOM`` with ``noeviction``, say) fails that write only: the
   server is up, so the breaker does not open.
+
+This module owns the block operations (``exists``, ``get``, ``put``, ``put_later``), the
+queue of writes, the reuse of value buffers and the level's counters and events; the
+call machinery (client, deadline, breaker, failure notes) is
+:class:`~tierd.remote.calls.RemoteCalls`.
 
 A value is read into a private buffer and checked (:func:`decode_block`) before a byte
 of it is handed on; a value that fails a check is deleted from the server and counted.
@@ -28,33 +31,22 @@ of it is handed on; a value that fails a check is deleted from the server and co
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
-
-from redis.asyncio import Redis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeout
-from redis.retry import Retry
 
 from tierd.events import EventKind, TierEvent
 from tierd.keys import MAX_KEY_BYTES, BlockKey, Medium
 from tierd.logs import get_logger
-from tierd.remote.breaker import CircuitBreaker
+from tierd.remote.calls import RemoteCalls, RemoteSettings, unanswered
 from tierd.remote.values import HEADER_BYTES, decode_block, encode_into
 
-__all__ = ["RedisLevel", "RemoteSettings"]
+__all__ = ["RedisLevel"]
 
 Payload = bytes | bytearray | memoryview
 
 log = get_logger("tierd.remote")
 
-_UNREACHABLE = (RedisError, OSError)
 _SPARE_BYTES = 32 << 20  # value buffers kept for reuse between writes, at most
 # What asking EXISTS for one block costs, in bytes of payload that are as costly to send:
 # redis-py's work for one more command and reply (about 30 us here) and its share of a
@@ -64,45 +56,16 @@ CHECK_COST_BYTES = 32 << 10
 _HELD_WEIGHT = 0.25  # each write's weight in the moving average of that share
 
 
-@dataclass(frozen=True, slots=True)
-class RemoteSettings:
-    """What the level needs from :class:`~tierd.config.RemoteConfig` (kept apart so that
-    this layer does not import the config layer)."""
-
-    name: str
-    block_bytes: int
-    url: str | None = None
-    cluster_nodes: tuple[str, ...] = ()
-    key_prefix: str = "tierd:"
-    pool_size: int = 16
-    deadline_s: float = 0.1
-    ttl_s: float = 0.0
-    max_pending_bytes: int = 64 << 20
-    breaker_failures: int = 3
-    breaker_backoff_s: float = 0.5
-    breaker_max_backoff_s: float = 30.0
-
-    @property
-    def endpoint(self) -> str:
-        """Where the level is, without any password the URL carries (it is shown in
-        stats, metrics labels and logs)."""
-        if self.url is None:
-            return "cluster " + ",".join(self.cluster_nodes)
-        parts = urlsplit(self.url)
-        host = parts.netloc.rpartition("@")[2]
-        return urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
 @dataclass(slots=True)
 class RemoteCounters:
+    """What the level's block operations did (the calls count their own faults)."""
+
     lookups: int = 0  # existence checks
     hits: int = 0  # blocks read and verified
     misses: int = 0  # blocks asked for and not served
     stores: int = 0  # blocks written
     skipped: int = 0  # blocks the server already held
     corrupt: int = 0  # values that failed a check (deleted)
-    errors: int = 0  # calls that failed (connection, error reply)
-    timeouts: int = 0  # calls past the deadline
     write_errors: int = 0  # blocks the server refused (OOM, ...)
     dropped: int = 0  # blocks not queued: max_pending_bytes reached, or breaker open
     bytes_written: int = 0
@@ -118,20 +81,12 @@ class RedisLevel:
         self.settings = settings
         self.name = settings.name
         self.block_bytes = settings.block_bytes
-        self.breaker = CircuitBreaker(
-            failures=settings.breaker_failures,
-            backoff_s=settings.breaker_backoff_s,
-            max_backoff_s=settings.breaker_max_backoff_s,
-        )
+        self.calls = RemoteCalls(settings)
         self.counters = RemoteCounters()
         self._prefix = settings.key_prefix.encode()
-        self._client: Any = None
-        self._cluster_ready = False
         self._writes: set[asyncio.Task[None]] = set()
         self._pending_bytes = 0
         self._events: list[TierEvent] = []
-        self._last_error = ""
-        self._last_logged = 0.0
         # Value buffers of finished writes, reused: a fresh buffer per value costs more
         # (its pages are faulted in) than the copy of the payload into it.
         self._value_room = HEADER_BYTES + MAX_KEY_BYTES + settings.block_bytes
@@ -147,21 +102,8 @@ class RedisLevel:
     async def open(self) -> RedisLevel:
         """Create the client. Connects lazily: a server that is absent at start is a miss
         on every call until it appears, not a failure to start."""
-        s = self.settings
-        common: dict[str, Any] = {
-            "max_connections": s.pool_size,
-            # No per-reply timeout (redis-py's default is 5 s): the deadline of each call
-            # bounds every read of it, and a timer per reply would cost more than the read.
-            "socket_timeout": None,
-            "socket_connect_timeout": s.deadline_s,
-            "retry": Retry(NoBackoff(), 0),
-        }
-        if s.url is not None:
-            self._client = Redis.from_url(s.url, **common)
-        else:
-            nodes = [ClusterNode(*_host_port(node)) for node in s.cluster_nodes]
-            self._client = RedisCluster(startup_nodes=nodes, require_full_coverage=False, **common)
-        log.info("remote level opened", remote=self.name, endpoint=s.endpoint)
+        self.calls.open()
+        log.info("remote level opened", remote=self.name, endpoint=self.settings.endpoint)
         return self
 
     async def close(self) -> None:
@@ -171,66 +113,19 @@ class RedisLevel:
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
-        client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(*_UNREACHABLE):
-                await client.aclose()
+        await self.calls.close()
 
-    # -- calls -------------------------------------------------------------------------
+    # -- block operations ----------------------------------------------------------------
 
     def _key(self, key: BlockKey) -> bytes:
         return self._prefix + key
-
-    async def _pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any] | None:
-        """Run commands in one non-transactional pipeline under the deadline and the
-        breaker; ``None`` when the call was refused, timed out or failed to connect.
-        Error replies come back in the list as exceptions."""
-        if self._client is None or not commands or not self.breaker.allow():
-            return None
-        failed = True  # until the replies are in: a cancelled call counts as a failure
-        try:
-            async with asyncio.timeout(self.settings.deadline_s):
-                if isinstance(self._client, RedisCluster) and not self._cluster_ready:
-                    await self._client.initialize()
-                    self._cluster_ready = True
-                pipe = self._client.pipeline(transaction=False)
-                for command in commands:
-                    pipe.execute_command(*command)
-                replies = await pipe.execute(raise_on_error=False)
-            failed = False
-        except (TimeoutError, RedisTimeout) as exc:
-            self.counters.timeouts += 1
-            self._note(exc, "timed out")
-            return None
-        except _UNREACHABLE as exc:
-            self.counters.errors += 1
-            self._note(exc, "unreachable")
-            return None
-        finally:
-            if failed:
-                self.breaker.failure()
-            else:
-                self.breaker.success()
-        return list(replies)
-
-    def _note(self, exc: BaseException, what: str) -> None:
-        self._last_error = f"{what}: {exc}" if str(exc) else what
-        now = time.monotonic()
-        if now - self._last_logged >= 10.0:  # a dead server must not flood the log
-            self._last_logged = now
-            log.warning(
-                "remote level call failed",
-                remote=self.name,
-                error=self._last_error,
-                breaker=str(self.breaker.state),
-            )
 
     async def exists(self, keys: Sequence[BlockKey]) -> int:
         """How many leading ``keys`` the server holds (one round trip; 0 on any fault)."""
         if not keys:
             return 0
         self.counters.lookups += 1
-        replies = await self._pipeline([("EXISTS", self._key(k)) for k in keys])
+        replies = await self.calls.pipeline([("EXISTS", self._key(k)) for k in keys])
         if replies is None:
             return 0
         run = 0
@@ -248,10 +143,10 @@ class RedisLevel:
         if not keys:
             return []
         replies: list[Any] | None
-        if isinstance(self._client, RedisCluster):
-            replies = await self._pipeline([("GET", self._key(k)) for k in keys])
+        if self.calls.cluster:
+            replies = await self.calls.pipeline([("GET", self._key(k)) for k in keys])
         else:
-            reply = await self._pipeline([("MGET", *map(self._key, keys))])
+            reply = await self.calls.pipeline([("MGET", *map(self._key, keys))])
             replies = None if reply is None or isinstance(reply[0], BaseException) else reply[0]
         if replies is None:
             self.counters.misses += len(keys)
@@ -272,7 +167,7 @@ class RedisLevel:
         self.counters.misses += len(keys) - len(out)
         if bad:
             self.counters.corrupt += len(bad)
-            await self._pipeline([("DEL", self._key(k)) for k in bad])
+            await self.calls.pipeline([("DEL", self._key(k)) for k in bad])
             self._events.append(TierEvent(EventKind.REMOVED, tuple(bad), self.medium, self.name))
         return out
 
@@ -283,7 +178,7 @@ class RedisLevel:
             return 0
         todo = list(zip(keys, payloads, strict=True))
         if self.held_share > self.check_above:
-            present = await self._pipeline([("EXISTS", self._key(k)) for k in keys])
+            present = await self.calls.pipeline([("EXISTS", self._key(k)) for k in keys])
             if present is None:
                 self.counters.dropped += len(keys)
                 return 0
@@ -303,7 +198,7 @@ class RedisLevel:
         for (key, payload), buffer in zip(todo, buffers, strict=True):
             size = encode_into(buffer, key, payload)
             commands.append(("SET", self._key(key), memoryview(buffer)[:size], "NX", *expiry))
-        replies = await self._pipeline(commands)
+        replies = await self.calls.pipeline(commands)
         if replies is None:
             # Not reused: a write cut short may still hold them in the connection.
             self.counters.dropped += len(todo)
@@ -311,13 +206,13 @@ class RedisLevel:
         # A buffer whose command was answered was read whole by the server: reuse it. One
         # whose reply is a failure (a cluster node lost under it) may still sit in a
         # closing connection's queue, so it is left alone.
-        self._recycle([b for b, r in zip(buffers, replies, strict=True) if not _failed(r)])
+        self._recycle([b for b, r in zip(buffers, replies, strict=True) if not unanswered(r)])
         written: list[BlockKey] = []
         there = 0
         for (key, payload), reply in zip(todo, replies, strict=True):
             if isinstance(reply, BaseException):
                 self.counters.write_errors += 1
-                self._last_error = f"write refused: {type(reply).__name__}: {reply}"
+                self.calls.last_error = f"write refused: {type(reply).__name__}: {reply}"
             elif reply:
                 written.append(key)
                 self.counters.bytes_written += HEADER_BYTES + len(key) + len(payload)
@@ -349,7 +244,7 @@ class RedisLevel:
         """Queue a write of private copies of blocks; False (and counted as dropped) when
         ``max_pending_bytes`` is reached or the breaker is open."""
         size = sum(map(len, payloads))
-        if self._client is None or self.breaker.retry_in_s > 0:
+        if self.calls.client is None or self.calls.breaker.retry_in_s > 0:
             self.counters.dropped += len(keys)
             return False
         if self._pending_bytes + size > self.settings.max_pending_bytes:
@@ -382,37 +277,26 @@ class RedisLevel:
         return events
 
     def stats(self) -> dict[str, Any]:
-        c = self.counters
+        c, calls, breaker = self.counters, self.calls, self.calls.breaker
         return {
             "name": self.name,
             "medium": str(self.medium),
             "endpoint": self.settings.endpoint,
-            "state": str(self.breaker.state),
-            "breaker_opened": self.breaker.opened,
-            "refused": self.breaker.refused,
+            "state": str(breaker.state),
+            "breaker_opened": breaker.opened,
+            "refused": breaker.refused,
             "lookups": c.lookups,
             "hits": c.hits,
             "misses": c.misses,
             "stores": c.stores,
             "skipped": c.skipped,
             "corrupt": c.corrupt,
-            "errors": c.errors,
-            "timeouts": c.timeouts,
+            "errors": calls.errors,
+            "timeouts": calls.timeouts,
             "write_errors": c.write_errors,
             "dropped": c.dropped,
             "pending_bytes": self._pending_bytes,
             "bytes_written": c.bytes_written,
             "bytes_read": c.bytes_read,
-            "last_error": self._last_error,
+            "last_error": calls.last_error,
         }
-
-
-def _failed(reply: Any) -> bool:
-    """Whether a pipelined reply is a failure to get the command answered (a connection
-    error or a timeout), not an answer (an error reply such as OOM is one)."""
-    return isinstance(reply, BaseException) and not isinstance(reply, ResponseError)
-
-
-def _host_port(node: str) -> tuple[str, int]:
-    host, _, port = node.rpartition(":")
-    return host, int(port)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import ctypes
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -35,6 +36,7 @@ from tierd.keys import BlockKey, Medium
 __all__ = [
     "INLINE_COPY_BYTES",
     "BlockStore",
+    "InFlight",
     "BlockBatch",
     "Buffer",
     "StoreCounters",
@@ -370,3 +372,27 @@ async def run_copy(fn: Callable[[], T], nbytes: int, *, inline_limit: int = INLI
     if nbytes <= inline_limit:
         return fn()
     return await settle(asyncio.get_running_loop().run_in_executor(None, fn))
+
+
+class InFlight:
+    """Operations under way: ``with in_flight.tracked():`` around each; ``await
+    in_flight.idle()`` returns once none is (a store closing waits for its copies)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextmanager
+    def tracked(self) -> Iterator[None]:
+        self.count += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.count -= 1
+            if not self.count:
+                self._idle.set()
+
+    async def idle(self) -> None:
+        await self._idle.wait()

@@ -24,9 +24,8 @@ process crash, not a power cut). Either way a crash is recovered by scanning hea
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from functools import partial
 from typing import Any, Literal
 
@@ -34,7 +33,7 @@ import torch
 
 from tierd.keys import BlockKey, Medium
 from tierd.logs import get_logger
-from tierd.stores.base import BlockStore, Buffer, StoreStats, block_views, device_rows
+from tierd.stores.base import BlockStore, Buffer, InFlight, StoreStats, block_views, device_rows
 from tierd.stores.disk_slab import BAD_BLOCK, OK, Slab, SlabConfig
 from tierd.stores.fileio import FileIO
 
@@ -87,9 +86,7 @@ class DiskStore(BlockStore):
         self._slabs = [self._make_slab(i, d, o_direct, io) for i, d in enumerate(self.directories)]
         self._readers: ThreadPoolExecutor | None = None
         self._writers: ThreadPoolExecutor | None = None
-        self._busy = 0  # reads and writes in progress
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._in_flight = InFlight()  # reads and writes in progress
         self._journal_flushes: set[Future[int]] = set()
         self._counts = dict.fromkeys(
             ("bytes_written", "bytes_read", "write_errors", "read_errors", "checksum_failures",
@@ -125,7 +122,7 @@ class DiskStore(BlockStore):
             raise failures[0]
 
     async def _close(self) -> None:
-        await self._idle.wait()  # the base class already refuses new reads and writes
+        await self._in_flight.idle()  # the base class already refuses new reads and writes
         loop = asyncio.get_running_loop()
         try:
             for fut in list(self._journal_flushes):
@@ -176,27 +173,16 @@ class DiskStore(BlockStore):
 
     # -- data --------------------------------------------------------------------------
 
-    @contextmanager
-    def _tracked(self) -> Iterator[None]:
-        self._busy += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._busy -= 1
-            if not self._busy:
-                self._idle.set()
-
     async def _write(
         self, slots: Sequence[int], keys: Sequence[BlockKey], data: Sequence[Buffer] | Any
     ) -> list[bool]:
-        with self._tracked():
+        with self._in_flight.tracked():
             return await self._write_batch(slots, keys, data)
 
     async def _read(
         self, slots: Sequence[int], keys: Sequence[BlockKey], out: Sequence[Buffer] | Any
     ) -> list[bool]:
-        with self._tracked():
+        with self._in_flight.tracked():
             return await self._read_batch(slots, keys, out)
 
     async def _write_batch(

@@ -1,10 +1,11 @@
 """One slab file of the disk store (one per directory, i.e. per drive) and its slot index.
 
-A :class:`Slab` owns the file descriptors, the superblock, the O_DIRECT probe, the
-in-memory slot index with its journal, and the blocking per-chunk I/O routines that the
-store runs on its thread pools. Everything here except the ``*_chunk``, ``*_sync`` and
-``flush_journal`` methods runs on the event loop's thread and never
-blocks.
+A :class:`Slab` owns the file descriptors and their lock, the in-memory slot index with
+its journal, the blocking per-chunk I/O routines that the store runs on its thread pools,
+and the order of opening and closing. Everything here except the ``*_chunk``, ``*_sync``
+and ``flush_journal`` methods runs on the event loop's thread and never blocks. What
+opening finds out (the superblock, the O_DIRECT probe, the index recovered after a crash)
+is :mod:`tierd.stores.disk_open`.
 
 Slab layout: a 4096-byte superblock (magic ``TIERDSLB``, geometry, slab uuid, xxh3), then
 ``local_slots`` slots of ``slot_size`` bytes: one 4096-byte header page (see
@@ -16,18 +17,23 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import struct
 import threading
 import time
 import uuid as uuidlib
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
-
-import xxhash
 
 from tierd.errors import SlabInUse, StoreIOError
 from tierd.logs import get_logger
 from tierd.stores import disk_index as di
+from tierd.stores.disk_open import (
+    format_slab,
+    probe_direct,
+    read_superblock,
+    recover_index,
+    scan_headers,
+)
 from tierd.stores.fileio import ALIGN, FileIO, address_of, aligned_buffer, round_up
 
 __all__ = ["BAD_BLOCK", "OK", "SLAB_FILE", "Slab", "SlabConfig", "slab_file_bytes"]
@@ -37,9 +43,6 @@ BAD_BLOCK = -1  # header, key, generation or checksum did not match
 
 SLAB_FILE = "tierd-slab.bin"  # the slab's name in its directory
 _LOCKED = frozenset({errno.EAGAIN, errno.EWOULDBLOCK})
-_SUPER = struct.Struct("<8sIIQQQII16s")
-_SUPER_MAGIC = b"TIERDSLB"
-_U64 = struct.Struct("<Q")
 _log = get_logger("tierd.disk")
 _NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
 _WARN_EVERY_S = 5.0  # at most one journal warning per slab this often
@@ -335,112 +338,45 @@ class Slab:
         """Reuse the slab when its superblock matches this geometry; else format it.
         Returns whether the slab is freshly formatted (nothing to recover)."""
         page = aligned_buffer(ALIGN)
-        got = self.io.preadv(self._lock_fd, [page], 0)
-        if got == ALIGN and _U64.unpack_from(page, _SUPER.size)[0] == _xxh(page[: _SUPER.size]):
-            magic, _, _, *geo, raw_uuid = _SUPER.unpack_from(page)
-            if magic == _SUPER_MAGIC and tuple(geo) == self._geometry():
-                self.uuid = bytes(raw_uuid)
-                return False
-            _log.warning("slab geometry changed; discarding its blocks", path=self.path)
+        found = read_superblock(self.io, self._lock_fd, page, self._geometry(), self.path)
+        if found is not None:
+            self.uuid = found
+            return False
         self.uuid = uuidlib.uuid4().bytes
         self._formatted = True
-        self.io.truncate(self._lock_fd, 0)
-        self.io.allocate(self._lock_fd, self.file_bytes)
-        _SUPER.pack_into(page, 0, _SUPER_MAGIC, 1, 0, *self._geometry(), self.uuid)
-        _U64.pack_into(page, _SUPER.size, _xxh(page[: _SUPER.size]))
-        self.io.pwritev(self._lock_fd, [page], 0)
-        self.io.fsync(self._lock_fd)
+        format_slab(self.io, self._lock_fd, page, self.file_bytes, self._geometry(), self.uuid)
         return True
 
     def _probe_direct(self) -> int:
         """A descriptor for block I/O: O_DIRECT if asked for (or "auto") and an aligned
         read and rewrite of the superblock through it succeeds."""
-        mode = self.cfg.o_direct
-        if mode is False or not self.io.o_direct_flag:
-            self.reason = "disabled by configuration" if mode is False else "no O_DIRECT here"
-            return self._lock_fd
-        page = aligned_buffer(ALIGN)
-        fd = -1
-        try:
-            fd = self.io.open(self.path, os.O_RDWR | self.io.o_direct_flag)
-            if self.io.preadv(fd, [page], 0) != ALIGN or self.io.pwritev(fd, [page], 0) != ALIGN:
-                raise OSError(errno.EIO, "short O_DIRECT transfer")
-        except OSError as exc:
-            if fd >= 0:
-                self.io.close(fd)
-            self.reason = f"O_DIRECT probe failed: {os.strerror(exc.errno or errno.EIO)}"
-            if mode is True:
-                raise StoreIOError(self.reason, path=self.path, errno=exc.errno) from exc
-            _log.warning("falling back to buffered I/O", path=self.path, reason=self.reason)
-            return self._lock_fd
-        self.o_direct, self.reason = True, "probe passed"
-        return fd
+        probe = probe_direct(self.io, self.path, self.cfg.o_direct, self._lock_fd)
+        self.o_direct, self.reason = probe.o_direct, probe.reason
+        if probe.error is not None:
+            raise StoreIOError(self.reason, path=self.path, errno=probe.error.errno) from (
+                probe.error
+            )
+        return probe.fd
 
     def _load_index(self) -> None:
-        snap = di.load_snapshot(self.journal.snapshot_path, self.uuid)
-        # A clean close removes the journal; any journal left, even one whose header is
-        # unreadable (a checkpoint that failed to restart it), means the daemon died and
-        # blocks may have been written after the snapshot.
-        crashed = os.path.exists(self.journal.path)
-        if snap is not None and snap.clean and not crashed:
-            self.entries, self.next_gen, self.epoch = snap.entries, snap.next_gen, snap.epoch
-            self.recovery = "clean"
-            return
-        if snap is not None and not crashed:
-            _log.warning(
-                "no record of a clean shutdown and no journal (deleted?); verifying the slab",
-                path=self.path,
-            )
-        replay = di.Journal.replay(self.journal.path, self.uuid) if crashed else None
-        known: dict[int, di.Record] = {}
-        if snap is not None:
-            known = {s: (di.Op.SET, e.gen, e.key) for s, e in snap.entries.items()}
-            self.epoch = snap.epoch
-        if replay is not None and (snap is None or replay[0] == snap.epoch):
-            known.update(replay[1])  # an older journal's records predate the snapshot
-        self._rebuild(known)
+        c = self.cfg
+        scan = partial(scan_headers, self.io, self._fd, c.local_slots, self.offset, c.block_bytes)
+        found = recover_index(self.journal, self.uuid, self.epoch, scan, self._verify, self.path)
+        self.entries, self.next_gen, self.epoch = found.entries, found.next_gen, found.epoch
+        self.recovery, self.dropped = found.recovery, found.dropped
 
-    def _rebuild(self, known: dict[int, di.Record]) -> None:
-        """After a crash: scan every header, trust what the journal vouches for, verify
-        the data checksum of the rest, drop what is bad."""
-        headers = self._scan_headers()
-        trusted, verify = di.reconcile(known, headers)
+    def _verify(self, local: int, hdr: di.BlockHeader) -> bool:
+        """Whether the block in ``local`` matches ``hdr`` and its data checksum."""
         page = _staging(ALIGN + self.data_io)
-        for local, hdr in verify.items():
-            out = (
-                page[ALIGN : ALIGN + self.data_io]
-                if self.o_direct
-                else memoryview(bytearray(self.cfg.block_bytes))
-            )
-            if self._read_one(page, (local, hdr.key, hdr.gen, out)) == OK:
-                trusted[local] = di.Entry(hdr.key, hdr.gen)
-        self.entries = trusted
-        self.dropped = len(headers) - len(trusted)
-        gens = [h.gen for h in headers.values()] + [r[1] for r in known.values()]
-        self.next_gen = max(gens, default=0) + 1
-        self.recovery = "crash"
-        _log.info(
-            "rebuilt disk index after an unclean shutdown",
-            path=self.path, blocks=len(trusted), verified=len(verify), dropped=self.dropped,
-        )  # fmt: skip
-
-    def _scan_headers(self) -> dict[int, di.BlockHeader]:
-        page = aligned_buffer(ALIGN)
-        found: dict[int, di.BlockHeader] = {}
-        for local in range(self.cfg.local_slots):
-            if self.io.preadv(self._fd, [page], self.offset(local)) != ALIGN:
-                continue
-            hdr = di.BlockHeader.unpack(page)
-            if hdr is not None and hdr.slot == local and hdr.data_len == self.cfg.block_bytes:
-                found[local] = hdr
-        return found
+        out = (
+            page[ALIGN : ALIGN + self.data_io]
+            if self.o_direct
+            else memoryview(bytearray(self.cfg.block_bytes))
+        )
+        return self._read_one(page, (local, hdr.key, hdr.gen, out)) == OK
 
     def details(self) -> dict[str, Any]:
         details = {"path": self.path, "o_direct": self.o_direct, "reason": self.reason}
         if self.read_only:
             details["read_only"] = self.read_only
         return details
-
-
-def _xxh(data: memoryview) -> int:
-    return int(xxhash.xxh3_64_intdigest(data))

@@ -15,10 +15,9 @@ which caches them; they are per batch, so its power-of-two rounding costs little
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -32,6 +31,7 @@ from tierd.stores.base import (
     BlockBatch,
     BlockStore,
     Buffer,
+    InFlight,
     StoreCounters,
     StoreStats,
     block_batch,
@@ -92,13 +92,11 @@ class GpuStore(BlockStore):
         self._pool = torch.empty((0, block_bytes), dtype=torch.uint8)
         self._h2d: _Lane | None = None
         self._d2h: _Lane | None = None
-        self._inflight = 0
-        self._idle = asyncio.Event()
+        self._in_flight = InFlight()  # copies under way
 
     # -- lifecycle -------------------------------------------------------------------
 
     async def _open(self) -> None:
-        self._idle.set()
         if self.device.type == "cpu":
             self._pool = torch.zeros((self.num_blocks, self.block_bytes), dtype=torch.uint8)
             return
@@ -120,7 +118,7 @@ class GpuStore(BlockStore):
         self._d2h = _Lane(_new_stream(self.device), EventWaiter(f"tierd-d2h-{index}"))
 
     async def _close(self) -> None:
-        await self._idle.wait()  # copies still in flight finish first
+        await self._in_flight.idle()  # copies still in flight finish first
         for lane in (self._h2d, self._d2h):
             if lane is not None:
                 lane.waiter.close()
@@ -157,7 +155,7 @@ class GpuStore(BlockStore):
         if count == 0:
             return []
         nbytes = count * self.block_bytes
-        with self._tracked():
+        with self._in_flight.tracked():
             try:
                 launch = partial(self._launch_write, slots, src)
                 pending = await run_copy(launch, nbytes, inline_limit=self.inline_limit)
@@ -176,7 +174,7 @@ class GpuStore(BlockStore):
         if count == 0:
             return []
         nbytes = count * self.block_bytes
-        with self._tracked():
+        with self._in_flight.tracked():
             try:
                 launch = partial(self._launch_read, slots, dst)
                 pending = await run_copy(launch, nbytes, inline_limit=self.inline_limit)
@@ -189,17 +187,6 @@ class GpuStore(BlockStore):
                 await run_copy(unpack, nbytes, inline_limit=self.inline_limit)
         self._counters.bytes_read += nbytes
         return [True] * count
-
-    @contextlib.contextmanager
-    def _tracked(self) -> Iterator[None]:
-        self._inflight += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
 
     async def _finish(self, lane: _Lane | None, pending: _Pending) -> None:
         if lane is not None and pending.event is not None:

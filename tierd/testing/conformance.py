@@ -1,139 +1,23 @@
-"""Test kit shipped with tierd: the block-store conformance suite and store fakes.
-
-Every :class:`~tierd.stores.BlockStore` must pass :class:`StoreConformance`. A test module
-subclasses it and says how to build an *unopened* store::
-
-    class TestMemoryStore(StoreConformance):
-        async def make_store(self, num_blocks: int, block_bytes: int) -> BlockStore:
-            return MemoryStore(num_blocks=num_blocks, block_bytes=block_bytes)
-
-View checks run only where ``store.has_views`` is true. :class:`FailingStore` wraps a
-real store and fails chosen blocks (or holds copies at a gate) for tier and chain tests.
-:func:`running_daemon` runs a whole daemon inside the test's event loop, on a real
-socket (:func:`daemon_config` builds a small cpu + disk config for it).
-This module imports pytest: it is for tests only.
+"""The block-store conformance suite: the contract every :class:`~tierd.stores.BlockStore`
+keeps (round trips, views, bad input, lifecycle, cancellation), as pytest tests a test
+class inherits by subclassing :class:`StoreConformance`. Imports pytest: for tests only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
-import dataclasses
 import random
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterable, Sequence
-from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import pytest
 import torch
 
 from tierd.errors import SlotError, StoreClosed
-from tierd.keys import BlockKey, int_key
-from tierd.stores.base import BlockStore, Buffer, StoreStats, block_batch, tensor_memoryview
+from tierd.stores.base import BlockStore
+from tierd.testing.blocks import as_bytes, keys_for, random_blocks
 
-if TYPE_CHECKING:
-    from tierd.daemon import Daemon
-
-__all__ = [
-    "FailingStore",
-    "StoreConformance",
-    "as_bytes",
-    "daemon_config",
-    "keys_for",
-    "random_blocks",
-    "running_daemon",
-    "short_socket_path",
-]
-
-
-def short_socket_path() -> str:
-    """A fresh socket path under /tmp: pytest's tmp_path can exceed the 107-byte limit
-    of a Unix socket path. The directory is removed when the process exits."""
-    directory = tempfile.mkdtemp(prefix="tierd-", dir="/tmp")
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    return str(Path(directory) / "tierd.sock")
-
-
-def daemon_config(
-    tmp_path: Path,
-    *,
-    cpu_blocks: int = 8,
-    disk_blocks: int | None = 64,
-    block_bytes: int = 4096,
-    socket_path: str | None = None,
-    **sections: Any,
-) -> dict[str, Any]:
-    """A small daemon config: a cpu tier over an optional disk tier in ``tmp_path``."""
-    tiers: list[dict[str, Any]] = [{"name": "cpu", "kind": "cpu", "capacity": cpu_blocks}]
-    if disk_blocks is not None:
-        directory = tmp_path / "disk"
-        directory.mkdir(mode=0o700, exist_ok=True)
-        tiers.append(
-            {
-                "name": "disk",
-                "kind": "disk",
-                "capacity": disk_blocks,
-                "directories": [str(directory)],
-            }
-        )
-    socket = {"path": socket_path or short_socket_path(), **sections.pop("socket", {})}
-    # A test tier of a few blocks is often filled by one lease: the default bounds on
-    # leases (a share of the entry tier) are tested where they are meant.
-    limits = {**_WHOLE_TIER_LEASES, **sections.pop("limits", {})}
-    return {
-        "block_bytes": block_bytes,
-        "tiers": tiers,
-        "socket": socket,
-        "limits": limits,
-        **sections,
-    }
-
-
-_WHOLE_TIER_LEASES = {"lease_blocks_per_connection": "100%", "lease_blocks_per_tenant": "100%"}
-
-
-@asynccontextmanager
-async def running_daemon(config: Any) -> AsyncIterator[Daemon]:
-    """Run a daemon (config: a ``DaemonConfig`` or a mapping) in this event loop until
-    the block exits, then stop it as SIGTERM would and check it exited 0."""
-    from tierd.config import DaemonConfig
-    from tierd.daemon import Daemon
-
-    cfg = config if isinstance(config, DaemonConfig) else DaemonConfig.model_validate(config)
-    daemon = Daemon(cfg, handle_signals=False)
-    task = asyncio.create_task(daemon.run())
-    ready = asyncio.create_task(daemon.ready.wait())
-    await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        ready.cancel()
-        await task  # raises why it could not start
-        raise RuntimeError("the daemon exited before it was ready")
-    try:
-        yield daemon
-    finally:
-        daemon.request_stop()
-        status = await task
-    if status != 0:
-        raise RuntimeError(f"the daemon exited with status {status}")
-
-
-def as_bytes(buf: Any) -> bytes:
-    """The bytes of a buffer or a tensor on any device."""
-    if isinstance(buf, torch.Tensor):
-        flat = buf.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
-        return bytes(tensor_memoryview(flat))
-    return bytes(memoryview(buf).cast("B"))
-
-
-def keys_for(slots: Iterable[int]) -> list[BlockKey]:
-    return [int_key(slot) for slot in slots]
-
-
-def random_blocks(rng: random.Random, count: int, block_bytes: int) -> list[bytes]:
-    return [rng.randbytes(block_bytes) for _ in range(count)]
+__all__ = ["StoreConformance"]
 
 
 class StoreConformance:
@@ -345,114 +229,3 @@ class StoreConformance:
             data = random_blocks(rng, len(slots), store.block_bytes)
             await store.write(slots, keys_for(slots), data)
             assert await self.read_back(store, slots) == data
-
-
-class FailingStore(BlockStore):
-    """A wrapper that fails chosen blocks and can hold copies at a gate.
-
-    Writes of keys in ``fail_writes`` report ``False`` and leave the slot unreadable
-    until a later successful write; reads of keys in ``fail_reads`` (or of such slots)
-    report ``False``. When ``gate`` is set to an ``asyncio.Event``, every write and read
-    sets ``entered`` and then waits for the gate: a test holds copies in flight without
-    sleeping.
-    """
-
-    def __init__(
-        self,
-        inner: BlockStore,
-        *,
-        fail_writes: Iterable[BlockKey] = (),
-        fail_reads: Iterable[BlockKey] = (),
-        gate: asyncio.Event | None = None,
-    ) -> None:
-        super().__init__(num_blocks=inner.num_blocks, block_bytes=inner.block_bytes)
-        self.inner = inner
-        self.medium = inner.medium
-        self.has_views = inner.has_views
-        self.fail_writes = set(fail_writes)
-        self.fail_reads = set(fail_reads)
-        self.gate = gate
-        self.entered = asyncio.Event()
-        self._poisoned: set[int] = set()
-        self._write_failures = 0
-        self._read_failures = 0
-
-    async def _open(self) -> None:
-        await self.inner.open()
-
-    async def _close(self) -> None:
-        await self.inner.close()
-
-    def _view(self, slot: int) -> Buffer:
-        return self.inner.view(slot)
-
-    def stats(self) -> StoreStats:
-        stats = self.inner.stats()
-        return dataclasses.replace(
-            stats,
-            write_errors=stats.write_errors + self._write_failures,
-            read_errors=stats.read_errors + self._read_failures,
-        )
-
-    async def _hold(self) -> None:
-        if self.gate is not None:
-            self.entered.set()
-            await self.gate.wait()
-
-    async def _write(self, slots: Sequence[int], keys: Sequence[BlockKey], data: Any) -> list[bool]:
-        await self._hold()
-        data = block_batch(data, len(slots), self.block_bytes, writable=False)
-        ok = [key not in self.fail_writes for key in keys]
-        chosen = [i for i, good in enumerate(ok) if good]
-        if chosen:
-            result = await self.inner.write(
-                [slots[i] for i in chosen], [keys[i] for i in chosen], [data[i] for i in chosen]
-            )
-            for i, good in zip(chosen, result, strict=True):
-                ok[i] = good
-        for slot, good in zip(slots, ok, strict=True):
-            (self._poisoned.discard if good else self._poisoned.add)(slot)
-        self._write_failures += ok.count(False)
-        return ok
-
-    async def _read(self, slots: Sequence[int], keys: Sequence[BlockKey], out: Any) -> list[bool]:
-        await self._hold()
-        out = block_batch(out, len(slots), self.block_bytes, writable=True)
-        ok = [
-            k not in self.fail_reads and s not in self._poisoned
-            for s, k in zip(slots, keys, strict=True)
-        ]
-        chosen = [i for i, good in enumerate(ok) if good]
-        if chosen:
-            result = await self.inner.read(
-                [slots[i] for i in chosen], [keys[i] for i in chosen], [out[i] for i in chosen]
-            )
-            for i, good in zip(chosen, result, strict=True):
-                ok[i] = good
-        self._read_failures += ok.count(False)
-        return ok
-
-
-def corrupt_disk_block(store: BlockStore, slot: int, nbytes: int = 16) -> None:
-    """Flip the first ``nbytes`` data bytes of ``slot`` in a disk store's slab file behind
-    its back, as a bad sector would: the block's checksum no longer matches its bytes, so
-    reading it must fail (never return the flipped bytes). The slab layout is the one
-    :mod:`tierd.stores.disk_slab` describes: a superblock page, then per slot one header
-    page followed by the data; slot ``s`` lives in file ``s % len(files)``."""
-    import os
-
-    from tierd.stores.disk import DiskStore
-    from tierd.stores.fileio import ALIGN
-
-    if not isinstance(store, DiskStore):
-        raise TypeError(f"not a disk store: {type(store).__name__}")
-    details = store.stats().details
-    files: list[str] = details["files"]
-    offset = ALIGN + (slot // len(files)) * int(details["slot_bytes"]) + ALIGN
-    with open(files[slot % len(files)], "r+b") as slab:
-        slab.seek(offset)
-        flipped = bytes(b ^ 0xFF for b in slab.read(nbytes))
-        slab.seek(offset)
-        slab.write(flipped)
-        slab.flush()
-        os.fsync(slab.fileno())

@@ -1,0 +1,171 @@
+"""How the remote level calls its server: the client, one pipelined round trip per call
+under a deadline and the circuit breaker, and the note of the last failure.
+
+:class:`RemoteCalls` owns the redis-py client of one server (``url``) or cluster
+(``cluster_nodes``), created lazily-connecting, so that a server absent at start is a miss
+on every call until it appears. Each call (:meth:`RemoteCalls.pipeline`) runs under
+``deadline_s`` (``asyncio.timeout``; the client's connect timeout is set to it too, and
+its retries are off, so nothing waits behind a dead node; there is no per-reply socket
+timeout, which would cost a timer per key). A call that times out or cannot connect
+counts towards the :class:`~tierd.remote.breaker.CircuitBreaker` and comes back ``None``;
+while the breaker is open calls are refused at once. Error replies (``OOM``, say) come
+back in the list: the server is up, so they do not count against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeout
+from redis.retry import Retry
+
+from tierd.logs import get_logger
+from tierd.remote.breaker import CircuitBreaker
+
+__all__ = ["RemoteCalls", "RemoteSettings", "unanswered"]
+
+log = get_logger("tierd.remote")
+
+_UNREACHABLE = (RedisError, OSError)
+_LOG_EVERY_S = 10.0  # a dead server must not flood the log
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteSettings:
+    """What the level needs from :class:`~tierd.config.RemoteConfig` (kept apart so that
+    this layer does not import the config layer)."""
+
+    name: str
+    block_bytes: int
+    url: str | None = None
+    cluster_nodes: tuple[str, ...] = ()
+    key_prefix: str = "tierd:"
+    pool_size: int = 16
+    deadline_s: float = 0.1
+    ttl_s: float = 0.0
+    max_pending_bytes: int = 64 << 20
+    breaker_failures: int = 3
+    breaker_backoff_s: float = 0.5
+    breaker_max_backoff_s: float = 30.0
+
+    @property
+    def endpoint(self) -> str:
+        """Where the level is, without any password the URL carries (it is shown in
+        stats, metrics labels and logs)."""
+        if self.url is None:
+            return "cluster " + ",".join(self.cluster_nodes)
+        parts = urlsplit(self.url)
+        host = parts.netloc.rpartition("@")[2]
+        return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+class RemoteCalls:
+    """The client of one Redis/Valkey server or cluster. A fault is a ``None`` reply,
+    counted (``timeouts``, ``errors``), noted in ``last_error`` and logged at a bounded
+    rate; never an exception."""
+
+    def __init__(self, settings: RemoteSettings) -> None:
+        self.settings = settings
+        self.breaker = CircuitBreaker(
+            failures=settings.breaker_failures,
+            backoff_s=settings.breaker_backoff_s,
+            max_backoff_s=settings.breaker_max_backoff_s,
+        )
+        self.client: Any = None
+        self.timeouts = 0  # calls past the deadline
+        self.errors = 0  # calls that failed (connection, error reply)
+        self.last_error = ""
+        self._cluster_ready = False
+        self._last_logged = 0.0
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the server is a cluster (its keys lie in different slots)."""
+        return isinstance(self.client, RedisCluster)
+
+    def open(self) -> None:
+        """Create the client; it connects on its first call."""
+        s = self.settings
+        common: dict[str, Any] = {
+            "max_connections": s.pool_size,
+            # No per-reply timeout (redis-py's default is 5 s): the deadline of each call
+            # bounds every read of it, and a timer per reply would cost more than the read.
+            "socket_timeout": None,
+            "socket_connect_timeout": s.deadline_s,
+            "retry": Retry(NoBackoff(), 0),
+        }
+        if s.url is not None:
+            self.client = Redis.from_url(s.url, **common)
+        else:
+            nodes = [ClusterNode(*_host_port(node)) for node in s.cluster_nodes]
+            self.client = RedisCluster(startup_nodes=nodes, require_full_coverage=False, **common)
+
+    async def close(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            with contextlib.suppress(*_UNREACHABLE):
+                await client.aclose()
+
+    async def pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any] | None:
+        """Run commands in one non-transactional pipeline under the deadline and the
+        breaker; ``None`` when the call was refused, timed out or failed to connect.
+        Error replies come back in the list as exceptions."""
+        if self.client is None or not commands or not self.breaker.allow():
+            return None
+        failed = True  # until the replies are in: a cancelled call counts as a failure
+        try:
+            async with asyncio.timeout(self.settings.deadline_s):
+                if isinstance(self.client, RedisCluster) and not self._cluster_ready:
+                    await self.client.initialize()
+                    self._cluster_ready = True
+                pipe = self.client.pipeline(transaction=False)
+                for command in commands:
+                    pipe.execute_command(*command)
+                replies = await pipe.execute(raise_on_error=False)
+            failed = False
+        except (TimeoutError, RedisTimeout) as exc:
+            self.timeouts += 1
+            self._note(exc, "timed out")
+            return None
+        except _UNREACHABLE as exc:
+            self.errors += 1
+            self._note(exc, "unreachable")
+            return None
+        finally:
+            if failed:
+                self.breaker.failure()
+            else:
+                self.breaker.success()
+        return list(replies)
+
+    def _note(self, exc: BaseException, what: str) -> None:
+        self.last_error = f"{what}: {exc}" if str(exc) else what
+        now = time.monotonic()
+        if now - self._last_logged >= _LOG_EVERY_S:
+            self._last_logged = now
+            log.warning(
+                "remote level call failed",
+                remote=self.settings.name,
+                error=self.last_error,
+                breaker=str(self.breaker.state),
+            )
+
+
+def unanswered(reply: Any) -> bool:
+    """Whether a pipelined reply is a failure to get the command answered (a connection
+    error or a timeout), not an answer (an error reply such as OOM is one)."""
+    return isinstance(reply, BaseException) and not isinstance(reply, ResponseError)
+
+
+def _host_port(node: str) -> tuple[str, int]:
+    host, _, port = node.rpartition(":")
+    return host, int(port)

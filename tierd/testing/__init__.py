@@ -1,0 +1,38 @@
+"""Test kit shipped with tierd: the block-store conformance suite, store fakes and an
+in-loop daemon.
+
+Every :class:`~tierd.stores.BlockStore` must pass :class:`StoreConformance`. A test module
+subclasses it and says how to build an *unopened* store::
+
+    class TestMemoryStore(StoreConformance):
+        async def make_store(self, num_blocks: int, block_bytes: int) -> BlockStore:
+            return MemoryStore(num_blocks=num_blocks, block_bytes=block_bytes)
+
+View checks run only where ``store.has_views`` is true. :class:`FailingStore` wraps a
+real store and fails chosen blocks (or holds copies at a gate) for tier and chain tests.
+:func:`running_daemon` runs a whole daemon inside the test's event loop, on a real
+socket (:func:`daemon_config` builds a small cpu + disk config for it).
+This package imports pytest: it is for tests only.
+
+Modules: :mod:`~tierd.testing.conformance` (the suite), :mod:`~tierd.testing.faults`
+(stores that fail, bytes flipped on disk), :mod:`~tierd.testing.daemon` (configs, socket
+paths, a daemon in the test's loop), :mod:`~tierd.testing.blocks` (keys and block bytes).
+Import every name from here: ``from tierd.testing import FailingStore``.
+"""
+
+from tierd.testing.blocks import as_bytes, keys_for, random_blocks
+from tierd.testing.conformance import StoreConformance
+from tierd.testing.daemon import daemon_config, running_daemon, short_socket_path
+from tierd.testing.faults import FailingStore, corrupt_disk_block
+
+__all__ = [
+    "FailingStore",
+    "StoreConformance",
+    "as_bytes",
+    "corrupt_disk_block",
+    "daemon_config",
+    "keys_for",
+    "random_blocks",
+    "running_daemon",
+    "short_socket_path",
+]

@@ -1,0 +1,105 @@
+"""Staging areas of the transfer engine, and the zero-copy buffers of a batch.
+
+A route between two stores that both lack slot views (GPU <-> DISK) copies through a
+pinned CPU store used only through its views: :class:`StagingAreas` makes one per block
+size on first use (:class:`Staging`, cut into segments a chunk leases one at a time) and
+releases them all on close. :func:`slot_buffers` gives the cheapest form of a batch's
+slot buffers that another store takes, for the direct routes and the staged ones alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from tierd.errors import TransferError
+from tierd.stores.base import BlockStore, slot_run_start
+from tierd.stores.memory import HostPoolStore
+
+__all__ = ["Staging", "StagingAreas", "StagingFactory", "slot_buffers"]
+
+# Builds an unopened CPU store of (num_blocks, block_bytes) whose views are the staging area.
+StagingFactory = Callable[[int, int], BlockStore]
+
+_MiB = 1 << 20
+# A cudaMemcpyAsync costs about 2 us: at or above 1 MiB per block, one DMA per block wastes
+# little, below it the GPU store had better pack the blocks into one buffer first.
+_DMA_BLOCK_BYTES = _MiB
+_STAGING_SEGMENTS = 2
+
+
+class Staging:
+    """A CPU store used only through its slot views, cut into equal segments of
+    consecutive slots; a staged chunk leases one segment at a time."""
+
+    def __init__(self, store: BlockStore, segments: int) -> None:
+        self.store = store
+        self.blocks = store.num_blocks // segments  # per segment
+        self._free: asyncio.Queue[int] = asyncio.Queue()
+        for segment in range(segments):
+            self._free.put_nowait(segment * self.blocks)
+
+    @asynccontextmanager
+    async def lease(self, count: int) -> AsyncIterator[Any]:
+        first = await self._free.get()
+        try:
+            yield slot_buffers(self.store, range(first, first + count), dma=True)
+        finally:
+            self._free.put_nowait(first)
+
+
+class StagingAreas:
+    """One :class:`Staging` per block size, of about ``staging_bytes`` (at least one block
+    per segment), opened on first use; :meth:`close` releases them and refuses more."""
+
+    def __init__(self, staging_bytes: int, factory: StagingFactory | None) -> None:
+        self._bytes = staging_bytes
+        self._factory = factory or _default_staging
+        self._areas: dict[int, Staging] = {}
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    async def get(self, block_bytes: int) -> Staging:
+        async with self._lock:
+            if self._closed:
+                raise TransferError("the transfer engine is closed")
+            staging = self._areas.get(block_bytes)
+            if staging is None:
+                per_segment = max(1, self._bytes // block_bytes // _STAGING_SEGMENTS)
+                factory = self._factory(per_segment * _STAGING_SEGMENTS, block_bytes)
+                store = await factory.open()
+                staging = self._areas[block_bytes] = Staging(store, _STAGING_SEGMENTS)
+            return staging
+
+    async def close(self) -> None:
+        """Release the staging areas; idempotent."""
+        self._closed = True
+        async with self._lock:
+            stagings, self._areas = list(self._areas.values()), {}
+        for staging in stagings:
+            await staging.store.close()
+
+
+def slot_buffers(store: BlockStore, slots: Sequence[int], *, dma: bool) -> Any | None:
+    """Zero-copy buffers for ``slots`` of ``store``, in the cheapest form another store
+    takes: one ``[n, block_bytes]`` tensor for a consecutive run of a host pool (one copy,
+    one DMA), per-block tensors towards a GPU for big blocks (one DMA each, no packing),
+    else per-slot views; ``None`` when the store has no views."""
+    if not store.has_views:
+        return None
+    if isinstance(store, HostPoolStore) and store.stride == store.block_bytes:
+        start = slot_run_start(slots)
+        if start is not None:
+            return store.pool_tensor()[start : start + len(slots)]
+        if dma and store.block_bytes >= _DMA_BLOCK_BYTES:
+            return [store.tensor_view(slot) for slot in slots]
+    return [store.view(slot) for slot in slots]
+
+
+def _default_staging(num_blocks: int, block_bytes: int) -> BlockStore:
+    # Imported here: only the staged routes need a CPU pool.
+    from tierd.stores.cpu import CpuStore
+
+    return CpuStore(num_blocks=num_blocks, block_bytes=block_bytes)
