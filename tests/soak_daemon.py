@@ -18,8 +18,8 @@ Run as a child process (``python tests/soak_daemon.py ...``):
     waits to be killed with its lease open. ``refused CODE`` and exit status 3 when the
     daemon refuses the lease.
 
-Imported (by ``tests/soak_kit.py`` and the tests): :func:`content`, :class:`FaultPlan`,
-:class:`FaultControl`, :class:`FaultFileIO`.
+Imported (by the soak kit, ``tests/soak_*.py``, and the tests): :func:`content`,
+:class:`FaultPlan`, :class:`FaultControl`, :class:`FaultFileIO`.
 
 The fault layer fails or slows only the block transfers of the slab (a ``pwritev`` or
 ``preadv`` of a header page plus the block's data: exactly two buffers); the superblock,

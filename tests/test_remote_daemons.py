@@ -6,8 +6,8 @@ Each daemon is a child process with its own socket, its own CPU tier (shared mem
 its own disk tier directory; both name the same ``remote: url``. The blocks reach the
 server deterministically: ``flush`` through daemon A copies its CPU tier down to its disk
 tier and then sends the disk tier's blocks to the remote level, waiting for the writes.
-Start-up is awaited by polling for a hello answer under a deadline (a process start is not
-something a test can hook into); every process is stopped by its PID.
+The daemons are started and stopped (by PID) with the ``spawn`` fixture that the lifecycle
+tests use.
 
 The last tests check the write path the daemons share through the level itself: a write
 asks ``EXISTS`` first only while that pays, and the value buffers it reuses never mix
@@ -19,30 +19,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import os
 import random
-import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from redis_kit import RedisServer, redis_server
 
+from tests.test_daemon_lifecycle import DaemonProcess, Spawn, spawn
 from tierd.cli import main
-from tierd.client import Client, Unreachable
+from tierd.client import Client
 from tierd.keys import BlockKey
-from tierd.remote.redis_level import RedisLevel, RemoteSettings
-from tierd.testing import short_socket_path
+from tierd.remote.calls import RemoteSettings
+from tierd.remote.redis_level import RedisLevel
+from tierd.testing import daemon_config
+
+__all__ = ["spawn"]  # the fixture, re-exported for pytest
 
 BLOCK = 16 << 10
 NAMESPACE = "model-x"
-START_DEADLINE_S = 30.0  # a loaded CI machine starting Python and mapping a pool
-EXIT_DEADLINE_S = 60.0
 
 
 def block(key: bytes) -> bytes:
@@ -53,82 +50,18 @@ def names(prefix: str, count: int) -> list[BlockKey]:
     return [BlockKey(f"{prefix}-{i}".encode()) for i in range(count)]
 
 
-def child_env() -> dict[str, str]:
-    """This environment without anything that would configure the daemon."""
-    return {
-        k: v for k, v in os.environ.items() if not k.startswith("TIERD_") and k != "NOTIFY_SOCKET"
-    }
+def node_config(home: Path, remote_url: str) -> dict[str, Any]:
+    """A daemon of its own CPU and disk tiers over the shared remote level at ``remote_url``."""
+    home.mkdir(mode=0o700)
+    config = daemon_config(home, cpu_blocks=16, disk_blocks=64, block_bytes=BLOCK)
+    # A generous deadline: this asserts hits, not latency, on a busy CI machine.
+    config["remote"] = {"url": remote_url, "deadline": "2s"}
+    config["logging"] = {"level": "warning"}
+    return config
 
 
-class Serve:
-    """One ``tierd serve`` child process; its output goes to a file (no pipe to fill)."""
-
-    def __init__(self, home: Path, remote_url: str) -> None:
-        home.mkdir(mode=0o700)
-        disk = home / "disk"
-        disk.mkdir(mode=0o700)
-        socket_path = home / "tierd.sock"
-        # A Unix socket path has at most 107 bytes; pytest's tmp_path can be long.
-        self.socket = str(socket_path) if len(str(socket_path)) < 100 else short_socket_path()
-        self.config: dict[str, Any] = {
-            "block_bytes": BLOCK,
-            "tiers": [
-                {"name": "cpu", "kind": "cpu", "capacity": 16},
-                {"name": "disk", "kind": "disk", "capacity": 64, "directories": [str(disk)]},
-            ],
-            "socket": {"path": self.socket},
-            # A generous deadline: this asserts hits, not latency, on a busy CI machine.
-            "remote": {"url": remote_url, "deadline": "2s"},
-            "logging": {"level": "warning"},
-        }
-        config_file = home / "tierd.yaml"
-        config_file.write_text(yaml.safe_dump(self.config))
-        self.log = home / "serve.log"
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tierd", "serve", "-c", str(config_file)],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                env=child_env(),
-            )
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    async def wait_ready(self) -> None:
-        """Poll until the socket answers a hello; fail at once if the process exits."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + START_DEADLINE_S
-        while True:
-            status = self.proc.poll()
-            if status is not None:
-                raise AssertionError(f"tierd serve exited with {status}:\n{self.output()}")
-            try:
-                client = await Client.connect(self.socket)
-            except Unreachable:
-                if loop.time() > deadline:
-                    message = f"no hello within {START_DEADLINE_S}s:\n{self.output()}"
-                    raise AssertionError(message) from None
-                await asyncio.sleep(0.05)  # start-up: nothing to wait on but the socket
-                continue
-            await client.close()
-            return
-
-    async def client(self, namespace: str = NAMESPACE) -> Client:
-        return await Client.connect(self.socket, namespace=namespace, block_bytes=BLOCK)
-
-    def stop(self) -> int:
-        """SIGTERM by PID, then wait for the exit (SIGKILL only past the deadline)."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                return self.proc.wait(EXIT_DEADLINE_S)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(EXIT_DEADLINE_S)
-                raise AssertionError(f"tierd serve ignored SIGTERM:\n{self.output()}") from None
-        return self.proc.returncode
+async def connect(daemon: DaemonProcess, namespace: str = NAMESPACE) -> Client:
+    return await Client.connect(daemon.socket_path, namespace=namespace, block_bytes=BLOCK)
 
 
 @pytest.fixture
@@ -138,17 +71,17 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @asynccontextmanager
-async def two_daemons(tmp_path: Path, url: str) -> AsyncIterator[tuple[Serve, Serve]]:
-    """Daemons A and B over the server at ``url``, both ready; stopped (status 0) on exit."""
-    started: list[Serve] = []
+async def two_daemons(
+    tmp_path: Path, spawn: Spawn, url: str
+) -> AsyncIterator[tuple[DaemonProcess, DaemonProcess]]:
+    """Daemons A and B over the server at ``url``, both ready; stopped by PID (SIGTERM,
+    status 0) on exit."""
+    a, b = [await spawn(node_config(tmp_path / name, url)) for name in ("a", "b")]
     try:
-        for name in ("a", "b"):
-            started.append(Serve(tmp_path / name, url))
-        await asyncio.gather(*(daemon.wait_ready() for daemon in started))
-        yield started[0], started[1]
+        yield a, b
     finally:
-        statuses = [await asyncio.to_thread(daemon.stop) for daemon in started]
-    assert statuses == [0] * len(started), [d.output() for d in started]
+        statuses = [await a.stop(), await b.stop()]
+    assert statuses == [0, 0], [a.stderr(), b.stderr()]
 
 
 async def cli(*argv: str) -> tuple[int, str]:
@@ -164,11 +97,11 @@ async def cli(*argv: str) -> tuple[int, str]:
 
 
 async def test_a_block_stored_through_one_daemon_loads_byte_exact_through_another(
-    tmp_path: Path, server: RedisServer
+    tmp_path: Path, spawn: Spawn, server: RedisServer
 ) -> None:
     keys = names("shared", 6)
-    async with two_daemons(tmp_path, server.url) as (a, b):
-        async with await a.client() as client:
+    async with two_daemons(tmp_path, spawn, server.url) as (a, b):
+        async with await connect(a) as client:
             assert await client.store(keys, [block(k) for k in keys]) == len(keys)
             flushed = await client.flush()
             assert flushed.dirty == 0, flushed
@@ -176,7 +109,7 @@ async def test_a_block_stored_through_one_daemon_loads_byte_exact_through_anothe
         assert a_remote["stores"] == len(keys) and a_remote["write_errors"] == 0
         assert server.cli("DBSIZE").strip() == str(len(keys))
 
-        async with await b.client() as client:
+        async with await connect(b) as client:
             before = await client.stats()
             assert before["remote"]["hits"] == 0
             assert all(tier["used"] == 0 for tier in before["tiers"])  # B holds nothing
@@ -201,17 +134,17 @@ async def test_a_block_stored_through_one_daemon_loads_byte_exact_through_anothe
         assert cpu["promotions"] == len(keys) and cpu["used"] == len(keys)
 
         # Another namespace is another key prefix: B finds nothing of model-x's there.
-        async with await b.client("model-y") as client:
+        async with await connect(b, "model-y") as client:
             assert (await client.lookup(keys)).count == 0
 
-        status, out = await cli("stats", "--json", "--socket", b.socket)
+        status, out = await cli("stats", "--json", "--socket", b.socket_path)
         assert status == 0
         assert '"lookup_hits": 6' in out and '"medium": "REMOTE"' in out
-        status, out = await cli("stats", "--socket", b.socket)
+        status, out = await cli("stats", "--socket", b.socket_path)
         assert status == 0
         assert f"remote remote (REMOTE) {server.url}: breaker closed, 6 lookup hits" in out
         status, out = await cli(
-            "top", "--socket", b.socket, "--plain", "--count", "1", "--interval", "0.05"
+            "top", "--socket", b.socket_path, "--plain", "--count", "1", "--interval", "0.05"
         )
         assert status == 0, out
         assert f"remote remote (REMOTE) {server.url}" in out

@@ -4,8 +4,8 @@
 fuzzer, a stuck subscriber, SIGKILL restarts, clients killed holding leases, every kind of
 disk fault) for 60 s of load and checks its verdict and its report. The focused tests take
 one fault at a time, through the same pieces (``tests/soak_daemon.py``: the fault layer,
-the daemon runner, the lease-holding child; ``tests/soak_kit.py``: workers, fuzzer,
-stuck subscriber), and pin down what the daemon must do about it. What
+the daemon runner, the lease-holding child; ``tests/soak_kit.py`` and its modules: workers,
+fuzzer, stuck subscriber), and pin down what the daemon must do about it. What
 ``tests/test_daemon_api.py`` and ``tests/test_daemon_lifecycle.py`` already cover (a
 killed client's leases, a never-reading subscriber on its own, SIGTERM restarts, the
 fuzzer on its own) is not repeated: these tests go through the disk tier's file layer and
