@@ -167,10 +167,11 @@ class ChainLoads(ChainMoves):
         self, target: int, keys: list[BlockKey], pinned: set[BlockKey]
     ) -> None:
         """Fetch the leading ``keys`` the remote level holds intact (verified into private
-        buffers first) and store them into ``target``, pinned there."""
-        assert self.remote is not None
-        payloads = await self.remote.level.get(keys)
-        if not payloads:
+        buffers first) and store them into ``target``, pinned there (nothing without a
+        remote level)."""
+        remote = self.remote
+        payloads = await remote.level.get(keys) if remote is not None else []
+        if remote is None or not payloads:
             return
         fetched = dict(zip(keys, payloads, strict=False))
 
@@ -178,7 +179,7 @@ class ChainLoads(ChainMoves):
             return await store.write(plan.slots, plan.keys, [fetched[k] for k in plan.keys])
 
         moved = await self._store_into(target, list(fetched), fill)
-        self.remote.promotions += len(moved)
+        remote.promotions += len(moved)
         self.levels[target].promotions += len(moved)
         self._pin(target, moved, pinned)
 

@@ -126,15 +126,16 @@ class ChainMoves(ChainState):
             await self._send_remote(index, keys, wait=False)
 
     async def _send_remote(self, index: int, keys: list[BlockKey], *, wait: bool) -> int:
-        """Copy ready blocks of level ``index`` to the remote level, pinned meanwhile."""
-        assert self.remote is not None
+        """Copy ready blocks of level ``index`` to the remote level, pinned meanwhile
+        (nothing is sent from a chain without one)."""
+        remote = self.remote
         tier = self.levels[index].tier
         keys = [k for k in keys if k in tier]
-        if not keys:
+        if remote is None or not keys:
             return 0
         slots = tier.prepare_load(keys)
         try:
-            return await self.remote.copy_out(self.levels[index].store, slots, keys, wait=wait)
+            return await remote.copy_out(self.levels[index].store, slots, keys, wait=wait)
         finally:
             self._unpin(index, keys)
 

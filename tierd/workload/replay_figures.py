@@ -19,6 +19,8 @@ __all__ = [
     "ReplayProgress",
     "ReplaySummary",
     "block_content",
+    "rate",
+    "slowest_medium",
 ]
 
 SAMPLE_CAP = 20_000  # load latency samples kept per medium (reservoir)
@@ -136,3 +138,16 @@ class Latencies:
         mean = self.total / count if count else 0.0
         return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "mean": mean,
                 "count": count}  # fmt: skip
+
+
+def rate(amount: float, per: float) -> float:
+    return amount / per if per > 0 else 0.0
+
+
+_SPEED_ORDER = {"GPU": 0, "MEMORY": 1, "CPU": 2, "DISK": 3}
+
+
+def slowest_medium(media: Sequence[str]) -> str:
+    """The slowest of the media a chunk is served from (fastest first: GPU, MEMORY, CPU,
+    DISK), which decides how long its load takes."""
+    return max(media, key=lambda m: _SPEED_ORDER.get(m, len(_SPEED_ORDER)))

@@ -49,6 +49,8 @@ from tierd.workload.replay_figures import (
     ReplayProgress,
     ReplaySummary,
     block_content,
+    rate,
+    slowest_medium,
 )
 from tierd.workload.trace import Trace, TraceRequest
 
@@ -222,7 +224,7 @@ class _Replay:
                 self.errors[f"load_{_code(exc)}"] += 1
                 blocks = []
             else:
-                medium = _slowest(media[start : start + len(part)])
+                medium = slowest_medium(media[start : start + len(part)])
                 if medium not in self.load_lat:
                     self.load_lat[medium] = Latencies(keep=SAMPLE_CAP)
                 self.load_lat[medium].add(time.perf_counter() - began)
@@ -298,9 +300,9 @@ class _Replay:
             block_accesses=acc,
             hits=self.hits,
             misses=acc - self.hits,
-            hit_ratio=_rate(self.hits, acc),
+            hit_ratio=rate(self.hits, acc),
             hits_by_medium=hits_by,
-            hit_ratio_by_medium={m: _rate(n, acc) for m, n in hits_by.items()},
+            hit_ratio_by_medium={m: rate(n, acc) for m, n in hits_by.items()},
             loaded_blocks=self.loaded,
             stored_blocks=self.stored,
             load_shortfalls=self.shortfalls,
@@ -335,12 +337,12 @@ class _Replay:
         )
         load_time = sum(lat.total for lat in self.load_lat.values())
         return {
-            "store_gb_s": _rate(stored_gb, seconds),
-            "load_gb_s": _rate(loaded_gb, seconds),
-            "store_call_gb_s": _rate(stored_gb, self.store_lat.total),
-            "load_call_gb_s": _rate(loaded_gb, load_time),
-            "requests_per_s": _rate(self.done, seconds),
-            "accesses_per_s": _rate(self.accesses, seconds),
+            "store_gb_s": rate(stored_gb, seconds),
+            "load_gb_s": rate(loaded_gb, seconds),
+            "store_call_gb_s": rate(stored_gb, self.store_lat.total),
+            "load_call_gb_s": rate(loaded_gb, load_time),
+            "requests_per_s": rate(self.done, seconds),
+            "accesses_per_s": rate(self.accesses, seconds),
         }
 
 
@@ -389,16 +391,3 @@ async def replay(
 def _code(exc: BaseException) -> str:
     code = getattr(exc, "code", None)
     return str(code) if code else type(exc).__name__
-
-
-def _rate(amount: float, per: float) -> float:
-    return amount / per if per > 0 else 0.0
-
-
-_SPEED_ORDER = {"GPU": 0, "MEMORY": 1, "CPU": 2, "DISK": 3}
-
-
-def _slowest(media: Sequence[str]) -> str:
-    """The slowest of the media a chunk is served from (fastest first: GPU, MEMORY, CPU,
-    DISK), which decides how long its load takes."""
-    return max(media, key=lambda m: _SPEED_ORDER.get(m, len(_SPEED_ORDER)))
