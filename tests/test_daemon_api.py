@@ -1231,7 +1231,8 @@ def test_every_listed_operation_is_answered_and_no_other() -> None:
     from tierd.control.context import ServerContext
     from tierd.control.protocol import OPERATIONS
     from tierd.control.session import Session
+    from tierd.control.tenants import TenantTable
 
-    session = Session(ServerContext.for_chain(None), lambda message: None)  # type: ignore[arg-type]
+    session = Session(ServerContext(TenantTable()), lambda message: None)
     assert set(session._sync) | set(session._async) == set(OPERATIONS)
     assert not set(session._sync) & set(session._async)

@@ -23,11 +23,9 @@ from tierd.keys import MAX_KEY_BYTES
 from tierd.version import __version__
 
 if TYPE_CHECKING:
-    from tierd.chain import TierChain
+    pass
 
 __all__ = ["Limits", "PoolInfo", "ServerContext"]
-
-_LEASE_KEYS = ("leases_held_blocks", "leases_expired", "lease_refusals")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +65,6 @@ class ServerContext:
     timing: RequestTiming = field(default_factory=RequestTiming)
     _next_lease: int = 0
     _open_leases: Callable[[], int] = lambda: 0
-
-    @classmethod
-    def for_chain(cls, chain: TierChain, **fields: Any) -> ServerContext:
-        """A server of one chain, whose only tenant's operator is this process's user."""
-        return cls(TenantTable.single(chain), **fields)
 
     @property
     def block_bytes(self) -> int:
@@ -156,8 +149,7 @@ class ServerContext:
             for tenant in self.tenants.tenants
         }
         merged = merge_stats(list(each.values()))
-        leases = {key: sum(s["leases"][key] for s in each.values()) for key in _LEASE_KEYS}
-        return {**merged, "leases": leases, "tenants": each, "server": self.server_fields()}
+        return {**merged, "tenants": each, "server": self.server_fields()}
 
     def metrics(self) -> str:
         return render_prometheus(self.stats(), self.timing.collectors())

@@ -122,13 +122,16 @@ def merge_stats(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
         states = [r["state"] for r in remotes if r["state"] != "closed"]
         remote["state"] = states[0] if states else "closed"
         remote["last_error"] = next((r["last_error"] for r in remotes if r["last_error"]), "")
-    return {
+    merged = {
         "block_bytes": first["block_bytes"],
         "tiers": tiers,
         "remote": remote,
         "routes": routes,
         "chain": chain,
     }
+    if all("leases" in s for s in snapshots):  # a tenant's own lease counters
+        merged["leases"] = _add([s["leases"] for s in snapshots])
+    return merged
 
 
 def _add(items: list[dict[str, Any]]) -> dict[str, Any]:

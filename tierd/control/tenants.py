@@ -130,12 +130,3 @@ class TenantTable:
 
     def named(self, name: str) -> Tenant | None:
         return next((t for t in self.tenants if t.name == name), None)
-
-    @classmethod
-    def single(cls, chain: TierChain, pool: PoolInfo | None = None) -> TenantTable:
-        """One tenant, ``default``, whose operator is this process's own user (what a
-        daemon without a ``tenants:`` section serves, and what tests build)."""
-        import os
-
-        tenant = Tenant("default", chain, pool)
-        return cls([tenant], [Grant(tenant, True, frozenset({os.getuid()}))])
