@@ -232,6 +232,21 @@ class Client:
         reply = await self.request("lookup", keys=list(keys))
         return Lookup(reply["count"], tuple(reply["media"]), reply["in_flight"])
 
+    async def lookup_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether the daemon holds it ready in any tier of this tenant's chain,
+        the remote level included (a key still being written: False). Unlike
+        :meth:`lookup` a miss does not stop the answer. One request per
+        ``max_keys_per_request`` keys (the daemon's limit, from hello), sent together."""
+        if not keys:
+            return []
+        step = int(self.info.get("max_keys_per_request") or len(keys))
+        asked = [
+            self.send("lookup_each", keys=list(keys[start : start + step]))
+            for start in range(0, len(keys), step)
+        ]
+        replies = await asyncio.gather(*asked)
+        return [bool(flag) for reply in replies for flag in reply["present"]]
+
     async def touch(self, keys: Sequence[bytes]) -> None:
         await self.request("touch", keys=list(keys))
 

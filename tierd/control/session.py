@@ -105,6 +105,7 @@ class Session:
         answered: dict[str, _Answer] = {
             "hello": self._hello,
             "lookup": self._lookup,
+            "lookup_each": self._lookup_each,
             "touch": self._touch,
             "complete_load": blocks.complete_load,
             "abort_store": blocks.abort_store,
@@ -134,6 +135,8 @@ class Session:
         if self.tenant is not None and self.tenant.chain.remote is not None:
             self._sync.pop("lookup", None)  # a lookup asks the remote level too
             self._async["lookup"] = self._find
+            self._sync.pop("lookup_each", None)
+            self._async["lookup_each"] = self._find_each
 
     # -- dispatch ---------------------------------------------------------------------
 
@@ -278,6 +281,12 @@ class Session:
 
     async def _find(self, msg: dict[str, Any]) -> Reply:
         return self._lookup_reply(await self.chain().find(self.keys(msg)))
+
+    def _lookup_each(self, msg: dict[str, Any]) -> Reply:
+        return {"present": self.chain().holds(self.keys(msg))}
+
+    async def _find_each(self, msg: dict[str, Any]) -> Reply:
+        return {"present": await self.chain().find_each(self.keys(msg))}
 
     @staticmethod
     def _lookup_reply(result: LookupResult) -> Reply:
