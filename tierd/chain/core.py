@@ -97,19 +97,26 @@ class TierChain(ChainLoads):
     def holds(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key, whether some local level holds it ready (in flight: False). Unlike
         :meth:`lookup` it does not stop at a miss; it counts one lookup and its hits."""
-        tiers, by_level = self._tiers, self._hits_by_level
+        by_level = self._hits_by_level
         held = [False] * len(keys)
         for i, key in enumerate(keys):
-            for index, tier in enumerate(tiers):
-                if key in tier:
-                    held[i] = True
-                    by_level[index] += 1
-                    break
+            index = self._holder(key)
+            if index is not None:
+                held[i] = True
+                by_level[index] += 1
         hits = held.count(True)
         self._lookups += 1
         self._hit_blocks += hits
         self._miss_blocks += len(keys) - hits
         return held
+
+    def held_locally(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Per key, whether some local level holds it ready; a query that counts nothing."""
+        return [self._holder(key) is not None for key in keys]
+
+    def _holder(self, key: BlockKey) -> int | None:
+        """The fastest level that holds ``key`` ready."""
+        return next((i for i, tier in enumerate(self._tiers) if key in tier), None)
 
     async def find_each(self, keys: Sequence[BlockKey]) -> list[bool]:
         """:meth:`holds`, then, with a remote level, one batched existence check there for
