@@ -172,6 +172,11 @@ class RegionRequests:
                 code=ErrorCode.BAD_REQUEST,
             )
         self.session.chain()  # a user of no tenant keeps no blocks
+        if self.session.namespace is None:
+            raise ProtocolError(
+                "regions hold blocks of a namespace: name one in hello",
+                code=ErrorCode.NAMESPACE_REQUIRED,
+            )
         self.table.check_room()
         receive = self._receive_fd()
         if receive is None:
