@@ -15,8 +15,9 @@ engine's scheduler loop does: every step the client takes must then win the GIL 
 
 Each round stores 32 fresh keys with each path, then loads 32 stored keys with each path
 (alternating which path goes first); figures are medians over the rounds, per path, of
-the time one job takes in the client (``time.perf_counter`` around the awaited call).
-Prints a Markdown table.
+the time one job takes in the client (``time.perf_counter`` around the awaited call) and
+of the CPU time this process's thread spent on it (``time.thread_time``: the work that,
+in an engine, holds its GIL). Prints a Markdown table.
 
     PYTHONPATH=. python scripts/bench_regions.py [--busy] [--rounds 30] [--blocks 32]
 """
@@ -113,9 +114,10 @@ async def one_round(
     took: dict[str, float] = {}
     for group in jobs:
         for name in list(group) if r % 2 else list(reversed(group)):
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             await group[name]()
             took[name] = time.perf_counter() - started
+            took[f"{name} cpu"] = time.thread_time() - cpu
     return took
 
 
@@ -152,15 +154,17 @@ def main() -> None:
     beside = "a busy Python thread beside" if args.busy else "nothing else running"
     print(f"{args.blocks} blocks of {args.block_kib} KiB per job, {args.rounds} rounds, {beside}")
     print()
-    print("| job | regions | leases | leases / regions |")
-    print("|---|---:|---:|---:|")
+    print("| job | regions: wall | leases: wall | regions: client CPU | leases: client CPU |")
+    print("|---|---:|---:|---:|---:|")
     for op in ("store", "load"):
-        region = statistics.median(times[f"region {op}"])
-        lease = statistics.median(times[f"lease {op}"])
-        print(
-            f"| {op} | {region * 1e3:.2f} ms ({mib / region / 1024:.1f} GiB/s)"
-            f" | {lease * 1e3:.2f} ms ({mib / lease / 1024:.1f} GiB/s) | {lease / region:.2f}x |"
-        )
+        cells = []
+        for kind in ("", " cpu"):
+            for path in ("region", "lease"):
+                seconds = statistics.median(times[f"{path} {op}{kind}"])
+                rate = f" ({mib / seconds / 1024:.1f} GiB/s)" if not kind else ""
+                cells.append(f"{seconds * 1e3:.2f} ms{rate}")
+        print(f"| {op} | " + " | ".join(cells) + " |")
+    print(f"\nload average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
 
 if __name__ == "__main__":
