@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from redis_kit import redis_server
 
 from tests.test_daemon_api import (
     _watch_connections,
@@ -278,3 +279,25 @@ async def test_jobs_over_the_daemons_bounds_are_split_by_the_client(tmp_path: Pa
                     "region_store", region=region, keys=keys, offsets=rows(*range(20)).tobytes()
                 )
             assert info.value.code == "too_many_keys"
+
+
+async def test_loads_promote_from_the_remote_level(tmp_path: Path) -> None:
+    with redis_server(tmp_path / "redis") as redis:
+        remote = {"url": redis.url, "deadline": "2s"}
+        async with serve(tmp_path, remote=remote) as daemon, await connect(daemon) as client:
+            with memfd(16 * BLOCK) as fd:
+                for i in range(4):
+                    os.pwrite(fd, pattern(b"far%d-" % i, BLOCK), i * BLOCK)
+                region = await client.register_region(fd, 16 * BLOCK)
+                keys = [b"far%d" % i for i in range(4)]
+                assert await client.region_store(region, keys, rows(0, 1, 2, 3)) == [True] * 4
+                await client.flush()  # down to disk, then to the remote level
+                async with await connect(daemon, None) as operator:
+                    assert await operator.clear() >= 4
+                assert await client.lookup_each(keys) == [True] * 4  # remotely only
+                asked = [keys[2], b"nowhere", keys[0], keys[3]]
+                done = await client.region_load(region, asked, rows(8, 9, 10, 11))
+                assert done == [True, False, True, True]
+                for j, i in ((0, 2), (2, 0), (3, 3)):
+                    assert read(fd, (8 + j) * BLOCK) == pattern(b"far%d-" % i, BLOCK)
+                assert (await client.lookup(keys[2:3])).media == ("CPU",)  # promoted
