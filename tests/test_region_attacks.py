@@ -403,3 +403,48 @@ async def test_a_user_without_a_namespace_cannot_register(tmp_path: Path) -> Non
             message = await refused(operator.register_region(fd, BLOCK), "namespace_required")
             assert "namespace" in message
             assert open_descriptors("attack-operator") == 1
+
+
+async def test_a_job_cancelled_mid_copy_releases_after_the_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shutdown cancels what outlives its grace: the pins stay until the copy ends."""
+    entered, gate = threading.Event(), threading.Event()
+    real = regions_module.write_region
+    copied: list[bool] = []
+
+    def held(*args: Any) -> Any:
+        entered.set()
+        gate.wait(30)
+        result = real(*args)
+        copied.extend(result)
+        return result
+
+    monkeypatch.setattr(regions_module, "write_region", held)
+    async with serve(tmp_path) as daemon:
+        with memfd(8 * BLOCK, "attack-cancel") as fd:
+            client, conn = await connect_watched(daemon)
+            await client.store([b"k"], [pattern(b"cancel", BLOCK)])
+            region = await client.register_region(fd, 8 * BLOCK)
+            pending = client.send(
+                "region_load", region=region, keys=[b"k"], offsets=rows(1).tobytes()
+            )
+            try:
+                await asyncio.to_thread(entered.wait, 30)
+                (task,) = conn.session.tasks
+                task.cancel()
+                await asyncio.sleep(0)  # one pass of the loop: the task takes the cancellation
+                assert not task.done()
+                tier = tenants_of(daemon)[0].chain.levels[0].tier
+                assert tier.stats().pinned == 1  # the copy still reads the slot
+            finally:
+                gate.set()
+            async with asyncio.timeout(30):
+                await asyncio.wait([task])
+            assert task.cancelled() and copied == [True]
+            assert tier.stats().pinned == 0
+            assert not pending.done()  # a cancelled request gets no reply
+            assert read(fd, BLOCK) == pattern(b"cancel", BLOCK)
+            await client.close()
+            with pytest.raises(Unreachable):
+                await pending
