@@ -21,7 +21,7 @@ from tierd.config import DaemonConfig
 from tierd.control.tenants import Grant, PoolInfo, Tenant, TenantTable
 from tierd.errors import TierdError
 from tierd.library import open_chain
-from tierd.stores.cpu import CpuStore
+from tierd.stores.cpu import CpuStore, StartProgress
 from tierd.stores.disk_slab import SLAB_FILE
 from tierd.tenancy import TenantConfig
 from tierd.units import share_parts
@@ -32,15 +32,19 @@ log = structlog.get_logger("tierd")
 
 
 async def open_tenants(
-    cfg: DaemonConfig, stack: AsyncExitStack, chains: dict[str, TierChain]
+    cfg: DaemonConfig,
+    stack: AsyncExitStack,
+    chains: dict[str, TierChain],
+    progress: StartProgress | None = None,
 ) -> TenantTable:
     """Open one chain per tenant (see :mod:`tierd.tenancy`) and say who is which. Each
-    chain is entered into ``stack`` and put in ``chains`` (by tenant) as it opens."""
+    chain is entered into ``stack`` and put in ``chains`` (by tenant) as it opens;
+    ``progress`` hears how the CPU pools' allocation and pinning go."""
     table = TenantTable()
     warn_of_untenanted_slabs(cfg)
     for spec, chain_cfg in cfg.tenant_chains():
         try:
-            chain = await stack.enter_async_context(open_chain(chain_cfg))
+            chain = await stack.enter_async_context(open_chain(chain_cfg, progress=progress))
         except TierdError as exc:
             if cfg.tenants:  # name the tenant: each has tiers of the same names
                 exc.args = (f"tenant {spec.name!r}: {exc}", *exc.args[1:])
