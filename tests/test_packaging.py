@@ -30,6 +30,7 @@ SETUP = ROOT / "scripts" / "setup"
 TEST_ONLY_MODULES = {
     "tierd/testing/conformance.py": ("test", "gpu"),
     "tierd/stores/gpu.py": ("gpu",),
+    "tierd/stores/gpu_calls.py": ("gpu",),
 }
 # Import names whose distribution is not the import name with "_" read as "-".
 DISTRIBUTION_OF = {"yaml": "pyyaml"}

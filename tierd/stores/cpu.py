@@ -148,7 +148,17 @@ class CpuStore(HostPoolStore):
             raise
 
     async def _close(self) -> None:
+        if self._pinned_chunks:
+            # Unregistering many GiB takes seconds: not on the loop.
+            chunks = self._pinned_chunks
+            await settle(asyncio.get_running_loop().run_in_executor(None, self._unpin, chunks))
         self._release()
+
+    def _unpin(self, chunks: list[int]) -> None:
+        try:
+            host_unregister(chunks, cudart=self._cudart)  # empties ``chunks``
+        except CudaCallError as exc:
+            log.error("cannot unregister the host pool", path=self.path, error=str(exc))
 
     @property
     def fd(self) -> int | None:
@@ -237,10 +247,7 @@ class CpuStore(HostPoolStore):
     def _release(self) -> None:
         """Unregister, drop the mapping (now, or with the last view) and unlink."""
         if self._pinned_chunks:
-            try:
-                host_unregister(self._pinned_chunks, cudart=self._cudart)
-            except CudaCallError as exc:
-                log.error("cannot unregister the host pool", path=self.path, error=str(exc))
+            self._unpin(self._pinned_chunks)
         self._detach()
         if self._mmap is not None:
             try:

@@ -55,32 +55,22 @@ from tierd.stores.base import (
     tensor_memoryview,
 )
 from tierd.stores.cuda import EventWaiter, cuda_unavailable_reason
+from tierd.stores.gpu_calls import DeviceLost, is_device_error, is_sticky
+from tierd.stores.gpu_calls import bind as _bind
+from tierd.stores.gpu_calls import current_stream as _current_stream
+from tierd.stores.gpu_calls import device_scope as _device_scope
+from tierd.stores.gpu_calls import host_pinned as _host_pinned
+from tierd.stores.gpu_calls import set_device as _set_device
+from tierd.stores.gpu_calls import stream_scope as _stream_scope
+from tierd.stores.gpu_calls import within as _within
 
-__all__ = ["GpuStore"]
+__all__ = ["COPY_TIMEOUT_S", "DeviceLost", "GpuStore", "is_device_error", "is_sticky"]
 
-# torch.AcceleratorError exists from torch 2.8; before, a CUDA error is a RuntimeError
-# whose message names CUDA (and the tier supports torch >= 2.3).
-_ACCELERATOR_ERROR: type[Exception] = getattr(torch, "AcceleratorError", RuntimeError)
 # Per launch, host buffers that are not tensors are packed into pinned staging of at most
 # this much; torch's pinned allocator rounds each size up to a power of two and caches it.
 _STAGING_BYTES = 64 << 20
 # A copy not done after this long means a hung device (a copy of 512 MiB takes ~20 ms).
 COPY_TIMEOUT_S = 60.0
-
-
-def is_device_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is a CUDA failure (any torch version), not a bug of ours."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    if _ACCELERATOR_ERROR is not RuntimeError and isinstance(exc, _ACCELERATOR_ERROR):
-        return True
-    return isinstance(exc, RuntimeError) and "CUDA" in str(exc)
-
-
-def is_sticky(exc: BaseException) -> bool:
-    """Whether ``exc`` leaves the CUDA context unusable (every later call fails the same
-    way): anything but running out of memory."""
-    return is_device_error(exc) and not isinstance(exc, torch.OutOfMemoryError)
 
 
 @dataclass(slots=True)
@@ -99,10 +89,6 @@ class _Pending:
     event: torch.cuda.Event | None
     keep: tuple[Any, ...]
     staging: torch.Tensor | None = None
-
-
-class DeviceLost(StoreIOError):
-    """The GPU store saw a sticky CUDA error or a hung copy: it refuses every operation."""
 
 
 class GpuStore(BlockStore):
@@ -394,49 +380,6 @@ class GpuStore(BlockStore):
     def _staging(self, count: int) -> torch.Tensor:
         pinned = self.device.type == "cuda"
         return torch.empty((count, self.block_bytes), dtype=torch.uint8, pin_memory=pinned)
-
-
-async def _within(future: asyncio.Future[None], seconds: float) -> None:
-    """``future``, or :class:`TimeoutError` after ``seconds`` (the future is left to its
-    thread: it resolves when the device answers, if ever)."""
-    done, _ = await asyncio.wait((future,), timeout=seconds)
-    if not done:
-        raise TimeoutError
-    future.result()
-
-
-def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
-    return lambda: fn(*args)
-
-
-def _set_device(index: int) -> Callable[[], None]:
-    """Set ``index`` as the calling thread's device (for the event threads, at start)."""
-    return lambda: torch.cuda.set_device(index)
-
-
-# The CUDA calls that order a launch, as seams: tests on a machine without a GPU replace
-# them with recording fakes to check which stream waits for which, on which thread.
-def _current_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.current_stream(device)
-
-
-def _device_scope(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    return torch.cuda.device(device)
-
-
-def _stream_scope(stream: torch.cuda.Stream) -> contextlib.AbstractContextManager[Any]:
-    return torch.cuda.stream(stream)
-
-
-def _host_pinned(batch: BlockBatch) -> bool:
-    """Whether the host side of ``batch`` is page-locked (device tensors and memoryviews,
-    which are packed into pinned staging, count as pinned)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.device.type != "cpu" or bool(batch.is_pinned())
-    if batch and isinstance(batch[0], torch.Tensor):
-        row = batch[0]
-        return row.device.type != "cpu" or bool(row.is_pinned())
-    return True
 
 
 def _record(lane: _Lane | None) -> torch.cuda.Event | None:
