@@ -56,8 +56,8 @@ def start_progress(environ: dict[str, str] | None = None) -> Callable[[str, int,
     tells systemd the start is alive: ``EXTEND_TIMEOUT_USEC`` and a ``STATUS`` line."""
 
     def progress(stage: str, done: int, total: int) -> None:
-        gib = 1 << 30
-        status = f"STATUS={stage} the CPU pool: {done / gib:.1f} of {total / gib:.1f} GiB"
+        mib = 1 << 20
+        status = f"STATUS={stage} the CPU pool: {done // mib:,} of {total // mib:,} MiB"
         sd_notify(f"EXTEND_TIMEOUT_USEC={START_STEP_GRACE_S * 1_000_000}\n{status}", environ)
 
     return progress
