@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar, cast
 
+import numpy as np
+
 from tierd.errors import SlotError, StoreClosed
 from tierd.keys import BlockKey, Medium
 
@@ -43,6 +45,7 @@ __all__ = [
     "Buffer",
     "StoreCounters",
     "StoreStats",
+    "block_array",
     "block_batch",
     "block_tensor",
     "block_views",
@@ -221,9 +224,11 @@ class StoreCounters:
 # -- buffers ---------------------------------------------------------------------------
 
 
-# A validated batch: one [n, block_bytes] tensor, per-block flat tensors (at least one on a
-# device), or per-block flat host memoryviews.
-BlockBatch: TypeAlias = "torch.Tensor | list[torch.Tensor] | list[memoryview]"
+# A validated batch: one [n, block_bytes] tensor or numpy array, per-block flat tensors (at
+# least one on a device), or per-block flat host memoryviews.
+BlockBatch: TypeAlias = (
+    "torch.Tensor | np.ndarray[Any, Any] | list[torch.Tensor] | list[memoryview]"
+)
 
 
 def is_tensor(obj: Any) -> bool:
@@ -240,6 +245,8 @@ def block_batch(data: Any, count: int, block_bytes: int, *, writable: bool) -> B
     whole = block_tensor(data, count, block_bytes)
     if whole is not None:
         return whole
+    if isinstance(data, np.ndarray) and data.ndim == 2:
+        return block_array(data, count, block_bytes, writable=writable)
     rows = device_rows(data, count, block_bytes)
     if rows is not None:
         return rows
@@ -259,6 +266,21 @@ def block_tensor(data: Any, count: int, block_bytes: int) -> torch.Tensor | None
             f"block tensor must have shape [{count}, {block_bytes}], got {list(data.shape)}"
         )
     return cast("torch.Tensor", data)
+
+
+def block_array(
+    data: np.ndarray[Any, Any], count: int, block_bytes: int, *, writable: bool
+) -> np.ndarray[Any, Any]:
+    """A ``[count, block_bytes]`` uint8 numpy array (a host pool's rows, say: one copy
+    moves them all), validated; :class:`SlotError` otherwise."""
+    if data.dtype != np.uint8 or data.shape != (count, block_bytes):
+        raise SlotError(
+            f"a block array must be uint8 of shape [{count}, {block_bytes}],"
+            f" got {data.dtype} {list(data.shape)}"
+        )
+    if writable and not data.flags.writeable:
+        raise SlotError("cannot read into a read-only array")
+    return data
 
 
 def block_views(

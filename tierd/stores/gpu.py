@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from tierd.errors import StoreClosed, StoreIOError
@@ -197,7 +198,7 @@ class GpuStore(BlockStore):
         self, slots: Sequence[int], keys: Sequence[BlockKey], data: Sequence[Buffer] | Any
     ) -> list[bool]:
         count = len(slots)
-        src = block_batch(data, count, self.block_bytes, writable=False)
+        src = _tensor_if_array(block_batch(data, count, self.block_bytes, writable=False))
         self._refuse_if_lost()
         if count == 0:
             return []
@@ -212,7 +213,7 @@ class GpuStore(BlockStore):
         self, slots: Sequence[int], keys: Sequence[BlockKey], out: Sequence[Buffer] | Any
     ) -> list[bool]:
         count = len(slots)
-        dst = block_batch(out, count, self.block_bytes, writable=True)
+        dst = _tensor_if_array(block_batch(out, count, self.block_bytes, writable=True))
         self._refuse_if_lost()
         if count == 0:
             return []
@@ -380,6 +381,11 @@ class GpuStore(BlockStore):
     def _staging(self, count: int) -> torch.Tensor:
         pinned = self.device.type == "cuda"
         return torch.empty((count, self.block_bytes), dtype=torch.uint8, pin_memory=pinned)
+
+
+def _tensor_if_array(batch: Any) -> BlockBatch:
+    """A numpy batch as a tensor over the same memory (the launch code takes tensors)."""
+    return torch.from_numpy(batch) if isinstance(batch, np.ndarray) else batch
 
 
 def _record(lane: _Lane | None) -> torch.cuda.Event | None:

@@ -162,8 +162,8 @@ class HostPoolStore(BlockStore):
             src = rows[0].new_empty((len(rows), self.block_bytes), device="cpu")
             for i, row in enumerate(rows):
                 src[i].copy_(row)
-        if is_tensor(src):
-            array = _host_array(cast("torch.Tensor", src))
+        if is_tensor(src) or isinstance(src, np.ndarray):
+            array = src if isinstance(src, np.ndarray) else _host_array(cast("torch.Tensor", src))
             start = slot_run_start(slots)
             if start is not None:
                 self._rows[start : start + len(slots)] = array
@@ -176,7 +176,9 @@ class HostPoolStore(BlockStore):
             pool[offset : offset + size] = view
 
     def _copy_out(self, slots: Sequence[int], dst: BlockBatch) -> None:
-        if is_tensor(dst):
+        if isinstance(dst, np.ndarray):
+            self._gather(slots, dst)
+        elif is_tensor(dst):
             tensor = cast("torch.Tensor", dst)
             if tensor.device.type == "cpu":
                 self._gather(slots, tensor.numpy())

@@ -88,14 +88,16 @@ def slot_buffers(store: BlockStore, slots: Sequence[int], *, dma: bool) -> Any |
     takes; ``None`` when the store has no views. Towards or from a GPU (``dma``): one
     ``[n, block_bytes]`` tensor for a consecutive run of a host pool (one DMA), per-block
     tensors for big blocks (one DMA each: no packing by a Python memcpy under the GIL).
-    Else per-slot memoryviews: between host memories and disks no torch is needed."""
+    Between host memories and disks: a numpy array for a consecutive run (one copy, no
+    torch), else per-slot memoryviews."""
     if not store.has_views:
         return None
-    if dma and isinstance(store, HostPoolStore):
+    if isinstance(store, HostPoolStore):
         start = slot_run_start(slots)
         if start is not None and store.stride == store.block_bytes:
-            return store.pool_tensor()[start : start + len(slots)]
-        if store.block_bytes >= _DMA_BLOCK_BYTES:
+            pool = store.pool_tensor() if dma else store.pool_array()
+            return pool[start : start + len(slots)]
+        if dma and store.block_bytes >= _DMA_BLOCK_BYTES:
             return [store.tensor_view(slot) for slot in slots]
     return [store.view(slot) for slot in slots]
 
