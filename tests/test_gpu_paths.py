@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog.testing
 import torch
 
 from tierd.client import Client
@@ -103,6 +104,11 @@ def _gpu_first(tmp_path: Path, **sections: Any) -> dict[str, Any]:
 
 
 async def test_a_gpu_tier_listed_first_leaves_clients_their_pool(tmp_path: Path) -> None:
+    with structlog.testing.capture_logs() as logs:
+        async with running_daemon(_gpu_first(tmp_path)):
+            pass
+    warned = [e for e in logs if "never filled by socket clients" in e["event"]]
+    assert [(e["tier"], e["entry"]) for e in warned] == [("gpu", "cpu")]
     async with running_daemon(_gpu_first(tmp_path)) as daemon:
         path = str(daemon.config.socket.path)
         async with await Client.connect(path, namespace="ns") as client:
