@@ -64,7 +64,10 @@ def serve(name: str, block_bytes: int, with_disk: bool, work: Path) -> tuple[Any
         argv += ["--set", item]
     env = {**os.environ, "NOTIFY_SOCKET": notify_path}
     proc = subprocess.Popen(argv, env=env, cwd=work)
-    if notify.recv(64) != b"READY=1":
+    # Start-up progress (EXTEND_TIMEOUT_USEC, per GiB of the CPU pool) comes first.
+    while (message := notify.recv(256)).startswith(b"EXTEND_TIMEOUT_USEC="):
+        pass
+    if message != b"READY=1":
         raise RuntimeError("the daemon did not report ready")
     return proc, sock, notify
 

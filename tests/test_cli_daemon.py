@@ -581,7 +581,9 @@ def notify_socket() -> Iterator[socket.socket]:
 
 
 def wait_for_notice(sock: socket.socket, proc: subprocess.Popen[bytes], state: str) -> None:
-    message = sock.recv(4096).decode()
+    # Start-up progress (EXTEND_TIMEOUT_USEC, one per GiB of the CPU pool) comes first.
+    while (message := sock.recv(4096).decode()).startswith("EXTEND_TIMEOUT_USEC="):
+        pass
     assert message == state, f"expected {state}, got {message} (exit status {proc.poll()})"
 
 

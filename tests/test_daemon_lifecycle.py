@@ -498,7 +498,13 @@ async def test_sd_notify_ready_and_stopping(
 ) -> None:
     value, sock = notify_socket
     daemon = await spawn(daemon_config(tmp_path), env=child_env(NOTIFY_SOCKET=value), ready=False)
-    assert await _notification(sock, daemon) == b"READY=1"
+    # Before READY=1, each step of allocating the CPU pool extends systemd's start timeout
+    # (a pool of 128 GiB takes minutes to allocate and pin; TimeoutStartSec= is 90 s).
+    first = await _notification(sock, daemon)
+    assert first.startswith(b"EXTEND_TIMEOUT_USEC=60000000\nSTATUS=allocating the CPU pool")
+    while (message := await _notification(sock, daemon)).startswith(b"EXTEND_TIMEOUT_USEC="):
+        pass
+    assert message == b"READY=1"
     # READY=1 comes after the socket accepts: a hello is answered at once, no polling.
     async with await daemon.connect() as client:
         assert (await client.health())["status"] == "ok"

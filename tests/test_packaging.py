@@ -24,8 +24,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tierd"
 SETUP = ROOT / "scripts" / "setup"
-# Modules whose module-level imports may come from an extra: they are for tests only.
-TEST_ONLY_MODULES = {"tierd/testing/conformance.py": "test"}
+# Modules whose module-level imports may come from extras: the conformance suite is for
+# tests only (and runs over the GPU store too); the GPU store is the `gpu` extra's, imported
+# only for a GPU tier (tests/test_light_install.py checks nothing else loads torch).
+TEST_ONLY_MODULES = {
+    "tierd/testing/conformance.py": ("test", "gpu"),
+    "tierd/stores/gpu.py": ("gpu",),
+    "tierd/stores/gpu_calls.py": ("gpu",),
+}
 # Import names whose distribution is not the import name with "_" read as "-".
 DISTRIBUTION_OF = {"yaml": "pyyaml"}
 
@@ -124,7 +130,7 @@ def undeclared_imports(pyproject: Path) -> list[str]:
         if not imp.eager:
             allowed = allowed.union(*extras.values())
         elif imp.path in TEST_ONLY_MODULES:
-            allowed |= extras[TEST_ONLY_MODULES[imp.path]]
+            allowed = allowed.union(*(extras[extra] for extra in TEST_ONLY_MODULES[imp.path]))
         if dist not in allowed:
             kind = "imported at module level" if imp.eager else "imported"
             problems.append(f"{where} is {kind} but not a dependency that covers it")

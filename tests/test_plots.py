@@ -15,7 +15,7 @@ from tierd.workload.plots import write_plots
 # matplotlib is the optional extra `plots`: without it only the error path is testable.
 needs_matplotlib = pytest.mark.skipif(
     importlib.util.find_spec("matplotlib") is None,
-    reason="needs matplotlib: pip install tierd[plots]",
+    reason="needs matplotlib: pip install 'tierd[plots]'",
 )
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -132,7 +132,7 @@ def test_missing_matplotlib_raises_a_clear_error(
     for module in [m for m in sys.modules if m.startswith("matplotlib.")]:
         monkeypatch.setitem(sys.modules, module, None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(RuntimeError, match=r"pip install tierd\[plots\]") as info:
+    with pytest.raises(RuntimeError, match=r"pip install 'tierd\[plots\]'") as info:
         write_plots(_summary(3), tmp_path / "out")
-    assert str(info.value) == "matplotlib is needed for plots: pip install tierd[plots]"
+    assert str(info.value) == "matplotlib is needed for plots: pip install 'tierd[plots]'"
     assert not (tmp_path / "out").exists()

@@ -49,7 +49,10 @@ class Serve:
         self.log = (tmp / "serve.log").open("a")
         env = {**os.environ, "NOTIFY_SOCKET": self.notify_path}
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=self.log, env=env, cwd=tmp)
-        assert self.notify.recv(64) == b"READY=1"
+        # Start-up progress (EXTEND_TIMEOUT_USEC, per GiB of the CPU pool) comes first.
+        while (message := self.notify.recv(256)).startswith(b"EXTEND_TIMEOUT_USEC="):
+            pass
+        assert message == b"READY=1"
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)

@@ -13,6 +13,8 @@ and is rebuilt from it (or from the slab, after a crash) on the next open.
 
 from __future__ import annotations
 
+import errno
+import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -21,12 +23,12 @@ from typing import Any
 from tierd.chain import Admission, Level, TierChain
 from tierd.chain.remote import RemoteLevel, RemoteSide
 from tierd.config import ChainConfig, RemoteConfig, TierConfig, TierKind, load_config
-from tierd.errors import TierdError
+from tierd.errors import StoreIOError, TierdError
 from tierd.logs import get_logger
 from tierd.stores import BlockStore
-from tierd.stores.cpu import CpuStore
+from tierd.stores.cpu import CpuStore, StartProgress
+from tierd.stores.cuda import torch_missing_reason
 from tierd.stores.disk import DiskStore
-from tierd.stores.gpu import GpuStore
 from tierd.stores.memory import MemoryStore
 from tierd.tier import Tier
 from tierd.transfer import TransferEngine
@@ -41,15 +43,41 @@ __all__ = [
 log = get_logger("tierd")
 
 
-def build_store(spec: TierConfig, num_blocks: int, block_bytes: int) -> BlockStore:
-    """An unopened store for one configured tier (a CPU pool is a sealed memfd: no path)."""
+def build_store(
+    spec: TierConfig,
+    num_blocks: int,
+    block_bytes: int,
+    *,
+    gpu: str | None = None,
+    progress: StartProgress | None = None,
+) -> BlockStore:
+    """An unopened store for one configured tier (a CPU pool is a sealed memfd: no path).
+
+    ``gpu``: the device of the chain's GPU tier, if it has one. A CPU pool is page-locked
+    only then, or when this process uses torch already (a library caller's tensors): the
+    daemon's pinned pages serve only its own CUDA copies, and pinning would load torch and
+    make a CUDA context for nothing. ``progress``: a CPU pool's start-up progress.
+    """
     if spec.kind is TierKind.MEMORY:
         return MemoryStore(num_blocks=num_blocks, block_bytes=block_bytes)
     if spec.kind is TierKind.CPU:
+        device = _device_index(gpu)
         return CpuStore(
-            num_blocks=num_blocks, block_bytes=block_bytes, name=spec.shm_name, memfd=True
+            num_blocks=num_blocks,
+            block_bytes=block_bytes,
+            name=spec.shm_name,
+            memfd=True,
+            pin=gpu is not None or "torch" in sys.modules,
+            pin_device=device,
+            progress=progress,
         )
     if spec.kind is TierKind.GPU:
+        if (missing := torch_missing_reason()) is not None:
+            where = spec.device or "cuda"
+            message = f"cannot open a GPU store: {missing}"
+            raise StoreIOError(message, path=where, errno=errno.ENOPKG, medium="GPU")
+        from tierd.stores.gpu import GpuStore  # torch: the GPU extra's, loaded only here
+
         return GpuStore(num_blocks=num_blocks, block_bytes=block_bytes, device=spec.device or "")
     for directory in spec.directories:
         # Create the tier's own directory, never its parents: a missing mount point
@@ -63,6 +91,12 @@ def build_store(spec: TierConfig, num_blocks: int, block_bytes: int) -> BlockSto
         directories=[str(d) for d in spec.directories],
         o_direct=o_direct,
     )
+
+
+def _device_index(device: str | None) -> int | None:
+    if device is None or ":" not in device:
+        return None
+    return int(device.split(":", 1)[1])
 
 
 def restore_tier(tier: Tier, store: BlockStore) -> int:
@@ -83,17 +117,21 @@ def restore_tier(tier: Tier, store: BlockStore) -> int:
 
 
 @asynccontextmanager
-async def open_chain(config: ChainConfig | Path | str | dict[str, Any]) -> AsyncIterator[TierChain]:
+async def open_chain(
+    config: ChainConfig | Path | str | dict[str, Any], *, progress: StartProgress | None = None
+) -> AsyncIterator[TierChain]:
     """Open every store of ``config`` (a model, a YAML path or a mapping) and yield the
-    chain; closes them in reverse order on exit."""
+    chain; closes them in reverse order on exit. ``progress``: see :func:`build_store`."""
     cfg = config if isinstance(config, ChainConfig) else load_config(config, ChainConfig)
+    gpus = [t.device or "cuda" for t in cfg.tiers if t.kind is TierKind.GPU]
+    gpu = gpus[0] if gpus else None
     async with AsyncExitStack() as stack:
         levels: list[Level] = []
         for spec in cfg.tiers:
             num_blocks = spec.num_blocks(cfg.block_bytes)
             try:
                 store = await stack.enter_async_context(
-                    build_store(spec, num_blocks, cfg.block_bytes)
+                    build_store(spec, num_blocks, cfg.block_bytes, gpu=gpu, progress=progress)
                 )
             except TierdError as exc:  # name the tier: a config may have several alike
                 exc.args = (f"tier {spec.name!r} ({spec.kind}): {exc}", *exc.args[1:])

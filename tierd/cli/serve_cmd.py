@@ -29,7 +29,8 @@ from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE, Command, a
 from tierd.cli.connection import CONNECT_TIMEOUT, add_socket_options, socket_path, trusted_uids
 from tierd.client import Client, DaemonError, Unreachable
 from tierd.errors import AlreadyRunning, StoreIOError
-from tierd.settings import load_settings
+from tierd.settings import CONFIG_ENV, load_settings
+from tierd.share import shipped
 
 __all__ = ["COMMANDS", "process_gone"]
 
@@ -40,13 +41,24 @@ _POLL_S = 0.05
 
 def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "-c", "--config", type=Path, help="the YAML config file (default: $TIERD_CONFIG, if set)"
+        "-c",
+        "--config",
+        type=Path,
+        help="the YAML config file (default: $TIERD_CONFIG, else the shipped tierd.yaml)",
     )
     add_sets(parser)
 
 
 def _run(args: argparse.Namespace) -> int:
-    cfg = load_settings(args.config, sets=args.sets)
+    path = args.config
+    if path is None and not os.environ.get(CONFIG_ENV):
+        # No file named: the documented default chain (a CPU pool over a disk tier in the
+        # XDG state directory), shipped in the package.
+        path = shipped("tierd.yaml")
+        print(
+            f"tierd serve: no -c and no ${CONFIG_ENV}: running the default {path}", file=sys.stderr
+        )
+    cfg = load_settings(path, sets=args.sets)
     # The daemon's module pulls in the stores (and torch): load it only to serve.
     from tierd.daemon import run_daemon
 

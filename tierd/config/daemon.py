@@ -232,6 +232,12 @@ class DaemonConfig(ChainConfig):
         tiers = [(tier.name, tier.num_blocks(self.block_bytes)) for tier in self.tiers]
         return quota_blocks(self.tenants, tiers, self.block_bytes)
 
+    @property
+    def entry_index(self) -> int:
+        """Socket clients store into the first CPU tier unless ``entry`` names another."""
+        names = [t.name for t in self.tiers]
+        return names.index(self.entry or socket_entry(self.tiers))
+
     def tenant_chains(self) -> list[tuple[TenantConfig, ChainConfig]]:
         """Each tenant with the chain it gets: without a ``tenants:`` section, the one
         ``default`` tenant (the daemon's own user, an operator) with this chain as it is;
@@ -274,10 +280,20 @@ def tenant_chain(cfg: ChainConfig, tenant: str, blocks: Mapping[str, int]) -> Ch
     return ChainConfig(
         block_bytes=cfg.block_bytes,
         tiers=tiers,
-        entry=cfg.entry,
+        entry=cfg.entry or socket_entry(cfg.tiers),
         transfer=cfg.transfer,
         remote=remote,
     )
+
+
+def socket_entry(tiers: list[TierConfig]) -> str:
+    """The daemon's default entry tier: the first CPU tier (its pool is what socket clients
+    map; a GPU tier in the daemon's process is memory no client can reach), else the first
+    tier."""
+    for tier in tiers:
+        if tier.kind is TierKind.CPU:
+            return tier.name
+    return tiers[0].name
 
 
 # sun_path holds 108 bytes with the terminating NUL (Linux's sockaddr_un).

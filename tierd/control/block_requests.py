@@ -23,7 +23,7 @@ from tierd.control.leases import Leases
 from tierd.control.protocol import ErrorCode, bool_list_field, bytes_list_field, int_field
 from tierd.control.tenants import Tenant
 from tierd.errors import BlockMissing, ProtocolError
-from tierd.keys import BlockKey
+from tierd.keys import BlockKey, Medium
 
 __all__ = ["LOADED_FROM", "BlockRequests", "Requester", "distinct"]
 
@@ -171,7 +171,7 @@ class BlockRequests:
         except BlockMissing:
             return {"count": 0, "data": []}
         try:
-            if handle.store.has_views:
+            if handle.store.has_views and handle.store.medium is not Medium.GPU:
                 data = [bytes(memoryview(v).cast("B")) for v in handle.views()]
             else:
                 out = [bytearray(self.ctx.block_bytes) for _ in handle.keys]

@@ -42,7 +42,13 @@ from tierd.control.server import Server, bind_unix_socket
 from tierd.control.socketfile import prepare_socket_directory
 from tierd.control.tenants import TenantTable
 from tierd.daemon.metrics_http import start_metrics_http
-from tierd.daemon.service import configure_logging, remove_pid_file, sd_notify, write_pid_file
+from tierd.daemon.service import (
+    configure_logging,
+    remove_pid_file,
+    sd_notify,
+    start_progress,
+    write_pid_file,
+)
 from tierd.daemon.tenants import open_tenants
 from tierd.preflight import check_machine, directories_to_create
 from tierd.settings import effective_config_dict
@@ -130,7 +136,7 @@ class Daemon:
                 directory.mkdir(mode=0o700 if directory in own else 0o777)
                 created.append(directory)
             async with AsyncExitStack() as stack:
-                table = await open_tenants(cfg, stack, self.chains)
+                table = await open_tenants(cfg, stack, self.chains, start_progress())
                 created = []  # the chains opened: their directories are the daemon's now
                 self.server = server = Server(self._context(table))
                 server.adopt(sock, path)

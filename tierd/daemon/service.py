@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,14 @@ import structlog
 
 from tierd.config import LoggingConfig
 
-__all__ = ["configure_logging", "remove_pid_file", "sd_notify", "write_pid_file"]
+__all__ = [
+    "START_STEP_GRACE_S",
+    "start_progress",
+    "configure_logging",
+    "remove_pid_file",
+    "sd_notify",
+    "write_pid_file",
+]
 
 log = structlog.get_logger("tierd")
 
@@ -35,6 +43,24 @@ def sd_notify(state: str, environ: dict[str, str] | None = None) -> bool:
             log.warning("cannot notify systemd", socket=target, error=exc.strerror)
             return False
     return True
+
+
+# Each piece of start-up progress (a GiB of the CPU pool allocated or pinned) buys this
+# much more time from systemd (EXTEND_TIMEOUT_USEC): a start that keeps making progress
+# is never killed by TimeoutStartSec=, one that hangs is, this long after its last step.
+START_STEP_GRACE_S = 60
+
+
+def start_progress(environ: dict[str, str] | None = None) -> Callable[[str, int, int], None]:
+    """A progress callback for opening the tiers (``stage, done, total`` in bytes) that
+    tells systemd the start is alive: ``EXTEND_TIMEOUT_USEC`` and a ``STATUS`` line."""
+
+    def progress(stage: str, done: int, total: int) -> None:
+        mib = 1 << 20
+        status = f"STATUS={stage} the CPU pool: {done // mib:,} of {total // mib:,} MiB"
+        sd_notify(f"EXTEND_TIMEOUT_USEC={START_STEP_GRACE_S * 1_000_000}\n{status}", environ)
+
+    return progress
 
 
 def configure_logging(cfg: LoggingConfig, stream: Any = None) -> None:

@@ -21,26 +21,37 @@ from tierd.config import DaemonConfig
 from tierd.control.tenants import Grant, PoolInfo, Tenant, TenantTable
 from tierd.errors import TierdError
 from tierd.library import open_chain
-from tierd.stores.cpu import CpuStore
+from tierd.stores.cpu import CpuStore, StartProgress
 from tierd.stores.disk_slab import SLAB_FILE
 from tierd.tenancy import TenantConfig
 from tierd.units import share_parts
 
-__all__ = ["grants_for", "lease_bound", "open_tenants", "warn_of_untenanted_slabs"]
+__all__ = [
+    "grants_for",
+    "lease_bound",
+    "open_tenants",
+    "warn_of_tiers_above_the_entry",
+    "warn_of_untenanted_slabs",
+]
 
 log = structlog.get_logger("tierd")
 
 
 async def open_tenants(
-    cfg: DaemonConfig, stack: AsyncExitStack, chains: dict[str, TierChain]
+    cfg: DaemonConfig,
+    stack: AsyncExitStack,
+    chains: dict[str, TierChain],
+    progress: StartProgress | None = None,
 ) -> TenantTable:
     """Open one chain per tenant (see :mod:`tierd.tenancy`) and say who is which. Each
-    chain is entered into ``stack`` and put in ``chains`` (by tenant) as it opens."""
+    chain is entered into ``stack`` and put in ``chains`` (by tenant) as it opens;
+    ``progress`` hears how the CPU pools' allocation and pinning go."""
     table = TenantTable()
     warn_of_untenanted_slabs(cfg)
+    warn_of_tiers_above_the_entry(cfg)
     for spec, chain_cfg in cfg.tenant_chains():
         try:
-            chain = await stack.enter_async_context(open_chain(chain_cfg))
+            chain = await stack.enter_async_context(open_chain(chain_cfg, progress=progress))
         except TierdError as exc:
             if cfg.tenants:  # name the tenant: each has tiers of the same names
                 exc.args = (f"tenant {spec.name!r}: {exc}", *exc.args[1:])
@@ -90,6 +101,17 @@ def warn_of_untenanted_slabs(cfg: DaemonConfig) -> None:
                     path=str(left),
                     bytes=left.stat().st_size,
                 )
+
+
+def warn_of_tiers_above_the_entry(cfg: DaemonConfig) -> None:
+    """Socket clients store at the entry tier and load into it: a tier above it (a GPU
+    tier listed first, say) is never filled by them, and holds its memory for nothing."""
+    for tier in cfg.tiers[: cfg.entry_index]:
+        log.warning(
+            "a tier above the entry tier is never filled by socket clients (docs/gpu.md)",
+            tier=tier.name,
+            entry=cfg.tiers[cfg.entry_index].name,
+        )
 
 
 def grants_for(cfg: DaemonConfig, table: TenantTable) -> list[Grant]:

@@ -1,9 +1,15 @@
-"""Block stores: fixed-size slots on one medium (memory, pinned CPU, CUDA, disk)."""
+"""Block stores: fixed-size slots on one medium (memory, pinned CPU, CUDA, disk).
+
+:class:`GpuStore` is the only store that needs torch (the GPU extra, ``pip install
+'tierd[gpu]'``): it is imported on first use of the name, so importing this package never
+loads torch.
+"""
+
+from typing import Any
 
 from tierd.stores.base import BlockStore, Buffer, StoreStats
 from tierd.stores.cpu import CpuStore
 from tierd.stores.disk import DiskStore
-from tierd.stores.gpu import GpuStore
 from tierd.stores.memory import HostPoolStore, MemoryStore
 
 __all__ = [
@@ -16,3 +22,11 @@ __all__ = [
     "MemoryStore",
     "StoreStats",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GpuStore":
+        from tierd.stores.gpu import GpuStore
+
+        return GpuStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

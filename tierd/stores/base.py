@@ -21,17 +21,21 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar, cast
 
-import torch
+import numpy as np
 
 from tierd.errors import SlotError, StoreClosed
 from tierd.keys import BlockKey, Medium
+
+if TYPE_CHECKING:  # torch is the GPU extra's: only the GPU tier imports it
+    import torch
 
 __all__ = [
     "INLINE_COPY_BYTES",
@@ -41,10 +45,12 @@ __all__ = [
     "Buffer",
     "StoreCounters",
     "StoreStats",
+    "block_array",
     "block_batch",
     "block_tensor",
     "block_views",
     "device_rows",
+    "is_tensor",
     "run_copy",
     "settle",
     "slot_run_start",
@@ -218,9 +224,19 @@ class StoreCounters:
 # -- buffers ---------------------------------------------------------------------------
 
 
-# A validated batch: one [n, block_bytes] tensor, per-block flat tensors (at least one on a
-# device), or per-block flat host memoryviews.
-BlockBatch = torch.Tensor | list[torch.Tensor] | list[memoryview]
+# A validated batch: one [n, block_bytes] tensor or numpy array, per-block flat tensors (at
+# least one on a device), or per-block flat host memoryviews.
+BlockBatch: TypeAlias = (
+    "torch.Tensor | np.ndarray[Any, Any] | list[torch.Tensor] | list[memoryview]"
+)
+
+
+def is_tensor(obj: Any) -> bool:
+    """Whether ``obj`` is a torch tensor, without importing torch: a process that never
+    imported torch holds no tensor (the daemon and the CPU, disk and remote tiers do not
+    need torch; only the GPU tier and callers that hand tensors in do)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def block_batch(data: Any, count: int, block_bytes: int, *, writable: bool) -> BlockBatch:
@@ -229,6 +245,8 @@ def block_batch(data: Any, count: int, block_bytes: int, *, writable: bool) -> B
     whole = block_tensor(data, count, block_bytes)
     if whole is not None:
         return whole
+    if isinstance(data, np.ndarray) and data.ndim == 2:
+        return block_array(data, count, block_bytes, writable=writable)
     rows = device_rows(data, count, block_bytes)
     if rows is not None:
         return rows
@@ -239,14 +257,29 @@ def block_tensor(data: Any, count: int, block_bytes: int) -> torch.Tensor | None
     """``data`` itself if it is a uint8 tensor of shape ``[count, block_bytes]`` (any
     device, any strides); ``None`` if it is not a tensor; :class:`SlotError` for a tensor
     of the wrong dtype or shape."""
-    if not isinstance(data, torch.Tensor):
+    if not is_tensor(data):
         return None
-    if data.dtype != torch.uint8:
+    if str(data.dtype) != "torch.uint8":
         raise SlotError(f"block tensor must be uint8, got {data.dtype}")
     if tuple(data.shape) != (count, block_bytes):
         raise SlotError(
             f"block tensor must have shape [{count}, {block_bytes}], got {list(data.shape)}"
         )
+    return cast("torch.Tensor", data)
+
+
+def block_array(
+    data: np.ndarray[Any, Any], count: int, block_bytes: int, *, writable: bool
+) -> np.ndarray[Any, Any]:
+    """A ``[count, block_bytes]`` uint8 numpy array (a host pool's rows, say: one copy
+    moves them all), validated; :class:`SlotError` otherwise."""
+    if data.dtype != np.uint8 or data.shape != (count, block_bytes):
+        raise SlotError(
+            f"a block array must be uint8 of shape [{count}, {block_bytes}],"
+            f" got {data.dtype} {list(data.shape)}"
+        )
+    if writable and not data.flags.writeable:
+        raise SlotError("cannot read into a read-only array")
     return data
 
 
@@ -275,8 +308,8 @@ def block_views(
 
 
 def _block_view(item: Any, block_bytes: int, writable: bool) -> memoryview:
-    if isinstance(item, torch.Tensor):
-        if item.dtype != torch.uint8:
+    if is_tensor(item):
+        if str(item.dtype) != "torch.uint8":
             raise SlotError(f"block tensor must be uint8, got {item.dtype}")
         if item.device.type != "cpu":
             raise SlotError(f"a per-block buffer must be in host memory, not on {item.device}")
@@ -302,17 +335,17 @@ def device_rows(data: Any, count: int, block_bytes: int) -> list[torch.Tensor] |
     """For a sequence of per-block tensors of which at least one lives on a device (GPU
     slot views, say): each block as a flat uint8 tensor, validated; else ``None`` (use
     :func:`block_tensor` / :func:`block_views`)."""
-    if isinstance(data, torch.Tensor) or not isinstance(data, Sequence):
+    if is_tensor(data) or not isinstance(data, Sequence):
         return None
-    if not any(isinstance(item, torch.Tensor) and item.device.type != "cpu" for item in data):
+    if not any(is_tensor(item) and item.device.type != "cpu" for item in data):
         return None
     if len(data) != count:
         raise SlotError(f"{count} slots but {len(data)} buffers")
     rows = []
     for item in data:
-        if not isinstance(item, torch.Tensor):
+        if not is_tensor(item):
             raise SlotError("cannot mix device tensors with other buffers in one batch")
-        if item.dtype != torch.uint8 or item.numel() != block_bytes:
+        if str(item.dtype) != "torch.uint8" or item.numel() != block_bytes:
             raise SlotError(f"a block tensor must be uint8 with {block_bytes} elements")
         if not item.is_contiguous():
             raise SlotError("a per-block tensor must be contiguous")
@@ -348,20 +381,25 @@ def slot_run_start(slots: Sequence[int]) -> int | None:
 # -- copies off the loop ---------------------------------------------------------------
 
 
-async def settle(future: asyncio.Future[T]) -> T:
+async def settle(future: asyncio.Future[T], on_cancel: Callable[[], None] | None = None) -> T:
     """Await ``future`` to its end even if the caller is cancelled meanwhile.
 
     A copy that already started keeps going when its awaiter is cancelled; returning early
     would let bytes land in a slot after the caller moved on. So a cancellation is held
-    until the future is done, then re-raised.
+    until the future is done, then re-raised. ``on_cancel`` is called at the first one
+    (to ask the work to stop early, where it can).
     """
     cancelled: asyncio.CancelledError | None = None
     while not future.done():
         try:
             await asyncio.wait((future,))
         except asyncio.CancelledError as exc:
+            if cancelled is None and on_cancel is not None:
+                on_cancel()
             cancelled = exc
     if cancelled is not None:
+        if not future.cancelled():
+            future.exception()  # retrieved: the cancellation is what the caller sees
         raise cancelled
     return future.result()
 

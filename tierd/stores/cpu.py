@@ -19,33 +19,49 @@ call, so it is never visible with looser permissions, and it is unlinked on clos
 (progress in the log) and unregistered before it is unmapped; without CUDA it is plain
 shared memory and ``stats().details`` says ``pinned: False`` with the reason.
 
+A pool of 128 GiB takes about a minute to allocate and as long again to register. Both go
+a chunk (``register_chunk_bytes``) at a time and call ``progress(stage, done, total)``
+after each, so a service manager can extend its start timeout while work is being done
+(the daemon sends ``EXTEND_TIMEOUT_USEC``); a stop interrupts both between chunks: a
+signal raises between two allocation chunks, and cancelling the open stops the
+registration thread after its current chunk and unregisters what it did. A copy must
+not cross two registrations: :attr:`CpuStore.dma_boundary` is the chunk in slots.
+
 Views (memoryviews and tensors) keep the mapping alive: closing the store drops its own
 references and unmaps at once when no view is left, or when the last one is dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import fcntl
 import mmap
 import os
 import secrets
+import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from tierd.errors import StoreIOError
 from tierd.keys import Medium
 from tierd.logs import get_logger
-from tierd.stores.base import INLINE_COPY_BYTES, StoreStats, run_copy
+from tierd.stores.base import INLINE_COPY_BYTES, StoreStats, settle
 from tierd.stores.cuda import (
     CudaCallError,
+    RegistrationStopped,
     cuda_unavailable_reason,
     host_register,
     host_unregister,
 )
 from tierd.stores.memory import HostPoolStore
 
-__all__ = ["PAGE", "CpuStore", "default_pool_name"]
+__all__ = ["PAGE", "CpuStore", "StartProgress", "default_pool_name"]
+
+# progress(stage, done, total): stage is "allocating" or "pinning"; bytes done of total.
+StartProgress = Callable[[str, int, int], None]
 
 log = get_logger(__name__)
 
@@ -65,8 +81,11 @@ class CpuStore(HostPoolStore):
     ``shm_dir`` (unique default), ``mode`` its permissions at creation, ``keep`` leaves it
     behind on close, and ``create=False`` maps an existing pool (made by another store
     or process) instead; such a store never unlinks it.
-    ``pin=False`` skips page-locking. ``register_chunk_bytes``: how much to register per
-    ``cudaHostRegister`` call.
+    ``pin=False`` skips page-locking. ``register_chunk_bytes``: how much to allocate and
+    register per call (rounded down to whole slots). ``pin_device``: the CUDA device index
+    the registering thread uses (``None``: the current one; the pages are pinned for
+    every device). ``progress``: see the module docstring. ``cudart``: the CUDA runtime
+    binding (``None``: torch's; tests pass a fake).
     """
 
     medium = Medium.CPU
@@ -85,6 +104,9 @@ class CpuStore(HostPoolStore):
         memfd: bool = False,
         register_chunk_bytes: int = 1 << 30,
         inline_limit: int = INLINE_COPY_BYTES,
+        pin_device: int | None = None,
+        progress: StartProgress | None = None,
+        cudart: Any = None,
     ) -> None:
         stride = -(-block_bytes // PAGE) * PAGE
         super().__init__(
@@ -103,6 +125,9 @@ class CpuStore(HostPoolStore):
         self._fd = -1  # the memfd, kept open to hand to clients
         self.pin = pin
         self.register_chunk_bytes = max(1, register_chunk_bytes // stride) * stride
+        self.pin_device = pin_device
+        self._progress = progress
+        self._cudart = cudart
         self.size = num_blocks * stride
         self._mmap: mmap.mmap | None = None
         self._pinned_chunks: list[int] = []
@@ -123,7 +148,17 @@ class CpuStore(HostPoolStore):
             raise
 
     async def _close(self) -> None:
+        if self._pinned_chunks:
+            # Unregistering many GiB takes seconds: not on the loop.
+            chunks = self._pinned_chunks
+            await settle(asyncio.get_running_loop().run_in_executor(None, self._unpin, chunks))
         self._release()
+
+    def _unpin(self, chunks: list[int]) -> None:
+        try:
+            host_unregister(chunks, cudart=self._cudart)  # empties ``chunks``
+        except CudaCallError as exc:
+            log.error("cannot unregister the host pool", path=self.path, error=str(exc))
 
     @property
     def fd(self) -> int | None:
@@ -183,7 +218,13 @@ class CpuStore(HostPoolStore):
         its file system and then kills the process with SIGBUS on the first touch of a
         page that cannot be had: allocating up front turns that into an error here."""
         try:
-            os.posix_fallocate(fd, 0, self.size)
+            # A chunk at a time: a stop signal raises between two (a 128 GiB pool takes
+            # about a minute), and the progress keeps a service manager waiting.
+            chunk = self.register_chunk_bytes
+            for offset in range(0, self.size, chunk):
+                os.posix_fallocate(fd, offset, min(chunk, self.size - offset))
+                if self._progress is not None:
+                    self._progress("allocating", min(offset + chunk, self.size), self.size)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise
@@ -206,10 +247,7 @@ class CpuStore(HostPoolStore):
     def _release(self) -> None:
         """Unregister, drop the mapping (now, or with the last view) and unlink."""
         if self._pinned_chunks:
-            try:
-                host_unregister(self._pinned_chunks)
-            except CudaCallError as exc:
-                log.error("cannot unregister the host pool", path=self.path, error=str(exc))
+            self._unpin(self._pinned_chunks)
         self._detach()
         if self._mmap is not None:
             try:
@@ -236,16 +274,28 @@ class CpuStore(HostPoolStore):
 
     # -- pinning ---------------------------------------------------------------------
 
+    @property
+    def dma_boundary(self) -> int:
+        """Slots per registration chunk: a copy between this pool and a GPU must not cross
+        a multiple of it (one registration per host range of a copy)."""
+        return self.register_chunk_bytes // self.stride
+
     async def _register(self) -> None:
-        reason = cuda_unavailable_reason()
+        reason = cuda_unavailable_reason() if self._cudart is None else None
         if reason is not None:
             self._pin_details = {"pinned": False, "reason": reason}
             return
         started = time.perf_counter()
         log.info("pinning host pool", path=self.path, bytes=self.size)
+        stop = threading.Event()
+        work = partial(self._register_sync, stop)
         try:
-            # Registering many GiB takes seconds: keep it off the loop.
-            await run_copy(self._register_sync, self.size, inline_limit=self.inline_limit)
+            # Registering many GiB takes seconds: keep it off the loop; a cancellation
+            # (a stop during start-up) stops it after the chunk under way.
+            await settle(asyncio.get_running_loop().run_in_executor(None, work), stop.set)
+        except RegistrationStopped as exc:
+            log.info("pinning stopped", path=self.path, error=str(exc))
+            raise
         except RuntimeError as exc:  # CudaCallError, or CUDA failing to initialise
             log.warning("host pool left unpinned", path=self.path, error=str(exc))
             self._pin_details = {"pinned": False, "reason": str(exc)}
@@ -254,15 +304,26 @@ class CpuStore(HostPoolStore):
         log.info("pinned host pool", path=self.path, bytes=self.size, seconds=round(seconds, 3))
         self._pin_details = {"pinned": True, "register_seconds": seconds}
 
-    def _register_sync(self) -> None:
+    def _register_sync(self, stop: threading.Event) -> None:
         def progress(done: int, total: int) -> None:
             if total > self.register_chunk_bytes:
                 log.info("pinning host pool", path=self.path, done=done, total=total)
+            if self._progress is not None:
+                self._progress("pinning", done, total)
 
-        address = self._pool.data_ptr()
-        chunk = self.register_chunk_bytes
+        if self.pin_device is not None and self._cudart is None:
+            import torch  # the GPU extra's: loaded already (a GPU tier is configured)
+
+            # This worker thread's first CUDA call would otherwise make a context on GPU 0.
+            torch.cuda.set_device(self.pin_device)
+        address = int(self._pool.ctypes.data)
         self._pinned_chunks = host_register(
-            address, self.size, chunk_bytes=chunk, progress=progress
+            address,
+            self.size,
+            chunk_bytes=self.register_chunk_bytes,
+            progress=progress,
+            stop=stop,
+            cudart=self._cudart,
         )
 
     @property

@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, Literal
 
-import torch
+import numpy as np
 
 from tierd.keys import BlockKey, Medium
 from tierd.logs import get_logger
@@ -42,6 +42,12 @@ _log = get_logger("tierd.disk")
 __all__ = ["DiskStore"]
 
 _Chunk = Callable[[], list[int]]
+
+
+def _from_numpy(array: np.ndarray[Any, Any]) -> Any:
+    import torch  # only reached with device rows in hand: torch is loaded
+
+    return torch.from_numpy(array)
 
 
 class DiskStore(BlockStore):
@@ -231,7 +237,7 @@ class DiskStore(BlockStore):
     ) -> list[bool]:
         bb = self.block_bytes
         rows = device_rows(out, len(slots), bb)
-        host = torch.empty((len(slots), bb), dtype=torch.uint8) if rows is not None else out
+        host = np.empty((len(slots), bb), dtype=np.uint8) if rows is not None else out
         views = block_views(host, len(slots), bb, writable=True)
         results = [False] * len(slots)
         jobs: list[tuple[Slab, tuple[int, bytes, int, Any]]] = []
@@ -248,7 +254,7 @@ class DiskStore(BlockStore):
         for i, code in zip(where, codes, strict=True):
             results[i] = code == OK
             if code == OK and rows is not None:
-                rows[i].copy_(host[i])
+                rows[i].copy_(_from_numpy(host[i]))
         self._counts["bytes_read"] += sum(results) * bb
         self._counts["checksum_failures"] += codes.count(BAD_BLOCK)
         self._counts["read_errors"] += sum(1 for c in codes if c > 0)

@@ -4,11 +4,14 @@
 (a ``bytearray`` for :class:`MemoryStore`, a shared-memory mapping for
 :class:`~tierd.stores.cpu.CpuStore`). Each slot holds ``block_bytes`` valid bytes at
 ``slot * stride``; ``stride >= block_bytes``. Slot views are zero-copy memoryviews
-(:meth:`~BlockStore.view`) or uint8 tensors (:meth:`HostPoolStore.tensor_view`), and the
-whole pool is a ``[num_blocks, stride]`` tensor (:meth:`HostPoolStore.pool_tensor`).
+(:meth:`~BlockStore.view`) or, for callers that have torch, uint8 tensors
+(:meth:`HostPoolStore.tensor_view`; the whole pool is a ``[num_blocks, stride]`` tensor,
+:meth:`HostPoolStore.pool_tensor`).
 
-Copies use torch for tensor batches (``index_copy_`` / ``index_select``: one call per
-batch, the GIL released) and memoryview slices for sequences of buffers; batches above
+The pool is a numpy array: torch is the GPU extra's, and a host pool must work without it.
+Tensor batches (only a caller that imported torch can hand one in) become numpy arrays
+without a copy, then move with one numpy call per batch (a slice, a fancy-index store or
+``take``: the GIL released); sequences of buffers move by memoryview slices. Batches above
 ``inline_limit`` bytes run in a worker thread.
 
 :class:`MemoryStore` is the plain in-process pool, and the fake every test may use.
@@ -18,9 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import torch
+import numpy as np
 
 from tierd.errors import SlotError, StoreClosed
 from tierd.keys import BlockKey, Medium
@@ -32,9 +35,13 @@ from tierd.stores.base import (
     StoreCounters,
     StoreStats,
     block_batch,
+    is_tensor,
     run_copy,
     slot_run_start,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["HostPoolStore", "MemoryStore"]
 
@@ -75,16 +82,19 @@ class HostPoolStore(BlockStore):
         if view.readonly or view.nbytes != self.num_blocks * self.stride:
             raise ValueError("the pool buffer must be writable and num_blocks * stride bytes")
         self._mv = view
-        # torch keeps a reference to ``view``, so the buffer stays exported (and mapped)
-        # for as long as any tensor over it lives.
-        self._pool = torch.frombuffer(view, dtype=torch.uint8).view(self.num_blocks, self.stride)
+        # The array (and every tensor made from it) keeps a reference to ``view``, so the
+        # buffer stays exported (and mapped) for as long as any of them lives.
+        flat = np.frombuffer(view, dtype=np.uint8)
+        self._pool = flat.reshape(self.num_blocks, self.stride)
         self._rows = self._pool[:, : self.block_bytes]
+        self._tensor: torch.Tensor | None = None
 
     def _detach(self) -> None:
         """Drop the store's own references to the pool (views handed out keep theirs)."""
         self._mv = _NO_BYTES
-        self._pool = torch.empty((0, self.stride), dtype=torch.uint8)
+        self._pool = np.empty((0, self.stride), dtype=np.uint8)
         self._rows = self._pool
+        self._tensor = None
 
     # -- views -----------------------------------------------------------------------
 
@@ -99,12 +109,23 @@ class HostPoolStore(BlockStore):
         return self._mv[offset : offset + self.block_bytes]
 
     def tensor_view(self, slot: int) -> torch.Tensor:
-        """The slot's ``block_bytes`` as a zero-copy uint8 tensor."""
+        """The slot's ``block_bytes`` as a zero-copy uint8 tensor (needs torch)."""
         self._check((slot,), None)
-        return self._rows[slot]
+        return self.pool_tensor()[slot, : self.block_bytes]
 
     def pool_tensor(self) -> torch.Tensor:
-        """The whole pool as a zero-copy ``[num_blocks, stride]`` uint8 tensor."""
+        """The whole pool as a zero-copy ``[num_blocks, stride]`` uint8 tensor (needs
+        torch: only GPU routes and callers that use tensors ask)."""
+        if not self.is_open:
+            raise StoreClosed(f"{type(self).__name__} is not open")
+        if self._tensor is None:
+            import torch  # the GPU extra's; its callers have it loaded already
+
+            self._tensor = torch.from_numpy(self._pool)
+        return self._tensor
+
+    def pool_array(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """The whole pool as a zero-copy ``[num_blocks, stride]`` uint8 numpy array."""
         if not self.is_open:
             raise StoreClosed(f"{type(self).__name__} is not open")
         return self._pool
@@ -136,15 +157,18 @@ class HostPoolStore(BlockStore):
         return [True] * count
 
     def _copy_in(self, slots: Sequence[int], src: BlockBatch) -> None:
-        if isinstance(src, list) and src and isinstance(src[0], torch.Tensor):
-            src = torch.stack([row.to("cpu") for row in src])  # device rows: one host batch
-        if isinstance(src, torch.Tensor):
+        if isinstance(src, list) and src and is_tensor(src[0]):
+            rows = cast("list[torch.Tensor]", src)  # device rows: one host batch
+            src = rows[0].new_empty((len(rows), self.block_bytes), device="cpu")
+            for i, row in enumerate(rows):
+                src[i].copy_(row)
+        if is_tensor(src) or isinstance(src, np.ndarray):
+            array = src if isinstance(src, np.ndarray) else _host_array(cast("torch.Tensor", src))
             start = slot_run_start(slots)
             if start is not None:
-                self._rows[start : start + len(slots)].copy_(src)
+                self._rows[start : start + len(slots)] = array
             else:
-                index = torch.tensor(slots, dtype=torch.long)
-                self._rows.index_copy_(0, index, src.to("cpu"))
+                self._rows[np.asarray(slots, dtype=np.intp)] = array
             return
         pool, stride, size = self._mv, self.stride, self.block_bytes
         for slot, view in zip(slots, cast(list[memoryview], src), strict=True):
@@ -152,27 +176,49 @@ class HostPoolStore(BlockStore):
             pool[offset : offset + size] = view
 
     def _copy_out(self, slots: Sequence[int], dst: BlockBatch) -> None:
-        if isinstance(dst, torch.Tensor):
+        if isinstance(dst, np.ndarray):
             self._gather(slots, dst)
-        elif dst and isinstance(dst[0], torch.Tensor):
-            rows = torch.empty((len(slots), self.block_bytes), dtype=torch.uint8)
-            self._gather(slots, rows)
-            for target, row in zip(dst, rows, strict=True):
-                target.copy_(row)
+        elif is_tensor(dst):
+            tensor = cast("torch.Tensor", dst)
+            if tensor.device.type == "cpu":
+                self._gather(slots, tensor.numpy())
+            else:
+                tensor.copy_(_from_numpy(self._gathered(slots)))
+        elif dst and is_tensor(dst[0]):
+            rows = self._gathered(slots)
+            for target, row in zip(cast("list[torch.Tensor]", dst), rows, strict=True):
+                target.copy_(_from_numpy(row))
         else:
             pool, stride, size = self._mv, self.stride, self.block_bytes
             for slot, view in zip(slots, cast(list[memoryview], dst), strict=True):
                 offset = slot * stride
                 view[:] = pool[offset : offset + size]
 
-    def _gather(self, slots: Sequence[int], dst: torch.Tensor) -> None:
+    def _gathered(self, slots: Sequence[int]) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        out = np.empty((len(slots), self.block_bytes), dtype=np.uint8)
+        self._gather(slots, out)
+        return out
+
+    def _gather(self, slots: Sequence[int], out: np.ndarray[Any, Any]) -> None:
         start = slot_run_start(slots)
         if start is not None:
-            dst.copy_(self._rows[start : start + len(slots)])
-        elif dst.device.type == "cpu" and dst.is_contiguous():
-            torch.index_select(self._rows, 0, torch.tensor(slots, dtype=torch.long), out=dst)
+            out[...] = self._rows[start : start + len(slots)]
+        elif out.flags.c_contiguous:
+            # mode="clip": slots are checked already, and "raise" would buffer the output.
+            np.take(self._rows, np.asarray(slots, dtype=np.intp), axis=0, out=out, mode="clip")
         else:
-            dst.copy_(self._rows.index_select(0, torch.tensor(slots, dtype=torch.long)))
+            out[...] = self._rows[np.asarray(slots, dtype=np.intp)]
+
+
+def _host_array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
+    """A host tensor's numpy view (no copy); a device tensor is copied to the host first."""
+    return tensor.detach().to("cpu").numpy()
+
+
+def _from_numpy(array: np.ndarray[Any, Any]) -> torch.Tensor:
+    import torch  # only reached with a tensor in hand: torch is loaded
+
+    return torch.from_numpy(array)
 
 
 class MemoryStore(HostPoolStore):

@@ -7,17 +7,17 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from tierd.keys import BlockKey, int_key
-from tierd.stores.base import tensor_memoryview
+from tierd.stores.base import is_tensor, tensor_memoryview
 
 __all__ = ["as_bytes", "keys_for", "random_blocks"]
 
 
 def as_bytes(buf: Any) -> bytes:
     """The bytes of a buffer or a tensor on any device."""
-    if isinstance(buf, torch.Tensor):
+    if is_tensor(buf):  # torch is loaded: only its users hand tensors in
+        import torch
+
         flat = buf.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
         return bytes(tensor_memoryview(flat))
     return bytes(memoryview(buf).cast("B"))

@@ -13,7 +13,7 @@ from tierd.errors import SlotError, TransferError
 from tierd.keys import BlockKey, Medium
 from tierd.stores.base import BlockStore
 from tierd.transfer.budget import ByteBudget, Route, RouteState, RouteStats
-from tierd.transfer.staging import StagingAreas, StagingFactory, slot_buffers
+from tierd.transfer.staging import StagingAreas, StagingFactory, dma_pieces, slot_buffers
 
 __all__ = ["TransferEngine"]
 
@@ -159,18 +159,32 @@ class TransferEngine:
     # -- handlers ------------------------------------------------------------------
 
     async def _dst_writes(self, job: _Job) -> list[bool]:
-        """The destination writes from the source's slot buffers (RAM -> anything)."""
-        bufs = slot_buffers(job.src, job.src_slots, dma=job.dst.medium is Medium.GPU)
-        if bufs is None:
-            return await self._staged(job)
-        return await _guarded(job.dst.write(job.dst_slots, job.keys, bufs))
+        """The destination writes from the source's slot buffers (RAM -> anything); towards
+        a GPU, a piece per host registration the source's slots fall in."""
+        dma = job.dst.medium is Medium.GPU
+        pieces = dma_pieces(job.src, job.src_slots) if dma else [(0, len(job.keys))]
+        results: list[bool] = []
+        for start, stop in pieces:
+            part = job.part(start, stop) if len(pieces) > 1 else job
+            bufs = slot_buffers(part.src, part.src_slots, dma=dma)
+            if bufs is None:
+                return await self._staged(job)
+            results += await _guarded(part.dst.write(part.dst_slots, part.keys, bufs))
+        return results
 
     async def _src_reads(self, job: _Job) -> list[bool]:
-        """The source reads into the destination's slot buffers (GPU/DISK -> RAM)."""
-        bufs = slot_buffers(job.dst, job.dst_slots, dma=job.src.medium is Medium.GPU)
-        if bufs is None:
-            return await self._staged(job)
-        return await _guarded(job.src.read(job.src_slots, job.keys, bufs))
+        """The source reads into the destination's slot buffers (GPU/DISK -> RAM); from a
+        GPU, a piece per host registration the destination's slots fall in."""
+        dma = job.src.medium is Medium.GPU
+        pieces = dma_pieces(job.dst, job.dst_slots) if dma else [(0, len(job.keys))]
+        results: list[bool] = []
+        for start, stop in pieces:
+            part = job.part(start, stop) if len(pieces) > 1 else job
+            bufs = slot_buffers(part.dst, part.dst_slots, dma=dma)
+            if bufs is None:
+                return await self._staged(job)
+            results += await _guarded(part.src.read(part.src_slots, part.keys, bufs))
+        return results
 
     async def _staged(self, job: _Job) -> list[bool]:
         """Source read into a staging segment, then destination write from it, chunked."""

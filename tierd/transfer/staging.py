@@ -16,9 +16,10 @@ from typing import Any
 
 from tierd.errors import TransferError
 from tierd.stores.base import BlockStore, slot_run_start
+from tierd.stores.cuda import split_at_boundaries
 from tierd.stores.memory import HostPoolStore
 
-__all__ = ["Staging", "StagingAreas", "StagingFactory", "slot_buffers"]
+__all__ = ["Staging", "StagingAreas", "StagingFactory", "dma_pieces", "slot_buffers"]
 
 # Builds an unopened CPU store of (num_blocks, block_bytes) whose views are the staging area.
 StagingFactory = Callable[[int, int], BlockStore]
@@ -84,18 +85,30 @@ class StagingAreas:
 
 def slot_buffers(store: BlockStore, slots: Sequence[int], *, dma: bool) -> Any | None:
     """Zero-copy buffers for ``slots`` of ``store``, in the cheapest form another store
-    takes: one ``[n, block_bytes]`` tensor for a consecutive run of a host pool (one copy,
-    one DMA), per-block tensors towards a GPU for big blocks (one DMA each, no packing),
-    else per-slot views; ``None`` when the store has no views."""
+    takes; ``None`` when the store has no views. Towards or from a GPU (``dma``): one
+    ``[n, block_bytes]`` tensor for a consecutive run of a host pool (one DMA), per-block
+    tensors for big blocks (one DMA each: no packing by a Python memcpy under the GIL).
+    Between host memories and disks: a numpy array for a consecutive run (one copy, no
+    torch), else per-slot memoryviews."""
     if not store.has_views:
         return None
-    if isinstance(store, HostPoolStore) and store.stride == store.block_bytes:
+    if isinstance(store, HostPoolStore):
         start = slot_run_start(slots)
-        if start is not None:
-            return store.pool_tensor()[start : start + len(slots)]
+        if start is not None and store.stride == store.block_bytes:
+            pool = store.pool_tensor() if dma else store.pool_array()
+            return pool[start : start + len(slots)]
         if dma and store.block_bytes >= _DMA_BLOCK_BYTES:
             return [store.tensor_view(slot) for slot in slots]
     return [store.view(slot) for slot in slots]
+
+
+def dma_pieces(store: BlockStore, slots: Sequence[int]) -> list[tuple[int, int]]:
+    """Index ranges of ``slots`` that each stay inside one host registration of
+    ``store`` (a pinned pool registers in chunks; one copy must not cross two)."""
+    boundary = getattr(store, "dma_boundary", 0)
+    if not boundary:
+        return [(0, len(slots))]
+    return split_at_boundaries(slots, boundary)
 
 
 def _default_staging(num_blocks: int, block_bytes: int) -> BlockStore:

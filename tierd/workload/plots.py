@@ -15,7 +15,7 @@ config, and the final hit ratio per medium, one bar per config.
 A figure without data (an empty timeline, one sample for the windowed panel, no loads)
 still comes out, as a valid PNG that says "no data", so a report never has a hole.
 
-matplotlib is an optional extra (``pip install tierd[plots]``) and is imported only when
+matplotlib is an optional extra (``pip install 'tierd[plots]'``) and is imported only when
 plots are drawn; figures are built with the object API on the Agg canvas, never pyplot,
 so drawing keeps no global state and works in any thread.
 """
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MISSING_MATPLOTLIB", "CompareSeries", "write_compare_plot", "write_plots"]
 
-MISSING_MATPLOTLIB = "matplotlib is needed for plots: pip install tierd[plots]"
+MISSING_MATPLOTLIB = "matplotlib is needed for plots: pip install 'tierd[plots]'"
 
 _DPI = 100
 _MIN_MS = 1e-4  # a zero latency still needs a place on a log axis
