@@ -69,6 +69,10 @@ OPERATIONS = (
     "flush",
     "clear",
     "stop",
+    "namespaces",
+    "inspect",
+    "delete",
+    "reload",
 )
 HEADER = struct.Struct(">I")
 # A namespaced key is an 8-byte namespace id followed by the client's key, so a client
@@ -100,6 +104,7 @@ class ErrorCode(StrEnum):
     BUSY = "busy"  # too many connections; connection closed
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"  # a bug: logged with a traceback, state untouched
+    BAD_CONFIG = "bad_config"  # reload: the config file is invalid; nothing was changed
 
 
 def encode(message: Mapping[str, Any]) -> bytes:

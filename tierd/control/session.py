@@ -43,6 +43,8 @@ from tierd.control.context import ServerContext
 from tierd.control.event_stream import EventStream
 from tierd.control.hello import answer_hello
 from tierd.control.leases import Leases
+from tierd.control.namespace_requests import NamespaceRequests
+from tierd.control.namespaces import NamespaceFigures
 from tierd.control.operator_requests import OperatorRequests
 from tierd.control.protocol import ErrorCode, error_reply, int_field, keys_field
 from tierd.control.tenants import Grant, Tenant
@@ -86,6 +88,7 @@ class Session:
         self.greeted = False
         self.namespace: str | None = None
         self.prefix = b""
+        self.figures = NamespaceFigures()  # its namespace's, once hello names one
         self.leases = Leases(ctx, conn)
         self.tasks: set[asyncio.Task[None]] = set()
         self.spawned: asyncio.Task[None] | None = None  # the task of the last request handled
@@ -102,6 +105,7 @@ class Session:
         ctx = self.ctx
         blocks = BlockRequests(ctx, self, self.leases)
         operator = OperatorRequests(ctx, self)
+        by_namespace = NamespaceRequests(ctx, self)
         answered: dict[str, _Answer] = {
             "hello": self._hello,
             "lookup": self._lookup,
@@ -112,10 +116,15 @@ class Session:
             "unsubscribe": self._unsubscribe,
             "clear": operator.clear,
             "stop": operator.stop,
-            "stats": lambda msg: {"stats": ctx.stats(self.grant)},
+            "stats": lambda msg: {
+                "stats": ctx.stats(self.grant, namespaces=msg.get("namespaces") is True)
+            },
             "health": lambda msg: ctx.health(),
             "config": operator.config,
             "metrics": operator.metrics,
+            "namespaces": by_namespace.namespaces,
+            "inspect": by_namespace.inspect,
+            "reload": operator.reload,
         }
         started: dict[str, _Start] = {
             "prepare_store": blocks.prepare_store,
@@ -124,6 +133,7 @@ class Session:
             "put": blocks.put,
             "get": blocks.get,
             "flush": operator.flush,
+            "delete": by_namespace.delete,
         }
         return answered, started
 
@@ -237,6 +247,8 @@ class Session:
             raise ProtocolError("hello was already done", code=ErrorCode.BAD_REQUEST)
         greeted = answer_hello(self.ctx, self.tenant, msg)
         self.namespace, self.prefix = greeted.namespace, greeted.prefix
+        if greeted.namespace is not None and self.tenant is not None:
+            self.figures = self.tenant.book.learn(greeted.namespace, greeted.prefix)
         self.greeted = True
         return greeted.reply
 
@@ -274,13 +286,19 @@ class Session:
     # -- queries (the fast path) ------------------------------------------------------
 
     def _lookup(self, msg: dict[str, Any]) -> Reply:
-        return self._lookup_reply(self.chain().lookup(self.keys(msg)))
+        keys = self.keys(msg)
+        return self._lookup_reply(self.chain().lookup(keys), len(keys))
 
     async def _find(self, msg: dict[str, Any]) -> Reply:
-        return self._lookup_reply(await self.chain().find(self.keys(msg)))
+        keys = self.keys(msg)
+        return self._lookup_reply(await self.chain().find(keys), len(keys))
 
-    @staticmethod
-    def _lookup_reply(result: LookupResult) -> Reply:
+    def _lookup_reply(self, result: LookupResult, asked: int) -> Reply:
+        figures = self.figures  # the namespace's figures: a few adds per request
+        figures.lookups += 1
+        figures.hit_blocks += result.count
+        figures.miss_blocks += asked - result.count
+        figures.last_used = time.time()
         return {
             "count": result.count,
             "media": list(result.media),  # StrEnum values pack as msgpack str
