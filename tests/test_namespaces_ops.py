@@ -8,6 +8,7 @@ restart, and who may delete what.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -181,18 +182,17 @@ async def test_a_pinned_block_is_kept_whole_and_reported_busy(daemon: DaemonProc
 
 
 async def test_deleted_blocks_stay_deleted_and_names_stay_known_after_a_restart(
-    tmp_path: Path, spawn: Spawn, daemon: DaemonProcess
+    spawn: Spawn, daemon: DaemonProcess
 ) -> None:
-    await cli_json(daemon, "delete", "--namespace", NS_B, "--all")
-    before = rows_by_name(await stats_rows(daemon))
+    async with await connect(daemon, None) as operator:
+        assert (await operator.flush()).dirty == 0  # every block is on the disk tier now
+    deleted = await cli_json(daemon, "delete", "--namespace", NS_B, "--all")
+    assert deleted["removed"] == 3
     assert await daemon.stop() == 0
     again = await spawn(daemon.config)
     after = rows_by_name(await stats_rows(again))  # no client has said hello yet
     assert NS_B not in after  # its disk blocks did not come back
-    assert (
-        after[NS_A]["blocks"]["disk"]
-        == before[NS_A]["blocks"]["disk"] + before[NS_A]["blocks"]["cpu"]
-    )
+    assert after[NS_A]["blocks"]["disk"] == 12
     assert after[NS_C]["namespace"] == NS_C
     async with await connect(again, NS_B) as client:
         assert (await client.lookup(keys("b", 3))).count == 0
@@ -213,3 +213,67 @@ async def test_delete_needs_a_namespace_and_one_kind_of_target(daemon: DaemonPro
         assert bad_id.value.code == "bad_namespace"
     usage = await tierd("delete", "--all", "--socket", daemon.socket_path)
     assert usage.returncode == 2 and "--namespace" in usage.stderr
+
+
+# -- who may delete what (tenants: clients of other users, as root) -----------------------------
+
+
+@pytest.mark.skipif(
+    os.getuid() != 0, reason="clients of other users (useradd, os.setuid) need root"
+)
+async def test_members_act_on_their_own_tenant_and_operators_on_any(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    from tests.test_tenants import as_user, ensure_user, tenants_config
+
+    users = {name: ensure_user(f"tierd-test-{name}") for name in ("alpha", "beta")}
+    running = await spawn(tenants_config(tmp_path, {**users, "stranger": (0, 0)}))
+    os.chmod(os.path.dirname(running.socket_path), 0o711)
+    names = ["p-0", "p-1"]
+    store = {"do": "store", "keys": names, "fill": 0xA1}
+    _, stored = await as_user(running, users["alpha"], connect_step(), store)
+    _, stored_b = await as_user(running, users["beta"], connect_step(), {**store, "fill": 0xB2})
+    assert stored == stored_b == 2
+    _, across, listed, outside, reload = await as_user(
+        running,
+        users["beta"],
+        connect_step(),
+        op("delete", tenant="alpha", namespace="model-x", all=True),
+        op("namespaces"),
+        op("inspect", tenant="alpha", key="p-0"),
+        op("reload"),
+    )
+    assert across["error"] == outside["error"] == reload["error"] == "not_allowed"
+    assert set(listed["tenants"]) == {"beta"}  # a member sees its own tenant only
+    _, own, foreign = await as_user(
+        running,
+        users["alpha"],
+        connect_step(),
+        op("delete", keys=["p-0"]),  # its own namespace: allowed
+        op("delete", namespace="other-x", all=True),  # outside alpha's model-* patterns
+    )
+    assert (own["removed"], own["tenants"]) == (1, ["alpha"])
+    assert foreign["error"] == "not_allowed"
+    _, beta_left = await as_user(running, users["beta"], connect_step(), lookup(names))
+    assert beta_left == 2  # alpha's delete never reached beta's blocks
+    done = await tierd(
+        "delete", "--namespace", "model-x", "--tenant", "alpha", "--all",
+        "--socket", running.socket_path, "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["removed"] == 1
+    _, alpha_left = await as_user(running, users["alpha"], connect_step(), lookup(names))
+    _, beta_still = await as_user(running, users["beta"], connect_step(), lookup(names))
+    assert (alpha_left, beta_still) == (0, 2)
+
+
+def connect_step() -> dict[str, Any]:
+    return {"do": "connect", "namespace": "model-x"}
+
+
+def lookup(names: list[str]) -> dict[str, Any]:
+    return {"do": "lookup", "keys": names}
+
+
+def op(name: str, **fields: Any) -> dict[str, Any]:
+    return {"do": "op", "name": name, "fields": fields}
