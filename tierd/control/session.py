@@ -6,7 +6,9 @@ protocol can be exercised without one. It owns the dispatch, the namespace, ``lo
 and ``touch`` (the fast path) and the event stream; what hello checks is in
 :mod:`~tierd.control.hello`, the requests that move blocks in
 :mod:`~tierd.control.block_requests`, the operator's (``clear``, ``flush``, ``stop``,
-``config``, ``metrics``) in :mod:`~tierd.control.operator_requests`.
+``config``, ``metrics``, ``reload``) in :mod:`~tierd.control.operator_requests`, those by
+namespace (``namespaces``, ``inspect``, ``delete``) in
+:mod:`~tierd.control.namespace_requests`.
 
 - **Tenants.** The connection's :class:`~tierd.control.tenants.Grant` (decided by the
   server from the peer's kernel credentials, never from what the client says) names its
