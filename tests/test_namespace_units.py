@@ -115,3 +115,16 @@ def test_reload_refuses_live_values_that_do_not_fit_what_keeps_running(tmp_path:
     new = cfg(tmp_path, block_bytes=4096, limits={"max_frame_bytes": 100_000})
     with pytest.raises(ConfigError, match="max_frame_bytes"):
         plan_reload(running, new)
+
+
+async def test_cleared_disk_blocks_do_not_come_back_after_a_reopen(tmp_path: Path) -> None:
+    config = chain_config(tmp_path, {"kind": "cpu", "capacity": 2}, {"kind": "disk", "capacity": 8})
+    keys = keys_of(*range(4))
+    async with tierd.open(config) as chain:
+        for start in range(0, len(keys), 2):
+            await store_all(chain, keys[start : start + 2])
+        await chain.flush()
+        assert chain.clear(1) == 4
+    async with tierd.open(config) as chain:
+        assert chain.levels[1].tier.stats().used == 0
+        assert chain.lookup(keys).count == 0

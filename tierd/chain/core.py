@@ -178,9 +178,17 @@ class TierChain(ChainLoads):
         ]
 
     def clear(self, index: int | None = None) -> int:
-        """Drop every idle block at one level (or all); returns how many were removed."""
+        """Drop every idle block at one level (or all); returns how many were removed. A
+        persistent store forgets them too: a cleared disk tier stays empty after a restart."""
         targets = range(len(self.levels)) if index is None else [index]
-        removed = sum(len(self.levels[i].tier.clear()) for i in targets)
+        removed = 0
+        for i in targets:
+            level = self.levels[i]
+            slots = {key: level.tier.slot_of(key) for key in level.tier.ready_keys()}
+            gone = level.tier.clear()
+            if gone:
+                level.store.invalidate([s for k in gone if (s := slots[k]) is not None])
+            removed += len(gone)
         self._publish()
         return removed
 
