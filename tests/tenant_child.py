@@ -8,8 +8,9 @@ Usage: ``python tenant_child.py UID GID SOCKET PLAN`` where PLAN is a JSON list 
 - ``{"do": "store", "keys": [...], "fill": N}``: blocks of byte N; how many were stored
 - ``{"do": "load", "keys": [...]}``: the byte each loaded block is made of ("mixed" if none)
 - ``{"do": "lookup" | "get", "keys": [...]}``: how many leading blocks were found
-- ``{"do": "op", "name": OP}``: a control operation (stats, clear, flush, stop, config,
-  metrics): its reply, or its error code
+- ``{"do": "op", "name": OP, "fields": {...}}``: a control operation (stats, clear, flush,
+  stop, config, metrics, namespaces, delete, ...) with its fields (``keys``, ``key`` and
+  ``prefix`` given as text): its reply, or its error code
 - ``{"do": "scribble"}``: write 0xEE over every byte of the mapped pool; the pool's inode
 - ``{"do": "peek", "pid": PID, "paths": [...]}``: try to open the daemon's descriptors
   (``/proc/PID/fd/*``, ``/proc/PID/map_files/*``) and ``paths``; list tierd's /dev/shm files
@@ -85,7 +86,12 @@ async def step(client: Client | None, socket_path: str, plan: dict[str, Any]) ->
     if do == "get":
         return len(await client.get(keys))
     if do == "op":
-        reply = await client.request(plan["name"])
+        fields = dict(plan.get("fields", {}))
+        for name in ("keys", "key", "prefix"):  # JSON has no bytes: text stands for them
+            if name in fields:
+                value = fields[name]
+                fields[name] = [key(v) for v in value] if isinstance(value, list) else key(value)
+        reply = await client.request(plan["name"], **fields)
         return {k: v for k, v in reply.items() if k not in ("id", "ok")}
     if do == "scribble":
         pool = client.require_pool()

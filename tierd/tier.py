@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice, takewhile
+from operator import itemgetter
 
 from tierd.errors import (
     BlockBusy,
@@ -128,6 +129,25 @@ class Tier:
     def ready_keys(self) -> list[BlockKey]:
         """The ready keys, in no particular order."""
         return [k for k in self._slots if k not in self._writing]
+
+    def state_of(self, key: BlockKey) -> str | None:
+        """``"writing"``, ``"pinned"``, ``"ready"``, or ``None`` for an absent block."""
+        if key not in self._slots:
+            return None
+        if key in self._writing:
+            return "writing"
+        return "pinned" if key in self._pins else "ready"
+
+    def count_prefixes(self, length: int) -> Counter[bytes]:
+        """Present blocks (every state) by the first ``length`` bytes of their keys: one
+        pass over the index at C speed, for figures an operator asks for (never on the
+        request path)."""
+        return Counter(map(itemgetter(slice(0, length)), self._slots))
+
+    def keys_starting(self, prefix: bytes) -> list[BlockKey]:
+        """Present keys (every state) that start with ``prefix``."""
+        size = len(prefix)
+        return [key for key in self._slots if key[:size] == prefix]
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         """How many leading ``keys`` are present and ready; counts hits and misses."""

@@ -7,11 +7,12 @@ and store handles it gives out;
 
 from tierd.chain.core import TierChain
 from tierd.chain.handles import LoadHandle, StoreHandle
-from tierd.chain.values import Admission, ChainStats, FlushResult, Level, LookupResult
+from tierd.chain.values import Admission, ChainStats, Deleted, FlushResult, Level, LookupResult
 
 __all__ = [
     "Admission",
     "ChainStats",
+    "Deleted",
     "FlushResult",
     "Level",
     "LoadHandle",

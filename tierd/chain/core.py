@@ -26,13 +26,14 @@ from typing import Any
 from tierd.chain.handles import StoreHandle
 from tierd.chain.invariants import check_levels
 from tierd.chain.loads import ChainLoads
-from tierd.chain.values import ChainStats, FlushResult, LookupResult
+from tierd.chain.values import ChainStats, Deleted, FlushResult, LookupResult
 from tierd.errors import CapacityError
 from tierd.keys import BlockKey
 from tierd.stores import Buffer
 
 __all__ = ["TierChain"]
 
+_IN_USE = ("writing", "pinned")
 _REMOTE_BATCH = 256  # blocks per round trip when a flush sends the last level's blocks
 
 
@@ -218,11 +219,51 @@ class TierChain(ChainLoads):
         ]
 
     def clear(self, index: int | None = None) -> int:
-        """Drop every idle block at one level (or all); returns how many were removed."""
+        """Drop every idle block at one level (or all); returns how many were removed. A
+        persistent store forgets them too: a cleared disk tier stays empty after a restart."""
         targets = range(len(self.levels)) if index is None else [index]
-        removed = sum(len(self.levels[i].tier.clear()) for i in targets)
+        removed = 0
+        for i in targets:
+            level = self.levels[i]
+            slots = {key: level.tier.slot_of(key) for key in level.tier.ready_keys()}
+            gone = level.tier.clear()
+            if gone:
+                level.store.invalidate([s for k in gone if (s := slots[k]) is not None])
+            removed += len(gone)
         self._publish()
         return removed
+
+    def delete(self, keys: Sequence[BlockKey]) -> Deleted:
+        """Remove ``keys`` from every level (a ``Removed`` event per level; a persistent
+        store forgets them across a restart too). A key being written or pinned at any
+        level is kept whole, at every level: no reader loses a block under it and no key
+        is left half removed. It is reported busy, to be asked again. The remote level
+        is not asked: its server owns membership (its TTL and eviction)."""
+        tiers = self._tiers
+        asked = list(dict.fromkeys(keys))
+        busy = [k for k in asked if any(t.state_of(k) in _IN_USE for t in tiers)]
+        held = set(busy)
+        todo = [k for k in asked if k not in held]
+        removed: set[BlockKey] = set()
+        for level in self.levels:
+            tier = level.tier
+            slots = [s for k in todo if (s := tier.slot_of(k)) is not None]
+            removed.update(tier.discard(todo))
+            if slots:
+                level.store.invalidate(slots)
+        self._publish()
+        return Deleted(len(removed), len(busy))
+
+    def holders(self, key: BlockKey) -> list[tuple[str, str, str, int]]:
+        """Where ``key`` is: (tier, medium, state, slot) for every level holding it."""
+        out = []
+        for level in self.levels:
+            tier = level.tier
+            state = tier.state_of(key)
+            slot = tier.slot_of(key)
+            if state is not None and slot is not None:
+                out.append((tier.name, str(level.medium), state, slot))
+        return out
 
     def stats(self) -> ChainStats:
         by_medium: dict[str, int] = {}

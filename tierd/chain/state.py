@@ -67,6 +67,24 @@ class ChainState:
         self.remote = remote
         self._tracks_uses = any(rule.counts_uses for rule in rules)
 
+    def set_admissions(self, rules: Sequence[Admission], remote: Admission | None = None) -> None:
+        """New admission rules, one per level (and the remote level's): what the old rules
+        counted of recent uses is kept only if the new ones need no more of it."""
+        if len(rules) != len(self.levels):
+            raise ValueError(f"{len(rules)} admission rules for {len(self.levels)} levels")
+        for level, rule in zip(self.levels, rules, strict=True):
+            level.admission = rule
+        if self.remote is not None and remote is not None:
+            self.remote.admission = remote
+        every = list(rules) + ([self.remote.admission] if self.remote is not None else [])
+        draws = any(rule.sample for rule in every)
+        ends = any(rule.comeback for rule in every)
+        uses = self._uses
+        if (draws and uses.draws is None) or (ends and uses.ends is None):
+            self._uses = KeyUses(self._reuse_memory, draws=draws, ends=ends)
+        self._comebacks.clear()  # rebuilt on the next candidate, at the new thresholds
+        self._tracks_uses = any(rule.counts_uses for rule in every)
+
     def level_of(self, medium: Medium | str) -> int:
         """The index of the first level on ``medium``."""
         for index, level in enumerate(self.levels):

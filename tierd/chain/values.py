@@ -9,7 +9,7 @@ from tierd.policy.admission import Admission
 from tierd.stores import BlockStore
 from tierd.tier import Tier
 
-__all__ = ["Admission", "ChainStats", "FlushResult", "Level", "LookupResult"]
+__all__ = ["Admission", "ChainStats", "Deleted", "FlushResult", "Level", "LookupResult"]
 
 
 @dataclass(slots=True)
@@ -51,6 +51,15 @@ class ChainStats:
     hits_by_level: tuple[int, ...]  # block hits served by each level (its highest holder)
     events_published: int
     events_dropped: int
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    """What a delete did: keys ``removed`` (from every level that held them), and keys
+    kept whole because a level was writing or reading them (``busy``: ask again)."""
+
+    removed: int
+    busy: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,15 @@ from collections.abc import Sequence
 
 import structlog
 
-from tierd.cli import config_cmd, control_cmd, offline, replay_cmd, serve_cmd, top_cmd
+from tierd.cli import (
+    config_cmd,
+    control_cmd,
+    namespace_cmd,
+    offline,
+    replay_cmd,
+    serve_cmd,
+    top_cmd,
+)
 from tierd.cli.base import (
     EXIT_BAD_INPUT,
     EXIT_CONFIG,
@@ -32,6 +40,7 @@ __all__ = ["COMMANDS", "Command", "build_parser", "main"]
 COMMANDS: dict[str, Command] = {
     **serve_cmd.COMMANDS,
     **control_cmd.COMMANDS,
+    **namespace_cmd.COMMANDS,
     **offline.COMMANDS,
     **config_cmd.COMMANDS,
     **top_cmd.COMMANDS,

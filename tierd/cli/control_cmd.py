@@ -67,7 +67,8 @@ def _run_stats(args: argparse.Namespace) -> int:
     if args.watch is None:
         if args.count is not None:
             raise UsageError("--count needs --watch")
-        _emit(stats_text(with_client(args, Client.stats), args.json))
+        stats = with_client(args, functools.partial(Client.stats, namespaces=True))
+        _emit(stats_text(stats, args.json))
         return EXIT_OK
     if args.watch <= 0:
         raise UsageError(f"--watch takes a positive number of seconds, not {args.watch:g}")
@@ -81,7 +82,7 @@ async def _watch(client: Client, args: argparse.Namespace) -> None:
     terminal = sys.stdout.isatty() and not args.json
     frames = 0
     while True:
-        text = stats_text(await client.stats(), args.json)
+        text = stats_text(await client.stats(namespaces=True), args.json)
         if not args.json:
             clock = time.strftime("%H:%M:%S")
             text = f"tierd stats at {clock} (every {args.watch:g} s; Ctrl-C to stop)\n\n{text}"

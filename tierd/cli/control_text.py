@@ -7,11 +7,12 @@ daemon's replies: the commands themselves are in :mod:`tierd.cli.control_cmd`.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from tierd.control.protocol import NAMESPACE_ID_BYTES
 
-__all__ = ["duration", "event_text", "stats_text"]
+__all__ = ["duration", "event_text", "namespace_table", "stats_text"]
 
 _KEYS_SHOWN = 4
 
@@ -26,6 +27,11 @@ def stats_text(stats: dict[str, Any], as_json: bool) -> str:
     tenants = stats.get("tenants") or {}
     if len(tenants) > 1:
         parts.insert(1, _tenant_table(tenants))
+    by_tenant = {name: t["namespaces"] for name, t in tenants.items() if "namespaces" in t}
+    if "namespaces" in stats and stats.get("tenant"):  # a member's own tenant
+        by_tenant = {stats["tenant"]: stats["namespaces"]}
+    if by_tenant:
+        parts.insert(-1, namespace_table(by_tenant))
     chain = stats["chain"]
     looked_up = chain["hit_blocks"] + chain["miss_blocks"]
     parts.append(
@@ -97,6 +103,36 @@ def _tenant_table(tenants: dict[str, dict[str, Any]]) -> str:
         for name, snapshot in tenants.items()
     ]
     return _table(["tenant", *names, "leased", "expired"], rows, left=1)
+
+
+def namespace_table(by_tenant: dict[str, list[dict[str, Any]]], now: float | None = None) -> str:
+    """One row per namespace: blocks per tier, bytes, lookups' hit ratio, stores, last use
+    (the tenant column when there are several tenants)."""
+    rows_in = [(tenant, row) for tenant, rows in by_tenant.items() for row in rows]
+    if not rows_in:
+        return "namespaces: none holds blocks yet"
+    now = time.time() if now is None else now
+    tiers = list(rows_in[0][1]["blocks"])
+    several = len(by_tenant) > 1
+    header = [*(["tenant"] if several else []), "namespace", "id", *tiers, "bytes", "hit ratio"]
+    header += ["stored", "last used"]
+    rows = []
+    for tenant, row in rows_in:
+        looked_up = row["hit_blocks"] + row["miss_blocks"]
+        last = row["last_used"]
+        rows.append(
+            [
+                *([tenant] if several else []),
+                row["namespace"] if row["namespace"] is not None else "(unnamed)",
+                row["id"],
+                *(f"{row['blocks'].get(tier, 0):,}" for tier in tiers),
+                f"{row['bytes']:,}",
+                _ratio(row["hit_blocks"], looked_up),
+                f"{row['stored_blocks']:,}",
+                f"{duration(max(0.0, now - last))} ago" if last else "-",
+            ]
+        )
+    return _table(header, rows, left=3 if several else 2)
 
 
 def _route_table(routes: list[dict[str, Any]]) -> str:

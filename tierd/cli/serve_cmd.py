@@ -63,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
     from tierd.daemon import run_daemon
 
     try:
-        return run_daemon(cfg)
+        return run_daemon(cfg, load=lambda: load_settings(args.config, sets=args.sets))
     except (AlreadyRunning, StoreIOError) as exc:  # a slab in use, say: already clear
         return _fail(str(exc), EXIT_BAD_INPUT)
     except OSError as exc:  # the socket's directory is missing or not writable, say

@@ -150,6 +150,8 @@ class MetricsConfig(StrictModel):
 
     http_port: int | None = Field(default=None, ge=1, le=65535)
     http_host: str = "127.0.0.1"
+    # Namespaces with labels of their own (most bytes first); the rest add up in "other".
+    namespaces_top: int = Field(default=20, ge=0, le=1000)
 
     @field_validator("http_host")
     @classmethod

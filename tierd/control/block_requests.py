@@ -15,11 +15,13 @@ A :class:`BlockRequests` knows its session only through :class:`Requester`.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 from tierd.chain import LoadHandle, StoreHandle, TierChain
 from tierd.control.context import ServerContext
 from tierd.control.leases import Leases
+from tierd.control.namespaces import NamespaceFigures
 from tierd.control.protocol import ErrorCode, bool_list_field, bytes_list_field, int_field
 from tierd.control.tenants import Tenant
 from tierd.errors import BlockMissing, ProtocolError
@@ -44,6 +46,11 @@ class Requester(Protocol):
     @property
     def namespace(self) -> str | None:
         """The namespace named in hello (None: none)."""
+        ...
+
+    @property
+    def figures(self) -> NamespaceFigures:
+        """The figures of the connection's namespace (stores are counted there)."""
         ...
 
     def chain(self) -> TierChain:
@@ -103,7 +110,7 @@ class BlockRequests:
         handle = self.leases.named(lease, StoreHandle)
         ok = bool_list_field(msg, "ok", count=len(handle.keys))
         self.leases.end(lease)
-        return {"stored": len(await handle.commit(ok))}
+        return {"stored": self._stored(await handle.commit(ok))}
 
     def abort_store(self, msg: dict[str, Any]) -> Reply:
         lease = int_field(msg, "lease")
@@ -155,7 +162,13 @@ class BlockRequests:
     async def put(self, msg: dict[str, Any]) -> Reply:
         keys = distinct(self.session.keys(msg))
         data = bytes_list_field(msg, "data", count=len(keys), size=self.ctx.block_bytes)
-        return {"stored": len(await self.session.chain().store(keys, data))}
+        return {"stored": self._stored(await self.session.chain().store(keys, data))}
+
+    def _stored(self, keys: list[BlockKey]) -> int:
+        figures = self.session.figures
+        figures.stored_blocks += len(keys)
+        figures.last_used = time.time()
+        return len(keys)
 
     async def get(self, msg: dict[str, Any]) -> Reply:
         keys = self.session.keys(msg)

@@ -350,8 +350,10 @@ class Client:
 
     # -- control ----------------------------------------------------------------------
 
-    async def stats(self) -> dict[str, Any]:
-        return dict((await self.request("stats"))["stats"])
+    async def stats(self, *, namespaces: bool = False) -> dict[str, Any]:
+        """The daemon's figures; with ``namespaces``, each tenant's namespaces too."""
+        fields = {"namespaces": True} if namespaces else {}
+        return dict((await self.request("stats", **fields))["stats"])
 
     async def health(self) -> dict[str, Any]:
         reply = await self.request("health")
@@ -376,6 +378,53 @@ class Client:
     async def clear(self, tier: str | None = None) -> int:
         fields = {} if tier is None else {"tier": tier}
         return int((await self.request("clear", **fields))["removed"])
+
+    async def namespaces(self, tenant: str | None = None) -> dict[str, list[dict[str, Any]]]:
+        """Each tenant's namespaces (an operator's: every tenant, or ``tenant``)."""
+        reply = await self.request("namespaces", **_present(tenant=tenant))
+        return dict(reply["tenants"])
+
+    async def inspect(
+        self,
+        key: bytes,
+        *,
+        namespace: str | None = None,
+        namespace_id: str | None = None,
+        tenant: str | None = None,
+    ) -> dict[str, Any]:
+        """Where ``key`` lives: in this connection's namespace, or the one named."""
+        where = _present(namespace=namespace, namespace_id=namespace_id, tenant=tenant)
+        reply = await self.request("inspect", key=key, **where)
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
+    async def delete(
+        self,
+        keys: Sequence[bytes] | None = None,
+        *,
+        prefix: bytes | None = None,
+        everything: bool = False,
+        namespace: str | None = None,
+        namespace_id: str | None = None,
+        tenant: str | None = None,
+    ) -> dict[str, Any]:
+        """Delete ``keys``, the keys starting with ``prefix``, or (``everything``) a whole
+        namespace (this connection's, or the one named); ``removed`` and ``busy`` (kept:
+        in use, ask again) come back."""
+        fields = _present(
+            keys=list(keys) if keys is not None else None,
+            prefix=prefix,
+            all=True if everything else None,
+            namespace=namespace,
+            namespace_id=namespace_id,
+            tenant=tenant,
+        )
+        reply = await self.request("delete", **fields)
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
+    async def reload(self) -> dict[str, Any]:
+        """Read the daemon's config again: what was ``applied``, what is ``restart_needed``."""
+        reply = await self.request("reload")
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
 
     async def subscribe(self) -> None:
         """Start the event stream (pushes queue up until :meth:`events` reads them)."""
@@ -410,3 +459,8 @@ class Client:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _present(**fields: Any) -> dict[str, Any]:
+    """The fields that have a value (a request leaves the others out)."""
+    return {name: value for name, value in fields.items() if value is not None}

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from tierd.control.namespaces import namespace_rows
 from tierd.control.protocol import NAMESPACE_ID_BYTES, PROTOCOL_VERSION, ErrorCode
 from tierd.control.stats import collect_stats, merge_stats, render_prometheus
 from tierd.control.tenants import Grant, PoolInfo, Tenant, TenantTable
@@ -55,6 +56,8 @@ class ServerContext:
     config: dict[str, Any] = field(default_factory=dict)
     check_namespace: Callable[[str], str | None] = lambda name: None
     request_stop: Callable[[], None] | None = None  # the ``stop`` operation; None: refused
+    reload: Callable[[], dict[str, Any]] | None = None  # the ``reload`` operation; None: refused
+    namespaces_top: int = 20  # namespaces with labels of their own in the metrics
     shutting_down: bool = False
     connections: int = 0
     requests: int = 0
@@ -137,22 +140,32 @@ class ServerContext:
             "shutting_down": self.shutting_down,
         }
 
-    def stats(self, grant: Grant | None = None) -> dict[str, Any]:
+    def stats(self, grant: Grant | None = None, *, namespaces: bool = False) -> dict[str, Any]:
         """Every tenant's tiers added up, and each tenant's own (for an operator, or
-        ``grant=None``: the daemon itself); a member sees its own tenant only."""
+        ``grant=None``: the daemon itself); a member sees its own tenant only. With
+        ``namespaces``, each tenant's part lists its namespaces (a pass over every tier's
+        index: asked for, not on every stats request)."""
         if grant is not None and not grant.operator and grant.tenant is not None:
             tenant = grant.tenant
-            own = {**collect_stats(tenant.chain), "leases": tenant.counters()}
+            own = self._tenant_stats(tenant, namespaces)
             return {**own, "tenant": tenant.name, "server": self.server_fields()}
         each = {
-            tenant.name: {**collect_stats(tenant.chain), "leases": tenant.counters()}
-            for tenant in self.tenants.tenants
+            tenant.name: self._tenant_stats(tenant, namespaces) for tenant in self.tenants.tenants
         }
         merged = merge_stats(list(each.values()))
         return {**merged, "tenants": each, "server": self.server_fields()}
 
+    @staticmethod
+    def _tenant_stats(tenant: Tenant, namespaces: bool) -> dict[str, Any]:
+        own = {**collect_stats(tenant.chain), "leases": tenant.counters()}
+        if namespaces:
+            own["namespaces"] = namespace_rows(tenant.book, tenant.chain)
+        return own
+
     def metrics(self) -> str:
-        return render_prometheus(self.stats(), self.timing.collectors())
+        return render_prometheus(
+            self.stats(namespaces=True), self.timing.collectors(), top=self.namespaces_top
+        )
 
     def health(self) -> dict[str, Any]:
         return {

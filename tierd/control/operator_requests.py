@@ -1,7 +1,8 @@
-"""The operator's requests: ``clear``, ``stop``, ``flush``, ``config`` and ``metrics``.
+"""The operator's requests: ``clear``, ``stop``, ``flush``, ``config``, ``metrics`` and
+``reload``.
 
 Each needs an operator grant (decided by the server from the peer's credentials); others
-get ``not_allowed``. ``clear`` and ``stop`` act for every client, so they also need a
+get ``not_allowed``. ``clear``, ``stop`` and ``reload`` act for every client, so they also need a
 connection without a namespace. ``clear`` and ``flush`` act on every tenant, or on the
 one their ``tenant`` field names. An :class:`OperatorRequests` knows its session only
 through :class:`Caller`.
@@ -16,7 +17,7 @@ from tierd.chain import FlushResult
 from tierd.control.context import ServerContext
 from tierd.control.protocol import ErrorCode, opt_str_field
 from tierd.control.tenants import Grant, Tenant
-from tierd.errors import ProtocolError
+from tierd.errors import ConfigError, ProtocolError
 
 __all__ = ["Caller", "OperatorRequests"]
 
@@ -96,6 +97,16 @@ class OperatorRequests:
             raise ProtocolError("this server cannot be stopped", code=ErrorCode.NOT_ALLOWED)
         self.ctx.request_stop()  # the daemon drains on a later turn: this reply goes first
         return {"pid": os.getpid()}
+
+    def reload(self, msg: dict[str, Any]) -> Reply:
+        """Read the config again and apply what can change live (all or nothing)."""
+        self._require_operator("reload", without_namespace=True)
+        if self.ctx.reload is None:
+            raise ProtocolError("this server has no config to reload", code=ErrorCode.NOT_ALLOWED)
+        try:
+            return self.ctx.reload()
+        except ConfigError as exc:
+            raise ProtocolError(f"nothing was changed: {exc}", code=ErrorCode.BAD_CONFIG) from exc
 
     async def flush(self, msg: dict[str, Any]) -> Reply:
         self._require_operator("flush")

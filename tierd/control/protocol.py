@@ -74,6 +74,10 @@ OPERATIONS = (
     "unregister_region",
     "region_store",
     "region_load",
+    "namespaces",
+    "inspect",
+    "delete",
+    "reload",
 )
 HEADER = struct.Struct(">I")
 # A namespaced key is an 8-byte namespace id followed by the client's key, so a client
@@ -106,6 +110,7 @@ class ErrorCode(StrEnum):
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"  # a bug: logged with a traceback, state untouched
     UNKNOWN_REGION = "unknown_region"  # not a region of this connection (or unregistered)
+    BAD_CONFIG = "bad_config"  # reload: the config file is invalid; nothing was changed
 
 
 def encode(message: Mapping[str, Any]) -> bytes:

@@ -6,7 +6,9 @@ protocol can be exercised without one. It owns the dispatch, the namespace, ``lo
 and ``touch`` (the fast path) and the event stream; what hello checks is in
 :mod:`~tierd.control.hello`, the requests that move blocks in
 :mod:`~tierd.control.block_requests`, the operator's (``clear``, ``flush``, ``stop``,
-``config``, ``metrics``) in :mod:`~tierd.control.operator_requests`.
+``config``, ``metrics``, ``reload``) in :mod:`~tierd.control.operator_requests`, those by
+namespace (``namespaces``, ``inspect``, ``delete``) in
+:mod:`~tierd.control.namespace_requests`.
 
 - **Tenants.** The connection's :class:`~tierd.control.tenants.Grant` (decided by the
   server from the peer's kernel credentials, never from what the client says) names its
@@ -43,6 +45,8 @@ from tierd.control.context import ServerContext
 from tierd.control.event_stream import EventStream
 from tierd.control.hello import answer_hello
 from tierd.control.leases import Leases
+from tierd.control.namespace_requests import NamespaceRequests
+from tierd.control.namespaces import NamespaceFigures
 from tierd.control.operator_requests import OperatorRequests
 from tierd.control.protocol import ErrorCode, error_reply, int_field, keys_field
 from tierd.control.regions import ReceiveFd, RegionRequests
@@ -90,6 +94,7 @@ class Session:
         self.greeted = False
         self.namespace: str | None = None
         self.prefix = b""
+        self.figures = NamespaceFigures()  # its namespace's, once hello names one
         self.leases = Leases(ctx, conn)
         self.tasks: set[asyncio.Task[None]] = set()
         self.spawned: asyncio.Task[None] | None = None  # the task of the last request handled
@@ -109,6 +114,7 @@ class Session:
         blocks = BlockRequests(ctx, self, self.leases)
         operator = OperatorRequests(ctx, self)
         self.regions = RegionRequests(ctx, self, blocks, lambda: self.receive_fd)
+        by_namespace = NamespaceRequests(ctx, self)
         answered: dict[str, _Answer] = {
             "hello": self._hello,
             "lookup": self._lookup,
@@ -120,11 +126,16 @@ class Session:
             "unsubscribe": self._unsubscribe,
             "clear": operator.clear,
             "stop": operator.stop,
-            "stats": lambda msg: {"stats": ctx.stats(self.grant)},
+            "stats": lambda msg: {
+                "stats": ctx.stats(self.grant, namespaces=msg.get("namespaces") is True)
+            },
             "health": lambda msg: ctx.health(),
             "config": operator.config,
             "metrics": operator.metrics,
             "unregister_region": self.regions.unregister,
+            "namespaces": by_namespace.namespaces,
+            "inspect": by_namespace.inspect,
+            "reload": operator.reload,
         }
         started: dict[str, _Start] = {
             "prepare_store": blocks.prepare_store,
@@ -136,6 +147,7 @@ class Session:
             "register_region": self.regions.register,
             "region_store": self.regions.store,
             "region_load": self.regions.load,
+            "delete": by_namespace.delete,
         }
         return answered, started
 
@@ -251,6 +263,8 @@ class Session:
             raise ProtocolError("hello was already done", code=ErrorCode.BAD_REQUEST)
         greeted = answer_hello(self.ctx, self.tenant, msg)
         self.namespace, self.prefix = greeted.namespace, greeted.prefix
+        if greeted.namespace is not None and self.tenant is not None:
+            self.figures = self.tenant.book.learn(greeted.namespace, greeted.prefix)
         self.greeted = True
         return greeted.reply
 
@@ -288,19 +302,32 @@ class Session:
     # -- queries (the fast path) ------------------------------------------------------
 
     def _lookup(self, msg: dict[str, Any]) -> Reply:
-        return self._lookup_reply(self.chain().lookup(self.keys(msg)))
+        keys = self.keys(msg)
+        return self._lookup_reply(self.chain().lookup(keys), len(keys))
 
     async def _find(self, msg: dict[str, Any]) -> Reply:
-        return self._lookup_reply(await self.chain().find(self.keys(msg)))
+        keys = self.keys(msg)
+        return self._lookup_reply(await self.chain().find(keys), len(keys))
 
     def _lookup_each(self, msg: dict[str, Any]) -> Reply:
-        return {"present": self.chain().holds(self.keys(msg))}
+        return self._each_reply(self.chain().holds(self.keys(msg)))
 
     async def _find_each(self, msg: dict[str, Any]) -> Reply:
-        return {"present": await self.chain().find_each(self.keys(msg))}
+        return self._each_reply(await self.chain().find_each(self.keys(msg)))
 
-    @staticmethod
-    def _lookup_reply(result: LookupResult) -> Reply:
+    def _count_lookup(self, asked: int, hits: int) -> None:
+        figures = self.figures  # the namespace's figures: a few adds per request
+        figures.lookups += 1
+        figures.hit_blocks += hits
+        figures.miss_blocks += asked - hits
+        figures.last_used = time.time()
+
+    def _each_reply(self, present: list[bool]) -> Reply:
+        self._count_lookup(len(present), present.count(True))
+        return {"present": present}
+
+    def _lookup_reply(self, result: LookupResult, asked: int) -> Reply:
+        self._count_lookup(asked, result.count)
         return {
             "count": result.count,
             "media": list(result.media),  # StrEnum values pack as msgpack str

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from tierd.chain import TierChain
 
 
-__all__ = ["collect_stats", "merge_stats", "render_prometheus"]
+__all__ = ["OTHER", "collect_stats", "merge_stats", "render_prometheus", "top_namespaces"]
 
 
 def collect_stats(chain: TierChain) -> dict[str, Any]:
@@ -188,9 +188,47 @@ _REMOTE_COUNTERS = [
 ]
 
 
+_NAMESPACE_COUNTERS = [
+    ("lookups", "Lookups sent by a namespace's clients"),
+    ("hit_blocks", "Looked-up blocks of a namespace found in some tier"),
+    ("miss_blocks", "Looked-up blocks of a namespace found nowhere"),
+    ("stored_blocks", "Blocks a namespace's clients stored"),
+]
+OTHER = "other"  # the label of every namespace past the top N, added up per tenant
+
+
+def top_namespaces(
+    tenants: dict[str, dict[str, Any]], top: int
+) -> list[tuple[str, str, dict[str, Any]]]:
+    """(tenant, namespace label, row) for the ``top`` namespaces holding most bytes over
+    all tenants, then one ``other`` row per tenant adding up the rest: the metrics'
+    label sets stay at most ``top`` + one per tenant, however many namespaces there are.
+    A namespace no client named since the names were last saved is ``id:<hex>``."""
+    every = [
+        (tenant, row)
+        for tenant, snapshot in sorted(tenants.items())
+        for row in snapshot.get("namespaces", ())
+    ]
+    every.sort(key=lambda item: (-item[1]["bytes"], item[0], item[1]["id"]))
+    out = [(t, row["namespace"] or f"id:{row['id']}", row) for t, row in every[:top]]
+    rest: dict[str, list[dict[str, Any]]] = {}
+    for tenant, row in every[top:]:
+        rest.setdefault(tenant, []).append(row)
+    for tenant, rows in sorted(rest.items()):
+        blocks: dict[str, int] = {}
+        for row in rows:
+            for tier, count in row["blocks"].items():
+                blocks[tier] = blocks.get(tier, 0) + count
+        other = {key: sum(row[key] for row in rows) for key, _ in _NAMESPACE_COUNTERS}
+        other.update(blocks=blocks, bytes=sum(row["bytes"] for row in rows))
+        out.append((tenant, OTHER, other))
+    return out
+
+
 class _SnapshotCollector(Collector):
-    def __init__(self, stats: dict[str, Any]) -> None:
+    def __init__(self, stats: dict[str, Any], top: int) -> None:
         self._stats = stats
+        self._top = top
 
     def collect(self) -> Iterator[Metric]:
         yield from self._tiers(self._stats["tiers"])
@@ -205,6 +243,36 @@ class _SnapshotCollector(Collector):
             yield from self._server(server)
         if self._stats.get("tenants"):
             yield from self._tenants(self._stats["tenants"])
+            yield from self._namespaces(self._stats["tenants"])
+
+    def _namespaces(self, tenants: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+        if not any("namespaces" in snapshot for snapshot in tenants.values()):
+            return
+        labels = ["tenant", "namespace"]
+        count = GaugeMetricFamily(
+            "tierd_namespaces", "Namespaces holding blocks or used", labels=["tenant"]
+        )
+        for name, snapshot in sorted(tenants.items()):
+            count.add_metric([name], len(snapshot.get("namespaces", ())))
+        blocks = GaugeMetricFamily(
+            "tierd_namespace_blocks",
+            "Blocks a namespace holds in a tier (top N namespaces by bytes, then 'other')",
+            labels=[*labels, "tier"],
+        )
+        held = GaugeMetricFamily(
+            "tierd_namespace_bytes", "Bytes a namespace holds in all tiers", labels=labels
+        )
+        counters = {
+            key: CounterMetricFamily(f"tierd_namespace_{key}", text, labels=labels)
+            for key, text in _NAMESPACE_COUNTERS
+        }
+        for tenant, label, row in top_namespaces(tenants, self._top):
+            for tier, n in row["blocks"].items():
+                blocks.add_metric([tenant, label, tier], n)
+            held.add_metric([tenant, label], row["bytes"])
+            for key, family in counters.items():
+                family.add_metric([tenant, label], row[key])
+        yield from (count, blocks, held, *counters.values())
 
     def _tenants(self, tenants: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         used = GaugeMetricFamily(
@@ -301,11 +369,14 @@ class _SnapshotCollector(Collector):
         yield GaugeMetricFamily("tierd_uptime_seconds", "Seconds since start", server["uptime_s"])
 
 
-def render_prometheus(stats: dict[str, Any], collectors: Iterable[Collector] = ()) -> str:
+def render_prometheus(
+    stats: dict[str, Any], collectors: Iterable[Collector] = (), *, top: int = 20
+) -> str:
     """The Prometheus text exposition of a :func:`collect_stats` snapshot, followed by
-    ``collectors`` (the server's latency histograms)."""
+    ``collectors`` (the server's latency histograms); ``top``: how many namespaces get
+    labels of their own (:func:`top_namespaces`)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(stats))
+    registry.register(_SnapshotCollector(stats, top))
     for collector in collectors:
         registry.register(collector)
     return generate_latest(registry).decode()

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tierd.control.namespaces import NamespaceBook
+
 if TYPE_CHECKING:
     from tierd.chain import TierChain
 
@@ -61,6 +63,7 @@ class Tenant:
     held: int = 0  # blocks held in open leases now
     leases_expired: int = 0  # store leases aborted for not being committed in time
     lease_refusals: int = 0  # requests refused for a lease bound
+    book: NamespaceBook = field(default_factory=NamespaceBook)  # its namespaces' names, figures
 
     def namespace_problem(self, name: str) -> str | None:
         """Why ``name`` is not one of this tenant's namespaces, or ``None``."""

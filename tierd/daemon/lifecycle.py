@@ -10,6 +10,10 @@ metrics endpoint (:mod:`tierd.daemon.metrics_http`) and serving; tell systemd
 ``READY=1`` (:mod:`tierd.daemon.service`). A start that fails logs ``start failed`` with
 the reason and removes what it created: the socket, the pid file, the directories.
 
+The ``reload`` operation (``tierd reload``, systemd's ``ExecReload``) reads the config
+again and applies what can change live (:mod:`tierd.daemon.reload`); SIGHUP is not a
+reload: it stops the daemon, as a closed terminal should.
+
 Shutdown on SIGTERM, SIGINT, SIGHUP (a closed terminal) or the ``stop`` operation (``tierd
 stop``): ``STOPPING=1``; stop accepting and refuse new work; wait
 for running requests up to ``shutdown.grace`` seconds (then cancel them: their pins and
@@ -32,6 +36,7 @@ import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -42,6 +47,7 @@ from tierd.control.server import Server, bind_unix_socket
 from tierd.control.socketfile import prepare_socket_directory
 from tierd.control.tenants import TenantTable
 from tierd.daemon.metrics_http import start_metrics_http
+from tierd.daemon.reload import plan_reload
 from tierd.daemon.service import (
     configure_logging,
     remove_pid_file,
@@ -49,7 +55,8 @@ from tierd.daemon.service import (
     start_progress,
     write_pid_file,
 )
-from tierd.daemon.tenants import open_tenants
+from tierd.daemon.tenants import apply_tenant_rules, open_tenants
+from tierd.errors import ConfigError
 from tierd.preflight import check_machine, directories_to_create
 from tierd.settings import effective_config_dict
 
@@ -73,9 +80,16 @@ def _claim_socket(path: str, mode: int) -> socket.socket:
 class Daemon:
     """One run of the service. ``run()`` returns the exit status."""
 
-    def __init__(self, config: DaemonConfig, *, handle_signals: bool = True) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        *,
+        handle_signals: bool = True,
+        load: Callable[[], DaemonConfig] | None = None,
+    ) -> None:
         self.config = config
         self.handle_signals = handle_signals
+        self._load = load  # reads the config again (the ``reload`` operation); None: refused
         self.ready = asyncio.Event()  # set once clients can connect
         self.server: Server | None = None
         self.chains: dict[str, TierChain] = {}  # by tenant, once open
@@ -208,30 +222,42 @@ class Daemon:
             except TimeoutError:
                 log.warning("grace period over before every dirty block was written down")
 
+    def reload(self) -> dict[str, Any]:
+        """The ``reload`` operation: read the config again and apply what can change live
+        (:mod:`tierd.daemon.reload`); :class:`ConfigError`, and nothing changed, when the
+        new config is invalid."""
+        if self._load is None or self.server is None:
+            raise ConfigError("this daemon was not started from a config it can read again")
+        plan = plan_reload(self.config, self._load())
+        cfg, ctx = plan.config, self.server.ctx
+        # From here on nothing can fail: every value was checked by plan_reload.
+        if any(path.startswith("logging.") for path in plan.applied):
+            configure_logging(cfg.logging)
+        ctx.limits = _limits(cfg)
+        ctx.check_namespace = cfg.namespaces.check
+        ctx.namespaces_top = cfg.metrics.namespaces_top
+        for tenant in ctx.tenants.tenants:
+            tenant.chain.set_admissions(plan.admissions, plan.remote_admission)
+            for level, tier in zip(tenant.chain.levels, cfg.tiers, strict=True):
+                level.write_through = tier.write_through
+        apply_tenant_rules(cfg, ctx.tenants)
+        ctx.config = effective_config_dict(cfg)
+        self.config = cfg
+        log.info("reloaded", applied=list(plan.applied), restart_needed=list(plan.restart))
+        return plan.reply()
+
     # -- wiring -----------------------------------------------------------------------
 
     def _context(self, table: TenantTable) -> ServerContext:
         cfg = self.config
-        limits = Limits(
-            max_frame_bytes=cfg.limits.max_frame_bytes,
-            max_keys_per_request=cfg.limits.max_keys_per_request,
-            max_connections=cfg.limits.max_connections,
-            max_requests_in_flight=cfg.limits.max_requests_in_flight,
-            event_queue_batches=cfg.events.queue_batches,
-            hello_timeout_s=cfg.limits.hello_timeout_s,
-            frame_deadline_s=cfg.limits.frame_deadline_s,
-            partial_frame_bytes=cfg.limits.partial_frame_bytes,
-            output_buffer_bytes=cfg.limits.output_buffer_bytes,
-            output_stall_s=cfg.limits.output_stall_s,
-            store_lease_ttl_s=cfg.limits.store_lease_ttl_s,
-            load_wait_s=cfg.limits.load_wait_s,
-        )
         return ServerContext(
             tenants=table,
-            limits=limits,
+            limits=_limits(cfg),
             config=effective_config_dict(cfg),
             check_namespace=cfg.namespaces.check,
             request_stop=self.stop_once,
+            reload=self.reload if self._load is not None else None,
+            namespaces_top=cfg.metrics.namespaces_top,
         )
 
     def _install_signals(self) -> Callable[[], None]:
@@ -248,6 +274,23 @@ class Daemon:
         return restore
 
 
+def _limits(cfg: DaemonConfig) -> Limits:
+    return Limits(
+        max_frame_bytes=cfg.limits.max_frame_bytes,
+        max_keys_per_request=cfg.limits.max_keys_per_request,
+        max_connections=cfg.limits.max_connections,
+        max_requests_in_flight=cfg.limits.max_requests_in_flight,
+        event_queue_batches=cfg.events.queue_batches,
+        hello_timeout_s=cfg.limits.hello_timeout_s,
+        frame_deadline_s=cfg.limits.frame_deadline_s,
+        partial_frame_bytes=cfg.limits.partial_frame_bytes,
+        output_buffer_bytes=cfg.limits.output_buffer_bytes,
+        output_stall_s=cfg.limits.output_stall_s,
+        store_lease_ttl_s=cfg.limits.store_lease_ttl_s,
+        load_wait_s=cfg.limits.load_wait_s,
+    )
+
+
 def _remove_created(created: list[Path]) -> None:
     """Remove the directories a failed start created (parents first in ``created``), with
     what it put in them (a slab, say): they did not exist a moment ago."""
@@ -256,8 +299,9 @@ def _remove_created(created: list[Path]) -> None:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def run_daemon(config: DaemonConfig) -> int:
-    """Run the daemon under uvloop until it stops; returns the exit status. A stop signal
+def run_daemon(config: DaemonConfig, load: Callable[[], DaemonConfig] | None = None) -> int:
+    """Run the daemon under uvloop until it stops; returns the exit status; ``load`` reads
+    the config again, for the ``reload`` operation (None: refused). A stop signal
     that comes during start-up, before the daemon's own handlers are in place, raises
     KeyboardInterrupt as Ctrl-C does, so the start unwinds and removes what it created."""
     import uvloop
@@ -265,4 +309,4 @@ def run_daemon(config: DaemonConfig) -> int:
     configure_logging(config.logging)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
-    return uvloop.run(Daemon(config).run())
+    return uvloop.run(Daemon(config, load=load).run())

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import os
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 import structlog
 
 from tierd.chain import TierChain
-from tierd.config import DaemonConfig
+from tierd.config import ChainConfig, DaemonConfig, TierKind
+from tierd.control.namespaces import NAMES_FILE, NamespaceBook
 from tierd.control.tenants import Grant, PoolInfo, Tenant, TenantTable
 from tierd.errors import TierdError
 from tierd.library import open_chain
@@ -27,8 +29,10 @@ from tierd.tenancy import TenantConfig
 from tierd.units import share_parts
 
 __all__ = [
+    "apply_tenant_rules",
     "grants_for",
     "lease_bound",
+    "names_file",
     "open_tenants",
     "warn_of_tiers_above_the_entry",
     "warn_of_untenanted_slabs",
@@ -57,7 +61,9 @@ async def open_tenants(
                 exc.args = (f"tenant {spec.name!r}: {exc}", *exc.args[1:])
             raise
         chains[spec.name] = chain
-        table.tenants.append(_tenant(cfg, spec, chain))
+        tenant = _tenant(cfg, spec, chain)
+        tenant.book = NamespaceBook(names_file(chain_cfg))
+        table.tenants.append(tenant)
     table.grants = grants_for(cfg, table)
     if cfg.tenants:
         log.info(
@@ -65,6 +71,27 @@ async def open_tenants(
             tenants={t.name: [lv.tier.num_blocks for lv in t.chain.levels] for t in table.tenants},
         )
     return table
+
+
+def names_file(chain_cfg: ChainConfig) -> Path | None:
+    """Where a tenant's namespace names are kept: beside its first disk tier's slab (only
+    the disk tier outlives the daemon: without one there is nothing to name after a
+    restart, and nothing is written)."""
+    for tier in chain_cfg.tiers:
+        if tier.kind == TierKind.DISK and tier.directories:
+            return tier.directories[0] / NAMES_FILE
+    return None
+
+
+def apply_tenant_rules(cfg: DaemonConfig, table: TenantTable) -> None:
+    """What a reload changes of the running tenants: their namespace patterns, lease
+    bounds, and who is which (for connections from then on)."""
+    for tenant, (spec, _) in zip(table.tenants, cfg.tenant_chains(), strict=True):
+        entry = tenant.chain.levels[tenant.chain.entry].store.num_blocks
+        tenant.namespaces = tuple(spec.namespaces)
+        tenant.max_held = lease_bound(cfg.limits.lease_blocks_per_tenant, entry)
+        tenant.max_held_per_connection = lease_bound(cfg.limits.lease_blocks_per_connection, entry)
+    table.grants = grants_for(cfg, table)
 
 
 def _tenant(cfg: DaemonConfig, spec: TenantConfig, chain: TierChain) -> Tenant:

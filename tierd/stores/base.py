@@ -163,6 +163,11 @@ class BlockStore(ABC):
         self._check((slot,), None)
         return self._view(slot)
 
+    def invalidate(self, slots: Sequence[int]) -> None:
+        """Forget what ``slots`` hold, also across a restart (a deleted block must not come
+        back). Memory forgets with the process: only a persistent store overrides this."""
+        self._check(slots, None)
+
     def _view(self, slot: int) -> Buffer:
         raise NotImplementedError(f"{type(self).__name__} has no zero-copy slot views")
 

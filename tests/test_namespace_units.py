@@ -1,0 +1,130 @@
+"""The pieces under the namespace operations and reload, without a daemon: the chain's
+``delete`` across levels (pinned and in-flight keys kept whole, invariants intact, a disk
+tier that forgets), the metrics' bound on namespace label sets, and how a reload sorts
+changed config paths into live and restart-only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tierd
+from tests.test_chain import chain_config, keys_of, store_all
+from tierd.config import DaemonConfig
+from tierd.control.stats import OTHER, top_namespaces
+from tierd.daemon.reload import plan_reload
+from tierd.errors import ConfigError
+from tierd.events import EventKind
+from tierd.testing import daemon_config
+
+
+async def test_delete_removes_every_copy_and_keeps_busy_keys_whole(tmp_path: Path) -> None:
+    config = chain_config(
+        tmp_path, {"kind": "cpu", "capacity": 4}, {"kind": "disk", "capacity": 16}
+    )
+    keys = keys_of(*range(8))
+    async with tierd.open(config) as chain:
+        for start in range(0, len(keys), 2):
+            await store_all(chain, keys[start : start + 2])
+        await chain.flush()  # the last four are in both tiers now (clean), the rest on disk
+        events = chain.bus.subscribe()
+        pinned_low = keys[0]  # only on the disk tier
+        async with chain.loading([pinned_low, keys[1]], into=None):
+            # A load promotes and pins; while it holds them the keys stay whole.
+            handle = await chain.begin_store([keys_of(99)[0]])  # a key being written
+            done = chain.delete([*keys, keys_of(99)[0], keys_of(77)[0]])
+            assert (done.removed, done.busy) == (6, 3)
+            chain.check_invariants()
+            for key in (pinned_low, keys[1]):
+                assert chain.lookup([key]).count == 1
+            assert chain.lookup(keys[2:]).count == 0
+            handle.abort()
+        chain.check_invariants(idle=True)
+        removed: set[bytes] = set()
+        while (batch := events.get_nowait()) is not None:
+            removed.update(k for e in batch if e.kind is EventKind.REMOVED for k in e.keys)
+        assert set(keys[2:]) <= removed
+        again = chain.delete(keys)
+        assert (again.removed, again.busy) == (2, 0)
+        chain.check_invariants(idle=True)
+        assert all(level.tier.stats().used == 0 for level in chain.levels)
+    async with tierd.open(config) as chain:  # the disk tier forgot them all
+        assert chain.levels[1].tier.stats().used == 0
+
+
+def rows(*sizes: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "namespace": f"ns-{i}",
+            "id": f"{i:016x}",
+            "blocks": {"cpu": size},
+            "bytes": size * 10,
+            "lookups": 1,
+            "hit_blocks": size,
+            "miss_blocks": 0,
+            "stored_blocks": size,
+        }
+        for i, size in enumerate(sizes)
+    ]
+
+
+def test_metrics_keep_the_top_namespaces_and_one_other_per_tenant() -> None:
+    tenants = {"a": {"namespaces": rows(5, 50, 1, 2)}, "b": {"namespaces": rows(40, 3)}}
+    shown = top_namespaces(tenants, 2)
+    assert [(t, label) for t, label, _ in shown] == [
+        ("a", "ns-1"),
+        ("b", "ns-0"),
+        ("a", OTHER),
+        ("b", OTHER),
+    ]
+    other_a = shown[2][2]
+    assert other_a["bytes"] == (5 + 1 + 2) * 10 and other_a["blocks"] == {"cpu": 8}
+    assert sum(row["stored_blocks"] for _, _, row in shown) == 5 + 50 + 1 + 2 + 40 + 3
+    # A thousand namespaces still make top + one series per tenant.
+    many = {"a": {"namespaces": rows(*range(1000))}}
+    assert len(top_namespaces(many, 20)) == 21
+
+
+def cfg(tmp_path: Path, **sections: Any) -> DaemonConfig:
+    socket = str(tmp_path / "s.sock")  # never bound: the configs only compare
+    return DaemonConfig.model_validate(daemon_config(tmp_path, socket_path=socket, **sections))
+
+
+def test_reload_sorts_changes_into_live_and_restart(tmp_path: Path) -> None:
+    running = cfg(tmp_path)
+    new = cfg(tmp_path, limits={"load_wait_s": 1}, logging={"level": "debug"})
+    new.tiers[1] = new.tiers[1].model_copy(update={"admission": "reuse>=2", "capacity": 99})
+    plan = plan_reload(running, new)
+    assert set(plan.applied) == {"limits.load_wait_s", "logging.level", "tiers.disk.admission"}
+    assert plan.restart == ("tiers.disk.capacity",)
+    assert plan.config.tiers[1].capacity == 64 and plan.config.tiers[1].admission == "reuse>=2"
+    assert plan.config.limits.load_wait_s == 1
+    renamed = cfg(tmp_path)
+    renamed.tiers[1] = renamed.tiers[1].model_copy(update={"name": "nvme", "admission": "reuse>=2"})
+    plan = plan_reload(running, renamed)
+    # The tiers no longer line up: nothing of them changes live.
+    assert plan.applied == () and plan.restart == ("tiers",)
+    assert plan.config.tiers[1].admission == running.tiers[1].admission
+
+
+def test_reload_refuses_live_values_that_do_not_fit_what_keeps_running(tmp_path: Path) -> None:
+    running = cfg(tmp_path, block_bytes=256 << 10)
+    new = cfg(tmp_path, block_bytes=4096, limits={"max_frame_bytes": 100_000})
+    with pytest.raises(ConfigError, match="max_frame_bytes"):
+        plan_reload(running, new)
+
+
+async def test_cleared_disk_blocks_do_not_come_back_after_a_reopen(tmp_path: Path) -> None:
+    config = chain_config(tmp_path, {"kind": "cpu", "capacity": 2}, {"kind": "disk", "capacity": 8})
+    keys = keys_of(*range(4))
+    async with tierd.open(config) as chain:
+        for start in range(0, len(keys), 2):
+            await store_all(chain, keys[start : start + 2])
+        await chain.flush()
+        assert chain.clear(1) == 4
+    async with tierd.open(config) as chain:
+        assert chain.levels[1].tier.stats().used == 0
+        assert chain.lookup(keys).count == 0

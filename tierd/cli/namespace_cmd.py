@@ -1,0 +1,180 @@
+"""The cache by namespace, and reload: ``tierd namespaces``, ``inspect``, ``delete`` and
+``reload``.
+
+``namespaces`` lists each tenant's namespaces (blocks per tier, bytes, hits, stores, last
+use); ``inspect KEY`` says where one key lives; ``delete`` removes keys, the keys under a
+prefix, or a whole namespace (``--all``: a retired model), from every tier; ``reload``
+makes the daemon read its config file again and prints what it applied and what needs a
+restart. Keys are given as text (UTF-8), or as hex with ``--hex``.
+
+A member acts on its own tenant's namespaces; another tenant's need an operator
+(docs/security.md). Exit status: 0 done; 1 an error reply (not allowed, an invalid config
+on reload: then nothing changed) or, for ``delete``, keys left in place because they were
+in use (``busy``: run it again); 3 no daemon answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from typing import Any
+
+from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, Command, UsageError
+from tierd.cli.connection import add_socket_options, talks_to_daemon, with_client
+from tierd.cli.control_text import duration, namespace_table
+from tierd.client import Client
+
+__all__ = ["COMMANDS"]
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    add_socket_options(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    parser.add_argument(
+        "--tenant", metavar="NAME", help="this tenant only (another tenant's: an operator)"
+    )
+
+
+def _add_where(parser: argparse.ArgumentParser) -> None:
+    _add_common(parser)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--namespace", metavar="NS", help="the namespace, by name")
+    which.add_argument(
+        "--namespace-id", metavar="HEX", help="the namespace by its 16-digit id (as listed)"
+    )
+    parser.add_argument("--hex", action="store_true", help="keys and prefixes are given in hex")
+
+
+def _where(args: argparse.Namespace) -> dict[str, Any]:
+    return {"namespace": args.namespace, "namespace_id": args.namespace_id, "tenant": args.tenant}
+
+
+def _key(text: str, as_hex: bool) -> bytes:
+    if not as_hex:
+        return text.encode()
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise UsageError(f"{text!r} is not hex") from None
+
+
+# -- tierd namespaces ------------------------------------------------------------------------
+
+
+@talks_to_daemon
+def _run_namespaces(args: argparse.Namespace) -> int:
+    tenants = with_client(args, functools.partial(Client.namespaces, tenant=args.tenant))
+    print(json.dumps(tenants) if args.json else namespace_table(tenants))
+    return EXIT_OK
+
+
+# -- tierd inspect ---------------------------------------------------------------------------
+
+
+def _configure_inspect(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("key", help="the client's key (text, or hex with --hex)")
+    _add_where(parser)
+
+
+@talks_to_daemon
+def _run_inspect(args: argparse.Namespace) -> int:
+    key = _key(args.key, args.hex)
+    where = _where(args)
+
+    async def ask(client: Client) -> dict[str, Any]:
+        return await client.inspect(key, **where)
+
+    found = with_client(args, ask)
+    print(json.dumps(found) if args.json else _inspect_text(args.key, found))
+    return EXIT_OK
+
+
+def _inspect_text(key: str, found: dict[str, Any]) -> str:
+    name = found["namespace"] or f"id {found['namespace_id']}"
+    if not found["tiers"]:
+        return f"{key} (namespace {name}): not held by any tier"
+    lines = [f"{key} (namespace {name}): {found['bytes']:,} bytes"]
+    for where in found["tiers"]:
+        lines.append(
+            f"  {where['tenant']}  {where['tier']} ({where['medium']})  {where['state']}"
+            f"  slot {where['slot']}"
+        )
+    last = found.get("namespace_last_used")
+    if last:
+        lines.append(f"namespace last used {duration(max(0.0, time.time() - last))} ago")
+    return "\n".join(lines)
+
+
+# -- tierd delete ----------------------------------------------------------------------------
+
+
+def _configure_delete(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--key", action="append", metavar="KEY", help="a key (repeatable)")
+    what.add_argument("--prefix", metavar="P", help="every key that starts with P")
+    what.add_argument("--all", action="store_true", help="the whole namespace")
+    _add_where(parser)
+
+
+@talks_to_daemon
+def _run_delete(args: argparse.Namespace) -> int:
+    keys = [_key(k, args.hex) for k in args.key] if args.key else None
+    prefix = _key(args.prefix, args.hex) if args.prefix is not None else None
+    if prefix == b"":
+        raise UsageError("--prefix needs at least one byte (the whole namespace: --all)")
+    where = _where(args)
+
+    async def ask(client: Client) -> dict[str, Any]:
+        return await client.delete(keys, prefix=prefix, everything=args.all, **where)
+
+    done = with_client(args, ask)
+    if args.json:
+        print(json.dumps(done))
+    else:
+        name = done["namespace"] or args.namespace or args.namespace_id
+        text = f"removed {done['removed']:,} blocks of namespace {name}"
+        if done["busy"]:
+            text += f"; {done['busy']:,} were in use and stayed: run it again"
+        print(text)
+    return EXIT_BAD_INPUT if done["busy"] else EXIT_OK
+
+
+# -- tierd reload ----------------------------------------------------------------------------
+
+
+def _configure_reload(parser: argparse.ArgumentParser) -> None:
+    add_socket_options(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
+@talks_to_daemon
+def _run_reload(args: argparse.Namespace) -> int:
+    done = with_client(args, Client.reload)
+    if args.json:
+        print(json.dumps(done))
+        return EXIT_OK
+    applied, restart = done["applied"], done["restart_needed"]
+    print("applied: " + (", ".join(applied) if applied else "nothing changed"))
+    if restart:
+        print("needs a restart (still running as before): " + ", ".join(restart))
+    return EXIT_OK
+
+
+COMMANDS: dict[str, Command] = {
+    "namespaces": Command(
+        "list the namespaces: blocks per tier, bytes, hits, stores", _add_common, _run_namespaces
+    ),
+    "inspect": Command("say where one key lives", _configure_inspect, _run_inspect),
+    "delete": Command(
+        "delete keys, a key prefix or a whole namespace from every tier",
+        _configure_delete,
+        _run_delete,
+    ),
+    "reload": Command(
+        "make the daemon read its config again and apply what can change live",
+        _configure_reload,
+        _run_reload,
+    ),
+}
