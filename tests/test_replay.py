@@ -142,7 +142,9 @@ async def test_bytes_flipped_in_the_pool_are_reported_and_the_cli_exits_1(
             view.release()
         dirty = await replay_daemon(socket, trace, clients=2)
         status = await asyncio.to_thread(
-            main, ["replay", str(trace_path), "--socket", socket, "--max-rate", "--json"]
+            main,
+            ["replay", str(trace_path), "--socket", socket, "--max-rate", "--json"]
+            + ["--namespace", NAMESPACE],  # the namespace with the flipped block
         )
 
     assert clean.wrong_bytes == 0
