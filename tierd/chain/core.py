@@ -84,7 +84,9 @@ class TierChain(ChainLoads):
         if remote is None or local.in_flight or local.count == len(keys):
             return local
         holders = self._holders(keys, local.count)
-        missing = [key for key, holder in zip(keys[local.count :], holders) if holder is None]
+        missing = [
+            key for key, holder in zip(keys[local.count :], holders, strict=True) if holder is None
+        ]
         run = await remote.level.exists(missing)
         if not run:
             return local
