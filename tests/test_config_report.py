@@ -102,3 +102,72 @@ def test_every_tenant_problem_at_once(tmp_path: Path, capsys: pytest.CaptureFixt
     assert status == EXIT_CONFIG
     assert "tenants.1.name: 'a' is named twice" in lines
     assert "tenants.2: names no uid or gid: nobody could use it" in lines
+
+
+# -- machine checks (tierd/preflight.py) ---------------------------------------------------
+
+
+def gpu_config(tmp_path: Path) -> Path:
+    gpu = {"name": "gpu", "kind": "gpu", "capacity": 8, "device": "cuda:0"}
+    return write(tmp_path, {"socket": {"path": short_socket_path()}, "tiers": [gpu, cpu()]})
+
+
+def test_a_gpu_tier_is_refused_on_a_machine_without_cuda(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tierd.preflight, "CUDA_LIBRARY", "libcuda-not-here.so.1")
+    status, lines = check(gpu_config(tmp_path), capsys)
+
+    assert status == EXIT_CONFIG
+    [line] = [line for line in lines if line.startswith("tiers.0.device:")]
+    assert "asks for cuda:0, but this machine cannot run CUDA" in line
+    assert "libcuda-not-here.so.1 is not installed" in line
+
+
+@pytest.mark.parametrize("flag", ["--offline", "--no-machine-checks"])
+def test_offline_checks_a_config_meant_for_another_machine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, flag: str
+) -> None:
+    monkeypatch.setattr(tierd.preflight, "CUDA_LIBRARY", "libcuda-not-here.so.1")
+    status, lines = check(gpu_config(tmp_path), capsys, flag)
+    assert status == 0
+    assert lines[-1].startswith("ok: ") and lines[-1].endswith("machine checks skipped (--offline)")
+    # The schema and cross-field rules still hold offline.
+    broken = write(tmp_path, {"tiers": [cpu(), cpu()], "entry": "gpu"})
+    status, lines = check(broken, capsys, flag)
+    assert status == EXIT_CONFIG
+    assert "tiers: tier names must be unique: cpu named twice" in lines
+
+
+def tenant_disk_config(directory: Path, capacity: str) -> dict[str, Any]:
+    disk = {"name": "disk", "kind": "disk", "capacity": capacity, "directories": [str(directory)]}
+    tenants = [{"name": name, "uids": [6000 + i]} for i, name in enumerate(("a", "b", "c"))]
+    return {
+        "socket": {"path": short_socket_path()},
+        "tiers": [cpu(capacity=64), disk],
+        "tenants": tenants,
+    }
+
+
+def test_tenants_on_one_file_system_see_its_real_free_space(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Far more than any disk: each tenant's third alone does not fit either.
+    path = write(tmp_path, tenant_disk_config(tmp_path / "slabs", "3072TiB"))
+    status, lines = check(path, capsys)
+
+    assert status == EXIT_CONFIG
+    [line] = [line for line in lines if line.startswith("tiers.1.capacity:")]
+    assert "PiB in" in line and "(3 tenants' slabs)" in line
+    assert " 0 bytes free" not in line
+
+
+def test_a_missing_directory_is_named_once_for_all_tenants(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, tenant_disk_config(tmp_path / "no-mount" / "slabs", "1GiB"))
+    status, lines = check(path, capsys)
+
+    assert status == EXIT_CONFIG
+    named = [line for line in lines if "no-mount does not exist" in line]
+    assert len(named) == 1, lines
