@@ -32,11 +32,15 @@ def content_of(key: bytes, block_bytes: int) -> bytes:
     return (seed * (block_bytes // len(seed) + 1))[:block_bytes]
 
 
+def batch_of(client: Client) -> int:
+    """Blocks per load: at most what the daemon lets one connection hold in leases."""
+    return min(BATCH, int(client.info.get("max_lease_blocks") or BATCH))
+
+
 async def store(client: Client, count: int) -> None:
-    stored = 0
-    for start in range(0, count, BATCH):
-        keys = [key_of(i) for i in range(start, min(count, start + BATCH))]
-        stored += await client.store(keys, [content_of(k, client.block_bytes) for k in keys])
+    # Client.store splits a batch to fit the daemon's bounds itself.
+    keys = [key_of(i) for i in range(count)]
+    stored = await client.store(keys, [content_of(k, client.block_bytes) for k in keys])
     print(f"stored {stored} new blocks ({count - stored} were cached already)")
 
 
@@ -46,8 +50,9 @@ async def load(client: Client, count: int) -> int:
     media = {m: found.media.count(m) for m in sorted(set(found.media))}
     print(f"lookup: {found.count} of {count} cached {media}")
     good = bad = 0
-    for start in range(0, found.count, BATCH):
-        batch = keys[start : min(found.count, start + BATCH)]
+    step = batch_of(client)
+    for start in range(0, found.count, step):
+        batch = keys[start : min(found.count, start + step)]
         for key, data in zip(batch, await client.load(batch), strict=False):
             if data == content_of(key, client.block_bytes):
                 good += 1
