@@ -34,12 +34,12 @@ def small_leases(tmp_path: Path, **limits: object) -> dict[str, Any]:
 async def test_store_splits_a_batch_over_the_lease_bound(tmp_path: Path) -> None:
     cfg = small_leases(tmp_path)
     keys, data = blocks("many", 40)
-    async with running_daemon(cfg):
-        async with await Client.connect(cfg["socket"]["path"], namespace="ns") as client:
-            assert client.pool is not None and client.info["max_lease_blocks"] == 6
-            assert await client.store(keys, data) == 40
-            assert await client.store(keys, data) == 0  # all there: nothing new
-            loaded = [b for s in range(0, 40, 6) for b in await client.load(keys[s : s + 6])]
+    socket = cfg["socket"]["path"]
+    async with running_daemon(cfg), await Client.connect(socket, namespace="ns") as client:
+        assert client.pool is not None and client.info["max_lease_blocks"] == 6
+        assert await client.store(keys, data) == 40
+        assert await client.store(keys, data) == 0  # all there: nothing new
+        loaded = [b for s in range(0, 40, 6) for b in await client.load(keys[s : s + 6])]
     assert loaded == data
 
 
