@@ -171,3 +171,33 @@ def test_a_missing_directory_is_named_once_for_all_tenants(
     assert status == EXIT_CONFIG
     named = [line for line in lines if "no-mount does not exist" in line]
     assert len(named) == 1, lines
+
+
+# -- what the docs say ---------------------------------------------------------------------
+
+
+def test_the_seconds_keys_take_durations_as_config_md_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    limits = {"hello_timeout_s": "10s", "load_wait_s": "500ms", "store_lease_ttl_s": "2m"}
+    path = write(
+        tmp_path, {"socket": {"path": short_socket_path()}, "tiers": [cpu()], "limits": limits}
+    )
+    assert main(["config", "show", "-c", str(path), "--json"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)["limits"]
+    assert (shown["hello_timeout_s"], shown["load_wait_s"], shown["store_lease_ttl_s"]) == (
+        10.0,
+        0.5,
+        120.0,
+    )
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
+    assert "do **not** take" not in doc
+
+
+@pytest.mark.parametrize("command", ["stats", "events", "flush", "health", "stop", "top"])
+def test_the_control_commands_take_trust_uid_as_security_md_says(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "--trust-uid UID" in capsys.readouterr().out

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierd.cli.base import EXIT_OK, Command, UsageError
+from tierd.cli.base import EXIT_OK, Command, UsageError, require_config_file
 from tierd.cli.curve_cmd import check_curve_args, run_curve
 from tierd.cli.progress import (
     EXIT_INTERRUPTED,
@@ -109,8 +109,7 @@ def _run_chain_simulate(args: argparse.Namespace, trace: Trace) -> int:
     from tierd.library import open_chain  # torch and the stores load only when needed
     from tierd.workload.backends import replay_chain
 
-    if not args.config.is_file():
-        raise UsageError(f"config file not found: {args.config}")
+    require_config_file(args.config)
     cfg = load_config(args.config, ChainConfig)
 
     async def run() -> ReplaySummary:

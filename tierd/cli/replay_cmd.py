@@ -41,7 +41,14 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE, Command, UsageError
+from tierd.cli.base import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    Command,
+    UsageError,
+    require_config_file,
+)
 from tierd.cli.connection import CONNECT_TIMEOUT, SOCKET_ENV
 from tierd.cli.offline import load_trace
 from tierd.cli.progress import EXIT_INTERRUPTED, Bar, add_progress_option, make_bar, stop_flag
@@ -130,8 +137,8 @@ def _size(text: str) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     for path in [args.config, *(args.compare or [])]:
-        if path is not None and not path.is_file():
-            raise UsageError(f"config file not found: {path}")
+        if path is not None:
+            require_config_file(path)
     if args.warm is not None and args.config is None and not args.compare:
         raise UsageError("--warm applies to --config and --compare (a daemon keeps its own tiers)")
     if args.compare and args.warm is not None:
