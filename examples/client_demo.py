@@ -38,9 +38,11 @@ def batch_of(client: Client) -> int:
 
 
 async def store(client: Client, count: int) -> None:
-    # Client.store splits a batch to fit the daemon's bounds itself.
-    keys = [key_of(i) for i in range(count)]
-    stored = await client.store(keys, [content_of(k, client.block_bytes) for k in keys])
+    # Batches of 16 (Client.store splits one further when the daemon takes fewer at once).
+    stored = 0
+    for start in range(0, count, BATCH):
+        keys = [key_of(i) for i in range(start, min(count, start + BATCH))]
+        stored += await client.store(keys, [content_of(k, client.block_bytes) for k in keys])
     print(f"stored {stored} new blocks ({count - stored} were cached already)")
 
 

@@ -37,7 +37,10 @@ def check_curve_args(args: argparse.Namespace) -> None:
     if args.policy != "lru":
         raise UsageError(f"--curve computes LRU's hit ratio only, not {args.policy!r}")
     if args.out is not None and args.out.suffix.lower() != ".png":
-        raise UsageError(f"--out writes a PNG: give a file name ending in .png, not {args.out}")
+        if args.out.suffix and not args.out.is_dir():
+            message = "--out writes a PNG: give a file name ending in .png, or a directory"
+            raise UsageError(f"{message}, not {args.out}")
+        args.out = args.out / "curve.png"  # a directory, as for replay's --out
     if args.config is not None:
         require_config_file(args.config)
 

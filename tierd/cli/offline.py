@@ -64,7 +64,12 @@ def _configure_simulate(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the LRU hit ratio at every capacity in one pass (--capacity is not used)",
     )
-    parser.add_argument("--out", type=Path, help="with --curve: draw it into this PNG file")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="PATH",
+        help="with --curve: draw it into this PNG file, or into DIR/curve.png for a directory",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_warm_option(parser)
     add_progress_option(parser)

@@ -49,7 +49,7 @@ from tierd.cli.base import (
     UsageError,
     require_config_file,
 )
-from tierd.cli.connection import CONNECT_TIMEOUT, SOCKET_ENV
+from tierd.cli.connection import CONNECT_TIMEOUT, SOCKET_ENV, unreachable_reason
 from tierd.cli.offline import load_trace
 from tierd.cli.progress import EXIT_INTERRUPTED, Bar, add_progress_option, make_bar, stop_flag
 from tierd.cli.replay_report import compare_table, describe, write_compare_out, write_out
@@ -145,6 +145,10 @@ def _run(args: argparse.Namespace) -> int:
         stems = [path.stem for path in args.compare]
         if len(set(stems)) != len(stems):
             raise UsageError(f"with --warm, the compared files need distinct names, got {stems}")
+    if args.out is not None and args.out.suffix.lower() == ".png":
+        raise UsageError(
+            f"--out names a directory (summary.json and the plots go in it), not {args.out}"
+        )
     if args.namespace is None:
         args.namespace = f"replay-{secrets.token_hex(4)}"
     trace = load_trace(args.trace)
@@ -166,7 +170,8 @@ def _run_one(args: argparse.Namespace, trace: Trace) -> int:
             else:
                 summary = asyncio.run(_replay_daemon(args, _socket(args), trace, bar, stop))
     except Unreachable as exc:
-        return _fail(f"cannot reach the daemon: {exc}", EXIT_UNREACHABLE)
+        reason = unreachable_reason(exc)
+        return _fail(f"cannot reach the daemon at {_socket(args)}: {reason}", EXIT_UNREACHABLE)
     except DaemonError as exc:
         if exc.code == "block_size_mismatch":
             raise UsageError(str(exc)) from None
