@@ -121,9 +121,8 @@ async def test_tierd_stop_without_a_daemon_exits_3(tmp_path: Path) -> None:
     path = short_socket_path()
     done = await tierd("stop", "--socket", path)
     assert done.returncode == 3
-    assert done.stderr.splitlines() == [
-        f"tierd: error: cannot reach the daemon at {path}: No such file or directory"
-    ]
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"tierd: error: cannot reach the daemon at {path}: no socket there")
 
 
 async def test_a_stale_pid_file_is_replaced(tmp_path: Path, spawn: Spawn) -> None:
