@@ -160,8 +160,8 @@ def unreachable_reason(exc: BaseException) -> str:
         )
     if number == errno.ECONNREFUSED:
         return (
-            "the socket is there but no daemon listens on it (a daemon that was killed"
-            " leaves it behind; `tierd serve` replaces it)"
+            "the socket is there but no daemon listens on it (connection refused: a"
+            " daemon that was killed leaves its socket behind; `tierd serve` replaces it)"
         )
     if number in (errno.EACCES, errno.EPERM):
         return "permission denied (socket.mode and the tenants decide who may connect)"
