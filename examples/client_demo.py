@@ -32,7 +32,13 @@ def content_of(key: bytes, block_bytes: int) -> bytes:
     return (seed * (block_bytes // len(seed) + 1))[:block_bytes]
 
 
+def batch_of(client: Client) -> int:
+    """Blocks per load: at most what the daemon lets one connection hold in leases."""
+    return min(BATCH, int(client.info.get("max_lease_blocks") or BATCH))
+
+
 async def store(client: Client, count: int) -> None:
+    # Batches of 16 (Client.store splits one further when the daemon takes fewer at once).
     stored = 0
     for start in range(0, count, BATCH):
         keys = [key_of(i) for i in range(start, min(count, start + BATCH))]
@@ -46,8 +52,9 @@ async def load(client: Client, count: int) -> int:
     media = {m: found.media.count(m) for m in sorted(set(found.media))}
     print(f"lookup: {found.count} of {count} cached {media}")
     good = bad = 0
-    for start in range(0, found.count, BATCH):
-        batch = keys[start : min(found.count, start + BATCH)]
+    step = batch_of(client)
+    for start in range(0, found.count, step):
+        batch = keys[start : min(found.count, start + step)]
         for key, data in zip(batch, await client.load(batch), strict=False):
             if data == content_of(key, client.block_bytes):
                 good += 1

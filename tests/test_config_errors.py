@@ -95,7 +95,8 @@ def test_a_binary_config_file_is_named_not_decoded(tmp_path: Path) -> None:
 
 
 def test_a_gpu_tier_without_cuda_is_a_start_error(tmp_path: Path) -> None:
-    """``cuda:0`` is a valid device name; on a machine without CUDA, start-up says so."""
+    """``cuda:0`` is a valid device name; on a machine without CUDA, start-up and
+    ``config check`` say so."""
     pytest.importorskip("torch")
     import torch
 
@@ -108,10 +109,11 @@ def test_a_gpu_tier_without_cuda_is_a_start_error(tmp_path: Path) -> None:
     }
     path = tmp_path / "tierd.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    done = run_tierd("serve", "-c", str(path))
-    assert done.returncode != 0
-    assert "Traceback" not in done.stderr
-    assert "tier 'g' (gpu)" in done.stderr and "CUDA" in done.stderr, done.stderr
+    for args in (["serve", "-c", str(path)], ["config", "check", str(path)]):
+        done = run_tierd(*args)  # refused before anything is allocated, as config check does
+        assert done.returncode == EXIT_CONFIG, done.stderr
+        assert "Traceback" not in done.stderr
+        assert "gpu tier 'g' asks for cuda:0" in done.stderr and "CUDA" in done.stderr
 
 
 # -- fuzz ------------------------------------------------------------------------------

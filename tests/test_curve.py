@@ -154,7 +154,6 @@ def test_cli_curve_table_and_png(
         (["--out", "x.png"], "--out draws the curve: use it with --curve"),
         (["--curve", "--policy", "arc"], "--curve computes LRU's hit ratio only"),
         (["--curve", "--out", "curve.svg"], "--out writes a PNG"),
-        (["--curve", "--config", "no-such.yaml"], "config file not found: no-such.yaml"),
     ],
 )
 def test_cli_curve_usage_errors(

@@ -121,9 +121,8 @@ async def test_tierd_stop_without_a_daemon_exits_3(tmp_path: Path) -> None:
     path = short_socket_path()
     done = await tierd("stop", "--socket", path)
     assert done.returncode == 3
-    assert done.stderr.splitlines() == [
-        f"tierd: error: cannot reach the daemon at {path}: No such file or directory"
-    ]
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"tierd: error: cannot reach the daemon at {path}: no socket there")
 
 
 async def test_a_stale_pid_file_is_replaced(tmp_path: Path, spawn: Spawn) -> None:
@@ -260,9 +259,11 @@ async def test_a_slab_held_by_a_daemon(tmp_path: Path, spawn: Spawn) -> None:
     made = await tierd("trace", "generate", "--out", str(trace), "--conversations", "4")
     assert made.returncode == 0, made.stderr
     config_file = write_config(tmp_path, first.config, "first.yaml")
+    # A what-if on the live daemon's own config runs cold in a directory of its own: it
+    # never opens (or waits on) the daemon's slab.
     done = await tierd("simulate", str(trace), "--config", str(config_file))
-    assert done.returncode == 1
-    assert done.stderr.splitlines() == [message.replace("tier 'held'", "tier 'disk'")]
+    assert done.returncode == 0, done.stderr
+    assert "from DISK" in done.stdout
     assert await first.stop() == 0
 
 

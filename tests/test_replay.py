@@ -141,9 +141,9 @@ async def test_bytes_flipped_in_the_pool_are_reported_and_the_cli_exits_1(
             view[:16] = bytes(b ^ 0xFF for b in view[:16])
             view.release()
         dirty = await replay_daemon(socket, trace, clients=2)
-        status = await asyncio.to_thread(
-            main, ["replay", str(trace_path), "--socket", socket, "--max-rate", "--json"]
-        )
+        argv = ["replay", str(trace_path), "--socket", socket, "--max-rate", "--json"]
+        # the namespace with the flipped block
+        status = await asyncio.to_thread(main, [*argv, "--namespace", NAMESPACE])
 
     assert clean.wrong_bytes == 0
     assert dirty.wrong_bytes == sum(victim in r.keys for r in trace.requests)

@@ -11,13 +11,17 @@ evicting them by storing fast, and running operator commands.
 from __future__ import annotations
 
 import asyncio
+import grp
 import json
 import os
 import pwd
+import secrets
 import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,38 +38,62 @@ pytestmark = pytest.mark.skipif(
 )
 
 CHILD = Path(__file__).with_name("tenant_child.py")
-USERS = ("tierd-test-alpha", "tierd-test-beta", "tierd-test-stranger")
+ROLES = ("alpha", "beta", "stranger")  # users of this run: tierd-test-<role>-<random>
 QUOTA = {"cpu": 8, "disk": 32}  # each tenant's: 24 CPU blocks and 96 disk blocks in all
 
 
-def ensure_user(name: str) -> tuple[int, int]:
-    """A real system user (created when missing): its uid and primary gid."""
+@contextmanager
+def system_users(names: Sequence[str]) -> Iterator[dict[str, tuple[int, int]]]:
+    """Real system users (uid, primary gid) by name, created when missing; the ones
+    created here are removed again on exit (with their groups), so a run as root leaves
+    no ``tierd-test-*`` user behind. Users that existed before are left alone."""
+    created: list[str] = []
     try:
-        entry = pwd.getpwnam(name)
-    except KeyError:
-        useradd = shutil.which("useradd")
-        if useradd is None:
-            pytest.skip("useradd is not installed: cannot create the tenants' users")
-        subprocess.run(
-            [
-                useradd,
-                "--system",
-                "--user-group",
-                "--no-create-home",
-                "--shell",
-                "/usr/sbin/nologin",
-                name,
-            ],
-            check=True,
-            capture_output=True,
-        )
-        entry = pwd.getpwnam(name)
-    return entry.pw_uid, entry.pw_gid
+        found = {}
+        for name in names:
+            try:
+                entry = pwd.getpwnam(name)
+            except KeyError:
+                _useradd(name)
+                created.append(name)
+                entry = pwd.getpwnam(name)
+            found[name] = (entry.pw_uid, entry.pw_gid)
+        yield found
+    finally:
+        userdel = shutil.which("userdel")
+        for name in created:
+            if userdel is not None:
+                subprocess.run([userdel, name], check=True, capture_output=True)
+
+
+def _useradd(name: str) -> None:
+    useradd = shutil.which("useradd")
+    if useradd is None:
+        pytest.skip("useradd is not installed: cannot create the tenants' users")
+    command = [useradd, "--system", "--user-group", "--no-create-home"]
+    subprocess.run(
+        [*command, "--shell", "/usr/sbin/nologin", name], check=True, capture_output=True
+    )
 
 
 @pytest.fixture(scope="module")
-def users() -> dict[str, tuple[int, int]]:
-    return {name.rsplit("-", 1)[1]: ensure_user(name) for name in USERS}
+def users() -> Iterator[dict[str, tuple[int, int]]]:
+    # Names of this run only: two runs at once (or a run's leftovers) never share a user
+    # that one of them removes.
+    run = secrets.token_hex(3)
+    with system_users([f"tierd-test-{role}-{run}" for role in ROLES]) as found:
+        yield {role: found[f"tierd-test-{role}-{run}"] for role in ROLES}
+
+
+def test_the_users_the_tests_create_are_removed() -> None:
+    name = f"tierd-test-{secrets.token_hex(3)}"
+    with system_users([name]) as found:
+        assert pwd.getpwnam(name).pw_uid == found[name][0]
+        group = grp.getgrgid(found[name][1]).gr_name
+    with pytest.raises(KeyError):
+        pwd.getpwnam(name)
+    with pytest.raises(KeyError):
+        grp.getgrnam(group)
 
 
 def tenants_config(tmp_path: Path, users: dict[str, tuple[int, int]]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ __all__ = [
     "close_matches",
     "expand_path",
     "format_validation_error",
+    "problem_line",
     "read_config_file",
 ]
 
@@ -68,24 +69,82 @@ def format_validation_error(
     """One line per problem: ``path: message (got value)``. ``sources`` maps a dotted path
     to where its value came from (``"--set"``); a problem at or below it says so:
     ``socket.mode (from --set): ...``. With ``model`` (the validated model), an unknown
-    key suggests the closest known one."""
+    key suggests the closest known one. Messages are the config's own words, never
+    pydantic's (``must be at least 1``, not ``Input should be greater than or equal``)."""
     lines = []
     for problem in error.errors():
         loc = ([prefix] if prefix else []) + [str(part) or "''" for part in problem["loc"]]
-        if problem["type"] == AT_PATH:
-            loc += str(problem.get("ctx", {})["path"]).split(".")
-        path = ".".join(loc)
-        origin = _origin(path, sources or {})
-        where = f"{path or '<root>'}{f' (from {origin})' if origin else ''}"
-        message = problem["msg"].removeprefix("Value error, ")
+        if problem["type"] == AT_PATH:  # a model validator's problems, one line each
+            for at, message in problem.get("ctx", {})["problems"]:
+                lines.append(problem_line(".".join(loc + str(at).split(".")), message, sources))
+            continue
         got = problem.get("input")
-        quiet = problem["type"] == AT_PATH or isinstance(got, dict | list | BaseModel)
+        quiet = isinstance(got, dict | list | BaseModel) or problem["type"] == "missing"
+        message = _plain_message(problem)
         if problem["type"] == "extra_forbidden" and model is not None:
             known = _fields_at(model, [str(part) for part in problem["loc"][:-1]])
             parent = "".join(f"{part}." for part in loc[:-1])
             message, quiet = f"not a setting{close_matches(loc[-1], known, parent)}", True
-        lines.append(f"{where}: {message}{'' if quiet else f' (got {_shown(got)})'}")
+        lines.append(
+            problem_line(
+                ".".join(loc), message + ("" if quiet else f" (got {_shown(got)})"), sources
+            )
+        )
     return "\n".join(lines)
+
+
+def problem_line(path: str, message: str, sources: Mapping[str, str] | None = None) -> str:
+    """``path (from SOURCE): message``, the source named when ``sources`` has one for it."""
+    origin = _origin(path, sources or {})
+    return f"{path or '<root>'}{f' (from {origin})' if origin else ''}: {message}"
+
+
+_PLAIN = {
+    "greater_than_equal": "must be at least {ge}",
+    "greater_than": "must be more than {gt}",
+    "less_than_equal": "must be at most {le}",
+    "less_than": "must be less than {lt}",
+    "string_too_short": "needs at least {min_length} character(s)",
+    "string_too_long": "takes at most {max_length} characters",
+    "string_pattern_mismatch": "must match the pattern {pattern}",
+    "missing": "is required",
+    "int_parsing": "must be a whole number",
+    "int_type": "must be a whole number",
+    "int_from_float": "must be a whole number",
+    "float_parsing": "must be a number",
+    "float_type": "must be a number",
+    "bool_parsing": "must be true or false",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "dict_type": "must be a mapping (key: value)",
+    "model_type": "must be a mapping (key: value)",
+    "model_attributes_type": "must be a mapping (key: value)",
+    "enum": "must be one of {expected}",
+    "literal_error": "must be {expected}",
+    "extra_forbidden": "not a setting",
+}
+
+
+def _plain_message(problem: Mapping[str, Any]) -> str:
+    """A pydantic problem in the config's own words."""
+    kind, context = problem["type"], problem.get("ctx") or {}
+    if kind in ("too_short", "too_long"):
+        count = context.get("min_length" if kind == "too_short" else "max_length", 0)
+        noun = "item" if count == 1 else "items"
+        return (
+            f"needs at least {count} {noun}"
+            if kind == "too_short"
+            else f"takes at most {count} {noun}"
+        )
+    template = _PLAIN.get(kind)
+    raw = str(problem["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    if template is None:
+        return raw  # our own validators' messages, already in the config's words
+    try:
+        return template.format(**context)
+    except KeyError:  # a context without the value the phrase names
+        return raw
 
 
 def _shown(value: object, limit: int = 80) -> str:

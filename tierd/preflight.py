@@ -8,9 +8,13 @@
   :func:`directories_to_create`), the daemon's user's own, and neither readable nor
   writable by its group or others (it is created 0700);
 - the CPU tiers' shared-memory pools (memfds, not files in ``/dev/shm``) and memory
-  tiers must fit the memory available (``MemAvailable``).
+  tiers must fit the memory available (``MemAvailable``);
+- a GPU tier on a CUDA device needs torch installed and a CUDA driver that sees that
+  device (asked of the driver itself, ``libcuda``, without loading torch).
 
-With tenants, each tenant's slab (in ``<directory>/<tenant>/``, of its quota) is checked.
+With tenants, each tenant's slab (in ``<directory>/<tenant>/``, of its quota) is checked;
+the slabs of one tier in one directory are counted together, and a problem of a
+directory is named once.
 
 Each problem is a :class:`~tierd.errors.ConfigError` line naming the tier, the directory,
 the size asked and the space free.
@@ -18,6 +22,8 @@ the size asked and the space free.
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import os
 import stat
 from collections.abc import Iterator
@@ -30,7 +36,9 @@ from tierd.stores.disk_slab import SLAB_FILE, slab_file_bytes
 from tierd.stores.fileio import round_up
 from tierd.units import format_bytes
 
-__all__ = ["check_machine", "directories_to_create"]
+__all__ = ["CUDA_LIBRARY", "check_machine", "directories_to_create"]
+
+CUDA_LIBRARY = "libcuda.so.1"  # the driver's library: present wherever CUDA can run
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +52,9 @@ class _Slab:
 
 def check_machine(cfg: ChainConfig, *, meminfo: str = "/proc/meminfo") -> None:
     """:class:`ConfigError` listing every tier that does not fit this machine."""
-    problems = _disk_problems(cfg) + _memory_problems(cfg, meminfo)
+    problems = _disk_problems(cfg) + _memory_problems(cfg, meminfo) + _gpu_problems(cfg)
     if problems:
-        raise ConfigError("\n".join(problems))
+        raise ConfigError("\n".join(dict.fromkeys(problems)))  # each named once
 
 
 def directories_to_create(cfg: ChainConfig, home: Path | None = None) -> list[Path]:
@@ -88,37 +96,55 @@ def _slabs(cfg: ChainConfig) -> Iterator[_Slab]:
 
 def _disk_problems(cfg: ChainConfig) -> list[str]:
     problems = []
-    claimed: dict[int, int] = {}  # file system (st_dev) -> bytes the slabs before need
+    needs: dict[tuple[int, Path], list[_Slab]] = {}  # a tier's slabs in one directory
     for slab in _slabs(cfg):
-        where = f"tiers.{slab.index}.directories"
-        name = f"disk tier {slab.tier.name!r}"
-        anchor = _existing_ancestor(slab.directory)
-        if not anchor.is_dir():
-            problems.append(f"{where}: {anchor} is not a directory ({name})")
-            continue
-        loose = _loose(slab.directory)
-        if loose is not None:
-            problems.append(f"{where}: {loose} ({name})")
-            continue
-        if not _creatable(slab.directory, anchor):
-            problems.append(
-                f"{where}: {slab.directory.parent} does not exist ({name}; create it, or"
-                " mount the drive it stands for)"
-            )
-            continue
-        growth = slab.size - _allocated(slab.file)
+        problem = _directory_problem(slab)
+        if problem is None:
+            needs.setdefault((slab.index, slab.directory), []).append(slab)
+        else:
+            problems.append(problem)
+    claimed: dict[int, int] = {}  # file system (st_dev) -> bytes the slabs before need
+    for (index, directory), slabs in needs.items():
+        anchor = _existing_ancestor(directory)
+        size = sum(slab.size for slab in slabs)
+        growth = max(sum(slab.size - _allocated(slab.file) for slab in slabs), 0)
         fs = os.statvfs(anchor)
         device = os.stat(anchor).st_dev
-        free = fs.f_bavail * fs.f_frsize - claimed.get(device, 0)
-        claimed[device] = claimed.get(device, 0) + max(growth, 0)
-        if growth > free:
+        free, before = fs.f_bavail * fs.f_frsize, claimed.get(device, 0)
+        claimed[device] = before + growth
+        if growth > free - before:
+            whose = f" ({len(slabs)} tenants' slabs)" if len(slabs) > 1 else ""
+            taken = (
+                f", {format_bytes(before)} of it needed by the tiers checked before"
+                if before
+                else ""
+            )
             problems.append(
-                f"tiers.{slab.index}.capacity: the {name} needs {format_bytes(slab.size)} in"
-                f" {slab.file.parent}, but its file system has {format_bytes(max(free, 0))}"
-                f" free{_reused(slab.size - growth)} (lower the capacity, or choose another"
-                " directory)"
+                f"tiers.{index}.capacity: the disk tier {slabs[0].tier.name!r} needs"
+                f" {format_bytes(size)} in {directory}{whose}, but its file system has"
+                f" {format_bytes(free)} free{taken}{_reused(size - growth)} (lower the"
+                " capacity, or choose another directory)"
             )
     return problems
+
+
+def _directory_problem(slab: _Slab) -> str | None:
+    """Why ``slab``'s directory cannot hold it (missing mount point, another user's,
+    readable by others), or ``None``."""
+    where = f"tiers.{slab.index}.directories"
+    name = f"disk tier {slab.tier.name!r}"
+    anchor = _existing_ancestor(slab.directory)
+    if not anchor.is_dir():
+        return f"{where}: {anchor} is not a directory ({name})"
+    loose = _loose(slab.directory)
+    if loose is not None:
+        return f"{where}: {loose} ({name})"
+    if not _creatable(slab.directory, anchor):
+        return (
+            f"{where}: {slab.directory.parent} does not exist ({name}; create it, or"
+            " mount the drive it stands for)"
+        )
+    return None
 
 
 def _loose(directory: Path) -> str | None:
@@ -234,3 +260,59 @@ def _mem_available(meminfo: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+# -- GPU tiers ---------------------------------------------------------------------------
+
+
+def _gpu_problems(cfg: ChainConfig) -> list[str]:
+    """A GPU tier on ``cuda`` or ``cuda:N`` needs torch and a device N that the CUDA
+    driver sees; ``device: cpu`` (development) needs neither."""
+    wanted = [
+        (index, tier)
+        for index, tier in enumerate(cfg.tiers)
+        if tier.kind is TierKind.GPU and (tier.device or "").startswith("cuda")
+    ]
+    if not wanted:
+        return []
+    problems = []
+    if importlib.util.find_spec("torch") is None:
+        problems += [
+            f"tiers.{index}.kind: the gpu tier {tier.name!r} needs torch, which is not"
+            " installed (pip install 'tierd[gpu]')"
+            for index, tier in wanted
+        ]
+    count, why = _cuda_devices()
+    for index, tier in wanted:
+        device = tier.device or "cuda"
+        number = int(device.partition(":")[2] or 0)
+        if count is None:
+            problems.append(
+                f"tiers.{index}.device: the gpu tier {tier.name!r} asks for {device}, but"
+                f" this machine cannot run CUDA ({why}); use device: cpu to test the"
+                " config here, or check it with --offline for the machine it is meant for"
+            )
+        elif number >= count:
+            problems.append(
+                f"tiers.{index}.device: the gpu tier {tier.name!r} asks for {device}, but"
+                f" the CUDA driver sees {count} device(s) (cuda:0 to cuda:{count - 1})"
+            )
+    return problems
+
+
+def _cuda_devices() -> tuple[int | None, str]:
+    """How many CUDA devices the driver sees, or ``None`` and why not."""
+    try:
+        driver = ctypes.CDLL(CUDA_LIBRARY)
+    except OSError:
+        return None, f"no CUDA driver: {CUDA_LIBRARY} is not installed"
+    status = driver.cuInit(0)
+    if status != 0:
+        return None, f"the CUDA driver fails to start (cuInit error {status}): no usable GPU"
+    count = ctypes.c_int(0)
+    status = driver.cuDeviceGetCount(ctypes.byref(count))
+    if status != 0:
+        return None, f"the CUDA driver cannot count its devices (error {status})"
+    if count.value == 0:
+        return None, "the CUDA driver sees no device"
+    return count.value, ""

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from tierd.config import (
     DaemonConfig,
     default_socket_path,
-    format_validation_error,
+    invalid_config,
     read_config_file,
 )
 from tierd.configfile import close_matches
@@ -114,13 +114,13 @@ def load_settings(
                 continue
             if resolved is not None:
                 sources[resolved] = override.source
+    try:
+        cfg = DaemonConfig.model_validate(data)
+    except ValidationError as exc:  # reported with the overrides' problems, all at once
+        problems.append(str(invalid_config(exc, data, DaemonConfig, sources)))
     if problems:
         raise ConfigError("\n".join(problems))
-    try:
-        return DaemonConfig.model_validate(data)
-    except ValidationError as exc:
-        message = format_validation_error(exc, sources=sources, model=DaemonConfig)
-        raise ConfigError(message) from exc
+    return cfg
 
 
 def parse_sets(items: Sequence[str]) -> list[Override]:

@@ -49,6 +49,8 @@ def parse_size(value: object) -> int:
             raise ValueError("a size must be at most 4 EiB (2**62 bytes)")
         return value
     if isinstance(value, str):
+        if value.strip().startswith("-") and _SIZE.match(value.strip()[1:]):
+            raise ValueError("a size cannot be negative")
         match = _SIZE.match(value)
         unit = match.group(2).lower() if match else None
         if match and unit in _UNITS:
@@ -73,6 +75,8 @@ def capacity_parts(value: int | str) -> tuple[int, bool]:
         return value, False
     if isinstance(value, str):
         text = value.strip().lower()
+        if text.startswith("-"):
+            raise ValueError("capacity must be positive")
         if text.endswith("blocks"):
             count = text.removesuffix("blocks").strip()
             if count.isdigit() and 0 < len(count) <= 12 and 0 < int(count) <= MAX_BLOCKS:
@@ -131,6 +135,8 @@ def parse_seconds(value: object) -> float:
         seconds = float(value)
     elif isinstance(value, str) and (match := _DURATION.match(value.lower())):
         seconds = float(match.group(1)) * _SECONDS[match.group(2)]
+    elif isinstance(value, str) and _DURATION.match(value.lower().strip().removeprefix("-")):
+        raise ValueError("a duration must be 0 or more")
     else:
         raise ValueError("not a duration: use seconds, or a string like '10s', '500ms', '2m'")
     if not (math.isfinite(seconds) and seconds >= 0):

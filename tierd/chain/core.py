@@ -73,27 +73,53 @@ class TierChain(ChainLoads):
         return LookupResult(len(found), tuple(found), media, in_flight)
 
     async def find(self, keys: Sequence[BlockKey]) -> LookupResult:
-        """:meth:`lookup`, then, with a remote level, one batched existence check there for
-        the keys past the local run (faults there are misses, bounded by its deadline).
+        """:meth:`lookup`, then, with a remote level, the rest of the leading run across
+        local and remote levels alike: past the local run, the keys no local level holds
+        are asked of the remote level in one batched existence check (faults there are
+        misses, bounded by its deadline), and the run goes on through keys held locally
+        or remotely until the first key held nowhere. Under LRU a prefix's head ages out
+        first, so a head on the remote level with its tail still local is the usual shape.
         Without a remote level it is :meth:`lookup` and never awaits."""
         local = self.lookup(keys)
         remote = self.remote
         if remote is None or local.in_flight or local.count == len(keys):
             return local
-        rest = keys[local.count :]
-        run = await remote.level.exists(rest)
+        holders = self._holders(keys, local.count)
+        missing = [
+            key for key, holder in zip(keys[local.count :], holders, strict=True) if holder is None
+        ]
+        run = await remote.level.exists(missing)
         if not run:
             return local
-        remote.hits += run
-        self._hit_blocks += run
-        self._miss_blocks -= run
         where = len(self.levels)  # the remote level comes after the local ones
-        return LookupResult(
-            local.count + run,
-            local.levels + (where,) * run,
-            local.media + (remote.level.medium,) * run,
-            False,
-        )
+        levels = list(local.levels)
+        for holder in holders:
+            if holder is None:
+                if run == 0:
+                    break  # held nowhere: the run ends here
+                run -= 1
+                holder = where
+            levels.append(holder)
+        found = levels[local.count :]
+        for holder in found:
+            if holder == where:
+                remote.hits += 1
+            else:
+                self._hits_by_level[holder] += 1
+        self._hit_blocks += len(found)
+        self._miss_blocks -= len(found)
+        media = (*self._media, remote.level.medium)
+        stop = keys[len(levels)] if len(levels) < len(keys) else None
+        in_flight = stop is not None and any(tier.is_writing(stop) for tier in self._tiers)
+        return LookupResult(len(levels), tuple(levels), tuple(media[i] for i in levels), in_flight)
+
+    def _holders(self, keys: Sequence[BlockKey], start: int) -> list[int | None]:
+        """For each key from ``keys[start]`` on, the highest local level holding it ready
+        (``None``: none does)."""
+        tiers = self._tiers
+        return [
+            next((i for i, tier in enumerate(tiers) if key in tier), None) for key in keys[start:]
+        ]
 
     def holds(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key, whether some local level holds it ready (in flight: False). Unlike

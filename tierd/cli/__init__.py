@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, command in COMMANDS.items():
         sub = commands.add_parser(name, help=command.help, description=command.help)
         command.configure(sub)
-        sub.set_defaults(run=command.run)
+        sub.set_defaults(run=command.run, usage_of=sub)
     return parser
 
 
@@ -88,7 +88,9 @@ def _silence_stdout() -> None:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's, names what it takes
+        args.usage_of.error(f"unrecognized arguments: {' '.join(unknown)}")
     _configure_logging()
     try:
         status: int = args.run(args)

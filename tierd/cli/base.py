@@ -4,9 +4,13 @@ Exit status, for scripts to rely on:
 
 - 0 success;
 - 1 the operation failed or its input is unusable (a malformed trace, an error reply);
-- 2 a usage error (bad arguments, an unknown policy, a missing file);
+- 2 a usage error (bad arguments, an unknown policy, a trace file that does not exist);
 - 3 the daemon cannot be reached (no socket, connection refused, not allowed);
-- 78 the configuration is invalid (``EX_CONFIG``; systemd can refuse to restart on it).
+- 78 the configuration is invalid or missing (``EX_CONFIG``; systemd can refuse to
+  restart on it): a config file that does not exist is 78 for every command, as for
+  ``tierd serve``, which restarting cannot fix.
+
+``tests/test_exit_statuses.py`` keeps each status documented in the README true.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+from tierd.errors import ConfigError
 
 __all__ = [
     "EXIT_BAD_INPUT",
@@ -24,6 +31,7 @@ __all__ = [
     "Command",
     "UsageError",
     "add_sets",
+    "require_config_file",
 ]
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 2, 3, 78
@@ -31,6 +39,14 @@ EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 2, 3,
 
 class UsageError(Exception):
     """A command-line mistake: reported on stderr, exit status 2."""
+
+
+def require_config_file(path: Path) -> None:
+    """A config file named on the command line must exist: :class:`ConfigError` (exit
+    status 78) otherwise, before a trace is read or a daemon is asked."""
+    if not path.is_file():
+        reason = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {path} {reason}")
 
 
 def add_sets(parser: argparse.ArgumentParser) -> None:

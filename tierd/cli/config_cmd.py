@@ -2,8 +2,10 @@
 one, without starting anything. Both read the same layers as ``tierd serve`` (defaults <
 file < ``TIERD_*`` environment < ``--set``; see :mod:`tierd.settings`); an invalid config
 raises :class:`~tierd.errors.ConfigError`, which the ``tierd`` wrapper reports with exit
-status 78. ``check`` also checks the tiers' sizes against this machine (free disk space,
-available memory, /dev/shm; see :mod:`tierd.preflight`), as ``tierd serve`` does.
+status 78. ``check`` also checks the tiers against this machine (free disk space,
+available memory, a CUDA device for a GPU tier; see :mod:`tierd.preflight`), as ``tierd
+serve`` does; ``check --offline`` (or ``--no-machine-checks``) skips those, for a config
+meant for another machine: the schema and the cross-field rules only.
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="validate a config file (with TIERD_* variables and --set) and summarise it",
     )
     check.add_argument("file", type=Path, help="the YAML config file")
+    check.add_argument(
+        "--offline",
+        "--no-machine-checks",
+        dest="offline",
+        action="store_true",
+        help="check the schema and cross-field rules only, not this machine "
+        "(disk space, memory, CUDA): for a config meant for another machine",
+    )
     add_sets(check)
     show = actions.add_parser("show", help="print the effective configuration")
     show.add_argument(
@@ -41,6 +51,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.action == "check":
         cfg = load_settings(args.file, sets=args.sets)
+        if args.offline:
+            print(f"ok: {args.file} ({describe(cfg)}); machine checks skipped (--offline)")
+            return EXIT_OK
         check_machine(cfg)
         print(f"ok: {args.file} ({describe(cfg)})")
         return EXIT_OK

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import functools
 import os
 import sys
@@ -35,6 +36,7 @@ __all__ = [
     "socket_path",
     "talks_to_daemon",
     "trusted_uids",
+    "unreachable_reason",
     "with_client",
 ]
 
@@ -143,9 +145,29 @@ def with_client(
     try:
         return asyncio.run(main())
     except Unreachable as exc:
-        cause = exc.__cause__
-        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(exc)
-        raise CannotReach(path, reason) from None
+        raise CannotReach(path, unreachable_reason(exc)) from None
+
+
+def unreachable_reason(exc: BaseException) -> str:
+    """Why a connection failed, said for the person at the terminal: a missing socket
+    and a socket nobody listens on are told apart, with what to do about each."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+    number = cause.errno if isinstance(cause, OSError) else None
+    if number == errno.ENOENT:
+        return (
+            "no socket there: no daemon serves this path (start one with `tierd serve`,"
+            f" or name the socket of a running one with --socket or ${SOCKET_ENV})"
+        )
+    if number == errno.ECONNREFUSED:
+        return (
+            "the socket is there but no daemon listens on it (connection refused: a"
+            " daemon that was killed leaves its socket behind; `tierd serve` replaces it)"
+        )
+    if number in (errno.EACCES, errno.EPERM):
+        return "permission denied (socket.mode and the tenants decide who may connect)"
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror
+    return str(exc)
 
 
 def _fail(message: str, status: int) -> int:

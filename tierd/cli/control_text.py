@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from tierd.control.protocol import NAMESPACE_ID_BYTES
 
-__all__ = ["duration", "event_text", "namespace_table", "stats_text"]
+__all__ = ["duration", "event_text", "last_error_text", "namespace_table", "stats_text"]
 
 _KEYS_SHOWN = 4
 
@@ -46,16 +47,16 @@ def stats_text(stats: dict[str, Any], as_json: bool) -> str:
             f" {remote['stores']:,} written, {remote['skipped']:,} skipped,"
             f" {remote['corrupt']:,} corrupt, {remote['timeouts']:,} timeouts,"
             f" {remote['errors']:,} errors, {remote['dropped']:,} dropped"
-            + (f" (last error: {remote['last_error']})" if remote["last_error"] else "")
+            + (f" ({last_error_text(remote)})" if remote["last_error"] else "")
         )
     server = stats.get("server")
     if server is not None:
         errors = server["errors"]
         detail = ", ".join(f"{code} {n:,}" for code, n in sorted(errors.items()))
         parts.append(
-            f"server: {server['connections']:,} connections, {server['leases']:,} leases, "
-            f"{server['requests']:,} requests, {sum(errors.values()):,} errors"
-            + (f" ({detail})" if detail else "")
+            f"server: {_count(server['connections'], 'connection')},"
+            f" {_count(server['leases'], 'lease')}, {_count(server['requests'], 'request')},"
+            f" {_count(sum(errors.values()), 'error')}" + (f" ({detail})" if detail else "")
         )
     return "\n\n".join(parts)
 
@@ -193,3 +194,17 @@ def duration(seconds: float) -> str:
     if days:
         return f"{days}d {hours:02d}h"
     return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"
+
+
+def last_error_text(remote: Mapping[str, Any], now: float | None = None) -> str:
+    """``last error 42.1 s ago, answered since: unreachable: ...``: the remote level's
+    last failure with its age, and whether calls have been answered after it."""
+    at = float(remote.get("last_error_at") or 0.0)
+    age = f" {duration(max((time.time() if now is None else now) - at, 0.0))} ago" if at else ""
+    since = ", answered since" if remote.get("recovered") else ""
+    return f"last error{age}{since}: {remote['last_error']}"
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 connection``, ``2 connections``."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"

@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tierd.cli.base import EXIT_OK, UsageError
+from tierd.cli.base import EXIT_OK, UsageError, require_config_file
 from tierd.config import ChainConfig, load_config
 from tierd.errors import TierdError
 from tierd.workload.curve import HitRatioCurve, lru_curve
@@ -37,9 +37,12 @@ def check_curve_args(args: argparse.Namespace) -> None:
     if args.policy != "lru":
         raise UsageError(f"--curve computes LRU's hit ratio only, not {args.policy!r}")
     if args.out is not None and args.out.suffix.lower() != ".png":
-        raise UsageError(f"--out writes a PNG: give a file name ending in .png, not {args.out}")
-    if args.config is not None and not args.config.is_file():
-        raise UsageError(f"config file not found: {args.config}")
+        if args.out.suffix and not args.out.is_dir():
+            message = "--out writes a PNG: give a file name ending in .png, or a directory"
+            raise UsageError(f"{message}, not {args.out}")
+        args.out = args.out / "curve.png"  # a directory, as for replay's --out
+    if args.config is not None:
+        require_config_file(args.config)
 
 
 def run_curve(args: argparse.Namespace, trace: Trace) -> int:

@@ -4,7 +4,9 @@
 ``--no-progress``); Ctrl-C ends it early with the results so far, marked ``interrupted
 after N of M requests``, and exit status 130. A trace that is missing is a usage error
 (2); one that cannot be used (a directory, unreadable, not UTF-8, a malformed line) is
-unusable input (1), with a one-line message naming the file and line.
+unusable input (1), with a one-line message naming the file and line. ``simulate --config``
+is a what-if: it starts cold in a private directory unless ``--warm DIR``
+(:mod:`tierd.cli.whatif`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierd.cli.base import EXIT_OK, Command, UsageError
+from tierd.cli.base import EXIT_OK, Command, UsageError, require_config_file
 from tierd.cli.curve_cmd import check_curve_args, run_curve
 from tierd.cli.progress import (
     EXIT_INTERRUPTED,
@@ -25,6 +27,8 @@ from tierd.cli.progress import (
     make_bar,
     stop_flag,
 )
+from tierd.cli.whatif import add_warm_option, what_if_config
+from tierd.config import ChainConfig, load_config
 from tierd.policy import policy_class, policy_names
 from tierd.workload import SimulationResult, read_trace, simulate, write_trace
 from tierd.workload.generate import GeneratorConfig, generate
@@ -60,8 +64,14 @@ def _configure_simulate(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the LRU hit ratio at every capacity in one pass (--capacity is not used)",
     )
-    parser.add_argument("--out", type=Path, help="with --curve: draw it into this PNG file")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="PATH",
+        help="with --curve: draw it into this PNG file, or into DIR/curve.png for a directory",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_warm_option(parser)
     add_progress_option(parser)
 
 
@@ -76,6 +86,8 @@ def load_trace(path: Path) -> Trace:
 def _run_simulate(args: argparse.Namespace) -> int:
     policy_class(args.policy)  # an unknown name fails before the trace is read
     check_curve_args(args)
+    if args.warm is not None and (args.config is None or args.curve):
+        raise UsageError("--warm applies to --config (a chain's what-if) only")
     trace = load_trace(args.trace)
     if args.curve:
         return run_curve(args, trace)
@@ -102,12 +114,13 @@ def _run_chain_simulate(args: argparse.Namespace, trace: Trace) -> int:
     from tierd.library import open_chain  # torch and the stores load only when needed
     from tierd.workload.backends import replay_chain
 
-    if not args.config.is_file():
-        raise UsageError(f"config file not found: {args.config}")
+    require_config_file(args.config)
+    cfg = load_config(args.config, ChainConfig)
 
     async def run() -> ReplaySummary:
-        async with open_chain(args.config) as chain:
-            return await replay_chain(chain, trace, progress=bar, stop=stop)
+        with what_if_config(cfg, args.config.stem, args.warm) as private:
+            async with open_chain(private) as chain:
+                return await replay_chain(chain, trace, progress=bar, stop=stop)
 
     bar = make_bar(args.progress, len(trace))
     try:

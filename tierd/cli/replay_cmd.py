@@ -5,13 +5,16 @@ every byte that comes back.
 
     tierd replay TRACE [--socket PATH | --config FILE] [--clients N] [--speed X]
                        [--block-bytes B] [--limit N] [--namespace NS] [--out DIR] [--json]
-                       [--progress | --no-progress]
-    tierd replay TRACE --compare A.yaml B.yaml [...]
+                       [--warm DIR] [--progress | --no-progress]
+    tierd replay TRACE --compare A.yaml B.yaml [...] [--warm DIR]
 
 Without ``--config`` or ``--compare`` the replay talks to the daemon at ``--socket`` (else
-``$TIERD_SOCKET``, else the default path), in its own namespace. ``--config`` opens the
-chain of a config file in this process instead; ``--compare`` does that for each file in
-turn and prints the results side by side. ``--out DIR`` writes ``summary.json`` (the
+``$TIERD_SOCKET``, else the default path), in a namespace of its own, fresh for every run
+(``replay-<random>``) so that no run finds what an earlier one stored; ``--namespace NS``
+names one to reuse. ``--config`` opens the chain of a config file in this process instead;
+``--compare`` does that for each file in turn and prints the results side by side. Such a
+what-if starts cold, its disk tiers in a private temporary directory, unless ``--warm DIR``
+keeps them there between runs (:mod:`tierd.cli.whatif`). ``--out DIR`` writes ``summary.json`` (the
 :class:`~tierd.workload.replayer.ReplaySummary` as JSON) and PNG plots; with
 ``--compare``, also ``compare.png`` with every config on the same axes.
 
@@ -33,19 +36,28 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE, Command, UsageError
-from tierd.cli.connection import CONNECT_TIMEOUT, SOCKET_ENV
+from tierd.cli.base import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    Command,
+    UsageError,
+    require_config_file,
+)
+from tierd.cli.connection import CONNECT_TIMEOUT, SOCKET_ENV, unreachable_reason
 from tierd.cli.offline import load_trace
 from tierd.cli.progress import EXIT_INTERRUPTED, Bar, add_progress_option, make_bar, stop_flag
 from tierd.cli.replay_report import compare_table, describe, write_compare_out, write_out
+from tierd.cli.whatif import add_warm_option, what_if_config
 from tierd.client import DaemonError, Unreachable
 from tierd.config import ChainConfig, default_socket_path, load_config
 from tierd.units import parse_size
-from tierd.workload.backends import DEFAULT_NAMESPACE, chain_backends, daemon_backends
+from tierd.workload.backends import chain_backends, daemon_backends
 from tierd.workload.replayer import ReplayBackend, ReplayProgress, ReplaySummary, replay
 from tierd.workload.trace import Trace
 
@@ -87,8 +99,10 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--limit", type=_positive, help="replay only the first N requests")
     parser.add_argument(
-        "--namespace", default=DEFAULT_NAMESPACE, help="the daemon namespace to use"
+        "--namespace",
+        help="the daemon namespace to use (default: a fresh one per run, so it starts cold)",
     )
+    add_warm_option(parser)
     parser.add_argument("--out", type=Path, metavar="DIR", help="write summary.json and plots")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_progress_option(parser)
@@ -123,8 +137,20 @@ def _size(text: str) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     for path in [args.config, *(args.compare or [])]:
-        if path is not None and not path.is_file():
-            raise UsageError(f"config file not found: {path}")
+        if path is not None:
+            require_config_file(path)
+    if args.warm is not None and args.config is None and not args.compare:
+        raise UsageError("--warm applies to --config and --compare (a daemon keeps its own tiers)")
+    if args.compare and args.warm is not None:
+        stems = [path.stem for path in args.compare]
+        if len(set(stems)) != len(stems):
+            raise UsageError(f"with --warm, the compared files need distinct names, got {stems}")
+    if args.out is not None and args.out.suffix.lower() == ".png":
+        raise UsageError(
+            f"--out names a directory (summary.json and the plots go in it), not {args.out}"
+        )
+    if args.namespace is None:
+        args.namespace = f"replay-{secrets.token_hex(4)}"
     trace = load_trace(args.trace)
     try:
         if args.compare:
@@ -144,7 +170,8 @@ def _run_one(args: argparse.Namespace, trace: Trace) -> int:
             else:
                 summary = asyncio.run(_replay_daemon(args, _socket(args), trace, bar, stop))
     except Unreachable as exc:
-        return _fail(f"cannot reach the daemon: {exc}", EXIT_UNREACHABLE)
+        reason = unreachable_reason(exc)
+        return _fail(f"cannot reach the daemon at {_socket(args)}: {reason}", EXIT_UNREACHABLE)
     except DaemonError as exc:
         if exc.code == "block_size_mismatch":
             raise UsageError(str(exc)) from None
@@ -155,9 +182,16 @@ def _run_one(args: argparse.Namespace, trace: Trace) -> int:
         if bar is not None:
             bar.close()
     data = {"trace": str(args.trace), **summary.to_dict()}
+    if args.config is None:
+        data["namespace"] = args.namespace
     if args.out is not None:
         write_out(args.out, data)
-    print(json.dumps(data) if args.json else describe(summary, str(args.trace)))
+    if args.json:
+        print(json.dumps(data))
+    else:
+        print(describe(summary, str(args.trace)))
+        if args.config is None:
+            print(f"namespace       {args.namespace}")
     status = _verdict(summary)
     return EXIT_INTERRUPTED if summary.interrupted else status
 
@@ -251,9 +285,10 @@ async def _replay_chain(
             f"--block-bytes {args.block_bytes} does not match {path}'s block_bytes "
             f"{cfg.block_bytes}"
         )
-    async with open_chain(cfg) as chain:
-        backends = chain_backends(chain, args.clients, target=str(path))
-        return await _replay_with(args, trace, backends, bar, stop)
+    with what_if_config(cfg, path.stem, args.warm) as private:
+        async with open_chain(private) as chain:
+            backends = chain_backends(chain, args.clients, target=str(path))
+            return await _replay_with(args, trace, backends, bar, stop)
 
 
 def _verdict(summary: ReplaySummary) -> int:

@@ -67,6 +67,12 @@ def describe(summary: ReplaySummary, trace: str) -> str:
         f"block accesses  {summary.block_accesses:,}",
         f"hit ratio       {summary.hit_ratio:.4f} ({summary.hits:,} block hits)",
     ]
+    if summary.late_requests:
+        lines.append(
+            f"fell behind     {summary.late_requests:,} requests started late, up to"
+            f" {summary.behind_s:.3f} s behind the trace clock at speed {cfg['speed']:g}"
+            " (the clients or the cache cannot keep this pace)"
+        )
     for medium, ratio in summary.hit_ratio_by_medium.items():
         lines.append(f"  from {medium:<9} {ratio:.4f} ({summary.hits_by_medium[medium]:,})")
     lines.append(f"latency (ms)    {'p50':>9} {'p90':>9} {'p99':>9}")

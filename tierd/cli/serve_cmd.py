@@ -26,7 +26,13 @@ import time
 from pathlib import Path
 
 from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE, Command, add_sets
-from tierd.cli.connection import CONNECT_TIMEOUT, add_socket_options, socket_path, trusted_uids
+from tierd.cli.connection import (
+    CONNECT_TIMEOUT,
+    add_socket_options,
+    socket_path,
+    trusted_uids,
+    unreachable_reason,
+)
 from tierd.client import Client, DaemonError, Unreachable
 from tierd.errors import AlreadyRunning, StoreIOError
 from tierd.settings import CONFIG_ENV, load_settings
@@ -93,8 +99,7 @@ def _run_stop(args: argparse.Namespace) -> int:
         reason = f"no answer within {CONNECT_TIMEOUT:g} s"
         return _fail(f"cannot reach the daemon at {path}: {reason}", EXIT_UNREACHABLE)
     except (Unreachable, ConnectionError) as exc:
-        cause = exc.__cause__
-        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(exc)
+        reason = unreachable_reason(exc)
         return _fail(f"cannot reach the daemon at {path}: {reason}", EXIT_UNREACHABLE)
     except DaemonError as exc:
         if exc.code in ("not_allowed", "busy"):

@@ -25,7 +25,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE, Command, UsageError
-from tierd.cli.connection import CONNECT_TIMEOUT, add_socket_options, socket_path, trusted_uids
+from tierd.cli.connection import (
+    CONNECT_TIMEOUT,
+    add_socket_options,
+    socket_path,
+    trusted_uids,
+    unreachable_reason,
+)
 from tierd.cli.top_frame import render_frame
 from tierd.client import Client, DaemonError, Unreachable
 
@@ -93,9 +99,7 @@ async def _connect(path: str, server_uids: tuple[int, ...] = ()) -> Client:
     except TimeoutError:
         raise _CannotReach(f"no answer within {CONNECT_TIMEOUT:g} s") from None
     except Unreachable as exc:
-        cause = exc.__cause__
-        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(exc)
-        raise _CannotReach(reason) from None
+        raise _CannotReach(unreachable_reason(exc)) from None
     except DaemonError as exc:
         if exc.code in _REFUSALS:
             raise _CannotReach(str(exc)) from None

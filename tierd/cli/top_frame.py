@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from tierd.cli.control_text import last_error_text
+
 __all__ = ["render_frame"]
 
 _BAR_MIN, _BAR_MAX = 5, 40  # occupancy bar width, in characters
@@ -122,7 +124,7 @@ def _remote_fields(remote: Mapping[str, Any]) -> list[str]:
     for key in ("errors", "dropped", "write_errors"):
         fields.append(f"{key.replace('_', ' ')} {int(remote.get(key, 0)):,}")
     if remote.get("last_error"):
-        fields.append(f"last error: {remote['last_error']}")
+        fields.append(last_error_text(remote))
     return fields
 
 

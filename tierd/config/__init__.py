@@ -18,12 +18,20 @@ whose lines name the YAML path (``tiers.1.policy``), the bad value and what is a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 
-from tierd.config.chain import ChainConfig, RemoteConfig, TierConfig, TierKind, TransferConfig
+from tierd.config.chain import (
+    ChainConfig,
+    RemoteConfig,
+    TierConfig,
+    TierKind,
+    TransferConfig,
+    raw_chain_problems,
+)
 from tierd.config.daemon import (
     DaemonConfig,
     EventsConfig,
@@ -36,7 +44,7 @@ from tierd.config.daemon import (
     default_socket_path,
     tenant_chain,
 )
-from tierd.configfile import format_validation_error, read_config_file
+from tierd.configfile import AT_PATH, format_validation_error, problem_line, read_config_file
 from tierd.errors import ConfigError
 from tierd.units import parse_mode, parse_seconds, parse_size
 
@@ -56,6 +64,7 @@ __all__ = [
     "TransferConfig",
     "default_socket_path",
     "format_validation_error",
+    "invalid_config",
     "load_config",
     "parse_mode",
     "parse_seconds",
@@ -81,4 +90,23 @@ def load_config(source: Path | str | dict[str, Any], model: type[_M]) -> _M:
     try:
         return cast(_M, target.model_validate(data))
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, model=target)) from exc
+        raise invalid_config(exc, data, target) from exc
+
+
+def invalid_config(
+    error: ValidationError,
+    data: Mapping[str, Any],
+    model: type[BaseModel],
+    sources: Mapping[str, str] | None = None,
+) -> ConfigError:
+    """Every problem of ``data`` at once, one line each. A model's cross-field rules run
+    only once its fields are valid, so when some field is not, the chain's rules (unique
+    tier names, the entry tier, capacities against the block size) are run here on the
+    raw values too: a file's mistakes are not reported one round at a time."""
+    lines = format_validation_error(error, sources=sources, model=model).splitlines()
+    ran = any(e["type"] == AT_PATH and e["loc"] == () for e in error.errors())
+    if issubclass(model, ChainConfig) and not ran:
+        lines += [
+            problem_line(path, message, sources) for path, message in raw_chain_problems(data)
+        ]
+    return ConfigError("\n".join(lines))

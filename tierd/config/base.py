@@ -9,6 +9,7 @@ so that :func:`tierd.configfile.format_validation_error` names that YAML path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
@@ -17,7 +18,7 @@ from pydantic_core import PydanticCustomError
 from tierd.configfile import AT_PATH
 from tierd.units import parse_mode, parse_seconds, parse_size
 
-__all__ = ["Mode", "Seconds", "Size", "StrictModel", "error_at"]
+__all__ = ["Mode", "Seconds", "Size", "StrictModel", "error_at", "errors_at"]
 
 Size = Annotated[int, BeforeValidator(parse_size)]
 Mode = Annotated[int, BeforeValidator(parse_mode)]
@@ -28,7 +29,15 @@ _AT = AT_PATH  # the error type of error_at: format_validation_error reads its p
 def error_at(path: str, message: str) -> PydanticCustomError:
     """A validation error at ``path`` below the model whose validator raises it (a model
     validator's own errors would otherwise point at the whole model)."""
-    return PydanticCustomError(_AT, "{message}", {"path": path, "message": message})
+    return errors_at([(path, message)])
+
+
+def errors_at(problems: Sequence[tuple[str, str]]) -> PydanticCustomError:
+    """One validation error carrying every ``(path, message)`` a model validator found,
+    so that a file's problems are all reported at once rather than one per attempt."""
+    path, message = problems[0]
+    context = {"path": path, "message": message, "problems": list(problems)}
+    return PydanticCustomError(_AT, "{message}", context)
 
 
 class StrictModel(BaseModel):

@@ -10,19 +10,20 @@ the Redis-protocol level below the last one. A tier's ``capacity`` is a number o
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from tierd.config.base import Seconds, Size, StrictModel, error_at
+from tierd.config.base import Seconds, Size, StrictModel, error_at, errors_at
 from tierd.configfile import expand_path
 from tierd.errors import ConfigError
 from tierd.keys import Medium
 from tierd.policy import policy_names
 from tierd.policy.admission import Admission
-from tierd.units import MAX_BLOCKS, capacity_parts
+from tierd.units import MAX_BLOCKS, capacity_parts, parse_size
 
 
 def _admission_rule(value: str) -> str:
@@ -40,6 +41,8 @@ __all__ = [
     "TierConfig",
     "TierKind",
     "TransferConfig",
+    "chain_rules",
+    "raw_chain_problems",
 ]
 
 
@@ -173,10 +176,13 @@ class RemoteConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> RemoteConfig:
+        problems = []
         if (self.url is None) == (not self.cluster_nodes):
-            raise error_at("url", "give exactly one of url and cluster_nodes")
+            problems.append(("url", "give exactly one of url and cluster_nodes"))
         if self.breaker_max_backoff < self.breaker_backoff:
-            raise error_at("breaker_max_backoff", "must be at least breaker_backoff")
+            problems.append(("breaker_max_backoff", "must be at least breaker_backoff"))
+        if problems:
+            raise errors_at(problems)
         return self
 
 
@@ -200,24 +206,11 @@ class ChainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> ChainConfig:
-        if not 0 < self.block_bytes <= MAX_BLOCK_BYTES:
-            message = f"must be between 1 byte and 1GiB ({MAX_BLOCK_BYTES:,} bytes)"
-            raise error_at("block_bytes", message)
-        names = [t.name for t in self.tiers]
-        if len(set(names)) != len(names):
-            raise error_at("tiers", f"tier names must be unique, got {names}")
-        if self.remote is not None and self.remote.name in names:
-            raise error_at("remote.name", f"{self.remote.name!r} is also a tier's name")
-        if self.entry is not None and self.entry not in names:
-            raise error_at("entry", f"{self.entry!r} is not a tier name ({', '.join(names)})")
-        for index, tier in enumerate(self.tiers):
-            count, is_bytes = capacity_parts(tier.capacity)
-            if is_bytes and count < self.block_bytes:
-                message = f"{tier.capacity!r} holds no block of {self.block_bytes} bytes"
-                raise error_at(f"tiers.{index}.capacity", message)
-            if is_bytes and count // self.block_bytes > MAX_BLOCKS:
-                message = f"{tier.capacity!r} is more than {MAX_BLOCKS:,} blocks (2**40)"
-                raise error_at(f"tiers.{index}.capacity", message)
+        tiers = [(index, t.name, t.capacity) for index, t in enumerate(self.tiers)]
+        remote = None if self.remote is None else self.remote.name
+        problems = chain_rules(self.block_bytes, tiers, self.entry, remote)
+        if problems:
+            raise errors_at(problems)
         return self
 
     @property
@@ -227,5 +220,72 @@ class ChainConfig(StrictModel):
 
 
 MAX_BLOCK_BYTES = 1 << 30
+
+
+def chain_rules(
+    block_bytes: int | None,
+    tiers: Sequence[tuple[int, object, object]],
+    entry: object,
+    remote: object,
+) -> list[tuple[str, str]]:
+    """Every ``(path, message)`` the chain's cross-field rules find: block size, unique
+    tier names, the entry and remote names, each capacity against the block size.
+    ``tiers``: ``(index, name, capacity)``. Values that are ``None`` (or not parsed yet)
+    are skipped, so :func:`raw_chain_problems` can run the same rules on a file whose
+    fields did not all validate."""
+    problems: list[tuple[str, str]] = []
+    if block_bytes is not None and not 0 < block_bytes <= MAX_BLOCK_BYTES:
+        message = f"must be between 1 byte and 1GiB ({MAX_BLOCK_BYTES:,} bytes)"
+        problems.append(("block_bytes", message))
+    names = [name for _, name, _ in tiers if isinstance(name, str)]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        problems.append(("tiers", f"tier names must be unique: {', '.join(twice)} named twice"))
+    if isinstance(remote, str) and remote in names:
+        problems.append(("remote.name", f"{remote!r} is also a tier's name"))
+    if isinstance(entry, str) and entry not in names:
+        known = ", ".join(dict.fromkeys(names))
+        problems.append(("entry", f"{entry!r} is not a tier name ({known})"))
+    for index, _, capacity in tiers:
+        problems += _capacity_rules(index, capacity, block_bytes)
+    return problems
+
+
+def _capacity_rules(index: int, capacity: object, block_bytes: int | None) -> list[tuple[str, str]]:
+    if block_bytes is None or not 0 < block_bytes <= MAX_BLOCK_BYTES:
+        return []
+    if not isinstance(capacity, int | str):
+        return []
+    try:
+        count, is_bytes = capacity_parts(capacity)
+    except ValueError:  # the field's own check reports it
+        return []
+    if is_bytes and count < block_bytes:
+        return [(f"tiers.{index}.capacity", f"{capacity!r} holds no block of {block_bytes} bytes")]
+    if is_bytes and count // block_bytes > MAX_BLOCKS:
+        message = f"{capacity!r} is more than {MAX_BLOCKS:,} blocks (2**40)"
+        return [(f"tiers.{index}.capacity", message)]
+    return []
+
+
+def raw_chain_problems(data: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """:func:`chain_rules` on a file's raw mapping, for a file whose fields did not all
+    validate (the model's own check then never ran): each value is used only where it
+    reads as the model would read it."""
+    tiers = data.get("tiers")
+    rows = [
+        (index, tier.get("name"), tier.get("capacity"))
+        for index, tier in enumerate(tiers if isinstance(tiers, list) else [])
+        if isinstance(tier, dict)
+    ]
+    try:
+        block_bytes: int | None = parse_size(data.get("block_bytes", 2 << 20))
+    except ValueError:
+        block_bytes = None
+    remote = data.get("remote")
+    remote_name = remote.get("name", "remote") if isinstance(remote, dict) else None
+    return chain_rules(block_bytes, rows, data.get("entry"), remote_name)
+
+
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _DEVICE = re.compile(r"^(cpu|cuda(:[0-9]{1,3})?)$")

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tierd.config.base import Mode, Seconds, Size, StrictModel, error_at
+from tierd.config.base import Mode, Seconds, Size, StrictModel, error_at, errors_at
 from tierd.config.chain import ChainConfig, TierConfig, TierKind
 from tierd.tenancy import DEFAULT_TENANT, QuotaProblem, TenantConfig, quota_blocks
 from tierd.units import share_parts
@@ -124,9 +124,13 @@ class NamespaceConfig(StrictModel):
 
     @model_validator(mode="after")
     def _allowed(self) -> NamespaceConfig:
-        for index, name in enumerate(self.allowed):
-            if re.fullmatch(self.pattern, name) is None:
-                raise error_at(f"allowed.{index}", f"{name!r} does not match {self.pattern}")
+        problems = [
+            (f"allowed.{index}", f"{name!r} does not match {self.pattern}")
+            for index, name in enumerate(self.allowed)
+            if re.fullmatch(self.pattern, name) is None
+        ]
+        if problems:
+            raise errors_at(problems)
         return self
 
     def check(self, name: str) -> str | None:
@@ -204,29 +208,22 @@ class DaemonConfig(ChainConfig):
     def _tenants(self) -> DaemonConfig:
         if not self.tenants:
             return self
+        problems: list[tuple[str, str]] = []
         if self.socket.allow_uids or self.socket.allow_gids:
-            raise error_at(
-                "socket.allow_uids" if self.socket.allow_uids else "socket.allow_gids",
-                "with tenants, list who may connect in tenants.N.uids and tenants.N.gids",
+            problems.append(
+                (
+                    "socket.allow_uids" if self.socket.allow_uids else "socket.allow_gids",
+                    "with tenants, list who may connect in tenants.N.uids and tenants.N.gids",
+                )
             )
-        seen: dict[str, dict[int, str]] = {"uids": {}, "gids": {}}
-        names: set[str] = set()
-        for index, tenant in enumerate(self.tenants):
-            if tenant.name in names:
-                raise error_at(f"tenants.{index}.name", f"{tenant.name!r} is named twice")
-            names.add(tenant.name)
-            if not tenant.uids and not tenant.gids:
-                raise error_at(f"tenants.{index}", "names no uid or gid: nobody could use it")
-            for field, ids in (("uids", tenant.uids), ("gids", tenant.gids)):
-                for value in ids:
-                    other = seen[field].setdefault(value, tenant.name)
-                    if other != tenant.name:
-                        message = f"{value} is also in tenant {other!r}: a peer has one tenant"
-                        raise error_at(f"tenants.{index}.{field}", message)
-        try:
-            self.tenant_blocks()
-        except QuotaProblem as problem:
-            raise error_at(problem.path, problem.message) from None
+        problems += _tenant_problems(self.tenants)
+        if not problems:
+            try:
+                self.tenant_blocks()
+            except QuotaProblem as problem:
+                problems.append((problem.path, problem.message))
+        if problems:
+            raise errors_at(problems)
         return self
 
     def tenant_blocks(self) -> dict[str, dict[str, int]]:
@@ -260,6 +257,26 @@ class DaemonConfig(ChainConfig):
             )
             raise error_at("limits.max_frame_bytes", message)
         return self
+
+
+def _tenant_problems(tenants: list[TenantConfig]) -> list[tuple[str, str]]:
+    """Names given twice, tenants nobody could use, and ids in two tenants."""
+    problems: list[tuple[str, str]] = []
+    seen: dict[str, dict[int, str]] = {"uids": {}, "gids": {}}
+    names: set[str] = set()
+    for index, tenant in enumerate(tenants):
+        if tenant.name in names:
+            problems.append((f"tenants.{index}.name", f"{tenant.name!r} is named twice"))
+        names.add(tenant.name)
+        if not tenant.uids and not tenant.gids:
+            problems.append((f"tenants.{index}", "names no uid or gid: nobody could use it"))
+        for field, ids in (("uids", tenant.uids), ("gids", tenant.gids)):
+            for value in ids:
+                other = seen[field].setdefault(value, tenant.name)
+                if other != tenant.name:
+                    message = f"{value} is also in tenant {other!r}: a peer has one tenant"
+                    problems.append((f"tenants.{index}.{field}", message))
+    return problems
 
 
 def tenant_chain(cfg: ChainConfig, tenant: str, blocks: Mapping[str, int]) -> ChainConfig:

@@ -289,15 +289,29 @@ class Client:
 
     async def store(self, keys: Sequence[bytes], data: Sequence[Buffer]) -> int:
         """Store blocks (through the pool when mapped, else inline); returns how many
-        new blocks the daemon stored."""
-        if self.pool is None:
-            return await self.put(keys, data)
-        async with self.storing(keys) as lease:
-            for view, i in zip(lease.views(), lease.to_write, strict=True):
-                view[:] = data[i]
-            if lease.finished:
-                return 0
-            return await lease.commit()
+        new blocks the daemon stored. A batch larger than the daemon takes at once (the
+        blocks one connection may hold in leases, ``max_lease_blocks``; the keys of one
+        request; for inline data, the frame size) goes in parts, in order."""
+        info = self.info
+        step = int(info.get("max_keys_per_request") or len(keys) or 1)
+        if self.pool is None:  # inline: a part's blocks and keys must fit one frame
+            room = int(info.get("max_frame_bytes") or 1 << 62) - (64 << 10)
+            each = self.block_bytes + int(info.get("max_key_bytes") or 64) + 16
+            step = max(min(step, room // each), 1)
+        elif info.get("max_lease_blocks"):  # 0: no bound (a daemon without tenants)
+            step = min(step, int(info["max_lease_blocks"]))
+        stored = 0
+        for start in range(0, len(keys), step):
+            part, rows = keys[start : start + step], data[start : start + step]
+            if self.pool is None:
+                stored += await self.put(part, rows)
+                continue
+            async with self.storing(part) as lease:
+                for view, i in zip(lease.views(), lease.to_write, strict=True):
+                    view[:] = rows[i]
+                if not lease.finished:
+                    stored += await lease.commit()
+        return stored
 
     async def load(self, keys: Sequence[bytes]) -> list[bytes]:
         """Copies of the leading cached blocks (through the pool when mapped)."""

@@ -121,7 +121,9 @@ def merge_stats(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
         remote = _add(remotes)
         states = [r["state"] for r in remotes if r["state"] != "closed"]
         remote["state"] = states[0] if states else "closed"
-        remote["last_error"] = next((r["last_error"] for r in remotes if r["last_error"]), "")
+        latest = max(remotes, key=lambda r: float(r.get("last_error_at", 0.0)))
+        for key in ("last_error", "last_error_at", "recovered"):
+            remote[key] = latest.get(key, remote.get(key))
     merged = {
         "block_bytes": first["block_bytes"],
         "tiers": tiers,

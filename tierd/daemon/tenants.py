@@ -55,7 +55,9 @@ async def open_tenants(
     warn_of_tiers_above_the_entry(cfg)
     for spec, chain_cfg in cfg.tenant_chains():
         try:
-            chain = await stack.enter_async_context(open_chain(chain_cfg, progress=progress))
+            # Every line the chain logs while it opens (``tier opened``) names the tenant.
+            with structlog.contextvars.bound_contextvars(tenant=spec.name):
+                chain = await stack.enter_async_context(open_chain(chain_cfg, progress=progress))
         except TierdError as exc:
             if cfg.tenants:  # name the tenant: each has tiers of the same names
                 exc.args = (f"tenant {spec.name!r}: {exc}", *exc.args[1:])

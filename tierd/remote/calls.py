@@ -84,6 +84,8 @@ class RemoteCalls:
         self.timeouts = 0  # calls past the deadline
         self.errors = 0  # calls that failed (connection, error reply)
         self.last_error = ""
+        self.last_error_at = 0.0  # wall-clock time of last_error (0: none yet)
+        self.last_ok_at = 0.0  # wall-clock time of the last call answered
         self._cluster_ready = False
         self._last_logged = 0.0
 
@@ -145,10 +147,16 @@ class RemoteCalls:
                 self.breaker.failure()
             else:
                 self.breaker.success()
+                self.last_ok_at = time.time()
         return list(replies)
 
+    def record_error(self, text: str) -> None:
+        """Note ``text`` as the last error, with its time (stats say how long ago, and
+        whether calls were answered since)."""
+        self.last_error, self.last_error_at = text, time.time()
+
     def _note(self, exc: BaseException, what: str) -> None:
-        self.last_error = f"{what}: {exc}" if str(exc) else what
+        self.record_error(f"{what}: {exc}" if str(exc) else what)
         now = time.monotonic()
         if now - self._last_logged >= _LOG_EVERY_S:
             self._last_logged = now

@@ -222,7 +222,7 @@ class RedisLevel:
         for (key, payload), reply in zip(todo, replies, strict=True):
             if isinstance(reply, BaseException):
                 self.counters.write_errors += 1
-                self.calls.last_error = f"write refused: {type(reply).__name__}: {reply}"
+                self.calls.record_error(f"write refused: {type(reply).__name__}: {reply}")
             elif reply:
                 written.append(key)
                 self.counters.bytes_written += HEADER_BYTES + len(key) + len(payload)
@@ -309,4 +309,7 @@ class RedisLevel:
             "bytes_written": c.bytes_written,
             "bytes_read": c.bytes_read,
             "last_error": calls.last_error,
+            "last_error_at": round(calls.last_error_at, 3),
+            # a call answered after the last error: the level works again
+            "recovered": bool(calls.last_error) and calls.last_ok_at > calls.last_error_at,
         }

@@ -81,6 +81,10 @@ class ReplaySummary:
     load_latency_samples: dict[str, list[float]]
     config: dict[str, Any]
     tiers: list[dict[str, Any]]
+    # With --speed: requests that started more than 10 ms after the trace clock said
+    # (the clients or the cache could not keep the pace), and the most any was late.
+    late_requests: int = 0
+    behind_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -65,6 +65,7 @@ __all__ = [
 MAX_CHUNK_BLOCKS = 64
 WRONG_KEYS_KEPT = 100
 STOP_CHECK = 0.2  # seconds: how often a paced wait checks whether to stop
+LATE_S = 0.01  # seconds: a paced request that starts later than this after it was due is late
 _FATAL = (ResourceClosed, Unreachable)  # the cache is gone: end the replay
 
 
@@ -133,6 +134,8 @@ class _Replay:
         self.gate = asyncio.Lock()
         self.cursor = self.done = self.lookups = self.accesses = self.hits = 0
         self.loaded = self.stored = self.shortfalls = 0
+        self.late = 0  # paced requests that started more than LATE_S after they were due
+        self.behind = 0.0  # the most any started after it was due (seconds)
         self.by_medium: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.wrong_keys: list[str] = []
@@ -170,6 +173,9 @@ class _Replay:
                 delay = self.started + offset / 1000 / self.speed - time.perf_counter()
                 if delay > 0:
                     await self._pause(delay)
+                elif -delay > LATE_S:  # the clients or the cache cannot keep this pace
+                    self.late += 1
+                    self.behind = max(self.behind, -delay)
             return None if self.stopped else index
 
     @property
@@ -328,6 +334,8 @@ class _Replay:
                 "socket" if first.kind == "daemon" else "path": first.target,
             },
             tiers=tiers,
+            late_requests=self.late,
+            behind_s=round(self.behind, 6),
         )
 
     def _throughput(self, seconds: float) -> dict[str, float]:
