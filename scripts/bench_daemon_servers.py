@@ -121,9 +121,9 @@ shutdown: {{grace: 5s, write_back: none}}
 
 
 def serve_launcher() -> str:
-    from tierd.cli import COMMANDS
+    from tierd.cli import FAMILY_OF
 
-    return "serve" if "serve" in COMMANDS else "python -c"
+    return "serve" if "serve" in FAMILY_OF else "python -c"
 
 
 # -- the server-side profile -------------------------------------------------------------

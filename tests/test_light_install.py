@@ -149,3 +149,30 @@ def test_serve_without_a_config_runs_the_shipped_default_chain(tmp_path: Path) -
     assert child.returncode == 0, err
     assert "running the default" in err and "tierd/share/tierd.yaml" in err
     assert (tmp_path / "state" / "tierd" / "disk").is_dir()
+
+
+def test_a_client_command_imports_only_its_own_family() -> None:
+    """``tierd stats`` (a monitoring script's scrape) loads the client and its own command
+    module, not the config models, numpy, the stores or the other commands' modules."""
+    code = textwrap.dedent("""
+        import json, sys
+        from tierd.cli import build_parser
+        build_parser("stats").parse_args(["stats", "--json"])
+        heavy = ("pydantic", "numpy", "torch", "tierd.stores", "tierd.config",
+                 "tierd.cli.replay_cmd", "tierd.cli.offline", "tierd.cli.config_cmd")
+        print(json.dumps(sorted(m for m in heavy if m in sys.modules)))
+    """)
+    done = _python(code)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == []
+
+
+def test_every_family_names_exactly_its_commands() -> None:
+    """The lazy table of the command line and each family module's ``COMMANDS`` agree, so
+    no command goes missing from ``tierd --help`` or from its own invocation."""
+    from tierd.cli import FAMILY_OF, commands
+
+    for name, family in FAMILY_OF.items():
+        assert name in commands(name), f"{family} does not define {name}"
+        assert set(commands(name)) == {n for n, f in FAMILY_OF.items() if f == family}
+    assert list(commands()) == list(FAMILY_OF)

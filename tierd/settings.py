@@ -38,6 +38,7 @@ from tierd.config import (
     read_config_file,
 )
 from tierd.configfile import close_matches
+from tierd.control.socketfile import CONFIG_ENV
 from tierd.errors import ConfigError
 
 __all__ = [
@@ -51,7 +52,6 @@ __all__ = [
     "parse_sets",
 ]
 
-CONFIG_ENV = "TIERD_CONFIG"
 ENV_PREFIX = "TIERD_"
 # TIERD_* variables that are not settings: the config file, the client commands' socket,
 # and those of the set-up scripts (scripts/setup*, scripts/check_install) and the test suite.

@@ -8,6 +8,7 @@ status). Exit codes are listed in :mod:`tierd.cli.base`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -15,15 +16,6 @@ from collections.abc import Sequence
 
 import structlog
 
-from tierd.cli import (
-    config_cmd,
-    control_cmd,
-    namespace_cmd,
-    offline,
-    replay_cmd,
-    serve_cmd,
-    top_cmd,
-)
 from tierd.cli.base import (
     EXIT_BAD_INPUT,
     EXIT_CONFIG,
@@ -35,27 +27,49 @@ from tierd.cli.base import (
 from tierd.errors import ConfigError, TierdError, UnknownPolicy
 from tierd.version import __version__
 
-__all__ = ["COMMANDS", "Command", "build_parser", "main"]
+__all__ = ["FAMILY_OF", "Command", "build_parser", "commands", "main"]
 
-COMMANDS: dict[str, Command] = {
-    **serve_cmd.COMMANDS,
-    **control_cmd.COMMANDS,
-    **namespace_cmd.COMMANDS,
-    **offline.COMMANDS,
-    **config_cmd.COMMANDS,
-    **top_cmd.COMMANDS,
-    **replay_cmd.COMMANDS,
+# Each subcommand's family module, in the order ``tierd --help`` lists them. Only the
+# module of the command being run is imported: ``tierd stats`` from a monitoring script
+# must not pay for the trace replayer, the plots and the config models. Each module's
+# ``COMMANDS`` must name exactly its commands here (tests/test_cli_output.py checks it).
+FAMILY_OF = {
+    "serve": "serve_cmd",
+    "stop": "serve_cmd",
+    "stats": "control_cmd",
+    "events": "control_cmd",
+    "flush": "control_cmd",
+    "clear": "control_cmd",
+    "health": "control_cmd",
+    "namespaces": "namespace_cmd",
+    "inspect": "namespace_cmd",
+    "delete": "namespace_cmd",
+    "reload": "namespace_cmd",
+    "simulate": "offline",
+    "trace": "offline",
+    "config": "config_cmd",
+    "top": "top_cmd",
+    "replay": "replay_cmd",
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def commands(only: str | None = None) -> dict[str, Command]:
+    """Every subcommand, or only the family of the subcommand ``only`` (imported alone)."""
+    families = [FAMILY_OF[only]] if only in FAMILY_OF else dict.fromkeys(FAMILY_OF.values())
+    found: dict[str, Command] = {}
+    for family in families:
+        found.update(importlib.import_module(f"tierd.cli.{family}").COMMANDS)
+    return found
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierd", description="A tiered KV-cache block store for LLM serving."
     )
     parser.add_argument("--version", action="version", version=f"tierd {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, command in COMMANDS.items():
-        sub = commands.add_parser(name, help=command.help, description=command.help)
+    sub_parsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, command in commands(only).items():
+        sub = sub_parsers.add_parser(name, help=command.help, description=command.help)
         command.configure(sub)
         sub.set_defaults(run=command.run, usage_of=sub)
     return parser
@@ -88,7 +102,7 @@ def _silence_stdout() -> None:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args, unknown = build_parser().parse_known_args(argv)
+    args, unknown = build_parser(_command_named(argv)).parse_known_args(argv)
     if unknown:  # the subcommand's usage, not the top level's, names what it takes
         args.usage_of.error(f"unrecognized arguments: {' '.join(unknown)}")
     _configure_logging()
@@ -101,6 +115,13 @@ def _main(argv: Sequence[str] | None) -> int:
     except TierdError as exc:  # a malformed trace (TraceError), say
         return _fail(str(exc), EXIT_BAD_INPUT)
     return status
+
+
+def _command_named(argv: Sequence[str] | None) -> str | None:
+    """The subcommand the arguments name (their first that is not an option), if any."""
+    words = sys.argv[1:] if argv is None else argv
+    first = next((word for word in words if not word.startswith("-")), None)
+    return first if first in FAMILY_OF else None
 
 
 class _CurrentStderr:

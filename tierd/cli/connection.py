@@ -24,8 +24,7 @@ from typing import TypeVar
 
 from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE
 from tierd.client import Client, DaemonError, Unreachable
-from tierd.config import default_socket_path
-from tierd.settings import CONFIG_ENV, load_settings
+from tierd.control.socketfile import CONFIG_ENV, default_socket_path
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -65,6 +64,8 @@ def socket_path(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         return env[SOCKET_ENV]
     config = args.config if args.config is not None else env.get(CONFIG_ENV) or None
     if config is not None:
+        from tierd.settings import load_settings  # the config models: only when named
+
         return str(load_settings(config, environ=env).socket.path)
     return str(default_socket_path(env))
 

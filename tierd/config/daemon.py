@@ -20,6 +20,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tierd.config.base import Mode, Seconds, Size, StrictModel, error_at, errors_at
 from tierd.config.chain import ChainConfig, TierConfig, TierKind
+from tierd.control.socketfile import default_socket_path
 from tierd.tenancy import DEFAULT_TENANT, QuotaProblem, TenantConfig, quota_blocks
 from tierd.units import share_parts
 
@@ -36,15 +37,6 @@ __all__ = [
     "default_socket_path",
     "tenant_chain",
 ]
-
-
-def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:
-    """``$XDG_RUNTIME_DIR/tierd/tierd.sock`` when that is set, else
-    ``/tmp/tierd-<uid>/tierd.sock``: in a directory of this user's own, which the daemon
-    creates 0700 and refuses when another user owns it (socket squatting)."""
-    runtime = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
-    directory = Path(runtime) / "tierd" if runtime else Path(f"/tmp/tierd-{os.getuid()}")
-    return directory / "tierd.sock"
 
 
 class SocketConfig(StrictModel):

@@ -31,9 +31,7 @@ import os
 from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Self, cast
-
-import numpy.typing as npt
+from typing import TYPE_CHECKING, Any, Self, cast
 
 from tierd.control.client_pool import LoadLease, PoolMap, StoreLease
 from tierd.control.client_regions import Registration, move_blocks, register_region
@@ -48,6 +46,9 @@ from tierd.control.handshake import (
 )
 from tierd.control.protocol import FrameDecoder, encode
 from tierd.errors import ProtocolError, TierdError
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 __all__ = [
     "Client",

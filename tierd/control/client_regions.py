@@ -22,12 +22,12 @@ import os
 import socket
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
-
-import numpy as np
-import numpy.typing as npt
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tierd.control.handshake import Unreachable
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 __all__ = ["Registration", "RegionLink", "job_keys", "move_blocks", "register_region"]
 
@@ -133,6 +133,8 @@ async def move_blocks(
     if not count:
         return []
     pieces = [client.block_bytes] if piece_bytes is None else [int(p) for p in piece_bytes]
+    import numpy as np  # only where regions are used: client commands never need it
+
     table = np.ascontiguousarray(offsets, dtype="<u8")
     if table.size != count * len(pieces):
         raise ValueError(

@@ -20,16 +20,37 @@ import socket
 import stat
 import struct
 import tempfile
+from collections.abc import Mapping
+from pathlib import Path
 
 import structlog
 
 from tierd.errors import AlreadyRunning
 
-__all__ = ["bind_unix_socket", "peer_credentials", "prepare_socket_directory"]
+__all__ = [
+    "CONFIG_ENV",
+    "bind_unix_socket",
+    "default_socket_path",
+    "peer_credentials",
+    "prepare_socket_directory",
+]
 
 log = structlog.get_logger("tierd.control")
 
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+# Where a client finds the daemon: the environment variable naming its config file (whose
+# ``socket.path`` it reads), else the default path. Here, not with the config models, so
+# that client commands find the daemon without importing them.
+CONFIG_ENV = "TIERD_CONFIG"
+
+
+def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_RUNTIME_DIR/tierd/tierd.sock`` when that is set, else
+    ``/tmp/tierd-<uid>/tierd.sock``: in a directory of this user's own, which the daemon
+    creates 0700 and refuses when another user owns it (socket squatting)."""
+    runtime = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
+    directory = Path(runtime) / "tierd" if runtime else Path(f"/tmp/tierd-{os.getuid()}")
+    return directory / "tierd.sock"
 
 
 def bind_unix_socket(path: str, mode: int) -> socket.socket:
