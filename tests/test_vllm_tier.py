@@ -34,6 +34,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm_kit import (
+    DEADLINE_S,
     ROW,
     ask,
     fill,
@@ -194,7 +195,9 @@ async def test_daemon_down_at_start_then_up(tmp_path, spawn) -> None:
             assert not run_job(tier, 1, ks, [0, 1], load=False).success
             assert not run_job(tier, 2, ks, [0, 1], load=True).success
             tier.touch(ks, ReqContext(req_id="r"))
+            assert tier._link.breaker.is_open  # three failures in a row
             await spawn(cfg)
+            assert tier._link.breaker.wait_closed(DEADLINE_S)  # the probe got an answer
             fill(rows, [0, 1], seed=5)
             assert run_job(tier, 3, ks, [0, 1], load=False).success
             assert ask(tier, ks, "r2") == [HIT, HIT]
@@ -226,9 +229,11 @@ async def test_killed_mid_run_then_restarted_with_write_back(tmp_path, spawn) ->
             assert tier.get_stats() is not None
 
             daemon = await spawn(cfg)  # same socket: a fresh daemon, a fresh pool
+            assert tier._link.breaker.wait_closed(DEADLINE_S)
             assert run_job(tier, 4, ks, [0, 1, 2], load=False).success
             await asyncio.wait_for(daemon.stop(), 60)  # SIGTERM: written back to disk
             daemon = await spawn(cfg)
+            assert tier._link.breaker.wait_closed(DEADLINE_S)
             rows[:] = 0
             assert ask(tier, ks, "r2") == [HIT, HIT, HIT]
             assert run_job(tier, 5, ks, [5, 6, 7], load=True).success

@@ -18,9 +18,9 @@ This module needs vLLM (``scripts/setup_vllm``); nothing else in tierd imports i
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
+import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -70,6 +70,7 @@ METRIC_FAILED = "vllm:kv_offload_tierd_failed_jobs"
 METRIC_CONNECTED = "vllm:kv_offload_tierd_connected"
 METRIC_USED = "vllm:kv_offload_tierd_daemon_used_blocks"
 METRIC_HITS = "vllm:kv_offload_tierd_daemon_hits"
+_STOP_WAIT_S = 5.0  # a cancelled job stops at its next await on the link's (own) loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,7 @@ class _Pending:
     future: concurrent.futures.Future[_Done]
     keys: tuple[OffloadKey, ...]
     is_load: bool
+    finished: threading.Event  # set once the job's coroutine no longer runs
 
 
 class _Lookups(AsyncLookupManager):
@@ -114,7 +116,10 @@ class TierdSecondaryTier(SecondaryTierManager):
         tier_type: str,
         socket: str | None = None,
         namespace: str | None = None,
-        job_timeout_s: float = 30.0,
+        lookup_deadline_s: float = 0.05,
+        job_deadline_s: float = 2.0,
+        breaker_failures: int = 3,
+        probe_interval_s: float = 0.5,
         connect_timeout_s: float = 5.0,
         reconnect_max_s: float = 10.0,
         stats_interval_s: float = 5.0,
@@ -138,18 +143,19 @@ class TierdSecondaryTier(SecondaryTierManager):
         self._rows = np.frombuffer(primary_kv_view, dtype=np.uint8).reshape(-1, row_bytes)
         self.namespace = namespace or derive_namespace(offloading_spec, row_bytes)
         self.socket_path = str(socket) if socket else str(default_socket_path())
-        self._job_timeout_s = job_timeout_s
         self._stats_interval_s = stats_interval_s
-        self._link = DaemonLink(
-            LinkSettings(
-                self.socket_path,
-                self.namespace,
-                row_bytes,
-                reconnect_max_s,
-                tuple(int(uid) for uid in server_uids),
-            ),
-            name=f"tierd-vllm-{tier_type}",
+        self.settings = LinkSettings(
+            self.socket_path,
+            self.namespace,
+            row_bytes,
+            reconnect_max_s,
+            tuple(int(uid) for uid in server_uids),
+            lookup_deadline_s=lookup_deadline_s,
+            job_deadline_s=job_deadline_s,
+            breaker_failures=breaker_failures,
+            probe_interval_s=probe_interval_s,
         )
+        self._link = DaemonLink(self.settings, name=f"tierd-vllm-{tier_type}")
         self._jobs: dict[int, _Pending] = {}
         self._events: list[OffloadingEvent] | None = (
             [] if enable_kv_events and _events_enabled(offloading_spec) else None
@@ -183,13 +189,12 @@ class TierdSecondaryTier(SecondaryTierManager):
     # -- lookups ----------------------------------------------------------------------
 
     def _present(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        """On the lookup thread: ask the daemon, waiting at most one job timeout."""
+        """On the lookup thread: ask the daemon, waiting at most the lookup deadline
+        (nothing at all while the breaker is open); no answer is a miss."""
         raw = [bytes(k) for k in keys]
-        future = self._link.submit(self._link.run(lambda c: lookup_present(c, raw)))
         try:
-            return future.result(self._job_timeout_s)
-        except (TierdError, OSError, concurrent.futures.TimeoutError):
-            future.cancel()
+            return self._link.ask(lambda c: lookup_present(c, raw), self.settings.lookup_deadline_s)
+        except (TierdError, OSError):
             return [False] * len(keys)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -209,12 +214,12 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Forward to the daemon's touch (one admission use per key); fire and forget."""
-        if keys:
+        if keys and not self._link.breaker.is_open:
             self._link.submit(self._touch([bytes(k) for k in keys]))
 
     async def _touch(self, keys: list[bytes]) -> None:
         with contextlib.suppress(TierdError, OSError):  # unreachable: nothing to touch
-            await self._link.run(lambda c: c.touch(keys))
+            await self._link.bounded(lambda c: c.touch(keys), self.settings.lookup_deadline_s)
 
     # -- jobs -------------------------------------------------------------------------
 
@@ -226,29 +231,46 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def _submit(self, job: TransferJob, *, is_load: bool) -> None:
         keys = tuple(job.keys)
-        row_ids = [int(c) for c in job.chunk_ids]
-        future = self._link.submit(self._run_job(job.job_id, keys, row_ids, is_load))
-        self._jobs[job.job_id] = _Pending(future, keys, is_load)
+        finished = threading.Event()
+        if self._link.breaker.is_open:  # fail at once: no hop to the link's thread
+            self._link.breaker.refused()
+            future: concurrent.futures.Future[_Done] = concurrent.futures.Future()
+            future.set_result(_Done(job.job_id, is_load, keys, 0.0, (), "breaker open"))
+            finished.set()
+        else:
+            row_ids = [int(c) for c in job.chunk_ids]
+            coro = self._run_job(job.job_id, keys, row_ids, is_load, finished)
+            future = self._link.submit(coro)
+        self._jobs[job.job_id] = _Pending(future, keys, is_load, finished)
 
     async def _run_job(
-        self, job_id: int, keys: tuple[OffloadKey, ...], row_ids: list[int], is_load: bool
+        self,
+        job_id: int,
+        keys: tuple[OffloadKey, ...],
+        row_ids: list[int],
+        is_load: bool,
+        finished: threading.Event,
     ) -> _Done:
         started = time.monotonic()
         raw = [bytes(k) for k in keys]
         outcome = LoadOutcome(())
         error: str | None = None
+        deadline = self.settings.job_deadline_s
         try:
-            async with asyncio.timeout(self._job_timeout_s):
-                if is_load:
-                    outcome = await self._link.run(lambda c: load_rows(c, raw, self._rows, row_ids))
-                    error = outcome.error
-                else:
-                    await self._link.run(lambda c: store_rows(c, raw, self._rows, row_ids))
-                    outcome = LoadOutcome(tuple(range(len(keys))))
+            if is_load:
+                outcome = await self._link.bounded(
+                    lambda c: load_rows(c, raw, self._rows, row_ids), deadline
+                )
+                error = outcome.error
+            else:
+                await self._link.bounded(
+                    lambda c: store_rows(c, raw, self._rows, row_ids), deadline
+                )
+                outcome = LoadOutcome(tuple(range(len(keys))))
         except (TierdError, OSError) as exc:
             error = str(exc)
-        except TimeoutError:
-            error = f"no answer from the daemon within {self._job_timeout_s:g} s"
+        finally:
+            finished.set()  # no copy of this job touches vLLM's rows after this
         ok = tuple(keys[i] for i in outcome.loaded)
         return _Done(job_id, is_load, keys, time.monotonic() - started, ok, error)
 
@@ -298,10 +320,34 @@ class TierdSecondaryTier(SecondaryTierManager):
         return bool(self._jobs)
 
     def drain_jobs(self) -> None:
-        """Wait for every submitted job (each is bounded by its own timeout)."""
-        pending = [p.future for p in self._jobs.values()]
-        if pending:
-            concurrent.futures.wait(pending, timeout=self._job_timeout_s + 5.0)
+        """Wait for every submitted job; never on a daemon that does not answer.
+
+        Jobs still running after one lookup deadline are waited for only if the daemon
+        answers a ``health`` within a lookup deadline (else the breaker opens), and at
+        most one job deadline. The rest are cancelled; each stops at its next await (a
+        row copy is never cut), and this returns only once none of them runs.
+        """
+        pending = [p.future for p in self._jobs.values() if not p.future.done()]
+        if not pending:
+            return
+        lookup_s, job_s = self.settings.lookup_deadline_s, self.settings.job_deadline_s
+        _, pending_set = concurrent.futures.wait(pending, timeout=lookup_s)
+        if pending_set and self._daemon_answers():
+            _, pending_set = concurrent.futures.wait(pending_set, timeout=job_s)
+        for future in pending_set:
+            future.cancel()
+        for p in self._jobs.values():
+            if not p.finished.wait(_STOP_WAIT_S):
+                log.error("a tierd job did not stop", keys=len(p.keys))
+
+    def _daemon_answers(self) -> bool:
+        try:
+            self._link.ask(lambda c: c.health(), self.settings.lookup_deadline_s)
+        except DaemonError:
+            return True
+        except (TierdError, OSError):
+            return False
+        return True
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if not self._events:
@@ -345,7 +391,7 @@ class TierdSecondaryTier(SecondaryTierManager):
             self._stats_future = self._link.submit(self._fetch_stats())
 
     async def _fetch_stats(self) -> dict[str, Any]:
-        return await self._link.run(lambda c: c.stats())
+        return await self._link.bounded(lambda c: c.stats(), self.settings.job_deadline_s)
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats = OffloadingConnectorStats()
