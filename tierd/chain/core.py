@@ -94,6 +94,47 @@ class TierChain(ChainLoads):
             False,
         )
 
+    def holds(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Per key, whether some local level holds it ready (in flight: False). Unlike
+        :meth:`lookup` it does not stop at a miss; it counts one lookup and its hits."""
+        by_level = self._hits_by_level
+        held = [False] * len(keys)
+        for i, key in enumerate(keys):
+            index = self._holder(key)
+            if index is not None:
+                held[i] = True
+                by_level[index] += 1
+        hits = held.count(True)
+        self._lookups += 1
+        self._hit_blocks += hits
+        self._miss_blocks += len(keys) - hits
+        return held
+
+    def held_locally(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Per key, whether some local level holds it ready; a query that counts nothing."""
+        return [self._holder(key) is not None for key in keys]
+
+    def _holder(self, key: BlockKey) -> int | None:
+        """The fastest level that holds ``key`` ready."""
+        return next((i for i, tier in enumerate(self._tiers) if key in tier), None)
+
+    async def find_each(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """:meth:`holds`, then, with a remote level, one batched existence check there for
+        the keys no local level holds (faults there are misses, bounded by its deadline)."""
+        held = self.holds(keys)
+        remote = self.remote
+        if remote is None or all(held):
+            return held
+        missing = [i for i, flag in enumerate(held) if not flag]
+        there = await remote.level.present([keys[i] for i in missing])
+        for i, flag in zip(missing, there, strict=True):
+            held[i] = flag
+        found = sum(there)
+        remote.hits += found
+        self._hit_blocks += found
+        self._miss_blocks -= found
+        return held
+
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark ``keys`` used at every level that holds them. A touch is a request's use of
         its keys, held or not: admission rules count one use per key per touch."""

@@ -25,7 +25,7 @@ from tierd.control.tenants import Tenant
 from tierd.errors import BlockMissing, ProtocolError
 from tierd.keys import BlockKey
 
-__all__ = ["LOADED_FROM", "BlockRequests", "Requester"]
+__all__ = ["LOADED_FROM", "BlockRequests", "Requester", "distinct"]
 
 Reply = dict[str, Any]
 # A load's reply carries the slowest medium it read from under this key, for the timing;
@@ -68,10 +68,10 @@ class BlockRequests:
 
     # -- zero-copy, through the pool --------------------------------------------------
 
-    async def prepare_store(self, msg: dict[str, Any]) -> Reply:
-        keys = _distinct(self.session.keys(msg))
+    async def reserve(self, keys: list[BlockKey]) -> StoreHandle:
+        """Entry-level slots for the keys the chain does not hold, under the lease bounds:
+        the blocks of ``handle.keys`` stay counted as held until the caller gives them back."""
         chain = self.session.chain()
-        self._require_pool()
         taken = self.leases.take(len(keys))
         try:
             handle = await chain.begin_store(keys)
@@ -79,6 +79,13 @@ class BlockRequests:
             self.leases.give(taken)
             raise
         self.leases.give(taken - len(handle.keys))
+        return handle
+
+    async def prepare_store(self, msg: dict[str, Any]) -> Reply:
+        keys = distinct(self.session.keys(msg))
+        self.session.chain()
+        self._require_pool()
+        handle = await self.reserve(keys)
         slot_of = dict(zip(handle.keys, handle.slots, strict=True))
         slots = [slot_of.get(key) for key in keys]
         if not handle.keys:
@@ -100,20 +107,30 @@ class BlockRequests:
         handle.abort()
         return {}
 
-    async def prepare_load(self, msg: dict[str, Any]) -> Reply:
-        keys = self.session.keys(msg)
+    async def pin(self, keys: list[BlockKey], wait_s: float) -> LoadHandle | None:
+        """The leading keys loaded into the entry level and pinned there, under the lease
+        bounds (None: not even the first); its blocks stay counted as held until the
+        caller gives them back. Waits at most ``wait_s`` on blocks being written."""
         chain = self.session.chain()
-        self._require_pool()
         taken = self.leases.take(len(dict.fromkeys(keys)))
         try:
-            handle = await chain.load(keys, wait_s=self.ctx.limits.load_wait_s)
+            handle = await chain.load(keys, wait_s=wait_s)
         except BlockMissing:
             self.leases.give(taken)
-            return {"lease": None, "count": 0, "slots": []}
+            return None
         except BaseException:
             self.leases.give(taken)
             raise
         self.leases.give(taken - len(handle.keys))
+        return handle
+
+    async def prepare_load(self, msg: dict[str, Any]) -> Reply:
+        keys = self.session.keys(msg)
+        self.session.chain()
+        self._require_pool()
+        handle = await self.pin(keys, self.ctx.limits.load_wait_s)
+        if handle is None:
+            return {"lease": None, "count": 0, "slots": []}
         return {
             "lease": self.leases.register(handle),
             "count": len(handle.keys),
@@ -131,7 +148,7 @@ class BlockRequests:
     # -- inline, in the messages ------------------------------------------------------
 
     async def put(self, msg: dict[str, Any]) -> Reply:
-        keys = _distinct(self.session.keys(msg))
+        keys = distinct(self.session.keys(msg))
         data = bytes_list_field(msg, "data", count=len(keys), size=self.ctx.block_bytes)
         return {"stored": len(await self.session.chain().store(keys, data))}
 
@@ -160,7 +177,7 @@ class BlockRequests:
         return {"count": len(data), "data": data, LOADED_FROM: str(handle.source_medium)}
 
 
-def _distinct(keys: list[BlockKey]) -> list[BlockKey]:
+def distinct(keys: list[BlockKey]) -> list[BlockKey]:
     if len(set(keys)) != len(keys):
         raise ProtocolError("a key appears twice in one store", code=ErrorCode.BAD_REQUEST)
     return keys

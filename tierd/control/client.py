@@ -33,7 +33,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Self, cast
 
+import numpy.typing as npt
+
 from tierd.control.client_pool import LoadLease, PoolMap, StoreLease
+from tierd.control.client_regions import Registration, move_blocks, register_region
 from tierd.control.handshake import (
     HELLO_ID,
     DaemonError,
@@ -119,6 +122,7 @@ class Client:
         self.info: dict[str, Any] = {}
         self.pool: PoolMap | None = None
         self._subscribed = False
+        self._registration = Registration()  # register_region's (client_regions)
 
     @classmethod
     async def connect(
@@ -185,7 +189,9 @@ class Client:
         request_id = self._next_id
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
-        self._protocol.transport.write(encode({"id": request_id, "op": op, **fields}))
+        frame = encode({"id": request_id, "op": op, **fields})
+        if op == "register_region" or not self._registration.hold(frame):
+            self._protocol.transport.write(frame)
         return future
 
     async def request(self, op: str, **fields: Any) -> dict[str, Any]:
@@ -196,6 +202,9 @@ class Client:
         if not isinstance(message, dict):
             return
         if "push" in message:
+            if message["push"] == "send_fd":
+                self._registration.asked()
+                return
             self._events.put_nowait(message)
             return
         future = self._waiting.pop(message.get("id", -1), None)
@@ -231,6 +240,21 @@ class Client:
     async def lookup(self, keys: Sequence[bytes]) -> Lookup:
         reply = await self.request("lookup", keys=list(keys))
         return Lookup(reply["count"], tuple(reply["media"]), reply["in_flight"])
+
+    async def lookup_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether the daemon holds it ready in any tier of this tenant's chain,
+        the remote level included (a key still being written: False). Unlike
+        :meth:`lookup` a miss does not stop the answer. One request per
+        ``max_keys_per_request`` keys (the daemon's limit, from hello), sent together."""
+        if not keys:
+            return []
+        step = int(self.info.get("max_keys_per_request") or len(keys))
+        asked = [
+            self.send("lookup_each", keys=list(keys[start : start + step]))
+            for start in range(0, len(keys), step)
+        ]
+        replies = await asyncio.gather(*asked)
+        return [bool(flag) for reply in replies for flag in reply["present"]]
 
     async def touch(self, keys: Sequence[bytes]) -> None:
         await self.request("touch", keys=list(keys))
@@ -289,6 +313,40 @@ class Client:
     async def get(self, keys: Sequence[bytes]) -> list[bytes]:
         reply = await self.request("get", keys=list(keys))
         return list(reply["data"])
+
+    # -- engine host regions (client_regions) -----------------------------------------
+
+    async def register_region(self, fd: int, size: int) -> int:
+        """Hand the daemon ``fd`` (``size`` bytes of this engine's memory, a memfd or a
+        ``/dev/shm`` file open read-write); the region's id, on this connection only."""
+        transport = lambda: self._protocol.transport if self._protocol else None  # noqa: E731
+        return await register_region(self, self._registration, transport, fd, size)
+
+    async def unregister_region(self, region: int) -> None:
+        await self.request("unregister_region", region=region)
+
+    async def region_store(
+        self,
+        region: int,
+        keys: Sequence[bytes],
+        offsets: npt.ArrayLike,
+        piece_bytes: Sequence[int] | None = None,
+    ) -> list[bool]:
+        """Store blocks the daemon reads out of the region: piece ``j`` of key ``i`` is
+        ``piece_bytes[j]`` (default: one of ``block_bytes``) bytes at ``offsets[i, j]``.
+        Per key, whether the daemon holds it now (held keys are not read again)."""
+        return await move_blocks(self, "region_store", region, keys, offsets, piece_bytes)
+
+    async def region_load(
+        self,
+        region: int,
+        keys: Sequence[bytes],
+        offsets: npt.ArrayLike,
+        piece_bytes: Sequence[int] | None = None,
+    ) -> list[bool]:
+        """Load blocks the daemon writes into the region (as :meth:`region_store`); per
+        key, whether its bytes were written there (a miss fails that key only)."""
+        return await move_blocks(self, "region_load", region, keys, offsets, piece_bytes)
 
     # -- control ----------------------------------------------------------------------
 

@@ -36,8 +36,10 @@ from tierd.control.protocol import (
     encode,
     error_reply,
 )
+from tierd.control.region_fd import FdRefused, receive_fd
 from tierd.control.session import Session
 from tierd.control.socketfile import peer_credentials
+from tierd.errors import ProtocolError
 
 __all__ = ["Connection", "Listener"]
 
@@ -94,6 +96,10 @@ class Connection(asyncio.Protocol):
         self._stall = Deadline(limits.output_stall_s, self._stalled)
         self._stall_mark = 0  # unsent bytes when the stall clock started
         self.peer: tuple[int, int, int] = (0, -1, -1)
+        # A register_region is being answered: nothing else is read or handled meanwhile.
+        self._registering = False
+        self._register_clean = False  # nothing came behind it
+        self.session.receive_fd = self._receive_fd
 
     # -- asyncio.Protocol -------------------------------------------------------------
 
@@ -231,6 +237,8 @@ class Connection(asyncio.Protocol):
 
     def _has_room(self, transport: asyncio.Transport) -> bool:
         limits = self.ctx.limits
+        if self._registering:
+            return False
         if len(self.session.tasks) >= limits.max_requests_in_flight:
             return False
         if not self.session.writable.is_set():
@@ -241,8 +249,18 @@ class Connection(asyncio.Protocol):
     def _handle(self, message: Any) -> None:
         """One request to the session; a ``get`` reserves its reply's bytes until done."""
         self.session.spawned = None
+        registering = type(message) is dict and message.get("op") == "register_region"
+        if registering:
+            # Its descriptor comes next, on the socket itself: nothing may be read first.
+            self._registering = True
+            self._register_clean = not self.backlog and not self.decoder.buffered
         self.session.handle(message)
         task = self.session.spawned
+        if registering:
+            if task is None:
+                self._registering = False
+            else:
+                task.add_done_callback(self._registered)
         if task is None:
             return
         if type(message) is dict and message.get("op") == "get":
@@ -251,6 +269,30 @@ class Connection(asyncio.Protocol):
             self._reserved += cost
             task.add_done_callback(lambda _: self._release(cost))
         task.add_done_callback(self._work)
+
+    def _registered(self, _: object) -> None:
+        self._registering = False
+
+    async def _receive_fd(self, request_id: int) -> int:
+        """The descriptor the client sends with one byte after the ``send_fd`` push that
+        answers its ``register_region`` (reading is paused meanwhile). Refused if it sent
+        anything behind the request; dropped when framing can no longer be trusted."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise ProtocolError("the connection closed", code=ErrorCode.SHUTTING_DOWN)
+        if not self._register_clean:
+            raise ProtocolError(
+                "requests came behind register_region: send nothing more until it is answered",
+                code=ErrorCode.BAD_REQUEST,
+            )
+        self._send({"push": "send_fd", "request": request_id})
+        fileno = transport.get_extra_info("socket").fileno()
+        try:
+            return await receive_fd(fileno, self.ctx.limits.hello_timeout_s)
+        except FdRefused as exc:
+            if exc.framing_lost:
+                self.drop("region_fd", message=f"register_region: {exc}")
+            raise
 
     def _release(self, cost: int) -> None:
         self._reserved -= cost
@@ -353,6 +395,7 @@ _DROPS = {
     "output_stall": (ErrorCode.BUSY, "replies left unread for {limits.output_stall_s} s"),
     "made_room": (ErrorCode.BUSY, "closed to make room for a new connection: no hello yet"),
     "partial_budget": (ErrorCode.BUSY, "unfinished frames are over the daemon's budget"),
+    "region_fd": (ErrorCode.BAD_REQUEST, "register_region: no descriptor came"),
     "fd_blocked": (
         ErrorCode.BAD_REQUEST,
         "cannot pass the pool: earlier replies are unread; send hello first and read its reply",

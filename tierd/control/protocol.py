@@ -69,6 +69,11 @@ OPERATIONS = (
     "flush",
     "clear",
     "stop",
+    "lookup_each",
+    "register_region",
+    "unregister_region",
+    "region_store",
+    "region_load",
 )
 HEADER = struct.Struct(">I")
 # A namespaced key is an 8-byte namespace id followed by the client's key, so a client
@@ -100,6 +105,7 @@ class ErrorCode(StrEnum):
     BUSY = "busy"  # too many connections; connection closed
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"  # a bug: logged with a traceback, state untouched
+    UNKNOWN_REGION = "unknown_region"  # not a region of this connection (or unregistered)
 
 
 def encode(message: Mapping[str, Any]) -> bytes:

@@ -45,6 +45,7 @@ from tierd.control.hello import answer_hello
 from tierd.control.leases import Leases
 from tierd.control.operator_requests import OperatorRequests
 from tierd.control.protocol import ErrorCode, error_reply, int_field, keys_field
+from tierd.control.regions import ReceiveFd, RegionRequests
 from tierd.control.tenants import Grant, Tenant
 from tierd.errors import (
     CapacityError,
@@ -65,7 +66,10 @@ _Answer = Callable[[dict[str, Any]], Reply]  # an operation answered at once
 _Start = Callable[[dict[str, Any]], Awaitable[Reply]]  # one run as a task
 _MAX_ID = (1 << 64) - 1
 # Refused while the daemon drains; finishing a lease (complete_store) is still allowed.
-_STARTS_WORK = frozenset({"prepare_store", "prepare_load", "put", "get", "flush"})
+_STARTS_WORK = frozenset(
+    {"prepare_store", "prepare_load", "put", "get", "flush", "register_region"}
+    | {"region_store", "region_load"}
+)
 
 
 class Session:
@@ -91,6 +95,8 @@ class Session:
         self.spawned: asyncio.Task[None] | None = None  # the task of the last request handled
         self.closed = False
         self._stream: EventStream | None = None
+        # Set by the connection: receives the descriptor sent beside a register_region.
+        self.receive_fd: ReceiveFd | None = None
         self.writable = asyncio.Event()  # cleared while the client's socket is full
         self.writable.set()
         self._sync, self._async = self._operations()
@@ -102,9 +108,11 @@ class Session:
         ctx = self.ctx
         blocks = BlockRequests(ctx, self, self.leases)
         operator = OperatorRequests(ctx, self)
+        self.regions = RegionRequests(ctx, self, blocks, lambda: self.receive_fd)
         answered: dict[str, _Answer] = {
             "hello": self._hello,
             "lookup": self._lookup,
+            "lookup_each": self._lookup_each,
             "touch": self._touch,
             "complete_load": blocks.complete_load,
             "abort_store": blocks.abort_store,
@@ -116,6 +124,7 @@ class Session:
             "health": lambda msg: ctx.health(),
             "config": operator.config,
             "metrics": operator.metrics,
+            "unregister_region": self.regions.unregister,
         }
         started: dict[str, _Start] = {
             "prepare_store": blocks.prepare_store,
@@ -124,6 +133,9 @@ class Session:
             "put": blocks.put,
             "get": blocks.get,
             "flush": operator.flush,
+            "register_region": self.regions.register,
+            "region_store": self.regions.store,
+            "region_load": self.regions.load,
         }
         return answered, started
 
@@ -134,6 +146,8 @@ class Session:
         if self.tenant is not None and self.tenant.chain.remote is not None:
             self._sync.pop("lookup", None)  # a lookup asks the remote level too
             self._async["lookup"] = self._find
+            self._sync.pop("lookup_each", None)
+            self._async["lookup_each"] = self._find_each
 
     # -- dispatch ---------------------------------------------------------------------
 
@@ -279,6 +293,12 @@ class Session:
     async def _find(self, msg: dict[str, Any]) -> Reply:
         return self._lookup_reply(await self.chain().find(self.keys(msg)))
 
+    def _lookup_each(self, msg: dict[str, Any]) -> Reply:
+        return {"present": self.chain().holds(self.keys(msg))}
+
+    async def _find_each(self, msg: dict[str, Any]) -> Reply:
+        return {"present": await self.chain().find_each(self.keys(msg))}
+
     @staticmethod
     def _lookup_reply(result: LookupResult) -> Reply:
         return {
@@ -325,6 +345,7 @@ class Session:
         self.closed = True
         self._unsubscribe({})
         self.leases.close()
+        self.regions.close()
 
 
 def _error_code(exc: Exception) -> ErrorCode:

@@ -135,6 +135,16 @@ class RedisLevel:
             run += 1
         return run
 
+    async def present(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Per key, whether the server holds it (one round trip; all False on a fault)."""
+        if not keys:
+            return []
+        self.counters.lookups += 1
+        replies = await self.calls.pipeline([("EXISTS", self._key(k)) for k in keys])
+        if replies is None:
+            return [False] * len(keys)
+        return [not isinstance(reply, BaseException) and bool(reply) for reply in replies]
+
     async def get(self, keys: Sequence[BlockKey]) -> list[memoryview]:
         """The verified payloads of the leading ``keys`` the server holds intact (one round
         trip: one ``MGET`` on a single server, a ``GET`` per key on a cluster, whose keys

@@ -1,0 +1,148 @@
+"""Byte movement between an engine's registered region and block buffers, by syscalls only.
+
+A region is a file descriptor of the engine's own host memory (a memfd, a ``/dev/shm``
+file). The daemon never maps it: a client may truncate its file at any time, and a load or
+store through a mapping of a truncated file is a SIGBUS that kills the daemon. Every byte
+therefore moves with ``os.preadv`` (region -> block buffers, a store) or ``os.pwritev``
+(block buffers -> region, a load) on the descriptor, where a truncated file is a short
+read (those keys fail), never a signal.
+
+A block is cut into *pieces* (:class:`Layout`): one piece per block for an engine whose
+block is one row of its region, two (K and V) for a page-first layout. ``offsets[i][j]``
+is where piece ``j`` of key ``i`` lies in the region. Runs of pieces that are contiguous in
+the region are coalesced into one call (up to ``IOV_MAX`` buffers), and a whole job runs
+as one function in one thread (:func:`read_region`, :func:`write_region`): the caller
+hands it to an executor once per job, never once per block.
+
+Bounds: :func:`bounds_problem` checks every (offset, length) against the registered size
+before anything moves; at copy time the file's current size is read once, and pieces past
+it fail their keys without a call (a load must not grow a file its owner truncated).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["MAX_PIECES", "Layout", "bounds_problem", "read_region", "write_region"]
+
+MAX_PIECES = 64  # pieces per block: two for K and V, one per layer at most in practice
+_IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
+
+Offsets = npt.NDArray[np.uint64]
+_Call = Callable[[int, Sequence[memoryview], int], int]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How a block is cut into pieces: ``pieces[j]`` bytes starting at ``starts[j]``."""
+
+    pieces: tuple[int, ...]
+    starts: tuple[int, ...]
+
+    @classmethod
+    def of(cls, pieces: Sequence[int], block_bytes: int) -> Layout | str:
+        """The layout of ``pieces``, or why they do not cut a block of ``block_bytes``."""
+        if not 0 < len(pieces) <= MAX_PIECES:
+            return f"a block is cut into 1 to {MAX_PIECES} pieces, not {len(pieces)}"
+        if any(type(p) is not int or p <= 0 for p in pieces):
+            return "every piece must be a positive number of bytes"
+        if sum(pieces) != block_bytes:
+            return f"the pieces add up to {sum(pieces)} bytes, not the block size {block_bytes}"
+        starts = [0]
+        for piece in pieces[:-1]:
+            starts.append(starts[-1] + piece)
+        return cls(tuple(pieces), tuple(starts))
+
+
+def bounds_problem(offsets: Offsets, layout: Layout, size: int) -> str | None:
+    """Why some piece of ``offsets`` (shape: keys x pieces) would pass the region's
+    ``size`` bytes, or None when every one lies inside it."""
+    pieces = np.array(layout.pieces, dtype=np.uint64)
+    if int(pieces.max()) > size:
+        return f"a piece of {int(pieces.max())} bytes cannot lie in a region of {size} bytes"
+    # offset + piece <= size, written so that it cannot wrap around 2**64.
+    bad = offsets > (np.uint64(size) - pieces)
+    if not bad.any():
+        return None
+    key, piece = (int(i) for i in np.argwhere(bad)[0])
+    return (
+        f"offset {int(offsets[key, piece])} of key {key}, piece {piece}"
+        f" ({layout.pieces[piece]} bytes) passes the region's {size} bytes"
+    )
+
+
+def read_region(
+    fd: int, offsets: list[list[int]], blocks: Sequence[memoryview], layout: Layout
+) -> list[bool]:
+    """Read each block's pieces from the region into ``blocks[i]``; per block, whether
+    all its bytes arrived (a truncated file or a failed call fails the blocks it cut)."""
+    return _move(os.preadv, fd, offsets, blocks, layout)
+
+
+def write_region(
+    fd: int, offsets: list[list[int]], blocks: Sequence[memoryview], layout: Layout
+) -> list[bool]:
+    """Write ``blocks[i]``'s pieces into the region; per block, whether all were written.
+    Pieces past the file's current end fail their block unwritten."""
+    return _move(os.pwritev, fd, offsets, blocks, layout)
+
+
+def _move(
+    call: _Call, fd: int, offsets: list[list[int]], blocks: Sequence[memoryview], layout: Layout
+) -> list[bool]:
+    ok = [True] * len(blocks)
+    try:
+        end = os.fstat(fd).st_size  # read once: pieces past it fail without a call
+    except OSError:
+        return [False] * len(blocks)
+    pieces, starts = layout.pieces, layout.starts
+    run = _Run(call, fd, ok)
+    for i, (row, block) in enumerate(zip(offsets, blocks, strict=True)):
+        if any(offset + piece > end for offset, piece in zip(row, pieces, strict=True)):
+            ok[i] = False
+            continue
+        for offset, piece, start in zip(row, pieces, starts, strict=True):
+            run.add(i, offset, block[start : start + piece])
+    run.flush()
+    return ok
+
+
+class _Run:
+    """Pieces contiguous in the region, moved by one call; a short or failed call fails
+    the blocks of the pieces it did not move whole."""
+
+    def __init__(self, call: _Call, fd: int, ok: list[bool]) -> None:
+        self.call, self.fd, self.ok = call, fd, ok
+        self.start = self.next = 0
+        self.buffers: list[memoryview] = []
+        self.owners: list[int] = []
+
+    def add(self, owner: int, offset: int, buffer: memoryview) -> None:
+        if self.buffers and (offset != self.next or len(self.buffers) >= _IOV_MAX):
+            self.flush()
+        if not self.buffers:
+            self.start = offset
+        self.buffers.append(buffer)
+        self.owners.append(owner)
+        self.next = offset + len(buffer)
+
+    def flush(self) -> None:
+        if not self.buffers:
+            return
+        want = self.next - self.start
+        try:
+            done = self.call(self.fd, self.buffers, self.start)
+        except OSError:
+            done = 0
+        if done < want:
+            at = 0
+            for owner, buffer in zip(self.owners, self.buffers, strict=True):
+                at += len(buffer)
+                if at > done:
+                    self.ok[owner] = False
+        self.buffers, self.owners = [], []

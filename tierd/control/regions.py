@@ -1,0 +1,351 @@
+"""Engine host regions: an engine's own KV memory, handed to the daemon once as a file
+descriptor, so that a store or a load is one small request of (key, offsets) descriptors
+and the daemon copies the bytes between that memory and its tiers, off the engine's GIL.
+
+- ``register_region`` (size): the descriptor comes beside the request
+  (:mod:`~tierd.control.region_fd`), is checked, and gets an id of this connection's.
+- ``region_store`` (region, keys, offsets[, pieces]): the keys the chain does not hold
+  get entry-level slots (a store handle, as ``prepare_store``), their pieces are read from
+  the region into the slots (:mod:`~tierd.control.region_copy`), and the handle is
+  committed with a flag per key. Keys held already are not read again.
+- ``region_load`` (same fields): each key is loaded into the entry level and pinned (as
+  ``prepare_load``; promotion from lower levels as for any load), its bytes are written
+  into the region, and the pins are released. Keys are independent: a miss fails that key.
+- ``unregister_region`` (region).
+
+**Ownership.** A :class:`RegionTable` belongs to one session: an id means nothing on
+another connection (and so to another tenant). At most :data:`MAX_REGIONS` per
+connection. A region's descriptor is closed when it is unregistered or the connection
+closes, and not before the last job using it has ended (a thread copying into a closed,
+reused descriptor number would write into another file).
+
+**Jobs.** Every (offset, length) is checked against the registered size before anything
+moves (``bad_request``, nothing changes). The blocks a job holds count against the
+connection's lease bounds while it runs. A job's bytes move in one task of a small
+thread pool of its own (a slow region cannot starve the tiers' copies), and its pins and
+slots are released on every path, after the copy has ended, cancellation included. Where
+the entry tier has no host memory views, the bytes are staged through private buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from functools import cache
+from typing import Any, TypeVar
+
+import numpy as np
+
+from tierd.chain import LoadHandle, StoreHandle
+from tierd.control.block_requests import BlockRequests, Requester, distinct
+from tierd.control.context import ServerContext
+from tierd.control.protocol import ErrorCode, int_field
+from tierd.control.region_copy import Layout, Offsets, bounds_problem, read_region, write_region
+from tierd.control.region_fd import file_id, region_problem
+from tierd.errors import CapacityError, ProtocolError
+from tierd.keys import BlockKey
+from tierd.stores import BlockStore
+from tierd.stores.base import settle
+
+__all__ = ["MAX_REGION_BYTES", "MAX_REGIONS", "Region", "RegionTable", "RegionRequests"]
+
+MAX_REGIONS = 4  # per connection: an engine registers one, a few ranks share a process
+MAX_REGION_BYTES = 1 << 40  # larger is not host memory any engine has
+_COPY_THREADS = 4
+T = TypeVar("T")
+ReceiveFd = Callable[[int], Awaitable[int]]
+
+
+class Region:
+    """One registered descriptor: ``size`` bytes of an engine's memory. ``fd`` stays open
+    while a job uses it, until :meth:`close` and the last job both happened."""
+
+    def __init__(self, region_id: int, fd: int, size: int) -> None:
+        self.id = region_id
+        self.fd = fd
+        self.size = size
+        self.jobs = 0
+        self.closing = False
+
+    @contextmanager
+    def job(self) -> Iterator[int]:
+        """The descriptor, held open for the block."""
+        if self.closing:
+            raise ProtocolError(f"region {self.id} is closed", code=ErrorCode.UNKNOWN_REGION)
+        self.jobs += 1
+        try:
+            yield self.fd
+        finally:
+            self.jobs -= 1
+            self._close_if_done()
+
+    def close(self) -> None:
+        self.closing = True
+        self._close_if_done()
+
+    def _close_if_done(self) -> None:
+        if self.closing and not self.jobs and self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+class RegionTable:
+    """One connection's regions, by id."""
+
+    def __init__(self) -> None:
+        self.regions: dict[int, Region] = {}
+        self._next = 0
+        self.closed = False
+
+    def check_room(self) -> None:
+        if self.closed:
+            raise ProtocolError("the connection closed", code=ErrorCode.SHUTTING_DOWN)
+        if len(self.regions) >= MAX_REGIONS:
+            raise ProtocolError(
+                f"a connection may register at most {MAX_REGIONS} regions",
+                code=ErrorCode.CAPACITY,
+            )
+
+    def add(self, fd: int, size: int) -> Region:
+        self.check_room()
+        self._next += 1
+        region = self.regions[self._next] = Region(self._next, fd, size)
+        return region
+
+    def named(self, region_id: int) -> Region:
+        region = self.regions.get(region_id)
+        if region is None:
+            raise ProtocolError(
+                f"region {region_id} is not a region of this connection",
+                code=ErrorCode.UNKNOWN_REGION,
+            )
+        return region
+
+    def remove(self, region_id: int) -> None:
+        self.named(region_id)
+        self.regions.pop(region_id).close()
+
+    def close(self) -> None:
+        """The connection is gone: close every region (each after its last job)."""
+        self.closed = True
+        for region in self.regions.values():
+            region.close()
+        self.regions.clear()
+
+
+@cache
+def _copier() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="tierd-region")
+
+
+async def run_copy_job(fn: Callable[[], T]) -> T:
+    """Run ``fn`` (a whole job's copies) in the regions' threads; returns only once it
+    ended, even when the caller is cancelled meanwhile (then re-raised)."""
+    return await settle(asyncio.get_running_loop().run_in_executor(_copier(), fn))
+
+
+class RegionRequests:
+    """The region operations of one session; ``receive_fd(request_id)`` gets the
+    descriptor sent beside a ``register_region`` (the connection's, owned by the caller)."""
+
+    def __init__(
+        self,
+        ctx: ServerContext,
+        session: Requester,
+        blocks: BlockRequests,
+        receive_fd: Callable[[], ReceiveFd | None],
+    ) -> None:
+        self.ctx = ctx
+        self.session = session
+        self.blocks = blocks
+        self.table = RegionTable()
+        self._receive_fd = receive_fd
+
+    async def register(self, msg: dict[str, Any]) -> dict[str, Any]:
+        size = int_field(msg, "size")
+        if not 0 < size <= MAX_REGION_BYTES:
+            raise ProtocolError(
+                f"a region's size must be 1 to {MAX_REGION_BYTES} bytes, not {size}",
+                code=ErrorCode.BAD_REQUEST,
+            )
+        self.session.chain()  # a user of no tenant keeps no blocks
+        self.table.check_room()
+        receive = self._receive_fd()
+        if receive is None:
+            raise ProtocolError(
+                "this connection cannot receive descriptors", code=ErrorCode.BAD_REQUEST
+            )
+        fd = await receive(int_field(msg, "id"))
+        try:
+            problem = region_problem(fd, size, self._own_files())
+            if problem is not None:
+                raise ProtocolError(problem, code=ErrorCode.BAD_REQUEST)
+            region = self.table.add(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return {"region": region.id}
+
+    def _own_files(self) -> set[tuple[int, int]]:
+        pools = (t.pool for t in self.ctx.tenants.tenants)
+        return {file_id(pool.fd) for pool in pools if pool is not None}
+
+    def unregister(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self.table.remove(int_field(msg, "region"))
+        return {}
+
+    def close(self) -> None:
+        self.table.close()
+
+    # -- jobs -----------------------------------------------------------------------------
+
+    def job(
+        self, msg: dict[str, Any], *, store: bool
+    ) -> tuple[Region, list[BlockKey], Layout, Offsets]:
+        """A job's region, keys, layout and offsets, every descriptor inside the region."""
+        region = self.table.named(int_field(msg, "region"))
+        keys = self.session.keys(msg)
+        if store:
+            distinct(keys)
+        block_bytes = self.ctx.block_bytes
+        pieces = msg.get("pieces", [block_bytes])
+        if not isinstance(pieces, list):
+            raise ProtocolError(
+                "field 'pieces' must be a list of sizes", code=ErrorCode.BAD_REQUEST
+            )
+        layout = Layout.of(pieces, block_bytes)
+        if isinstance(layout, str):
+            raise ProtocolError(layout, code=ErrorCode.BAD_REQUEST)
+        raw = msg.get("offsets")
+        want = len(keys) * len(layout.pieces) * 8
+        if type(raw) is not bytes or len(raw) != want:
+            raise ProtocolError(
+                f"field 'offsets' must be bin of {want} bytes: a little-endian u64 per piece"
+                f" of each key ({len(keys)} keys x {len(layout.pieces)} pieces)",
+                code=ErrorCode.BAD_REQUEST,
+            )
+        offsets = np.frombuffer(raw, dtype="<u8").reshape(len(keys), len(layout.pieces))
+        problem = bounds_problem(offsets, layout, region.size)
+        if problem is not None:
+            raise ProtocolError(problem, code=ErrorCode.BAD_REQUEST)
+        return region, keys, layout, offsets
+
+    async def store(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Read the keys the chain does not hold from the region into new entry-level
+        blocks; per key, whether the daemon holds it now (or is storing it)."""
+        region, keys, layout, offsets = self.job(msg, store=True)
+        with region.job() as fd:
+            try:
+                handle = await self.blocks.reserve(keys)
+            except (CapacityError, ProtocolError) as exc:
+                if isinstance(exc, ProtocolError) and exc.code != ErrorCode.CAPACITY:
+                    raise
+                return {"done": [False] * len(keys)}
+            try:
+                row = {key: i for i, key in enumerate(keys)}
+                rows = offsets[[row[k] for k in handle.keys]].tolist()
+                ok = await self._fill(handle, fd, rows, layout)
+            except BaseException:
+                handle.abort()
+                raise
+            finally:
+                self.blocks.leases.give(len(handle.keys))
+            await handle.commit(ok)
+        failed = {k for k, flag in zip(handle.keys, ok, strict=True) if not flag}
+        return {"done": [k not in failed for k in keys]}
+
+    async def _fill(
+        self, handle: StoreHandle, fd: int, rows: list[list[int]], layout: Layout
+    ) -> list[bool]:
+        """Read the region's pieces into the handle's slots (or through staging buffers)."""
+        if not handle.keys:
+            return []
+        views = host_views(handle.store, handle.slots)
+        if views is not None:
+            return await run_copy_job(lambda: read_region(fd, rows, views, layout))
+        staged = [memoryview(bytearray(self.ctx.block_bytes)) for _ in handle.keys]
+        read = await run_copy_job(lambda: read_region(fd, rows, staged, layout))
+        written = await handle.store.write(handle.slots, handle.keys, staged)
+        return [a and b for a, b in zip(read, written, strict=True)]
+
+    async def load(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Write each key the chain holds into the region; per key, whether it was."""
+        region, keys, layout, offsets = self.job(msg, store=False)
+        handles: list[LoadHandle] = []
+        with region.job() as fd:
+            try:
+                await self._pin_each(keys, handles)
+                return {"done": await self._drain(handles, fd, keys, offsets, layout)}
+            finally:
+                for handle in handles:
+                    self.blocks.leases.give(len(handle.keys))
+                    handle.release()
+
+    async def _pin_each(self, keys: list[BlockKey], handles: list[LoadHandle]) -> None:
+        """Pin every key the chain can load into ``handles``, each run of them with one
+        load; a key that cannot be loaded is skipped (keys are independent), and past a
+        bound on held blocks the rest are. Waits at most ``load_wait_s`` in all on blocks
+        being written."""
+        chain = self.session.chain()
+        wanted = list(dict.fromkeys(keys))
+        if chain.remote is None:  # only keys some level holds are worth a load
+            held = chain.held_locally(wanted)
+            wanted = [key for key, flag in zip(wanted, held, strict=True) if flag]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ctx.limits.load_wait_s
+        while wanted:
+            try:
+                handle = await self.blocks.pin(wanted, max(0.0, deadline - loop.time()))
+            except (CapacityError, ProtocolError) as exc:
+                if isinstance(exc, ProtocolError) and exc.code != ErrorCode.CAPACITY:
+                    raise
+                return
+            if handle is None:
+                wanted = wanted[1:]  # the first cannot be loaded: skip it
+                continue
+            handles.append(handle)
+            wanted = wanted[len(handle.keys) :]
+
+    async def _drain(
+        self,
+        handles: list[LoadHandle],
+        fd: int,
+        keys: list[BlockKey],
+        offsets: Offsets,
+        layout: Layout,
+    ) -> list[bool]:
+        """Write the pinned blocks into the region at each of their keys' offsets."""
+        source: dict[BlockKey, memoryview] = {}
+        for handle in handles:
+            views = host_views(handle.store, handle.slots)
+            if views is None:  # staged: read the blocks out first
+                staged = [memoryview(bytearray(self.ctx.block_bytes)) for _ in handle.keys]
+                read = await handle.read_into(staged)
+                source.update(
+                    (k, v) for k, v, f in zip(handle.keys, staged, read, strict=True) if f
+                )
+            else:
+                source.update(zip(handle.keys, views, strict=True))
+        found = [i for i, key in enumerate(keys) if key in source]
+        ok = [False] * len(keys)
+        if not found:
+            return ok
+        rows = offsets[found].tolist()
+        blocks = [source[keys[i]] for i in found]
+        wrote = await run_copy_job(lambda: write_region(fd, rows, blocks, layout))
+        for i, flag in zip(found, wrote, strict=True):
+            ok[i] = flag
+        return ok
+
+
+def host_views(store: BlockStore, slots: Sequence[int]) -> list[memoryview] | None:
+    """Writable byte views of ``slots`` when the store is host memory, else None."""
+    if not store.has_views:
+        return None
+    views = [store.view(slot) for slot in slots]
+    if not all(isinstance(v, memoryview) for v in views):
+        return None  # device memory: staged through host buffers
+    return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
