@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from tierd.client import Client, LoadLease, StoreLease
+from tierd.client import Client, DaemonError, LoadLease, StoreLease
 from tierd.errors import TierdError
 from tierd.integrations.link import DaemonLink
 from tierd.integrations.sglang_pages import PageGeometry, gather_page, scatter_page
@@ -89,7 +89,15 @@ class PageJobs:
             return self._region[1]
         if self._fd is None:
             raise TierdError("the host pool has no file descriptor to hand over")
-        region = await client.register_region(self._fd, self._region_size)
+        try:
+            region = await client.register_region(self._fd, self._region_size)
+        except DaemonError as exc:  # refused, not lost: copy through leases from now on
+            self.zero_copy = False
+            log.warning(
+                "tierd refused SGLang's host pool memfd; pages are copied through its pool",
+                error=str(exc),
+            )
+            raise
         self._region = (client, region)
         return region
 
