@@ -40,6 +40,7 @@ GEOMETRY = {"page": 32, "layers": 8, "heads": 8, "head_dim": 128}  # 1 MiB pages
 
 def host_pool(pages: int, allocator: str) -> Any:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     g = GEOMETRY
@@ -56,20 +57,21 @@ def host_pool(pages: int, allocator: str) -> Any:
         end_layer=g["layers"],
     )
     info = device.get_device_pool_infos()[0].buffer_info
-    return MHATokenToKVPoolHost(
-        info,
-        0,
-        0,
-        g["page"],
-        "page_first",
-        pin_memory=False,
-        device="cpu",
-        allocator_type=allocator,
-        device_capacity_tokens=64,
-        start_layer=0,
-        end_layer=g["layers"],
-        host_token_capacity=pages * g["page"],
-    )
+    with host_memory_budget_scope(1 << 34):  # stated, as SGLang's launcher does per rank
+        return MHATokenToKVPoolHost(
+            info,
+            0,
+            0,
+            g["page"],
+            "page_first",
+            pin_memory=False,
+            device="cpu",
+            allocator_type=allocator,
+            device_capacity_tokens=64,
+            start_layer=0,
+            end_layer=g["layers"],
+            host_token_capacity=pages * g["page"],
+        )
 
 
 def storage_config(extra: dict[str, Any]) -> Any:

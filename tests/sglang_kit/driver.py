@@ -46,12 +46,14 @@ _TORCHVISION_OPS.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -
 
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
 ANSWER_TAG = "@@answer "
+HOST_BUDGET_BYTES = 1 << 30  # the test pools take a few MiB
 WAIT_S = 60.0  # safety net for SGLang's queues (its threads poll them every second)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -106,44 +108,47 @@ def build(spec: dict[str, Any]) -> tuple[HiCacheController, Any]:
         "start_layer": 0,
         "end_layer": layers,
     }
-    if spec.get("mla"):
-        device = MLATokenToKVPool(
-            tokens, page, dtype, spec["lora"], spec["rope"], layers, "cpu", False
-        )
-        info = device.get_device_pool_infos()[0].buffer_info
-        host = MLATokenToKVPoolHost(
-            info,
-            0,
-            0,
-            page,
-            spec["layout"],
-            target_layer_num=layers,
-            host_token_capacity=spec["host_pages"] * page,
-            **common,
-        )
-    else:
-        device = MHATokenToKVPool(
-            tokens,
-            page,
-            dtype,
-            spec["heads"],
-            spec["head_dim"],
-            layers,
-            "cpu",
-            False,
-            start_layer=0,
-            end_layer=layers,
-        )
-        info = device.get_device_pool_infos()[0].buffer_info
-        host = MHATokenToKVPoolHost(
-            info,
-            0,
-            0,
-            page,
-            spec["layout"],
-            host_token_capacity=spec["host_pages"] * page,
-            **common,
-        )
+    # The budget SGLang's launcher states per rank; unstated, SGLang samples the free
+    # memory of the whole machine less a fixed reserve, which a busy CI box may not have.
+    with host_memory_budget_scope(HOST_BUDGET_BYTES):
+        if spec.get("mla"):
+            device = MLATokenToKVPool(
+                tokens, page, dtype, spec["lora"], spec["rope"], layers, "cpu", False
+            )
+            info = device.get_device_pool_infos()[0].buffer_info
+            host = MLATokenToKVPoolHost(
+                info,
+                0,
+                0,
+                page,
+                spec["layout"],
+                target_layer_num=layers,
+                host_token_capacity=spec["host_pages"] * page,
+                **common,
+            )
+        else:
+            device = MHATokenToKVPool(
+                tokens,
+                page,
+                dtype,
+                spec["heads"],
+                spec["head_dim"],
+                layers,
+                "cpu",
+                False,
+                start_layer=0,
+                end_layer=layers,
+            )
+            info = device.get_device_pool_infos()[0].buffer_info
+            host = MHATokenToKVPoolHost(
+                info,
+                0,
+                0,
+                page,
+                spec["layout"],
+                host_token_capacity=spec["host_pages"] * page,
+                **common,
+            )
     extra = dict(spec.get("extra", {}))
     controller = HiCacheController(
         DeviceAllocator(device),
