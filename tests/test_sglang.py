@@ -124,6 +124,15 @@ async def test_namespaces_mla_writer_rank_and_other_shapes(
     # Another model, or another rank of a sharded (MHA) model: no hit.
     a.open("mha", tierd_spec(sock))
     assert a.write("mha", seed=7, pages=8)["stored_pages"] == 8
+    # SGLang's generic calls (no interface_v1: get/set/batch_get/batch_set, a page copied
+    # through a flat tensor) lay a block out otherwise: their own namespace.
+    b.open("generic", tierd_spec(sock, extra={"interface_v1": 0}))
+    a.open("generic", tierd_spec(sock, extra={"interface_v1": 0}))
+    assert b.read("generic", seed=7, pages=8)["hit_pages"] == 0
+    assert b.write("generic", seed=8, pages=8)["stored_pages"] == 8
+    assert loaded_all(a.read("generic", seed=8, pages=8), 8)
+    assert a.read("mha", seed=8, pages=8)["hit_pages"] == 0
+    a.ask("close", "generic")
     other = b.open("other", tierd_spec(sock, model="other-model"))
     rank1 = b.open("rank1", tierd_spec(sock, tp_rank=1, tp_size=2))
     user = b.open("named", tierd_spec(sock, extra={"namespace": "team-a"}))
@@ -138,7 +147,7 @@ async def test_namespaces_mla_writer_rank_and_other_shapes(
     for engines, name in [(a, "mla1"), (a, "mha"), (b, "mla0"), (b, "other")]:
         assert engines.stats(name)["sglang_errors"] == 0
         engines.ask("close", name)
-    for name in ("rank1", "named"):
+    for name in ("rank1", "named", "generic"):
         b.ask("close", name)
     assert daemon.proc.poll() is None
 

@@ -34,6 +34,7 @@ class StorageConfig:
     dcp_size: int = 1
     is_mla_model: bool = False
     is_page_first_layout: bool = True
+    extra_config: dict[str, int] | None = None
 
 
 class Pool:
@@ -74,6 +75,7 @@ def test_the_namespace_changes_with_every_fact_that_changes_page_bytes() -> None
         name(base, replace(GEOMETRY, dtype="torch.bfloat16")),
         name(base, replace(GEOMETRY, page_tokens=8, pieces=(768, 768))),
         name(base, user="team-a"),
+        name(replace(base, extra_config={"interface_v1": 1})),
     ]
     assert len({first, *changed}) == len(changed) + 1
 

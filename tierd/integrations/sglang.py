@@ -248,6 +248,8 @@ class TierdHiCache(HiCacheStorage):
         jobs = self._jobs
         if jobs is None or target_location is None:
             return None
+        if not target_location.is_contiguous():
+            return None  # its bytes are not one run: nothing is written into it
         out = tensor_bytes(target_location)
         if out.nbytes != jobs.geometry.page_bytes:
             return None
@@ -257,7 +259,9 @@ class TierdHiCache(HiCacheStorage):
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[Any | None]:
-        targets = target_locations or [None] * len(keys)
+        targets = list(target_locations or [])
+        if len(targets) != len(keys):
+            return [None] * len(keys)
         found: list[Any | None] = []
         for key, target in zip(keys, targets, strict=True):
             found.append(self.get(key, target))
@@ -286,7 +290,10 @@ class TierdHiCache(HiCacheStorage):
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        return all(self.set(k, v) for k, v in zip(keys, values or [], strict=True))
+        pages = list(values or [])
+        if len(pages) != len(keys):
+            return False
+        return all(self.set(k, v) for k, v in zip(keys, pages, strict=True))
 
     # -- hybrid models (not served) ---------------------------------------------------
 

@@ -12,8 +12,9 @@ backends use (``get_page_buffer_meta``, ``kv_buffer``, ``layout``).
   ``layer_first``: K and V of each layer in turn). That is one tierd block, so the
   daemon's ``block_bytes`` must equal :attr:`PageGeometry.page_bytes`.
 - The **namespace** is ``sglang/<model>/<16 hex of a SHA-256>`` over every fact that makes
-  two engines' page bytes interchangeable (:func:`page_facts`); a user-given name is one
-  more fact, never a replacement.
+  two engines' page bytes interchangeable (:func:`page_facts`), the byte order of a block
+  among them (``interface_v1``'s pieces or the generic calls' flat page); a user-given
+  name is one more fact, never a replacement.
 """
 
 from __future__ import annotations
@@ -195,6 +196,14 @@ def _model_identity(model: str | None) -> dict[str, Any] | None:
     return facts
 
 
+def _page_order(config: Any) -> str:
+    """How a page's bytes are laid out in its block: ``pieces`` (interface_v1: the pieces
+    of ``get_page_buffer_meta`` in turn) or ``flat`` (SGLang's generic calls: its flat data
+    page, which for ``layer_first`` puts every layer's K before every layer's V)."""
+    extra = getattr(config, "extra_config", None) or {}
+    return "pieces" if extra.get("interface_v1") else "flat"
+
+
 def page_facts(config: Any, pool: Any, geometry: PageGeometry, name: str | None) -> dict[str, Any]:
     """What makes two engines' pages interchangeable (``config``: SGLang's
     ``HiCacheStorageConfig``; ``pool``: its host pool)."""
@@ -208,6 +217,7 @@ def page_facts(config: Any, pool: Any, geometry: PageGeometry, name: str | None)
         "layout": geometry.layout,
         "dtype": geometry.dtype,
         "pieces": list(geometry.pieces),
+        "order": _page_order(config),
         "name": name,
     }
     for field in _POOL_FIELDS:
