@@ -15,6 +15,11 @@ Usage: ``python tenant_child.py UID GID SOCKET PLAN`` where PLAN is a JSON list 
   (``/proc/PID/fd/*``, ``/proc/PID/map_files/*``) and ``paths``; list tierd's /dev/shm files
 - ``{"do": "flood", "count": N, "batch": B, "fill": X}``: store N blocks as fast as it
   can (B per request); stored and refused counts
+- ``{"do": "region", "blocks": N, "fill": X}``: a memfd of N blocks of byte X, registered
+  as a region; its id
+- ``{"do": "region_store" | "region_load", "region": R, "keys": [...], "rows": [...]}``:
+  the job, key i at block row ``rows[i]`` of the region; per key, False or (a load) the
+  byte the row is made of afterwards
 
 A step that fails with a daemon error gives ``{"error": CODE, "message": ...}``.
 """
@@ -30,6 +35,8 @@ import sys
 from typing import Any
 
 from tierd.client import Client, DaemonError, Unreachable
+
+REGIONS: dict[int, int] = {}  # region id -> this process's memfd
 
 
 def key(name: str) -> bytes:
@@ -85,6 +92,8 @@ async def step(client: Client | None, socket_path: str, plan: dict[str, Any]) ->
         view = pool._view  # the whole mapping, every slot and the gaps between
         view[:] = b"\xee" * len(view)
         return pool_inode()
+    if do in ("region", "region_store", "region_load"):
+        return await region_step(client, plan)
     if do == "flood":
         stored = refused = 0
         for start in range(0, plan["count"], plan["batch"]):
@@ -96,6 +105,27 @@ async def step(client: Client | None, socket_path: str, plan: dict[str, Any]) ->
                 refused += 1
         return {"stored": stored, "refused": refused}
     raise SystemExit(f"unknown step {do!r}")
+
+
+async def region_step(client: Client, plan: dict[str, Any]) -> Any:
+    size = client.block_bytes
+    if plan["do"] == "region":
+        fd = os.memfd_create("tenant-region")
+        os.ftruncate(fd, plan["blocks"] * size)
+        os.pwrite(fd, bytes([plan["fill"]]) * plan["blocks"] * size, 0)
+        region = await client.register_region(fd, plan["blocks"] * size)
+        REGIONS[region] = fd
+        return region
+    keys = [key(k) for k in plan["keys"]]
+    offsets = [[row * size] for row in plan["rows"]]
+    if plan["do"] == "region_store":
+        return await client.region_store(plan["region"], keys, offsets)
+    done = await client.region_load(plan["region"], keys, offsets)
+    fd = REGIONS[plan["region"]]
+    return [
+        made_of(os.pread(fd, size, row * size)) if ok else False
+        for ok, row in zip(done, plan["rows"], strict=True)
+    ]
 
 
 async def run(socket_path: str, plans: list[dict[str, Any]]) -> list[Any]:

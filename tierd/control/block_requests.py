@@ -41,6 +41,11 @@ class Requester(Protocol):
         """The connection's tenant (None: a user of no tenant)."""
         ...
 
+    @property
+    def namespace(self) -> str | None:
+        """The namespace named in hello (None: none)."""
+        ...
+
     def chain(self) -> TierChain:
         """The tenant's chain; refused for a user of no tenant."""
         ...

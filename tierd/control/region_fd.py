@@ -126,12 +126,12 @@ def region_problem(fd: int, size: int, forbidden: Collection[FileId]) -> str | N
         return f"the descriptor cannot be examined: {exc.strerror}"
     if flags & getattr(os, "O_PATH", 0):
         return "an O_PATH descriptor cannot be read or written: open the file O_RDWR"
+    if not stat.S_ISREG(st.st_mode):
+        return f"the region must be a regular file or a memfd, not {_kind(st.st_mode)}"
     if flags & os.O_ACCMODE != os.O_RDWR:
         return "the region must be open for reading and writing (O_RDWR)"
     if flags & os.O_APPEND:
         return "the region must not be open O_APPEND (positional writes would append)"
-    if not stat.S_ISREG(st.st_mode):
-        return f"the region must be a regular file or a memfd, not {_kind(st.st_mode)}"
     fs = _file_system(fd)
     if fs is None:
         return "the region must be in memory (a memfd, or a file on tmpfs or hugetlbfs)"

@@ -172,6 +172,11 @@ class RegionRequests:
                 code=ErrorCode.BAD_REQUEST,
             )
         self.session.chain()  # a user of no tenant keeps no blocks
+        if self.session.namespace is None:
+            raise ProtocolError(
+                "regions hold blocks of a namespace: name one in hello",
+                code=ErrorCode.NAMESPACE_REQUIRED,
+            )
         self.table.check_room()
         receive = self._receive_fd()
         if receive is None:
@@ -289,11 +294,7 @@ class RegionRequests:
         load; a key that cannot be loaded is skipped (keys are independent), and past a
         bound on held blocks the rest are. Waits at most ``load_wait_s`` in all on blocks
         being written."""
-        chain = self.session.chain()
-        wanted = list(dict.fromkeys(keys))
-        if chain.remote is None:  # only keys some level holds are worth a load
-            held = chain.held_locally(wanted)
-            wanted = [key for key, flag in zip(wanted, held, strict=True) if flag]
+        wanted = await self._worth_loading(list(dict.fromkeys(keys)))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ctx.limits.load_wait_s
         while wanted:
@@ -308,6 +309,18 @@ class RegionRequests:
                 continue
             handles.append(handle)
             wanted = wanted[len(handle.keys) :]
+
+    async def _worth_loading(self, keys: list[BlockKey]) -> list[BlockKey]:
+        """The keys some level holds, the remote level asked once for the rest, so that a
+        load of many misses costs no load (nor remote read) per miss."""
+        chain = self.session.chain()
+        held = chain.held_locally(keys)
+        if chain.remote is not None and not all(held):
+            missing = [key for key, flag in zip(keys, held, strict=True) if not flag]
+            there = await chain.remote.level.present(missing)
+            remote = {key for key, flag in zip(missing, there, strict=True) if flag}
+            held = [flag or key in remote for key, flag in zip(keys, held, strict=True)]
+        return [key for key, flag in zip(keys, held, strict=True) if flag]
 
     async def _drain(
         self,
