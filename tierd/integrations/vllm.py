@@ -46,12 +46,13 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tierd.client import DaemonError, Unreachable, UntrustedDaemon
+from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
 from tierd.integrations.copies import LoadOutcome, load_rows, lookup_present, store_rows
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
 from tierd.integrations.naming import derive_namespace
+from tierd.integrations.staging import StagedCopies
 from tierd.logs import get_logger
 
 if TYPE_CHECKING:
@@ -120,6 +121,8 @@ class TierdSecondaryTier(SecondaryTierManager):
         job_deadline_s: float = 2.0,
         breaker_failures: int = 3,
         probe_interval_s: float = 0.5,
+        regions: bool = True,
+        staging_bytes: int = 64 << 20,
         connect_timeout_s: float = 5.0,
         reconnect_max_s: float = 10.0,
         stats_interval_s: float = 5.0,
@@ -156,6 +159,7 @@ class TierdSecondaryTier(SecondaryTierManager):
             probe_interval_s=probe_interval_s,
         )
         self._link = DaemonLink(self.settings, name=f"tierd-vllm-{tier_type}")
+        self._staged = StagedCopies(self._rows, staging_bytes) if regions else None
         self._jobs: dict[int, _Pending] = {}
         self._events: list[OffloadingEvent] | None = (
             [] if enable_kv_events and _events_enabled(offloading_spec) else None
@@ -258,21 +262,35 @@ class TierdSecondaryTier(SecondaryTierManager):
         deadline = self.settings.job_deadline_s
         try:
             if is_load:
-                outcome = await self._link.bounded(
-                    lambda c: load_rows(c, raw, self._rows, row_ids), deadline
-                )
+                outcome = await self._link.bounded(lambda c: self._load(c, raw, row_ids), deadline)
                 error = outcome.error
-            else:
-                await self._link.bounded(
-                    lambda c: store_rows(c, raw, self._rows, row_ids), deadline
-                )
+            elif await self._link.bounded(lambda c: self._store(c, raw, row_ids), deadline):
                 outcome = LoadOutcome(tuple(range(len(keys))))
+            else:
+                error = "the daemon did not take every block (capacity)"
         except (TierdError, OSError) as exc:
             error = str(exc)
         finally:
             finished.set()  # no copy of this job touches vLLM's rows after this
         ok = tuple(keys[i] for i in outcome.loaded)
         return _Done(job_id, is_load, keys, time.monotonic() - started, ok, error)
+
+    async def _load(self, client: Client, keys: list[bytes], row_ids: list[int]) -> LoadOutcome:
+        """One region request per job (leases when the daemon has no regions)."""
+        if self._staged is not None:
+            loaded = await self._staged.load(client, keys, row_ids)
+            if loaded is not None:
+                return LoadOutcome(tuple(loaded))
+        return await load_rows(client, keys, self._rows, row_ids)
+
+    async def _store(self, client: Client, keys: list[bytes], row_ids: list[int]) -> bool:
+        """Whether the daemon holds every key now."""
+        if self._staged is not None:
+            held = await self._staged.store(client, keys, row_ids)
+            if held is not None:
+                return held
+        await store_rows(client, keys, self._rows, row_ids)
+        return True
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         finished = [job_id for job_id, p in self._jobs.items() if p.future.done()]
@@ -341,8 +359,10 @@ class TierdSecondaryTier(SecondaryTierManager):
                 log.error("a tierd job did not stop", keys=len(p.keys))
 
     def _daemon_answers(self) -> bool:
+        """Whether the daemon answers a ``health`` within a quarter of a job deadline
+        (longer than a lookup's: a busy link's loop may owe the answer a few ms)."""
         try:
-            self._link.ask(lambda c: c.health(), self.settings.lookup_deadline_s)
+            self._link.ask(lambda c: c.health(), self.settings.job_deadline_s / 4)
         except DaemonError:
             return True
         except (TierdError, OSError):
