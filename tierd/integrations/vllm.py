@@ -144,7 +144,8 @@ class TierdSecondaryTier(SecondaryTierManager):
             raise ValueError(f"vLLM's CPU view has rows of {row_bytes} bytes; cannot use it")
         # One uint8 row per chunk, sharing vLLM's memory (no copy).
         self._rows = np.frombuffer(primary_kv_view, dtype=np.uint8).reshape(-1, row_bytes)
-        self.namespace = namespace or derive_namespace(offloading_spec, row_bytes)
+        # A given namespace adds to the derived digest: two shapes under one name never meet.
+        self.namespace = derive_namespace(offloading_spec, row_bytes, namespace)
         self.socket_path = str(socket) if socket else str(default_socket_path())
         self._stats_interval_s = stats_interval_s
         self.settings = LinkSettings(
