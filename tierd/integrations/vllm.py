@@ -18,6 +18,7 @@ This module needs vLLM (``scripts/setup_vllm``); nothing else in tierd imports i
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import threading
@@ -34,9 +35,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
-    OffloadingCounterMetadata,
     OffloadingEvent,
-    OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
@@ -53,6 +52,7 @@ from tierd.integrations.copies import LoadOutcome, load_rows, lookup_present, st
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
 from tierd.integrations.naming import derive_namespace
 from tierd.integrations.staging import StagedCopies
+from tierd.integrations.vllm_report import TierReport, event_config
 from tierd.logs import get_logger
 
 if TYPE_CHECKING:
@@ -65,12 +65,6 @@ log = get_logger("tierd.integrations.vllm")
 
 # Hello errors that may pass (anything else refuses the tier's config at start-up).
 _TRANSIENT = frozenset({"busy", "shutting_down"})
-METRIC_STORED = "vllm:kv_offload_tierd_blocks_stored"
-METRIC_LOADED = "vllm:kv_offload_tierd_blocks_loaded"
-METRIC_FAILED = "vllm:kv_offload_tierd_failed_jobs"
-METRIC_CONNECTED = "vllm:kv_offload_tierd_connected"
-METRIC_USED = "vllm:kv_offload_tierd_daemon_used_blocks"
-METRIC_HITS = "vllm:kv_offload_tierd_daemon_hits"
 _STOP_WAIT_S = 5.0  # a cancelled job stops at its next await on the link's (own) loop
 
 
@@ -125,9 +119,9 @@ class TierdSecondaryTier(SecondaryTierManager):
         staging_bytes: int = 64 << 20,
         connect_timeout_s: float = 5.0,
         reconnect_max_s: float = 10.0,
-        stats_interval_s: float = 5.0,
         enable_kv_events: bool = False,
         locality: str | None = None,
+        medium: str | None = None,
         server_uids: Sequence[int] = (),
         backpressure_detector: BackpressureDetector | None = None,
         **unknown: Any,
@@ -147,7 +141,6 @@ class TierdSecondaryTier(SecondaryTierManager):
         # A given namespace adds to the derived digest: two shapes under one name never meet.
         self.namespace = derive_namespace(offloading_spec, row_bytes, namespace)
         self.socket_path = str(socket) if socket else str(default_socket_path())
-        self._stats_interval_s = stats_interval_s
         self.settings = LinkSettings(
             self.socket_path,
             self.namespace,
@@ -162,13 +155,14 @@ class TierdSecondaryTier(SecondaryTierManager):
         self._link = DaemonLink(self.settings, name=f"tierd-vllm-{tier_type}")
         self._staged = StagedCopies(self._rows, staging_bytes) if regions else None
         self._jobs: dict[int, _Pending] = {}
-        self._events: list[OffloadingEvent] | None = (
-            [] if enable_kv_events and _events_enabled(offloading_spec) else None
+        self.report = TierReport(
+            Medium(medium) if medium is not None else self.medium,
+            self.locality,
+            event_config(offloading_spec, enable_kv_events),
         )
-        self._counts = {METRIC_STORED: 0, METRIC_LOADED: 0, METRIC_FAILED: 0}
-        self._daemon_tiers: list[dict[str, Any]] = []
-        self._stats_due = 0.0
-        self._stats_future: concurrent.futures.Future[dict[str, Any]] | None = None
+        self._event_reader: asyncio.Future[None] | None = None  # the link's loop's only
+        if self.report.residency is not None:
+            self._link.on_connect.append(self._watch_events)
         try:
             self._link.call(self._link.client(), connect_timeout_s)
         except BlockSizeMismatch:
@@ -298,7 +292,6 @@ class TierdSecondaryTier(SecondaryTierManager):
         results = [
             self._result(self._outcome(job_id, self._jobs.pop(job_id))) for job_id in finished
         ]
-        self._poll_stats()
         return results
 
     @staticmethod
@@ -315,18 +308,12 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def _result(self, done: _Done) -> JobResult:
         success = len(done.ok_keys) == len(done.keys)
-        metric = METRIC_LOADED if done.is_load else METRIC_STORED
-        self._counts[metric] += len(done.ok_keys)
+        self.report.job(done.is_load, done.keys, done.ok_keys)
         if not success:
-            self._counts[METRIC_FAILED] += 1
             log.debug("tierd job failed", job=done.job_id, error=done.error)
         if done.is_load and not success:
             ok = set(done.ok_keys)
             self._lookups.mark_miss([k for k in done.keys if k not in ok])
-        if not done.is_load and success and self._events is not None and done.keys:
-            self._events.append(
-                OffloadingEvent(keys=list(done.keys), medium=self.medium, removed=False)
-            )
         return JobResult(
             job_id=done.job_id,
             success=success,
@@ -371,10 +358,26 @@ class TierdSecondaryTier(SecondaryTierManager):
         return True
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if not self._events:
-            return ()
-        events, self._events = self._events, []
-        return events
+        return self.report.take_events()
+
+    def _watch_events(self, client: Client) -> None:
+        """On each new connection (on the link's loop): follow the daemon's events. The
+        subscription goes out now, ahead of any job on the connection, so that no event
+        of this engine's blocks is missed (a removal of a block whose storing went
+        unseen would be taken for its last)."""
+        client.send("subscribe")
+        self._event_reader = asyncio.ensure_future(self._read_events(client))
+
+    async def _read_events(self, client: Client) -> None:
+        residency = self.report.residency
+        if residency is None:
+            return
+        with contextlib.suppress(TierdError, OSError):  # the connection ended: so do we
+            tiers = (await client.stats()).get("tiers", [])
+            if tiers:
+                residency.bottom = str(tiers[-1].get("name"))
+            async for push in client.events():
+                residency.on_push(push)
 
     def shutdown(self) -> None:
         self.drain_jobs()
@@ -390,47 +393,11 @@ class TierdSecondaryTier(SecondaryTierManager):
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
-        return {
-            METRIC_STORED: OffloadingCounterMetadata("Blocks stored into tierd"),
-            METRIC_LOADED: OffloadingCounterMetadata("Blocks loaded from tierd"),
-            METRIC_FAILED: OffloadingCounterMetadata("tierd store/load jobs that failed"),
-            METRIC_CONNECTED: OffloadingGaugeMetadata("1 while the tierd daemon is connected"),
-            METRIC_USED: OffloadingGaugeMetadata("Blocks held per tierd tier", ("tierd_tier",)),
-            METRIC_HITS: OffloadingGaugeMetadata("Hits served per tierd tier", ("tierd_tier",)),
-        }
-
-    def _poll_stats(self) -> None:
-        """Take the daemon's figures fetched last time; ask again when due (never waits)."""
-        future = self._stats_future
-        if future is not None and future.done():
-            self._stats_future = None
-            if not future.cancelled() and future.exception() is None:
-                self._daemon_tiers = list(future.result().get("tiers", []))
-        now = time.monotonic()
-        if self._stats_future is None and now >= self._stats_due and self._link.connected:
-            self._stats_due = now + self._stats_interval_s
-            self._stats_future = self._link.submit(self._fetch_stats())
-
-    async def _fetch_stats(self) -> dict[str, Any]:
-        return await self._link.bounded(lambda c: c.stats(), self.settings.job_deadline_s)
+        return TierReport.definitions()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        stats = OffloadingConnectorStats()
-        for name, value in self._counts.items():
-            if value:
-                stats.increase_counter(name, value)
-            self._counts[name] = 0
-        stats.set_gauge(METRIC_CONNECTED, int(self._link.connected))
-        for tier in self._daemon_tiers:
-            name = str(tier.get("name"))
-            stats.set_gauge(METRIC_USED, int(tier.get("used", 0)), (name,))
-            stats.set_gauge(METRIC_HITS, int(tier.get("hits", 0)), (name,))
-        return stats
+        link = self._link
+        return self.report.stats(connected=link.connected, breaker_open=link.breaker.is_open)
 
     def config_info(self) -> dict[str, str | int | float | bool]:
         return {}
-
-
-def _events_enabled(offloading_spec: Any) -> bool:
-    events = getattr(offloading_spec, "kv_events_config", None)
-    return getattr(events, "enable_kv_cache_events", False) is True
