@@ -259,9 +259,9 @@ async def test_killed_mid_run_then_restarted_with_write_back(tmp_path, spawn) ->
 
 async def test_block_size_mismatch_is_refused_at_start_up(tmp_path, spawn) -> None:
     daemon = await spawn(config(tmp_path))
-    with captured_logs() as logs:
-        with pytest.raises(BlockSizeMismatch, match=r"set `block_bytes: 8192` in tierd's config"):
-            make_tier(daemon.socket_path, primary_rows(2, row_bytes=2 * ROW))
+    wanted = r"set `block_bytes: 8192` in tierd's config"
+    with captured_logs() as logs, pytest.raises(BlockSizeMismatch, match=wanted):
+        make_tier(daemon.socket_path, primary_rows(2, row_bytes=2 * ROW))
     # Refused with what to change, and no "unreachable" warning first: it answered.
     assert [e for e in logs if e["log_level"] in ("warning", "error")] == []
 

@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -59,12 +60,13 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
-__all__ = ["BlockSizeMismatch", "TierdSecondaryTier", "Unreachable"]
+__all__ = ["BlockSizeMismatch", "TierdSecondaryTier", "Unreachable", "live_tiers"]
 
 log = get_logger("tierd.integrations.vllm")
 
 # Hello errors that may pass (anything else refuses the tier's config at start-up).
 _TRANSIENT = frozenset({"busy", "shutting_down"})
+_LIVE: weakref.WeakSet[TierdSecondaryTier] = weakref.WeakSet()
 _STOP_WAIT_S = 5.0  # a cancelled job stops at its next await on the link's (own) loop
 
 
@@ -97,6 +99,12 @@ class _Lookups(AsyncLookupManager):
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         return self._tier._present(keys)
+
+
+def live_tiers() -> list[TierdSecondaryTier]:
+    """The tiers of this process not yet shut down (for tools and tests: vLLM keeps its
+    tiers deep inside its scheduler)."""
+    return list(_LIVE)
 
 
 class TierdSecondaryTier(SecondaryTierManager):
@@ -178,6 +186,7 @@ class TierdSecondaryTier(SecondaryTierManager):
         except (TierdError, OSError) as exc:  # the link has warned: blocks miss until it answers
             log.debug("tierd not reachable at start-up", error=str(exc))
         self._lookups = _Lookups(self, tier_type)
+        _LIVE.add(self)
         log.info(
             "tierd secondary tier ready",
             socket=self.socket_path,
@@ -380,6 +389,7 @@ class TierdSecondaryTier(SecondaryTierManager):
                 residency.on_push(push)
 
     def shutdown(self) -> None:
+        _LIVE.discard(self)
         self.drain_jobs()
         self._lookups.shutdown()
         self._link.close()
