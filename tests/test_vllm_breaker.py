@@ -75,6 +75,8 @@ async def test_a_stopped_daemon_costs_a_deadline_then_nothing(tmp_path, spawn) -
         assert run_job(tier, 1, ks, [0, 1, 2], load=False).success
         assert ask(tier, ks, "warm") == [HIT, HIT, HIT]
 
+        staging = tier._staged._staging
+        assert staging is not None  # the jobs went through a region
         daemon.signal(signal.SIGSTOP)
         stopped = True
         # A lookup waits at most its deadline, then misses; the daemon said nothing for
@@ -101,6 +103,9 @@ async def test_a_stopped_daemon_costs_a_deadline_then_nothing(tmp_path, spawn) -
         assert ask(tier, ks, "back") == [HIT, HIT, HIT]
         assert run_job(tier, 3, ks, [5, 6, 7], load=True).success
         assert np.array_equal(rows[5:8], expected)
+        # The silent connection was dropped with its staging region: a copy the daemon
+        # owed it can only land in memory nobody reads again.
+        assert tier._staged._staging is not None and tier._staged._staging is not staging
     finally:
         if stopped:
             daemon.signal(signal.SIGCONT)

@@ -73,10 +73,19 @@ def captured_logs() -> Iterator[list[dict[str, Any]]]:
         structlog.reset_defaults()
 
 
-async def test_factory_lookup_miss_retry_hit_and_byte_exact_load(tmp_path, spawn) -> None:
+def staged(tier: TierdSecondaryTier) -> bool:
+    """Whether the tier's jobs went through its staging region (else through leases)."""
+    return tier._staged is not None and tier._staged._staging is not None
+
+
+# regions=False: the lease path, kept for daemons without engine regions.
+@pytest.mark.parametrize("regions", [True, False])
+async def test_factory_lookup_miss_retry_hit_and_byte_exact_load(
+    tmp_path, spawn, regions: bool
+) -> None:
     daemon = await spawn(config(tmp_path))
     rows = primary_rows(8)
-    tier = make_tier(daemon.socket_path, rows)
+    tier = make_tier(daemon.socket_path, rows, regions=regions)
     try:
         by_path = {"type": "TierdSecondaryTier", "module_path": "tierd.integrations.vllm"}
         assert SecondaryTierFactory.get_tier_class(by_path) is TierdSecondaryTier
@@ -98,6 +107,7 @@ async def test_factory_lookup_miss_retry_hit_and_byte_exact_load(tmp_path, spawn
         result = run_job(tier, 2, ks, [5, 3, 7], load=True)
         assert result.success and result.successful_keys is None
         assert np.array_equal(rows[[5, 3, 7]], expected)
+        assert staged(tier) is regions
     finally:
         tier.shutdown()
 
@@ -128,10 +138,11 @@ async def test_engines_share_blocks_exactly_when_bytes_are_interchangeable(tmp_p
             tier.shutdown()
 
 
-async def test_partial_load_reports_the_keys_it_loaded(tmp_path, spawn) -> None:
+@pytest.mark.parametrize("regions", [True, False])
+async def test_partial_load_reports_the_keys_it_loaded(tmp_path, spawn, regions: bool) -> None:
     daemon = await spawn(config(tmp_path))
     rows = primary_rows(8)
-    tier = make_tier(daemon.socket_path, rows)
+    tier = make_tier(daemon.socket_path, rows, regions=regions)
     try:
         ks = keys("p", 4)
         fill(rows, range(4), seed=3)
@@ -145,6 +156,7 @@ async def test_partial_load_reports_the_keys_it_loaded(tmp_path, spawn) -> None:
         assert list(result.successful_keys) == [ks[0], ks[2]]
         assert np.array_equal(rows[4], expected[0]) and np.array_equal(rows[6], expected[2])
         assert not rows[5].any() and not rows[7].any()
+        assert staged(tier) is regions
     finally:
         tier.shutdown()
 
@@ -247,8 +259,11 @@ async def test_killed_mid_run_then_restarted_with_write_back(tmp_path, spawn) ->
 
 async def test_block_size_mismatch_is_refused_at_start_up(tmp_path, spawn) -> None:
     daemon = await spawn(config(tmp_path))
-    with pytest.raises(BlockSizeMismatch, match=r"set `block_bytes: 8192` in tierd's config"):
+    wanted = r"set `block_bytes: 8192` in tierd's config"
+    with captured_logs() as logs, pytest.raises(BlockSizeMismatch, match=wanted):
         make_tier(daemon.socket_path, primary_rows(2, row_bytes=2 * ROW))
+    # Refused with what to change, and no "unreachable" warning first: it answered.
+    assert [e for e in logs if e["log_level"] in ("warning", "error")] == []
 
 
 async def test_a_config_the_daemon_refuses_is_refused_at_start_up(tmp_path, spawn) -> None:

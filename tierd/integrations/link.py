@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tierd.client import Client, DaemonError, Unreachable
+from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
 from tierd.errors import TierdError
 from tierd.integrations.breaker import Breaker
 from tierd.logs import get_logger
@@ -49,6 +49,13 @@ log = get_logger("tierd.integrations.link")
 _FIRST_BACKOFF_S = 0.05
 _CLOSE_TIMEOUT_S = 10.0
 _DROP_TIMEOUT_S = 1.0  # closing a connection to a silent daemon must not wait on it
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """A daemon that answers but will not serve this engine (not one that is absent)."""
+    if isinstance(exc, BlockSizeMismatch | UntrustedDaemon):
+        return True
+    return isinstance(exc, DaemonError) and exc.code not in ("busy", "shutting_down")
 
 
 class DaemonSilent(Unreachable):
@@ -106,6 +113,8 @@ class DaemonLink:
         self.connects = 0  # successful connections so far (a reconnect adds one)
         self.breaker = Breaker(settings.breaker_failures)
         self._probe: asyncio.Task[None] | None = None
+        # Called on the link's loop with each new connection (subscribe to events, say).
+        self.on_connect: list[Callable[[Client], None]] = []
         self._thread.start()
 
     def _run(self) -> None:
@@ -191,6 +200,8 @@ class DaemonLink:
                 raise
             self._on_connected()
             self._client = client
+            for hook in self.on_connect:
+                hook(client)
             return client
 
     async def _connect(self) -> Client:
@@ -212,8 +223,19 @@ class DaemonLink:
         else:
             self._next_attempt = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, self.settings.reconnect_max_s)
-        if not self._lost_reported:
-            self._lost_reported = True
+        if self._lost_reported:
+            return
+        if _is_refusal(exc) and not self._ever_connected:
+            return  # start-up raises it with what to change: "unreachable" would mislead
+        self._lost_reported = True
+        if _is_refusal(exc):
+            log.error(
+                "tierd daemon refuses this engine",
+                socket=self.settings.socket_path,
+                error=str(exc),
+                consequence="its blocks count as misses until the daemon accepts it",
+            )
+        else:
             event = "tierd daemon lost" if self._ever_connected else "tierd daemon unreachable"
             log.warning(
                 event,
