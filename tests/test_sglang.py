@@ -52,6 +52,18 @@ def loaded_all(answer: dict[str, Any], pages: int) -> bool:
     return answer["hit_pages"] == answer["loaded_pages"] == answer["identical"] == pages
 
 
+def eventually_loaded(engines: Engines, name: str, seed: int, tries: int = 20) -> bool:
+    """Whether a read of ``seed``'s pages loads them all within ``tries`` reads (a bounded
+    count, no sleep: each read is SGLang's own prefetch); every page loaded on the way must
+    be right."""
+    for _ in range(tries):
+        answer = engines.read(name, seed=seed, pages=PAGES)
+        assert answer["identical"] == answer["loaded_pages"]
+        if loaded_all(answer, PAGES):
+            return True
+    return False
+
+
 async def daemon_stats(socket_path: str) -> dict[str, Any]:
     client = await Client.connect(socket_path)
     try:
@@ -95,9 +107,9 @@ async def test_two_engines_share_pages_byte_for_byte_in_every_layout_and_allocat
     # region is registered again on the new connection).
     assert await daemon.stop() == 0
     daemon = await spawn(config(tmp_path, socket={"path": sock}))
-    assert loaded_all(b.read("pf", seed=1, pages=PAGES), PAGES)
-    assert loaded_all(a.read("pf", seed=3, pages=PAGES), PAGES)
-    assert loaded_all(a.read("lf", seed=2, pages=PAGES), PAGES)
+    assert eventually_loaded(b, "pf", seed=1)  # the first lookup may spend its deadline
+    assert eventually_loaded(a, "pf", seed=3)  # reconnecting: a miss, then hits
+    assert eventually_loaded(a, "lf", seed=2)
     stats = await daemon_stats(sock)
     disk = next(t for t in stats["tiers"] if t["medium"] == "DISK")
     assert disk["hits"] >= 3 * PAGES
@@ -171,9 +183,7 @@ async def test_a_stopped_or_killed_daemon_costs_a_deadline_and_sglang_never_sees
     assert missed["hit_pages"] == 0 and missed["took_s"] < LIVENESS_S
     assert again["hit_pages"] == 0 and again["took_s"] < LIVENESS_S
     # Back: the breaker's probe closes it; a bounded number of tries.
-    answers = [a.read("f", seed=11, pages=PAGES) for _ in range(40)]
-    assert any(loaded_all(x, PAGES) for x in answers)
-    assert all(x["identical"] == x["loaded_pages"] for x in answers)
+    assert eventually_loaded(a, "f", seed=11, tries=40)
 
     daemon.signal(signal.SIGKILL)
     await daemon.wait()
