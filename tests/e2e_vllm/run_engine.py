@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -24,9 +25,13 @@ BLOCK_TOKENS = 32  # vLLM's CPU attention wants a multiple of 32
 
 
 def engine(args: argparse.Namespace) -> Any:
+    """An LLM for ``args``: ``socket`` (tierd as the secondary tier), else ``fs_root``
+    (vLLM's own filesystem tier), else no secondary tier; ``plain``: no offloading at all.
+    ``block_tokens`` (default 32) is vLLM's block size and the offload chunk."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    block_tokens = getattr(args, "block_tokens", BLOCK_TOKENS)
     tiers: list[dict[str, Any]] = []
     if args.socket:
         tier: dict[str, Any] = {
@@ -37,6 +42,8 @@ def engine(args: argparse.Namespace) -> Any:
         if args.namespace:
             tier["namespace"] = args.namespace
         tiers.append(tier)
+    elif getattr(args, "fs_root", None):
+        tiers.append({"type": "fs", "root_dir": args.fs_root})
     transfer = KVTransferConfig(
         kv_connector="OffloadingConnector",
         kv_role="kv_both",
@@ -44,7 +51,7 @@ def engine(args: argparse.Namespace) -> Any:
             "spec_name": "TorchCopyTieringSpec",
             "spec_module_path": "cpu_offload_spec",
             "cpu_bytes_to_use": args.cpu_bytes,
-            "block_size": BLOCK_TOKENS,
+            "block_size": block_tokens,
             "secondary_tiers": tiers,
         },
     )
@@ -52,7 +59,7 @@ def engine(args: argparse.Namespace) -> Any:
         model=args.model,
         tokenizer=args.model,
         dtype="bfloat16",
-        block_size=BLOCK_TOKENS,
+        block_size=block_tokens,
         max_model_len=args.max_model_len,
         max_num_seqs=4,
         max_num_batched_tokens=args.max_model_len,
@@ -61,8 +68,15 @@ def engine(args: argparse.Namespace) -> Any:
         seed=0,
         # One process: the scheduler (and so tierd's tier) and the model run here.
         distributed_executor_backend="uni",
-        kv_transfer_config=transfer,
+        kv_transfer_config=None if getattr(args, "plain", False) else transfer,
     )
+
+
+def tiers() -> list[Any]:
+    """The live tierd tiers of this process."""
+    from tierd.integrations.vllm import live_tiers
+
+    return list(live_tiers())
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -79,6 +93,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--cpu-bytes", type=int, default=64 << 20)
+    parser.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS)
+    parser.add_argument("--daemon-pid", type=int, default=0)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -91,11 +107,20 @@ def main(argv: list[str]) -> int:
     llm = engine(args)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for step in args.steps.split(","):
-        if step == "reset":
-            ok = llm.reset_prefix_cache(reset_connector=True)
-            emit({"step": step, "ok": bool(ok)})
-            continue
         start = time.perf_counter()
+        if step.startswith("reset"):
+            ok = llm.reset_prefix_cache(reset_connector=True)
+            emit({"step": step, "ok": bool(ok), "seconds": time.perf_counter() - start})
+            continue
+        if step in ("sigstop", "sigcont"):  # the daemon, stopped or resumed (--daemon-pid)
+            os.kill(args.daemon_pid, signal.SIGSTOP if step == "sigstop" else signal.SIGCONT)
+            emit({"step": step})
+            continue
+        if step == "breaker":  # wait (bounded) until every tierd tier's breaker is closed
+            found = tiers()
+            closed = all(t._link.breaker.wait_closed(60) for t in found)
+            emit({"step": step, "closed": closed, "tiers": len(found)})
+            continue
         (out,) = llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, use_tqdm=False)
         seconds = time.perf_counter() - start
         emit(

@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +57,8 @@ pytestmark = [
 
 def vllm_env() -> dict[str, str]:
     return child_env(
-        PYTHONPATH=str(HERE),
+        # This checkout's tierd, whatever the venv's editable install points to.
+        PYTHONPATH=f"{HERE}{os.pathsep}{ROOT}",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -68,16 +70,20 @@ def vllm_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two tiny Llamas with the same KV row size: ``main`` (2 layers x 2 KV heads) and
-    ``other`` (4 layers x 1 KV head)."""
+    """Tiny Llamas: ``main`` (2 layers x 2 KV heads) and ``other`` (4 layers x 1 KV head)
+    with the same KV row size; ``gqa`` (4 layers, 8 query and 2 KV heads, run with vLLM
+    block size 64)."""
     base = tmp_path_factory.mktemp("models")
-    paths = {"main": base / "llama-2x2", "other": base / "llama-4x1"}
+    paths = {"main": base / "llama-2x2", "other": base / "llama-4x1", "gqa": base / "gqa-4x8x2"}
     command = [str(VLLM_PYTHON), str(HERE / "make_tiny_llama.py")]
     command += ["--model", str(paths["main"]), "2", "2", "--model", str(paths["other"]), "4", "1"]
-    done = subprocess.run(
-        command, env=vllm_env(), capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    gqa = [str(VLLM_PYTHON), str(HERE / "make_tiny_llama.py"), "--hidden", "512"]
+    gqa += ["--model", str(paths["gqa"]), "4", "2"]
+    for argv in (command, gqa):
+        done = subprocess.run(
+            argv, env=vllm_env(), capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
     return paths
 
 
@@ -91,12 +97,19 @@ def prompt_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def run_engine(
-    tmp_path: Path, name: str, model: Path, socket_path: str, prompt: Path, steps: str
+    tmp_path: Path,
+    name: str,
+    model: Path,
+    socket_path: str,
+    prompt: Path,
+    steps: str,
+    *extra: str,
 ) -> dict[str, dict[str, Any]]:
-    """Run one engine process through ``steps``; its JSON lines by step name."""
+    """Run one engine process through ``steps`` (``extra``: more of run_engine.py's
+    options); its JSON lines by step name."""
     log = tmp_path / f"vllm-{name}.log"
     command = [str(VLLM_PYTHON), str(HERE / "run_engine.py"), str(model)]
-    command += ["--socket", socket_path, "--prompt-file", str(prompt), "--steps", steps]
+    command += ["--socket", socket_path, "--prompt-file", str(prompt), "--steps", steps, *extra]
 
     def run() -> subprocess.CompletedProcess[str]:
         with log.open("w") as stderr:
@@ -187,3 +200,45 @@ async def test_generate_served_from_tierd_shared_and_across_a_restart(
     assert tiers["disk"]["hits"] == PREFIX_BLOCKS
     assert tiers["cpu"]["hits"] == 0
     await stop_daemon(again)
+
+
+GQA_BLOCK_TOKENS = 64
+GQA_ROW_BYTES = 4 * 2 * 2 * GQA_BLOCK_TOKENS * 64 * 2  # layers x KV heads x (K, V) x ...
+GQA_PREFIX_TOKENS = PROMPT_TOKENS // GQA_BLOCK_TOKENS * GQA_BLOCK_TOKENS  # 192: 3 blocks
+HUNG_BOUND_S = 20.0  # ten times the job deadline: a liveness bound, not a timing
+
+
+async def test_gqa_block_64_served_and_a_stopped_daemon_costs_a_deadline(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+    models: dict[str, Path],
+    prompt_file: Path,
+) -> None:
+    """The second shape (GQA 8/2, 4 layers, block size 64) is served from tierd; then,
+    with the daemon SIGSTOPped, ``reset_prefix_cache`` and a generate do not wait on it
+    (the old tier waited 30 s per request): a miss, the same tokens; after SIGCONT the
+    breaker closes and the prefix is served from tierd again."""
+    config = daemon_config(tmp_path, cpu_blocks=64, disk_blocks=None, block_bytes=GQA_ROW_BYTES)
+    daemon = await spawn(config)
+    steps = "cold,reset1,warm,sigstop,reset2,hung,sigcont,breaker,reset3,back"
+    extra = ("--block-tokens", str(GQA_BLOCK_TOKENS), "--daemon-pid", str(daemon.pid))
+    extra += ("--max-model-len", "512")
+    try:
+        out = await run_engine(
+            tmp_path, "gqa", models["gqa"], daemon.socket_path, prompt_file, steps, *extra
+        )
+    finally:
+        daemon.signal(signal.SIGCONT)  # never leave it stopped, whatever failed
+    cold = out["cold"]
+    assert cold["num_cached_tokens"] == 0
+    assert out["warm"]["num_cached_tokens"] == GQA_PREFIX_TOKENS
+    assert out["warm"]["token_ids"] == cold["token_ids"]
+    # Stopped: vLLM's reset and a new request answer without the daemon.
+    assert out["reset2"]["ok"] is True and out["reset2"]["seconds"] < HUNG_BOUND_S
+    hung = out["hung"]
+    assert hung["num_cached_tokens"] == 0 and hung["token_ids"] == cold["token_ids"]
+    assert hung["seconds"] < HUNG_BOUND_S
+    assert out["breaker"] == {"step": "breaker", "closed": True, "tiers": 1}
+    back = out["back"]
+    assert back["num_cached_tokens"] == GQA_PREFIX_TOKENS
+    assert back["token_ids"] == cold["token_ids"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from tierd.client import Client
+from tierd.client import Client, DaemonError
 from tierd.errors import TierdError
 
 __all__ = ["LoadOutcome", "load_rows", "lookup_present", "store_rows"]
@@ -48,7 +48,13 @@ def _batch_size(client: Client, total: int) -> int:
 
 
 async def lookup_present(client: Client, keys: Sequence[bytes]) -> list[bool]:
-    """Whether each key is held ready by the daemon (in flight counts as absent)."""
+    """Whether each key is held ready by the daemon (in flight counts as absent): one
+    ``lookup_each`` request (a daemon without it: one ``lookup`` per missing key)."""
+    try:
+        return await client.lookup_each(keys)
+    except DaemonError as exc:
+        if exc.code != "unknown_op":
+            raise
     present = [False] * len(keys)
     start = 0
     while start < len(keys):  # each round settles at least one key

@@ -9,6 +9,14 @@ The connection is made on demand. When it is lost (the daemon stopped, was kille
 restarted), :meth:`DaemonLink.client` raises :class:`~tierd.client.Unreachable` at once
 until the next attempt is due; attempts back off exponentially up to ``reconnect_max_s``.
 The loss is logged once as a warning, the return once as info.
+
+Engine-facing calls go through :meth:`DaemonLink.bounded` (on the link's loop),
+:meth:`DaemonLink.start` (a future, from any thread) or :meth:`DaemonLink.ask` (blocking,
+from any thread): each waits at most its deadline, then fails with :class:`DaemonSilent`
+and drops the connection (whatever it held in the daemon, leases included, is released
+when the daemon reads the close). A :class:`~tierd.integrations.breaker.Breaker` counts
+the failures; while it is open every call fails at once with :class:`BreakerOpen`,
+unsent, and one probe at a time asks the daemon for ``health`` until it answers.
 """
 
 from __future__ import annotations
@@ -22,17 +30,40 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tierd.client import Client, DaemonError, Unreachable
+from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
 from tierd.errors import TierdError
+from tierd.integrations.breaker import Breaker
 from tierd.logs import get_logger
 
-__all__ = ["BlockSizeMismatch", "DaemonLink", "LinkSettings"]
+__all__ = [
+    "BlockSizeMismatch",
+    "BreakerOpen",
+    "DaemonLink",
+    "DaemonSilent",
+    "LinkSettings",
+]
 
 T = TypeVar("T")
 log = get_logger("tierd.integrations.link")
 
 _FIRST_BACKOFF_S = 0.05
 _CLOSE_TIMEOUT_S = 10.0
+_DROP_TIMEOUT_S = 1.0  # closing a connection to a silent daemon must not wait on it
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """A daemon that answers but will not serve this engine (not one that is absent)."""
+    if isinstance(exc, BlockSizeMismatch | UntrustedDaemon):
+        return True
+    return isinstance(exc, DaemonError) and exc.code not in ("busy", "shutting_down")
+
+
+class DaemonSilent(Unreachable):
+    """The daemon did not answer a call within its deadline."""
+
+
+class BreakerOpen(Unreachable):
+    """The breaker is open: the call was not sent (the daemon failed recently)."""
 
 
 class BlockSizeMismatch(TierdError):
@@ -50,11 +81,19 @@ class BlockSizeMismatch(TierdError):
 
 @dataclass(frozen=True, slots=True)
 class LinkSettings:
+    """Where the daemon is and how long an engine may wait on it (docs/vllm.md says why
+    these defaults: a lookup is one round trip, well under a scheduler step; a job moves
+    up to a few hundred MiB between memory and disk)."""
+
     socket_path: str
     namespace: str
     block_bytes: int
     reconnect_max_s: float = 10.0
     server_uids: tuple[int, ...] = ()  # besides this user and root: whose daemon to trust
+    lookup_deadline_s: float = 0.05
+    job_deadline_s: float = 2.0
+    breaker_failures: int = 3  # consecutive failures that open the breaker; 0: never
+    probe_interval_s: float = 0.5  # between probes of a daemon that refused connections
 
 
 class DaemonLink:
@@ -72,6 +111,10 @@ class DaemonLink:
         self._ever_connected = False
         self._closed = False
         self.connects = 0  # successful connections so far (a reconnect adds one)
+        self.breaker = Breaker(settings.breaker_failures)
+        self._probe: asyncio.Task[None] | None = None
+        # Called on the link's loop with each new connection (subscribe to events, say).
+        self.on_connect: list[Callable[[Client], None]] = []
         self._thread.start()
 
     def _run(self) -> None:
@@ -93,6 +136,32 @@ class DaemonLink:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise Unreachable(f"no answer from the daemon within {timeout_s:g} s") from None
+
+    def start(
+        self, op: Callable[[Client], Awaitable[T]], deadline_s: float
+    ) -> concurrent.futures.Future[T]:
+        """``op(client)`` under ``deadline_s`` on the link's loop; never blocks. While
+        the breaker is open the future is already failed with :class:`BreakerOpen`."""
+        if self.breaker.is_open:
+            self.breaker.refused()
+            failed: concurrent.futures.Future[T] = concurrent.futures.Future()
+            failed.set_exception(BreakerOpen("the tierd breaker is open"))
+            return failed
+        return self.submit(self.bounded(op, deadline_s))
+
+    def ask(self, op: Callable[[Client], Awaitable[T]], deadline_s: float) -> T:
+        """``op(client)`` under ``deadline_s``, waited for on the calling thread.
+
+        Returns within about twice ``deadline_s`` whatever the daemon does (the second
+        half is for the link's thread to get the GIL back from a busy engine);
+        :class:`DaemonSilent` or :class:`BreakerOpen` (both :class:`Unreachable`) else.
+        """
+        future = self.start(op, deadline_s)
+        try:
+            return future.result(2 * deadline_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise DaemonSilent(f"no answer from the daemon within {deadline_s:g} s") from None
 
     def close(self) -> None:
         """Close the connection, stop the loop and join its thread (idempotent)."""
@@ -131,6 +200,8 @@ class DaemonLink:
                 raise
             self._on_connected()
             self._client = client
+            for hook in self.on_connect:
+                hook(client)
             return client
 
     async def _connect(self) -> Client:
@@ -152,8 +223,19 @@ class DaemonLink:
         else:
             self._next_attempt = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, self.settings.reconnect_max_s)
-        if not self._lost_reported:
-            self._lost_reported = True
+        if self._lost_reported:
+            return
+        if _is_refusal(exc) and not self._ever_connected:
+            return  # start-up raises it with what to change: "unreachable" would mislead
+        self._lost_reported = True
+        if _is_refusal(exc):
+            log.error(
+                "tierd daemon refuses this engine",
+                socket=self.settings.socket_path,
+                error=str(exc),
+                consequence="its blocks count as misses until the daemon accepts it",
+            )
+        else:
             event = "tierd daemon lost" if self._ever_connected else "tierd daemon unreachable"
             log.warning(
                 event,
@@ -200,8 +282,91 @@ class DaemonLink:
             await client.close()
         return True
 
-    async def _disconnect(self) -> None:
+    async def bounded(self, op: Callable[[Client], Awaitable[T]], deadline_s: float) -> T:
+        """``await self.run(op)``, waiting at most ``deadline_s``.
+
+        An answer (an error answer too) counts for the breaker; no answer in time
+        cancels ``op`` (it stops at its next await: a copy between two awaits is never
+        cut), drops the connection and raises :class:`DaemonSilent`.
+        """
+        if self.breaker.is_open:
+            self.breaker.refused()
+            raise BreakerOpen("the tierd breaker is open")
+        sent = time.monotonic()
+        task = asyncio.ensure_future(self.run(op))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=deadline_s)
+        except asyncio.CancelledError:
+            task.cancel()  # the caller gave up (a drain): op stops at its next await
+            raise
+        if not done:
+            await asyncio.sleep(0)  # an answer read in the loop's last round lands now
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # op has stopped: nothing of it runs after this
+            self._failed(silent_since=sent)
+            await self._drop()
+            raise DaemonSilent(f"no answer from the daemon within {deadline_s:g} s")
+        try:
+            result = task.result()
+        except DaemonError as exc:
+            if exc.code == "shutting_down":
+                self._failed()
+            else:
+                self.breaker.answered()
+            raise
+        except (TierdError, OSError):
+            self._failed()
+            raise
+        self.breaker.answered()
+        return result
+
+    def _failed(self, *, silent_since: float | None = None) -> None:
+        if self.breaker.failed(silent_since=silent_since):
+            log.warning(
+                "tierd breaker open",
+                socket=self.settings.socket_path,
+                consequence="lookups miss and jobs fail at once until the daemon answers",
+            )
+            self._start_probe()
+
+    def _start_probe(self) -> None:
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._probe_until_answered())
+
+    async def _probe_until_answered(self) -> None:
+        """Ask for ``health`` until the daemon answers, then close the breaker. A
+        silent daemon keeps one request waiting (no pile-up); a dead one is retried
+        every ``probe_interval_s`` (each connection attempt also backs off)."""
+        while self.breaker.is_open and not self._closed:
+            try:
+                await self.run(lambda c: c.health())
+            except DaemonError:
+                pass  # an answer: the daemon is there
+            except (TierdError, OSError):
+                await asyncio.sleep(self.settings.probe_interval_s)
+                continue
+            if self.breaker.close():
+                log.info("tierd breaker closed", socket=self.settings.socket_path)
+            return
+
+    async def _drop(self) -> None:
+        """Forget the connection (the next call reconnects) without waiting on it."""
         client, self._client = self._client, None
         if client is not None:
-            with contextlib.suppress(TierdError, OSError):
-                await client.close()
+            self._schedule_retry(DaemonSilent("no answer within the deadline"), at_once=True)
+            with contextlib.suppress(TierdError, OSError, TimeoutError):
+                async with asyncio.timeout(_DROP_TIMEOUT_S):
+                    await client.close()
+
+    async def _disconnect(self) -> None:
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:  # the probe, jobs, stats: nothing outlives the link
+            task.cancel()
+        if others:
+            await asyncio.wait(others, timeout=_DROP_TIMEOUT_S)
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(TierdError, OSError, TimeoutError):
+                async with asyncio.timeout(_DROP_TIMEOUT_S):
+                    await client.close()

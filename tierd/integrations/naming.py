@@ -1,11 +1,14 @@
 """Namespaces from what makes KV bytes interchangeable.
 
 Two engines must share blocks exactly when their bytes are interchangeable: the same
-model and KV dtype, the same tokens per block hash and blocks per chunk, the same KV
-groups (layers, tokens per block), the same parallel layout unless the engine says its
-bytes do not depend on it, the same host layout, and the same row size. The namespace is
-``vllm/<model>/<16 hex digits of a SHA-256 of those facts>``: the model part is for
-people reading ``tierd stats``, the digest is what keeps engines apart.
+weights (not only the same model name: :func:`weights_identity`) and KV dtype, the same
+tokens per block hash and blocks per chunk, the same KV groups (layers, tokens per block),
+the same parallel layout unless vLLM's own rule says the bytes do not depend on it (its
+``FileMapper``: parallelism-agnostic bytes or a replicated layout), the same host layout,
+and the same row size. The namespace is ``<prefix>/<model>/<16 hex digits of a SHA-256 of
+those facts>``, where the prefix is ``vllm`` or the user's ``namespace`` (which adds to the
+digest, never replaces it): the model part is for people reading ``tierd stats``, the
+digest is what keeps engines apart.
 
 Everything is read defensively with ``getattr``: a fact an engine does not supply (or a
 test's mock) counts as absent, never as part of the name.
@@ -15,10 +18,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+from pathlib import Path
 from typing import Any
 
-__all__ = ["derive_namespace", "kv_layout_facts"]
+__all__ = ["derive_namespace", "kv_layout_facts", "weights_identity"]
+
+# Files whose bytes make the model: weights in every format vLLM loads, and the config
+# (an architecture change at the same path is another model too).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+_MODEL_FILES = ("config.json", "params.json")
+_NAMESPACE_MAX = 128  # the daemon's default namespaces.pattern
 
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:@+=-]+")
 _MODEL_PART_MAX = 64
@@ -52,15 +63,82 @@ def _groups(config: Any) -> list[dict[str, Any]] | None:
     return out
 
 
+def _hub_cache() -> Path:
+    """Hugging Face's hub cache, found the way its library finds it."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "huggingface" / "hub"
+
+
+def _file_facts(paths: list[Path]) -> list[list[str | int]]:
+    """Name, size and modification time (ns) of each file: a checkpoint written again
+    at the same path changes at least its times."""
+    facts: list[list[str | int]] = []
+    for path in sorted(paths):
+        try:
+            st = path.stat()  # follows a hub snapshot's links to the blobs
+        except OSError:
+            continue
+        facts.append([path.name, st.st_size, st.st_mtime_ns])
+    return facts
+
+
+def weights_identity(model: str | None) -> dict[str, Any] | None:
+    """What identifies the weights behind ``model`` (vLLM's model name: a local path or a
+    hub id) cheaply: a few ``stat`` calls, never a read of the weights.
+
+    A local directory: its weight and config files' names, sizes and times. A file (a
+    GGUF): its own. A hub id: the commit every ref of its cache entry points to (a new
+    revision downloaded moves ``refs/main``). None when nothing can be found: the name
+    alone then stands for the model (said in the docs).
+    """
+    if not model:
+        return None
+    local = Path(model).expanduser()
+    if local.is_file():
+        return {"files": _file_facts([local])}
+    if local.is_dir():
+        try:
+            files = [
+                p
+                for p in local.iterdir()
+                if p.name.endswith(_WEIGHT_SUFFIXES) or p.name in _MODEL_FILES
+            ]
+        except OSError:
+            return None
+        return {"files": _file_facts(files)} if files else None
+    refs = _hub_cache() / f"models--{model.replace('/', '--')}" / "refs"
+    try:
+        commits = {p.name: p.read_text().strip() for p in sorted(refs.iterdir()) if p.is_file()}
+    except OSError:
+        return None
+    return {"hub_refs": commits} if commits else None
+
+
+def _parallelism_agnostic(config: Any) -> bool:
+    """vLLM's own rule (``FileMapper.from_offloading_spec``): the bytes do not depend on
+    the parallel layout when vLLM says so, or when every worker holds the same bytes."""
+    parallel = getattr(config, "parallel", None)
+    return (
+        getattr(parallel, "is_parallelism_agnostic", None) is True
+        or getattr(config, "replicated_layout", None) is True
+    )
+
+
 def kv_layout_facts(offloading_spec: Any, row_bytes: int) -> dict[str, Any]:
     """The facts that decide whether two engines' offloaded bytes are interchangeable."""
     config = getattr(offloading_spec, "config", None)
     model = getattr(config, "model", None)
     cache = getattr(config, "cache", None)
     parallel = getattr(config, "parallel", None)
+    name = _plain(getattr(model, "name", None))
     facts: dict[str, Any] = {
         "row_bytes": row_bytes,
-        "model": _plain(getattr(model, "name", None)),
+        "model": name,
+        "weights": weights_identity(name) if isinstance(name, str) else None,
         "dtype": _plain(getattr(model, "dtype", None)),
         "tokens_per_hash": _plain(getattr(cache, "tokens_per_hash", None)),
         "blocks_per_chunk": _plain(getattr(cache, "blocks_per_chunk", None)),
@@ -70,16 +148,20 @@ def kv_layout_facts(offloading_spec: Any, row_bytes: int) -> dict[str, Any]:
         "kv_cache_layout": _plain(getattr(config, "kv_cache_layout", None)),
         "groups": _groups(config),
     }
-    if getattr(parallel, "is_parallelism_agnostic", None) is not True:
+    if not _parallelism_agnostic(config):
         facts["parallel"] = {f: _plain(getattr(parallel, f, None)) for f in _PARALLEL_FIELDS}
     return facts
 
 
-def derive_namespace(offloading_spec: Any, row_bytes: int) -> str:
-    """A short, stable namespace valid under tierd's default ``namespaces.pattern``."""
+def derive_namespace(offloading_spec: Any, row_bytes: int, prefix: str | None = None) -> str:
+    """``<prefix>/<model>/<digest>`` (``prefix``: the user's namespace, default ``vllm``);
+    valid under tierd's default ``namespaces.pattern`` when ``prefix`` is (the model part
+    shrinks to keep the whole within 128 characters)."""
     facts = kv_layout_facts(offloading_spec, row_bytes)
     blob = json.dumps(facts, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(blob.encode()).hexdigest()[:_DIGEST_HEX]
+    head = prefix if prefix else "vllm"
+    room = min(_MODEL_PART_MAX, _NAMESPACE_MAX - len(head) - _DIGEST_HEX - 2)
     model = facts["model"] if isinstance(facts["model"], str) else "unknown"
-    safe = _NAME_CHARS.sub("_", model.replace("/", "_"))[:_MODEL_PART_MAX] or "unknown"
-    return f"vllm/{safe}/{digest}"
+    safe = _NAME_CHARS.sub("_", model.replace("/", "_"))[: max(room, 1)] or "unknown"
+    return f"{head}/{safe}/{digest}"

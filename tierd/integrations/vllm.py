@@ -21,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import threading
 import time
+import weakref
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -34,9 +36,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
-    OffloadingCounterMetadata,
     OffloadingEvent,
-    OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
@@ -46,30 +46,28 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tierd.client import DaemonError, Unreachable, UntrustedDaemon
+from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
 from tierd.integrations.copies import LoadOutcome, load_rows, lookup_present, store_rows
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
 from tierd.integrations.naming import derive_namespace
+from tierd.integrations.staging import StagedCopies
+from tierd.integrations.vllm_report import TierReport, event_config
 from tierd.logs import get_logger
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
-__all__ = ["BlockSizeMismatch", "TierdSecondaryTier", "Unreachable"]
+__all__ = ["BlockSizeMismatch", "TierdSecondaryTier", "Unreachable", "live_tiers"]
 
 log = get_logger("tierd.integrations.vllm")
 
 # Hello errors that may pass (anything else refuses the tier's config at start-up).
 _TRANSIENT = frozenset({"busy", "shutting_down"})
-METRIC_STORED = "vllm:kv_offload_tierd_blocks_stored"
-METRIC_LOADED = "vllm:kv_offload_tierd_blocks_loaded"
-METRIC_FAILED = "vllm:kv_offload_tierd_failed_jobs"
-METRIC_CONNECTED = "vllm:kv_offload_tierd_connected"
-METRIC_USED = "vllm:kv_offload_tierd_daemon_used_blocks"
-METRIC_HITS = "vllm:kv_offload_tierd_daemon_hits"
+_LIVE: weakref.WeakSet[TierdSecondaryTier] = weakref.WeakSet()
+_STOP_WAIT_S = 5.0  # a cancelled job stops at its next await on the link's (own) loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +87,7 @@ class _Pending:
     future: concurrent.futures.Future[_Done]
     keys: tuple[OffloadKey, ...]
     is_load: bool
+    finished: threading.Event  # set once the job's coroutine no longer runs
 
 
 class _Lookups(AsyncLookupManager):
@@ -100,6 +99,12 @@ class _Lookups(AsyncLookupManager):
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         return self._tier._present(keys)
+
+
+def live_tiers() -> list[TierdSecondaryTier]:
+    """The tiers of this process not yet shut down (for tools and tests: vLLM keeps its
+    tiers deep inside its scheduler)."""
+    return list(_LIVE)
 
 
 class TierdSecondaryTier(SecondaryTierManager):
@@ -114,12 +119,17 @@ class TierdSecondaryTier(SecondaryTierManager):
         tier_type: str,
         socket: str | None = None,
         namespace: str | None = None,
-        job_timeout_s: float = 30.0,
+        lookup_deadline_s: float = 0.05,
+        job_deadline_s: float = 2.0,
+        breaker_failures: int = 3,
+        probe_interval_s: float = 0.5,
+        regions: bool = True,
+        staging_bytes: int = 64 << 20,
         connect_timeout_s: float = 5.0,
         reconnect_max_s: float = 10.0,
-        stats_interval_s: float = 5.0,
         enable_kv_events: bool = False,
         locality: str | None = None,
+        medium: str | None = None,
         server_uids: Sequence[int] = (),
         backpressure_detector: BackpressureDetector | None = None,
         **unknown: Any,
@@ -136,28 +146,31 @@ class TierdSecondaryTier(SecondaryTierManager):
             raise ValueError(f"vLLM's CPU view has rows of {row_bytes} bytes; cannot use it")
         # One uint8 row per chunk, sharing vLLM's memory (no copy).
         self._rows = np.frombuffer(primary_kv_view, dtype=np.uint8).reshape(-1, row_bytes)
-        self.namespace = namespace or derive_namespace(offloading_spec, row_bytes)
+        # A given namespace adds to the derived digest: two shapes under one name never meet.
+        self.namespace = derive_namespace(offloading_spec, row_bytes, namespace)
         self.socket_path = str(socket) if socket else str(default_socket_path())
-        self._job_timeout_s = job_timeout_s
-        self._stats_interval_s = stats_interval_s
-        self._link = DaemonLink(
-            LinkSettings(
-                self.socket_path,
-                self.namespace,
-                row_bytes,
-                reconnect_max_s,
-                tuple(int(uid) for uid in server_uids),
-            ),
-            name=f"tierd-vllm-{tier_type}",
+        self.settings = LinkSettings(
+            self.socket_path,
+            self.namespace,
+            row_bytes,
+            reconnect_max_s,
+            tuple(int(uid) for uid in server_uids),
+            lookup_deadline_s=lookup_deadline_s,
+            job_deadline_s=job_deadline_s,
+            breaker_failures=breaker_failures,
+            probe_interval_s=probe_interval_s,
         )
+        self._link = DaemonLink(self.settings, name=f"tierd-vllm-{tier_type}")
+        self._staged = StagedCopies(self._rows, staging_bytes) if regions else None
         self._jobs: dict[int, _Pending] = {}
-        self._events: list[OffloadingEvent] | None = (
-            [] if enable_kv_events and _events_enabled(offloading_spec) else None
+        self.report = TierReport(
+            Medium(medium) if medium is not None else self.medium,
+            self.locality,
+            event_config(offloading_spec, enable_kv_events),
         )
-        self._counts = {METRIC_STORED: 0, METRIC_LOADED: 0, METRIC_FAILED: 0}
-        self._daemon_tiers: list[dict[str, Any]] = []
-        self._stats_due = 0.0
-        self._stats_future: concurrent.futures.Future[dict[str, Any]] | None = None
+        self._event_reader: asyncio.Future[None] | None = None  # the link's loop's only
+        if self.report.residency is not None:
+            self._link.on_connect.append(self._watch_events)
         try:
             self._link.call(self._link.client(), connect_timeout_s)
         except BlockSizeMismatch:
@@ -173,6 +186,7 @@ class TierdSecondaryTier(SecondaryTierManager):
         except (TierdError, OSError) as exc:  # the link has warned: blocks miss until it answers
             log.debug("tierd not reachable at start-up", error=str(exc))
         self._lookups = _Lookups(self, tier_type)
+        _LIVE.add(self)
         log.info(
             "tierd secondary tier ready",
             socket=self.socket_path,
@@ -183,13 +197,12 @@ class TierdSecondaryTier(SecondaryTierManager):
     # -- lookups ----------------------------------------------------------------------
 
     def _present(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        """On the lookup thread: ask the daemon, waiting at most one job timeout."""
+        """On the lookup thread: ask the daemon, waiting at most the lookup deadline
+        (nothing at all while the breaker is open); no answer is a miss."""
         raw = [bytes(k) for k in keys]
-        future = self._link.submit(self._link.run(lambda c: lookup_present(c, raw)))
         try:
-            return future.result(self._job_timeout_s)
-        except (TierdError, OSError, concurrent.futures.TimeoutError):
-            future.cancel()
+            return self._link.ask(lambda c: lookup_present(c, raw), self.settings.lookup_deadline_s)
+        except (TierdError, OSError):
             return [False] * len(keys)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -209,12 +222,12 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Forward to the daemon's touch (one admission use per key); fire and forget."""
-        if keys:
+        if keys and not self._link.breaker.is_open:
             self._link.submit(self._touch([bytes(k) for k in keys]))
 
     async def _touch(self, keys: list[bytes]) -> None:
         with contextlib.suppress(TierdError, OSError):  # unreachable: nothing to touch
-            await self._link.run(lambda c: c.touch(keys))
+            await self._link.bounded(lambda c: c.touch(keys), self.settings.lookup_deadline_s)
 
     # -- jobs -------------------------------------------------------------------------
 
@@ -226,38 +239,68 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def _submit(self, job: TransferJob, *, is_load: bool) -> None:
         keys = tuple(job.keys)
-        row_ids = [int(c) for c in job.chunk_ids]
-        future = self._link.submit(self._run_job(job.job_id, keys, row_ids, is_load))
-        self._jobs[job.job_id] = _Pending(future, keys, is_load)
+        finished = threading.Event()
+        if self._link.breaker.is_open:  # fail at once: no hop to the link's thread
+            self._link.breaker.refused()
+            future: concurrent.futures.Future[_Done] = concurrent.futures.Future()
+            future.set_result(_Done(job.job_id, is_load, keys, 0.0, (), "breaker open"))
+            finished.set()
+        else:
+            row_ids = [int(c) for c in job.chunk_ids]
+            coro = self._run_job(job.job_id, keys, row_ids, is_load, finished)
+            future = self._link.submit(coro)
+        self._jobs[job.job_id] = _Pending(future, keys, is_load, finished)
 
     async def _run_job(
-        self, job_id: int, keys: tuple[OffloadKey, ...], row_ids: list[int], is_load: bool
+        self,
+        job_id: int,
+        keys: tuple[OffloadKey, ...],
+        row_ids: list[int],
+        is_load: bool,
+        finished: threading.Event,
     ) -> _Done:
         started = time.monotonic()
         raw = [bytes(k) for k in keys]
         outcome = LoadOutcome(())
         error: str | None = None
+        deadline = self.settings.job_deadline_s
         try:
-            async with asyncio.timeout(self._job_timeout_s):
-                if is_load:
-                    outcome = await self._link.run(lambda c: load_rows(c, raw, self._rows, row_ids))
-                    error = outcome.error
-                else:
-                    await self._link.run(lambda c: store_rows(c, raw, self._rows, row_ids))
-                    outcome = LoadOutcome(tuple(range(len(keys))))
+            if is_load:
+                outcome = await self._link.bounded(lambda c: self._load(c, raw, row_ids), deadline)
+                error = outcome.error
+            elif await self._link.bounded(lambda c: self._store(c, raw, row_ids), deadline):
+                outcome = LoadOutcome(tuple(range(len(keys))))
+            else:
+                error = "the daemon did not take every block (capacity)"
         except (TierdError, OSError) as exc:
             error = str(exc)
-        except TimeoutError:
-            error = f"no answer from the daemon within {self._job_timeout_s:g} s"
+        finally:
+            finished.set()  # no copy of this job touches vLLM's rows after this
         ok = tuple(keys[i] for i in outcome.loaded)
         return _Done(job_id, is_load, keys, time.monotonic() - started, ok, error)
+
+    async def _load(self, client: Client, keys: list[bytes], row_ids: list[int]) -> LoadOutcome:
+        """One region request per job (leases when the daemon has no regions)."""
+        if self._staged is not None:
+            loaded = await self._staged.load(client, keys, row_ids)
+            if loaded is not None:
+                return LoadOutcome(tuple(loaded))
+        return await load_rows(client, keys, self._rows, row_ids)
+
+    async def _store(self, client: Client, keys: list[bytes], row_ids: list[int]) -> bool:
+        """Whether the daemon holds every key now."""
+        if self._staged is not None:
+            held = await self._staged.store(client, keys, row_ids)
+            if held is not None:
+                return held
+        await store_rows(client, keys, self._rows, row_ids)
+        return True
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         finished = [job_id for job_id, p in self._jobs.items() if p.future.done()]
         results = [
             self._result(self._outcome(job_id, self._jobs.pop(job_id))) for job_id in finished
         ]
-        self._poll_stats()
         return results
 
     @staticmethod
@@ -274,18 +317,12 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def _result(self, done: _Done) -> JobResult:
         success = len(done.ok_keys) == len(done.keys)
-        metric = METRIC_LOADED if done.is_load else METRIC_STORED
-        self._counts[metric] += len(done.ok_keys)
+        self.report.job(done.is_load, done.keys, done.ok_keys)
         if not success:
-            self._counts[METRIC_FAILED] += 1
             log.debug("tierd job failed", job=done.job_id, error=done.error)
         if done.is_load and not success:
             ok = set(done.ok_keys)
             self._lookups.mark_miss([k for k in done.keys if k not in ok])
-        if not done.is_load and success and self._events is not None and done.keys:
-            self._events.append(
-                OffloadingEvent(keys=list(done.keys), medium=self.medium, removed=False)
-            )
         return JobResult(
             job_id=done.job_id,
             success=success,
@@ -298,18 +335,61 @@ class TierdSecondaryTier(SecondaryTierManager):
         return bool(self._jobs)
 
     def drain_jobs(self) -> None:
-        """Wait for every submitted job (each is bounded by its own timeout)."""
-        pending = [p.future for p in self._jobs.values()]
-        if pending:
-            concurrent.futures.wait(pending, timeout=self._job_timeout_s + 5.0)
+        """Wait for every submitted job; never on a daemon that does not answer.
+
+        Jobs still running after one lookup deadline are waited for only if the daemon
+        answers a ``health`` within a lookup deadline (else the breaker opens), and at
+        most one job deadline. The rest are cancelled; each stops at its next await (a
+        row copy is never cut), and this returns only once none of them runs.
+        """
+        pending = [p.future for p in self._jobs.values() if not p.future.done()]
+        if not pending:
+            return
+        lookup_s, job_s = self.settings.lookup_deadline_s, self.settings.job_deadline_s
+        _, pending_set = concurrent.futures.wait(pending, timeout=lookup_s)
+        if pending_set and self._daemon_answers():
+            _, pending_set = concurrent.futures.wait(pending_set, timeout=job_s)
+        for future in pending_set:
+            future.cancel()
+        for p in self._jobs.values():
+            if not p.finished.wait(_STOP_WAIT_S):
+                log.error("a tierd job did not stop", keys=len(p.keys))
+
+    def _daemon_answers(self) -> bool:
+        """Whether the daemon answers a ``health`` within a quarter of a job deadline
+        (longer than a lookup's: a busy link's loop may owe the answer a few ms)."""
+        try:
+            self._link.ask(lambda c: c.health(), self.settings.job_deadline_s / 4)
+        except DaemonError:
+            return True
+        except (TierdError, OSError):
+            return False
+        return True
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if not self._events:
-            return ()
-        events, self._events = self._events, []
-        return events
+        return self.report.take_events()
+
+    def _watch_events(self, client: Client) -> None:
+        """On each new connection (on the link's loop): follow the daemon's events. The
+        subscription goes out now, ahead of any job on the connection, so that no event
+        of this engine's blocks is missed (a removal of a block whose storing went
+        unseen would be taken for its last)."""
+        client.send("subscribe")
+        self._event_reader = asyncio.ensure_future(self._read_events(client))
+
+    async def _read_events(self, client: Client) -> None:
+        residency = self.report.residency
+        if residency is None:
+            return
+        with contextlib.suppress(TierdError, OSError):  # the connection ended: so do we
+            tiers = (await client.stats()).get("tiers", [])
+            if tiers:
+                residency.bottom = str(tiers[-1].get("name"))
+            async for push in client.events():
+                residency.on_push(push)
 
     def shutdown(self) -> None:
+        _LIVE.discard(self)
         self.drain_jobs()
         self._lookups.shutdown()
         self._link.close()
@@ -323,47 +403,11 @@ class TierdSecondaryTier(SecondaryTierManager):
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
-        return {
-            METRIC_STORED: OffloadingCounterMetadata("Blocks stored into tierd"),
-            METRIC_LOADED: OffloadingCounterMetadata("Blocks loaded from tierd"),
-            METRIC_FAILED: OffloadingCounterMetadata("tierd store/load jobs that failed"),
-            METRIC_CONNECTED: OffloadingGaugeMetadata("1 while the tierd daemon is connected"),
-            METRIC_USED: OffloadingGaugeMetadata("Blocks held per tierd tier", ("tierd_tier",)),
-            METRIC_HITS: OffloadingGaugeMetadata("Hits served per tierd tier", ("tierd_tier",)),
-        }
-
-    def _poll_stats(self) -> None:
-        """Take the daemon's figures fetched last time; ask again when due (never waits)."""
-        future = self._stats_future
-        if future is not None and future.done():
-            self._stats_future = None
-            if not future.cancelled() and future.exception() is None:
-                self._daemon_tiers = list(future.result().get("tiers", []))
-        now = time.monotonic()
-        if self._stats_future is None and now >= self._stats_due and self._link.connected:
-            self._stats_due = now + self._stats_interval_s
-            self._stats_future = self._link.submit(self._fetch_stats())
-
-    async def _fetch_stats(self) -> dict[str, Any]:
-        return await self._link.run(lambda c: c.stats())
+        return TierReport.definitions()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        stats = OffloadingConnectorStats()
-        for name, value in self._counts.items():
-            if value:
-                stats.increase_counter(name, value)
-            self._counts[name] = 0
-        stats.set_gauge(METRIC_CONNECTED, int(self._link.connected))
-        for tier in self._daemon_tiers:
-            name = str(tier.get("name"))
-            stats.set_gauge(METRIC_USED, int(tier.get("used", 0)), (name,))
-            stats.set_gauge(METRIC_HITS, int(tier.get("hits", 0)), (name,))
-        return stats
+        link = self._link
+        return self.report.stats(connected=link.connected, breaker_open=link.breaker.is_open)
 
     def config_info(self) -> dict[str, str | int | float | bool]:
         return {}
-
-
-def _events_enabled(offloading_spec: Any) -> bool:
-    events = getattr(offloading_spec, "kv_events_config", None)
-    return getattr(events, "enable_kv_cache_events", False) is True

@@ -1,0 +1,295 @@
+"""Pages/s and GB/s of SGLang's HiCache storage calls: tierd vs SGLang's ``file`` backend
+vs a plain memcpy of the same pages, in one run (medians of ``--reps``).
+
+Runs under .venv-sglang's python (scripts/setup_sglang)::
+
+    .venv-sglang/bin/python scripts/bench_sglang.py [--pages-per-call 64] [--reps 5]
+
+SGLang's real host pool (``MHATokenToKVPoolHost``, page_first, on CPU) and its own factory
+(``StorageBackendFactory``) build the backends; each call is what SGLang's storage threads
+make: ``batch_set_v1`` / ``batch_get_v1`` (tierd, ``interface_v1``), or for ``file`` the
+controller's generic path (``get_data_page`` + ``batch_set``; ``batch_get`` +
+``set_from_flat_data_page``). tierd runs as a real ``tierd serve`` twice: a CPU tier that
+holds every page, and a small CPU tier over a disk tier (so loads come from disk); each
+with and without the memfd hand-off (``"allocator": "shm"``). Every load is checked byte
+for byte. Figures go to docs/BENCHMARKS.md by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+# First: declares the two torchvision schemas SGLang's imports need on CPU (driver.py).
+from sglang_kit import driver  # noqa: E402
+
+torch = driver.torch
+GEOMETRY = {"page": 32, "layers": 8, "heads": 8, "head_dim": 128}  # 1 MiB pages, fp16
+
+
+def host_pool(pages: int, allocator: str) -> Any:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    g = GEOMETRY
+    device = MHATokenToKVPool(
+        64,
+        g["page"],
+        torch.float16,
+        g["heads"],
+        g["head_dim"],
+        g["layers"],
+        "cpu",
+        False,
+        start_layer=0,
+        end_layer=g["layers"],
+    )
+    info = device.get_device_pool_infos()[0].buffer_info
+    with host_memory_budget_scope(1 << 34):  # stated, as SGLang's launcher does per rank
+        return MHATokenToKVPoolHost(
+            info,
+            0,
+            0,
+            g["page"],
+            "page_first",
+            pin_memory=False,
+            device="cpu",
+            allocator_type=allocator,
+            device_capacity_tokens=64,
+            start_layer=0,
+            end_layer=g["layers"],
+            host_token_capacity=pages * g["page"],
+        )
+
+
+def storage_config(extra: dict[str, Any]) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="bench-model",
+        extra_config=extra,
+    )
+
+
+def start_daemon(workdir: Path, block: int, cpu: int, disk: int | None) -> tuple[Any, str]:
+    sock = tempfile.mkdtemp(prefix="tierd-bench-", dir="/tmp") + "/tierd.sock"
+    tiers = [f"  - {{name: cpu, kind: cpu, capacity: {cpu}}}"]
+    if disk:
+        directory = workdir / f"disk-{cpu}"
+        directory.mkdir(mode=0o700)
+        tiers.append(
+            f"  - {{name: disk, kind: disk, capacity: {disk}, directories: [{directory}]}}"
+        )
+    config = workdir / f"tierd-{cpu}.yaml"
+    config.write_text(
+        f"block_bytes: {block}\ntiers:\n" + "\n".join(tiers) + f"\nsocket: {{path: {sock}}}\n"
+        "limits: {lease_blocks_per_connection: '100%', lease_blocks_per_tenant: '100%'}\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierd", "serve", "-c", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not os.path.exists(sock):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"tierd serve did not start ({config})")
+        time.sleep(0.1)
+    time.sleep(0.5)
+    return proc, sock
+
+
+class Case:
+    """One backend over one host pool: a set and a get of ``n`` fresh pages per rep."""
+
+    def __init__(self, name: str, pool: Any, backend: Any, generic: bool) -> None:
+        self.name, self.pool, self.backend, self.generic = name, pool, backend, generic
+        self.page = GEOMETRY["page"]
+
+    def run(self, keys: list[str], indices: Any) -> tuple[float, float, bool]:
+        started = time.perf_counter()
+        stored = self._set(keys, indices)
+        set_s = time.perf_counter() - started
+        expected = pages_of(self.pool, indices, len(keys))
+        self.pool.kv_buffer.view(torch.uint8).zero_()
+        started = time.perf_counter()
+        loaded = self._get(keys, indices)
+        get_s = time.perf_counter() - started
+        ok = stored and loaded and pages_of(self.pool, indices, len(keys)) == expected
+        return set_s, get_s, bool(ok)
+
+    def _set(self, keys: list[str], indices: Any) -> bool:
+        if not self.generic:
+            return all(self.backend.batch_set_v1(keys, indices))
+        data = [self.pool.get_data_page(indices[i * self.page]) for i in range(len(keys))]
+        return bool(self.backend.batch_set(keys, data))
+
+    def _get(self, keys: list[str], indices: Any) -> bool:
+        if not self.generic:
+            return all(self.backend.batch_get_v1(keys, indices))
+        dummy = [self.pool.get_dummy_flat_data_page() for _ in keys]
+        pages = self.backend.batch_get(keys, dummy)
+        for i, page in enumerate(pages):
+            if page is None:
+                return False
+            self.pool.set_from_flat_data_page(indices[i * self.page], page)
+        return True
+
+
+def pages_of(pool: Any, indices: Any, n: int) -> list[bytes]:
+    """The bytes of ``n`` pages, as SGLang's host pool reads them out."""
+    page = GEOMETRY["page"]
+    return [
+        pool.get_data_page(indices[i * page], flat=True).view(torch.uint8).numpy().tobytes()
+        for i in range(n)
+    ]
+
+
+def memcpy_case(pool: Any, indices: Any, n: int) -> tuple[float, float]:
+    """The same pages copied out of the pool and back in, piece by piece (numpy)."""
+    pointers, sizes = pool.get_page_buffer_meta(indices)
+    base = pool.kv_buffer.data_ptr()
+    memory = pool.kv_buffer.view(torch.uint8).numpy().reshape(-1)
+    out = bytearray(sum(sizes))
+    view = memoryview(out)
+    started = time.perf_counter()
+    at = 0
+    for ptr, size in zip(pointers, sizes, strict=True):
+        view[at : at + size] = memory[ptr - base : ptr - base + size].data
+        at += size
+    out_s = time.perf_counter() - started
+    started = time.perf_counter()
+    at = 0
+    for ptr, size in zip(pointers, sizes, strict=True):
+        memory[ptr - base : ptr - base + size] = memoryview(out)[at : at + size]
+        at += size
+    return out_s, time.perf_counter() - started
+
+
+def fill(pool: Any) -> None:
+    generator = torch.Generator().manual_seed(1)
+    pool.kv_buffer.view(torch.uint8).copy_(
+        torch.randint(
+            0, 256, pool.kv_buffer.view(torch.uint8).shape, dtype=torch.uint8, generator=generator
+        )
+    )
+
+
+def measure(case: Case | None, pool: Any, n: int, reps: int, tag: str) -> dict[str, Any]:
+    indices = pool.alloc(n * GEOMETRY["page"])
+    sets, gets, ok = [], [], True
+    for _rep in range(reps):
+        fill(pool)
+        if case is None:
+            set_s, get_s = memcpy_case(pool, indices, n)
+        else:
+            keys = [os.urandom(32).hex() for _ in range(n)]
+            set_s, get_s, good = case.run(keys, indices)
+            ok = ok and good
+        sets.append(set_s)
+        gets.append(get_s)
+    pool.free(indices)
+    nbytes = n * pool.get_size_per_token() * GEOMETRY["page"]
+    row = {"case": tag, "ok": ok}
+    for op, times in (("set", sets), ("get", gets)):
+        median = statistics.median(times)
+        row[f"{op}_pages_s"] = n / median
+        row[f"{op}_gb_s"] = nbytes / median / 1e9
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pages-per-call", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    n, reps = args.pages_per_call, args.reps
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    rows: list[dict[str, Any]] = []
+    pools = {alloc: host_pool(n + 1, alloc) for alloc in ("default", "shm")}
+    block = pools["default"].get_size_per_token() * GEOMETRY["page"]
+    extra = {
+        "backend_name": "tierd",
+        "module_path": "tierd.integrations.sglang",
+        "class_name": "TierdHiCache",
+        "interface_v1": 1,
+    }
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TIERD_BENCH_DIR")) as tmp:
+        work = Path(tmp)
+        rows.append(measure(None, pools["default"], n, reps, "memcpy (numpy, same pages)"))
+        file_backend = StorageBackendFactory.create_backend(
+            "file", storage_config({"file_storage_path": str(work / "file")}), pools["default"]
+        )
+        file_backend.register_mem_pool_host(pools["default"])
+        rows.append(
+            measure(
+                Case("file", pools["default"], file_backend, True),
+                pools["default"],
+                n,
+                reps,
+                "SGLang file backend",
+            )
+        )
+        for label, cpu, disk in (("cpu tier", reps * n + n, None), ("disk tier", 4, reps * n + n)):
+            proc, sock = start_daemon(work, block, cpu, disk)
+            try:
+                for alloc in ("default", "shm"):
+                    backend = StorageBackendFactory.create_backend(
+                        "dynamic",
+                        storage_config({**extra, "socket": sock, "job_deadline_s": 60}),
+                        pools[alloc],
+                    )
+                    backend.register_mem_pool_host(pools[alloc])
+                    how = "memfd hand-off" if alloc == "shm" else "lease copies"
+                    rows.append(
+                        measure(
+                            Case("tierd", pools[alloc], backend, False),
+                            pools[alloc],
+                            n,
+                            reps,
+                            f"tierd {label}, {how}",
+                        )
+                    )
+                    backend.close()
+            finally:
+                proc.terminate()
+                proc.wait(60)
+    mib = block / 2**20
+    print(
+        f"pages of {mib:g} MiB, {n} pages per call, median of {reps}; set = batch_set_v1, "
+        "get = batch_get_v1 (file: the generic batch_set/batch_get path)\n"
+    )
+    print("| case | set pages/s | set GB/s | get pages/s | get GB/s | bytes checked |")
+    print("|---|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(
+            f"| {r['case']} | {r['set_pages_s']:.0f} | {r['set_gb_s']:.2f} | "
+            f"{r['get_pages_s']:.0f} | {r['get_gb_s']:.2f} | {'yes' if r['ok'] else 'NO'} |"
+        )
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "bench"
+    main()

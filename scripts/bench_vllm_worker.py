@@ -1,0 +1,81 @@
+"""One vLLM engine for scripts/bench_vllm.py, driven by JSON lines on stdin.
+
+Run with the vLLM venv's python, ``tests/e2e_vllm`` and the repository on PYTHONPATH::
+
+    bench_vllm_worker.py MODEL --kind plain|fs|tierd [--socket S] [--fs-root D]
+                         [--block-tokens N] [--cpu-bytes B] [--max-model-len L]
+
+It prints ``{"ready": true}`` once the engine is built, then answers each command with
+one JSON line:
+
+- ``{"op": "gen", "prompts": [[ids...], ...]}``: one ``generate`` of every prompt with one
+  output token (the prefill: TTFT); ``{"seconds", "cached": [num_cached_tokens, ...]}``;
+- ``{"op": "reset"}``: ``reset_prefix_cache(reset_connector=True)`` (vLLM's prefix cache
+  and its CPU tier emptied; secondary tiers kept); ``{"seconds", "ok"}``;
+- ``{"op": "quit"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--kind", choices=("plain", "fs", "tierd"), required=True)
+    parser.add_argument("--socket")
+    parser.add_argument("--fs-root")
+    parser.add_argument("--block-tokens", type=int, default=32)
+    parser.add_argument("--cpu-bytes", type=int, default=256 << 20)
+    parser.add_argument("--max-model-len", type=int, default=2176)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM logs to stdout otherwise
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import run_engine
+    from vllm import SamplingParams, TokensPrompt
+
+    options = argparse.Namespace(
+        model=args.model,
+        socket=args.socket if args.kind == "tierd" else None,
+        fs_root=args.fs_root if args.kind == "fs" else None,
+        plain=args.kind == "plain",
+        namespace=None,
+        cpu_bytes=args.cpu_bytes,
+        max_model_len=args.max_model_len,
+        block_tokens=args.block_tokens,
+    )
+    llm = run_engine.engine(options)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    out = sys.stdout
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        command: dict[str, Any] = json.loads(line)
+        op = command["op"]
+        if op == "quit":
+            break
+        start = time.perf_counter()
+        if op == "gen":
+            prompts = [TokensPrompt(prompt_token_ids=ids) for ids in command["prompts"]]
+            results = llm.generate(prompts, params, use_tqdm=False)
+            answer: dict[str, Any] = {"cached": [r.num_cached_tokens for r in results]}
+        elif op == "reset":
+            answer = {"ok": bool(llm.reset_prefix_cache(reset_connector=True))}
+        else:
+            answer = {"error": f"unknown op {op!r}"}
+        answer["seconds"] = time.perf_counter() - start
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

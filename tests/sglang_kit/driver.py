@@ -1,0 +1,330 @@
+"""One SGLang "engine" for the tests of tierd.integrations.sglang: SGLang's real host
+pool and HiCacheController on CPU, driven by JSON commands on stdin.
+
+Run with .venv-sglang's python (scripts/setup_sglang); one JSON command per line on
+stdin, one JSON answer per line on stdout. ``{"op": "open", "engine": NAME, "spec":
+{...}}`` builds an engine (its pools and controller; tests/sglang_kit/engines.py writes
+the specs); the other commands name the engine they address:
+
+- ``{"op": "write", "seed": 1, "pages": 16}``: fill host pages with the bytes of
+  ``seed`` and back them up through ``HiCacheController.write_storage`` (SGLang's backup
+  thread, ``_page_backup``, the backend's ``batch_set_v1``); answers the pages stored.
+- ``{"op": "read", "seed": 1, "pages": 16}``: ``HiCacheController.prefetch`` (SGLang's
+  prefetch thread, ``_storage_hit_query``, the backend's ``batch_exists``), the
+  scheduler's step (host buffers for the hit), then SGLang's ``_page_transfer`` (the
+  backend's ``batch_get_v1``); answers hit and loaded pages and compares every loaded
+  page with the bytes of ``seed``.
+- ``{"op": "stats"}``, ``{"op": "quit"}``.
+
+What is not SGLang's here: the device-side allocator is a two-method holder of the CPU
+device pool (``get_kvcache``), and the scheduler step between the hit query and the
+transfer (SGLang's radix cache does it) is the few lines of ``_schedule``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import random
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+
+# torchvision's CUDA-only wheel (the one the index serves for torch 2.13) registers fake
+# kernels for two operators its missing native library would define; SGLang imports
+# torchvision only for multimodal configs. Declaring the two schemas lets it import.
+_TORCHVISION_OPS = torch.library.Library("torchvision", "DEF")
+_TORCHVISION_OPS.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+_TORCHVISION_OPS.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+
+from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
+
+ANSWER_TAG = "@@answer "
+HOST_BUDGET_BYTES = 1 << 30  # the test pools take a few MiB
+WAIT_S = 60.0  # safety net for SGLang's queues (its threads poll them every second)
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class ErrorCount(logging.Handler):
+    """Counts what SGLang's controller logs at ERROR: an exception a backend raised into
+    SGLang's storage threads is caught there and logged so."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.count = 0
+        self.last: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+        self.last = record.getMessage()
+
+
+ERRORS = ErrorCount()
+
+
+class DeviceAllocator:
+    """What HiCacheController asks of SGLang's device allocator on this path."""
+
+    def __init__(self, kvcache: Any) -> None:
+        self._kvcache = kvcache
+
+    def get_kvcache(self) -> Any:
+        return self._kvcache
+
+    def set_hicache_transfer_done_event(self, *args: Any) -> None:
+        return None
+
+
+def build(spec: dict[str, Any]) -> tuple[HiCacheController, Any]:
+    """SGLang's device pool, host pool and controller for ``spec``."""
+    get_parallel().override_permanently(
+        tp_rank=spec.get("tp_rank", 0),
+        tp_size=spec.get("tp_size", 1),
+        pp_rank=0,
+        pp_size=1,
+        attn_dcp_size=1,
+        attn_dcp_rank=0,
+    )
+    page, layers, dtype = spec["page"], spec["layers"], DTYPES[spec.get("dtype", "float16")]
+    tokens = spec.get("device_tokens", 256)
+    common = {
+        "pin_memory": False,
+        "device": "cpu",
+        "allocator_type": spec.get("allocator", "default"),
+        "device_capacity_tokens": tokens,
+        "start_layer": 0,
+        "end_layer": layers,
+    }
+    # The budget SGLang's launcher states per rank; unstated, SGLang samples the free
+    # memory of the whole machine less a fixed reserve, which a busy CI box may not have.
+    with host_memory_budget_scope(HOST_BUDGET_BYTES):
+        if spec.get("mla"):
+            device = MLATokenToKVPool(
+                tokens, page, dtype, spec["lora"], spec["rope"], layers, "cpu", False
+            )
+            info = device.get_device_pool_infos()[0].buffer_info
+            host = MLATokenToKVPoolHost(
+                info,
+                0,
+                0,
+                page,
+                spec["layout"],
+                target_layer_num=layers,
+                host_token_capacity=spec["host_pages"] * page,
+                **common,
+            )
+        else:
+            device = MHATokenToKVPool(
+                tokens,
+                page,
+                dtype,
+                spec["heads"],
+                spec["head_dim"],
+                layers,
+                "cpu",
+                False,
+                start_layer=0,
+                end_layer=layers,
+            )
+            info = device.get_device_pool_infos()[0].buffer_info
+            host = MHATokenToKVPoolHost(
+                info,
+                0,
+                0,
+                page,
+                spec["layout"],
+                host_token_capacity=spec["host_pages"] * page,
+                **common,
+            )
+    extra = dict(spec.get("extra", {}))
+    controller = HiCacheController(
+        DeviceAllocator(device),
+        host,
+        page,
+        None,
+        threading.Event(),
+        storage_backend=spec["backend"],
+        model_name=spec.get("model", "tiny-model"),
+        storage_backend_extra_config=extra,
+        prefetch_threshold=page,
+    )
+    return controller, host
+
+
+def tokens_of(seed: int, pages: int, page: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 32000) for _ in range(pages * page)]
+
+
+def page_bytes(seed: int, i: int, size: int) -> bytes:
+    """The bytes of page ``i`` of ``seed``'s sequence: the same in every process."""
+    out = bytearray()
+    counter = 0
+    while len(out) < size:
+        out += hashlib.sha256(f"{seed}/{i}/{counter}".encode()).digest()
+        counter += 1
+    return bytes(out[:size])
+
+
+class Engine:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.cc, self.host = build(spec)
+        self.page = spec["page"]
+        self.flat = self.host.get_dummy_flat_data_page()
+        self.size = self.flat.numel() * self.flat.element_size()
+        self.requests = 0
+
+    def fill(self, seed: int, indices: torch.Tensor, pages: int) -> None:
+        for i in range(pages):
+            data = torch.frombuffer(bytearray(page_bytes(seed, i, self.size)), dtype=torch.uint8)
+            self.host.set_from_flat_data_page(
+                int(indices[i * self.page]), data.view(self.flat.dtype)
+            )
+
+    def write(self, seed: int, pages: int) -> dict[str, Any]:
+        indices = self.host.alloc(pages * self.page)
+        self.fill(seed, indices, pages)
+        tokens = tokens_of(seed, pages, self.page)
+        hashes = get_storage_hash_str(tokens, None, page_size=self.page)
+        started = time.monotonic()
+        op_id = self.cc.write_storage(indices, tokens, hash_value=hashes)
+        op = self.cc.ack_backup_queue.get(timeout=WAIT_S)
+        if op.id != op_id:
+            raise RuntimeError(f"backup ack for {op.id}, not {op_id}")
+        self.host.free(indices)
+        return {
+            "stored_pages": op.completed_tokens // self.page,
+            "took_s": time.monotonic() - started,
+        }
+
+    def read(self, seed: int, pages: int) -> dict[str, Any]:
+        self.requests += 1
+        tokens = tokens_of(seed, pages, self.page)
+        started = time.monotonic()
+        op = self.cc.prefetch(f"req-{self.requests}", tokens)
+        hit = self.cc.prefetch_hit_queue.get(timeout=WAIT_S)
+        if hit is not op:
+            raise RuntimeError("prefetch hit for another operation")
+        hit_pages = op.storage_hit_count // self.page
+        answer = {"hit_pages": hit_pages, "loaded_pages": 0, "identical": 0, "digests": []}
+        if hit_pages:
+            loaded = self._schedule(op, hit_pages)
+            answer.update(self._compare(seed, op.host_indices, loaded))
+            self.host.free(op.host_indices)
+        answer["took_s"] = time.monotonic() - started
+        return answer
+
+    def _schedule(self, op: Any, hit_pages: int) -> int:
+        """The scheduler's part (SGLang's radix cache): host buffers for the hit, then the
+        transfer by SGLang's prefetch I/O thread; returns the pages loaded."""
+        op.host_indices = self.cc.alloc_prefetch_host_buffers(op, hit_pages * self.page)
+        self.host.kv_buffer.view(torch.uint8).zero_()  # nothing stale can pass for a load
+        self.cc.prefetch_buffer.put(op)
+        completed = 0
+        while True:
+            ack = self.cc.ack_prefetch_queue.get(timeout=WAIT_S)
+            if ack.completed_tokens is not None:
+                completed = ack.completed_tokens
+            if ack.completed_req:
+                return completed // self.page
+
+    def _compare(self, seed: int, indices: torch.Tensor, loaded: int) -> dict[str, Any]:
+        identical, digests = 0, []
+        for i in range(loaded):
+            got = self.host.get_data_page(int(indices[i * self.page]), flat=True)
+            raw = got.contiguous().view(torch.uint8).numpy().tobytes()
+            identical += raw == page_bytes(seed, i, self.size)
+            digests.append(hashlib.sha256(raw).hexdigest()[:16])
+        return {"loaded_pages": loaded, "identical": identical, "digests": digests}
+
+    def stats(self) -> dict[str, Any]:
+        backend = self.cc.storage_backend
+        inner = getattr(backend, "_backend", backend)  # SGLang's failure injector wraps it
+        return {
+            "backend": type(backend).__name__,
+            "namespace": getattr(inner, "namespace", None),
+            "page_bytes": self.size,
+            "totals": dict(getattr(getattr(inner, "counters", None), "totals", {}) or {}),
+            "memfd": bool(getattr(getattr(inner, "_jobs", None), "zero_copy", False)),
+            "sglang_errors": ERRORS.count,
+            "last_error": ERRORS.last,
+        }
+
+
+def serve(engines: dict[str, Engine], command: dict[str, Any]) -> dict[str, Any]:
+    """One command; SGLang's own exceptions propagate (the caller reports them)."""
+    op, name = command["op"], command.get("engine", "main")
+    if op == "open":
+        spec = command["spec"]
+        env = dict(spec.get("env", {}))  # SGLang reads its injector's variables at attach
+        os.environ.update(env)
+        try:
+            engines[name] = Engine(spec)
+        except Exception as exc:  # a refused start-up is what some tests look for
+            return {"refused": f"{type(exc).__name__}: {exc}"}
+        finally:
+            for key in env:
+                os.environ.pop(key, None)
+        return {"ready": True, **engines[name].stats()}
+    engine = engines[name]
+    if op == "write":
+        return engine.write(command["seed"], command["pages"])
+    if op == "read":
+        return engine.read(command["seed"], command["pages"])
+    if op == "close":
+        engine.cc.detach_storage_backend()
+        del engines[name]
+        return {"closed": name}
+    return engine.stats()
+
+
+def answer(reply: dict[str, Any]) -> None:
+    """One answer line; tagged, since loggers may print on stdout too."""
+    print(ANSWER_TAG + json.dumps(reply), flush=True)
+
+
+def main() -> None:
+    """Engines by name (``open``), then commands on them until ``quit`` or end of input."""
+    if sys.argv[1:] == ["--check"]:  # scripts/setup_sglang: does everything import?
+        import sglang.srt.mem_cache.storage.backend_factory  # noqa: F401
+
+        import tierd.integrations.sglang  # noqa: F401
+
+        print("SGLang's HiCache stack and tierd.integrations.sglang import")
+        return
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.getLogger("sglang").addHandler(ERRORS)
+    engines: dict[str, Engine] = {}
+    answer({"started": True})
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["op"] == "quit":
+            break
+        try:
+            reply = serve(engines, command)
+        except queue.Empty:
+            reply = {"error": "SGLang's queue gave nothing within the safety deadline"}
+        except Exception as exc:
+            traceback.print_exc()
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        answer(reply)
+    for engine in engines.values():
+        engine.cc.detach_storage_backend()
+
+
+if __name__ == "__main__":
+    main()

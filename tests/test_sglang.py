@@ -1,0 +1,257 @@
+"""tierd under SGLang's own HiCache code (issue 25): real ``tierd serve`` processes, SGLang's
+real host pools and HiCacheController on CPU, in two engine processes.
+
+Each engine is a process of .venv-sglang's python (tests/sglang_kit/driver.py): SGLang's
+``StorageBackendFactory`` loads ``TierdHiCache`` from the documented extra-config JSON, and
+pages move only through the controller's own backup, hit-query and transfer threads.
+Every loaded page is compared, byte for byte, with what the writer process put there.
+The time bounds asserted are liveness bounds (many times the configured deadline).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_daemon_lifecycle
+from sglang_kit.engines import Engines, file_spec, missing_reason, page_bytes, tierd_spec
+
+from tierd.client import Client
+from tierd.testing import daemon_config
+
+REASON = missing_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+spawn = test_daemon_lifecycle.spawn
+
+PAGES = 24
+BLOCK = page_bytes()  # 768: one page_first / layer_first page of the MHA geometry
+MLA = {"mla": True, "lora": 24, "rope": 8}  # (24 + 8) x 3 layers x 2 B x 4 tokens = 768
+FAST = {"lookup_deadline_s": 0.2, "job_deadline_s": 0.5}
+LIVENESS_S = 30.0  # a call on a stopped daemon returns long before this (it used to hang)
+
+
+@pytest.fixture(scope="module")
+def pair() -> Any:
+    """Two engine processes, ``a`` and ``b``, for the whole module (SGLang imports once)."""
+    a, b = Engines(), Engines()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def config(tmp_path: Path, **over: Any) -> dict[str, Any]:
+    return daemon_config(
+        tmp_path, block_bytes=BLOCK, **{"cpu_blocks": 64, "disk_blocks": 256, **over}
+    )
+
+
+def loaded_all(answer: dict[str, Any], pages: int) -> bool:
+    return answer["hit_pages"] == answer["loaded_pages"] == answer["identical"] == pages
+
+
+def eventually_loaded(engines: Engines, name: str, seed: int, tries: int = 20) -> bool:
+    """Whether a read of ``seed``'s pages loads them all within ``tries`` reads (a bounded
+    count, no sleep: each read is SGLang's own prefetch); every page loaded on the way must
+    be right."""
+    for _ in range(tries):
+        answer = engines.read(name, seed=seed, pages=PAGES)
+        assert answer["identical"] == answer["loaded_pages"]
+        if loaded_all(answer, PAGES):
+            return True
+    return False
+
+
+async def daemon_stats(socket_path: str) -> dict[str, Any]:
+    client = await Client.connect(socket_path)
+    try:
+        return await client.stats()
+    finally:
+        await client.close()
+
+
+async def test_two_engines_share_pages_byte_for_byte_in_every_layout_and_allocator(
+    tmp_path: Path, spawn: Any, pair: Any
+) -> None:
+    a, b = pair
+    daemon = await spawn(config(tmp_path))
+    sock = daemon.socket_path
+    opened = {
+        ("a", "pf"): a.open("pf", tierd_spec(sock)),
+        ("b", "pf"): b.open("pf", tierd_spec(sock, allocator="shm")),
+        ("a", "lf"): a.open("lf", tierd_spec(sock, layout="layer_first", allocator="shm")),
+        ("b", "lf"): b.open("lf", tierd_spec(sock, layout="layer_first")),
+    }
+    for info in opened.values():
+        assert info["backend"] == "TierdHiCache", info
+        assert info["namespace"].startswith("sglang/tiny-model/")
+    assert [opened[k]["memfd"] for k in opened] == [False, True, True, False]
+    # The allocator moves the same bytes; the layout changes them: its own namespace.
+    assert opened[("a", "pf")]["namespace"] == opened[("b", "pf")]["namespace"]
+    assert opened[("a", "lf")]["namespace"] == opened[("b", "lf")]["namespace"]
+    assert opened[("a", "pf")]["namespace"] != opened[("a", "lf")]["namespace"]
+
+    # Lease copies in one process, the memfd hand-off in the other, both ways.
+    assert a.write("pf", seed=1, pages=PAGES)["stored_pages"] == PAGES
+    assert loaded_all(b.read("pf", seed=1, pages=PAGES + 4), PAGES)
+    assert b.write("pf", seed=3, pages=PAGES)["stored_pages"] == PAGES
+    assert loaded_all(a.read("pf", seed=3, pages=PAGES), PAGES)
+    assert a.write("lf", seed=2, pages=PAGES)["stored_pages"] == PAGES
+    assert loaded_all(b.read("lf", seed=2, pages=PAGES), PAGES)
+    # layer_first bytes never load into a page_first pool.
+    assert b.read("pf", seed=2, pages=PAGES)["hit_pages"] == 0
+
+    # `tierd stop` and a new daemon: the pages come back from its disk tier (the memfd
+    # region is registered again on the new connection).
+    assert await daemon.stop() == 0
+    daemon = await spawn(config(tmp_path, socket={"path": sock}))
+    assert eventually_loaded(b, "pf", seed=1)  # the first lookup may spend its deadline
+    assert eventually_loaded(a, "pf", seed=3)  # reconnecting: a miss, then hits
+    assert eventually_loaded(a, "lf", seed=2)
+    stats = await daemon_stats(sock)
+    disk = next(t for t in stats["tiers"] if t["medium"] == "DISK")
+    assert disk["hits"] >= 3 * PAGES
+    for engines, name in [(a, "pf"), (a, "lf"), (b, "pf"), (b, "lf")]:
+        assert engines.stats(name)["sglang_errors"] == 0
+        engines.ask("close", name)
+
+
+async def test_namespaces_mla_writer_rank_and_other_shapes(
+    tmp_path: Path, spawn: Any, pair: Any
+) -> None:
+    a, b = pair
+    daemon = await spawn(config(tmp_path))
+    sock = daemon.socket_path
+    # MLA: ranks hold the same pages, so they share a namespace; rank 1 never writes.
+    r1 = a.open("mla1", tierd_spec(sock, tp_rank=1, tp_size=2, **MLA))
+    r0 = b.open("mla0", tierd_spec(sock, tp_rank=0, tp_size=2, allocator="shm", **MLA))
+    assert r1["namespace"] == r0["namespace"] and r0["page_bytes"] == BLOCK
+    assert a.write("mla1", seed=5, pages=PAGES)["stored_pages"] == 0  # SGLang skips it
+    assert b.read("mla0", seed=5, pages=PAGES)["hit_pages"] == 0
+    assert b.write("mla0", seed=6, pages=PAGES)["stored_pages"] == PAGES
+    assert loaded_all(a.read("mla1", seed=6, pages=PAGES), PAGES)
+
+    # Another model, or another rank of a sharded (MHA) model: no hit.
+    a.open("mha", tierd_spec(sock))
+    assert a.write("mha", seed=7, pages=8)["stored_pages"] == 8
+    # SGLang's generic calls (no interface_v1: get/set/batch_get/batch_set, a page copied
+    # through a flat tensor) lay a block out otherwise: their own namespace.
+    b.open("generic", tierd_spec(sock, extra={"interface_v1": 0}))
+    a.open("generic", tierd_spec(sock, extra={"interface_v1": 0}))
+    assert b.read("generic", seed=7, pages=8)["hit_pages"] == 0
+    assert b.write("generic", seed=8, pages=8)["stored_pages"] == 8
+    assert loaded_all(a.read("generic", seed=8, pages=8), 8)
+    assert a.read("mha", seed=8, pages=8)["hit_pages"] == 0
+    a.ask("close", "generic")
+    other = b.open("other", tierd_spec(sock, model="other-model"))
+    rank1 = b.open("rank1", tierd_spec(sock, tp_rank=1, tp_size=2))
+    user = b.open("named", tierd_spec(sock, extra={"namespace": "team-a"}))
+    names = {other["namespace"], rank1["namespace"], user["namespace"]}
+    assert len(names) == 3 and a.stats("mha")["namespace"] not in names
+    assert user["namespace"].startswith("sglang/tiny-model/")
+    for name in ("other", "rank1", "named"):
+        assert b.read(name, seed=7, pages=8)["hit_pages"] == 0
+    # Another shape: one page is no longer block_bytes; SGLang refuses to start, saying why.
+    refused = b.open("wide", tierd_spec(sock, heads=4))
+    assert f"block_bytes: {page_bytes({'heads': 4})}" in refused["refused"]
+    for engines, name in [(a, "mla1"), (a, "mha"), (b, "mla0"), (b, "other")]:
+        assert engines.stats(name)["sglang_errors"] == 0
+        engines.ask("close", name)
+    for name in ("rank1", "named", "generic"):
+        b.ask("close", name)
+    assert daemon.proc.poll() is None
+
+
+async def test_a_stopped_or_killed_daemon_costs_a_deadline_and_sglang_never_sees_an_error(
+    tmp_path: Path, spawn: Any, pair: Any
+) -> None:
+    a, _ = pair
+    daemon = await spawn(config(tmp_path))
+    sock = daemon.socket_path
+    a.open("f", tierd_spec(sock, allocator="shm", extra=FAST))
+    assert a.write("f", seed=11, pages=PAGES)["stored_pages"] == PAGES
+    daemon.signal(signal.SIGSTOP)
+    try:
+        stored = a.write("f", seed=12, pages=PAGES)
+        missed = a.read("f", seed=11, pages=PAGES)
+        again = a.read("f", seed=11, pages=PAGES)  # the breaker answers at once now
+    finally:
+        daemon.signal(signal.SIGCONT)
+    assert stored["stored_pages"] < PAGES and stored["took_s"] < LIVENESS_S
+    assert missed["hit_pages"] == 0 and missed["took_s"] < LIVENESS_S
+    assert again["hit_pages"] == 0 and again["took_s"] < LIVENESS_S
+    # Back: the breaker's probe closes it; a bounded number of tries.
+    assert eventually_loaded(a, "f", seed=11, tries=40)
+
+    daemon.signal(signal.SIGKILL)
+    await daemon.wait()
+    assert a.write("f", seed=13, pages=PAGES)["stored_pages"] == 0
+    assert a.read("f", seed=11, pages=PAGES)["hit_pages"] == 0
+    daemon = await spawn(config(tmp_path, socket={"path": sock}))
+    stored = [a.write("f", seed=14, pages=PAGES)["stored_pages"] for _ in range(40)]
+    assert PAGES in stored
+    assert loaded_all(a.read("f", seed=14, pages=PAGES), PAGES)
+    stats = a.stats("f")
+    assert stats["sglang_errors"] == 0, stats["last_error"]
+    assert stats["totals"]["failed_calls"] > 0
+    a.ask("close", "f")
+
+
+async def test_under_sglangs_failure_injector_every_loaded_page_is_right(
+    tmp_path: Path, spawn: Any, pair: Any
+) -> None:
+    _, b = pair
+    daemon = await spawn(config(tmp_path))
+    env = {
+        "SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE": "0.3",
+        "SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY": "0.01",
+    }
+    info = b.open("inj", tierd_spec(daemon.socket_path, allocator="shm", env=env))
+    assert info["backend"] == "HiCacheStorageFailureInjector"
+    loaded = 0
+    for seed in range(20, 30):
+        b.write("inj", seed=seed, pages=8)
+        answer = b.read("inj", seed=seed, pages=8)
+        assert answer["identical"] == answer["loaded_pages"] <= answer["hit_pages"] <= 8
+        loaded += answer["loaded_pages"]
+    assert loaded > 0
+    assert b.stats("inj")["sglang_errors"] == 0
+    b.ask("close", "inj")
+
+
+async def test_same_hits_as_sglangs_file_backend_and_a_bound_file_does_not_keep(
+    tmp_path: Path, spawn: Any, pair: Any
+) -> None:
+    a, _ = pair
+    daemon = await spawn(config(tmp_path, cpu_blocks=16, disk_blocks=32))
+    files = tmp_path / "hicache-file"
+    a.open("file", file_spec(files))
+    a.open("tierd", tierd_spec(daemon.socket_path))
+    script = [("write", 40, 8), ("read", 40, 8), ("read", 41, 8), ("write", 42, 4)]
+    script += [("read", 42, 8), ("read", 40, 4)]
+    results = {}
+    for backend in ("file", "tierd"):
+        results[backend] = [
+            a.ask(op, backend, seed=seed, pages=pages) for op, seed, pages in script
+        ]
+    for f, t in zip(results["file"], results["tierd"], strict=True):
+        assert f.get("stored_pages") == t.get("stored_pages")
+        assert f.get("hit_pages") == t.get("hit_pages")
+        assert f.get("identical") == t.get("identical")
+    assert [r.get("hit_pages") for r in results["tierd"]] == [None, 8, 0, None, 4, 4]
+
+    # A working set of 100 pages against 48 blocks of capacity.
+    for seed in range(50, 60):
+        for backend in ("file", "tierd"):
+            assert a.write(backend, seed=seed, pages=10)["stored_pages"] == 10
+    stats = await daemon_stats(daemon.socket_path)
+    assert sum(t["used"] for t in stats["tiers"]) <= 16 + 32
+    pages_on_file = [n for n in os.listdir(files) if n.endswith(".bin")]
+    assert len(pages_on_file) >= 100 + 12  # SGLang's file backend keeps every page
+    assert loaded_all(a.read("tierd", seed=59, pages=10), 10)
+    assert a.read("tierd", seed=50, pages=10)["hit_pages"] < 10  # evicted: a bound
+    for backend in ("file", "tierd"):
+        assert a.stats(backend)["sglang_errors"] == 0
+        a.ask("close", backend)

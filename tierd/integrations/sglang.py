@@ -1,0 +1,332 @@
+"""tierd as SGLang's HiCache storage backend (L3), for SGLang 0.5.23.
+
+SGLang loads the class by module path (``docs/sglang.md`` has the flags to paste)::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "tierd",
+        "module_path": "tierd.integrations.sglang", "class_name": "TierdHiCache",
+        "interface_v1": 1, "socket": "/run/user/1000/tierd.sock"}'
+
+SGLang calls a backend synchronously from its storage threads (prefetch and backup).
+Every call here waits on the daemon at most a short deadline (``lookup_deadline_s`` for
+``batch_exists``, ``job_deadline_s`` for the rest), then answers a miss or a failed set;
+after repeated failures a breaker answers at once until the daemon is back
+(:class:`~tierd.integrations.link.DaemonLink`). No call raises into SGLang, and a page is
+only reported loaded when its bytes are the daemon's bytes for that key.
+
+This module needs SGLang (``scripts/setup_sglang``); nothing else in tierd imports it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolTransferResult,
+)
+
+from tierd.client import DaemonError, UntrustedDaemon
+from tierd.config import default_socket_path
+from tierd.errors import TierdError
+from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
+from tierd.integrations.sglang_jobs import PageJobs
+from tierd.integrations.sglang_pages import (
+    PageGeometry,
+    UnsupportedPool,
+    derive_namespace,
+    page_facts,
+    page_key,
+)
+from tierd.integrations.sglang_stats import Counters, tensor_bytes
+from tierd.logs import get_logger
+
+__all__ = ["SglangSettings", "TierdHiCache", "UnsupportedPool"]
+
+log = get_logger("tierd.integrations.sglang")
+T = TypeVar("T")
+
+# Keys of the extra config that SGLang itself reads; they are not ours to check.
+_SGLANG_KEYS = frozenset(
+    {"backend_name", "module_path", "class_name", "interface_v1", "allocator", "tp_lcm_size"}
+)
+_TRANSIENT = frozenset({"busy", "shutting_down"})
+
+
+@dataclass(frozen=True, slots=True)
+class SglangSettings:
+    """The backend's keys of ``--hicache-storage-backend-extra-config``."""
+
+    socket: str | None = None
+    namespace: str | None = None  # adds to the derived digest, never replaces it
+    lookup_deadline_s: float = 0.1
+    job_deadline_s: float = 2.0
+    breaker_failures: int = 3
+    connect_timeout_s: float = 5.0
+    reconnect_max_s: float = 10.0
+    server_uids: tuple[int, ...] = ()
+    zero_copy: bool = True  # hand the host pool's memfd to the daemon when there is one
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> SglangSettings:
+        ours = {k: v for k, v in (extra or {}).items() if k not in _SGLANG_KEYS}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(ours) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown keys in tierd's HiCache extra config: {unknown} (known: "
+                f"{sorted(known)}; see docs/sglang.md)"
+            )
+        if "server_uids" in ours:
+            ours["server_uids"] = tuple(int(uid) for uid in ours["server_uids"])
+        for name in ("lookup_deadline_s", "job_deadline_s", "connect_timeout_s"):
+            if name in ours and not float(ours[name]) > 0:
+                raise ValueError(f"tierd's HiCache extra config: {name} must be > 0")
+        return cls(**ours)
+
+
+class TierdHiCache(HiCacheStorage):
+    """A HiCache storage backend backed by a running ``tierd serve``."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        self.storage_config = storage_config
+        self.settings = SglangSettings.from_extra(storage_config.extra_config)
+        self.socket_path = str(self.settings.socket or default_socket_path())
+        self.is_writer = bool(storage_config.is_storage_writer)
+        self.namespace: str | None = None
+        self.counters = Counters()
+        self._jobs: PageJobs | None = None
+        self._link: DaemonLink | None = None
+
+    # -- start-up ---------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Learn the pages' geometry, derive the namespace and connect; refuses (raises,
+        so SGLang does not start) a pool or a daemon it cannot serve exactly."""
+        super().register_mem_pool_host(mem_pool_host)
+        geometry = PageGeometry.of(mem_pool_host)
+        facts = page_facts(self.storage_config, mem_pool_host, geometry, self.settings.namespace)
+        self.namespace = derive_namespace(facts)
+        s = self.settings
+        link = DaemonLink(
+            LinkSettings(
+                self.socket_path,
+                self.namespace,
+                geometry.page_bytes,
+                s.reconnect_max_s,
+                s.server_uids,
+                lookup_deadline_s=s.lookup_deadline_s,
+                job_deadline_s=s.job_deadline_s,
+                breaker_failures=s.breaker_failures,
+            ),
+            name="tierd-sglang",
+        )
+        fd = getattr(mem_pool_host, "fd", None) if s.zero_copy else None
+        jobs = PageJobs(
+            link,
+            geometry,
+            fd=fd,
+            lookup_deadline_s=s.lookup_deadline_s,
+            job_deadline_s=s.job_deadline_s,
+        )
+        self._connect(link, jobs, geometry)
+        self._link, self._jobs = link, jobs
+        log.info(
+            "tierd HiCache backend ready",
+            socket=self.socket_path,
+            namespace=self.namespace,
+            page_bytes=geometry.page_bytes,
+            layout=geometry.layout,
+            memfd_hand_off=jobs.zero_copy,
+            writer=self.is_writer,
+            connected=link.connected,
+        )
+
+    def _connect(self, link: DaemonLink, jobs: PageJobs, geometry: PageGeometry) -> None:
+        """First contact: a wrong block size or an untrusted daemon refuses the start;
+        a daemon not up yet only warns (its pages miss until it is)."""
+        try:
+            client = link.call(link.client(), self.settings.connect_timeout_s)
+            jobs.learn(client.info)
+        except BlockSizeMismatch as exc:
+            link.close()
+            raise ValueError(
+                f"the tierd daemon at {self.socket_path} stores blocks of {exc.daemon_bytes} "
+                f"bytes, but one page of SGLang's host pool ({geometry.layout}, "
+                f"{geometry.page_tokens} tokens, this rank) is {geometry.page_bytes} bytes: "
+                f"set `block_bytes: {geometry.page_bytes}` in tierd's config and restart it"
+            ) from exc
+        except UntrustedDaemon as exc:
+            link.close()
+            raise ValueError(f"{exc} (tierd HiCache extra config: server_uids)") from exc
+        except DaemonError as exc:
+            if exc.code not in _TRANSIENT:
+                link.close()
+                raise ValueError(f"tierd at {self.socket_path} refused SGLang: {exc}") from exc
+        except (TierdError, OSError) as exc:
+            log.warning("tierd not reachable at start-up", error=str(exc))
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        raise UnsupportedPool(
+            f"tierd's HiCache backend serves one KV host pool; this model also has a "
+            f"{host_pool_name!s} pool (a hybrid model: SSM, SWA or sparse state), which it "
+            "does not store. Use SGLang's file or mooncake backend for hybrid models."
+        )
+
+    # -- the zero-copy interface (interface_v1) ----------------------------------------
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        jobs = self._jobs
+        if jobs is None or not keys:
+            return 0
+        found = self._guarded(lambda: jobs.leading([page_key(k) for k in keys]), 0)
+        self.counters.looked_up(len(keys), found)
+        return found
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: Any,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        return self._move(False, keys, host_indices)
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: Any,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        if not self.is_writer:
+            # MLA: every rank holds the same pages and the writer rank stores them.
+            return [True] * len(keys)
+        return self._move(True, keys, host_indices)
+
+    def _move(self, store: bool, keys: list[str], host_indices: Any) -> list[bool]:
+        jobs = self._jobs
+        if jobs is None or not keys:
+            return [False] * len(keys)
+        started = time.perf_counter()
+
+        def run() -> list[bool]:
+            pointers, _ = self.mem_pool_host.get_page_buffer_meta(host_indices)
+            offsets = jobs.geometry.offsets(pointers, len(keys))
+            raw = [page_key(k) for k in keys]
+            if jobs.zero_copy:
+                return jobs.region_move(store, raw, offsets)
+            return (jobs.lease_store if store else jobs.lease_load)(raw, offsets)
+
+        done = self._guarded(run, [False] * len(keys))
+        pages = done.index(False) if False in done else len(done)
+        elapsed = time.perf_counter() - started
+        self.counters.moved(store, pages, pages * jobs.geometry.page_bytes, elapsed)
+        return done
+
+    def _guarded(self, call: Callable[[], T], failed: T) -> T:
+        """``call()``, or ``failed`` if the daemon did not serve it (logged, counted)."""
+        try:
+            return call()
+        except (TierdError, OSError, ValueError, AssertionError) as exc:
+            # AssertionError: SGLang's own page checks (indices not whole pages).
+            self.counters.failed()
+            log.debug("tierd HiCache call failed", error=str(exc))
+            return failed
+
+    # -- the generic interface --------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any | None:
+        jobs = self._jobs
+        if jobs is None or target_location is None:
+            return None
+        if not target_location.is_contiguous():
+            return None  # its bytes are not one run: nothing is written into it
+        out = tensor_bytes(target_location)
+        if out.nbytes != jobs.geometry.page_bytes:
+            return None
+        ok = self._guarded(lambda: jobs.get_block(page_key(key), out), False)
+        return target_location if ok else None
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[Any | None]:
+        targets = list(target_locations or [])
+        if len(targets) != len(keys):
+            return [None] * len(keys)
+        found: list[Any | None] = []
+        for key, target in zip(keys, targets, strict=True):
+            found.append(self.get(key, target))
+            if found[-1] is None:  # SGLang uses the leading pages only
+                found.extend([None] * (len(keys) - len(found)))
+                break
+        return found
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        jobs = self._jobs
+        if jobs is None or value is None:
+            return False
+        if not self.is_writer:
+            return True
+        data = tensor_bytes(value.contiguous())
+        if data.nbytes != jobs.geometry.page_bytes:
+            return False
+        return self._guarded(lambda: jobs.put_block(page_key(key), data), False)
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        pages = list(values or [])
+        if len(pages) != len(keys):
+            return False
+        return all(self.set(k, v) for k, v in zip(keys, pages, strict=True))
+
+    # -- hybrid models (not served) ---------------------------------------------------
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
+    ) -> PoolTransferResult:
+        return PoolTransferResult.empty()
+
+    def batch_get_v2(
+        self, transfers: Sequence[Any], extra_info: Any = None
+    ) -> dict[str, list[bool]]:
+        return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+    def batch_set_v2(
+        self, transfers: Sequence[Any], extra_info: Any = None
+    ) -> dict[str, list[bool]]:
+        return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+    # -- the rest -----------------------------------------------------------------------
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` since the previous call (SGLang logs them when
+        ``--enable-cache-report``/storage metrics are on)."""
+        return self.counters.take()
+
+    def clear(self) -> bool:
+        """tierd's blocks are shared by every engine of the namespace and survive them:
+        SGLang's /flush_cache does not remove them (see docs/sglang.md)."""
+        log.info("SGLang asked to clear its L3 storage; tierd keeps its blocks")
+        return False
+
+    def close(self) -> None:
+        if self._jobs is not None:
+            self._jobs.close()
+        if self._link is not None:
+            self._link.close()

@@ -1,0 +1,242 @@
+"""Moving SGLang's host pages to and from the daemon, each call under a deadline.
+
+Two paths, chosen once per backend:
+
+- **memfd hand-off** (SGLang's host pool allocated with ``"allocator": "shm"``): the pool's
+  file descriptor is registered with the daemon once per connection
+  (``Client.register_region``); a store or a load is then one request of keys and byte
+  offsets (``region_store`` / ``region_load``) and the daemon moves the bytes with
+  positional syscalls. No page byte goes through the socket or through SGLang's process.
+- **leases** (any other allocator): the daemon's pool slots are mapped into this process;
+  a load pins slots (``prepare_load``) and a store reserves them (``prepare_store``), and
+  the page bytes are copied between those slots and SGLang's host pool.
+
+Copies into and out of SGLang's host pool happen on the **caller's thread**, after the
+daemon's part has answered and before the call returns: when a deadline expires nothing of
+ours touches SGLang's memory afterwards (it may reuse those pages at once). Everything that
+waits on the daemon goes through :meth:`DaemonLink.ask` (a deadline, a breaker).
+
+Every method raises only :class:`~tierd.errors.TierdError` and ``OSError``; the backend
+turns them into misses and failed sets.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tierd.client import Client, DaemonError, LoadLease, StoreLease
+from tierd.errors import TierdError
+from tierd.integrations.link import DaemonLink
+from tierd.integrations.sglang_pages import PageGeometry, gather_page, scatter_page
+from tierd.logs import get_logger
+
+__all__ = ["PageJobs"]
+
+log = get_logger("tierd.integrations.sglang")
+Offsets = npt.NDArray[np.uint64]
+
+
+class PageJobs:
+    """Stores, loads and lookups of pages of one host pool through one link."""
+
+    def __init__(
+        self,
+        link: DaemonLink,
+        geometry: PageGeometry,
+        *,
+        fd: int | None,
+        lookup_deadline_s: float,
+        job_deadline_s: float,
+    ) -> None:
+        self.link = link
+        self.geometry = geometry
+        self.memory = geometry.memory()
+        self.lookup_deadline_s = lookup_deadline_s
+        self.job_deadline_s = job_deadline_s
+        self._fd = fd
+        self._region_size = os.fstat(fd).st_size if fd is not None else 0
+        self._region: tuple[Client, int] | None = None
+        self.zero_copy = fd is not None
+        self.lease_bound = 0  # the daemon's max_lease_blocks, from its hello (0: unknown)
+
+    def learn(self, info: dict[str, Any]) -> None:
+        """Take the bounds of the daemon's hello (called once connected)."""
+        self.lease_bound = int(info.get("max_lease_blocks") or 0)
+
+    # -- lookups --------------------------------------------------------------------
+
+    def leading(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys the daemon holds ready."""
+        if not keys:
+            return 0
+
+        async def op(client: Client) -> int:
+            return int((await client.lookup(keys)).count)
+
+        return self.link.ask(op, self.lookup_deadline_s)
+
+    # -- the memfd hand-off -----------------------------------------------------------
+
+    async def _region_of(self, client: Client) -> int:
+        """This connection's id of the host pool's region (registered on first use: a
+        region dies with the connection that registered it)."""
+        if self._region is not None and self._region[0] is client:
+            return self._region[1]
+        if self._fd is None:
+            raise TierdError("the host pool has no file descriptor to hand over")
+        try:
+            region = await client.register_region(self._fd, self._region_size)
+        except DaemonError as exc:  # refused, not lost: copy through leases from now on
+            self.zero_copy = False
+            log.warning(
+                "tierd refused SGLang's host pool memfd; pages are copied through its pool",
+                error=str(exc),
+            )
+            raise
+        self._region = (client, region)
+        return region
+
+    def region_move(self, store: bool, keys: Sequence[bytes], offsets: Offsets) -> list[bool]:
+        """``region_store`` (``store``) or ``region_load`` of ``keys`` at ``offsets``."""
+        pieces = list(self.geometry.pieces)
+
+        async def op(client: Client) -> list[bool]:
+            region = await self._region_of(client)
+            move = client.region_store if store else client.region_load
+            return await move(region, keys, offsets, pieces)
+
+        return self.link.ask(op, self.job_deadline_s)
+
+    # -- leases -----------------------------------------------------------------------
+
+    def _chunk(self, total: int) -> int:
+        """Keys per lease: half of what one connection may hold (a store and a load of
+        the same link may both hold leases)."""
+        return max(1, min(total, self.lease_bound // 2 or total))
+
+    def lease_load(self, keys: Sequence[bytes], offsets: Offsets) -> list[bool]:
+        """Load the leading keys the daemon holds into their pages, chunk by chunk."""
+        done = [False] * len(keys)
+        start = 0
+        while start < len(keys):
+            chunk = list(keys[start : start + self._chunk(len(keys) - start)])
+            count = self._load_chunk(chunk, offsets[start : start + len(chunk)])
+            done[start : start + count] = [True] * count
+            if count < len(chunk):
+                break  # SGLang uses the leading pages only
+            start += count
+        return done
+
+    def _load_chunk(self, keys: list[bytes], offsets: Offsets) -> int:
+        async def pin(client: Client) -> LoadLease:
+            return await client.prepare_load(keys)
+
+        lease = self.link.ask(pin, self.job_deadline_s)
+        try:
+            if lease.keys != keys[: lease.count]:  # a repeated key: nothing is guessed
+                return 0
+            for i, view in enumerate(lease.views()):
+                scatter_page(self.memory, offsets[i], self.geometry.pieces, view)
+            return lease.count
+        finally:
+            self._release(lease)
+
+    def _release(self, lease: LoadLease) -> None:
+        """Unpin without waiting (a lost release is undone when the connection ends)."""
+
+        async def release(client: Client) -> None:
+            await lease.release()
+
+        future = self.link.start(release, self.job_deadline_s)
+        future.add_done_callback(_ignore_outcome)
+
+    def lease_store(self, keys: Sequence[bytes], offsets: Offsets) -> list[bool]:
+        """Store the pages of ``keys``, chunk by chunk; per key whether the daemon holds
+        it now (a failed chunk fails its keys and every later one)."""
+        done = [False] * len(keys)
+        start = 0
+        while start < len(keys):
+            chunk = list(keys[start : start + self._chunk(len(keys) - start)])
+            self._store_chunk(chunk, offsets[start : start + len(chunk)])
+            done[start : start + len(chunk)] = [True] * len(chunk)
+            start += len(chunk)
+        return done
+
+    def _store_chunk(self, keys: list[bytes], offsets: Offsets) -> None:
+        async def reserve(client: Client) -> StoreLease:
+            return await client.prepare_store(keys)
+
+        lease = self.link.ask(reserve, self.job_deadline_s)
+        if lease.finished:
+            return  # the daemon holds (or is being given) every page already
+        try:
+            for view, i in zip(lease.views(), lease.to_write, strict=True):
+                gather_page(self.memory, offsets[i], self.geometry.pieces, view)
+        except BaseException:
+            self._abort(lease)
+            raise
+
+        async def commit(client: Client) -> int:
+            return await lease.commit()
+
+        self.link.ask(commit, self.job_deadline_s)
+
+    def _abort(self, lease: StoreLease) -> None:
+        async def abort(client: Client) -> None:
+            await lease.abort()
+
+        self.link.start(abort, self.job_deadline_s).add_done_callback(_ignore_outcome)
+
+    # -- whole blocks (SGLang's generic get/set) -------------------------------------
+
+    def get_block(self, key: bytes, out: Any) -> bool:
+        """Copy the block of ``key`` into ``out`` (a writable buffer of a block)."""
+
+        async def pin(client: Client) -> LoadLease:
+            return await client.prepare_load([key])
+
+        lease = self.link.ask(pin, self.job_deadline_s)
+        try:
+            if lease.count != 1:
+                return False
+            np.frombuffer(out, dtype=np.uint8)[:] = np.frombuffer(lease.views()[0], np.uint8)
+            return True
+        finally:
+            self._release(lease)
+
+    def put_block(self, key: bytes, data: Any) -> bool:
+        """Store ``data`` (a buffer of a block) under ``key``."""
+
+        async def reserve(client: Client) -> StoreLease:
+            return await client.prepare_store([key])
+
+        lease = self.link.ask(reserve, self.job_deadline_s)
+        if lease.finished:
+            return True
+        try:
+            lease.views()[0][:] = data
+        except BaseException:
+            self._abort(lease)
+            raise
+
+        async def commit(client: Client) -> int:
+            return await lease.commit()
+
+        self.link.ask(commit, self.job_deadline_s)
+        return True
+
+    def close(self) -> None:
+        """Forget the region (the daemon drops it with the connection)."""
+        self._region = None
+
+
+def _ignore_outcome(future: Any) -> None:
+    """A fire-and-forget release or abort: its failure changes nothing for SGLang (the
+    daemon releases a lost connection's leases itself), so it is only logged."""
+    if not future.cancelled() and future.exception() is not None:
+        log.debug("tierd lease not released in time", error=str(future.exception()))

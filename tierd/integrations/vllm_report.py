@@ -1,0 +1,120 @@
+"""What ``TierdSecondaryTier`` reports to vLLM: per-engine figures and KV events.
+
+Figures are this engine's own, so that a dashboard summing over engines adds up: blocks
+it stored into tierd, blocks it loaded back (its hits: a lookup that finds a block is not
+a hit until the block is loaded), failed jobs, and two gauges, connected and breaker open.
+Daemon-wide figures (blocks held per tier, the daemon's hits) are not exported here: every
+engine would export the same value and a sum over engines would count it N times; the
+daemon exports them once (``tierd metrics``, docs/metrics.md).
+
+Events (vLLM's ``enable_kv_events``): *stored* for every block of a successful store job,
+*removed* when the daemon's event stream says a block this engine stored left its last
+tier (:class:`~tierd.integrations.residency.Residency`), both with the tier's configured
+medium and locality.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    Locality,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+)
+
+from tierd.integrations.residency import Residency
+
+__all__ = [
+    "METRIC_BREAKER_OPEN",
+    "METRIC_CONNECTED",
+    "METRIC_FAILED",
+    "METRIC_LOADED",
+    "METRIC_STORED",
+    "TierReport",
+]
+
+METRIC_STORED = "vllm:kv_offload_tierd_blocks_stored"
+METRIC_LOADED = "vllm:kv_offload_tierd_blocks_loaded"
+METRIC_FAILED = "vllm:kv_offload_tierd_failed_jobs"
+METRIC_CONNECTED = "vllm:kv_offload_tierd_connected"
+METRIC_BREAKER_OPEN = "vllm:kv_offload_tierd_breaker_open"
+
+
+class TierReport:
+    """Counters since the last ``stats`` and events since the last ``take_events``."""
+
+    def __init__(self, medium: Medium, locality: Locality | None, events: bool) -> None:
+        self.medium = medium
+        self.locality = locality
+        self.residency = Residency() if events else None
+        self._counts = {METRIC_STORED: 0, METRIC_LOADED: 0, METRIC_FAILED: 0}
+        self._stored: list[list[OffloadKey]] = []
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def definitions() -> dict[str, OffloadingMetricMetadata]:
+        return {
+            METRIC_STORED: OffloadingCounterMetadata("Blocks this engine stored into tierd"),
+            METRIC_LOADED: OffloadingCounterMetadata(
+                "Blocks this engine loaded from tierd (its hits)"
+            ),
+            METRIC_FAILED: OffloadingCounterMetadata("tierd store/load jobs that failed"),
+            METRIC_CONNECTED: OffloadingGaugeMetadata("1 while the tierd daemon is connected"),
+            METRIC_BREAKER_OPEN: OffloadingGaugeMetadata(
+                "1 while the tierd breaker is open (lookups miss, jobs fail at once)"
+            ),
+        }
+
+    def job(self, is_load: bool, keys: Sequence[OffloadKey], ok: Sequence[OffloadKey]) -> None:
+        """A finished job: ``ok`` the keys it moved."""
+        with self._lock:
+            self._counts[METRIC_LOADED if is_load else METRIC_STORED] += len(ok)
+            if len(ok) != len(keys):
+                self._counts[METRIC_FAILED] += 1
+            if is_load or not ok or self.residency is None:
+                return
+            self._stored.append(list(ok))
+        self.residency.stored(bytes(k) for k in ok)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        if self.residency is None:
+            return []
+        with self._lock:
+            stored, self._stored = self._stored, []
+        events = [self._event(keys, removed=False) for keys in stored]
+        gone = self.residency.take_gone()
+        if gone:
+            events.append(self._event([OffloadKey(k) for k in gone], removed=True))
+        return events
+
+    def _event(self, keys: list[OffloadKey], *, removed: bool) -> OffloadingEvent:
+        return OffloadingEvent(
+            keys=keys, medium=self.medium, removed=removed, locality=self.locality
+        )
+
+    def stats(self, *, connected: bool, breaker_open: bool) -> OffloadingConnectorStats:
+        stats = OffloadingConnectorStats()
+        with self._lock:
+            for name, value in self._counts.items():
+                if value:
+                    stats.increase_counter(name, value)
+                self._counts[name] = 0
+        stats.set_gauge(METRIC_CONNECTED, int(connected))
+        stats.set_gauge(METRIC_BREAKER_OPEN, int(breaker_open))
+        return stats
+
+
+def event_config(spec: Any, enabled: bool) -> bool:
+    """Events are emitted when the tier asks for them and vLLM's KV events are on."""
+    events = getattr(spec, "kv_events_config", None)
+    return enabled and getattr(events, "enable_kv_cache_events", False) is True
