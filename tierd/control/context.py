@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from tierd.control.protocol import NAMESPACE_ID_BYTES, PROTOCOL_VERSION, ErrorCode
+from tierd.control.recorder import TraceRecorder
 from tierd.control.stats import collect_stats, merge_stats, render_prometheus
 from tierd.control.tenants import Grant, PoolInfo, Tenant, TenantTable
 from tierd.control.timing import RequestTiming
@@ -55,6 +56,7 @@ class ServerContext:
     config: dict[str, Any] = field(default_factory=dict)
     check_namespace: Callable[[str], str | None] = lambda name: None
     request_stop: Callable[[], None] | None = None  # the ``stop`` operation; None: refused
+    recorder: TraceRecorder | None = None  # live traffic to a trace; None: not configured
     shutting_down: bool = False
     connections: int = 0
     requests: int = 0

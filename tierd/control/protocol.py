@@ -69,6 +69,7 @@ OPERATIONS = (
     "flush",
     "clear",
     "stop",
+    "trace",
 )
 HEADER = struct.Struct(">I")
 # A namespaced key is an 8-byte namespace id followed by the client's key, so a client

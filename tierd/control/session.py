@@ -116,6 +116,7 @@ class Session:
             "health": lambda msg: ctx.health(),
             "config": operator.config,
             "metrics": operator.metrics,
+            "trace": operator.trace,
         }
         started: dict[str, _Start] = {
             "prepare_store": blocks.prepare_store,
@@ -274,10 +275,20 @@ class Session:
     # -- queries (the fast path) ------------------------------------------------------
 
     def _lookup(self, msg: dict[str, Any]) -> Reply:
-        return self._lookup_reply(self.chain().lookup(self.keys(msg)))
+        keys = self.keys(msg)
+        self._record(msg)
+        return self._lookup_reply(self.chain().lookup(keys))
 
     async def _find(self, msg: dict[str, Any]) -> Reply:
-        return self._lookup_reply(await self.chain().find(self.keys(msg)))
+        keys = self.keys(msg)
+        self._record(msg)
+        return self._lookup_reply(await self.chain().find(keys))
+
+    def _record(self, msg: dict[str, Any]) -> None:
+        """Hand a (validated) lookup to the trace recorder: one lookup is one request."""
+        recorder = self.ctx.recorder
+        if recorder is not None and recorder.enabled and self.tenant is not None:
+            recorder.record(self.tenant.name, self.prefix, msg["keys"])
 
     @staticmethod
     def _lookup_reply(result: LookupResult) -> Reply:

@@ -37,7 +37,9 @@ import structlog
 
 from tierd.chain import FlushResult, TierChain
 from tierd.config import DaemonConfig, default_socket_path
+from tierd.config.daemon import TraceConfig
 from tierd.control.context import Limits, ServerContext
+from tierd.control.recorder import RecorderSettings, TraceRecorder
 from tierd.control.server import Server, bind_unix_socket
 from tierd.control.socketfile import prepare_socket_directory
 from tierd.control.tenants import TenantTable
@@ -138,6 +140,8 @@ class Daemon:
         finally:
             if server is not None:
                 await server.close()
+                if server.ctx.recorder is not None:
+                    server.ctx.recorder.close()  # the buffered lines reach the file
             else:
                 sock.close()
                 with contextlib.suppress(FileNotFoundError):
@@ -226,6 +230,7 @@ class Daemon:
             config=effective_config_dict(cfg),
             check_namespace=cfg.namespaces.check,
             request_stop=self.stop_once,
+            recorder=_recorder(cfg.trace),
         )
 
     def _install_signals(self) -> Callable[[], None]:
@@ -240,6 +245,14 @@ class Daemon:
                 loop.remove_signal_handler(sig)
 
         return restore
+
+
+def _recorder(cfg: TraceConfig) -> TraceRecorder | None:
+    """The trace recorder of the ``trace:`` section; None when it names no directory."""
+    if cfg.directory is None:
+        return None
+    settings = RecorderSettings(cfg.directory, cfg.sample, cfg.max_bytes, cfg.keep)
+    return TraceRecorder(settings, enabled=cfg.enabled)
 
 
 def _remove_created(created: list[Path]) -> None:
