@@ -1,0 +1,70 @@
+"""How tierd's costs grow with scale: ``python scripts/bench_scale.py PART [options]``.
+
+Parts (each prints a markdown table and writes its figures as JSON under ``--out``):
+
+- ``restart``: a real daemon over a disk tier of ``--blocks`` blocks, restarted after a
+  clean stop and after a SIGKILL: time to READY and to the first block served, blocks
+  lost (:mod:`bench_scale_restart`).
+
+Run the previous release's figures by pointing ``PYTHONPATH`` at its source tree: the
+parts use only the library, the client and ``tierd serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_scale_restart
+
+
+def restart_table(res: dict[str, Any]) -> str:
+    rows = ["| start | disk tier open s | READY s | first block served s | daemon CPU s"
+            " to READY | read syscalls | MiB read | RSS MiB | blocks lost | bad reads |",
+            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for label, key in (("100 blocks (what every start costs)", "empty_tier"),
+                       ("after a clean stop", "after_clean_close"),
+                       ("after a SIGKILL under load", "after_sigkill"),
+                       ("after a SIGTERM", "after_sigterm")):  # fmt: skip
+        r = res[key]
+        lost = r["lost"] if key != "empty_tier" else "-"
+        rows.append(f"| {label} | {r['disk_open_s']} | {r['ready_s']} | {r['first_block_s']} |"
+                    f" {r['cpu_s']} | {r['read_syscalls']:,} | {r['read_mib']} |"
+                    f" {r['rss_mib']} | {lost} | {r['bad']} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=["restart"])
+    parser.add_argument("--blocks", type=int, default=1_000_000)
+    parser.add_argument("--work", type=Path, default=None, help="scratch directory (a disk)")
+    parser.add_argument("--out", type=Path, default=Path("bench-scale"))
+    parser.add_argument("--label", default="", help="added to the JSON file's name")
+    args = parser.parse_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="tierd-scale-", dir="/var/tmp"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        if args.part == "restart":
+            res = bench_scale_restart.run_restarts(work / "restart", args.blocks)
+            print(restart_table(res))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res["wall_s"] = round(time.monotonic() - t0, 1)
+    name = f"{args.part}{'-' + args.label if args.label else ''}.json"
+    (args.out / name).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
