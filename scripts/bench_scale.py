@@ -5,6 +5,8 @@ Parts (each prints a markdown table and writes its figures as JSON under ``--out
 - ``restart``: a real daemon over a disk tier of ``--blocks`` blocks, restarted after a
   clean stop and after a SIGKILL: time to READY and to the first block served, blocks
   lost (:mod:`bench_scale_restart`).
+- ``disk``, ``keys``, ``clients``, ``pool``: how each cost grows (``--sizes``; see
+  :mod:`bench_scale_growth`).
 
 Run the previous release's figures by pointing ``PYTHONPATH`` at its source tree: the
 parts use only the library, the client and ``tierd serve``.
@@ -23,6 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_scale_growth as growth
 import bench_scale_restart
 
 
@@ -42,9 +45,29 @@ def restart_table(res: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+_DEFAULT_SIZES = {
+    "disk": "10000,100000,1000000,4000000",
+    "keys": "1,4,16,64,256,1024,4096",
+    "clients": "1,2,4,8,16,32,64",
+    "pool": "256MiB,1GiB,4GiB,8GiB",
+}
+
+
+def grow(part: str, work: Path, sizes: str) -> list[dict[str, Any]]:
+    given = (sizes or _DEFAULT_SIZES[part]).split(",")
+    if part == "disk":
+        return growth.disk_growth(work / "disk", [int(s) for s in given])
+    if part == "keys":
+        return growth.keys_growth(work / "keys", [int(s) for s in given])
+    if part == "clients":
+        return growth.clients_growth(work / "clients", [int(s) for s in given])
+    return growth.pool_growth(work / "pool", given)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["restart"])
+    parser.add_argument("part", choices=["restart", "disk", "keys", "clients", "pool"])
+    parser.add_argument("--sizes", default="", help="comma-separated sizes of the part")
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (a disk)")
     parser.add_argument("--out", type=Path, default=Path("bench-scale"))
@@ -57,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.part == "restart":
             res = bench_scale_restart.run_restarts(work / "restart", args.blocks)
             print(restart_table(res))
+        else:
+            res = {"env": growth.environment(), "rows": grow(args.part, work, args.sizes)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     res["wall_s"] = round(time.monotonic() - t0, 1)
