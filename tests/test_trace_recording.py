@@ -54,7 +54,9 @@ async def test_a_recorded_replay_has_the_curve_of_the_sampled_requests(
     daemon = await spawn(cfg)
     socket = daemon.socket_path
     assert (await trace_op(socket))["enabled"] is False  # off by default
-    assert (await trace_op(socket, enabled=True))["enabled"] is True
+    on = ["record", "on", "--socket", socket, "--json"]
+    assert await asyncio.to_thread(main, on) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["enabled"] is True
     argv = ["replay", str(source), "--socket", socket, "--max-rate", "--clients", "1", "--json"]
     assert await asyncio.to_thread(main, argv) == 0
     state = await trace_op(socket, enabled=False)  # flushes the file

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import structlog
 
-from tierd.cli import config_cmd, control_cmd, offline, replay_cmd, serve_cmd, top_cmd
+from tierd.cli import config_cmd, control_cmd, offline, record_cmd, replay_cmd, serve_cmd, top_cmd
 from tierd.cli.base import (
     EXIT_BAD_INPUT,
     EXIT_CONFIG,
@@ -36,6 +36,7 @@ COMMANDS: dict[str, Command] = {
     **config_cmd.COMMANDS,
     **top_cmd.COMMANDS,
     **replay_cmd.COMMANDS,
+    **record_cmd.COMMANDS,
 }
 
 

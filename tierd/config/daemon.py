@@ -184,7 +184,7 @@ class TraceConfig(StrictModel):
     """Recording live traffic (off by default): each sampled lookup as one Mooncake JSON
     line in ``directory``/<tenant>.jsonl, rotated at ``max_bytes``, ``keep`` old files
     kept. Requests are sampled whole by a hash of their first key (``sample``: the
-    share kept). An operator turns it on and off at run time (``tierd trace on|off``)."""
+    share kept). An operator turns it on and off at run time (``tierd record on|off``)."""
 
     enabled: bool = False
     directory: Path | None = None
