@@ -64,15 +64,54 @@ def grow(part: str, work: Path, sizes: str) -> list[dict[str, Any]]:
     return growth.pool_growth(work / "pool", given)
 
 
+def plot(out: Path, target: Path) -> Path:
+    """Draw the growth parts found in ``out`` (their JSON files) into ``target`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    if (out / "disk.json").exists():
+        rows = json.loads((out / "disk.json").read_text())["rows"]
+        n = [r["blocks"] for r in rows]
+        for key, label in (("clean", "clean open"), ("crash", "crash open")):
+            axes[0].plot(n, [r[key]["open_cpu_s"] / r["blocks"] * 1e6 for r in rows], "o-",
+                         label=f"{label}: CPU us per block")  # fmt: skip
+        axes[0].plot(n, [r["clean"]["bytes_per_block"] / 100 for r in rows], "s--",
+                     label="RSS per block / 100 (bytes)")  # fmt: skip
+        axes[0].set(xscale="log", xlabel="blocks in the disk tier", title="disk tier index")
+        axes[0].legend(fontsize=8)
+    if (out / "keys.json").exists():
+        rows = json.loads((out / "keys.json").read_text())["rows"]
+        axes[1].plot([r["keys"] for r in rows], [r["p50_us"] for r in rows], "o-")
+        axes[1].set(xscale="log", yscale="log", xlabel="keys per lookup",
+                    ylabel="p50 round trip (us)", title="keys per lookup")  # fmt: skip
+    if (out / "clients.json").exists():
+        rows = json.loads((out / "clients.json").read_text())["rows"]
+        c = [r["clients"] for r in rows]
+        axes[2].plot(c, [r["daemon_cpu_us_per_request"] for r in rows], "o-",
+                     label="daemon CPU per request (us)")  # fmt: skip
+        axes[2].plot(c, [r["p50_ms"] * 100 for r in rows], "s--", label="p50 step x 100 (ms)")
+        axes[2].set(xscale="log", xlabel="engine-like connections", title="clients")
+        axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(target, dpi=90)
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["restart", "disk", "keys", "clients", "pool"])
+    parser.add_argument("part", choices=["restart", "disk", "keys", "clients", "pool", "plot"])
     parser.add_argument("--sizes", default="", help="comma-separated sizes of the part")
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (a disk)")
     parser.add_argument("--out", type=Path, default=Path("bench-scale"))
     parser.add_argument("--label", default="", help="added to the JSON file's name")
     args = parser.parse_args(argv)
+    if args.part == "plot":
+        print(plot(args.out, args.out / "scale.png"))
+        return 0
     work = args.work or Path(tempfile.mkdtemp(prefix="tierd-scale-", dir="/var/tmp"))
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
