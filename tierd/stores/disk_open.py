@@ -217,9 +217,9 @@ def _from_journal(
         else:
             entries[slot] = (found, gen)
     _log.info(
-        "disk index recovered from its snapshot and journal after an unclean shutdown",
-        path=path, blocks=len(entries), journal_records=len(records), verified=len(unsure),
-        dropped=dropped,
+        "rebuilt disk index after an unclean shutdown",
+        path=path, source="journal", blocks=len(entries), journal_records=len(records),
+        verified=len(unsure), dropped=dropped,
     )  # fmt: skip
     return Recovered(entries, max(gens) + 1, snap.epoch, "crash", dropped, len(unsure))
 
@@ -262,7 +262,7 @@ def _rebuild(
     dropped = len(headers) - len(trusted)
     gens = [h.gen for h in headers.values()] + [r[1] for r in known.values()]
     _log.info(
-        "rebuilt disk index from every slot's header after an unclean shutdown",
-        path=path, blocks=len(trusted), verified=len(unsure), dropped=dropped,
+        "rebuilt disk index after an unclean shutdown",
+        path=path, source="scan", blocks=len(trusted), verified=len(unsure), dropped=dropped,
     )  # fmt: skip
     return Recovered(trusted, max(gens, default=0) + 1, epoch, "crash", dropped, len(unsure), True)
