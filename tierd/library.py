@@ -103,16 +103,17 @@ def restore_tier(tier: Tier, store: BlockStore) -> int:
     """Adopt the blocks a persistent store kept across a restart; returns how many."""
     if not isinstance(store, DiskStore):
         return 0
-    entries: dict[bytes, int] = {}
-    duplicates: list[int] = []
-    for slot, key in sorted(store.index().items()):
-        if key in entries:
-            duplicates.append(slot)  # an older copy of the same block: free the slot
-        else:
-            entries[key] = slot
-    if duplicates:
+    index = store.index()
+    entries: dict[bytes, int] = dict(zip(index.values(), index.keys(), strict=True))
+    if len(entries) != len(index):  # older copies of a block: keep the lowest slot
+        entries, duplicates = {}, []
+        for slot, key in sorted(index.items()):
+            if key in entries:
+                duplicates.append(slot)  # free the slot
+            else:
+                entries[key] = slot
         store.invalidate(duplicates)
-    tier.restore([(key, slot) for key, slot in entries.items()])  # type: ignore[misc]
+    tier.restore(list(entries.items()))  # type: ignore[arg-type]
     return len(entries)
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from itertools import islice, takewhile
 from operator import itemgetter
 
+import numpy as np
+
 from tierd.errors import (
     BlockBusy,
     BlockMissing,
@@ -301,17 +303,20 @@ class Tier:
         raises ``ValueError`` and nothing changes."""
         if self._slots or self._next_unused:
             raise ValueError(f"tier {self.name} is not empty; restore needs a fresh tier")
-        keys = [key for key, _ in entries]
-        slots = [slot for _, slot in entries]
-        if len(set(keys)) != len(keys) or len(set(slots)) != len(slots):
+        # Millions of blocks come back at a restart: every check and copy here runs at C
+        # speed (dict, set, min/max, numpy), never one Python step per slot.
+        adopted = dict(entries)
+        slots = list(adopted.values())
+        if len(adopted) != len(entries) or len(set(slots)) != len(slots):
             raise ValueError("restore entries repeat a key or a slot")
-        if any(not 0 <= slot < self.num_blocks for slot in slots):
+        if slots and (min(slots) < 0 or max(slots) >= self.num_blocks):
             raise ValueError(f"restore slot out of range 0..{self.num_blocks - 1}")
-        self._slots.update(entries)
-        self.policy.insert(keys)
-        used = set(slots)
+        self._slots.update(adopted)
+        self.policy.insert(list(adopted))
+        free = np.ones(self.num_blocks, dtype=bool)
+        free[np.fromiter(slots, dtype=np.int64, count=len(slots))] = False
         # Every slot counts as used once: free ones come back lowest first.
-        self._freed = [s for s in range(self.num_blocks - 1, -1, -1) if s not in used]
+        self._freed = np.flatnonzero(free)[::-1].tolist()
         self._next_unused = self.num_blocks
 
     # -- events and stats ------------------------------------------------------------

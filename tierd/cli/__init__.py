@@ -50,6 +50,7 @@ FAMILY_OF = {
     "config": "config_cmd",
     "top": "top_cmd",
     "replay": "replay_cmd",
+    "record": "record_cmd",
 }
 
 

@@ -178,6 +178,25 @@ class EventsConfig(StrictModel):
     queue_batches: int = Field(default=1024, ge=1)
 
 
+class TraceConfig(StrictModel):
+    """Recording live traffic (off by default): each sampled lookup as one Mooncake JSON
+    line in ``directory``/<tenant>.jsonl, rotated at ``max_bytes``, ``keep`` old files
+    kept. Requests are sampled whole by a hash of their first key (``sample``: the
+    share kept). An operator turns it on and off at run time (``tierd record on|off``)."""
+
+    enabled: bool = False
+    directory: Path | None = None
+    sample: float = Field(default=1.0, gt=0, le=1)
+    max_bytes: Size = Field(default=64 << 20, ge=4096)
+    keep: int = Field(default=4, ge=0, le=1000)
+
+    @model_validator(mode="after")
+    def _where(self) -> TraceConfig:
+        if self.enabled and self.directory is None:
+            raise error_at("directory", "recording is enabled: name a directory")
+        return self
+
+
 def _default_tiers() -> list[TierConfig]:
     return [TierConfig(name="cpu", kind=TierKind.CPU, capacity="1GiB", policy="lru")]
 
@@ -195,6 +214,7 @@ class DaemonConfig(ChainConfig):
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
     tenants: list[TenantConfig] = Field(default_factory=list)  # see tierd.tenancy
+    trace: TraceConfig = Field(default_factory=TraceConfig)
 
     @model_validator(mode="after")
     def _tenants(self) -> DaemonConfig:

@@ -17,6 +17,7 @@ import xxhash
 
 from tierd.control.namespaces import namespace_rows
 from tierd.control.protocol import NAMESPACE_ID_BYTES, PROTOCOL_VERSION, ErrorCode
+from tierd.control.recorder import TraceRecorder
 from tierd.control.stats import collect_stats, merge_stats, render_prometheus
 from tierd.control.tenants import Grant, PoolInfo, Tenant, TenantTable
 from tierd.control.timing import RequestTiming
@@ -58,6 +59,7 @@ class ServerContext:
     request_stop: Callable[[], None] | None = None  # the ``stop`` operation; None: refused
     reload: Callable[[], dict[str, Any]] | None = None  # the ``reload`` operation; None: refused
     namespaces_top: int = 20  # namespaces with labels of their own in the metrics
+    recorder: TraceRecorder | None = None  # live traffic to a trace; None: not configured
     shutting_down: bool = False
     connections: int = 0
     requests: int = 0

@@ -1,5 +1,5 @@
-"""The operator's requests: ``clear``, ``stop``, ``flush``, ``config``, ``metrics`` and
-``reload``.
+"""The operator's requests: ``clear``, ``stop``, ``flush``, ``config``, ``metrics``,
+``reload`` and ``trace``.
 
 Each needs an operator grant (decided by the server from the peer's credentials); others
 get ``not_allowed``. ``clear``, ``stop`` and ``reload`` act for every client, so they also need a
@@ -107,6 +107,28 @@ class OperatorRequests:
             return self.ctx.reload()
         except ConfigError as exc:
             raise ProtocolError(f"nothing was changed: {exc}", code=ErrorCode.BAD_CONFIG) from exc
+
+    def trace(self, msg: dict[str, Any]) -> Reply:
+        """Recording of live traffic: its state; ``enabled`` (bool) turns it on or off."""
+        self._require_operator("trace")
+        recorder = self.ctx.recorder
+        if recorder is None:
+            raise ProtocolError(
+                "trace recording is not configured: set trace.directory in the config",
+                code=ErrorCode.NOT_ALLOWED,
+            )
+        if "enabled" in msg:
+            on = msg["enabled"]
+            if type(on) is not bool:
+                raise ProtocolError("field 'enabled' must be a boolean", code=ErrorCode.BAD_REQUEST)
+            try:
+                recorder.set_enabled(on)
+            except OSError as exc:
+                raise ProtocolError(
+                    f"cannot record to {recorder.settings.directory}: {exc.strerror or exc}",
+                    code=ErrorCode.IO_ERROR,
+                ) from exc
+        return {"trace": recorder.state()}
 
     async def flush(self, msg: dict[str, Any]) -> Reply:
         self._require_operator("flush")

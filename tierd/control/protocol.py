@@ -78,6 +78,7 @@ OPERATIONS = (
     "inspect",
     "delete",
     "reload",
+    "trace",
 )
 HEADER = struct.Struct(">I")
 # A namespaced key is an 8-byte namespace id followed by the client's key, so a client

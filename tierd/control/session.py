@@ -136,6 +136,7 @@ class Session:
             "namespaces": by_namespace.namespaces,
             "inspect": by_namespace.inspect,
             "reload": operator.reload,
+            "trace": operator.trace,
         }
         started: dict[str, _Start] = {
             "prepare_store": blocks.prepare_store,
@@ -303,17 +304,29 @@ class Session:
 
     def _lookup(self, msg: dict[str, Any]) -> Reply:
         keys = self.keys(msg)
+        self._record(msg)
         return self._lookup_reply(self.chain().lookup(keys), len(keys))
 
     async def _find(self, msg: dict[str, Any]) -> Reply:
         keys = self.keys(msg)
+        self._record(msg)
         return self._lookup_reply(await self.chain().find(keys), len(keys))
 
+    def _record(self, msg: dict[str, Any]) -> None:
+        """Hand a (validated) lookup to the trace recorder: one lookup is one request."""
+        recorder = self.ctx.recorder
+        if recorder is not None and recorder.enabled and self.tenant is not None:
+            recorder.record(self.tenant.name, self.prefix, msg["keys"])
+
     def _lookup_each(self, msg: dict[str, Any]) -> Reply:
-        return self._each_reply(self.chain().holds(self.keys(msg)))
+        keys = self.keys(msg)
+        self._record(msg)
+        return self._each_reply(self.chain().holds(keys))
 
     async def _find_each(self, msg: dict[str, Any]) -> Reply:
-        return self._each_reply(await self.chain().find_each(self.keys(msg)))
+        keys = self.keys(msg)
+        self._record(msg)
+        return self._each_reply(await self.chain().find_each(keys))
 
     def _count_lookup(self, asked: int, hits: int) -> None:
         figures = self.figures  # the namespace's figures: a few adds per request

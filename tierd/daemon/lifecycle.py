@@ -42,7 +42,9 @@ import structlog
 
 from tierd.chain import FlushResult, TierChain
 from tierd.config import DaemonConfig, default_socket_path
+from tierd.config.daemon import TraceConfig
 from tierd.control.context import Limits, ServerContext
+from tierd.control.recorder import RecorderSettings, TraceRecorder
 from tierd.control.server import Server, bind_unix_socket
 from tierd.control.socketfile import prepare_socket_directory
 from tierd.control.tenants import TenantTable
@@ -158,6 +160,8 @@ class Daemon:
         finally:
             if server is not None:
                 await server.close()
+                if server.ctx.recorder is not None:
+                    server.ctx.recorder.close()  # the buffered lines reach the file
             else:
                 sock.close()
                 with contextlib.suppress(FileNotFoundError):
@@ -258,6 +262,7 @@ class Daemon:
             request_stop=self.stop_once,
             reload=self.reload if self._load is not None else None,
             namespaces_top=cfg.metrics.namespaces_top,
+            recorder=_recorder(cfg.trace),
         )
 
     def _install_signals(self) -> Callable[[], None]:
@@ -289,6 +294,14 @@ def _limits(cfg: DaemonConfig) -> Limits:
         store_lease_ttl_s=cfg.limits.store_lease_ttl_s,
         load_wait_s=cfg.limits.load_wait_s,
     )
+
+
+def _recorder(cfg: TraceConfig) -> TraceRecorder | None:
+    """The trace recorder of the ``trace:`` section; None when it names no directory."""
+    if cfg.directory is None:
+        return None
+    settings = RecorderSettings(cfg.directory, cfg.sample, cfg.max_bytes, cfg.keep)
+    return TraceRecorder(settings, enabled=cfg.enabled)
 
 
 def _remove_created(created: list[Path]) -> None:

@@ -27,6 +27,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from operator import itemgetter
 from typing import Any, Literal
 
 import numpy as np
@@ -158,11 +159,14 @@ class DiskStore(BlockStore):
 
     def index(self) -> dict[int, BlockKey]:
         """Slot -> key of every block that is readable now (after open: what survived)."""
-        out: dict[int, BlockKey] = {}
+        n = self._n
+        if n == 1:  # at C speed: a restart adopts millions of blocks
+            entries = self._slabs[0].entries
+            return dict(zip(entries, map(itemgetter(0), entries.values()), strict=True))
+        out: dict[int, bytes] = {}
         for d, slab in enumerate(self._slabs):
-            for local, entry in slab.entries.items():
-                out[local * self._n + d] = BlockKey(entry.key)
-        return out
+            out.update((local * n + d, entry[0]) for local, entry in slab.entries.items())
+        return out  # type: ignore[return-value]  # BlockKey is bytes at run time
 
     def invalidate(self, slots: Sequence[int]) -> None:
         """Make ``slots`` unreadable now (also after a restart, once the journal holds it;
@@ -245,10 +249,10 @@ class DiskStore(BlockStore):
         for i, (slot, key) in enumerate(zip(slots, keys, strict=True)):
             slab, local = self._slabs[slot % self._n], slot // self._n
             entry = slab.entries.get(local)
-            if entry is None or entry.key != key:
+            if entry is None or entry[0] != key:
                 self._counts["index_misses"] += 1
                 continue
-            jobs.append((slab, (local, bytes(key), entry.gen, views[i])))
+            jobs.append((slab, (local, bytes(key), entry[1], views[i])))
             where.append(i)
         codes = await self._run_jobs(self._readers, jobs, write=False) if jobs else []
         for i, code in zip(where, codes, strict=True):
@@ -344,6 +348,7 @@ class DiskStore(BlockStore):
                 "fsync": self._fsync,
                 "slot_bytes": slabs[0].slot_size,
                 "recovery": [s.recovery for s in slabs],
+                "recovery_details": [s.recovery_stats for s in slabs],
                 "blocks": sum(len(s.entries) for s in slabs),
                 "dropped_blocks": sum(s.dropped for s in slabs),
             },

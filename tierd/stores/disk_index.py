@@ -15,14 +15,13 @@ Journal: a 48-byte file header (magic "TIERDJNL", version, base epoch, slab uuid
 then fixed 88-byte records ``op u8 | key_len u8 | pad u16 | slot u32 | gen u64 | key 64s |
 xxh3 u64``. Replay stops at the first record whose checksum fails (a torn tail).
 
-Snapshot: ``xxh3 u64`` of the payload, then a msgpack map ``{version, uuid, epoch,
-next_gen, clean, slots: [slot, key, gen, ...]}``, written to a temporary file, fsynced and
-renamed (a failed write removes the temporary file and leaves the previous snapshot).
-A journal extends the snapshot whose ``epoch`` equals its base epoch; any other journal is
-stale and ignored. ``clean`` is true only in the snapshot a clean close writes last: a
-shutdown is clean because it says so, never because a file is missing, so a journal
-deleted under a running daemon still reads as a crash. A snapshot that cannot be read
-(torn, forged, from another slab) is ignored and the index is rebuilt from the slab.
+The snapshot's format is :mod:`tierd.stores.disk_snapshot`'s. A journal extends the
+snapshot whose ``epoch`` equals its base epoch; any other journal is stale and ignored.
+``clean`` is true only in the snapshot a clean close writes last: a shutdown is clean
+because it says so, never because a file is missing, so a journal deleted under a running
+daemon still reads as a crash. A write in flight when a snapshot is taken is listed in it
+as pending (its BEGIN record went to the journal before), so a crash right after the
+checkpoint still knows to verify that slot.
 """
 
 from __future__ import annotations
@@ -37,10 +36,17 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import msgpack
 import xxhash
 
-from tierd.logs import get_logger
+from tierd.stores.disk_snapshot import (
+    Checkpoint,
+    Entry,
+    Snapshot,
+    fsync_dir,
+    load_snapshot,
+    save_snapshot,
+    write_all,
+)
 from tierd.stores.fileio import FileIO
 
 __all__ = [
@@ -64,8 +70,7 @@ _JNL_MAGIC = b"TIERDJNL"
 _REC = struct.Struct("<BBHIQ64s")
 _REC_BYTES = _REC.size + 8
 _U64 = struct.Struct("<Q")
-_VERSION = 1
-_log = get_logger("tierd.disk")
+_VERSION = 1  # of the block header and the journal
 
 
 def _xxh(data: bytes | memoryview) -> int:
@@ -106,14 +111,6 @@ class BlockHeader:
         return cls(slot, gen, bytes(key[:key_len]), data_len, csum)
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """A readable block: its key and the generation its header must carry."""
-
-    key: bytes
-    gen: int
-
-
 class Op(enum.IntEnum):
     BEGIN = 1  # a write to the slot started; its old contents are gone
     SET = 2  # the write finished; the slot holds (key, gen)
@@ -123,99 +120,7 @@ class Op(enum.IntEnum):
 Record = tuple[Op, int, bytes]  # (op, gen, key) for one slot
 
 
-# -- snapshot --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    epoch: int
-    next_gen: int
-    entries: dict[int, Entry]
-    clean: bool = False  # written by a clean close, as its last act
-
-
-def save_snapshot(io: FileIO, path: str, uuid: bytes, cp: _Checkpoint) -> None:
-    """Write the snapshot atomically: temporary file, fsync, rename, fsync the directory.
-    On failure (ENOSPC, EIO) the temporary file is removed and the old snapshot stays."""
-    flat: list[int | bytes] = []
-    for slot, entry in cp.entries.items():
-        flat += (slot, entry.key, entry.gen)
-    doc = {
-        "version": _VERSION,
-        "uuid": uuid,
-        "epoch": cp.epoch,
-        "next_gen": cp.next_gen,
-        "clean": cp.clean,
-        "slots": flat,
-    }
-    payload = msgpack.packb(doc)
-    tmp = path + ".tmp"
-    try:
-        fd = io.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            _write_all(io, fd, _U64.pack(_xxh(payload)) + payload)
-            io.fsync(fd)
-        finally:
-            io.close(fd)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(io, os.path.dirname(path))
-
-
-def load_snapshot(path: str, uuid: bytes) -> Snapshot | None:
-    """The snapshot at ``path`` if it is intact and belongs to the slab ``uuid``."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return None
-    if len(raw) < 8 or _U64.unpack_from(raw)[0] != _xxh(raw[8:]):
-        _log.warning("index snapshot is torn; rebuilding the index from the slab", path=path)
-        return None
-    try:
-        return _parse_snapshot(msgpack.unpackb(raw[8:]), uuid)
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
-        _log.warning(
-            "index snapshot is unreadable; rebuilding the index from the slab",
-            path=path,
-            error=f"{type(exc).__name__}: {exc}",
-        )
-        return None
-
-
-def _parse_snapshot(doc: object, uuid: bytes) -> Snapshot | None:
-    if not isinstance(doc, dict):
-        raise TypeError(f"the snapshot body is a {type(doc).__name__}, not a map")
-    if doc.get("version") != _VERSION or doc.get("uuid") != uuid:
-        return None
-    flat = doc["slots"]
-    if not isinstance(flat, list) or len(flat) % 3:
-        raise ValueError("the slot list is not a list of (slot, key, gen) triples")
-    entries: dict[int, Entry] = {}
-    for i in range(0, len(flat), 3):
-        slot, key, gen = flat[i : i + 3]
-        if type(slot) is not int or type(key) is not bytes or type(gen) is not int:
-            raise TypeError(f"slot entry {i // 3} is not (int, bin, int)")
-        entries[slot] = Entry(key, gen)
-    clean = doc.get("clean") is True
-    return Snapshot(int(doc["epoch"]), int(doc["next_gen"]), entries, clean)
-
-
 # -- journal ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Checkpoint:
-    """A request, queued in order with the records, to write a snapshot of ``entries``
-    and start a new journal on top of it."""
-
-    epoch: int
-    next_gen: int
-    entries: dict[int, Entry]
-    clean: bool = False
 
 
 class Journal:
@@ -231,7 +136,7 @@ class Journal:
         self.path = os.path.join(directory, "tierd-journal.bin")
         self.snapshot_path = os.path.join(directory, "tierd-index.msgpack")
         self.uuid = b""  # the slab's; set once the slab's superblock is read
-        self._queue: deque[bytes | _Checkpoint] = deque()
+        self._queue: deque[bytes | Checkpoint] = deque()
         self._lock = threading.Lock()
         self._fd = -1
         self.bytes = 0  # size of the current journal file (read on the loop thread)
@@ -247,9 +152,15 @@ class Journal:
         self.bytes += _REC_BYTES
 
     def checkpoint(
-        self, epoch: int, next_gen: int, entries: dict[int, Entry], *, clean: bool = False
+        self,
+        epoch: int,
+        next_gen: int,
+        entries: dict[int, Entry],
+        pending: dict[int, int],
+        *,
+        clean: bool = False,
     ) -> None:
-        self._queue.append(_Checkpoint(epoch, next_gen, dict(entries), clean))
+        self._queue.append(Checkpoint(epoch, next_gen, dict(entries), dict(pending), clean))
         self.bytes = _JNL_HDR.size + 8
 
     def flush(self, sync: bool) -> None:
@@ -282,24 +193,24 @@ class Journal:
             if remove:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)
-                _fsync_dir(self._io, os.path.dirname(self.path))
+                fsync_dir(self._io, os.path.dirname(self.path))
 
     def _write(self, chunk: list[bytes], sync: bool) -> None:
         if chunk and self._fd < 0:
             raise OSError(errno.EBADF, "the journal has not been started")
         if chunk:
-            _write_all(self._io, self._fd, b"".join(chunk))
+            write_all(self._io, self._fd, b"".join(chunk))
             if sync:
                 self._io.fdatasync(self._fd)
 
-    def _start(self, cp: _Checkpoint) -> None:
+    def _start(self, cp: Checkpoint) -> None:
         save_snapshot(self._io, self.snapshot_path, self.uuid, cp)
         if self._fd < 0:
             self._fd = self._io.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
             private(self._fd)
         self._io.truncate(self._fd, 0)
         head = _JNL_HDR.pack(_JNL_MAGIC, _VERSION, 0, cp.epoch, self.uuid)
-        _write_all(self._io, self._fd, head + _U64.pack(_xxh(head)))
+        write_all(self._io, self._fd, head + _U64.pack(_xxh(head)))
         self._io.fsync(self._fd)
 
     @staticmethod
@@ -353,7 +264,7 @@ def reconcile(
     for slot, hdr in headers.items():
         rec = known.get(slot)
         if rec is not None and rec[0] is Op.SET and rec[1] == hdr.gen and rec[2] == hdr.key:
-            trusted[slot] = Entry(hdr.key, hdr.gen)
+            trusted[slot] = (hdr.key, hdr.gen)
         elif rec is not None and rec[0] is Op.DEL and rec[1] >= hdr.gen:
             continue
         else:
@@ -366,17 +277,3 @@ def private(fd: int) -> None:
     blocks reveal the prompts they came from, and an older tierd created them 0644."""
     if os.fstat(fd).st_mode & 0o077:
         os.fchmod(fd, 0o600)
-
-
-def _write_all(io: FileIO, fd: int, data: bytes) -> None:
-    done = 0
-    while done < len(data):
-        done += io.write(fd, data[done:])
-
-
-def _fsync_dir(io: FileIO, directory: str) -> None:
-    fd = io.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        io.fsync(fd)
-    finally:
-        io.close(fd)

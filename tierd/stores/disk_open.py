@@ -8,12 +8,13 @@ the configured geometry is reused (:func:`read_superblock`); any other is format
 (:func:`format_slab`), its blocks gone.
 
 :func:`recover_index` decides what a reused slab's index is: the snapshot of a clean close
-as it stands; after a crash (a journal left behind, or no record of a clean close), what
-the snapshot and the journal vouch for, checked against every slot's header, with the
-data checksum of the rest verified (:func:`tierd.stores.disk_index.reconcile`). Headers
-are read by :func:`scan_headers`, blocks by the slab itself
-(:class:`tierd.stores.disk_slab.Slab`): both come in as callables, so that a clean open
-reads neither. Everything here runs on an I/O thread, at open.
+as it stands; after a crash, the snapshot plus the journal, reading only the few slots the
+journal leaves open (writes in flight at the crash). Only when there is no usable snapshot
+and journal (deleted, corrupted, or written by a release whose snapshot did not list the
+writes in flight) does it read every slot's header (:func:`scan_headers`) and verify what
+they do not vouch for (:func:`tierd.stores.disk_index.reconcile`). Headers and blocks are
+read through callables the slab passes in, so a clean open reads neither. Everything here
+runs on an I/O thread, at open.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +46,7 @@ _SUPER = struct.Struct("<8sIIQQQII16s")
 _SUPER_MAGIC = b"TIERDSLB"
 _U64 = struct.Struct("<Q")
 _log = get_logger("tierd.disk")
+_PROGRESS_EVERY_S = 5.0
 
 
 # -- the superblock ----------------------------------------------------------------------
@@ -136,6 +139,13 @@ class Recovered:
     epoch: int
     recovery: str  # "clean" (the snapshot of a clean close) or "crash" (rebuilt)
     dropped: int = 0  # slots with an intact header that are not readable any more
+    verified: int = 0  # slots whose block was read and checked at open
+    scanned: bool = False  # every slot's header was read (no usable snapshot/journal)
+
+
+# Checks one slot after a crash: the key of its intact block when its header carries
+# ``gen`` (any generation when None) and its data its checksum; None otherwise.
+Check = Callable[[int, int | None], bytes | None]
 
 
 def recover_index(
@@ -143,12 +153,18 @@ def recover_index(
     uuid: bytes,
     epoch: int,
     scan: Callable[[], dict[int, di.BlockHeader]],
-    verify: Callable[[int, di.BlockHeader], bool],
+    check: Check,
     path: str,
 ) -> Recovered:
     """The index of the slab whose ``journal`` this is. ``scan`` reads every slot's intact
-    header; ``verify`` reads one block and checks it against its header. ``epoch`` is
-    the slab's epoch, kept when there is no snapshot."""
+    header (used only when no snapshot and journal describe the slab); ``check`` reads one
+    block and verifies it. ``epoch`` is the slab's epoch, kept when there is no snapshot.
+
+    After a crash the index is the snapshot plus the journal's records: a slot whose last
+    word is SET is trusted without reading it (every read checks it anyway), one whose
+    last word is BEGIN (a write in flight, or whose SET was not written yet) is checked,
+    a DEL drops the slot. Only the slots the journal leaves open are read, so the time to
+    recover grows with the journal (bounded by checkpoints), not with the slab."""
     snap = di.load_snapshot(journal.snapshot_path, uuid)
     # A clean close removes the journal; any journal left, even one whose header is
     # unreadable (a checkpoint that failed to restart it), means the daemon died and
@@ -156,54 +172,97 @@ def recover_index(
     crashed = os.path.exists(journal.path)
     if snap is not None and snap.clean and not crashed:
         return Recovered(snap.entries, snap.next_gen, snap.epoch, "clean")
+    replay = di.Journal.replay(journal.path, uuid) if crashed else None
+    if snap is not None and snap.pending is not None and replay is not None:
+        return _from_journal(snap, replay, check, path)
     if snap is not None and not crashed:
         _log.warning(
             "no record of a clean shutdown and no journal (deleted?); verifying the slab",
             path=path,
         )
-    replay = di.Journal.replay(journal.path, uuid) if crashed else None
     known: dict[int, di.Record] = {}
     if snap is not None:
-        known = {s: (di.Op.SET, e.gen, e.key) for s, e in snap.entries.items()}
+        known = {s: (di.Op.SET, e[1], e[0]) for s, e in snap.entries.items()}
         epoch = snap.epoch
     if replay is not None and (snap is None or replay[0] == snap.epoch):
         known.update(replay[1])  # an older journal's records predate the snapshot
-    return _rebuild(known, scan(), verify, epoch, path)
+    return _rebuild(known, scan(), check, epoch, path)
+
+
+def _from_journal(
+    snap: di.Snapshot, replay: tuple[int, dict[int, di.Record]], check: Check, path: str
+) -> Recovered:
+    """The crash path: snapshot plus journal, checking only the slots left open."""
+    entries = snap.entries
+    unsure: dict[int, int] = dict(snap.pending or {})
+    epoch, records = replay
+    gens = [snap.next_gen - 1]
+    if epoch == snap.epoch:  # else the journal predates the snapshot (a crash mid-checkpoint)
+        for slot, (op, gen, key) in records.items():
+            unsure.pop(slot, None)
+            gens.append(gen)
+            if op is di.Op.SET:
+                entries[slot] = (key, gen)
+                continue
+            entries.pop(slot, None)
+            if op is di.Op.BEGIN:
+                unsure[slot] = gen
+    else:
+        gens += [rec[1] for rec in records.values()]
+    dropped = 0
+    for slot, gen in unsure.items():
+        found = check(slot, gen)
+        if found is None:
+            dropped += 1
+        else:
+            entries[slot] = (found, gen)
+    _log.info(
+        "rebuilt disk index after an unclean shutdown",
+        path=path, source="journal", blocks=len(entries), journal_records=len(records),
+        verified=len(unsure), dropped=dropped,
+    )  # fmt: skip
+    return Recovered(entries, max(gens) + 1, snap.epoch, "crash", dropped, len(unsure))
 
 
 def scan_headers(
     io: FileIO, fd: int, local_slots: int, offset: Callable[[int], int], block_bytes: int
 ) -> dict[int, di.BlockHeader]:
     """Every slot's intact header that names its own slot and this block size (slot
-    ``local`` starts at ``offset(local)``)."""
+    ``local`` starts at ``offset(local)``). Progress goes to the log every few seconds:
+    this reads one page per slot, minutes on a large slab with a cold cache."""
     page = aligned_buffer(ALIGN)
     found: dict[int, di.BlockHeader] = {}
+    last = time.monotonic()
     for local in range(local_slots):
         if io.preadv(fd, [page], offset(local)) != ALIGN:
             continue
         hdr = di.BlockHeader.unpack(page)
         if hdr is not None and hdr.slot == local and hdr.data_len == block_bytes:
             found[local] = hdr
+        if time.monotonic() - last >= _PROGRESS_EVERY_S:
+            last = time.monotonic()
+            _log.info("scanning the slab's headers", slots=local + 1, of=local_slots,
+                      blocks=len(found))  # fmt: skip
     return found
 
 
 def _rebuild(
     known: dict[int, di.Record],
     headers: dict[int, di.BlockHeader],
-    verify: Callable[[int, di.BlockHeader], bool],
+    check: Check,
     epoch: int,
     path: str,
 ) -> Recovered:
-    """After a crash: trust what the journal vouches for, verify the data checksum of the
-    rest, drop what is bad."""
+    """Without a usable snapshot and journal: trust what they vouch for, verify the data
+    checksum of the rest, drop what is bad."""
     trusted, unsure = di.reconcile(known, headers)
     for local, hdr in unsure.items():
-        if verify(local, hdr):
-            trusted[local] = di.Entry(hdr.key, hdr.gen)
+        if check(local, hdr.gen) == hdr.key:
+            trusted[local] = (hdr.key, hdr.gen)
     dropped = len(headers) - len(trusted)
     gens = [h.gen for h in headers.values()] + [r[1] for r in known.values()]
     _log.info(
         "rebuilt disk index after an unclean shutdown",
-        path=path, blocks=len(trusted), verified=len(unsure), dropped=dropped,
+        path=path, source="scan", blocks=len(trusted), verified=len(unsure), dropped=dropped,
     )  # fmt: skip
-    return Recovered(trusted, max(gens, default=0) + 1, epoch, "crash", dropped)
+    return Recovered(trusted, max(gens, default=0) + 1, epoch, "crash", dropped, len(unsure), True)

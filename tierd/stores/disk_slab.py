@@ -96,6 +96,7 @@ class Slab:
         self.reason = ""
         self.recovery = "new"
         self.dropped = 0
+        self.recovery_stats: dict[str, Any] = {}
         self.journal_errors = 0
         self.read_only = ""  # why the slab takes no writes (no room for its journal)
         self._warned = self._retried = -_WARN_EVERY_S
@@ -125,21 +126,21 @@ class Slab:
         if current == gen:
             del self.pending[local]
         if ok and current == gen:
-            self.entries[local] = di.Entry(key, gen)
+            self.entries[local] = (key, gen)
             self.journal.append(di.Op.SET, local, gen, key)
         else:
             self.journal.append(di.Op.DEL, local, gen)
 
     def invalidate(self, local: int) -> None:
         entry = self.entries.pop(local, None)
-        gen = max(entry.gen if entry else 0, self.pending.pop(local, 0))
+        gen = max(entry[1] if entry else 0, self.pending.pop(local, 0))
         if gen:
             self.journal.append(di.Op.DEL, local, gen)
 
     def maybe_checkpoint(self, limit: int) -> None:
         if self.journal.bytes > limit:
             self.epoch += 1
-            self.journal.checkpoint(self.epoch, self.next_gen, self.entries)
+            self.journal.checkpoint(self.epoch, self.next_gen, self.entries, self.pending)
 
     # -- I/O-thread routines -----------------------------------------------------------
 
@@ -254,7 +255,7 @@ class Slab:
             if not fresh:
                 self._load_index()
             self.epoch += 1
-            self.journal.checkpoint(self.epoch, self.next_gen, self.entries)
+            self.journal.checkpoint(self.epoch, self.next_gen, self.entries, self.pending)
             self._start_journal()
         except OSError as exc:
             self.close_fds()
@@ -307,7 +308,7 @@ class Slab:
         """Queue the snapshot that :meth:`close_sync` writes (on the loop's thread, so the
         index cannot change while it is copied). It is the one marked clean."""
         self.epoch += 1
-        self.journal.checkpoint(self.epoch, self.next_gen, self.entries, clean=True)
+        self.journal.checkpoint(self.epoch, self.next_gen, self.entries, self.pending, clean=True)
 
     def close_sync(self) -> str | None:
         """Persist the index (slab fsync, then the clean snapshot), drop the journal, close
@@ -361,19 +362,32 @@ class Slab:
     def _load_index(self) -> None:
         c = self.cfg
         scan = partial(scan_headers, self.io, self._fd, c.local_slots, self.offset, c.block_bytes)
-        found = recover_index(self.journal, self.uuid, self.epoch, scan, self._verify, self.path)
+        t0 = time.monotonic()
+        found = recover_index(self.journal, self.uuid, self.epoch, scan, self._check, self.path)
         self.entries, self.next_gen, self.epoch = found.entries, found.next_gen, found.epoch
         self.recovery, self.dropped = found.recovery, found.dropped
+        self.recovery_stats = {
+            "seconds": round(time.monotonic() - t0, 3),
+            "verified": found.verified,
+            "scanned": found.scanned,
+        }
 
-    def _verify(self, local: int, hdr: di.BlockHeader) -> bool:
-        """Whether the block in ``local`` matches ``hdr`` and its data checksum."""
+    def _check(self, local: int, gen: int | None) -> bytes | None:
+        """The key of the block in ``local`` when its header is intact, names this slot,
+        block size and ``gen`` (any when None), and its data matches its checksum."""
         page = _staging(ALIGN + self.data_io)
-        out = (
-            page[ALIGN : ALIGN + self.data_io]
-            if self.o_direct
-            else memoryview(bytearray(self.cfg.block_bytes))
-        )
-        return self._read_one(page, (local, hdr.key, hdr.gen, out)) == OK
+        try:
+            done = self.io.preadv(self._fd, [page], self.offset(local))
+        except OSError:
+            return None
+        hdr = di.BlockHeader.unpack(page[:ALIGN]) if done == len(page) else None
+        if hdr is None or hdr.slot != local or hdr.data_len != self.cfg.block_bytes:
+            return None
+        if gen is not None and hdr.gen != gen:
+            return None
+        if di.data_checksum(page[ALIGN : ALIGN + self.cfg.block_bytes]) != hdr.data_xxh3:
+            return None
+        return hdr.key
 
     def details(self) -> dict[str, Any]:
         details = {"path": self.path, "o_direct": self.o_direct, "reason": self.reason}
