@@ -39,7 +39,7 @@ from tierd.chain import FlushResult, TierChain
 from tierd.config import DaemonConfig, default_socket_path
 from tierd.control.context import Limits, ServerContext
 from tierd.control.server import Server, bind_unix_socket
-from tierd.control.socketfile import prepare_socket_directory
+from tierd.control.socketfile import check_directory, prepare_socket_directory
 from tierd.control.tenants import TenantTable
 from tierd.daemon.metrics_http import start_metrics_http
 from tierd.daemon.service import configure_logging, remove_pid_file, sd_notify, write_pid_file
@@ -122,6 +122,7 @@ class Daemon:
         pid_file = cfg.socket.pid_file or Path(f"{path}.pid")
         created: list[Path] = []
         try:
+            check_directory(str(pid_file.absolute().parent), "pid file")
             write_pid_file(pid_file)
             own = {d.absolute() for tier in cfg.tiers for d in tier.directories}
             for directory in directories_to_create(cfg):
