@@ -28,6 +28,7 @@ import structlog
 from tierd.errors import AlreadyRunning
 
 __all__ = [
+    "bind_path_bytes",
     "bind_unix_socket",
     "check_directory",
     "peer_credentials",
@@ -39,12 +40,24 @@ log = structlog.get_logger("tierd.control")
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
+_BIND_PREFIX = ".tierd-bind-"
+_BIND_NAME = "sock"
+_RANDOM_CHARS = 8  # what mkdtemp adds to the prefix
+
+
+def bind_path_bytes(path: str) -> int:
+    """The length of the path actually bound for ``path`` (in a fresh directory beside
+    it, then renamed): what must fit ``sun_path``, not only ``path`` itself."""
+    directory = os.fsencode(os.path.dirname(os.path.abspath(path)))
+    return len(directory) + len(f"/{_BIND_PREFIX}/{_BIND_NAME}") + _RANDOM_CHARS
+
+
 def bind_unix_socket(path: str, mode: int) -> socket.socket:
     """A listening Unix stream socket at ``path`` with permissions ``mode``."""
     _clear_stale(path)
     directory = os.path.dirname(os.path.abspath(path))
-    private = tempfile.mkdtemp(prefix=".tierd-bind-", dir=directory)  # mode 0700
-    staged = os.path.join(private, "sock")
+    private = tempfile.mkdtemp(prefix=_BIND_PREFIX, dir=directory)  # mode 0700
+    staged = os.path.join(private, _BIND_NAME)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(staged)
