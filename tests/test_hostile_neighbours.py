@@ -14,15 +14,19 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
+from redis_kit import free_port
 
-from tests.test_daemon_lifecycle import child_env
+from tests.test_daemon_lifecycle import Spawn, child_env, spawn
 from tierd.cli import main
 from tierd.testing import daemon_config
+
+__all__ = ["spawn"]  # the fixture, re-exported for pytest
 
 
 def write(tmp_path: Path, config: dict[str, object]) -> Path:
@@ -93,3 +97,29 @@ async def test_a_cpu_tier_over_the_cgroup_limit_is_refused_not_oom_killed(
     assert "tiers.0.capacity" in out.stderr
     assert f"the memory cgroup /{memory_cgroup.name} is limited to 450 MiB" in out.stderr
     shutil.rmtree(Path(config["socket"]["path"]).parent, ignore_errors=True)
+
+
+async def test_scrapers_cost_the_loop_one_rendering_per_interval(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    """Any local user can scrape the metrics port, as often as it likes: within
+    ``metrics.cache`` every scrape gets the same rendering (the request counts do not
+    move however many requests the socket answers meanwhile), while the operator's
+    ``metrics`` request over the socket renders afresh."""
+    port = free_port()
+    config = daemon_config(tmp_path, metrics={"http_port": port, "cache": "10m"})
+    daemon = await spawn(config)
+    first = await asyncio.to_thread(_scrape, port)
+    async with await daemon.connect() as client:
+        for i in range(20):
+            await client.lookup([b"k%d" % i])
+        fresh = await client.metrics()
+    scrapes = await asyncio.gather(*(asyncio.to_thread(_scrape, port) for _ in range(6)))
+    assert scrapes == [first] * 6
+    assert 'op="lookup"' in fresh and 'op="lookup"' not in first
+    assert await daemon.stop() == 0
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        return str(reply.read().decode())

@@ -126,6 +126,9 @@ def _loose(directory: Path) -> str | None:
     group or others may read or write it (KV-cache blocks reveal the prompts they came
     from; the way ssh refuses a key file others can read). ``None`` when it is private,
     or missing (it is then created 0700)."""
+    link = _foreign_link(directory)
+    if link is not None:
+        return link
     try:
         st = os.stat(directory)
     except OSError:
@@ -148,6 +151,27 @@ def _loose(directory: Path) -> str | None:
             f"{directory} can be read or written by {who} (mode {mode:o}): the blocks"
             f" in it reveal the prompts they came from; chmod 700 {directory}"
         )
+    return None
+
+
+def _foreign_link(directory: Path) -> str | None:
+    """Why a disk directory named through a link of another user may not hold blocks:
+    that user can point it elsewhere after these checks (at a directory of theirs where
+    the slab's name links to a file of the daemon's). ``None`` when every link on the
+    way belongs to the daemon's user or root."""
+    me = os.geteuid()
+    path = Path(os.path.abspath(directory))
+    for step in [*reversed(path.parents), path]:
+        try:
+            st = os.lstat(step)
+        except OSError:
+            return None  # missing from here on: created by the daemon, 0700
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (me, 0):
+            return (
+                f"{directory} is named through the link {step}, which uid {st.st_uid} owns"
+                f" and may point elsewhere: name the real directory"
+                f" ({os.path.realpath(directory)})"
+            )
     return None
 
 

@@ -160,6 +160,9 @@ class MetricsConfig(StrictModel):
 
     http_port: int | None = Field(default=None, ge=1, le=65535)
     http_host: str = "127.0.0.1"
+    # A scrape within this many seconds of the last rendering gets that rendering: any
+    # number of scrapers cost the event loop one rendering per interval.
+    cache: Seconds = Field(default=1.0, ge=0, le=3600)
 
     @field_validator("http_host")
     @classmethod
