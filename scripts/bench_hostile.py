@@ -177,7 +177,7 @@ async def partial(home: Path) -> None:
 
 
 async def scrape(home: Path) -> None:
-    config = daemon_config(home, cpu_blocks=8, disk_blocks=None, block_bytes=BLOCK)
+    config = daemon_config(home, cpu_blocks=2000, disk_blocks=None, block_bytes=BLOCK)
     uid = os.getuid()
     config["tenants"] = [{"name": "t0", "uids": [uid], "operator": True}] + [
         {"name": f"t{i}", "uids": [100000 + i]} for i in range(1, 1000)
