@@ -6,7 +6,9 @@ its ``mode`` says:
   the connection stays open (``streamed`` counts the connections it did this to);
 - ``short``: an array one element shorter than the keys asked for;
 - ``integer``: an integer instead of an array;
-- ``slow``: nothing until ``release`` is set (a full, wedged server).
+- ``slow``: nothing until ``release`` is set (a full, wedged server);
+- ``huge_all``: every data command (``EXISTS``, ``SET``, ``MGET``...) gets the ``huge``
+  reply: the soak points its daemon's remote level here for the whole run.
 
 It listens on a loopback port, one thread per connection, and stops when its context
 ends. Nothing here is a real Redis: it is the server an attacker would run.
@@ -24,6 +26,7 @@ __all__ = ["FakeRedis", "fake_redis"]
 
 _HUGE = b"*2147483648\r\n"
 _NIL_RUN = b"$-1\r\n" * 4096
+_HANDSHAKE = frozenset({b"CLIENT", b"HELLO", b"SELECT", b"PING", b"AUTH"})
 
 
 class FakeRedis:
@@ -84,7 +87,9 @@ class FakeRedis:
 
     def _answer(self, conn: socket.socket, command: list[bytes]) -> None:
         name = command[0].upper()
-        if name == b"EXISTS":
+        if self.mode == "huge_all" and name not in _HANDSHAKE:
+            self._stream_huge(conn)
+        elif name == b"EXISTS":
             conn.sendall(b":1\r\n")
         elif name == b"MGET":
             with self._lock:
@@ -103,15 +108,18 @@ class FakeRedis:
         elif self.mode == "slow":
             self.release.wait(60)
         elif self.mode == "huge":
-            with self._lock:
-                self.streamed += 1
-            conn.sendall(_HUGE)
-            for _ in range(1 << 16):  # bounded: about 1.3 GB, or until the daemon hangs up
-                if self.release.is_set():
-                    return
-                conn.sendall(_NIL_RUN)
+            self._stream_huge(conn)
         else:
             raise ValueError(f"no mode {self.mode!r}")
+
+    def _stream_huge(self, conn: socket.socket) -> None:
+        with self._lock:
+            self.streamed += 1
+        conn.sendall(_HUGE)
+        for _ in range(1 << 16):  # bounded: about 1.3 GB, or until the daemon hangs up
+            if self.release.is_set():
+                return
+            conn.sendall(_NIL_RUN)
 
 
 def _read_command(reader: BinaryIO) -> list[bytes] | None:

@@ -4,7 +4,7 @@
   until the load stops: a msgpack bomb (a frame of 200,000 empty arrays), a client
   that pipelines ``get`` requests and never reads, a slowloris (half a frame, then
   silence), idle sockets that never say hello, and partial-frame churn (four
-  connections each send half of a 2 MiB frame and close at once: the daemon must free
+  connections each send half of a 192 KiB frame and close at once: the daemon must free
   those bytes on the close, which the report's RSS shows). Each attack must end the way the
   daemon's guards promise (``bad_frame`` reply, closed connection): what happened is
   counted in ``counts`` and any other outcome is an ``unexpected`` entry in the report.
@@ -170,7 +170,8 @@ class Hostile:
     async def _partial_churn(self) -> None:
         opened = [await self._open() for _ in range(4)]
         for _, writer in opened:
-            writer.write(HEADER.pack(2 << 20) + b"\x00" * (1 << 20))
+            # Under the soak's smallest max_frame_bytes (256 KiB): a frame, not a refusal.
+            writer.write(HEADER.pack(192 << 10) + b"\x00" * (96 << 10))
         for _, writer in opened:
             await writer.drain()
             writer.close()
