@@ -267,7 +267,8 @@ async def test_links_planted_for_the_pid_file_are_never_written_through(
             assert not pid_file.is_symlink() and pid_file.read_text().strip().isdigit()
         finally:
             # unshare does not pass SIGTERM on: kill its child (the daemon) by its PID.
-            children = Path(f"/proc/{daemon.pid}/task/{daemon.pid}/children").read_text()
+            listing = Path(f"/proc/{daemon.pid}/task/{daemon.pid}/children")
+            children = await asyncio.to_thread(listing.read_text)
             for child in children.split():
                 os.kill(int(child), signal.SIGKILL)
             await asyncio.to_thread(daemon.wait, 60)
