@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from fake_redis import FakeRedis
 from soak_fuzz import Fuzzer
 from soak_hostile import Hostile, RealFullDisk
 from soak_lanes import FaultLanes, schedule
@@ -42,6 +43,16 @@ class Campaign:
         share = settings.disk_blocks // 2 * (settings.block_bytes + 4096) + 4096
         self.full_disk = RealFullDisk(workdir, share + (20 << 20))
         config = soak_config(workdir, socket_path, settings, self.full_disk.directory)
+        # A hostile Redis server under the remote level the whole run: every call gets a
+        # reply declared 2**31 elements long. It may cost misses, never a stalled loop
+        # (the latency and liveness checks would see one).
+        self.bad_redis = FakeRedis("huge_all")
+        config["remote"] = {
+            "url": self.bad_redis.url,
+            "deadline": "100ms",
+            "breaker_backoff": "200ms",
+            "breaker_max_backoff": "1s",
+        }
         self.daemon = DaemonProcess(workdir, config)
         self.hostile = Hostile(
             lambda: self.path, "soak-hostile", lambda: self.daemon.incarnation, self.gate.turn
@@ -94,6 +105,7 @@ class Campaign:
 
     async def run(self) -> dict[str, Any]:
         rig = self.rig
+        self.bad_redis.start()
         try:
             await self.daemon.start()
             rig.subscribe()
@@ -106,6 +118,8 @@ class Campaign:
             await rig.close_ctl()
             rig.unsubscribe()
             await self.daemon.kill()
+            self.bad_redis.stop()
+            self.hostile.counts["hostile_redis_replies"] = self.bad_redis.streamed
             self.fault_calls = self.daemon.control.counters()
             self.daemon.cleanup()
             self.full_disk.unmount()

@@ -3,7 +3,9 @@
 - :class:`Hostile` runs, beside the honest workers, one attacker of each kind in turn
   until the load stops: a msgpack bomb (a frame of 200,000 empty arrays), a client
   that pipelines ``get`` requests and never reads, a slowloris (half a frame, then
-  silence), and idle sockets that never say hello. Each attack must end the way the
+  silence), idle sockets that never say hello, and partial-frame churn (four
+  connections each send half of a 192 KiB frame and close at once: the daemon must free
+  those bytes on the close, which the report's RSS shows). Each attack must end the way the
   daemon's guards promise (``bad_frame`` reply, closed connection): what happened is
   counted in ``counts`` and any other outcome is an ``unexpected`` entry in the report.
 - :class:`RealFullDisk` mounts a small tmpfs as one of the disk tier's directories (root
@@ -39,7 +41,7 @@ _RESTART_GRACE_S = 10.0  # how long a killed daemon may take to be counted as re
 # How long a non-reader (or a silent socket) stays silent before it looks for the close:
 # several times the guards' limits, so that a loaded machine has time to fill the buffers.
 _SKIP_S = 5 * max(GUARD_LIMITS["output_stall_s"], GUARD_LIMITS["hello_timeout_s"])
-ATTACKS = ("bomb", "non_reader", "slowloris", "idle")
+ATTACKS = ("bomb", "non_reader", "slowloris", "idle", "partial_churn")
 
 
 class Hostile:
@@ -164,6 +166,16 @@ class Hostile:
         finally:
             for _, writer in opened:
                 writer.close()
+
+    async def _partial_churn(self) -> None:
+        opened = [await self._open() for _ in range(4)]
+        for _, writer in opened:
+            # Under the soak's smallest max_frame_bytes (256 KiB): a frame, not a refusal.
+            writer.write(HEADER.pack(192 << 10) + b"\x00" * (96 << 10))
+        for _, writer in opened:
+            await writer.drain()
+            writer.close()
+        self.counts["partial_churn"] += 1
 
     def report(self) -> dict[str, Any]:
         return {"counts": dict(self.counts), "unexpected": self.unexpected}

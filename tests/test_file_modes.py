@@ -5,16 +5,20 @@ tightens files an older daemon left readable by others (they were 0644 in 0755).
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from users_kit import Attacker, as_user, attacker
 
 from tests.test_daemon_lifecycle import BLOCK, Spawn, block, keys, spawn
 from tierd.client import Client
 from tierd.testing import daemon_config
 
-__all__ = ["spawn"]
+__all__ = ["attacker", "spawn"]
 
 FILES = ("tierd-slab.bin", "tierd-journal.bin", "tierd-index.msgpack")
 
@@ -94,3 +98,49 @@ async def test_a_disk_directory_of_another_user_is_refused(tmp_path: Path, spawn
     daemon = await spawn(cfg, ready=False)
     assert await daemon.wait() != 0
     assert "belongs to uid 65534, not to the daemon's user" in daemon.stderr()
+
+
+# -- links --------------------------------------------------------------------------------
+
+
+async def test_a_slab_file_that_is_a_link_is_never_opened_through(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    """``tierd-slab.bin`` links to a file of the daemon's user: the daemon refuses to
+    open it (and so never formats it) rather than following the link."""
+    cfg = daemon_config(tmp_path)
+    directory = Path(cfg["tiers"][1]["directories"][0])
+    victim = tmp_path / "precious"
+    victim.write_bytes(b"the daemon user's own data\n")
+    (directory / "tierd-slab.bin").symlink_to(victim)
+    daemon = await spawn(cfg, ready=False)
+    assert await daemon.wait() != 0
+    assert "cannot open disk slab" in daemon.stderr()
+    assert "Traceback" not in daemon.stderr()
+    assert victim.read_bytes() == b"the daemon user's own data\n"
+
+
+async def test_a_disk_directory_named_through_another_users_link_is_refused(
+    tmp_path: Path, spawn: Spawn, attacker: Attacker
+) -> None:
+    """The attacker owns a link that names the daemon's private directory (so every
+    check of the directory itself passes) and could flip it later, to a directory of
+    theirs where the slab's name links to a root file."""
+    cfg = daemon_config(tmp_path)
+    real = Path(cfg["tiers"][1]["directories"][0])
+    theirs = Path(tempfile.mkdtemp(prefix="tierd-atk-", dir="/tmp"))
+    try:
+        os.chown(theirs, attacker.uid, attacker.gid)
+        link = theirs / "disk"
+        plant = f"import os; os.symlink({str(real)!r}, {str(link)!r})"
+        planted = as_user(attacker, sys.executable, "-c", plant)
+        assert planted.returncode == 0, planted.stderr
+        cfg["tiers"][1]["directories"] = [str(link)]
+        daemon = await spawn(cfg, ready=False)
+        assert await daemon.wait() == 78
+        assert f"is named through the link {theirs}/disk, which uid {attacker.uid}" in (
+            daemon.stderr()
+        )
+        assert os.listdir(real) == []
+    finally:
+        shutil.rmtree(theirs, ignore_errors=True)

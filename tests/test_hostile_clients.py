@@ -256,6 +256,35 @@ async def test_unfinished_frames_share_one_budget(tmp_path: Path, spawn: Spawn) 
             assert read_replies(sock, 1)[0]["error"] == "bad_frame"
 
 
+async def test_unfinished_frames_of_closed_connections_are_freed(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    """Eight rounds of four connections, each sending 15 MiB of a 16 MiB frame and then
+    closing, under a 64 MiB budget: whatever they sent is freed when they close, so the
+    daemon holds about one round at most, not every round's bytes (480 MiB)."""
+    cfg = daemon_config(tmp_path, limits={"partial_frame_bytes": 64 << 20, "frame_deadline_s": 60})
+    daemon = await spawn(cfg)
+    before = rss_bytes(daemon.pid)
+    part = b"\x00" * (15 << 20)
+    for _ in range(8):
+        with sockets() as opened:
+            for _ in range(4):
+                sock = raw_connect(daemon, hello=False)
+                opened.append(sock)
+                sock.sendall(HEADER.pack(16 << 20) + part)
+            await settle(daemon)  # every byte sent was read before the close
+        await settle(daemon)
+    client = await Client.connect(daemon.socket_path, namespace=NS, block_bytes=BLOCK)
+    try:
+        for i in range(200):
+            await client.lookup([b"after-%d" % i])
+    finally:
+        await client.close()
+    grown = rss_bytes(daemon.pid) - before
+    assert grown < 128 << 20, f"the daemon still holds {grown >> 20} MiB"
+    assert (await stats(daemon))["server"]["connections"] == 1  # only this stats call's
+
+
 # -- connections that never say hello ----------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from tierd.keys import BlockKey, Medium
 from tierd.library import open_chain
 from tierd.remote import HEADER_BYTES, decode_block, encode_block
 from tierd.remote.breaker import BreakerState, CircuitBreaker
+from tierd.remote.values import key_space
 
 BLOCK = 4096
 DEADLINE = 0.2
@@ -207,7 +208,7 @@ async def test_a_damaged_value_is_a_counted_miss_and_is_deleted(
     }[damage]
     raw = Redis.from_url(server.url)
     try:
-        await raw.set(b"tierd:" + keys[0], forged)
+        await raw.set(b"tierd:" + key_space(BLOCK) + keys[0], forged)
         async with node({"url": server.url}) as chain:
             assert (await chain.find(keys[:1])).count == 1  # it exists...
             with pytest.raises(BlockMissing):
@@ -215,7 +216,7 @@ async def test_a_damaged_value_is_a_counted_miss_and_is_deleted(
             assert chain.remote is not None
             assert chain.remote.level.stats()["corrupt"] == 1
             assert chain.lookup(keys[:1]).count == 0  # nothing reached the local tier
-        assert await raw.exists(b"tierd:" + keys[0]) == 0
+        assert await raw.exists(b"tierd:" + key_space(BLOCK) + keys[0]) == 0
     finally:
         await raw.aclose()
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,8 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from users_kit import Attacker, as_user, attacker
 
 from tierd.client import Client, Unreachable, UntrustedDaemon
+
+__all__ = ["attacker"]  # the fixture, re-exported for pytest
 
 NOBODY = 65534
 pytestmark = pytest.mark.skipif(
@@ -205,3 +209,120 @@ async def test_the_daemon_makes_its_socket_directory_private(
     finally:
         daemon.terminate()
         await asyncio.to_thread(daemon.wait, 60)
+
+
+# -- files planted in a shared directory --------------------------------------------------
+
+
+async def test_links_planted_for_the_pid_file_are_never_written_through(
+    attacker: Attacker, tmp_path: Path
+) -> None:
+    """A directory root owns and the attacker's group may write (sticky, so the kernel's
+    protection of links in world-writable directories does not apply): the attacker links
+    every name the pid file could be written through to a root file. The daemon runs in a
+    new PID namespace, so its pid, and the old temporary name ``.tierd.sock.pid.1``, are
+    known in advance. The root file is left intact and the pid file is the daemon's."""
+    shared = Path(tempfile.mkdtemp(prefix="tierd-pid-", dir="/tmp"))
+    victim = tmp_path / "precious"
+    victim.write_text("root's data\n")
+    try:
+        os.chown(shared, 0, attacker.gid)
+        os.chmod(shared, 0o1775)
+        names = [f".tierd.sock.pid.{pid}" for pid in range(1, 8)] + ["tierd.sock.pid"]
+        plant = "import os, sys\nfor n in sys.argv[2:]: os.symlink(sys.argv[1], n)"
+        planted = as_user(attacker, sys.executable, "-c", plant, str(victim), *names, cwd=shared)
+        assert planted.returncode == 0, planted.stderr
+        config = tmp_path / "tierd.yaml"
+        config.write_text(
+            "block_bytes: 4096\ntiers: [{name: cpu, kind: cpu, capacity: 8}]\n"
+            f"socket: {{path: {shared}/tierd.sock}}\n"
+        )
+        unshare = shutil.which("unshare")
+        if unshare is None:
+            pytest.skip("unshare is not installed")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIERD_")}
+        daemon = await asyncio.to_thread(
+            subprocess.Popen,
+            [
+                unshare,
+                "--pid",
+                "--fork",
+                "--kill-child=SIGTERM",
+                sys.executable,
+                "-m",
+                "tierd",
+                "serve",
+                "-c",
+                str(config),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            client = await _connect_when_up(daemon, shared / "tierd.sock")
+            await client.close()
+            pid_file = shared / "tierd.sock.pid"
+            assert not pid_file.is_symlink() and pid_file.read_text().strip().isdigit()
+        finally:
+            # unshare does not pass SIGTERM on: kill its child (the daemon) by its PID.
+            listing = Path(f"/proc/{daemon.pid}/task/{daemon.pid}/children")
+            children = await asyncio.to_thread(listing.read_text)
+            for child in children.split():
+                os.kill(int(child), signal.SIGKILL)
+            await asyncio.to_thread(daemon.wait, 60)
+        assert victim.read_text() == "root's data\n"
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+async def test_a_world_writable_directory_of_another_user_is_refused(
+    attacker: Attacker, tmp_path: Path
+) -> None:
+    """/tmp-like (root's, sticky, writable by everyone): the attacker's daemon refuses to
+    put its socket and pid file there, where anyone may plant files."""
+    shared = Path(tempfile.mkdtemp(prefix="tierd-tmp-", dir="/tmp"))
+    os.chmod(shared, 0o1777)
+    home = Path(tempfile.mkdtemp(prefix="tierd-cfg-", dir="/tmp"))
+    try:
+        config = home / "tierd.yaml"
+        config.write_text(
+            "block_bytes: 4096\ntiers: [{name: cpu, kind: cpu, capacity: 8}]\n"
+            f"socket: {{path: {shared}/tierd.sock}}\n"
+        )
+        os.chmod(home, 0o755)
+        os.chmod(config, 0o644)
+        # Imports as root (the interpreter's packages may sit under /root), then serves
+        # as the attacker.
+        serve = (
+            "import os, sys\nfrom tierd.cli import main\n"
+            f"os.setgroups([]); os.setgid({attacker.gid}); os.setuid({attacker.uid})\n"
+            "sys.exit(main(['serve', '-c', sys.argv[1]]))"
+        )
+        out = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", serve, str(config)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert f"the socket directory {shared} is writable by everyone" in out.stderr
+        assert "Traceback" not in out.stderr
+        assert os.listdir(shared) == []
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+async def _connect_when_up(daemon: subprocess.Popen[str], path: Path) -> Client:
+    for _ in range(600):  # start-up: nothing to wait on but the socket (60 s at most)
+        if daemon.poll() is not None:
+            raise AssertionError(daemon.stdout.read() if daemon.stdout else "")
+        try:
+            return await Client.connect(path)
+        except Unreachable:
+            await asyncio.sleep(0.1)
+    raise AssertionError("the daemon never answered")

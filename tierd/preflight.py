@@ -152,6 +152,9 @@ def _loose(directory: Path) -> str | None:
     group or others may read or write it (KV-cache blocks reveal the prompts they came
     from; the way ssh refuses a key file others can read). ``None`` when it is private,
     or missing (it is then created 0700)."""
+    link = _foreign_link(directory)
+    if link is not None:
+        return link
     try:
         st = os.stat(directory)
     except OSError:
@@ -174,6 +177,27 @@ def _loose(directory: Path) -> str | None:
             f"{directory} can be read or written by {who} (mode {mode:o}): the blocks"
             f" in it reveal the prompts they came from; chmod 700 {directory}"
         )
+    return None
+
+
+def _foreign_link(directory: Path) -> str | None:
+    """Why a disk directory named through a link of another user may not hold blocks:
+    that user can point it elsewhere after these checks (at a directory of theirs where
+    the slab's name links to a file of the daemon's). ``None`` when every link on the
+    way belongs to the daemon's user or root."""
+    me = os.geteuid()
+    path = Path(os.path.abspath(directory))
+    for step in [*reversed(path.parents), path]:
+        try:
+            st = os.lstat(step)
+        except OSError:
+            return None  # missing from here on: created by the daemon, 0700
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (me, 0):
+            return (
+                f"{directory} is named through the link {step}, which uid {st.st_uid} owns"
+                f" and may point elsewhere: name the real directory"
+                f" ({os.path.realpath(directory)})"
+            )
     return None
 
 
@@ -234,6 +258,10 @@ def _memory_problems(cfg: ChainConfig, meminfo: str) -> list[str]:
         if tier.kind in (TierKind.CPU, TierKind.MEMORY)
     }
     available = _mem_available(meminfo)
+    source = "MemAvailable"
+    limited = cgroup_memory_left()
+    if limited is not None and (available is None or limited[0] < available):
+        available, source = limited
     if not sizes or available is None:
         return []
     problems = []
@@ -244,7 +272,7 @@ def _memory_problems(cfg: ChainConfig, meminfo: str) -> list[str]:
             problems.append(
                 f"tiers.{index}.capacity: the {tier.kind} tier {tier.name!r} needs"
                 f" {format_bytes(size)} of memory, but {format_bytes(memory_left)} is"
-                " available (MemAvailable; lower the capacity)"
+                f" available ({source}; lower the capacity)"
             )
         memory_left = max(memory_left - size, 0)
     return problems
@@ -316,3 +344,59 @@ def _cuda_devices() -> tuple[int | None, str]:
     if count.value == 0:
         return None, "the CUDA driver sees no device"
     return count.value, ""
+
+
+_NO_LIMIT = 1 << 62  # cgroup v1 reports "no limit" as a huge page-rounded number
+
+
+def cgroup_memory_left(
+    proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> tuple[int, str] | None:
+    """The memory this process's cgroups leave it: the least, over its memory cgroup and
+    every ancestor that has a limit, of the limit minus what the cgroup uses (v2's
+    ``memory.max``/``memory.current``, v1's ``memory.limit_in_bytes``/``usage_in_bytes``),
+    with the cgroup it comes from; ``None`` without a limit. A tier past it is OOM-killed
+    at start, with nothing in the log, whatever ``MemAvailable`` says."""
+    try:
+        with open(proc_cgroup) as lines:
+            entries = [line.rstrip("\n").split(":", 2) for line in lines]
+    except OSError:
+        return None
+    for entry in entries:
+        if len(entry) != 3:
+            continue
+        _, controllers, path = entry
+        if controllers == "":
+            found = _tightest(Path(root), path, "memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            found = _tightest(
+                Path(root) / "memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes"
+            )
+        else:
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def _tightest(mount: Path, path: str, limit_file: str, usage_file: str) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    parts = [p for p in path.split("/") if p]
+    for depth in range(len(parts), -1, -1):
+        group = mount.joinpath(*parts[:depth])
+        limit = _read_number(group / limit_file)
+        if limit is None or limit >= _NO_LIMIT:
+            continue
+        left = max(limit - (_read_number(group / usage_file) or 0), 0)
+        if best is None or left < best[0]:
+            name = "/" + "/".join(parts[:depth])
+            best = (left, f"the memory cgroup {name} is limited to {format_bytes(limit)}")
+    return best
+
+
+def _read_number(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit

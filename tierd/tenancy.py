@@ -44,6 +44,15 @@ class TenantConfig(BaseModel):
     quota: dict[str, int | str] = Field(default_factory=dict)
     operator: bool = False  # may clear, flush, stop, read the config and every tenant's stats
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        # The name is a directory of every disk tier: "." is the untenanted slab's own
+        # directory and ".." the one above it.
+        if value in (".", ".."):
+            raise ValueError(f"{value!r} is not a tenant name (it names a directory)")
+        return value
+
     @field_validator("uids", "gids")
     @classmethod
     def _ids(cls, value: list[int]) -> list[int]:

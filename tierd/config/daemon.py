@@ -20,7 +20,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tierd.config.base import Mode, Seconds, Size, StrictModel, error_at, errors_at
 from tierd.config.chain import ChainConfig, TierConfig, TierKind
-from tierd.control.socketfile import default_socket_path
+from tierd.control.socketfile import bind_path_bytes, default_socket_path
 from tierd.tenancy import DEFAULT_TENANT, QuotaProblem, TenantConfig, quota_blocks
 from tierd.units import share_parts
 
@@ -61,6 +61,15 @@ class SocketConfig(StrictModel):
         if size > SOCKET_PATH_MAX:
             raise ValueError(
                 f"a Unix socket path is at most {SOCKET_PATH_MAX} bytes, this one is {size}:"
+                " choose a shorter directory"
+            )
+        # The socket is bound in a fresh directory beside it, then renamed into place:
+        # that longer path is the one that must fit.
+        bound = bind_path_bytes(str(value))
+        if bound > SOCKET_PATH_MAX:
+            raise ValueError(
+                f"the socket is bound at a {bound}-byte path in its directory before it is"
+                f" renamed, over the {SOCKET_PATH_MAX} bytes a Unix socket path may have:"
                 " choose a shorter directory"
             )
         return value
@@ -148,6 +157,9 @@ class MetricsConfig(StrictModel):
     http_host: str = "127.0.0.1"
     # Namespaces with labels of their own (most bytes first); the rest add up in "other".
     namespaces_top: int = Field(default=20, ge=0, le=1000)
+    # A scrape within this many seconds of the last rendering gets that rendering: any
+    # number of scrapers cost the event loop one rendering per interval.
+    cache: Seconds = Field(default=1.0, ge=0, le=3600)
 
     @field_validator("http_host")
     @classmethod

@@ -187,6 +187,9 @@ class Connection(asyncio.Protocol):
         self.server.connections.discard(self)
         self.server.silent.pop(self, None)
         self.server.partial.change(self.decoder.buffered, 0)
+        # Free the unfinished frame now: the session's reply callback keeps this object
+        # alive (a cycle only the cyclic collector breaks), and with it the decoder.
+        self.decoder = FrameDecoder(0)
         self.ctx.connections -= 1
         for deadline in (self._hello, self._frame, self._stall):
             deadline.disarm()

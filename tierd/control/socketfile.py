@@ -6,9 +6,11 @@
   live one is an error, "already running".
 - :func:`peer_credentials` reads ``SO_PEERCRED``: the pid, uid and gid of the peer.
 - :func:`prepare_socket_directory` makes sure nobody else controls the directory the
-  socket goes in: it must belong to this user (or root), and be writable by others only
-  with the sticky bit (like /tmp). The default per-user directory is created, with only
-  the access the socket's mode gives others.
+  socket goes in (:func:`check_directory`, also used for the pid file's): it must belong
+  to this user (or root), be writable by others only with the sticky bit, and be
+  writable by everyone only when it is this user's own (so /tmp only for root). The
+  default per-user directory is created, with only the access the socket's mode gives
+  others.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from tierd.errors import AlreadyRunning
 
 __all__ = [
     "CONFIG_ENV",
+    "bind_path_bytes",
     "bind_unix_socket",
+    "check_directory",
     "default_socket_path",
     "peer_credentials",
     "prepare_socket_directory",
@@ -53,12 +57,24 @@ def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:
     return directory / "tierd.sock"
 
 
+_BIND_PREFIX = ".tierd-bind-"
+_BIND_NAME = "sock"
+_RANDOM_CHARS = 8  # what mkdtemp adds to the prefix
+
+
+def bind_path_bytes(path: str) -> int:
+    """The length of the path actually bound for ``path`` (in a fresh directory beside
+    it, then renamed): what must fit ``sun_path``, not only ``path`` itself."""
+    directory = os.fsencode(os.path.dirname(os.path.abspath(path)))
+    return len(directory) + len(f"/{_BIND_PREFIX}/{_BIND_NAME}") + _RANDOM_CHARS
+
+
 def bind_unix_socket(path: str, mode: int) -> socket.socket:
     """A listening Unix stream socket at ``path`` with permissions ``mode``."""
     _clear_stale(path)
     directory = os.path.dirname(os.path.abspath(path))
-    private = tempfile.mkdtemp(prefix=".tierd-bind-", dir=directory)  # mode 0700
-    staged = os.path.join(private, "sock")
+    private = tempfile.mkdtemp(prefix=_BIND_PREFIX, dir=directory)  # mode 0700
+    staged = os.path.join(private, _BIND_NAME)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(staged)
@@ -118,19 +134,34 @@ def prepare_socket_directory(directory: str, *, create: bool, socket_mode: int) 
         with contextlib.suppress(FileExistsError):
             os.mkdir(directory, 0o700 | search)
             os.chmod(directory, 0o700 | search)  # past the umask
+    check_directory(directory, "socket")
+
+
+def check_directory(directory: str, what: str) -> None:
+    """Refuse (:class:`PermissionError`, saying why) a directory the daemon writes in
+    (``what``: the socket's, the pid file's) that another user owns or may replace files
+    in: writable by its group or others without the sticky bit, or writable by everyone
+    and not the daemon's own (``/tmp`` for any daemon but root's)."""
     st = os.lstat(directory)
     if not stat.S_ISDIR(st.st_mode):
-        raise PermissionError(f"the socket directory {directory} is not a directory")
+        raise PermissionError(f"the {what} directory {directory} is not a directory")
     me = os.geteuid()
     if st.st_uid not in (me, 0):
         raise PermissionError(
-            f"the socket directory {directory} belongs to uid {st.st_uid}, not to this user"
+            f"the {what} directory {directory} belongs to uid {st.st_uid}, not to this user"
             f" (uid {me}): another user may be squatting it; remove it, or set socket.path"
         )
     loose = st.st_mode & 0o022
+    mode = stat.S_IMODE(st.st_mode)
     if loose and not st.st_mode & stat.S_ISVTX:
         raise PermissionError(
-            f"the socket directory {directory} is writable by"
-            f" {'others' if loose & 0o002 else 'its group'} (mode {stat.S_IMODE(st.st_mode):o}),"
+            f"the {what} directory {directory} is writable by"
+            f" {'others' if loose & 0o002 else 'its group'} (mode {mode:o}),"
             " who could replace the socket: chmod go-w it, or set socket.path"
+        )
+    if loose & 0o002 and st.st_uid != me:
+        raise PermissionError(
+            f"the {what} directory {directory} is writable by everyone (mode {mode:o}) and"
+            f" belongs to uid {st.st_uid}, not to this user (uid {me}): anyone may plant"
+            " files there; use a directory of this user's own, or set socket.path"
         )

@@ -178,6 +178,8 @@ _REMOTE_COUNTERS = [
     ("stores", "Blocks written to the remote level"),
     ("skipped", "Blocks not written: the server held them already"),
     ("corrupt", "Values that failed a check (deleted, served as misses)"),
+    ("malformed", "Replies of the wrong shape (served as misses)"),
+    ("busy", "Calls that found no free pooled connection within their deadline"),
     ("errors", "Calls that failed to reach the server"),
     ("timeouts", "Calls past the per-call deadline"),
     ("write_errors", "Blocks the server refused to store"),

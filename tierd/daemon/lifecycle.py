@@ -46,7 +46,7 @@ from tierd.config.daemon import TraceConfig
 from tierd.control.context import Limits, ServerContext
 from tierd.control.recorder import RecorderSettings, TraceRecorder
 from tierd.control.server import Server, bind_unix_socket
-from tierd.control.socketfile import prepare_socket_directory
+from tierd.control.socketfile import check_directory, prepare_socket_directory
 from tierd.control.tenants import TenantTable
 from tierd.daemon.metrics_http import start_metrics_http
 from tierd.daemon.reload import plan_reload
@@ -144,6 +144,7 @@ class Daemon:
         pid_file = cfg.socket.pid_file or Path(f"{path}.pid")
         created: list[Path] = []
         try:
+            check_directory(str(pid_file.absolute().parent), "pid file")
             write_pid_file(pid_file)
             own = {d.absolute() for tier in cfg.tiers for d in tier.directories}
             for directory in directories_to_create(cfg):

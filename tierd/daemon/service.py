@@ -5,10 +5,12 @@ systemd, the pid file beside the socket, and where and how the logs are written
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,16 +89,30 @@ def configure_logging(cfg: LoggingConfig, stream: Any = None) -> None:
 
 def write_pid_file(path: Path) -> None:
     """Write this process's pid to ``path`` (atomically, replacing a stale one: the caller
-    holds the socket, so no live daemon owns it)."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    temporary.write_text(f"{os.getpid()}\n")
-    os.replace(temporary, path)
+    holds the socket, so no live daemon owns it). The temporary file is created with
+    ``O_EXCL|O_NOFOLLOW`` under a name nobody can guess (``mkstemp``), so a link planted
+    in the directory is never written through; the rename replaces a link at ``path``
+    itself rather than following it."""
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as file:
+            os.fchmod(file.fileno(), 0o644)
+            file.write(f"{os.getpid()}\n")
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
 
 
 def remove_pid_file(path: Path) -> None:
-    """Remove ``path`` if it still names this process."""
+    """Remove ``path`` if it still names this process (read without following a link:
+    a link there is not ours)."""
     try:
-        if path.read_text().strip() == str(os.getpid()):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as file:
+            mine = file.read(32).strip() == str(os.getpid())
+        if mine:
             path.unlink()
     except (OSError, ValueError):
-        pass  # gone already, or another daemon's now
+        pass  # gone already, a link, or another daemon's now

@@ -10,6 +10,14 @@ timeout, which would cost a timer per key). A call that times out or cannot conn
 counts towards the :class:`~tierd.remote.breaker.CircuitBreaker` and comes back ``None``;
 while the breaker is open calls are refused at once. Error replies (``OOM``, say) come
 back in the list: the server is up, so they do not count against it.
+
+At most ``pool_size`` calls are on the wire at once; the others wait for one of them to
+finish, within their own deadline. A call whose deadline passes while it waits, or that
+gets a connection with less than half its deadline left, is a miss counted as ``busy``:
+a full pool says the daemon is busy, not that the server failed, so it never feeds the
+breaker. Every reply is read through a
+:class:`~tierd.remote.guard.ReplyGuard` (``max_elements``, ``max_bulk``), so a server
+cannot make the daemon allocate, parse or free more than those bounds on its loop.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from redis.retry import Retry
 
 from tierd.logs import get_logger
 from tierd.remote.breaker import CircuitBreaker
+from tierd.remote.guard import guarded_parser
 
 __all__ = ["RemoteCalls", "RemoteSettings", "unanswered"]
 
@@ -37,6 +46,7 @@ log = get_logger("tierd.remote")
 
 _UNREACHABLE = (RedisError, OSError)
 _LOG_EVERY_S = 10.0  # a dead server must not flood the log
+_MIN_LEFT = 0.5  # the share of its deadline a call that waited for a connection must have left
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +66,13 @@ class RemoteSettings:
     breaker_failures: int = 3
     breaker_backoff_s: float = 0.5
     breaker_max_backoff_s: float = 30.0
+    max_elements: int = 1 << 16  # the longest array reply read (keys of one call)
+
+    @property
+    def max_bulk(self) -> int:
+        """The longest string reply read: a value (header, tag, key, payload) with room
+        to spare, and at least 1 MiB (a cluster's CLUSTER NODES text)."""
+        return max(1 << 20, 2 * self.block_bytes + (64 << 10))
 
     @property
     def endpoint(self) -> str:
@@ -83,11 +100,13 @@ class RemoteCalls:
         self.client: Any = None
         self.timeouts = 0  # calls past the deadline
         self.errors = 0  # calls that failed (connection, error reply)
+        self.busy = 0  # calls whose deadline passed while every pooled connection was in use
         self.last_error = ""
         self.last_error_at = 0.0  # wall-clock time of last_error (0: none yet)
         self.last_ok_at = 0.0  # wall-clock time of the last call answered
         self._cluster_ready = False
         self._last_logged = 0.0
+        self._slots = asyncio.Semaphore(settings.pool_size)  # one per pooled connection
 
     @property
     def cluster(self) -> bool:
@@ -105,11 +124,18 @@ class RemoteCalls:
             "socket_connect_timeout": s.deadline_s,
             "retry": Retry(NoBackoff(), 0),
         }
+        parser = guarded_parser(s.max_elements, s.max_bulk)
         if s.url is not None:
-            self.client = Redis.from_url(s.url, **common)
+            self.client = Redis.from_url(s.url, parser_class=parser, **common)
         else:
             nodes = [ClusterNode(*_host_port(node)) for node in s.cluster_nodes]
-            self.client = RedisCluster(startup_nodes=nodes, require_full_coverage=False, **common)
+            cluster = RedisCluster(startup_nodes=nodes, require_full_coverage=False, **common)
+            # The cluster client takes no parser argument: its nodes' connections are
+            # made (lazily) from these keyword arguments, the startup nodes' from copies.
+            cluster.connection_kwargs["parser_class"] = parser
+            for node in cluster.nodes_manager.startup_nodes.values():
+                node.connection_kwargs["parser_class"] = parser
+            self.client = cluster
 
     async def close(self) -> None:
         client, self.client = self.client, None
@@ -119,13 +145,38 @@ class RemoteCalls:
 
     async def pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any] | None:
         """Run commands in one non-transactional pipeline under the deadline and the
-        breaker; ``None`` when the call was refused, timed out or failed to connect.
-        Error replies come back in the list as exceptions."""
-        if self.client is None or not commands or not self.breaker.allow():
+        breaker; ``None`` when the call was refused, timed out, failed to connect or found
+        no free connection in time. Error replies come back in the list as exceptions."""
+        if self.client is None or not commands:
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.deadline_s
+        queued = self._slots.locked()
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._slots.acquire()
+        except TimeoutError:
+            self.busy += 1  # the daemon's own queue: the server is not to blame
+            return None
+        if queued and deadline - loop.time() < self.settings.deadline_s * _MIN_LEFT:
+            # Too little time left to judge the server by: a timeout now would be the
+            # queue's doing, charged to the server.
+            self._slots.release()
+            self.busy += 1
+            return None
+        try:
+            return await self._call(commands, deadline)
+        finally:
+            self._slots.release()
+
+    async def _call(self, commands: list[tuple[Any, ...]], deadline: float) -> list[Any] | None:
+        # The breaker is asked once a connection is ours: a probe it lets through is
+        # answered, never left waiting in the queue with the breaker half open.
+        if self.client is None or not self.breaker.allow():
             return None
         failed = True  # until the replies are in: a cancelled call counts as a failure
         try:
-            async with asyncio.timeout(self.settings.deadline_s):
+            async with asyncio.timeout_at(deadline):
                 if isinstance(self.client, RedisCluster) and not self._cluster_ready:
                     await self.client.initialize()
                     self._cluster_ready = True

@@ -39,7 +39,7 @@ from tierd.events import EventKind, TierEvent
 from tierd.keys import MAX_KEY_BYTES, BlockKey, Medium
 from tierd.logs import get_logger
 from tierd.remote.calls import RemoteCalls, RemoteSettings, unanswered
-from tierd.remote.values import HEADER_BYTES, decode_block, encode_into
+from tierd.remote.values import HEADER_BYTES, decode_block, encode_into, key_space
 
 __all__ = ["RedisLevel"]
 
@@ -66,6 +66,7 @@ class RemoteCounters:
     stores: int = 0  # blocks written
     skipped: int = 0  # blocks the server already held
     corrupt: int = 0  # values that failed a check (deleted)
+    malformed: int = 0  # replies of the wrong shape (a short array, an integer): misses
     write_errors: int = 0  # blocks the server refused (OOM, ...)
     dropped: int = 0  # blocks not queued: max_pending_bytes reached, or breaker open
     bytes_written: int = 0
@@ -83,7 +84,9 @@ class RedisLevel:
         self.block_bytes = settings.block_bytes
         self.calls = RemoteCalls(settings)
         self.counters = RemoteCounters()
-        self._prefix = settings.key_prefix.encode()
+        # The block size and the value format are part of every key: deployments that
+        # differ in either never see, or delete, each other's values.
+        self._prefix = settings.key_prefix.encode() + key_space(settings.block_bytes)
         self._writes: set[asyncio.Task[None]] = set()
         self._pending_bytes = 0
         self._events: list[TierEvent] = []
@@ -152,12 +155,7 @@ class RedisLevel:
         check; a value that fails a check is deleted and counted."""
         if not keys:
             return []
-        replies: list[Any] | None
-        if self.calls.cluster:
-            replies = await self.calls.pipeline([("GET", self._key(k)) for k in keys])
-        else:
-            reply = await self.calls.pipeline([("MGET", *map(self._key, keys))])
-            replies = None if reply is None or isinstance(reply[0], BaseException) else reply[0]
+        replies = await self._values(keys)
         if replies is None:
             self.counters.misses += len(keys)
             return []
@@ -165,6 +163,9 @@ class RedisLevel:
         bad: list[BlockKey] = []
         for key, value in zip(keys, replies, strict=True):
             if isinstance(value, BaseException) or value is None:
+                break
+            if not isinstance(value, bytes):
+                self._malformed(f"a value of type {type(value).__name__}")
                 break
             self.counters.bytes_read += len(value)
             payload = decode_block(key, value, self.block_bytes)
@@ -180,6 +181,26 @@ class RedisLevel:
             await self.calls.pipeline([("DEL", self._key(k)) for k in bad])
             self._events.append(TierEvent(EventKind.REMOVED, tuple(bad), self.medium, self.name))
         return out
+
+    async def _values(self, keys: Sequence[BlockKey]) -> list[Any] | None:
+        """The server's replies for ``keys``' values, one per key, or ``None`` when the call
+        failed or its reply has the wrong shape (counted as malformed)."""
+        if self.calls.cluster:
+            return await self.calls.pipeline([("GET", self._key(k)) for k in keys])
+        reply = await self.calls.pipeline([("MGET", *map(self._key, keys))])
+        if reply is None or isinstance(reply[0], BaseException):
+            return None
+        values = reply[0]
+        if not isinstance(values, list) or len(values) != len(keys):
+            shape = f"{len(values)} values" if isinstance(values, list) else type(values).__name__
+            self._malformed(f"MGET of {len(keys)} keys answered with {shape}")
+            return None
+        return values
+
+    def _malformed(self, what: str) -> None:
+        self.counters.malformed += 1
+        self.calls.last_error = f"malformed reply: {what}"
+        log.warning("remote reply of the wrong shape", remote=self.name, reply=what)
 
     async def put(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> int:
         """Write blocks the server does not hold yet (``SET NX``, after an ``EXISTS`` check
@@ -301,6 +322,8 @@ class RedisLevel:
             "stores": c.stores,
             "skipped": c.skipped,
             "corrupt": c.corrupt,
+            "malformed": c.malformed,
+            "busy": calls.busy,
             "errors": calls.errors,
             "timeouts": calls.timeouts,
             "write_errors": c.write_errors,

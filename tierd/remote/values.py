@@ -23,7 +23,15 @@ import struct
 
 from xxhash import xxh3_64_intdigest
 
-__all__ = ["HEADER_BYTES", "MAGIC", "VERSION", "decode_block", "encode_block", "encode_into"]
+__all__ = [
+    "HEADER_BYTES",
+    "MAGIC",
+    "VERSION",
+    "decode_block",
+    "encode_block",
+    "encode_into",
+    "key_space",
+]
 
 MAGIC = b"TDKV"
 VERSION = 1
@@ -53,9 +61,18 @@ def encode_into(buffer: bytearray, key: bytes, payload: bytes | bytearray | memo
     return end
 
 
+def key_space(block_bytes: int) -> bytes:
+    """What follows the configured prefix in every server key: the format version and
+    the block size (``v1.65536:``), so that daemons that could not read each other's
+    values never find them, and so never delete them as corrupt."""
+    return f"v{VERSION}.{block_bytes}:".encode()
+
+
 def decode_block(key: bytes, value: bytes, block_bytes: int) -> memoryview | str:
     """The payload of ``value`` if it is ``key``'s block of ``block_bytes`` bytes, intact;
     otherwise the reason it is not (a short phrase for counters and logs)."""
+    if not isinstance(value, bytes):
+        return f"a reply of type {type(value).__name__}, not a value"
     if len(value) < HEADER_BYTES:
         return "shorter than a header"
     magic, version, key_len, length, checksum = _HEADER.unpack_from(value)

@@ -53,6 +53,11 @@ class FileIO:
     o_direct_flag = _O_DIRECT
 
     def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        # A store's files are never opened through a link: one planted in its directory
+        # would have the daemon format, or write, the file it names. (A directory may
+        # be configured through a link; preflight checks who owns it.)
+        if not flags & os.O_DIRECTORY:
+            flags |= os.O_NOFOLLOW
         return os.open(path, flags, mode)
 
     def close(self, fd: int) -> None:
