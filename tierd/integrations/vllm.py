@@ -125,6 +125,11 @@ class _StepBatches:
             return
         self._lookups._tier._lookup_step(batch, self._lookups._pending_results)
 
+    def get(self) -> Any:
+        """The base class's thread may come here for its next batch if it started after
+        the swap: it waits on the parked queue, as it would have."""
+        return self._lookups._parked.get()
+
 
 def live_tiers() -> list[TierdSecondaryTier]:
     """The tiers of this process not yet shut down (for tools and tests: vLLM keeps its
