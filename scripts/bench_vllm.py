@@ -222,6 +222,7 @@ def one_run(
     run: int,
 ) -> dict[tuple[str, str, str], tuple[float, list[int]]]:
     """Every engine's figures for one run: (shape, kind, measure) -> (seconds, cached)."""
+    print(f"bench_vllm: run {run}", file=sys.stderr, flush=True)
     out: dict[tuple[str, str, str], tuple[float, list[int]]] = {}
     cold = prompt(rng, args.prompt_tokens)
     burst = [prompt(rng, args.prompt_tokens) for _ in range(8)]
@@ -260,6 +261,7 @@ def hung_run(
     daemon: subprocess.Popen[bytes],
     rng: random.Random,
 ) -> dict[tuple[str, str, str], tuple[float, list[int]]]:
+    print("bench_vllm: a round with the daemon stopped", file=sys.stderr, flush=True)
     out: dict[tuple[str, str, str], tuple[float, list[int]]] = {}
     three = [prompt(rng, args.prompt_tokens) for _ in range(3)]
     for shape in SHAPES:

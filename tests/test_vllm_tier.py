@@ -278,7 +278,7 @@ async def test_a_config_the_daemon_refuses_is_refused_at_start_up(tmp_path, spaw
 async def test_drain_jobs_stats_touch_and_shutdown(tmp_path, spawn) -> None:
     daemon = await spawn(config(tmp_path, cpu_blocks=4, disk_blocks=None))
     rows = primary_rows(8)
-    tier = make_tier(daemon.socket_path, rows, stats_interval_s=0.0)
+    tier = make_tier(daemon.socket_path, rows)
     try:
         ks = keys("t", 5)
         fill(rows, range(5), seed=7)

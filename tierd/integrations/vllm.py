@@ -66,6 +66,7 @@ log = get_logger("tierd.integrations.vllm")
 
 # Hello errors that may pass (anything else refuses the tier's config at start-up).
 _TRANSIENT = frozenset({"busy", "shutting_down"})
+_Results = Any  # the lookup manager's result queue: put(list of (key, generation, found))
 _LIVE: weakref.WeakSet[TierdSecondaryTier] = weakref.WeakSet()
 _STOP_WAIT_S = 5.0  # a cancelled job stops at its next await on the link's (own) loop
 
@@ -91,14 +92,43 @@ class _Pending:
 
 
 class _Lookups(AsyncLookupManager):
-    """vLLM's per-step lookup batching, answered by the daemon."""
+    """vLLM's per-step lookup batching (its lookup states, generations, request
+    references and ``mark_miss``), answered by the daemon.
+
+    The base class posts each step's batch to a queue that its own thread serves, one
+    ``batch_lookup`` per request. Here the batch goes from the scheduler thread straight
+    to the link's loop as one ``lookup_each`` for every key of the step (or, while the
+    breaker is open, is answered MISS on the spot): no hop through a third thread, whose
+    wake-up would wait on the GIL like every other. The base thread stays parked on the
+    queue it was built with, until shutdown posts its stop there.
+    """
 
     def __init__(self, tier: TierdSecondaryTier, tier_type: str) -> None:
         self._tier = tier
         super().__init__(tier_type)
+        self._parked: Any = self.__dict__["_lookup_queue"]
+        self.__dict__["_lookup_queue"] = _StepBatches(self)
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         return self._tier._present(keys)
+
+
+class _StepBatches:
+    """Where vLLM's lookup manager posts each step's batch (``put``)."""
+
+    def __init__(self, lookups: _Lookups) -> None:
+        self._lookups = lookups
+
+    def put(self, batch: list[tuple[OffloadKey, ReqContext, int]] | None) -> None:
+        if batch is None:  # shutdown: release the base class's parked thread
+            self._lookups._parked.put(None)
+            return
+        self._lookups._tier._lookup_step(batch, self._lookups._pending_results)
+
+    def get(self) -> Any:
+        """The base class's thread may come here for its next batch if it started after
+        the swap: it waits on the parked queue, as it would have."""
+        return self._lookups._parked.get()
 
 
 def live_tiers() -> list[TierdSecondaryTier]:
@@ -204,6 +234,27 @@ class TierdSecondaryTier(SecondaryTierManager):
             return self._link.ask(lambda c: lookup_present(c, raw), self.settings.lookup_deadline_s)
         except (TierdError, OSError):
             return [False] * len(keys)
+
+    def _lookup_step(
+        self, batch: list[tuple[OffloadKey, ReqContext, int]], results: _Results
+    ) -> None:
+        """One step's lookups (unique keys): one request, answered into ``results``."""
+        if self._link.breaker.is_open:
+            self._link.breaker.refused()
+            results.put([(key, generation, False) for key, _, generation in batch])
+            return
+        raw = [bytes(key) for key, _, _ in batch]
+        self._link.submit(self._answer_step(batch, raw, results))
+
+    async def _answer_step(
+        self, batch: list[tuple[OffloadKey, ReqContext, int]], raw: list[bytes], results: _Results
+    ) -> None:
+        deadline = self.settings.lookup_deadline_s
+        try:
+            found = await self._link.bounded(lambda c: lookup_present(c, raw), deadline)
+        except (TierdError, OSError):
+            found = [False] * len(raw)
+        results.put([(key, gen, hit) for (key, _, gen), hit in zip(batch, found, strict=True)])
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         found = self._lookups.lookup(key, req_context)
