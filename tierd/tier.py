@@ -97,6 +97,7 @@ class Tier:
         self.stores = 0
         self.evictions = 0
         self.adopting = 0  # reserved slots of blocks not adopted yet (see :meth:`reserve`)
+        self._unwanted: set[BlockKey] = set()  # discarded while adopting
 
     # -- queries ---------------------------------------------------------------------
 
@@ -285,6 +286,8 @@ class Tier:
             if key in self._pins or key in self._writing:
                 raise self._error(BlockBusy, "cannot discard a block in use", key)
         gone = [key for key in dict.fromkeys(keys) if key in self._slots]
+        if self.adopting:  # a kept block not adopted yet must not come back afterwards
+            self._unwanted.update(key for key in keys if key not in self._slots)
         for key in gone:
             self._freed.append(self._slots.pop(key))
             self.policy.remove(key)
@@ -342,15 +345,15 @@ class Tier:
     def adopt(self, entries: Sequence[tuple[BlockKey, int]]) -> list[int]:
         """Make reserved blocks ready (no event: they were announced before the restart).
         A key already present (stored again since the restart, or an older copy given
-        earlier) keeps its block: the reserved slot is freed and returned, for the caller
-        to drop the store's stale copy."""
+        earlier) keeps its block, and a key discarded meanwhile stays gone: the reserved
+        slot is freed and returned, for the caller to drop the store's stale copy."""
         if len(entries) > self.adopting:
             raise ValueError(f"tier {self.name}: adopting more blocks than it reserved")
-        slots = self._slots
+        slots, unwanted = self._slots, self._unwanted
         taken: dict[BlockKey, int] = {}
         stale: list[int] = []
         for key, slot in entries:
-            if key in slots or key in taken:
+            if key in slots or key in taken or key in unwanted:
                 stale.append(slot)
             else:
                 taken[key] = slot
@@ -358,6 +361,8 @@ class Tier:
         self.policy.insert(list(taken))
         self._freed.extend(stale)
         self.adopting -= len(entries)
+        if not self.adopting:
+            unwanted.clear()
         return stale
 
     # -- events and stats ------------------------------------------------------------
