@@ -72,7 +72,7 @@ async def main():
     r0, c0, t0 = rss(), time.process_time(), time.perf_counter()
     await st.open()
     tier = Tier(n, "lru", name="disk", medium=Medium.DISK)
-    adopted = restore_tier(tier, st)
+    adopted = len(restore_tier(tier, st))
     out = {"open_cpu_s": time.process_time() - c0, "open_wall_s": time.perf_counter() - t0,
            "bytes_per_block": (rss() - r0) / max(1, adopted), "blocks": adopted,
            "recovery": st.stats().details["recovery"][0]}

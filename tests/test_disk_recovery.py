@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
 import xxhash
+import yaml
 
 from tests.disk_crash_child import content
 from tests.test_disk_store import BB, block, crash_copy, get, put, run_child_until_killed
@@ -189,6 +191,70 @@ async def test_a_daemon_killed_under_load_recovers_from_its_journal(tmp_path: Pa
             for i in range(0, len(durable), 64):
                 part = durable[i : i + 64]
                 assert await client.load(part) == blocks(part)
+        assert await daemon.stop() == 0
+    finally:
+        await daemon.kill()
+        daemon.cleanup()
+
+
+async def _hits(client: Any, keys: Sequence[bytes]) -> list[bytes]:
+    """The keys a lookup finds, asked one by one (a pending block is a miss)."""
+    return [k for k in keys if (await client.lookup([k])).count == 1]
+
+
+async def test_a_daemon_serves_while_it_adopts_kept_blocks(tmp_path: Path) -> None:
+    # Adoption in the background, paced to 40 blocks a second so that it is still running
+    # while the test works: the restarted daemon serves lookups and loads of the blocks
+    # adopted so far, stores new blocks into free slots only (never a slot whose block
+    # waits to be adopted), and a second SIGKILL mid-adoption loses nothing: the third
+    # start (adopting at once) serves every block, byte for byte.
+    from tests.test_soak import BLOCK, NS, blocks, make_keys, soak_kit, store_batches, tier
+    from tierd.client import Client
+    from tierd.testing import short_socket_path
+
+    settings = soak_kit.Settings(
+        block_bytes=BLOCK, cpu_blocks=64, disk_blocks=4096,
+        lease_per_connection="100%", lease_per_tenant="100%",
+    )  # fmt: skip
+    config = soak_kit.soak_config(tmp_path, short_socket_path(), settings)
+    daemon = soak_kit.DaemonProcess(tmp_path, config)
+    durable, fresh = make_keys("durable", 600), make_keys("fresh", 300)
+
+    def disk_options(**options: int) -> None:
+        config["tiers"][1].update(options)
+        daemon.config_file.write_text(yaml.safe_dump(config))
+
+    try:
+        await daemon.start()
+        async with await Client.connect(daemon.socket_path, namespace=NS) as client:
+            await store_batches(client, durable, batch=64)
+            await client.flush()
+        await daemon.kill()
+        disk_options(adopt_inline=0, adopt_rate=40)
+        await daemon.start()
+        async with await Client.connect(daemon.socket_path, namespace=NS) as client:
+            assert tier(await client.stats(), "disk")["adopting"] > 0
+            adopted: list[bytes] = []
+            for _ in range(600):  # bounded: adoption runs at 40 blocks a second
+                adopted = await _hits(client, durable[:8])
+                if adopted:
+                    break
+            assert adopted, "no kept block was adopted"
+            assert await client.load(adopted) == blocks(adopted)
+            await store_batches(client, fresh, batch=64)
+            await client.flush()
+            assert (await client.lookup(fresh)).count == len(fresh)
+            assert await client.load(fresh[-32:]) == blocks(fresh[-32:])
+            assert tier(await client.stats(), "disk")["adopting"] > 0
+        await daemon.kill()  # mid-adoption
+        disk_options(adopt_inline=65536, adopt_rate=0)
+        await daemon.start()
+        async with await Client.connect(daemon.socket_path, namespace=NS) as client:
+            assert tier(await client.stats(), "disk")["adopting"] == 0
+            for keys in (durable, fresh):
+                assert (await client.lookup(keys)).count == len(keys)
+                for i in range(0, len(keys), 64):
+                    assert await client.load(keys[i : i + 64]) == blocks(keys[i : i + 64])
         assert await daemon.stop() == 0
     finally:
         await daemon.kill()

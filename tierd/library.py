@@ -13,8 +13,10 @@ and is rebuilt from it (or from the slab, after a crash) on the next open.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -24,6 +26,7 @@ from tierd.chain import Admission, Level, TierChain
 from tierd.chain.remote import RemoteLevel, RemoteSide
 from tierd.config import ChainConfig, RemoteConfig, TierConfig, TierKind, load_config
 from tierd.errors import StoreIOError, TierdError
+from tierd.keys import BlockKey
 from tierd.logs import get_logger
 from tierd.stores import BlockStore
 from tierd.stores.cpu import CpuStore, StartProgress
@@ -34,6 +37,7 @@ from tierd.tier import Tier
 from tierd.transfer import TransferEngine
 
 __all__ = [
+    "adopt_kept",
     "build_store",
     "open_chain",
     "open_remote",
@@ -41,6 +45,9 @@ __all__ = [
 ]
 
 log = get_logger("tierd")
+Kept = tuple[BlockKey, int]  # (key, slot) of a block a persistent store kept across a restart
+_ADOPT_SLICE = 8192  # blocks adopted per loop turn: a few milliseconds
+_PROGRESS_EVERY_S = 5.0
 
 
 def build_store(
@@ -99,12 +106,18 @@ def _device_index(device: str | None) -> int | None:
     return int(device.split(":", 1)[1])
 
 
-def restore_tier(tier: Tier, store: BlockStore) -> int:
-    """Adopt the blocks a persistent store kept across a restart; returns how many."""
+def restore_tier(tier: Tier, store: BlockStore, *, inline: int | None = None) -> list[Kept]:
+    """Adopt the blocks a persistent store kept across a restart; returns them. Over
+    ``inline`` blocks (None: no bound) they are only reserved (:meth:`Tier.reserve`) and
+    returned for :func:`adopt_kept` to adopt while the daemon serves: at a million blocks
+    the adoption costs seconds, reserving a tenth of a second."""
     if not isinstance(store, DiskStore):
-        return 0
+        return []
     index = store.index()
-    entries: dict[bytes, int] = dict(zip(index.values(), index.keys(), strict=True))
+    if inline is not None and len(index) > inline:
+        tier.reserve(index.keys())
+        return list(zip(index.values(), index.keys(), strict=True))
+    entries: dict[BlockKey, int] = dict(zip(index.values(), index.keys(), strict=True))
     if len(entries) != len(index):  # older copies of a block: keep the lowest slot
         entries, duplicates = {}, []
         for slot, key in sorted(index.items()):
@@ -113,8 +126,39 @@ def restore_tier(tier: Tier, store: BlockStore) -> int:
             else:
                 entries[key] = slot
         store.invalidate(duplicates)
-    tier.restore(list(entries.items()))  # type: ignore[arg-type]
-    return len(entries)
+    kept = list(entries.items())
+    tier.restore(kept)
+    return kept
+
+
+async def adopt_kept(tier: Tier, store: BlockStore, kept: list[Kept], rate: int) -> None:
+    """Adopt the reserved ``kept`` blocks into ``tier`` in slices, yielding to the loop
+    between slices (and, with ``rate``, pacing to at most that many blocks a second).
+    A key stored again meanwhile keeps its new copy: the kept one is dropped from the
+    store. Cancelled (the chain closing), the rest stays in the store for the next start."""
+    step = max(1, min(_ADOPT_SLICE, rate // 10)) if rate else _ADOPT_SLICE
+    started = last = time.monotonic()
+    stale = 0
+    for i in range(0, len(kept), step):
+        part = kept[i : i + step]
+        dropped = tier.adopt(part)
+        if dropped and isinstance(store, DiskStore):
+            store.invalidate(dropped)
+            stale += len(dropped)
+        if time.monotonic() - last >= _PROGRESS_EVERY_S:
+            last = time.monotonic()
+            log.info("adopting kept blocks", tier=tier.name, adopted=i + len(part),
+                     of=len(kept))  # fmt: skip
+        await asyncio.sleep(len(part) / rate if rate else 0)
+    log.info(
+        "kept blocks adopted", tier=tier.name, blocks=len(kept) - stale, stale=stale,
+        seconds=round(time.monotonic() - started, 3),
+    )  # fmt: skip
+
+
+async def _stop_task(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.wait([task])  # never raises: the chain closes whatever the task did
 
 
 @asynccontextmanager
@@ -138,14 +182,21 @@ async def open_chain(
                 exc.args = (f"tier {spec.name!r} ({spec.kind}): {exc}", *exc.args[1:])
                 raise
             tier = Tier(num_blocks, spec.policy, name=spec.name, medium=spec.kind.medium)
-            restored = restore_tier(tier, store)
+            restored = restore_tier(tier, store, inline=spec.adopt_inline)
+            if tier.adopting:
+                task = asyncio.create_task(
+                    adopt_kept(tier, store, restored, spec.adopt_rate), name=f"adopt-{spec.name}"
+                )
+                stack.push_async_callback(_stop_task, task)
+                restored = []
             log.info(
                 "tier opened",
                 tier=spec.name,
                 medium=str(tier.medium),
                 blocks=num_blocks,
                 policy=spec.policy,
-                restored=restored,
+                restored=len(restored),
+                adopting=tier.adopting,
             )
             admission = Admission.parse(spec.admission)
             levels.append(Level(tier, store, spec.write_through, admission))

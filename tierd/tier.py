@@ -17,7 +17,7 @@ the policy orders the ready keys and chooses victims.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from itertools import islice, takewhile
 from operator import itemgetter
@@ -66,6 +66,7 @@ class TierStats:
     evictions: int
     pinned: int
     writing: int
+    adopting: int = 0  # blocks a restart found that are not adopted yet (held, not served)
 
 
 class Tier:
@@ -95,6 +96,8 @@ class Tier:
         self.misses = 0
         self.stores = 0
         self.evictions = 0
+        self.adopting = 0  # reserved slots of blocks not adopted yet (see :meth:`reserve`)
+        self._unwanted: set[BlockKey] = set()  # discarded while adopting
 
     # -- queries ---------------------------------------------------------------------
 
@@ -107,7 +110,7 @@ class Tier:
 
     @property
     def free(self) -> int:
-        return self.num_blocks - len(self._slots)
+        return self.num_blocks - len(self._slots) - self.adopting
 
     def ready_run(self, keys: Sequence[BlockKey], start: int = 0) -> int:
         """How many consecutive ``keys`` from ``keys[start]`` on are present and ready.
@@ -226,7 +229,7 @@ class Tier:
         writing.update(todo)
         if len(writing) - before != len(todo):
             todo = list(dict.fromkeys(todo))
-        need = len(todo) + len(slots) - self.num_blocks
+        need = len(todo) + len(slots) + self.adopting - self.num_blocks
         evicted: tuple[BlockKey, ...] = ()
         evicted_slots: tuple[int, ...] = ()
         if need > 0:
@@ -283,6 +286,8 @@ class Tier:
             if key in self._pins or key in self._writing:
                 raise self._error(BlockBusy, "cannot discard a block in use", key)
         gone = [key for key in dict.fromkeys(keys) if key in self._slots]
+        if self.adopting:  # a kept block not adopted yet must not come back afterwards
+            self._unwanted.update(key for key in keys if key not in self._slots)
         for key in gone:
             self._freed.append(self._slots.pop(key))
             self.policy.remove(key)
@@ -319,6 +324,47 @@ class Tier:
         self._freed = np.flatnonzero(free)[::-1].tolist()
         self._next_unused = self.num_blocks
 
+    def reserve(self, slots: Collection[int]) -> None:
+        """Keep ``slots`` off the free list: blocks a persistent store kept across a
+        restart, to be adopted later (:meth:`adopt`) while the tier already serves. Until
+        then they are misses, never evicted, and no store is given their slots. Only an
+        empty tier can reserve; a slot out of range or given twice raises ``ValueError``."""
+        if self._slots or self._next_unused:
+            raise ValueError(f"tier {self.name} is not empty; reserve needs a fresh tier")
+        taken = np.fromiter(slots, dtype=np.int64, count=len(slots))
+        if taken.size and (taken.min() < 0 or taken.max() >= self.num_blocks):
+            raise ValueError(f"reserved slot out of range 0..{self.num_blocks - 1}")
+        free = np.ones(self.num_blocks, dtype=bool)
+        free[taken] = False
+        if self.num_blocks - int(np.count_nonzero(free)) != taken.size:
+            raise ValueError("reserved slots repeat")
+        self._freed = np.flatnonzero(free)[::-1].tolist()  # lowest first, as restore
+        self._next_unused = self.num_blocks
+        self.adopting = int(taken.size)
+
+    def adopt(self, entries: Sequence[tuple[BlockKey, int]]) -> list[int]:
+        """Make reserved blocks ready (no event: they were announced before the restart).
+        A key already present (stored again since the restart, or an older copy given
+        earlier) keeps its block, and a key discarded meanwhile stays gone: the reserved
+        slot is freed and returned, for the caller to drop the store's stale copy."""
+        if len(entries) > self.adopting:
+            raise ValueError(f"tier {self.name}: adopting more blocks than it reserved")
+        slots, unwanted = self._slots, self._unwanted
+        taken: dict[BlockKey, int] = {}
+        stale: list[int] = []
+        for key, slot in entries:
+            if key in slots or key in taken or key in unwanted:
+                stale.append(slot)
+            else:
+                taken[key] = slot
+        slots.update(taken)
+        self.policy.insert(list(taken))
+        self._freed.extend(stale)
+        self.adopting -= len(entries)
+        if not self.adopting:
+            unwanted.clear()
+        return stale
+
     # -- events and stats ------------------------------------------------------------
 
     def take_events(self) -> list[TierEvent]:
@@ -339,6 +385,7 @@ class Tier:
             evictions=self.evictions,
             pinned=len(self._pins),
             writing=len(self._writing),
+            adopting=self.adopting,
         )
 
     # -- internals -------------------------------------------------------------------

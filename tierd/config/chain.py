@@ -70,6 +70,10 @@ class TierConfig(StrictModel):
     # disk: one slab file each; "~", "$VAR" and "${VAR:-default}" are expanded
     directories: list[Path] = Field(default_factory=list)
     o_direct: bool | str = "auto"  # disk: true, false or "auto" (probe)
+    # disk, at a restart: up to this many kept blocks are adopted before the tier serves;
+    # more are adopted in the background, at most ``adopt_rate`` per second (0: no bound)
+    adopt_inline: int = Field(default=65536, ge=0)
+    adopt_rate: int = Field(default=0, ge=0)
     shm_name: str | None = None  # cpu: the pool's name, seen as /memfd:NAME in /proc/PID/maps
 
     @field_validator("directories", mode="before")
