@@ -11,6 +11,7 @@ belong to the connection that registered them (other connections and other tenan
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -301,3 +302,47 @@ async def test_loads_promote_from_the_remote_level(tmp_path: Path) -> None:
                 for j, i in ((0, 2), (2, 0), (3, 3)):
                     assert read(fd, (8 + j) * BLOCK) == pattern(b"far%d-" % i, BLOCK)
                 assert (await client.lookup(keys[2:3])).media == ("CPU",)  # promoted
+
+
+async def test_a_job_its_engine_gave_up_moves_nothing(tmp_path: Path) -> None:
+    """A job past its ``expires`` (the engine stopped waiting, as after a frozen daemon's
+    deadline, and may have reused the memory) neither stores what it would read nor
+    writes into the region; a live job beside it does both."""
+    async with serve(tmp_path) as daemon, await connect(daemon) as client:
+        with memfd(8 * BLOCK) as fd:
+            for i in range(4):
+                os.pwrite(fd, pattern(b"%d" % i, BLOCK), i * BLOCK)
+            region = await client.register_region(fd, 8 * BLOCK)
+            given_up = time.monotonic() - 1.0
+            late = [b"late0", b"late1"]
+            assert await client.region_store(region, late, rows(0, 1), expires=given_up) == [
+                False,
+                False,
+            ]
+            assert await client.lookup_each(late) == [False, False]
+            live = [b"live2", b"live3"]
+            in_time = time.monotonic() + 60.0
+            assert await client.region_store(region, live, rows(2, 3), expires=in_time) == [
+                True,
+                True,
+            ]
+            os.pwrite(fd, pattern(b"engine", 2 * BLOCK), 4 * BLOCK)  # reused rows 4 and 5
+            assert await client.region_load(region, live, rows(4, 5), expires=given_up) == [
+                False,
+                False,
+            ]
+            assert read(fd, 4 * BLOCK, 2 * BLOCK) == pattern(b"engine", 2 * BLOCK)
+            assert await client.region_load(region, live, rows(6, 7), expires=in_time) == [
+                True,
+                True,
+            ]
+            assert read(fd, 6 * BLOCK) == pattern(b"2", BLOCK)
+            with pytest.raises(DaemonError) as refused:
+                await client.request(
+                    "region_load",
+                    region=region,
+                    keys=live,
+                    offsets=rows(4, 5).tobytes(),
+                    expires="soon",
+                )
+            assert refused.value.code == "bad_request"

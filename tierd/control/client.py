@@ -346,11 +346,14 @@ class Client:
         keys: Sequence[bytes],
         offsets: npt.ArrayLike,
         piece_bytes: Sequence[int] | None = None,
+        expires: float | None = None,
     ) -> list[bool]:
         """Store blocks the daemon reads out of the region: piece ``j`` of key ``i`` is
         ``piece_bytes[j]`` (default: one of ``block_bytes``) bytes at ``offsets[i, j]``.
-        Per key, whether the daemon holds it now (held keys are not read again)."""
-        return await move_blocks(self, "region_store", region, keys, offsets, piece_bytes)
+        Per key, whether the daemon holds it now (held keys are not read again).
+        ``expires`` (a ``time.monotonic()`` second): when this caller stops waiting and
+        may reuse the memory; the daemon then reads no more of it and keeps nothing read."""
+        return await move_blocks(self, "region_store", region, keys, offsets, piece_bytes, expires)
 
     async def region_load(
         self,
@@ -358,10 +361,12 @@ class Client:
         keys: Sequence[bytes],
         offsets: npt.ArrayLike,
         piece_bytes: Sequence[int] | None = None,
+        expires: float | None = None,
     ) -> list[bool]:
         """Load blocks the daemon writes into the region (as :meth:`region_store`); per
-        key, whether its bytes were written there (a miss fails that key only)."""
-        return await move_blocks(self, "region_load", region, keys, offsets, piece_bytes)
+        key, whether its bytes were written there (a miss fails that key only). No write
+        starts past ``expires``."""
+        return await move_blocks(self, "region_load", region, keys, offsets, piece_bytes, expires)
 
     # -- control ----------------------------------------------------------------------
 

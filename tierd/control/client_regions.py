@@ -127,8 +127,10 @@ async def move_blocks(
     keys: Sequence[bytes],
     offsets: npt.ArrayLike,
     piece_bytes: Sequence[int] | None,
+    expires: float | None = None,
 ) -> list[bool]:
-    """``region_store`` or ``region_load`` of ``keys`` at ``offsets`` (keys x pieces)."""
+    """``region_store`` or ``region_load`` of ``keys`` at ``offsets`` (keys x pieces);
+    ``expires`` (``time.monotonic()``) is when the caller gives the job up."""
     count = len(keys)
     if not count:
         return []
@@ -152,6 +154,8 @@ async def move_blocks(
         }
         if piece_bytes is not None:
             fields["pieces"] = pieces
+        if expires is not None:
+            fields["expires"] = float(expires)
         reply = await client.request(op, **fields)
         done.extend(bool(flag) for flag in reply["done"])
     return done

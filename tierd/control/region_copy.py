@@ -22,6 +22,7 @@ it fail their keys without a call (a load must not grow a file its owner truncat
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -77,23 +78,39 @@ def bounds_problem(offsets: Offsets, layout: Layout, size: int) -> str | None:
 
 
 def read_region(
-    fd: int, offsets: list[list[int]], blocks: Sequence[memoryview], layout: Layout
+    fd: int,
+    offsets: list[list[int]],
+    blocks: Sequence[memoryview],
+    layout: Layout,
+    until: float | None = None,
 ) -> list[bool]:
     """Read each block's pieces from the region into ``blocks[i]``; per block, whether
-    all its bytes arrived (a truncated file or a failed call fails the blocks it cut)."""
-    return _move(os.preadv, fd, offsets, blocks, layout)
+    all its bytes arrived (a truncated file or a failed call fails the blocks it cut).
+    ``until`` (``time.monotonic()``): no call starts past it (those blocks fail)."""
+    return _move(os.preadv, fd, offsets, blocks, layout, until)
 
 
 def write_region(
-    fd: int, offsets: list[list[int]], blocks: Sequence[memoryview], layout: Layout
+    fd: int,
+    offsets: list[list[int]],
+    blocks: Sequence[memoryview],
+    layout: Layout,
+    until: float | None = None,
 ) -> list[bool]:
     """Write ``blocks[i]``'s pieces into the region; per block, whether all were written.
-    Pieces past the file's current end fail their block unwritten."""
-    return _move(os.pwritev, fd, offsets, blocks, layout)
+    Pieces past the file's current end fail their block unwritten; so do pieces whose
+    call would start past ``until``: the engine has given the job up by then, and may
+    have reused the memory."""
+    return _move(os.pwritev, fd, offsets, blocks, layout, until)
 
 
 def _move(
-    call: _Call, fd: int, offsets: list[list[int]], blocks: Sequence[memoryview], layout: Layout
+    call: _Call,
+    fd: int,
+    offsets: list[list[int]],
+    blocks: Sequence[memoryview],
+    layout: Layout,
+    until: float | None,
 ) -> list[bool]:
     ok = [True] * len(blocks)
     try:
@@ -101,7 +118,7 @@ def _move(
     except OSError:
         return [False] * len(blocks)
     pieces, starts = layout.pieces, layout.starts
-    run = _Run(call, fd, ok)
+    run = _Run(call, fd, ok, until)
     for i, (row, block) in enumerate(zip(offsets, blocks, strict=True)):
         if any(offset + piece > end for offset, piece in zip(row, pieces, strict=True)):
             ok[i] = False
@@ -116,8 +133,8 @@ class _Run:
     """Pieces contiguous in the region, moved by one call; a short or failed call fails
     the blocks of the pieces it did not move whole."""
 
-    def __init__(self, call: _Call, fd: int, ok: list[bool]) -> None:
-        self.call, self.fd, self.ok = call, fd, ok
+    def __init__(self, call: _Call, fd: int, ok: list[bool], until: float | None) -> None:
+        self.call, self.fd, self.ok, self.until = call, fd, ok, until
         self.start = self.next = 0
         self.buffers: list[memoryview] = []
         self.owners: list[int] = []
@@ -136,7 +153,8 @@ class _Run:
             return
         want = self.next - self.start
         try:
-            done = self.call(self.fd, self.buffers, self.start)
+            late = self.until is not None and time.monotonic() >= self.until
+            done = 0 if late else self.call(self.fd, self.buffers, self.start)
         except OSError:
             done = 0
         if done < want:

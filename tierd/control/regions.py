@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -240,8 +241,13 @@ class RegionRequests:
 
     async def store(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Read the keys the chain does not hold from the region into new entry-level
-        blocks; per key, whether the daemon holds it now (or is storing it)."""
+        blocks; per key, whether the daemon holds it now (or is storing it). Past the
+        job's ``expires`` nothing more is read, and nothing read is kept: the engine has
+        given the job up and may have reused the memory being read."""
         region, keys, layout, offsets = self.job(msg, store=True)
+        until = expires_field(msg)
+        if _past(until):
+            return {"done": [False] * len(keys)}
         with region.job() as fd:
             try:
                 handle = await self.blocks.reserve(keys)
@@ -252,7 +258,9 @@ class RegionRequests:
             try:
                 row = {key: i for i, key in enumerate(keys)}
                 rows = offsets[[row[k] for k in handle.keys]].tolist()
-                ok = await self._fill(handle, fd, rows, layout)
+                ok = await self._fill(handle, fd, rows, layout, until)
+                if _past(until):
+                    ok = [False] * len(ok)
             except BaseException:
                 handle.abort()
                 raise
@@ -263,27 +271,35 @@ class RegionRequests:
         return {"done": [k not in failed for k in keys]}
 
     async def _fill(
-        self, handle: StoreHandle, fd: int, rows: list[list[int]], layout: Layout
+        self,
+        handle: StoreHandle,
+        fd: int,
+        rows: list[list[int]],
+        layout: Layout,
+        until: float | None,
     ) -> list[bool]:
         """Read the region's pieces into the handle's slots (or through staging buffers)."""
         if not handle.keys:
             return []
         views = host_views(handle.store, handle.slots)
         if views is not None:
-            return await run_copy_job(lambda: read_region(fd, rows, views, layout))
+            return await run_copy_job(lambda: read_region(fd, rows, views, layout, until))
         staged = [memoryview(bytearray(self.ctx.block_bytes)) for _ in handle.keys]
-        read = await run_copy_job(lambda: read_region(fd, rows, staged, layout))
+        read = await run_copy_job(lambda: read_region(fd, rows, staged, layout, until))
         written = await handle.store.write(handle.slots, handle.keys, staged)
         return [a and b for a, b in zip(read, written, strict=True)]
 
     async def load(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Write each key the chain holds into the region; per key, whether it was."""
+        """Write each key the chain holds into the region; per key, whether it was. No
+        write starts past the job's ``expires``."""
         region, keys, layout, offsets = self.job(msg, store=False)
+        until = expires_field(msg)
         handles: list[LoadHandle] = []
         with region.job() as fd:
             try:
                 await self._pin_each(keys, handles)
-                return {"done": await self._drain(handles, fd, keys, offsets, layout)}
+                done = await self._drain(handles, fd, keys, offsets, (layout, until))
+                return {"done": done}
             finally:
                 for handle in handles:
                     self.blocks.leases.give(len(handle.keys))
@@ -328,9 +344,11 @@ class RegionRequests:
         fd: int,
         keys: list[BlockKey],
         offsets: Offsets,
-        layout: Layout,
+        how: tuple[Layout, float | None],
     ) -> list[bool]:
-        """Write the pinned blocks into the region at each of their keys' offsets."""
+        """Write the pinned blocks into the region at each of their keys' offsets (cut
+        by ``how``'s layout, no write starting past its time)."""
+        layout, until = how
         source: dict[BlockKey, memoryview] = {}
         for handle in handles:
             views = host_views(handle.store, handle.slots)
@@ -348,10 +366,28 @@ class RegionRequests:
             return ok
         rows = offsets[found].tolist()
         blocks = [source[keys[i]] for i in found]
-        wrote = await run_copy_job(lambda: write_region(fd, rows, blocks, layout))
+        wrote = await run_copy_job(lambda: write_region(fd, rows, blocks, layout, until))
         for i, flag in zip(found, wrote, strict=True):
             ok[i] = flag
         return ok
+
+
+def expires_field(msg: dict[str, Any]) -> float | None:
+    """A job's optional ``expires``: the ``time.monotonic()`` second (the machine's
+    monotonic clock, which every process of it shares) at which its engine gives it up."""
+    value = msg.get("expires")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ProtocolError(
+            "field 'expires' must be a non-negative number of seconds (CLOCK_MONOTONIC)",
+            code=ErrorCode.BAD_REQUEST,
+        )
+    return float(value)
+
+
+def _past(until: float | None) -> bool:
+    return until is not None and time.monotonic() >= until
 
 
 def host_views(store: BlockStore, slots: Sequence[int]) -> list[memoryview] | None:

@@ -23,6 +23,7 @@ turns them into misses and failed sets.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -104,11 +105,14 @@ class PageJobs:
     def region_move(self, store: bool, keys: Sequence[bytes], offsets: Offsets) -> list[bool]:
         """``region_store`` (``store``) or ``region_load`` of ``keys`` at ``offsets``."""
         pieces = list(self.geometry.pieces)
+        # SGLang may reuse these pages once the call gives up: the daemon starts no copy
+        # past then, and keeps nothing it read after it.
+        expires = time.monotonic() + self.job_deadline_s
 
         async def op(client: Client) -> list[bool]:
             region = await self._region_of(client)
             move = client.region_store if store else client.region_load
-            return await move(region, keys, offsets, pieces)
+            return await move(region, keys, offsets, pieces, expires)
 
         return self.link.ask(op, self.job_deadline_s)
 
