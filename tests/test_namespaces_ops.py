@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -224,9 +225,19 @@ async def test_delete_needs_a_namespace_and_one_kind_of_target(daemon: DaemonPro
 async def test_members_act_on_their_own_tenant_and_operators_on_any(
     tmp_path: Path, spawn: Spawn
 ) -> None:
-    from tests.test_tenants import as_user, ensure_user, tenants_config
+    from tests.test_tenants import system_users
 
-    users = {name: ensure_user(f"tierd-test-{name}") for name in ("alpha", "beta")}
+    run = secrets.token_hex(3)
+    with system_users([f"tierd-test-{role}-{run}" for role in ("alpha", "beta")]) as made:
+        users = {role: made[f"tierd-test-{role}-{run}"] for role in ("alpha", "beta")}
+        await _members_and_operators(tmp_path, spawn, users)
+
+
+async def _members_and_operators(
+    tmp_path: Path, spawn: Spawn, users: dict[str, tuple[int, int]]
+) -> None:
+    from tests.test_tenants import as_user, tenants_config
+
     running = await spawn(tenants_config(tmp_path, {**users, "stranger": (0, 0)}))
     os.chmod(os.path.dirname(running.socket_path), 0o711)
     names = ["p-0", "p-1"]

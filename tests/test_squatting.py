@@ -296,7 +296,8 @@ async def test_a_world_writable_directory_of_another_user_is_refused(
         # Imports as root (the interpreter's packages may sit under /root), then serves
         # as the attacker.
         serve = (
-            "import os, sys\nfrom tierd.cli import main\n"
+            "import os, sys\nimport tierd.daemon\n"
+            "from tierd.cli import commands, main\ncommands()\n"
             f"os.setgroups([]); os.setgid({attacker.gid}); os.setuid({attacker.uid})\n"
             "sys.exit(main(['serve', '-c', sys.argv[1]]))"
         )

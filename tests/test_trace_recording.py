@@ -58,6 +58,7 @@ async def test_a_recorded_replay_has_the_curve_of_the_sampled_requests(
     assert await asyncio.to_thread(main, on) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["enabled"] is True
     argv = ["replay", str(source), "--socket", socket, "--max-rate", "--clients", "1", "--json"]
+    argv += ["--namespace", "replay"]  # named, so the recorded namespace id is known
     assert await asyncio.to_thread(main, argv) == 0
     state = await trace_op(socket, enabled=False)  # flushes the file
     recorded = read_trace(traces / "default.jsonl")

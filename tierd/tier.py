@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from itertools import islice, takewhile
 from operator import itemgetter
 
-import numpy as np
-
 from tierd.errors import (
     BlockBusy,
     BlockMissing,
@@ -318,6 +316,8 @@ class Tier:
             raise ValueError(f"restore slot out of range 0..{self.num_blocks - 1}")
         self._slots.update(adopted)
         self.policy.insert(list(adopted))
+        import numpy as np  # restarts only: a client command importing tierd never needs it
+
         free = np.ones(self.num_blocks, dtype=bool)
         free[np.fromiter(slots, dtype=np.int64, count=len(slots))] = False
         # Every slot counts as used once: free ones come back lowest first.
@@ -331,6 +331,8 @@ class Tier:
         empty tier can reserve; a slot out of range or given twice raises ``ValueError``."""
         if self._slots or self._next_unused:
             raise ValueError(f"tier {self.name} is not empty; reserve needs a fresh tier")
+        import numpy as np  # restarts only, as restore
+
         taken = np.fromiter(slots, dtype=np.int64, count=len(slots))
         if taken.size and (taken.min() < 0 or taken.max() >= self.num_blocks):
             raise ValueError(f"reserved slot out of range 0..{self.num_blocks - 1}")
