@@ -35,6 +35,8 @@ import os
 import sys
 from typing import Any
 
+import numpy  # noqa: F401  (regions import it when used: as root, before dropping to UID)
+
 from tierd.client import Client, DaemonError, Unreachable
 
 REGIONS: dict[int, int] = {}  # region id -> this process's memfd
