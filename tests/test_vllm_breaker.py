@@ -74,9 +74,11 @@ async def test_a_stopped_daemon_costs_a_deadline_then_nothing(tmp_path, spawn) -
         expected = rows[:3].copy()
         assert run_job(tier, 1, ks, [0, 1, 2], load=False).success
         assert ask(tier, ks, "warm") == [HIT, HIT, HIT]
+        assert run_job(tier, 9, ks, [3, 4, 5], load=True).success
 
-        staging = tier._staged._staging
-        assert staging is not None  # the jobs went through a region
+        assert tier._staged._staging is not None  # the store went through a region
+        silent = tier._direct._conn  # the load through the scheduler's own connection
+        assert silent is not None and silent.array is not None
         daemon.signal(signal.SIGSTOP)
         stopped = True
         # A lookup waits at most its deadline, then misses; the daemon said nothing for
@@ -105,7 +107,9 @@ async def test_a_stopped_daemon_costs_a_deadline_then_nothing(tmp_path, spawn) -
         assert np.array_equal(rows[5:8], expected)
         # The silent connection was dropped with its staging region: a copy the daemon
         # owed it can only land in memory nobody reads again.
-        assert tier._staged._staging is not None and tier._staged._staging is not staging
+        now = tier._direct._conn
+        assert now is not None and now is not silent and silent.client.closed
+        assert now.array is not None and not np.shares_memory(now.array, silent.array)
     finally:
         if stopped:
             daemon.signal(signal.SIGCONT)

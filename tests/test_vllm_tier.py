@@ -250,6 +250,8 @@ async def test_killed_mid_run_then_restarted_with_write_back(tmp_path, spawn) ->
             assert ask(tier, ks, "r2") == [HIT, HIT, HIT]
             assert run_job(tier, 5, ks, [5, 6, 7], load=True).success
             assert np.array_equal(rows[5:8], expected)
+            # Lookups and loads have their own connection; stores find the restart too.
+            assert run_job(tier, 6, keys("y", 1), [7], load=False).success
         finally:
             tier.shutdown()
     events = [e["event"] for e in logs if e["log_level"] in ("warning", "info")]

@@ -162,8 +162,8 @@ async def test_touch_is_forwarded_to_the_daemon(setup: Setup) -> None:
     with setup.manager.lock:
         setup.manager.touch([ks[0]], ctx)  # vLLM's touch: tierd makes k0 the newest
     async with await Client.connect(setup.socket, namespace=setup.tier.namespace) as c:
-        # The touch went out on the tier's connection before this lookup did.
-        setup.lookup(keys("probe", 1), ReqContext(req_id="probe"))
+        # The touch went out on the tier's link before this health request did.
+        setup.tier._link.ask(lambda link_client: link_client.health(), 10.0)
         await c.store([b"newcomer"], [b"\x01" * ROW])  # evicts the least recent: k1
         present = [(await c.lookup([bytes(k)])).count for k in ks]
     assert present == [1, 0, 1, 1]

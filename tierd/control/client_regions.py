@@ -29,7 +29,14 @@ from tierd.control.handshake import Unreachable
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-__all__ = ["Registration", "RegionLink", "job_keys", "move_blocks", "register_region"]
+__all__ = [
+    "Registration",
+    "RegionLink",
+    "job_keys",
+    "move_blocks",
+    "region_requests",
+    "register_region",
+]
 
 
 class RegionLink(Protocol):
@@ -110,14 +117,54 @@ def _send_fd(transport: asyncio.Transport | None, fd: int) -> None:
             raise Unreachable(f"cannot send the region's descriptor: {exc}") from exc
 
 
-def job_keys(client: RegionLink, total: int) -> int:
-    """Keys per request of a region job: the daemon's per-request limit, and at most the
-    blocks this connection may hold at once."""
-    step = int(client.info.get("max_keys_per_request") or total)
-    held = int(client.info.get("max_lease_blocks") or 0)
+def job_keys(info: dict[str, Any], total: int) -> int:
+    """Keys per request of a region job: the daemon's per-request limit (``info``: the
+    hello reply), and at most the blocks this connection may hold at once."""
+    step = int(info.get("max_keys_per_request") or total)
+    held = int(info.get("max_lease_blocks") or 0)
     if held > 0:
         step = min(step, held)
     return max(1, min(step, total))
+
+
+def region_requests(
+    info: dict[str, Any],
+    block_bytes: int,
+    region: int,
+    keys: Sequence[bytes],
+    offsets: npt.ArrayLike,
+    piece_bytes: Sequence[int] | None,
+    expires: float | None = None,
+) -> list[dict[str, Any]]:
+    """The fields of each ``region_store`` / ``region_load`` request that moves ``keys``
+    at ``offsets`` (keys x pieces), in order (a blocking client sends them too)."""
+    count = len(keys)
+    if not count:
+        return []
+    pieces = [block_bytes] if piece_bytes is None else [int(p) for p in piece_bytes]
+    import numpy as np  # only where regions are used: client commands never need it
+
+    table = np.ascontiguousarray(offsets, dtype="<u8")
+    if table.size != count * len(pieces):
+        raise ValueError(
+            f"offsets must hold {count} x {len(pieces)} values (keys x pieces),"
+            f" not {table.size} (shape {table.shape})"
+        )
+    table = table.reshape(count, len(pieces))
+    step = job_keys(info, count)
+    requests = []
+    for start in range(0, count, step):
+        fields: dict[str, Any] = {
+            "region": region,
+            "keys": list(keys[start : start + step]),
+            "offsets": table[start : start + step].tobytes(),
+        }
+        if piece_bytes is not None:
+            fields["pieces"] = pieces
+        if expires is not None:
+            fields["expires"] = float(expires)
+        requests.append(fields)
+    return requests
 
 
 async def move_blocks(
@@ -131,31 +178,11 @@ async def move_blocks(
 ) -> list[bool]:
     """``region_store`` or ``region_load`` of ``keys`` at ``offsets`` (keys x pieces);
     ``expires`` (``time.monotonic()``) is when the caller gives the job up."""
-    count = len(keys)
-    if not count:
-        return []
-    pieces = [client.block_bytes] if piece_bytes is None else [int(p) for p in piece_bytes]
-    import numpy as np  # only where regions are used: client commands never need it
-
-    table = np.ascontiguousarray(offsets, dtype="<u8")
-    if table.size != count * len(pieces):
-        raise ValueError(
-            f"offsets must hold {count} x {len(pieces)} values (keys x pieces),"
-            f" not {table.size} (shape {table.shape})"
-        )
-    table = table.reshape(count, len(pieces))
-    step = job_keys(client, count)
     done: list[bool] = []
-    for start in range(0, count, step):
-        fields: dict[str, Any] = {
-            "region": region,
-            "keys": list(keys[start : start + step]),
-            "offsets": table[start : start + step].tobytes(),
-        }
-        if piece_bytes is not None:
-            fields["pieces"] = pieces
-        if expires is not None:
-            fields["expires"] = float(expires)
+    requests = region_requests(
+        client.info, client.block_bytes, region, keys, offsets, piece_bytes, expires
+    )
+    for fields in requests:
         reply = await client.request(op, **fields)
         done.extend(bool(flag) for flag in reply["done"])
     return done

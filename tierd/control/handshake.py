@@ -30,11 +30,14 @@ from tierd.errors import ProtocolError, TierdError
 __all__ = [
     "HELLO_ID",
     "DaemonError",
+    "DaemonSilent",
     "Greeting",
     "Unreachable",
     "UntrustedDaemon",
     "check_server",
     "greet",
+    "hello_reply",
+    "hello_request",
     "open_socket",
 ]
 
@@ -52,6 +55,10 @@ class DaemonError(TierdError):
 
 class Unreachable(TierdError):
     """No daemon answers on the socket (missing, refused, or the connection was lost)."""
+
+
+class DaemonSilent(Unreachable):
+    """The daemon did not answer a call within its deadline."""
 
 
 class UntrustedDaemon(Unreachable):
@@ -108,18 +115,14 @@ async def greet(
     map the pool when there is one and ``map_pool``. Every descriptor received is closed
     before this returns (the mapping keeps the memory)."""
     want_pool = map_pool and namespace is not None
-    hello: dict[str, Any] = {"version": PROTOCOL_VERSION, "pool_fd": want_pool}
-    if namespace is not None:
-        hello["namespace"] = namespace
-    if block_bytes is not None:
-        hello["block_bytes"] = block_bytes
+    hello = hello_request(namespace, block_bytes, pool_fd=want_pool)
     fds: list[int] = []
     try:
         # Refused at accept, the daemon has hung up: its reason is waiting to be read.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            await loop.sock_sendall(sock, encode({"id": HELLO_ID, "op": "hello", **hello}))
+            await loop.sock_sendall(sock, encode(hello))
         replies = await _first_replies(loop, sock, decoder, fds)
-        info = _hello_reply(replies[0])
+        info = hello_reply(replies[0])
         pool = None
         named = info.get("pool")
         if want_pool and named is not None:
@@ -169,7 +172,20 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         loop.remove_reader(sock.fileno())
 
 
-def _hello_reply(message: Any) -> dict[str, Any]:
+def hello_request(
+    namespace: str | None, block_bytes: int | None, *, pool_fd: bool
+) -> dict[str, Any]:
+    """The hello request (id :data:`HELLO_ID`) naming ``namespace`` and ``block_bytes``."""
+    hello: dict[str, Any] = {"id": HELLO_ID, "op": "hello", "version": PROTOCOL_VERSION}
+    hello["pool_fd"] = pool_fd
+    if namespace is not None:
+        hello["namespace"] = namespace
+    if block_bytes is not None:
+        hello["block_bytes"] = block_bytes
+    return hello
+
+
+def hello_reply(message: Any) -> dict[str, Any]:
     """The hello reply's fields, or the error the daemon answered with."""
     if not isinstance(message, dict):
         raise ProtocolError("the daemon's first reply is not a map")

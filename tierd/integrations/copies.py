@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from tierd.client import Client, DaemonError
+from tierd.client import Client
 from tierd.errors import TierdError
 
-__all__ = ["LoadOutcome", "load_rows", "lookup_present", "store_rows"]
+__all__ = ["LoadOutcome", "load_rows", "store_rows"]
 
 Rows = npt.NDArray[np.uint8]
 
@@ -45,24 +45,6 @@ def _batch_size(client: Client, total: int) -> int:
         return max(1, min(total, 256))
     bound = int(client.info.get("max_lease_blocks") or pool.num_blocks)
     return max(1, min(total, bound // 2))
-
-
-async def lookup_present(client: Client, keys: Sequence[bytes]) -> list[bool]:
-    """Whether each key is held ready by the daemon (in flight counts as absent): one
-    ``lookup_each`` request (a daemon without it: one ``lookup`` per missing key)."""
-    try:
-        return await client.lookup_each(keys)
-    except DaemonError as exc:
-        if exc.code != "unknown_op":
-            raise
-    present = [False] * len(keys)
-    start = 0
-    while start < len(keys):  # each round settles at least one key
-        reply = await client.lookup(keys[start:])
-        for i in range(reply.count):
-            present[start + i] = True
-        start += reply.count + 1
-    return present
 
 
 async def store_rows(

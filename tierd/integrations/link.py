@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
+from tierd.control.handshake import DaemonSilent
 from tierd.errors import TierdError
 from tierd.integrations.breaker import Breaker
 from tierd.logs import get_logger
@@ -56,10 +57,6 @@ def _is_refusal(exc: BaseException) -> bool:
     if isinstance(exc, BlockSizeMismatch | UntrustedDaemon):
         return True
     return isinstance(exc, DaemonError) and exc.code not in ("busy", "shutting_down")
-
-
-class DaemonSilent(Unreachable):
-    """The daemon did not answer a call within its deadline."""
 
 
 class BreakerOpen(Unreachable):
@@ -92,6 +89,7 @@ class LinkSettings:
     server_uids: tuple[int, ...] = ()  # besides this user and root: whose daemon to trust
     lookup_deadline_s: float = 0.05
     job_deadline_s: float = 2.0
+    load_deadline_s: float = 0.5
     breaker_failures: int = 3  # consecutive failures that open the breaker; 0: never
     probe_interval_s: float = 0.5  # between probes of a daemon that refused connections
 
@@ -304,31 +302,48 @@ class DaemonLink:
         if not task.done():
             task.cancel()
             await asyncio.wait({task})  # op has stopped: nothing of it runs after this
-            self._failed(silent_since=sent)
+            self.report_failure(silent_since=sent)
             await self._drop()
             raise DaemonSilent(f"no answer from the daemon within {deadline_s:g} s")
         try:
             result = task.result()
         except DaemonError as exc:
             if exc.code == "shutting_down":
-                self._failed()
+                self.report_failure()
             else:
                 self.breaker.answered()
             raise
         except (TierdError, OSError):
-            self._failed()
+            self.report_failure()
             raise
         self.breaker.answered()
         return result
 
-    def _failed(self, *, silent_since: float | None = None) -> None:
+    def report_failure(self, *, silent_since: float | None = None) -> None:
+        """A call failed (on any thread; ``silent_since``: when it was sent, if it got no
+        answer): count it for the breaker; when that opens it, the link's loop probes
+        the daemon until it answers."""
         if self.breaker.failed(silent_since=silent_since):
             log.warning(
                 "tierd breaker open",
                 socket=self.settings.socket_path,
                 consequence="lookups miss and jobs fail at once until the daemon answers",
             )
-            self._start_probe()
+            if not self._closed:
+                with contextlib.suppress(RuntimeError):  # the loop has stopped meanwhile
+                    self._loop.call_soon_threadsafe(self._start_probe)
+
+    def check_soon(self) -> None:
+        """From any thread: have the link's loop ask the daemon for ``health`` (another
+        connection found the daemon restarted or gone; this one learns it now, and says
+        so, not at its next job)."""
+        if not self._closed:
+            with contextlib.suppress(RuntimeError):  # the loop has stopped meanwhile
+                self._loop.call_soon_threadsafe(lambda: self.submit(self._check()))
+
+    async def _check(self) -> None:
+        with contextlib.suppress(TierdError, OSError):
+            await self.bounded(lambda c: c.health(), self.settings.job_deadline_s)
 
     def _start_probe(self) -> None:
         if self._probe is None or self._probe.done():

@@ -5,13 +5,17 @@ vLLM loads the class by module path (``docs/vllm.md`` has the config to paste)::
     {"type": "TierdSecondaryTier", "module_path": "tierd.integrations.vllm",
      "socket": "/run/user/1000/tierd.sock"}
 
-vLLM's scheduler calls every method synchronously, so none of them waits on the daemon:
-the client lives on a :class:`~tierd.integrations.link.DaemonLink` (its own thread and
-event loop). Lookups answer from a cache and are sent to the daemon in one batch per
-scheduler step (vLLM's ``AsyncLookupManager``): RETRY until the answer arrives, then HIT
-or MISS. Stores and loads run as coroutines on the link and are reported by
-``get_finished_jobs``. Any failure (daemon down, killed, restarted, ``capacity``, a block
-evicted or failing its checksum) is a failed job or a miss, never an exception in vLLM.
+vLLM's scheduler calls every method synchronously. What a request waits for is done on
+the scheduler's thread, on a blocking connection of its own
+(:class:`~tierd.integrations.direct.DirectChannel`), each call bounded by a short
+deadline: the lookups of a scheduler step go to the daemon as one request when the step
+ends (vLLM's ``AsyncLookupManager``: RETRY until the answer, then HIT or MISS), and a load
+is one region request, the daemon copying the blocks, the thread waiting in ``recv``.
+Stores, which nobody waits for, run as coroutines on a
+:class:`~tierd.integrations.link.DaemonLink` (its own thread and event loop). Jobs are
+reported by ``get_finished_jobs``. Any failure (daemon down, stopped, killed, restarted,
+``capacity``, a block evicted or failing its checksum) is a failed job or a miss, never an
+exception in vLLM; past a few failures a breaker answers at once until the daemon is back.
 
 This module needs vLLM (``scripts/setup_vllm``); nothing else in tierd imports it.
 """
@@ -49,7 +53,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
-from tierd.integrations.copies import LoadOutcome, load_rows, lookup_present, store_rows
+from tierd.integrations.copies import LoadOutcome, load_rows, store_rows
+from tierd.integrations.direct import DirectChannel
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
 from tierd.integrations.naming import derive_namespace
 from tierd.integrations.staging import StagedCopies
@@ -96,11 +101,11 @@ class _Lookups(AsyncLookupManager):
     references and ``mark_miss``), answered by the daemon.
 
     The base class posts each step's batch to a queue that its own thread serves, one
-    ``batch_lookup`` per request. Here the batch goes from the scheduler thread straight
-    to the link's loop as one ``lookup_each`` for every key of the step (or, while the
-    breaker is open, is answered MISS on the spot): no hop through a third thread, whose
-    wake-up would wait on the GIL like every other. The base thread stays parked on the
-    queue it was built with, until shutdown posts its stop there.
+    ``batch_lookup`` per request. Here the scheduler thread sends the batch itself, as
+    one ``lookup_each`` for every key of the step (or, while the breaker is open, answers
+    MISS on the spot): no hop through another thread, whose wake-up would wait on the GIL.
+    The base thread stays parked on the queue it was built with, until shutdown posts its
+    stop there.
     """
 
     def __init__(self, tier: TierdSecondaryTier, tier_type: str) -> None:
@@ -151,6 +156,7 @@ class TierdSecondaryTier(SecondaryTierManager):
         namespace: str | None = None,
         lookup_deadline_s: float = 0.05,
         job_deadline_s: float = 2.0,
+        load_deadline_s: float = 0.5,
         breaker_failures: int = 3,
         probe_interval_s: float = 0.5,
         regions: bool = True,
@@ -187,11 +193,14 @@ class TierdSecondaryTier(SecondaryTierManager):
             tuple(int(uid) for uid in server_uids),
             lookup_deadline_s=lookup_deadline_s,
             job_deadline_s=job_deadline_s,
+            load_deadline_s=load_deadline_s,
             breaker_failures=breaker_failures,
             probe_interval_s=probe_interval_s,
         )
         self._link = DaemonLink(self.settings, name=f"tierd-vllm-{tier_type}")
         self._staged = StagedCopies(self._rows, staging_bytes) if regions else None
+        self._direct = DirectChannel(self._link, self._rows, staging_bytes)
+        self._direct.regions = regions
         self._jobs: dict[int, _Pending] = {}
         self.report = TierReport(
             Medium(medium) if medium is not None else self.medium,
@@ -227,33 +236,16 @@ class TierdSecondaryTier(SecondaryTierManager):
     # -- lookups ----------------------------------------------------------------------
 
     def _present(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        """On the lookup thread: ask the daemon, waiting at most the lookup deadline
-        (nothing at all while the breaker is open); no answer is a miss."""
-        raw = [bytes(k) for k in keys]
-        try:
-            return self._link.ask(lambda c: lookup_present(c, raw), self.settings.lookup_deadline_s)
-        except (TierdError, OSError):
-            return [False] * len(keys)
+        """Ask the daemon, waiting at most the lookup deadline (nothing at all while the
+        breaker is open); no answer is a miss."""
+        found = self._direct.present([bytes(k) for k in keys])
+        return [False] * len(keys) if found is None else found
 
     def _lookup_step(
         self, batch: list[tuple[OffloadKey, ReqContext, int]], results: _Results
     ) -> None:
         """One step's lookups (unique keys): one request, answered into ``results``."""
-        if self._link.breaker.is_open:
-            self._link.breaker.refused()
-            results.put([(key, generation, False) for key, _, generation in batch])
-            return
-        raw = [bytes(key) for key, _, _ in batch]
-        self._link.submit(self._answer_step(batch, raw, results))
-
-    async def _answer_step(
-        self, batch: list[tuple[OffloadKey, ReqContext, int]], raw: list[bytes], results: _Results
-    ) -> None:
-        deadline = self.settings.lookup_deadline_s
-        try:
-            found = await self._link.bounded(lambda c: lookup_present(c, raw), deadline)
-        except (TierdError, OSError):
-            found = [False] * len(raw)
+        found = self._present([key for key, _, _ in batch])
         results.put([(key, gen, hit) for (key, _, gen), hit in zip(batch, found, strict=True)])
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -290,17 +282,33 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def _submit(self, job: TransferJob, *, is_load: bool) -> None:
         keys = tuple(job.keys)
+        row_ids = [int(c) for c in job.chunk_ids]
         finished = threading.Event()
+        done: _Done | None = None
         if self._link.breaker.is_open:  # fail at once: no hop to the link's thread
             self._link.breaker.refused()
+            done = _Done(job.job_id, is_load, keys, 0.0, (), "breaker open")
+        elif is_load and self._direct.regions:  # a request waits for it: right here
+            done = self._load_here(job.job_id, keys, row_ids)
+        if done is not None:
             future: concurrent.futures.Future[_Done] = concurrent.futures.Future()
-            future.set_result(_Done(job.job_id, is_load, keys, 0.0, (), "breaker open"))
+            future.set_result(done)
             finished.set()
         else:
-            row_ids = [int(c) for c in job.chunk_ids]
             coro = self._run_job(job.job_id, keys, row_ids, is_load, finished)
             future = self._link.submit(coro)
         self._jobs[job.job_id] = _Pending(future, keys, is_load, finished)
+
+    def _load_here(
+        self, job_id: int, keys: tuple[OffloadKey, ...], row_ids: list[int]
+    ) -> _Done | None:
+        """A load on the scheduler's thread (None: the daemon has no regions)."""
+        started = time.monotonic()
+        outcome = self._direct.load([bytes(k) for k in keys], row_ids)
+        if outcome is None:
+            return None
+        ok = tuple(keys[i] for i in outcome.loaded)
+        return _Done(job_id, True, keys, time.monotonic() - started, ok, outcome.error)
 
     async def _run_job(
         self,
@@ -331,11 +339,7 @@ class TierdSecondaryTier(SecondaryTierManager):
         return _Done(job_id, is_load, keys, time.monotonic() - started, ok, error)
 
     async def _load(self, client: Client, keys: list[bytes], row_ids: list[int]) -> LoadOutcome:
-        """One region request per job (leases when the daemon has no regions)."""
-        if self._staged is not None:
-            loaded = await self._staged.load(client, keys, row_ids)
-            if loaded is not None:
-                return LoadOutcome(tuple(loaded))
+        """Through leases (the daemon has no regions, or the tier was told to use none)."""
         return await load_rows(client, keys, self._rows, row_ids)
 
     async def _store(self, client: Client, keys: list[bytes], row_ids: list[int]) -> bool:
@@ -443,6 +447,7 @@ class TierdSecondaryTier(SecondaryTierManager):
         _LIVE.discard(self)
         self.drain_jobs()
         self._lookups.shutdown()
+        self._direct.close()
         self._link.close()
         # Let go of vLLM's primary view: an array over it keeps its buffer exported, and
         # vLLM cannot close the mapping behind it while one is.
