@@ -139,6 +139,8 @@ class Journal:
         self._queue: deque[bytes | Checkpoint] = deque()
         self._lock = threading.Lock()
         self._fd = -1
+        self._length = 0  # bytes of whole records (and the header) in the file
+        self._torn = False  # a failed write left a partial record the file still holds
         self.bytes = 0  # size of the current journal file (read on the loop thread)
 
     @property
@@ -196,12 +198,28 @@ class Journal:
                 fsync_dir(self._io, os.path.dirname(self.path))
 
     def _write(self, chunk: list[bytes], sync: bool) -> None:
+        """Append ``chunk`` whole, or leave the file as it was: a record cut short (a
+        full file system takes part of a write, then refuses the rest) would end the
+        replay there, and every record appended after it would be lost at a crash."""
         if chunk and self._fd < 0:
             raise OSError(errno.EBADF, "the journal has not been started")
-        if chunk:
-            write_all(self._io, self._fd, b"".join(chunk))
-            if sync:
-                self._io.fdatasync(self._fd)
+        if not chunk:
+            return
+        if self._torn:  # an earlier cut-back failed: it must succeed before anything more
+            self._io.truncate(self._fd, self._length)
+            self._torn = False
+        data = b"".join(chunk)
+        try:
+            write_all(self._io, self._fd, data)
+        except OSError:
+            self._torn = True
+            with contextlib.suppress(OSError):  # retried before the next append
+                self._io.truncate(self._fd, self._length)
+                self._torn = False
+            raise
+        self._length += len(data)
+        if sync:
+            self._io.fdatasync(self._fd)
 
     def _start(self, cp: Checkpoint) -> None:
         save_snapshot(self._io, self.snapshot_path, self.uuid, cp)
@@ -209,8 +227,10 @@ class Journal:
             self._fd = self._io.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
             private(self._fd)
         self._io.truncate(self._fd, 0)
+        self._length, self._torn = 0, False
         head = _JNL_HDR.pack(_JNL_MAGIC, _VERSION, 0, cp.epoch, self.uuid)
         write_all(self._io, self._fd, head + _U64.pack(_xxh(head)))
+        self._length = len(head) + 8
         self._io.fsync(self._fd)
 
     @staticmethod

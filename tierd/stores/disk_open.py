@@ -8,11 +8,14 @@ the configured geometry is reused (:func:`read_superblock`); any other is format
 (:func:`format_slab`), its blocks gone.
 
 :func:`recover_index` decides what a reused slab's index is: the snapshot of a clean close
-as it stands; after a crash, every slot's header (:func:`scan_headers`), with what the
-snapshot and the journal vouch for trusted and the rest verified. The journal's records
-are written in batches after a block is acknowledged, so they alone cannot find a block
-whose record was still queued at the crash. Headers and blocks are
-read through callables the slab passes in, so a clean open reads neither. Everything here
+as it stands; after a crash, the snapshot plus the journal, reading only the few slots the
+journal leaves open (writes in flight at the crash, or whose SET record was still queued:
+a slot's BEGIN record is always in the file before its block is written, so every block
+on disk is named by one). Only when there is no usable snapshot and journal (deleted,
+corrupted, or written by a release whose snapshot did not list the writes in flight)
+does it read every slot's header (:func:`scan_headers`) and verify what they do not
+vouch for (:func:`tierd.stores.disk_index.reconcile`). Headers and blocks are read
+through callables the slab passes in, so a clean open reads neither. Everything here
 runs on an I/O thread, at open.
 """
 
@@ -172,12 +175,8 @@ def recover_index(
     if snap is not None and snap.clean and not crashed:
         return Recovered(snap.entries, snap.next_gen, snap.epoch, "clean")
     replay = di.Journal.replay(journal.path, uuid) if crashed else None
-    # After a crash every slot's header is read (below). The snapshot plus the journal
-    # alone (``_from_journal``) would miss a block whose data and header reached the disk
-    # while its journal record still waited in the queue (a kill during a journal ENOSPC,
-    # or before the next batch flush): the soak's SIGKILL checkpoints lose such durable
-    # blocks. The journal path needs its records written ahead of the block's
-    # acknowledgement before it can be trusted alone.
+    if snap is not None and snap.pending is not None and replay is not None:
+        return _from_journal(snap, replay, check, path)
     if snap is not None and not crashed:
         _log.warning(
             "no record of a clean shutdown and no journal (deleted?); verifying the slab",
@@ -190,6 +189,41 @@ def recover_index(
     if replay is not None and (snap is None or replay[0] == snap.epoch):
         known.update(replay[1])  # an older journal's records predate the snapshot
     return _rebuild(known, scan(), check, epoch, path)
+
+
+def _from_journal(
+    snap: di.Snapshot, replay: tuple[int, dict[int, di.Record]], check: Check, path: str
+) -> Recovered:
+    """The crash path: snapshot plus journal, checking only the slots left open."""
+    entries = snap.entries
+    unsure: dict[int, int] = dict(snap.pending or {})
+    epoch, records = replay
+    gens = [snap.next_gen - 1]
+    if epoch == snap.epoch:  # else the journal predates the snapshot (a crash mid-checkpoint)
+        for slot, (op, gen, key) in records.items():
+            unsure.pop(slot, None)
+            gens.append(gen)
+            if op is di.Op.SET:
+                entries[slot] = (key, gen)
+                continue
+            entries.pop(slot, None)
+            if op is di.Op.BEGIN:
+                unsure[slot] = gen
+    else:
+        gens += [rec[1] for rec in records.values()]
+    dropped = 0
+    for slot, gen in unsure.items():
+        found = check(slot, gen)
+        if found is None:
+            dropped += 1
+        else:
+            entries[slot] = (found, gen)
+    _log.info(
+        "rebuilt disk index after an unclean shutdown",
+        path=path, source="journal", blocks=len(entries), journal_records=len(records),
+        verified=len(unsure), dropped=dropped,
+    )  # fmt: skip
+    return Recovered(entries, max(gens) + 1, snap.epoch, "crash", dropped, len(unsure))
 
 
 def scan_headers(
