@@ -198,8 +198,9 @@ class TierdSecondaryTier(SecondaryTierManager):
             probe_interval_s=probe_interval_s,
         )
         self._link = DaemonLink(self.settings, name=f"tierd-vllm-{tier_type}")
-        self._staged = StagedCopies(self._rows, staging_bytes) if regions else None
-        self._direct = DirectChannel(self._link, self._rows, staging_bytes)
+        # Half of staging_bytes for the link's stores, half for the scheduler's loads.
+        self._staged = StagedCopies(self._rows, staging_bytes // 2) if regions else None
+        self._direct = DirectChannel(self._link, self._rows, staging_bytes // 2)
         self._direct.regions = regions
         self._jobs: dict[int, _Pending] = {}
         self.report = TierReport(
