@@ -128,14 +128,40 @@ async def test_a_journal_write_cut_short_loses_no_later_record(tmp_path: Path) -
         assert await get(store, 6, 6) == block(6)
 
 
-async def test_a_torn_block_the_journal_vouches_for_is_a_miss(tmp_path: Path) -> None:
-    # Nothing reads the blocks at a crash restart; the read that serves one checks it.
+async def crashed_after(tmp_path: Path, ids: Sequence[int]) -> Path:
+    """A copy of a store's files taken after writing ``ids`` (journal written, no close):
+    what a kill at that moment leaves."""
     live = tmp_path / "live"
     live.mkdir()
     async with store_at(live, 16, fsync="never") as store:
-        await put(store, range(6))
+        await put(store, ids)
         await store.sync()
-        dead = crash_copy(live, tmp_path / "dead")
+        return crash_copy(live, tmp_path / "dead")
+
+
+async def test_a_crash_restart_goes_on_with_its_journal(tmp_path: Path) -> None:
+    # Opening after a crash writes no snapshot (a million-block index would be rewritten
+    # before the first block is served): it cuts the journal's torn tail and appends to
+    # it. A second crash then finds the blocks of both lives.
+    dead = await crashed_after(tmp_path, range(4))
+    with (dead / "tierd-journal.bin").open("ab") as f:
+        f.write(b"\x02" * 40)  # a record the kill cut short
+    snapshot = (dead / SNAPSHOT).read_bytes()
+    async with store_at(dead, 16, fsync="never") as store:
+        assert (dead / SNAPSHOT).read_bytes() == snapshot
+        assert store.index() == {s: int_key(s) for s in range(4)}
+        await put(store, [4, 5])
+        await store.sync()
+        again = crash_copy(dead, tmp_path / "again")
+    async with store_at(again, 16) as store:
+        assert store.index() == {s: int_key(s) for s in range(6)}
+        assert store.stats().details["recovery_details"][0]["scanned"] is False
+        assert await get(store, 5, 5) == block(5)
+
+
+async def test_a_torn_block_the_journal_vouches_for_is_a_miss(tmp_path: Path) -> None:
+    # Nothing reads the blocks at a crash restart; the read that serves one checks it.
+    dead = await crashed_after(tmp_path, range(6))
     with (dead / "tierd-slab.bin").open("r+b") as f:
         f.seek(4096 + 2 * (4096 + BB) + 4096 + 10)  # block 2's data
         f.write(b"\x00\xff" * 8)

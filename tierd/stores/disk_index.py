@@ -55,6 +55,7 @@ __all__ = [
     "Entry",
     "Journal",
     "Op",
+    "Replay",
     "Snapshot",
     "data_checksum",
     "load_snapshot",
@@ -118,6 +119,16 @@ class Op(enum.IntEnum):
 
 
 Record = tuple[Op, int, bytes]  # (op, gen, key) for one slot
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """What a journal holds: its base epoch, the latest record per slot, and how many of
+    its bytes (header included) are whole records."""
+
+    epoch: int
+    records: dict[int, Record]
+    length: int
 
 
 # -- journal ---------------------------------------------------------------------------
@@ -233,10 +244,32 @@ class Journal:
         self._length = len(head) + 8
         self._io.fsync(self._fd)
 
+    def resume(self, epoch: int, length: int | None) -> None:
+        """Go on appending to the journal a crash left (its first ``length`` bytes are
+        whole records: a torn tail is cut off), or, when ``length`` is None, start one on
+        top of the snapshot of ``epoch`` as it stands. Either way no snapshot is written:
+        opening a slab of a million blocks does not rewrite its index."""
+        with self._lock:
+            if self._fd < 0:
+                self._fd = self._io.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+                private(self._fd)
+            if length is None:
+                self._io.truncate(self._fd, 0)
+                self._length, self._torn = 0, False
+                head = _JNL_HDR.pack(_JNL_MAGIC, _VERSION, 0, epoch, self.uuid)
+                write_all(self._io, self._fd, head + _U64.pack(_xxh(head)))
+                length = len(head) + 8
+            else:
+                self._io.truncate(self._fd, length)
+            self._length, self._torn = length, False
+            self.bytes = length
+            self._io.fsync(self._fd)
+
     @staticmethod
-    def replay(path: str, uuid: bytes) -> tuple[int, dict[int, Record]] | None:
-        """(base epoch, latest record per slot) of the journal at ``path``, or None when
-        there is none or it belongs to another slab."""
+    def replay(path: str, uuid: bytes) -> Replay | None:
+        """The journal at ``path``: its base epoch, latest record per slot and the bytes
+        of whole records (header included) before any torn tail; None when there is none
+        or it belongs to another slab."""
         try:
             with open(path, "rb") as f:
                 raw = f.read()
@@ -251,9 +284,11 @@ class Journal:
         if magic != _JNL_MAGIC or version != _VERSION or owner != uuid:
             return None
         latest: dict[int, Record] = {}
+        count = 0
         for op, slot, gen, key in _records(memoryview(raw)[head_len:]):
             latest[slot] = (op, gen, key)
-        return epoch, latest
+            count += 1
+        return Replay(epoch, latest, head_len + count * _REC_BYTES)
 
 
 def _records(raw: memoryview) -> Iterator[tuple[Op, int, int, bytes]]:

@@ -37,6 +37,7 @@ from tierd.stores.fileio import ALIGN, FileIO, aligned_buffer
 __all__ = [
     "DirectProbe",
     "Recovered",
+    "Resume",
     "format_slab",
     "probe_direct",
     "read_superblock",
@@ -132,6 +133,11 @@ def probe_direct(io: FileIO, path: str, mode: bool | str, buffered_fd: int) -> D
 # -- the slot index ----------------------------------------------------------------------
 
 
+# A journal to go on with: the bytes of it to keep (None: start one on top of the
+# snapshot) and the records to append, (op, slot, gen, key).
+Resume = tuple[int | None, list[tuple[di.Op, int, int, bytes]]]
+
+
 @dataclass(frozen=True, slots=True)
 class Recovered:
     """A reused slab's index as :func:`recover_index` found it."""
@@ -143,6 +149,10 @@ class Recovered:
     dropped: int = 0  # slots with an intact header that are not readable any more
     verified: int = 0  # slots whose block was read and checked at open
     scanned: bool = False  # every slot's header was read (no usable snapshot/journal)
+    # The journal to go on with instead of writing a new snapshot at open: the bytes of
+    # it to keep (None: start one on top of the snapshot), and the records to add (what
+    # the slots checked at open turned out to hold). None: write a new snapshot.
+    resume: Resume | None = None
 
 
 # Checks one slot after a crash: the key of its intact block when its header carries
@@ -173,7 +183,8 @@ def recover_index(
     # blocks may have been written after the snapshot.
     crashed = os.path.exists(journal.path)
     if snap is not None and snap.clean and not crashed:
-        return Recovered(snap.entries, snap.next_gen, snap.epoch, "clean")
+        resume: Resume | None = (None, []) if snap.pending is not None else None  # v1: rewrite
+        return Recovered(snap.entries, snap.next_gen, snap.epoch, "clean", resume=resume)
     replay = di.Journal.replay(journal.path, uuid) if crashed else None
     if snap is not None and snap.pending is not None and replay is not None:
         return _from_journal(snap, replay, check, path)
@@ -186,20 +197,20 @@ def recover_index(
     if snap is not None:
         known = {s: (di.Op.SET, e[1], e[0]) for s, e in snap.entries.items()}
         epoch = snap.epoch
-    if replay is not None and (snap is None or replay[0] == snap.epoch):
-        known.update(replay[1])  # an older journal's records predate the snapshot
+    if replay is not None and (snap is None or replay.epoch == snap.epoch):
+        known.update(replay.records)  # an older journal's records predate the snapshot
     return _rebuild(known, scan(), check, epoch, path)
 
 
-def _from_journal(
-    snap: di.Snapshot, replay: tuple[int, dict[int, di.Record]], check: Check, path: str
-) -> Recovered:
-    """The crash path: snapshot plus journal, checking only the slots left open."""
+def _from_journal(snap: di.Snapshot, replay: di.Replay, check: Check, path: str) -> Recovered:
+    """The crash path: snapshot plus journal, checking only the slots left open. The
+    journal is gone on with, the checked slots' outcomes appended to it."""
     entries = snap.entries
     unsure: dict[int, int] = dict(snap.pending or {})
-    epoch, records = replay
+    records = replay.records
     gens = [snap.next_gen - 1]
-    if epoch == snap.epoch:  # else the journal predates the snapshot (a crash mid-checkpoint)
+    current = replay.epoch == snap.epoch
+    if current:  # else the journal predates the snapshot (a crash mid-checkpoint)
         for slot, (op, gen, key) in records.items():
             unsure.pop(slot, None)
             gens.append(gen)
@@ -212,18 +223,24 @@ def _from_journal(
     else:
         gens += [rec[1] for rec in records.values()]
     dropped = 0
+    outcomes: list[tuple[di.Op, int, int, bytes]] = []
     for slot, gen in unsure.items():
         found = check(slot, gen)
         if found is None:
             dropped += 1
+            outcomes.append((di.Op.DEL, slot, gen, b""))
         else:
             entries[slot] = (found, gen)
+            outcomes.append((di.Op.SET, slot, gen, found))
     _log.info(
         "rebuilt disk index after an unclean shutdown",
         path=path, source="journal", blocks=len(entries), journal_records=len(records),
         verified=len(unsure), dropped=dropped,
     )  # fmt: skip
-    return Recovered(entries, max(gens) + 1, snap.epoch, "crash", dropped, len(unsure))
+    resume = (replay.length if current else None, outcomes)
+    return Recovered(
+        entries, max(gens) + 1, snap.epoch, "crash", dropped, len(unsure), resume=resume
+    )
 
 
 def scan_headers(

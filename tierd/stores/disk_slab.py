@@ -28,6 +28,7 @@ from tierd.errors import SlabInUse, StoreIOError
 from tierd.logs import get_logger
 from tierd.stores import disk_index as di
 from tierd.stores.disk_open import (
+    Resume,
     format_slab,
     probe_direct,
     read_superblock,
@@ -252,11 +253,11 @@ class Slab:
             fresh = self._prepare_file()
             self._fd = self._probe_direct()
             self.journal.uuid = self.uuid
-            if not fresh:
-                self._load_index()
-            self.epoch += 1
-            self.journal.checkpoint(self.epoch, self.next_gen, self.entries, self.pending)
-            self._start_journal()
+            resume = self._load_index() if not fresh else None
+            if not self._resume_journal(resume):
+                self.epoch += 1
+                self.journal.checkpoint(self.epoch, self.next_gen, self.entries, self.pending)
+                self._start_journal()
         except OSError as exc:
             self.close_fds()
             if isinstance(exc, SlabInUse):
@@ -273,6 +274,22 @@ class Slab:
                 )
                 raise StoreIOError(message, path=path, errno=exc.errno) from exc
             raise StoreIOError("cannot open disk slab", path=path, errno=exc.errno) from exc
+
+    def _resume_journal(self, resume: Resume | None) -> bool:
+        """Go on with the journal recovery found (no snapshot written at open); whether
+        it could (else the caller writes a new snapshot and journal)."""
+        if resume is None:
+            return False
+        length, outcomes = resume
+        try:
+            self.journal.resume(self.epoch, length)
+            for op, local, gen, key in outcomes:
+                self.journal.append(op, local, gen, key)
+            self.journal.flush(sync=True)
+        except OSError as exc:
+            _log.info("cannot go on with the disk journal; writing a new index", error=str(exc))
+            return False
+        return True
 
     def _start_journal(self) -> None:
         """Write the opening snapshot and journal. Without room for them (a full file
@@ -359,7 +376,7 @@ class Slab:
             )
         return probe.fd
 
-    def _load_index(self) -> None:
+    def _load_index(self) -> Resume | None:
         c = self.cfg
         scan = partial(scan_headers, self.io, self._fd, c.local_slots, self.offset, c.block_bytes)
         t0 = time.monotonic()
@@ -371,6 +388,7 @@ class Slab:
             "verified": found.verified,
             "scanned": found.scanned,
         }
+        return found.resume
 
     def _check(self, local: int, gen: int | None) -> bytes | None:
         """The key of the block in ``local`` when its header is intact, names this slot,
