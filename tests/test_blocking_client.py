@@ -85,6 +85,11 @@ async def test_an_error_answer_leaves_the_connection_usable(tmp_path, spawn) -> 
         try:
             with pytest.raises(DaemonError) as refused:
                 client.region_load(7, [b"x"], np.zeros(1, dtype=np.uint64), soon())
+            # Two requests sent together, both refused: both answers are read.
+            offsets = np.zeros(1, dtype="<u8").tobytes()
+            parts = [{"region": r, "keys": [b"x"], "offsets": offsets} for r in (7, 8)]
+            with pytest.raises(DaemonError):
+                client.requests("region_load", parts, soon())
             return refused.value.code, client.lookup_each([b"x"], soon()), client.closed
         finally:
             client.close()

@@ -112,7 +112,18 @@ class BlockingClient:
         self._next_id += len(each)
         frames = [encode({"id": first + i, "op": op, **fields}) for i, fields in enumerate(each)]
         self._send(frames, deadline)
-        return [self._reply(first + i, deadline) for i in range(len(each))]
+        replies: list[Any] = []
+        refused: DaemonError | None = None
+        for i in range(len(each)):
+            try:
+                replies.append(self._reply(first + i, deadline))
+            except DaemonError as exc:
+                if self.closed:
+                    raise
+                refused = refused or exc
+        if refused is not None:
+            raise refused
+        return replies
 
     def request(self, op: str, deadline: float, **fields: Any) -> dict[str, Any]:
         return dict(self.requests(op, [fields], deadline)[0])

@@ -123,6 +123,11 @@ class DirectChannel:
         breaker.answered()
         return LoadOutcome(tuple(loaded))
 
+    @property
+    def connected(self) -> bool:
+        conn = self._conn
+        return conn is not None and not conn.client.closed
+
     def close(self) -> None:
         with self._lock:
             self._drop()

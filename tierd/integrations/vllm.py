@@ -464,7 +464,8 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         link = self._link
-        return self.report.stats(connected=link.connected, breaker_open=link.breaker.is_open)
+        connected = link.connected or self._direct.connected
+        return self.report.stats(connected=connected, breaker_open=link.breaker.is_open)
 
     def config_info(self) -> dict[str, str | int | float | bool]:
         return {}
