@@ -78,7 +78,7 @@ async def test_a_stopped_daemon_costs_a_deadline_then_nothing(tmp_path, spawn) -
 
         assert tier._staged._staging is not None  # the store went through a region
         silent = tier._direct._conn  # the load through the scheduler's own connection
-        assert silent is not None and silent.array is not None
+        assert silent is not None and silent.staging is not None
         daemon.signal(signal.SIGSTOP)
         stopped = True
         # A lookup waits at most its deadline, then misses; the daemon said nothing for
@@ -109,7 +109,8 @@ async def test_a_stopped_daemon_costs_a_deadline_then_nothing(tmp_path, spawn) -
         # owed it can only land in memory nobody reads again.
         now = tier._direct._conn
         assert now is not None and now is not silent and silent.client.closed
-        assert now.array is not None and not np.shares_memory(now.array, silent.array)
+        assert now.staging is not None
+        assert not np.shares_memory(now.staging.array, silent.staging.array)
     finally:
         if stopped:
             daemon.signal(signal.SIGCONT)

@@ -45,13 +45,20 @@ T = TypeVar("T")
 _FIRST_BACKOFF_S = 0.05
 
 
+@dataclass(frozen=True, slots=True)
+class _Staging:
+    """A connection's staging region: its id, its rows here, their byte offsets."""
+
+    region: int
+    array: Rows
+    offsets: npt.NDArray[np.uint64]
+
+
 @dataclass(slots=True)
 class _Connection:
     client: BlockingClient
     used: bool = False  # a call has gone through it (a new one was not lost between calls)
-    region: int | None = None  # the staging region, registered on the first load
-    array: Rows | None = None
-    offsets: npt.NDArray[np.uint64] | None = None
+    staging: _Staging | None = None  # registered on the first load
 
 
 class DirectChannel:
@@ -105,10 +112,10 @@ class DirectChannel:
         ids = np.asarray(row_ids, dtype=np.intp)
 
         def copy(conn: _Connection) -> bool:
-            staged = self._staged(conn, deadline)
-            if staged is not None:
-                self._copy_in(staged, keys, ids, deadline, loaded)
-            return staged is not None
+            staging = self._staging(conn, deadline)
+            if staging is not None:
+                self._copy_in(conn.client, staging, keys, ids, deadline, loaded)
+            return staging is not None
 
         with self._lock:
             try:
@@ -136,21 +143,21 @@ class DirectChannel:
 
     def _copy_in(
         self,
-        conn: _Connection,
+        client: BlockingClient,
+        staging: _Staging,
         keys: Sequence[bytes],
         ids: npt.NDArray[np.intp],
         deadline: float,
         loaded: list[int],
     ) -> None:
-        assert conn.region is not None and conn.array is not None and conn.offsets is not None
-        step = len(conn.array)
+        step = len(staging.array)
         for first in range(0, len(keys), step):
             count = min(step, len(keys) - first)
-            done = conn.client.region_load(
-                conn.region, keys[first : first + count], conn.offsets[:count], deadline
+            done = client.region_load(
+                staging.region, keys[first : first + count], staging.offsets[:count], deadline
             )
             got = np.flatnonzero(np.asarray(done, dtype=bool))
-            self._rows[ids[first + got]] = conn.array[got]
+            self._rows[ids[first + got]] = staging.array[got]
             loaded.extend((first + got).tolist())
 
     def _call(self, deadline: float, call: Callable[[_Connection], T]) -> T:
@@ -193,17 +200,15 @@ class DirectChannel:
         self._conn = _Connection(client)
         return self._conn
 
-    def _staged(self, conn: _Connection, deadline: float) -> _Connection | None:
-        """``conn`` with its staging region (registered now on first use), or None when
-        the daemon has no regions."""
-        if conn.region is not None:
-            return conn
-        if not self.regions:
-            return None
+    def _staging(self, conn: _Connection, deadline: float) -> _Staging | None:
+        """``conn``'s staging region (registered now on first use), or None when the
+        daemon has no regions."""
+        if conn.staging is not None or not self.regions:
+            return conn.staging
         row_bytes = self._rows.shape[1]
         fd, array = staging_memory(self._per_round, row_bytes)
         try:
-            conn.region = conn.client.register_region(fd, array.nbytes, deadline)
+            region = conn.client.register_region(fd, array.nbytes, deadline)
         except DaemonError as exc:
             if exc.code not in NO_REGIONS:
                 raise
@@ -211,8 +216,8 @@ class DirectChannel:
             return None
         finally:
             os.close(fd)  # the mapping and the daemon's copy keep the memory
-        conn.array, conn.offsets = array, row_offsets(self._per_round, row_bytes)
-        return conn
+        conn.staging = _Staging(region, array, row_offsets(self._per_round, row_bytes))
+        return conn.staging
 
     def _answered(self, exc: DaemonError, sent: float) -> None:
         """An error answer: the daemon is there (unless it is shutting down)."""
