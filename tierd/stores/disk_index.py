@@ -244,11 +244,21 @@ class Journal:
         self._length = len(head) + 8
         self._io.fsync(self._fd)
 
-    def resume(self, epoch: int, length: int | None) -> None:
+    def resume(
+        self, epoch: int, length: int | None, records: list[tuple[Op, int, int, bytes]]
+    ) -> bool:
         """Go on appending to the journal a crash left (its first ``length`` bytes are
         whole records: a torn tail is cut off), or, when ``length`` is None, start one on
-        top of the snapshot of ``epoch`` as it stands. Either way no snapshot is written:
-        opening a slab of a million blocks does not rewrite its index."""
+        top of the snapshot of ``epoch`` as it stands; then append ``records`` (op, slot,
+        gen, key) and write them. No snapshot is written: opening a slab of a million
+        blocks does not rewrite its index. True once done; OSError when it cannot."""
+        self._open_at(epoch, length)
+        for op, slot, gen, key in records:
+            self.append(op, slot, gen, key)
+        self.flush(sync=True)
+        return True
+
+    def _open_at(self, epoch: int, length: int | None) -> None:
         with self._lock:
             if self._fd < 0:
                 self._fd = self._io.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
