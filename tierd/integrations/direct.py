@@ -64,7 +64,9 @@ class _Connection:
 class DirectChannel:
     """Blocking lookups and loads for the thread that schedules (one at a time)."""
 
-    def __init__(self, link: DaemonLink, rows: Rows, staging_bytes: int) -> None:
+    def __init__(
+        self, link: DaemonLink, rows: Rows, staging_bytes: int, *, regions: bool = True
+    ) -> None:
         self._link = link
         self.settings = link.settings
         self._rows = rows
@@ -73,7 +75,7 @@ class DirectChannel:
         self._lock = threading.Lock()
         self._next_attempt = 0.0
         self._backoff = _FIRST_BACKOFF_S
-        self.regions = True  # False once the daemon has refused a region: use the link
+        self.regions = regions  # False (or once the daemon refused a region): use the link
 
     # -- calls ------------------------------------------------------------------------
 

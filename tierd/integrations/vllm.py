@@ -200,8 +200,7 @@ class TierdSecondaryTier(SecondaryTierManager):
         self._link = DaemonLink(self.settings, name=f"tierd-vllm-{tier_type}")
         # Half of staging_bytes for the link's stores, half for the scheduler's loads.
         self._staged = StagedCopies(self._rows, staging_bytes // 2) if regions else None
-        self._direct = DirectChannel(self._link, self._rows, staging_bytes // 2)
-        self._direct.regions = regions
+        self._direct = DirectChannel(self._link, self._rows, staging_bytes // 2, regions=regions)
         self._jobs: dict[int, _Pending] = {}
         self.report = TierReport(
             Medium(medium) if medium is not None else self.medium,
