@@ -245,7 +245,9 @@ async def test_unfinished_frames_share_one_budget(tmp_path: Path, spawn: Spawn) 
             sock.sendall(HEADER.pack(1 << 20) + b"\x00" * (700 << 10))
         await settle(daemon)
         third = holders[2]
-        third.sendall(HEADER.pack(1 << 20) + b"\x00" * (700 << 10))
+        # The daemon may answer and hang up before the last of these bytes is sent.
+        with contextlib.suppress(BrokenPipeError):
+            third.sendall(HEADER.pack(1 << 20) + b"\x00" * (700 << 10))
         replies = read_replies(third, 1)
         assert replies and replies[0]["error"] == "busy", replies
         assert closed_by_daemon(third)
