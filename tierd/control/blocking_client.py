@@ -125,9 +125,6 @@ class BlockingClient:
             raise refused
         return replies
 
-    def request(self, op: str, deadline: float, **fields: Any) -> dict[str, Any]:
-        return dict(self.requests(op, [fields], deadline)[0])
-
     def lookup_each(self, keys: Sequence[bytes], deadline: float) -> list[bool]:
         """Per key, whether the daemon holds it ready (as :meth:`Client.lookup_each`)."""
         if not keys:

@@ -339,7 +339,7 @@ class DaemonLink:
         so, not at its next job)."""
         if not self._closed:
             with contextlib.suppress(RuntimeError):  # the loop has stopped meanwhile
-                self._loop.call_soon_threadsafe(lambda: self.submit(self._check()))
+                self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._check()))
 
     async def _check(self) -> None:
         with contextlib.suppress(TierdError, OSError):

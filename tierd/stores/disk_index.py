@@ -234,46 +234,39 @@ class Journal:
 
     def _start(self, cp: Checkpoint) -> None:
         save_snapshot(self._io, self.snapshot_path, self.uuid, cp)
-        if self._fd < 0:
-            self._fd = self._io.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-            private(self._fd)
-        self._io.truncate(self._fd, 0)
-        self._length, self._torn = 0, False
-        head = _JNL_HDR.pack(_JNL_MAGIC, _VERSION, 0, cp.epoch, self.uuid)
-        write_all(self._io, self._fd, head + _U64.pack(_xxh(head)))
-        self._length = len(head) + 8
-        self._io.fsync(self._fd)
+        self._open_at(cp.epoch, None)
 
     def resume(
         self, epoch: int, length: int | None, records: list[tuple[Op, int, int, bytes]]
-    ) -> bool:
+    ) -> None:
         """Go on appending to the journal a crash left (its first ``length`` bytes are
         whole records: a torn tail is cut off), or, when ``length`` is None, start one on
         top of the snapshot of ``epoch`` as it stands; then append ``records`` (op, slot,
         gen, key) and write them. No snapshot is written: opening a slab of a million
-        blocks does not rewrite its index. True once done; OSError when it cannot."""
-        self._open_at(epoch, length)
+        blocks does not rewrite its index. OSError when it cannot."""
+        with self._lock:
+            self._open_at(epoch, length)
         for op, slot, gen, key in records:
             self.append(op, slot, gen, key)
         self.flush(sync=True)
-        return True
 
     def _open_at(self, epoch: int, length: int | None) -> None:
-        with self._lock:
-            if self._fd < 0:
-                self._fd = self._io.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-                private(self._fd)
-            if length is None:
-                self._io.truncate(self._fd, 0)
-                self._length, self._torn = 0, False
-                head = _JNL_HDR.pack(_JNL_MAGIC, _VERSION, 0, epoch, self.uuid)
-                write_all(self._io, self._fd, head + _U64.pack(_xxh(head)))
-                length = len(head) + 8
-            else:
-                self._io.truncate(self._fd, length)
-            self._length, self._torn = length, False
-            self.bytes = length
-            self._io.fsync(self._fd)
+        """The journal file open for appending, holding its first ``length`` bytes, or
+        (None) only a fresh header naming ``epoch``; fsynced. Under the lock."""
+        if self._fd < 0:
+            self._fd = self._io.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            private(self._fd)
+        self._torn = False
+        if length is None:
+            self._length = 0
+            self._io.truncate(self._fd, 0)
+            head = _JNL_HDR.pack(_JNL_MAGIC, _VERSION, 0, epoch, self.uuid)
+            write_all(self._io, self._fd, head + _U64.pack(_xxh(head)))
+            length = len(head) + 8
+        else:
+            self._io.truncate(self._fd, length)
+        self._length = self.bytes = length
+        self._io.fsync(self._fd)
 
     @staticmethod
     def replay(path: str, uuid: bytes) -> Replay | None:

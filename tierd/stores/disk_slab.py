@@ -278,11 +278,14 @@ class Slab:
     def _resume_journal(self, resume: Resume | None) -> bool:
         """Go on with the journal recovery found (no snapshot written at open); whether
         it could (else the caller writes a new snapshot and journal)."""
+        if resume is None:
+            return False
         try:
-            return resume is not None and self.journal.resume(self.epoch, *resume)
+            self.journal.resume(self.epoch, *resume)
         except OSError as exc:
             _log.info("cannot go on with the disk journal; writing a new index", error=str(exc))
             return False
+        return True
 
     def _start_journal(self) -> None:
         """Write the opening snapshot and journal. Without room for them (a full file
