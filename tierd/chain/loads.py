@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from itertools import takewhile
 
 from tierd.chain.handles import LoadHandle
 from tierd.chain.moves import ChainMoves
@@ -20,7 +21,9 @@ from tierd.keys import BlockKey, Medium
 from tierd.stores import BlockStore
 from tierd.tier import StorePlan
 
-__all__ = ["ChainLoads"]
+__all__ = ["LOAD_PIECE", "ChainLoads"]
+
+LOAD_PIECE = 1024  # keys a load handles per turn of the event loop
 
 
 class ChainLoads(ChainMoves):
@@ -52,22 +55,21 @@ class ChainLoads(ChainMoves):
         load stops before it. Raises :class:`BlockMissing` if not even the first key can
         be loaded."""
         target = self.entry if into is None else self.level_of(into)
-        wanted = list(dict.fromkeys(keys))
+        # A load cannot hold more than the level.
+        wanted = list(dict.fromkeys(keys))[: self.levels[target].tier.num_blocks]
         pinned: set[BlockKey] = set()
         deadline = None if wait_s is None else asyncio.get_running_loop().time() + wait_s
         try:
-            deepest = await self._gather(target, wanted, pinned, deadline)
+            deepest = await self._gather_pieces(target, wanted, pinned, deadline)
         except BaseException:
             self._unpin(target, list(pinned))
             raise
         finally:
             self._publish()
-        prefix: list[BlockKey] = []
-        for key in wanted:
-            if key not in pinned:
-                break
-            prefix.append(key)
-        self._unpin(target, [k for k in pinned if k not in set(prefix)])
+        prefix = wanted[: _leading_run(wanted, pinned)]
+        if len(prefix) != len(pinned):  # pinned past the first gap: not part of the load
+            leading = set(prefix)
+            self._unpin(target, [k for k in pinned if k not in leading])
         tier = self.levels[target].tier
         if not prefix and wanted:
             raise BlockMissing(
@@ -78,6 +80,23 @@ class ChainLoads(ChainMoves):
             )
         slots = [tier.slot_of(k) for k in prefix]
         return LoadHandle(self, target, prefix, [s for s in slots if s is not None], deepest)
+
+    async def _gather_pieces(
+        self, target: int, keys: list[BlockKey], pinned: set[BlockKey], deadline: float | None
+    ) -> int:
+        """:meth:`_gather` ``keys`` :data:`LOAD_PIECE` at a time, yielding to the loop
+        between pieces (a 4,096-key load is one bounded step after another, not one long
+        one); stops after the first piece that is not wholly pinned. Returns the slowest
+        level read from."""
+        deepest = target
+        for start in range(0, len(keys), LOAD_PIECE):
+            if start:
+                await asyncio.sleep(0)  # let other clients' requests in between pieces
+            piece = keys[start : start + LOAD_PIECE]
+            deepest = max(deepest, await self._gather(target, piece, pinned, deadline))
+            if _leading_run(piece, pinned) != len(piece):
+                break  # the prefix ends in this piece: nothing after it can be part of it
+        return deepest
 
     async def _gather(
         self, target: int, keys: list[BlockKey], pinned: set[BlockKey], deadline: float | None
@@ -90,7 +109,7 @@ class ChainLoads(ChainMoves):
         sources: dict[int, list[BlockKey]] = {}
         reachable: list[BlockKey] = []
         remote: list[BlockKey] = []  # held by no local level: asked of the remote one
-        for key in keys[: tier.num_blocks]:  # a load cannot hold more than the level
+        for key in keys:
             if key not in tier and (target, key) not in self._pending:
                 source = self._source_of(key, target)
                 if source is None:
@@ -182,6 +201,11 @@ class ChainLoads(ChainMoves):
         remote.promotions += len(moved)
         self.levels[target].promotions += len(moved)
         self._pin(target, moved, pinned)
+
+
+def _leading_run(keys: list[BlockKey], pinned: set[BlockKey]) -> int:
+    """How many of ``keys``, from the first, are in ``pinned`` (at C speed)."""
+    return len(list(takewhile(pinned.__contains__, keys)))
 
 
 async def _wait(future: asyncio.Future[bool], deadline: float | None) -> bool:
