@@ -17,7 +17,7 @@ the policy orders the ready keys and chooses victims.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from itertools import islice, takewhile
 from operator import itemgetter
@@ -94,8 +94,10 @@ class Tier:
         self.misses = 0
         self.stores = 0
         self.evictions = 0
-        self.adopting = 0  # reserved slots of blocks not adopted yet (see :meth:`reserve`)
-        self._unwanted: set[BlockKey] = set()  # discarded while adopting
+        # Blocks a persistent store kept across a restart, not adopted yet (see
+        # :meth:`reserve`): key -> reserved slot, and how the store forgets a slot.
+        self._kept: dict[BlockKey, int] = {}
+        self._forget: Callable[[list[int]], None] = _forget_nothing
 
     # -- queries ---------------------------------------------------------------------
 
@@ -105,6 +107,11 @@ class Tier:
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is present and ready (pinned or not)."""
         return key in self._slots and key not in self._writing
+
+    @property
+    def adopting(self) -> int:
+        """Reserved slots of kept blocks not adopted yet (see :meth:`reserve`)."""
+        return len(self._kept)
 
     @property
     def free(self) -> int:
@@ -147,10 +154,20 @@ class Tier:
         request path)."""
         return Counter(map(itemgetter(slice(0, length)), self._slots))
 
+    def keys(self) -> list[BlockKey]:
+        """Present keys (every state), copied at C speed: a snapshot that a pass can walk
+        in slices, yielding between them, while the tier changes."""
+        return list(self._slots)
+
     def keys_starting(self, prefix: bytes) -> list[BlockKey]:
-        """Present keys (every state) that start with ``prefix``."""
+        """Present keys (every state) that start with ``prefix``, and kept keys not
+        adopted yet (so that deleting a prefix reaches them too)."""
         size = len(prefix)
-        return [key for key in self._slots if key[:size] == prefix]
+        found = [key for key in self._slots if key[:size] == prefix]
+        if self._kept:
+            slots = self._slots
+            found += [k for k in self._kept if k[:size] == prefix and k not in slots]
+        return found
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         """How many leading ``keys`` are present and ready; counts hits and misses."""
@@ -278,25 +295,33 @@ class Tier:
 
     def discard(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """Remove ready, unpinned blocks (a ``REMOVED`` event); absent keys are skipped.
+        A kept block not adopted yet goes too, from the store as well (see :meth:`reserve`).
 
         Raises :class:`BlockBusy` (and removes nothing) for a pinned or writing block."""
         for key in keys:
             if key in self._pins or key in self._writing:
                 raise self._error(BlockBusy, "cannot discard a block in use", key)
-        gone = [key for key in dict.fromkeys(keys) if key in self._slots]
-        if self.adopting:  # a kept block not adopted yet must not come back afterwards
-            self._unwanted.update(key for key in keys if key not in self._slots)
+        asked = dict.fromkeys(keys)
+        gone = [key for key in asked if key in self._slots]
         for key in gone:
             self._freed.append(self._slots.pop(key))
             self.policy.remove(key)
+        if self._kept:
+            held = set(gone)
+            gone += [key for key in self._drop_kept(asked) if key not in held]
         if gone:
             self._events.append(TierEvent(EventKind.REMOVED, tuple(gone), self.medium, self.name))
         return gone
 
     def clear(self) -> list[BlockKey]:
-        """Discard every ready, unpinned block; returns the keys removed."""
+        """Discard every ready, unpinned block, and every kept block not adopted yet;
+        returns the keys removed."""
+        kept = [k for k in self._drop_kept(list(self._kept)) if k not in self._slots]
         idle = [k for k in self._slots if k not in self._pins and k not in self._writing]
-        return self.discard(idle)
+        gone = self.discard(idle)
+        if kept:
+            self._events.append(TierEvent(EventKind.REMOVED, tuple(kept), self.medium, self.name))
+        return gone + kept
 
     def restore(self, entries: Sequence[tuple[BlockKey, int]]) -> None:
         """Adopt ready blocks at known slots (a persistent store reopened after a restart).
@@ -324,16 +349,22 @@ class Tier:
         self._freed = np.flatnonzero(free)[::-1].tolist()
         self._next_unused = self.num_blocks
 
-    def reserve(self, slots: Collection[int]) -> None:
-        """Keep ``slots`` off the free list: blocks a persistent store kept across a
-        restart, to be adopted later (:meth:`adopt`) while the tier already serves. Until
-        then they are misses, never evicted, and no store is given their slots. Only an
-        empty tier can reserve; a slot out of range or given twice raises ``ValueError``."""
+    def reserve(
+        self, kept: Sequence[tuple[BlockKey, int]], forget: Callable[[list[int]], None]
+    ) -> None:
+        """Keep the slots of ``kept`` (key, slot) off the free list: blocks a persistent
+        store kept across a restart, to be adopted later (:meth:`adopt`) while the tier
+        already serves. Until then they are misses, never evicted, and no store is given
+        their slots. A kept block discarded or cleared before it is adopted is gone for
+        good: its slot is freed and ``forget`` (the store's invalidate) is called with it,
+        so that it does not come back after a restart either; so is an older copy of a
+        key given twice. Only an empty tier can reserve; a slot out of range or given
+        twice raises ``ValueError``."""
         if self._slots or self._next_unused:
             raise ValueError(f"tier {self.name} is not empty; reserve needs a fresh tier")
         import numpy as np  # restarts only, as restore
 
-        taken = np.fromiter(slots, dtype=np.int64, count=len(slots))
+        taken = np.fromiter(map(itemgetter(1), kept), dtype=np.int64, count=len(kept))
         if taken.size and (taken.min() < 0 or taken.max() >= self.num_blocks):
             raise ValueError(f"reserved slot out of range 0..{self.num_blocks - 1}")
         free = np.ones(self.num_blocks, dtype=bool)
@@ -342,30 +373,42 @@ class Tier:
             raise ValueError("reserved slots repeat")
         self._freed = np.flatnonzero(free)[::-1].tolist()  # lowest first, as restore
         self._next_unused = self.num_blocks
-        self.adopting = int(taken.size)
+        self._kept, self._forget = dict(kept), forget
+        if len(self._kept) != len(kept):  # older copies of a key: free their slots now
+            older = [slot for key, slot in kept if self._kept[key] != slot]
+            self._freed.extend(older)
+            forget(older)
 
-    def adopt(self, entries: Sequence[tuple[BlockKey, int]]) -> list[int]:
-        """Make reserved blocks ready (no event: they were announced before the restart).
-        A key already present (stored again since the restart, or an older copy given
-        earlier) keeps its block, and a key discarded meanwhile stays gone: the reserved
-        slot is freed and returned, for the caller to drop the store's stale copy."""
-        if len(entries) > self.adopting:
-            raise ValueError(f"tier {self.name}: adopting more blocks than it reserved")
-        slots, unwanted = self._slots, self._unwanted
+    def adopt(self, count: int) -> int:
+        """Make up to ``count`` kept blocks ready (no event: they were announced before
+        the restart); returns how many it took. A key stored again since the restart
+        keeps its new block: the kept copy's slot is freed and forgotten by the store."""
+        kept, slots = self._kept, self._slots
         taken: dict[BlockKey, int] = {}
         stale: list[int] = []
-        for key, slot in entries:
-            if key in slots or key in taken or key in unwanted:
+        for _ in range(min(count, len(kept))):
+            key, slot = kept.popitem()
+            if key in slots:
                 stale.append(slot)
             else:
                 taken[key] = slot
         slots.update(taken)
         self.policy.insert(list(taken))
-        self._freed.extend(stale)
-        self.adopting -= len(entries)
-        if not self.adopting:
-            unwanted.clear()
-        return stale
+        if stale:
+            self._freed.extend(stale)
+            self._forget(stale)
+        return len(taken)
+
+    def _drop_kept(self, keys: Collection[BlockKey]) -> list[BlockKey]:
+        """Drop the kept blocks of ``keys`` before they are adopted: their slots are
+        freed, and forgotten by the store. Returns the keys dropped."""
+        kept = self._kept
+        dropped = [key for key in keys if key in kept]
+        if dropped:
+            slots = [kept.pop(key) for key in dropped]
+            self._freed.extend(slots)
+            self._forget(slots)
+        return dropped
 
     # -- events and stats ------------------------------------------------------------
 
@@ -414,3 +457,7 @@ class Tier:
 
     def _error(self, kind: type[BlockStateError], message: str, key: BlockKey) -> BlockStateError:
         return kind(message, tier=self.name, medium=str(self.medium), key=key)
+
+
+def _forget_nothing(slots: list[int]) -> None:
+    """The default of :meth:`Tier.reserve`'s ``forget``, before anything is kept."""

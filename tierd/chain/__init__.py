@@ -2,9 +2,11 @@
 
 :mod:`tierd.chain.core` holds :class:`TierChain`; :mod:`tierd.chain.handles` the load
 and store handles it gives out;
-:mod:`tierd.chain.values` the values it takes and returns.
+:mod:`tierd.chain.values` the values it takes and returns; :mod:`tierd.chain.census` the
+blocks per key prefix, kept from the chain's events.
 """
 
+from tierd.chain.census import PrefixCensus
 from tierd.chain.core import TierChain
 from tierd.chain.handles import LoadHandle, StoreHandle
 from tierd.chain.values import Admission, ChainStats, Deleted, FlushResult, Level, LookupResult
@@ -17,6 +19,7 @@ __all__ = [
     "Level",
     "LoadHandle",
     "LookupResult",
+    "PrefixCensus",
     "StoreHandle",
     "TierChain",
 ]

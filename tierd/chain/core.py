@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tierd.chain.census import PrefixCensus
 from tierd.chain.handles import StoreHandle
 from tierd.chain.invariants import check_levels
 from tierd.chain.loads import ChainLoads
@@ -252,9 +253,9 @@ class TierChain(ChainLoads):
         for i in targets:
             level = self.levels[i]
             slots = {key: level.tier.slot_of(key) for key in level.tier.ready_keys()}
-            gone = level.tier.clear()
+            gone = level.tier.clear()  # kept blocks not adopted yet too: the tier drops them
             if gone:
-                level.store.invalidate([s for k in gone if (s := slots[k]) is not None])
+                level.store.invalidate([s for k in gone if (s := slots.get(k)) is not None])
             removed += len(gone)
         self._publish()
         return removed
@@ -279,6 +280,15 @@ class TierChain(ChainLoads):
                 level.store.invalidate(slots)
         self._publish()
         return Deleted(len(removed), len(busy))
+
+    def prefix_census(self, length: int) -> PrefixCensus:
+        """Ready blocks per level by the first ``length`` bytes of their keys, kept up to
+        date from the chain's events from the first call on (which counts each level
+        once; a call with another length starts again)."""
+        if self.census is None or self.census.length != length:
+            self._publish()  # events still buffered are in the count already
+            self.census = PrefixCensus(length, self._tiers)
+        return self.census
 
     def holders(self, key: BlockKey) -> list[tuple[str, str, str, int]]:
         """Where ``key`` is: (tier, medium, state, slot) for every level holding it."""

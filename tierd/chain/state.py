@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from tierd.chain.census import PrefixCensus
 from tierd.chain.remote import RemoteSide
 from tierd.chain.values import Admission, Level
 from tierd.events import EventBus
@@ -65,6 +66,7 @@ class ChainState:
         self._media = [level.medium for level in self.levels]
         self._tiers = [level.tier for level in self.levels]
         self.remote = remote
+        self.census: PrefixCensus | None = None  # blocks per key prefix, once asked for
         self._tracks_uses = any(rule.counts_uses for rule in rules)
 
     def set_admissions(self, rules: Sequence[Admission], remote: Admission | None = None) -> None:
@@ -175,9 +177,12 @@ class ChainState:
             shadow.touched(keys)
 
     def _publish(self) -> None:
-        for level in self.levels:
+        census = self.census
+        for index, level in enumerate(self.levels):
             events = level.tier.take_events()
             if events:
+                if census is not None:
+                    census.seen(index, events)
                 self.bus.publish(events)
         if self.remote is not None and (events := self.remote.level.take_events()):
             self.bus.publish(events)
