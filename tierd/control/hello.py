@@ -2,8 +2,10 @@
 
 ``hello`` must speak this daemon's protocol version and, when it names one, its block
 size. The namespace it names must be one of the tenant's patterns (a user of no tenant
-may name none: it may run operator commands and keeps no blocks); its 8-byte id then
-prefixes every key of the connection. The reply describes the daemon and the tenant's
+may name none: it may run operator commands and keeps no blocks), and a name the
+tenant has not used before only while its book has room for it
+(``limits.namespaces_per_tenant``); its 8-byte id then prefixes every key of the
+connection. The reply describes the daemon and the tenant's
 tiers and pool; a ``pool_fd: true`` hello gets the pool's descriptor passed beside it
 (under :data:`~tierd.control.protocol.PASS_FDS`, which the connection sends with
 SCM_RIGHTS). The session decides when hello may come (first, once).
@@ -66,4 +68,8 @@ def _namespace_prefix(ctx: ServerContext, tenant: Tenant | None, namespace: str)
     problem = ctx.check_namespace(namespace) or tenant.namespace_problem(namespace)
     if problem is not None:
         raise ProtocolError(problem, code=ErrorCode.BAD_NAMESPACE)
-    return ctx.namespace_id(namespace)
+    namespace_id = ctx.namespace_id(namespace)
+    refusal = tenant.book.refusal(namespace, namespace_id)
+    if refusal is not None:  # each new name stays in the book (and its file) for good
+        raise ProtocolError(refusal, code=ErrorCode.TOO_MANY_NAMESPACES)
+    return namespace_id

@@ -15,8 +15,9 @@ Who may act where:
 key from every tier at once (``Removed`` events, and a disk tier forgets it across a
 restart), and keeps a key whole while any tier is writing or reading it (pinned by a
 lease): those are counted ``busy``, to be asked again. A namespace or prefix is deleted
-in batches, yielding to the event loop between them, so other clients are served while
-a large namespace goes.
+by walking each level's keys in slices, yielding to the event loop between them, so
+other clients are served while a large namespace goes; one tenant's walks run one at a
+time. ``namespaces`` costs the number of namespaces, not of blocks (the chain's census).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
+from tierd.chain import Deleted
 from tierd.control.context import ServerContext
 from tierd.control.namespaces import namespace_rows
 from tierd.control.protocol import NAMESPACE_ID_BYTES, ErrorCode, keys_field, opt_str_field
@@ -31,10 +33,10 @@ from tierd.control.tenants import Grant, Tenant
 from tierd.errors import ProtocolError
 from tierd.keys import MAX_KEY_BYTES, BlockKey
 
-__all__ = ["NamespaceRequests"]
+__all__ = ["WALK_SLICE", "NamespaceRequests"]
 
 Reply = dict[str, Any]
-_BATCH = 4096  # keys deleted per turn of the event loop
+WALK_SLICE = 4096  # keys of an index looked at (and deleted) per turn of the event loop
 
 
 class Asker(Protocol):
@@ -174,12 +176,20 @@ class NamespaceRequests:
                 code=ErrorCode.BAD_REQUEST,
             )
         removed = busy = 0
-        for tenant in tenants:
-            chain = tenant.chain
-            for batch in self._batches(msg, chosen[0], namespace_id, tenant):
-                done = chain.delete(batch)
+        if chosen[0] == "keys":
+            keys = keys_field(
+                msg, max_keys=self.ctx.max_keys, max_key_bytes=_key_room(), name="keys"
+            )
+            for tenant in tenants:  # at most max_keys_per_request keys: one bounded step
+                done = tenant.chain.delete([BlockKey(namespace_id + key) for key in keys])
                 removed, busy = removed + done.removed, busy + done.busy
-                await asyncio.sleep(0)  # a large namespace goes without stalling others
+        else:
+            start = namespace_id + self._prefix(msg, chosen[0])
+            for tenant in tenants:
+                # One walk of a tenant's index at a time: a second waits for the first.
+                async with tenant.book.walking:
+                    done = await _delete_starting(tenant, start)
+                removed, busy = removed + done.removed, busy + done.busy
         return {
             "removed": removed,
             "busy": busy,
@@ -187,30 +197,44 @@ class NamespaceRequests:
             "tenants": [t.name for t in tenants],
         }
 
-    def _batches(
-        self, msg: dict[str, Any], mode: str, namespace_id: bytes, tenant: Tenant
-    ) -> list[list[BlockKey]]:
-        if mode == "keys":
-            keys = keys_field(
-                msg, max_keys=self.ctx.max_keys, max_key_bytes=_key_room(), name="keys"
-            )
-            return [[BlockKey(namespace_id + key) for key in keys]]
+    @staticmethod
+    def _prefix(msg: dict[str, Any], mode: str) -> bytes:
+        """What a ``prefix`` or ``all`` delete adds to the namespace's id."""
         if mode == "all":
             if msg["all"] is not True:
                 raise ProtocolError("'all' must be true", code=ErrorCode.BAD_REQUEST)
-            start = namespace_id
-        else:
-            prefix = msg["prefix"]
-            if type(prefix) is not bytes or not 0 < len(prefix) <= _key_room():
-                raise ProtocolError(
-                    f"'prefix' must be bin of 1 to {_key_room()} bytes", code=ErrorCode.BAD_KEY
-                )
-            start = namespace_id + prefix
-        found: dict[BlockKey, None] = {}
-        for level in tenant.chain.levels:
-            found.update(dict.fromkeys(level.tier.keys_starting(start)))
-        held = list(found)
-        return [held[i : i + _BATCH] for i in range(0, len(held), _BATCH)]
+            return b""
+        prefix = msg["prefix"]
+        if type(prefix) is not bytes or not 0 < len(prefix) <= _key_room():
+            raise ProtocolError(
+                f"'prefix' must be bin of 1 to {_key_room()} bytes", code=ErrorCode.BAD_KEY
+            )
+        return bytes(prefix)
+
+
+async def _delete_starting(tenant: Tenant, start: bytes) -> Deleted:
+    """Delete every key of ``tenant`` that starts with ``start`` (a namespace id and
+    more), walking each level's keys :data:`WALK_SLICE` at a time and yielding to the
+    loop between slices, so other clients are served while a large namespace goes. A
+    key stored after its level's keys were taken stays; one evicted meanwhile is skipped."""
+    chain = tenant.chain
+    census = chain.prefix_census(NAMESPACE_ID_BYTES)
+    namespace_id, size = start[:NAMESPACE_ID_BYTES], len(start)
+    handled: set[BlockKey] = set()  # a key held by two levels is deleted (or busy) once
+    removed = busy = 0
+    for index, level in enumerate(chain.levels):
+        if not census.held(index, namespace_id) and not level.tier.stats().writing:
+            continue  # nothing of the namespace there: no need to walk that level
+        keys = level.tier.keys()  # a copy at C speed; the walk below is what is sliced
+        for first in range(0, len(keys), WALK_SLICE):
+            part = keys[first : first + WALK_SLICE]
+            found = [k for k in part if k[:size] == start and k not in handled]
+            if found:
+                done = chain.delete(found)
+                removed, busy = removed + done.removed, busy + done.busy
+                handled.update(found)
+            await asyncio.sleep(0)  # a large namespace goes without stalling others
+    return Deleted(removed, busy)
 
 
 def _key_room() -> int:

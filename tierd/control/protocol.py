@@ -98,6 +98,7 @@ class ErrorCode(StrEnum):
     VERSION_MISMATCH = "version_mismatch"
     BLOCK_SIZE_MISMATCH = "block_size_mismatch"
     BAD_NAMESPACE = "bad_namespace"
+    TOO_MANY_NAMESPACES = "too_many_namespaces"  # a new name past namespaces_per_tenant
     NAMESPACE_REQUIRED = "namespace_required"  # data ops need a namespace in hello
     TOO_MANY_KEYS = "too_many_keys"  # over limits.max_keys_per_request
     BAD_KEY = "bad_key"  # empty, too long or not bytes

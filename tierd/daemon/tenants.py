@@ -20,6 +20,7 @@ import structlog
 from tierd.chain import TierChain
 from tierd.config import ChainConfig, DaemonConfig, TierKind
 from tierd.control.namespaces import NAMES_FILE, NamespaceBook
+from tierd.control.protocol import NAMESPACE_ID_BYTES
 from tierd.control.tenants import Grant, PoolInfo, Tenant, TenantTable
 from tierd.errors import TierdError
 from tierd.library import open_chain
@@ -64,7 +65,11 @@ async def open_tenants(
             raise
         chains[spec.name] = chain
         tenant = _tenant(cfg, spec, chain)
-        tenant.book = NamespaceBook(names_file(chain_cfg))
+        tenant.book = NamespaceBook(
+            names_file(chain_cfg), max_names=cfg.limits.namespaces_per_tenant
+        )
+        stack.push_async_callback(tenant.book.close)  # before the chain closes: names kept
+        chain.prefix_census(NAMESPACE_ID_BYTES)  # blocks per namespace, counted from now on
         table.tenants.append(tenant)
     table.grants = grants_for(cfg, table)
     if cfg.tenants:
@@ -91,6 +96,7 @@ def apply_tenant_rules(cfg: DaemonConfig, table: TenantTable) -> None:
     for tenant, (spec, _) in zip(table.tenants, cfg.tenant_chains(), strict=True):
         entry = tenant.chain.levels[tenant.chain.entry].store.num_blocks
         tenant.namespaces = tuple(spec.namespaces)
+        tenant.book.max_names = cfg.limits.namespaces_per_tenant
         tenant.max_held = lease_bound(cfg.limits.lease_blocks_per_tenant, entry)
         tenant.max_held_per_connection = lease_bound(cfg.limits.lease_blocks_per_connection, entry)
     table.grants = grants_for(cfg, table)
