@@ -1,13 +1,19 @@
 """``tierd reload`` (and the unit's ExecReload) through a real daemon: the config file is
 read again, what can change live changes (limits, namespace rules, admission rules, lease
 bounds), what needs a restart is named and left as it runs, and an invalid file, or one
-whose live values do not fit what keeps running, changes nothing.
+whose live values do not fit what keeps running, changes nothing. The file is read and
+parsed off the event loop (health is answered meanwhile), only if it is a regular file of
+at most 1 MiB: a FIFO, a device or a huge file at the config path is refused at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import os
 import shlex
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +23,14 @@ import yaml
 from tests.test_daemon_lifecycle import BLOCK, DaemonProcess, Spawn, block, keys, spawn
 from tests.test_operator import tierd
 from tests.test_service_unit import UNIT, parse_unit
+from tierd.cli import main
 from tierd.client import Client, DaemonError
+from tierd.control.protocol import PROTOCOL_VERSION, FrameDecoder, encode
 from tierd.testing import daemon_config
 
 __all__ = ["spawn"]  # the fixture, imported for the tests below
+
+WAIT_S = 30.0  # a safety net for what a test waits on, never a timed assertion
 
 
 def config_file(daemon: DaemonProcess) -> Path:
@@ -160,3 +170,117 @@ def test_the_unit_reloads_through_tierd_reload_on_its_socket() -> None:
     assert argv[:2] == [start[0], "reload"]
     socket = next(s.split("=", 1)[1] for s in start if s.startswith("socket.path="))
     assert argv[argv.index("--socket") + 1] == socket
+
+
+def pipelined(path: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Say hello as an operator, then send ``messages`` in one write (so the daemon reads
+    them together) and return their replies in the order they came."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(WAIT_S)
+        sock.connect(path)
+        decoder = FrameDecoder(1 << 30)
+        sock.sendall(encode({"id": 1, "op": "hello", "version": PROTOCOL_VERSION}))
+        (hello,) = replies_from(sock, decoder, 1)
+        assert hello["ok"], hello
+        sock.sendall(b"".join(encode(message) for message in messages))
+        return replies_from(sock, decoder, len(messages))
+
+
+def replies_from(sock: socket.socket, decoder: FrameDecoder, count: int) -> list[Any]:
+    out: list[Any] = []
+    while len(out) < count:
+        data = sock.recv(1 << 20)
+        if not data:
+            break
+        out += decoder.feed(data)
+    return out
+
+
+def big_yaml(config: dict[str, Any], padding: int) -> str:
+    """``config`` as YAML, followed by ``padding`` bytes of comment lines."""
+    line = "# " + "x" * 1021 + "\n"
+    return yaml.safe_dump(config) + line * (padding // len(line))
+
+
+async def test_a_fifo_at_the_config_path_is_refused_and_health_still_answered(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    daemon = await spawn(daemon_config(tmp_path))
+    path = config_file(daemon)
+    path.unlink()
+    os.mkfifo(path)  # opening it to read would wait for a writer forever
+    try:
+        async with await Client.connect(daemon.socket_path) as operator:
+            async with asyncio.timeout(WAIT_S):  # safety net: an old daemon hangs here
+                with pytest.raises(DaemonError) as refused:
+                    await operator.reload()
+            assert (await operator.health())["status"] == "ok"
+    finally:  # a daemon stuck opening the FIFO gets a writer, and so an end of file
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    assert refused.value.code == "bad_config"
+    assert str(path) in str(refused.value) and "not a regular file" in str(refused.value)
+
+
+async def test_a_config_over_the_size_bound_is_refused_by_reload_and_serve(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    daemon = await spawn(daemon_config(tmp_path))
+    before = await running_config(daemon)
+    path = config_file(daemon)
+    config = yaml.safe_load(path.read_text())
+    config["limits"]["load_wait_s"] = 2.5
+    path.write_text(big_yaml(config, 3 << 20))
+    status, _, err = await reload(daemon)
+    assert status == 1 and "bad_config" in err and "Traceback" not in err
+    assert str(path) in err and "1 MiB" in err
+    assert await running_config(daemon) == before
+    started = await tierd("serve", "-c", str(path))
+    assert started.returncode == 78, started.stderr
+    assert str(path) in started.stderr and "1 MiB" in started.stderr
+    assert "Traceback" not in started.stderr
+
+
+async def test_health_sent_after_a_reload_is_answered_before_it(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    # The file is read and parsed in a worker thread: the loop answers the health request
+    # that came in the same read while the reload is still under way.
+    daemon = await spawn(daemon_config(tmp_path))
+    path = config_file(daemon)
+    config = yaml.safe_load(path.read_text())
+    config["limits"]["load_wait_s"] = 2.5
+    path.write_text(big_yaml(config, 900 << 10))
+    requests = [{"id": 7, "op": "reload"}, {"id": 8, "op": "health"}]
+    replies = await asyncio.to_thread(pipelined, daemon.socket_path, requests)
+    assert [reply["id"] for reply in replies] == [8, 7]
+    assert replies[0]["status"] == "ok"
+    assert replies[1]["ok"] and replies[1]["applied"] == ["limits.load_wait_s"]
+
+
+async def test_two_reloads_at_once_run_one_after_the_other(tmp_path: Path, spawn: Spawn) -> None:
+    daemon = await spawn(daemon_config(tmp_path))
+    rewrite(daemon, {"limits": {"load_wait_s": 2.5}})
+    requests = [{"id": 7, "op": "reload"}, {"id": 8, "op": "reload"}]
+    replies = await asyncio.to_thread(pipelined, daemon.socket_path, requests)
+    assert [(r["id"], r["ok"]) for r in replies] == [(7, True), (8, True)]
+    assert replies[0]["applied"] == ["limits.load_wait_s"]
+    assert replies[1]["applied"] == []  # the second found the first's values running
+
+
+@pytest.mark.parametrize("case", ["device", "directory", "aliases"])
+def test_a_config_that_is_no_plain_bounded_file_is_refused_unread(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bomb = tmp_path / "bomb.yaml"  # nine levels of ten aliases: 10**9 values once walked
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{n}: &a{n} [{', '.join([f'*a{n - 1}'] * 10)}]" for n in range(1, 10)]
+    bomb.write_text("\n".join(lines) + "\n")
+    path, expected = {
+        "device": (Path("/dev/zero"), "not a regular file (a character device)"),
+        "directory": (tmp_path, "not a regular file (a directory)"),
+        "aliases": (bomb, "the YAML expands to more than"),
+    }[case]
+    assert main(["config", "check", str(path), "--offline"]) == 78
+    err = capsys.readouterr().err
+    assert f"{path}: {expected}" in err and "Traceback" not in err

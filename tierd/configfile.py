@@ -4,6 +4,12 @@ Every problem names its YAML path (``tiers.1.policy``), the bad value and what i
 a key that is not a setting also suggests the setting it may be a misspelling of
 (``socket.pth: not a setting; did you mean socket.path?``). Directory values expand ``~``
 and ``$VAR`` / ``${VAR}`` / ``${VAR:-default}``.
+
+A config file is read only when it is a regular file (a FIFO would block its reader
+until someone writes to it; a device may never end) of at most :data:`MAX_CONFIG_BYTES`,
+and its YAML may expand to at most :data:`MAX_CONFIG_VALUES` values (aliases can make a
+small file stand for an enormous tree). The checks are made on the opened descriptor
+(opened non-blocking), so what is checked is what is read.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import stat
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -21,9 +28,12 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from tierd.errors import ConfigError
+from tierd.units import format_bytes
 
 __all__ = [
     "AT_PATH",
+    "MAX_CONFIG_BYTES",
+    "MAX_CONFIG_VALUES",
     "close_matches",
     "expand_path",
     "format_validation_error",
@@ -32,6 +42,10 @@ __all__ = [
 ]
 
 AT_PATH = "config_path"  # the error type whose ``ctx.path`` extends its location
+MAX_CONFIG_BYTES = 1 << 20  # a config file past this is refused, unread
+# Values (mappings, lists, scalars) the parsed YAML may hold: a file without aliases
+# cannot reach it (every value takes at least a byte), so only an alias bomb does.
+MAX_CONFIG_VALUES = MAX_CONFIG_BYTES
 _VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
 
 
@@ -200,12 +214,13 @@ def _origin(path: str, sources: Mapping[str, str]) -> str | None:
 
 def read_config_file(path: Path | str) -> dict[str, Any]:
     """The top-level mapping of a YAML file (an empty file is an empty mapping);
-    :class:`ConfigError` naming the file when it cannot be read or is not a mapping."""
+    :class:`ConfigError` naming the file when it cannot be read, is not a regular file,
+    is over :data:`MAX_CONFIG_BYTES`, or is not a mapping. Blocks only on the file's own
+    reads, never on a writer: call it off the event loop."""
     path = Path(path)
+    raw = _read_bounded(path)
     try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file: {exc.strerror}", path=str(path)) from exc
+        data = yaml.safe_load(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         message = f"not a text file: byte {exc.start} is not UTF-8 (is this the right file?)"
         raise ConfigError(message, path=str(path)) from exc
@@ -217,4 +232,66 @@ def read_config_file(path: Path | str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError("the config must be a mapping at the top level", path=str(path))
+    _check_expansion(data, path)
     return data
+
+
+def _read_bounded(path: Path) -> bytes:
+    """The bytes of the regular file at ``path``, at most :data:`MAX_CONFIG_BYTES`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file: {exc.strerror}", path=str(path)) from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigError(
+                f"not a regular file ({_kind(mode)}): a config must be a plain file",
+                path=str(path),
+            )
+        chunks, size = [], 0
+        while size <= MAX_CONFIG_BYTES and (chunk := os.read(fd, 1 << 16)):
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file: {exc.strerror}", path=str(path)) from exc
+    finally:
+        os.close(fd)
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"the file is over {format_bytes(MAX_CONFIG_BYTES)}, the most a config may"
+            " take (is this the right file?)",
+            path=str(path),
+        )
+    return b"".join(chunks)
+
+
+def _kind(mode: int) -> str:
+    kinds = {
+        stat.S_IFIFO: "a FIFO",
+        stat.S_IFDIR: "a directory",
+        stat.S_IFCHR: "a character device",
+        stat.S_IFBLK: "a block device",
+        stat.S_IFSOCK: "a socket",
+    }
+    return kinds.get(stat.S_IFMT(mode), "not a file")
+
+
+def _check_expansion(data: dict[str, Any], path: Path) -> None:
+    """:class:`ConfigError` when ``data`` holds more than :data:`MAX_CONFIG_VALUES`
+    values, counting a value reached through several aliases each time (as the checks
+    that follow walk it). Stops counting at the bound."""
+    count, stack = 0, [data]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            raise ConfigError(
+                f"the YAML expands to more than {MAX_CONFIG_VALUES:,} values (aliases"
+                " repeating aliases?)",
+                path=str(path),
+            )
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +57,8 @@ class ServerContext:
     config: dict[str, Any] = field(default_factory=dict)
     check_namespace: Callable[[str], str | None] = lambda name: None
     request_stop: Callable[[], None] | None = None  # the ``stop`` operation; None: refused
-    reload: Callable[[], dict[str, Any]] | None = None  # the ``reload`` operation; None: refused
+    # The ``reload`` operation (reads the file off the loop); None: refused.
+    reload: Callable[[], Awaitable[dict[str, Any]]] | None = None
     namespaces_top: int = 20  # namespaces with labels of their own in the metrics
     recorder: TraceRecorder | None = None  # live traffic to a trace; None: not configured
     shutting_down: bool = False

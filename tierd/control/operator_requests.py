@@ -98,13 +98,14 @@ class OperatorRequests:
         self.ctx.request_stop()  # the daemon drains on a later turn: this reply goes first
         return {"pid": os.getpid()}
 
-    def reload(self, msg: dict[str, Any]) -> Reply:
-        """Read the config again and apply what can change live (all or nothing)."""
+    async def reload(self, msg: dict[str, Any]) -> Reply:
+        """Read the config again and apply what can change live (all or nothing). The
+        file is read off the loop: other requests are answered meanwhile."""
         self._require_operator("reload", without_namespace=True)
         if self.ctx.reload is None:
             raise ProtocolError("this server has no config to reload", code=ErrorCode.NOT_ALLOWED)
         try:
-            return self.ctx.reload()
+            return await self.ctx.reload()
         except ConfigError as exc:
             raise ProtocolError(f"nothing was changed: {exc}", code=ErrorCode.BAD_CONFIG) from exc
 

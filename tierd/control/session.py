@@ -135,7 +135,6 @@ class Session:
             "unregister_region": self.regions.unregister,
             "namespaces": by_namespace.namespaces,
             "inspect": by_namespace.inspect,
-            "reload": operator.reload,
             "trace": operator.trace,
         }
         started: dict[str, _Start] = {
@@ -145,6 +144,7 @@ class Session:
             "put": blocks.put,
             "get": blocks.get,
             "flush": operator.flush,
+            "reload": operator.reload,  # reads a file: off the loop, so a task
             "register_region": self.regions.register,
             "region_store": self.regions.store,
             "region_load": self.regions.load,

@@ -49,7 +49,7 @@ from tierd.control.server import Server, bind_unix_socket
 from tierd.control.socketfile import check_directory, prepare_socket_directory
 from tierd.control.tenants import TenantTable
 from tierd.daemon.metrics_http import start_metrics_http
-from tierd.daemon.reload import plan_reload
+from tierd.daemon.reload import ReloadPlan, plan_reload
 from tierd.daemon.service import (
     configure_logging,
     remove_pid_file,
@@ -99,6 +99,7 @@ class Daemon:
         self._forced = False
         self._shutdown: asyncio.Task[None] | None = None
         self._signals = 0
+        self._reloading = asyncio.Lock()  # one reload at a time
 
     @property
     def chain(self) -> TierChain | None:
@@ -227,13 +228,23 @@ class Daemon:
             except TimeoutError:
                 log.warning("grace period over before every dirty block was written down")
 
-    def reload(self) -> dict[str, Any]:
+    async def reload(self) -> dict[str, Any]:
         """The ``reload`` operation: read the config again and apply what can change live
         (:mod:`tierd.daemon.reload`); :class:`ConfigError`, and nothing changed, when the
-        new config is invalid."""
-        if self._load is None or self.server is None:
+        new config is invalid. The file is read, parsed and checked in a worker thread,
+        never on the loop; one reload runs at a time (a second waits for the first)."""
+        load = self._load
+        if load is None or self.server is None:
             raise ConfigError("this daemon was not started from a config it can read again")
-        plan = plan_reload(self.config, self._load())
+        async with self._reloading:
+            running = self.config
+            plan = await asyncio.to_thread(lambda: plan_reload(running, load()))
+            return self._apply(plan)
+
+    def _apply(self, plan: ReloadPlan) -> dict[str, Any]:
+        """Put a checked plan in place, on the loop (nothing in it can fail)."""
+        if self.server is None:
+            raise ConfigError("the daemon stopped serving while its config was read")
         cfg, ctx = plan.config, self.server.ctx
         # From here on nothing can fail: every value was checked by plan_reload.
         if any(path.startswith("logging.") for path in plan.applied):
