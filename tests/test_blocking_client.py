@@ -60,6 +60,7 @@ async def test_lookups_and_region_loads_are_byte_exact(tmp_path, spawn) -> None:
             try:
                 os.ftruncate(fd, 4 * BLOCK)
                 memory = mmap.mmap(fd, 4 * BLOCK)
+                memory[:] = bytes(4 * BLOCK)  # the engine's memory exists (no hole)
                 region = client.register_region(fd, 4 * BLOCK, soon())
             finally:
                 os.close(fd)

@@ -216,8 +216,12 @@ async def test_a_region_truncated_after_registering_fails_its_keys(tmp_path: Pat
             assert done == [True, False, False]
             assert os.fstat(fd).st_size == 2 * BLOCK + 100
             assert read(fd, BLOCK) == pattern(b"t0", BLOCK)
-            # Grown again, the region works again.
+            # Grown again, its new end is a hole: the daemon does not fill it (those pages
+            # would be the daemon's); once the engine has written its memory, it works.
             os.ftruncate(fd, 8 * BLOCK)
+            assert await client.region_load(region, [b"early"], rows(7)) == [False]
+            assert os.lseek(fd, 3 * BLOCK, os.SEEK_HOLE) == 3 * BLOCK  # still a hole
+            os.pwrite(fd, bytes(6 * BLOCK), 2 * BLOCK)
             assert await client.region_load(region, [b"early"], rows(7)) == [True]
             assert read(fd, 7 * BLOCK) == pattern(b"t6", BLOCK)
             await assert_idle(daemon, client)

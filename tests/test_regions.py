@@ -46,12 +46,22 @@ async def connect(daemon: Daemon, namespace: str | None = NS) -> Client:
 
 @contextmanager
 def memfd(size: int, name: str = "engine-kv") -> Iterator[int]:
+    """An engine's memory: a memfd of ``size`` bytes, every page allocated (the engine
+    pays for its memory; the daemon writes only where pages exist)."""
     fd = os.memfd_create(name)
     try:
         os.ftruncate(fd, size)
+        touch(fd, size)
         yield fd
     finally:
         os.close(fd)
+
+
+def touch(fd: int, size: int) -> None:
+    """Write zeros over the file: its pages exist (fallocated pages are holes still)."""
+    zeros = bytes(min(size, 1 << 20))
+    for at in range(0, size, len(zeros)):
+        os.pwrite(fd, zeros[: size - at], at)
 
 
 def rows(*indices: int, size: int = BLOCK) -> np.ndarray:
@@ -158,6 +168,7 @@ async def test_a_dev_shm_file_is_a_region_too(tmp_path: Path) -> None:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, 8 * BLOCK)
+        touch(fd, 8 * BLOCK)
         os.pwrite(fd, pattern(b"shm", BLOCK), 0)
         async with serve(tmp_path) as daemon, await connect(daemon) as client:
             region = await client.register_region(fd, 8 * BLOCK)

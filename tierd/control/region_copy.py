@@ -15,8 +15,17 @@ as one function in one thread (:func:`read_region`, :func:`write_region`): the c
 hands it to an executor once per job, never once per block.
 
 Bounds: :func:`bounds_problem` checks every (offset, length) against the registered size
-before anything moves; at copy time the file's current size is read once, and pieces past
-it fail their keys without a call (a load must not grow a file its owner truncated).
+before anything moves. At copy time a read past the file's end is a short read; a write
+is made only where every page of its range exists (``SEEK_HOLE`` right before the call):
+a load never grows a file its owner truncated, nor fills a hole of a sparse file (the
+pages a write creates are charged to the writer, the daemon; a client pays for its own
+memory by touching it first).
+
+Deadlines: a call moves at most :data:`CALL_BYTES` (larger pieces are cut), and no call
+starts at or past the job's ``until``. So the last byte of a job lands at most one
+bounded call after ``until``; a client that reuses its memory the moment it gives a
+job up must keep a margin, or (as tierd's own integrations do) load only into memory
+it reuses after the daemon has answered (``docs/protocol.md``, 5.19).
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MAX_PIECES", "Layout", "bounds_problem", "read_region", "write_region"]
+__all__ = ["CALL_BYTES", "MAX_PIECES", "Layout", "bounds_problem", "read_region", "write_region"]
 
+CALL_BYTES = 1 << 20  # bytes per call at most: the deadline is checked between calls
 MAX_PIECES = 64  # pieces per block: two for K and V, one per layer at most in practice
 _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
 
@@ -98,9 +108,10 @@ def write_region(
     until: float | None = None,
 ) -> list[bool]:
     """Write ``blocks[i]``'s pieces into the region; per block, whether all were written.
-    Pieces past the file's current end fail their block unwritten; so do pieces whose
-    call would start past ``until``: the engine has given the job up by then, and may
-    have reused the memory."""
+    No call starts past ``until`` (the engine has given the job up by then, and may have
+    reused the memory), and no call writes where the file has no page (a hole, or past
+    its end): those pieces fail their block unwritten, so the daemon never creates a
+    page in a client's file (it would be charged to the daemon's memory)."""
     return _move(os.pwritev, fd, offsets, blocks, layout, until)
 
 
@@ -113,16 +124,9 @@ def _move(
     until: float | None,
 ) -> list[bool]:
     ok = [True] * len(blocks)
-    try:
-        end = os.fstat(fd).st_size  # read once: pieces past it fail without a call
-    except OSError:
-        return [False] * len(blocks)
     pieces, starts = layout.pieces, layout.starts
     run = _Run(call, fd, ok, until)
     for i, (row, block) in enumerate(zip(offsets, blocks, strict=True)):
-        if any(offset + piece > end for offset, piece in zip(row, pieces, strict=True)):
-            ok[i] = False
-            continue
         for offset, piece, start in zip(row, pieces, starts, strict=True):
             run.add(i, offset, block[start : start + piece])
     run.flush()
@@ -130,31 +134,46 @@ def _move(
 
 
 class _Run:
-    """Pieces contiguous in the region, moved by one call; a short or failed call fails
-    the blocks of the pieces it did not move whole."""
+    """Pieces contiguous in the region, moved by calls of at most :data:`CALL_BYTES`
+    (a larger piece is cut); a short, failed, late or refused call fails the blocks of
+    the pieces it did not move whole. Once one call was late, every later one is."""
 
     def __init__(self, call: _Call, fd: int, ok: list[bool], until: float | None) -> None:
         self.call, self.fd, self.ok, self.until = call, fd, ok, until
+        self.writes = call is os.pwritev
         self.start = self.next = 0
         self.buffers: list[memoryview] = []
         self.owners: list[int] = []
 
     def add(self, owner: int, offset: int, buffer: memoryview) -> None:
-        if self.buffers and (offset != self.next or len(self.buffers) >= _IOV_MAX):
-            self.flush()
-        if not self.buffers:
-            self.start = offset
-        self.buffers.append(buffer)
-        self.owners.append(owner)
-        self.next = offset + len(buffer)
+        while True:
+            if self.buffers and (
+                offset != self.next
+                or len(self.buffers) >= _IOV_MAX
+                or self.next - self.start >= CALL_BYTES
+            ):
+                self.flush()
+            if not self.buffers:
+                self.start = offset
+            part = buffer[: CALL_BYTES - (self.next - self.start if self.buffers else 0)]
+            self.buffers.append(part)
+            self.owners.append(owner)
+            self.next = offset + len(part)
+            if len(part) == len(buffer):
+                return
+            offset, buffer = offset + len(part), buffer[len(part) :]
 
     def flush(self) -> None:
         if not self.buffers:
             return
         want = self.next - self.start
         try:
-            late = self.until is not None and time.monotonic() >= self.until
-            done = 0 if late else self.call(self.fd, self.buffers, self.start)
+            if self.until is not None and time.monotonic() >= self.until:
+                done = 0  # the engine may have reused this memory by now
+            elif self.writes and _not_all_pages(self.fd, self.start, want):
+                done = 0
+            else:
+                done = self.call(self.fd, self.buffers, self.start)
         except OSError:
             done = 0
         if done < want:
@@ -164,3 +183,10 @@ class _Run:
                 if at > done:
                     self.ok[owner] = False
         self.buffers, self.owners = [], []
+
+
+def _not_all_pages(fd: int, start: int, length: int) -> bool:
+    """Whether ``[start, start + length)`` of the file has a hole or passes its end: a
+    write there would create pages (tmpfs ``SEEK_HOLE`` finds the first missing page;
+    the end of the file counts as a hole)."""
+    return os.lseek(fd, start, os.SEEK_HOLE) < start + length

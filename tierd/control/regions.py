@@ -30,13 +30,13 @@ the entry tier has no host memory views, the bytes are staged through private bu
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import cache
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -46,17 +46,16 @@ from tierd.control.context import ServerContext
 from tierd.control.protocol import ErrorCode, int_field
 from tierd.control.region_copy import Layout, Offsets, bounds_problem, read_region, write_region
 from tierd.control.region_fd import file_id, region_problem
+from tierd.control.region_threads import FairThreads, slices
 from tierd.errors import CapacityError, ProtocolError
 from tierd.keys import BlockKey
 from tierd.stores import BlockStore
-from tierd.stores.base import settle
 
 __all__ = ["MAX_REGION_BYTES", "MAX_REGIONS", "Region", "RegionTable", "RegionRequests"]
 
 MAX_REGIONS = 4  # per connection: an engine registers one, a few ranks share a process
 MAX_REGION_BYTES = 1 << 40  # larger is not host memory any engine has
 _COPY_THREADS = 4
-T = TypeVar("T")
 ReceiveFd = Callable[[int], Awaitable[int]]
 
 
@@ -138,14 +137,8 @@ class RegionTable:
 
 
 @cache
-def _copier() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="tierd-region")
-
-
-async def run_copy_job(fn: Callable[[], T]) -> T:
-    """Run ``fn`` (a whole job's copies) in the regions' threads; returns only once it
-    ended, even when the caller is cancelled meanwhile (then re-raised)."""
-    return await settle(asyncio.get_running_loop().run_in_executor(_copier(), fn))
+def _threads() -> FairThreads:
+    return FairThreads(_COPY_THREADS)
 
 
 class RegionRequests:
@@ -283,11 +276,31 @@ class RegionRequests:
             return []
         views = host_views(handle.store, handle.slots)
         if views is not None:
-            return await run_copy_job(lambda: read_region(fd, rows, views, layout, until))
+            return await self._copy(read_region, fd, rows, views, (layout, until))
         staged = [memoryview(bytearray(self.ctx.block_bytes)) for _ in handle.keys]
-        read = await run_copy_job(lambda: read_region(fd, rows, staged, layout, until))
+        read = await self._copy(read_region, fd, rows, staged, (layout, until))
         written = await handle.store.write(handle.slots, handle.keys, staged)
         return [a and b for a, b in zip(read, written, strict=True)]
+
+    async def _copy(
+        self,
+        move: Callable[..., list[bool]],
+        fd: int,
+        rows: list[list[int]],
+        blocks: Sequence[memoryview],
+        how: tuple[Layout, float | None],
+    ) -> list[bool]:
+        """``move`` (:func:`read_region` or :func:`write_region`) the blocks at ``rows``,
+        slice by slice in the copy threads, each slice in this connection's turn (a
+        slice past the job's time moves nothing)."""
+        layout, until = how
+        tenant, conn = self.blocks.leases.tenant, self.blocks.leases.conn
+        ok: list[bool] = []
+        for part in slices(len(rows), self.ctx.block_bytes):
+            rows_part, blocks_part = rows[part.start : part.stop], blocks[part.start : part.stop]
+            job = functools.partial(move, fd, rows_part, blocks_part, layout, until)
+            ok += await _threads().run(id(tenant), conn, job)
+        return ok
 
     async def load(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Write each key the chain holds into the region; per key, whether it was. No
@@ -295,12 +308,16 @@ class RegionRequests:
         region, keys, layout, offsets = self.job(msg, store=False)
         until = expires_field(msg)
         handles: list[LoadHandle] = []
+        # A repeated key is pinned once but written as often as it is named: each copy
+        # counts against the lease bounds like a block of its own.
+        repeats = self.blocks.leases.take(len(keys) - len(set(keys)))
         with region.job() as fd:
             try:
                 await self._pin_each(keys, handles)
                 done = await self._drain(handles, fd, keys, offsets, (layout, until))
                 return {"done": done}
             finally:
+                self.blocks.leases.give(repeats)
                 for handle in handles:
                     self.blocks.leases.give(len(handle.keys))
                     handle.release()
@@ -366,7 +383,7 @@ class RegionRequests:
             return ok
         rows = offsets[found].tolist()
         blocks = [source[keys[i]] for i in found]
-        wrote = await run_copy_job(lambda: write_region(fd, rows, blocks, layout, until))
+        wrote = await self._copy(write_region, fd, rows, blocks, (layout, until))
         for i, flag in zip(found, wrote, strict=True):
             ok[i] = flag
         return ok

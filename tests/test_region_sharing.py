@@ -1,0 +1,270 @@
+"""Region jobs on a shared daemon: what one client's job may cost the engine's memory, the
+daemon's memory and the other tenants' copies.
+
+- **No late write.** A load's bytes move in calls of at most ``CALL_BYTES``, and no call
+  starts at or past the job's ``expires``: one call used to move a whole run of pieces
+  (64 MiB), and its last byte landed after the deadline, into memory the engine had
+  reused, with ``done: true``.
+- **A client pays for its memory.** A sparse region (an empty 1 TiB memfd) loaded into
+  made the daemon create the tmpfs pages, charged to the daemon's memory cgroup: the daemon
+  was OOM-killed. Pages that do not exist are never written; a repeated key counts against
+  the lease bounds as often as it is written.
+- **Fair copy threads.** A slice of another tenant's job runs before a backlog queued
+  earlier by one tenant; one tenant never holds every copy thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tierd.control.region_copy as region_copy
+from tests.test_daemon_api import serve
+from tests.test_region_attacks import refused
+from tests.test_regions import connect, memfd, pattern, rows
+from tierd.control.region_copy import CALL_BYTES, Layout, write_region
+from tierd.control.region_threads import FairThreads, slices
+
+BLOCK = 4096
+MiB = 1 << 20
+
+
+# -- no late write -----------------------------------------------------------------------------
+
+
+def test_no_call_starts_past_the_jobs_time_and_each_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One 8 MiB piece, a clock that moves one second per look, a job time 2.5 s away:
+    three calls of 1 MiB start in time, the rest of the piece is never written and the
+    block fails. (One call used to write all 8 MiB, however late its end.)"""
+    size = 8 * MiB
+    with memfd(size, "late-write") as fd:
+        now = [1000.0]
+
+        def clock() -> float:
+            now[0] += 1.0
+            return now[0] - 1.0
+
+        monkeypatch.setattr(region_copy.time, "monotonic", clock)
+        block = memoryview(pattern(b"daemon", size))
+        layout = Layout.of([size], size)
+        assert isinstance(layout, Layout)
+        ok = write_region(fd, [[0]], [block], layout, until=1002.5)
+        monkeypatch.undo()
+        assert ok == [False]
+        written = os.pread(fd, size, 0)
+        assert written[: 3 * CALL_BYTES] == bytes(block[: 3 * CALL_BYTES])
+        assert written[3 * CALL_BYTES :] == bytes(size - 3 * CALL_BYTES)
+
+
+async def test_a_load_past_its_time_through_the_daemon_writes_nothing_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through a real daemon: 16 blocks of 1 MiB, contiguous in the region; the copy
+    thread is held (a preempted thread) until the engine's time has passed. Nothing is
+    written after that, and the keys are answered as failed."""
+    gate, entered = threading.Event(), threading.Event()
+    real = os.pwritev
+
+    def held(fd: int, buffers: Any, offset: int) -> int:
+        entered.set()
+        gate.wait(30)
+        return real(fd, buffers, offset)
+
+    async with (
+        serve(tmp_path, block_bytes=MiB, cpu_blocks=32, disk_blocks=None) as daemon,
+        await connect(daemon) as client,
+    ):
+        keys = [b"k%d" % i for i in range(16)]
+        await client.store(keys, [pattern(b"v%d-" % i, MiB) for i in range(16)])
+        with memfd(16 * MiB, "late-daemon") as fd:
+            region = await client.register_region(fd, 16 * MiB)
+            expires = time.monotonic() + 2.0
+            monkeypatch.setattr(region_copy.os, "pwritev", held)
+            job = asyncio.ensure_future(
+                client.region_load(region, keys, rows(*range(16), size=MiB), expires=expires)
+            )
+            await asyncio.to_thread(entered.wait, 30)
+            monkeypatch.setattr(region_copy.os, "pwritev", real)
+            # The engine gives the job up at ``expires`` and reuses its memory.
+            await asyncio.sleep(max(0.0, expires - time.monotonic()) + 0.05)
+            os.pwrite(fd, pattern(b"engine", 16 * MiB), 0)
+            gate.set()
+            done = await job
+            # The one call that had started may complete (1 MiB at most); no more.
+            assert done[1:] == [False] * 15
+            after = os.pread(fd, 16 * MiB, 0)
+            assert after[CALL_BYTES:] == pattern(b"engine", 16 * MiB)[CALL_BYTES:]
+
+
+# -- a client pays for its memory ---------------------------------------------------------------
+
+
+async def test_a_sparse_region_is_never_filled_by_the_daemon(tmp_path: Path) -> None:
+    """An empty memfd (no page allocated), a stored key loaded at 64 fresh offsets: no
+    page is created (st_blocks stays 0), every key fails, the daemon keeps serving."""
+    async with serve(tmp_path, cpu_blocks=128) as daemon, await connect(daemon) as client:
+        await client.store([b"k"], [pattern(b"stored", BLOCK)])
+        fd = os.memfd_create("sparse-attack")
+        try:
+            os.ftruncate(fd, 1 << 30)
+            region = await client.register_region(fd, 1 << 30)
+            spread = rows(*range(0, 64 * 997, 997))
+            done = await client.region_load(region, [b"k"] * 64, spread)
+            assert done == [False] * 64
+            assert os.fstat(fd).st_blocks == 0
+            assert os.fstat(fd).st_size == 1 << 30
+            # A page the engine wrote itself is written into.
+            os.pwrite(fd, bytes(BLOCK), 5 * BLOCK)
+            assert await client.region_load(region, [b"k"], rows(5)) == [True]
+            assert os.pread(fd, BLOCK, 5 * BLOCK) == pattern(b"stored", BLOCK)
+        finally:
+            os.close(fd)
+
+
+async def test_a_repeated_key_counts_against_the_lease_bound_each_time(tmp_path: Path) -> None:
+    """One stored key named 64 times is 64 writes: over a bound of 16 blocks it is
+    refused (capacity), and nothing is held afterwards."""
+    limits = {"lease_blocks_per_connection": 16, "lease_blocks_per_tenant": 16}
+    async with (
+        serve(tmp_path, cpu_blocks=64, limits=limits) as daemon,
+        await connect(daemon) as client,
+    ):
+        await client.store([b"k"], [pattern(b"stored", BLOCK)])
+        with memfd(64 * BLOCK, "repeats") as fd:
+            region = await client.register_region(fd, 64 * BLOCK)
+            message = await refused(
+                client.request(
+                    "region_load",
+                    region=region,
+                    keys=[b"k"] * 64,
+                    offsets=rows(*range(64)).tobytes(),
+                ),
+                "capacity",
+            )
+            assert "lease" in message
+            assert await client.region_load(region, [b"k"] * 8, rows(*range(8))) == [True] * 8
+        tenant = next(iter(daemon.server.ctx.tenants.tenants))  # type: ignore[union-attr]
+        assert tenant.held == 0
+
+
+# -- fair copy threads --------------------------------------------------------------------------
+
+
+async def test_another_tenants_slice_runs_before_a_backlog_queued_earlier() -> None:
+    """Tenant A (two connections) fills every thread it may use and queues 32 more
+    slices; B's one slice,
+    queued last, runs as soon as a thread is free, before A's backlog; A never holds
+    every thread."""
+    threads = FairThreads(4, name="test-fair")
+    gate = threading.Event()
+    order: list[str] = []
+    most_a = [0]
+    running_a = [0]
+    lock = threading.Lock()
+
+    def a_job(i: int) -> None:
+        with lock:
+            running_a[0] += 1
+            most_a[0] = max(most_a[0], running_a[0])
+        gate.wait(30)
+        with lock:
+            running_a[0] -= 1
+            order.append(f"a{i}")
+
+    def b_job() -> None:
+        with lock:
+            order.append("b")
+
+    a = [
+        asyncio.ensure_future(threads.run("A", 1 + i % 2, lambda i=i: a_job(i))) for i in range(35)
+    ]
+    await asyncio.sleep(0)
+    b = asyncio.ensure_future(threads.run("B", 9, b_job))
+    async with asyncio.timeout(30):
+        await b  # ran while A's three threads are held
+    assert order == ["b"]
+    gate.set()
+    async with asyncio.timeout(30):
+        await asyncio.gather(*a)
+    assert most_a[0] == 3  # one thread always left for the other tenants
+    assert len(order) == 36
+
+
+async def test_connections_of_one_tenant_take_turns() -> None:
+    threads = FairThreads(2, name="test-turns")
+    order: list[int] = []
+    jobs = [threads.run("T", conn, lambda c=conn: order.append(c)) for conn in (1, 1, 1, 2)]
+    await asyncio.gather(*jobs)
+    assert order.index(2) < 3  # connection 2's one job did not wait for all of 1's
+
+
+def test_slices_cut_a_job_by_bytes() -> None:
+    assert [len(r) for r in slices(10, 3 * MiB, 8 * MiB)] == [2, 2, 2, 2, 2]
+    assert [len(r) for r in slices(5, 64 * MiB, 8 * MiB)] == [1, 1, 1, 1, 1]
+    assert list(slices(0, BLOCK)) == []
+
+
+async def test_a_connection_whose_copies_hang_leaves_threads_for_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through a real daemon, one tenant (an untenanted daemon): connection A's loads
+    hang in their copy calls (as on its own file's inode lock) with eight in flight;
+    connection B's load is served meanwhile. (The first-come pool gave A every thread.)"""
+    gate = threading.Event()
+    real = region_copy.write_region
+    hung: set[int] = set()
+    entered = threading.Semaphore(0)
+
+    def copy(fd: int, *args: Any) -> list[bool]:
+        if fd in hung:
+            entered.release()
+            gate.wait(30)
+        return real(fd, *args)
+
+    monkeypatch.setattr("tierd.control.regions.write_region", copy)
+    async with serve(tmp_path, cpu_blocks=64) as daemon:
+        a, b = await connect(daemon), await connect(daemon)
+        try:
+            await a.store([b"k"], [pattern(b"stored", BLOCK)])
+            with memfd(8 * BLOCK, "hangs") as fd_a, memfd(8 * BLOCK, "bystander") as fd_b:
+                region_a = await a.register_region(fd_a, 8 * BLOCK)
+                region_b = await b.register_region(fd_b, 8 * BLOCK)
+                hung.update(_daemon_fds(fd_a))
+                stuck = [
+                    asyncio.ensure_future(a.region_load(region_a, [b"k"], rows(i)))
+                    for i in range(8)
+                ]
+                try:
+                    for _ in range(2):  # A's jobs have reached the copy threads
+                        assert await asyncio.to_thread(entered.acquire, True, 30)
+                    async with asyncio.timeout(20):
+                        assert await b.region_load(region_b, [b"k"], rows(3)) == [True]
+                finally:
+                    gate.set()
+                assert await asyncio.gather(*stuck) == [[True]] * 8
+        finally:
+            await a.close()
+            await b.close()
+
+
+def _daemon_fds(fd: int) -> set[int]:
+    """The descriptors of this process open on ``fd``'s file (the in-loop daemon's copy
+    of a registered region among them)."""
+    target = os.fstat(fd)
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            st = os.fstat(int(name))
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino) and int(name) != fd:
+            found.add(int(name))
+    return found
