@@ -609,34 +609,47 @@ def test_restore_adopts_blocks_and_reuses_free_slots_lowest_first() -> None:
 def test_reserved_slots_are_never_allocated_until_adopted() -> None:
     tier = Tier(8, "lru", medium=Medium.DISK)
     kept = [(int_key(i), slot) for i, slot in enumerate((1, 3, 4, 6))]
-    tier.reserve([slot for _, slot in kept])
+    forgotten: list[int] = []
+    tier.reserve(kept, forgotten.extend)
     assert (tier.adopting, tier.free, tier.stats().adopting) == (4, 4, 4)
     assert tier.lookup([kept[0][0]]) == 0  # not adopted yet: a miss
-    new = [int_key(100 + i) for i in range(4)]
+    new = [int_key(100 + i) for i in range(3)] + [kept[2][0]]  # one stored again
     plan = tier.prepare_store(new)
     assert plan is not None and set(plan.slots) == {0, 2, 5, 7}
     tier.complete_store(new)
     plan = tier.prepare_store([int_key(200)])  # full: a new block is evicted, no kept one
     assert plan is not None and plan.slots == plan.evicted_slots == (0,)
     tier.complete_store([int_key(200)])
-    tier.discard([kept[1][0]])  # discarded before it was adopted: stays gone
-    assert tier.adopt(kept[:2]) == [3]
-    assert tier.adopt([(new[1], 6), kept[2]]) == [6]  # stored again since the restart
+    assert tier.keys().count(kept[1][0]) == tier.keys().count(kept[2][0]) == 1  # kept ones too
+    assert tier.discard([kept[1][0]]) == [kept[1][0]]  # before it was adopted: gone for good
+    assert forgotten == [3] and tier.adopting == 3
+    assert tier.adopt(8) == 2  # the copy stored again since the restart is kept
+    assert sorted(forgotten) == [3, 4]
     assert tier.adopting == 0 and tier.free == 2
     assert tier.lookup([kept[0][0]]) == 1 and kept[1][0] not in tier
-    assert (tier.slot_of(kept[0][0]), tier.slot_of(new[1])) == (1, 2)
+    assert (tier.slot_of(kept[0][0]), tier.slot_of(kept[2][0])) == (1, 7)
     plan = tier.prepare_store([int_key(300), int_key(301)])
-    assert plan is not None and set(plan.slots) == {3, 6} and not plan.evicted
-    with pytest.raises(ValueError, match="more blocks than it reserved"):
-        tier.adopt([kept[3]])
+    assert plan is not None and set(plan.slots) == {3, 4} and not plan.evicted
+    assert tier.adopt(1) == 0
+
+
+def test_clear_drops_kept_blocks_and_older_copies_are_forgotten_at_once() -> None:
+    tier = Tier(8, "lru", medium=Medium.DISK)
+    a, b = int_key(1), int_key(2)
+    forgotten: list[int] = []
+    tier.reserve([(a, 0), (b, 5), (a, 2)], forgotten.extend)  # a twice: slot 0 is older
+    assert (forgotten, tier.adopting, tier.free) == ([0], 2, 6)
+    assert sorted(tier.clear()) == [a, b]
+    assert sorted(forgotten) == [0, 2, 5] and tier.adopting == 0 and tier.free == 8
+    assert tier.take_events() == []  # nothing announced them since the restart
 
 
 def test_reserve_refuses_bad_slots() -> None:
     with pytest.raises(ValueError, match="out of range"):
-        Tier(4).reserve([4])
+        Tier(4).reserve([(int_key(1), 4)], list)
     with pytest.raises(ValueError, match="repeat"):
-        Tier(4).reserve([1, 1])
+        Tier(4).reserve([(int_key(1), 1), (int_key(2), 1)], list)
     tier = Tier(4)
     tier.restore([(int_key(1), 0)])
     with pytest.raises(ValueError, match="not empty"):
-        tier.reserve([2])
+        tier.reserve([(int_key(2), 2)], list)

@@ -115,8 +115,9 @@ def restore_tier(tier: Tier, store: BlockStore, *, inline: int | None = None) ->
         return []
     index = store.index()
     if inline is not None and len(index) > inline:
-        tier.reserve(index.keys())
-        return list(zip(index.values(), index.keys(), strict=True))
+        reserved = list(zip(index.values(), index.keys(), strict=True))
+        tier.reserve(reserved, store.invalidate)  # a kept block deleted is forgotten there
+        return reserved
     entries: dict[BlockKey, int] = dict(zip(index.values(), index.keys(), strict=True))
     if len(entries) != len(index):  # older copies of a block: keep the lowest slot
         entries, duplicates = {}, []
@@ -131,27 +132,25 @@ def restore_tier(tier: Tier, store: BlockStore, *, inline: int | None = None) ->
     return kept
 
 
-async def adopt_kept(tier: Tier, store: BlockStore, kept: list[Kept], rate: int) -> None:
-    """Adopt the reserved ``kept`` blocks into ``tier`` in slices, yielding to the loop
-    between slices (and, with ``rate``, pacing to at most that many blocks a second).
-    A key stored again meanwhile keeps its new copy: the kept one is dropped from the
-    store. Cancelled (the chain closing), the rest stays in the store for the next start."""
+async def adopt_kept(tier: Tier, rate: int) -> None:
+    """Adopt the blocks ``tier`` reserved in slices, yielding to the loop between slices
+    (and, with ``rate``, pacing to at most that many blocks a second). A key stored
+    again, deleted or cleared meanwhile keeps its new state: the tier has the store
+    forget the kept copy. Cancelled (the chain closing), the rest stays in the store for
+    the next start."""
     step = max(1, min(_ADOPT_SLICE, rate // 10)) if rate else _ADOPT_SLICE
     started = last = time.monotonic()
-    stale = 0
-    for i in range(0, len(kept), step):
-        part = kept[i : i + step]
-        dropped = tier.adopt(part)
-        if dropped and isinstance(store, DiskStore):
-            store.invalidate(dropped)
-            stale += len(dropped)
+    total, adopted = tier.adopting, 0
+    while tier.adopting:
+        part = min(step, tier.adopting)
+        adopted += tier.adopt(part)
         if time.monotonic() - last >= _PROGRESS_EVERY_S:
             last = time.monotonic()
-            log.info("adopting kept blocks", tier=tier.name, adopted=i + len(part),
-                     of=len(kept))  # fmt: skip
-        await asyncio.sleep(len(part) / rate if rate else 0)
+            log.info("adopting kept blocks", tier=tier.name, adopted=adopted,
+                     left=tier.adopting)  # fmt: skip
+        await asyncio.sleep(part / rate if rate else 0)
     log.info(
-        "kept blocks adopted", tier=tier.name, blocks=len(kept) - stale, stale=stale,
+        "kept blocks adopted", tier=tier.name, blocks=adopted, dropped=total - adopted,
         seconds=round(time.monotonic() - started, 3),
     )  # fmt: skip
 
@@ -185,7 +184,7 @@ async def open_chain(
             restored = restore_tier(tier, store, inline=spec.adopt_inline)
             if tier.adopting:
                 task = asyncio.create_task(
-                    adopt_kept(tier, store, restored, spec.adopt_rate), name=f"adopt-{spec.name}"
+                    adopt_kept(tier, spec.adopt_rate), name=f"adopt-{spec.name}"
                 )
                 stack.push_async_callback(_stop_task, task)
                 restored = []

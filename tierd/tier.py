@@ -97,6 +97,8 @@ class Tier:
         # Blocks a persistent store kept across a restart, not adopted yet (see
         # :meth:`reserve`): key -> reserved slot, and how the store forgets a slot.
         self._kept: dict[BlockKey, int] = {}
+        self._order: Sequence[tuple[BlockKey, int]] = ()  # adoption order; dropped ones stay
+        self._next = 0  # the position in ``_order`` adoption has reached
         self._forget: Callable[[list[int]], None] = _forget_nothing
 
     # -- queries ---------------------------------------------------------------------
@@ -155,8 +157,11 @@ class Tier:
         return Counter(map(itemgetter(slice(0, length)), self._slots))
 
     def keys(self) -> list[BlockKey]:
-        """Present keys (every state), copied at C speed: a snapshot that a pass can walk
-        in slices, yielding between them, while the tier changes."""
+        """Present keys (every state), and kept keys not adopted yet (so that a delete
+        walking them reaches those too), copied at C speed: a snapshot that a pass can
+        walk in slices, yielding between them, while the tier changes."""
+        if self._kept:
+            return [*self._slots, *(self._kept.keys() - self._slots.keys())]
         return list(self._slots)
 
     def keys_starting(self, prefix: bytes) -> list[BlockKey]:
@@ -306,22 +311,19 @@ class Tier:
         for key in gone:
             self._freed.append(self._slots.pop(key))
             self.policy.remove(key)
-        if self._kept:
-            held = set(gone)
-            gone += [key for key in self._drop_kept(asked) if key not in held]
         if gone:
             self._events.append(TierEvent(EventKind.REMOVED, tuple(gone), self.medium, self.name))
+        if self._kept:  # no event: nothing announced a kept block since the restart
+            held = set(gone)
+            gone += [key for key in self._drop_kept(asked) if key not in held]
         return gone
 
     def clear(self) -> list[BlockKey]:
-        """Discard every ready, unpinned block, and every kept block not adopted yet;
-        returns the keys removed."""
+        """Discard every ready, unpinned block, and every kept block not adopted yet (no
+        event for those, as for :meth:`discard`); returns the keys removed."""
         kept = [k for k in self._drop_kept(list(self._kept)) if k not in self._slots]
         idle = [k for k in self._slots if k not in self._pins and k not in self._writing]
-        gone = self.discard(idle)
-        if kept:
-            self._events.append(TierEvent(EventKind.REMOVED, tuple(kept), self.medium, self.name))
-        return gone + kept
+        return self.discard(idle) + kept
 
     def restore(self, entries: Sequence[tuple[BlockKey, int]]) -> None:
         """Adopt ready blocks at known slots (a persistent store reopened after a restart).
@@ -373,7 +375,7 @@ class Tier:
             raise ValueError("reserved slots repeat")
         self._freed = np.flatnonzero(free)[::-1].tolist()  # lowest first, as restore
         self._next_unused = self.num_blocks
-        self._kept, self._forget = dict(kept), forget
+        self._kept, self._forget, self._order, self._next = dict(kept), forget, kept, 0
         if len(self._kept) != len(kept):  # older copies of a key: free their slots now
             older = [slot for key, slot in kept if self._kept[key] != slot]
             self._freed.extend(older)
@@ -383,15 +385,23 @@ class Tier:
         """Make up to ``count`` kept blocks ready (no event: they were announced before
         the restart); returns how many it took. A key stored again since the restart
         keeps its new block: the kept copy's slot is freed and forgotten by the store."""
-        kept, slots = self._kept, self._slots
+        kept, slots, order = self._kept, self._slots, self._order
         taken: dict[BlockKey, int] = {}
         stale: list[int] = []
-        for _ in range(min(count, len(kept))):
-            key, slot = kept.popitem()
+        pos, end = self._next, len(order)
+        while pos < end and len(taken) + len(stale) < count:
+            key, slot = order[pos]
+            pos += 1
+            if kept.get(key) != slot:
+                continue  # dropped meanwhile (or an older copy, dropped at once)
+            del kept[key]
             if key in slots:
                 stale.append(slot)
             else:
                 taken[key] = slot
+        self._next = pos
+        if not kept:
+            self._order, self._next = (), 0
         slots.update(taken)
         self.policy.insert(list(taken))
         if stale:

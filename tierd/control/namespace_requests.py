@@ -223,7 +223,8 @@ async def _delete_starting(tenant: Tenant, start: bytes) -> Deleted:
     handled: set[BlockKey] = set()  # a key held by two levels is deleted (or busy) once
     removed = busy = 0
     for index, level in enumerate(chain.levels):
-        if not census.held(index, namespace_id) and not level.tier.stats().writing:
+        tier = level.tier  # kept blocks not adopted yet are in no census: walk them too
+        if not census.held(index, namespace_id) and not tier.stats().writing and not tier.adopting:
             continue  # nothing of the namespace there: no need to walk that level
         keys = level.tier.keys()  # a copy at C speed; the walk below is what is sliced
         for first in range(0, len(keys), WALK_SLICE):
