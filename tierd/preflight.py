@@ -6,7 +6,9 @@
   the same tier already there is reused, so only its growth counts;
 - a disk tier's directory must be a directory (or be creatable: see
   :func:`directories_to_create`), the daemon's user's own, and neither readable nor
-  writable by its group or others (it is created 0700);
+  writable by its group or others (it is created 0700); so must ``trace.directory``
+  (:func:`private_directory_problem`, which the trace recorder asks again at
+  ``tierd record on``);
 - the CPU tiers' shared-memory pools (memfds, not files in ``/dev/shm``) and memory
   tiers must fit the memory available (``MemAvailable``);
 - a GPU tier on a CUDA device needs torch installed and a CUDA driver that sees that
@@ -36,7 +38,7 @@ from tierd.stores.disk_slab import SLAB_FILE, slab_file_bytes
 from tierd.stores.fileio import round_up
 from tierd.units import format_bytes
 
-__all__ = ["CUDA_LIBRARY", "check_machine", "directories_to_create"]
+__all__ = ["CUDA_LIBRARY", "check_machine", "directories_to_create", "private_directory_problem"]
 
 CUDA_LIBRARY = "libcuda.so.1"  # the driver's library: present wherever CUDA can run
 
@@ -53,6 +55,7 @@ class _Slab:
 def check_machine(cfg: ChainConfig, *, meminfo: str = "/proc/meminfo") -> None:
     """:class:`ConfigError` listing every tier that does not fit this machine."""
     problems = _disk_problems(cfg) + _memory_problems(cfg, meminfo) + _gpu_problems(cfg)
+    problems += _trace_problems(cfg)
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))  # each named once
 
@@ -136,7 +139,7 @@ def _directory_problem(slab: _Slab) -> str | None:
     anchor = _existing_ancestor(slab.directory)
     if not anchor.is_dir():
         return f"{where}: {anchor} is not a directory ({name})"
-    loose = _loose(slab.directory)
+    loose = private_directory_problem(slab.directory)
     if loose is not None:
         return f"{where}: {loose} ({name})"
     if not _creatable(slab.directory, anchor):
@@ -147,11 +150,23 @@ def _directory_problem(slab: _Slab) -> str | None:
     return None
 
 
-def _loose(directory: Path) -> str | None:
-    """Why an existing disk directory may not hold blocks: another user owns it, or its
-    group or others may read or write it (KV-cache blocks reveal the prompts they came
-    from; the way ssh refuses a key file others can read). ``None`` when it is private,
-    or missing (it is then created 0700)."""
+def _trace_problems(cfg: ChainConfig) -> list[str]:
+    """``trace.directory`` holds every tenant's lookups: it is checked as a disk tier's."""
+    directory = cfg.trace.directory if isinstance(cfg, DaemonConfig) else None
+    if directory is None:
+        return []
+    if directory.exists() and not directory.is_dir():
+        return [f"trace.directory: {directory} is not a directory"]
+    problem = private_directory_problem(directory)
+    return [] if problem is None else [f"trace.directory: {problem}"]
+
+
+def private_directory_problem(directory: Path) -> str | None:
+    """Why an existing directory may not hold blocks or traces: it is named through a
+    link another user owns, another user owns it, or its group or others may read or
+    write it (KV-cache blocks and recorded lookups reveal the prompts they came from; the
+    way ssh refuses a key file others can read). ``None`` when it is private, or missing
+    (it is then created 0700)."""
     link = _foreign_link(directory)
     if link is not None:
         return link

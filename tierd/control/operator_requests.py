@@ -124,6 +124,11 @@ class OperatorRequests:
                 raise ProtocolError("field 'enabled' must be a boolean", code=ErrorCode.BAD_REQUEST)
             try:
                 recorder.set_enabled(on)
+            except ConfigError as exc:  # a directory another user could read or redirect
+                raise ProtocolError(
+                    f"cannot record to {recorder.settings.directory}: {exc}",
+                    code=ErrorCode.BAD_CONFIG,
+                ) from exc
             except OSError as exc:
                 raise ProtocolError(
                     f"cannot record to {recorder.settings.directory}: {exc.strerror or exc}",

@@ -19,6 +19,12 @@ Writes go through a buffered file on the event loop's thread: a sampled lookup c
 ``json`` line in memory; the kernel sees a write per 64 KiB. Recording is off unless the
 config turns it on; an operator turns it on and off at run time (``trace`` operation).
 A failed write turns recording off and is logged, never failing the lookup.
+
+The directory holds every tenant's lookups, so it is checked each time recording starts
+(``check_directory``: the daemon passes the disk tiers' check, :mod:`tierd.preflight`):
+another user's directory, one its group or others may read, or one named through another
+user's link, is refused with :class:`~tierd.errors.ConfigError`. A directory the recorder
+creates is 0700, its files 0600 (an existing file is tightened to 0600 when opened).
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import xxhash
 
+from tierd.errors import ConfigError
 from tierd.logs import get_logger
 
 __all__ = ["RecorderSettings", "TraceRecorder", "hash_id"]
@@ -62,18 +69,33 @@ class _File:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o600)
+        try:
+            st = os.fstat(fd)
+            if st.st_mode & 0o077:  # left looser by an older daemon, or by hand
+                os.fchmod(fd, 0o600)
+        except OSError:
+            os.close(fd)
+            raise
         self.handle: IO[str] = os.fdopen(fd, "a", buffering=_BUFFER, encoding="utf-8")
-        self.size = os.fstat(fd).st_size
+        self.size = st.st_size
 
 
 class TraceRecorder:
     """Appends sampled requests to per-tenant JSONL files; see the module docstring."""
 
-    def __init__(self, settings: RecorderSettings, *, enabled: bool = False) -> None:
+    def __init__(
+        self,
+        settings: RecorderSettings,
+        *,
+        enabled: bool = False,
+        check_directory: Callable[[Path], str | None] = lambda directory: None,
+    ) -> None:
         if not 0 < settings.sample <= 1:
             raise ValueError(f"trace sample must be in (0, 1], got {settings.sample}")
         self.settings = settings
+        self._check_directory = check_directory  # why a directory is unsafe, or None
         self._limit = int(settings.sample * _SCALE)
         self._files: dict[str, _File] = {}
         self._began = time.monotonic()
@@ -85,15 +107,24 @@ class TraceRecorder:
             self.set_enabled(True)
 
     def set_enabled(self, on: bool) -> None:
-        """Start or stop recording (stopping flushes and closes the files)."""
+        """Start or stop recording (stopping flushes and closes the files);
+        :class:`ConfigError` when the directory is not private to the daemon's user,
+        ``OSError`` when it cannot be created."""
         if on and not self.enabled:
+            self._refuse_unsafe()  # before anything is created through it
             self.settings.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._refuse_unsafe()
             self._began = time.monotonic()
             self.error = ""
         if not on:
             self.close()
         self.enabled = on
         _log.info("trace recording", enabled=on, directory=str(self.settings.directory))
+
+    def _refuse_unsafe(self) -> None:
+        problem = self._check_directory(self.settings.directory)
+        if problem is not None:
+            raise ConfigError(problem, path="trace.directory")
 
     def record(self, tenant: str, namespace_id: bytes, keys: Sequence[bytes]) -> None:
         """Record one request (a lookup of ``keys``) if it is sampled."""

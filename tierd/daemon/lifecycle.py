@@ -59,7 +59,7 @@ from tierd.daemon.service import (
 )
 from tierd.daemon.tenants import apply_tenant_rules, open_tenants
 from tierd.errors import ConfigError
-from tierd.preflight import check_machine, directories_to_create
+from tierd.preflight import check_machine, directories_to_create, private_directory_problem
 from tierd.settings import effective_config_dict
 
 __all__ = ["EXIT_FORCED", "Daemon", "run_daemon"]
@@ -313,7 +313,7 @@ def _recorder(cfg: TraceConfig) -> TraceRecorder | None:
     if cfg.directory is None:
         return None
     settings = RecorderSettings(cfg.directory, cfg.sample, cfg.max_bytes, cfg.keep)
-    return TraceRecorder(settings, enabled=cfg.enabled)
+    return TraceRecorder(settings, enabled=cfg.enabled, check_directory=private_directory_problem)
 
 
 def _remove_created(created: list[Path]) -> None:
