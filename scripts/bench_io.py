@@ -182,7 +182,7 @@ async def bench_disk(
         num_blocks=n,
         block_bytes=bb,
         directories=[where],
-        fsync="never",
+        fsync="none",
         write_threads=threads["write"],
         read_threads=threads["read"],
     )

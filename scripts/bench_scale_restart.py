@@ -66,7 +66,7 @@ async def fill(work: Path, blocks: int) -> float:
     (work / "disk").mkdir(mode=0o700, exist_ok=True)
     store = DiskStore(
         num_blocks=blocks + SPARE, block_bytes=BB, directories=[work / "disk"],
-        o_direct=False, fsync="never", blocks_per_task=256,
+        o_direct=False, fsync="none", blocks_per_task=256,
     )  # fmt: skip
     t0 = time.perf_counter()
     async with store:

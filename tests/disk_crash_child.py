@@ -1,9 +1,10 @@
 """Child process for the disk store's crash test: writes blocks forever, reports acks.
 
-Usage: ``python disk_crash_child.py DIR[,DIR...] NUM_BLOCKS BLOCK_BYTES FSYNC``. Block ``i``
-goes to slot ``i % NUM_BLOCKS`` under key :func:`int_key(i) <tierd.keys.int_key>` with the
-bytes :func:`content` gives for ``i``; after each batch it prints ``ack I`` for every block
-whose write the store acknowledged. The parent kills it with SIGKILL.
+Usage: ``python disk_crash_child.py DIR[,DIR...] NUM_BLOCKS BLOCK_BYTES FSYNC`` (the mode:
+``always``, ``batch`` or ``none``). Block ``i`` goes to slot ``i % NUM_BLOCKS`` under key
+:func:`int_key(i) <tierd.keys.int_key>` with the bytes :func:`content` gives for ``i``;
+after each batch it prints ``ack I`` for every block whose write the store acknowledged.
+The parent kills it with SIGKILL.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ async def main(dirs: list[str], num_blocks: int, block_bytes: int, fsync: str) -
         num_blocks=num_blocks,
         block_bytes=block_bytes,
         directories=dirs,
-        fsync="batch" if fsync == "batch" else "never",
+        fsync=fsync,
         blocks_per_task=2,
         journal_limit_bytes=4096,  # checkpoint often, so kills land in checkpoints too
     )

@@ -43,7 +43,7 @@ def store_at(dirs: Path | list[Path], num_blocks: int, **kw: object) -> DiskStor
     return DiskStore(num_blocks=num_blocks, block_bytes=BB, directories=directories, **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("fsync", ["batch", "never"])
+@pytest.mark.parametrize("fsync", ["always", "batch", "none"])
 async def test_sigkill_recovery_reads_only_the_slots_left_open(tmp_path: Path, fsync: str) -> None:
     # The child writes 4 blocks at a time over 512 slots and checkpoints every few dozen
     # records; killed mid-stream, at most one batch of writes is in flight. Reopening
@@ -74,7 +74,7 @@ async def test_a_write_in_flight_at_a_checkpoint_survives_a_crash(tmp_path: Path
     # snapshot between them must say that the slot is open, or a crash loses the block.
     live = tmp_path / "live"
     live.mkdir()
-    async with store_at(live, 16, fsync="batch") as store:
+    async with store_at(live, 16, fsync="always") as store:
         await put(store, range(4))
         slab = store._slabs[0]
         gen = slab.begin(5)
@@ -113,7 +113,7 @@ async def test_a_journal_write_cut_short_loses_no_later_record(tmp_path: Path) -
     live = tmp_path / "live"
     live.mkdir()
     io = CutShort()
-    async with store_at(live, 16, fsync="never", fileio=io) as store:
+    async with store_at(live, 16, fsync="none", fileio=io) as store:
         await put(store, range(4))
         io.armed = True
         assert await put(store, [4]) == [False]  # its BEGIN could not be written
@@ -133,7 +133,7 @@ async def crashed_after(tmp_path: Path, ids: Sequence[int]) -> Path:
     what a kill at that moment leaves."""
     live = tmp_path / "live"
     live.mkdir()
-    async with store_at(live, 16, fsync="never") as store:
+    async with store_at(live, 16, fsync="none") as store:
         await put(store, ids)
         await store.sync()
         return crash_copy(live, tmp_path / "dead")
@@ -147,7 +147,7 @@ async def test_a_crash_restart_goes_on_with_its_journal(tmp_path: Path) -> None:
     with (dead / "tierd-journal.bin").open("ab") as f:
         f.write(b"\x02" * 40)  # a record the kill cut short
     snapshot = (dead / SNAPSHOT).read_bytes()
-    async with store_at(dead, 16, fsync="never") as store:
+    async with store_at(dead, 16, fsync="none") as store:
         assert (dead / SNAPSHOT).read_bytes() == snapshot
         assert store.index() == {s: int_key(s) for s in range(4)}
         await put(store, [4, 5])
@@ -206,7 +206,7 @@ async def test_a_crash_under_the_previous_format_scans_once(tmp_path: Path) -> N
     # slot's header once, as the releases that wrote it did, and writes version 2 after.
     live = tmp_path / "live"
     live.mkdir()
-    async with store_at(live, 16, fsync="never") as store:
+    async with store_at(live, 16, fsync="none") as store:
         await put(store, range(5))
         await store.sync()
         dead = crash_copy(live, tmp_path / "dead")

@@ -242,7 +242,9 @@ async def run_child_until_killed(
     return acked
 
 
-@pytest.mark.parametrize(("fsync", "acks"), [("batch", 61), ("never", 150), ("batch", 1)])
+@pytest.mark.parametrize(
+    ("fsync", "acks"), [("always", 61), ("none", 150), ("batch", 97), ("always", 1)]
+)
 async def test_sigkill_recovery_never_serves_wrong_bytes(
     tmp_path: Path, fsync: str, acks: int
 ) -> None:
@@ -269,7 +271,7 @@ async def test_sigkill_recovery_never_serves_wrong_bytes(
 async def test_crash_copy_recovers_and_honours_invalidations(tmp_path: Path) -> None:
     live = tmp_path / "live"
     live.mkdir()
-    async with store_at(live, fsync="never") as store:
+    async with store_at(live, fsync="none") as store:
         await put(store, range(8))
         store.invalidate([2])
         await put(store, [30], slots=[3])

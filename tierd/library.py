@@ -97,6 +97,8 @@ def build_store(
         block_bytes=block_bytes,
         directories=[str(d) for d in spec.directories],
         o_direct=o_direct,
+        fsync=spec.fsync,
+        fsync_interval=spec.fsync_interval,
     )
 
 

@@ -74,6 +74,11 @@ class TierConfig(StrictModel):
     # more are adopted in the background, at most ``adopt_rate`` per second (0: no bound)
     adopt_inline: int = Field(default=65536, ge=0)
     adopt_rate: int = Field(default=0, ge=0)
+    # disk: when writes are synced (docs/config.md says what a crash loses in each mode):
+    # "always" before each write is acknowledged, "batch" at most fsync_interval after
+    # it, "none" never while serving
+    fsync: Literal["always", "batch", "none"] = "always"
+    fsync_interval: Seconds = Field(default=1.0, gt=0, le=3600)
     shm_name: str | None = None  # cpu: the pool's name, seen as /memfd:NAME in /proc/PID/maps
 
     @field_validator("directories", mode="before")
@@ -126,6 +131,10 @@ class TierConfig(StrictModel):
             raise error_at("directories", "a disk tier needs at least one directory")
         if self.kind is not TierKind.DISK and self.directories:
             raise error_at("directories", f"only applies to disk tiers, not {self.kind}")
+        changed = self.fsync != "always" or self.fsync_interval != 1.0  # not the defaults
+        if self.kind is not TierKind.DISK and changed:
+            what = "fsync" if self.fsync != "always" else "fsync_interval"
+            raise error_at(what, f"only applies to disk tiers, not {self.kind}")
         if self.kind is TierKind.GPU and self.device is None:
             raise error_at("device", "a gpu tier needs a device ('cuda:0', or 'cpu' to test)")
         return self

@@ -15,10 +15,11 @@ buffers that are page-aligned and a multiple of 4096 bytes long (CPU pool slots)
 into and written from directly, anything else goes through a per-thread aligned staging
 buffer. Under buffered I/O no staging is needed at all.
 
-Durability (``fsync``): ``"batch"`` fsyncs the journal before a batch's data is written
-and fdatasyncs the slab after it; ``"never"`` leaves both to the page cache (survives a
-process crash, not a power cut). Either way a crash is recovered by scanning headers (see
-:mod:`tierd.stores.disk_slab`); checksums make the worst case a miss.
+Durability (``fsync``): ``"always"`` syncs the journal before a batch's data is written
+and fdatasyncs the slab after it, before the write is acknowledged; ``"batch"`` syncs
+data then journal at most ``fsync_interval`` seconds after a write; ``"none"`` leaves both
+to the page cache. What a crash loses in each mode is :mod:`tierd.stores.disk_sync`'s
+docstring; checksums make the worst case a miss.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from tierd.keys import BlockKey, Medium
 from tierd.logs import get_logger
 from tierd.stores.base import BlockStore, Buffer, InFlight, StoreStats, block_views, device_rows
 from tierd.stores.disk_slab import BAD_BLOCK, OK, Slab, SlabConfig
+from tierd.stores.disk_sync import Fsync, PeriodicSync
 from tierd.stores.fileio import FileIO
 
 _log = get_logger("tierd.disk")
@@ -70,7 +72,8 @@ class DiskStore(BlockStore):
         read_threads: int = 4,
         write_threads: int = 2,
         blocks_per_task: int = 8,
-        fsync: Literal["batch", "never"] = "batch",
+        fsync: Fsync | str = Fsync.ALWAYS,
+        fsync_interval: float = 1.0,
         journal_limit_bytes: int = 16 << 20,
         fileio: FileIO | None = None,
     ) -> None:
@@ -79,15 +82,18 @@ class DiskStore(BlockStore):
             raise ValueError("a disk store needs at least one directory")
         if o_direct not in ("auto", True, False):
             raise ValueError(f"o_direct must be 'auto', True or False, got {o_direct!r}")
-        if fsync not in ("batch", "never"):
-            raise ValueError(f"fsync must be 'batch' or 'never', got {fsync!r}")
+        if fsync not in _MODES:
+            raise ValueError(f"fsync must be 'always', 'batch' or 'none', got {fsync!r}")
         if min(read_threads, write_threads, blocks_per_task) < 1:
             raise ValueError("thread counts and blocks_per_task must be positive")
         self.directories = [str(d) for d in directories]
         self._n = len(self.directories)
         self._threads = (read_threads, write_threads)
         self._per_task = blocks_per_task
-        self._fsync = fsync
+        self._fsync = _MODES[fsync]
+        self._periodic: PeriodicSync | None = None
+        if self._fsync is Fsync.BATCH:
+            self._periodic = PeriodicSync(fsync_interval, self._sync_soon)
         self._journal_limit = journal_limit_bytes
         io = fileio or FileIO()
         self._slabs = [self._make_slab(i, d, o_direct, io) for i, d in enumerate(self.directories)]
@@ -109,7 +115,7 @@ class DiskStore(BlockStore):
             local_slots=len(range(i, self.num_blocks, self._n)),
             block_bytes=self.block_bytes,
             o_direct=o_direct,
-            sync=self._fsync == "batch",
+            sync=self._fsync is Fsync.ALWAYS,
         )
         return Slab(cfg, io)
 
@@ -132,6 +138,8 @@ class DiskStore(BlockStore):
         await self._in_flight.idle()  # the base class already refuses new reads and writes
         loop = asyncio.get_running_loop()
         try:
+            if self._periodic is not None:
+                await self._periodic.close()
             for fut in list(self._journal_flushes):
                 await asyncio.wrap_future(fut)
             for slab in self._slabs:
@@ -176,10 +184,20 @@ class DiskStore(BlockStore):
             self._slabs[slot % self._n].invalidate(slot // self._n)
 
     async def sync(self) -> None:
-        """Write (and with ``fsync="batch"``, fsync) the journal of every slab."""
+        """Write the journal of every slab; unless ``fsync`` is ``"none"``, sync the
+        slabs' data, then their journals."""
         self._check((), None)
-        sync = self._fsync == "batch"
-        await self._run(self._writers, [partial(_flush, s, sync) for s in self._slabs])
+        if self._fsync is Fsync.NONE:
+            await self._run(self._writers, [partial(_flush, s, False) for s in self._slabs])
+        else:
+            await self._run(self._writers, [partial(_sync, s) for s in self._slabs])
+
+    def _sync_soon(self) -> Future[object]:
+        """Start a sync of every slab (``batch`` mode's periodic one) on a writer thread."""
+        if self._writers is None:
+            raise RuntimeError("the disk store's thread pools are gone")
+        slabs = self._slabs
+        return self._writers.submit(lambda: [s.sync_all() for s in slabs])
 
     # -- data --------------------------------------------------------------------------
 
@@ -232,9 +250,11 @@ class DiskStore(BlockStore):
             if not slab.journal.dirty:
                 continue
             slab.maybe_checkpoint(self._journal_limit)
-            fut = self._writers.submit(slab.flush_journal, self._fsync == "batch")
+            fut = self._writers.submit(slab.flush_journal, self._fsync is Fsync.ALWAYS)
             self._journal_flushes.add(fut)
             fut.add_done_callback(self._journal_flushes.discard)
+        if self._periodic is not None:
+            self._periodic.written()
 
     async def _read_batch(
         self, slots: Sequence[int], keys: Sequence[BlockKey], out: Sequence[Buffer] | Any
@@ -345,7 +365,8 @@ class DiskStore(BlockStore):
                 "checksum_failures": c["checksum_failures"],
                 "index_misses": c["index_misses"],
                 "journal_errors": sum(s.journal_errors for s in slabs),
-                "fsync": self._fsync,
+                "fsync": str(self._fsync),
+                "periodic_syncs": self._periodic.syncs if self._periodic else 0,
                 "slot_bytes": slabs[0].slot_size,
                 "recovery": [s.recovery for s in slabs],
                 "recovery_details": [s.recovery_stats for s in slabs],
@@ -357,3 +378,11 @@ class DiskStore(BlockStore):
 
 def _flush(slab: Slab, sync: bool) -> list[int]:
     return [slab.flush_journal(sync)]
+
+
+def _sync(slab: Slab) -> list[int]:
+    return [slab.sync_all()]
+
+
+# "never" is the name "none" had before ``always`` and ``batch`` were told apart.
+_MODES: dict[str, Fsync] = {**{m.value: m for m in Fsync}, "never": Fsync.NONE}

@@ -198,6 +198,12 @@ class Journal:
                 for _ in chunk:
                     self._queue.popleft()
 
+    def sync(self) -> None:
+        """fdatasync what has been written so far (an I/O thread's call)."""
+        with self._lock:
+            if self._fd >= 0:
+                self._io.fdatasync(self._fd)
+
     def close(self, remove: bool) -> None:
         with self._lock:
             if self._fd >= 0:

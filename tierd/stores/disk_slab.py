@@ -61,7 +61,7 @@ class SlabConfig:
     local_slots: int
     block_bytes: int
     o_direct: bool | str  # "auto", True or False
-    sync: bool  # fsync the journal and fdatasync the slab per write batch
+    sync: bool  # fsync the journal and fdatasync the slab per write batch ("always")
 
 
 def slab_file_bytes(local_slots: int, block_bytes: int) -> int:
@@ -155,17 +155,31 @@ class Slab:
             self.journal.flush(sync)
         except OSError as exc:
             self.journal_errors += 1
-            now = time.monotonic()
-            if now - self._warned >= _WARN_EVERY_S:
-                self._warned = now
-                _log.warning(
-                    "journal write failed: writes to this slab fail until it succeeds",
-                    path=self.journal.path,
-                    error=str(exc),
-                    failures=self.journal_errors,
-                )
+            self._warn("journal write failed: writes to this slab fail until it succeeds", exc)
             return exc.errno or errno.EIO
         return OK
+
+    def sync_all(self) -> int:
+        """Sync the slab's data, then write and sync its journal (``batch`` mode's
+        periodic sync: a SET record durable means its block is). An errno on failure,
+        logged as :meth:`flush_journal` does."""
+        try:
+            if self._fd >= 0:
+                self.io.fdatasync(self._fd)
+            self.journal.flush(sync=False)
+            self.journal.sync()
+        except OSError as exc:
+            self.journal_errors += 1
+            self._warn("sync failed: blocks written since the last sync are not durable", exc)
+            return exc.errno or errno.EIO
+        return OK
+
+    def _warn(self, message: str, exc: OSError) -> None:
+        now = time.monotonic()
+        if now - self._warned >= _WARN_EVERY_S:
+            self._warned = now
+            _log.warning(message, path=self.journal.path, error=str(exc),
+                         failures=self.journal_errors)  # fmt: skip
 
     def _retry_journal(self) -> None:
         if time.monotonic() - self._retried < _WARN_EVERY_S:
