@@ -1,0 +1,278 @@
+"""One tenant cannot hold the event loop that every tenant shares (issue 34, 4 to 6).
+
+Each test reproduces what a client could do before, through a daemon run in the test's
+event loop (``running_daemon``) on a real socket, and checks it by order or by counting
+turns of the loop, never by time:
+
+- a 4,096-key load held the loop for all of its keys at once (and, by a set rebuilt per
+  key, for about a second): another client's request sent behind it now gets its answer
+  first;
+- ``delete --all`` walked the whole index of the tenant in one go: it now walks 4,096
+  keys per turn, and a coroutine beside it gets a turn for every slice;
+- ``namespaces`` and ``stats`` with namespaces counted every tier's index on each
+  request: they now read the chain's census, and answer without any index pass;
+- every hello with a new namespace name rewrote the names file, on the loop, and the
+  names grew without bound: a new name past ``limits.namespaces_per_tenant`` is refused
+  (``too_many_namespaces``), and a burst of new names is written in one go, off the loop,
+  and whole at a clean stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierd.client import Client, DaemonError
+from tierd.control.namespaces import NAMES_FILE
+from tierd.control.protocol import NAMESPACE_ID_BYTES
+from tierd.control.tenants import Tenant
+from tierd.daemon import Daemon
+from tierd.testing import daemon_config, running_daemon
+from tierd.tier import Tier
+
+BLOCK = 1024
+WALK_SLICE = 4096  # what the daemon promises: keys of an index looked at per loop turn
+
+
+def names(prefix: str, count: int) -> list[bytes]:
+    return [f"{prefix}-{i}".encode() for i in range(count)]
+
+
+def rows_of(keys: list[bytes]) -> list[bytes]:
+    return [bytes([len(k) % 251]) * BLOCK for k in keys]
+
+
+@asynccontextmanager
+async def serve(tmp_path: Path, **config: Any) -> AsyncIterator[Daemon]:
+    cfg = daemon_config(tmp_path, block_bytes=BLOCK, **config)
+    async with asyncio.timeout(120), running_daemon(cfg) as daemon:
+        yield daemon
+
+
+async def connect(daemon: Daemon, namespace: str | None) -> Client:
+    return await Client.connect(
+        str(daemon.config.socket.path), namespace=namespace, block_bytes=BLOCK
+    )
+
+
+def tenant_of(daemon: Daemon) -> Tenant:
+    assert daemon.server is not None
+    return daemon.server.ctx.tenants.tenants[0]
+
+
+@contextmanager
+def loop_turns() -> Iterator[list[int]]:
+    """Count the turns of the event loop: a coroutine that yields once per turn."""
+    turns = [0]
+
+    async def tick() -> None:
+        while True:
+            turns[0] += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.get_running_loop().create_task(tick())
+    try:
+        yield turns
+    finally:
+        task.cancel()
+
+
+# -- finding 5: a load of many keys ------------------------------------------------------
+
+
+async def test_a_bystanders_request_is_answered_before_a_4096_key_load_sent_ahead_of_it(
+    tmp_path: Path,
+) -> None:
+    keys = names("big", 4096)
+    async with (
+        serve(tmp_path, cpu_blocks=8192, disk_blocks=None) as daemon,
+        await connect(daemon, "hostile") as hostile,
+        await connect(daemon, "bystander") as bystander,
+    ):
+        assert await hostile.store(keys, rows_of(keys)) == len(keys)
+        assert await bystander.store([b"mine"], rows_of([b"mine"])) == 1
+        for _ in range(3):  # bounded: three rounds, each checked
+            order: list[str] = []
+            big = hostile.send("prepare_load", keys=keys)
+            small = bystander.send("prepare_load", keys=[b"mine"])  # sent after the big one
+            big.add_done_callback(lambda _, order=order: order.append("big"))
+            small.add_done_callback(lambda _, order=order: order.append("bystander"))
+            loaded, mine = await big, await small
+            assert loaded["count"] == len(keys) and mine["count"] == 1
+            assert order == ["bystander", "big"]
+            await hostile.request("complete_load", lease=loaded["lease"])
+            await bystander.request("complete_load", lease=mine["lease"])
+
+
+async def test_a_load_in_pieces_still_pins_exactly_its_leading_run(tmp_path: Path) -> None:
+    keys = names("k", 3000)
+    async with (
+        serve(tmp_path, cpu_blocks=4000, disk_blocks=None) as daemon,
+        await connect(daemon, "ns") as client,
+    ):
+        assert await client.store(keys, rows_of(keys)) == len(keys)
+        async with client.loading(keys) as lease:
+            assert lease.count == len(keys)
+            assert [bytes(v) for v in lease.views()[-3:]] == rows_of(keys[-3:])
+        gap = [*keys[:1500], b"absent", *keys[1501:]]  # the run ends in the second piece
+        async with client.loading(gap) as lease:
+            assert lease.count == 1500
+        stats = await client.stats()
+        assert [tier["pinned"] for tier in stats["tiers"]] == [0]  # nothing left pinned
+
+
+# -- finding 6: passes over the index --------------------------------------------------
+
+
+async def test_deleting_a_namespace_gives_the_loop_a_turn_per_slice_of_the_index(
+    tmp_path: Path,
+) -> None:
+    big, small = names("big", 16 * WALK_SLICE), names("small", 3)
+    async with (
+        serve(tmp_path, cpu_blocks=len(big) + 64, disk_blocks=None) as daemon,
+        await connect(daemon, "crowd") as crowd,
+        await connect(daemon, "few") as few,
+    ):
+        assert await crowd.store(big, rows_of(big)) == len(big)
+        assert await few.store(small, rows_of(small)) == len(small)
+        with loop_turns() as turns:
+            before = turns[0]
+            deleted = await few.delete(everything=True)
+            during = turns[0] - before
+        assert deleted["removed"] == len(small)
+        # The walk looks at every key of the tier (the crowd's too), a slice per turn.
+        assert during >= len(big) // WALK_SLICE
+        for start in range(0, len(big), WALK_SLICE):  # nothing else went
+            part = big[start : start + WALK_SLICE]
+            assert (await crowd.lookup(part)).count == len(part)
+
+
+async def test_a_delete_stays_right_while_stores_and_evictions_run_between_its_slices(
+    tmp_path: Path,
+) -> None:
+    doomed, kept = names("doomed", 2 * WALK_SLICE + 100), names("kept", 2048)
+    async with (
+        serve(tmp_path, cpu_blocks=WALK_SLICE, disk_blocks=3 * WALK_SLICE) as daemon,
+        await connect(daemon, "doomed") as victim,
+        await connect(daemon, "kept") as other,
+        await connect(daemon, None) as operator,
+    ):
+        assert await victim.store(doomed, rows_of(doomed)) == len(doomed)
+        deleting = asyncio.ensure_future(victim.delete(everything=True))
+        # Meanwhile another namespace stores, evicting and demoting between the slices.
+        for start in range(0, len(kept), 256):
+            part = kept[start : start + 256]
+            assert await other.store(part, rows_of(part)) == len(part)
+        deleted = await deleting
+        assert deleted["removed"] + deleted["busy"] <= len(doomed)
+        survivors = sum(await victim.lookup_each(doomed))
+        assert survivors <= deleted["busy"]  # kept whole only while a tier was moving it
+        assert (await other.lookup(kept)).count == len(kept)  # room for all: none lost
+        held = {r["namespace"]: r for r in (await operator.namespaces())["default"]}
+        assert_figures_match_the_index(tenant_of(daemon), held)
+
+
+def assert_figures_match_the_index(tenant: Tenant, rows: dict[str | None, Any]) -> None:
+    """The figures per namespace and tier equal a count of every tier's ready blocks."""
+    for level in tenant.chain.levels:
+        tier = level.tier
+        truth = Counter(key[:NAMESPACE_ID_BYTES] for key in tier.ready_keys())
+        listed = {
+            bytes.fromhex(row["id"]): row["blocks"][tier.name]
+            for row in rows.values()
+            if row["blocks"][tier.name]
+        }
+        assert listed == dict(truth), tier.name
+
+
+async def test_namespaces_and_stats_answer_without_a_pass_over_any_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with (
+        serve(tmp_path, cpu_blocks=64, disk_blocks=256) as daemon,
+        await connect(daemon, "a") as a,
+        await connect(daemon, "b") as b,
+        await connect(daemon, None) as operator,
+    ):
+        assert await a.store(names("a", 100), rows_of(names("a", 100))) == 100
+        assert await b.store(names("b", 30), rows_of(names("b", 30))) == 30
+
+        def no_pass(self: Tier, *args: Any) -> Any:
+            raise AssertionError(f"a pass over tier {self.name}'s index on a request")
+
+        with monkeypatch.context() as patched:
+            for method in ("count_prefixes", "keys_starting", "ready_keys", "keys"):
+                patched.setattr(Tier, method, no_pass, raising=False)
+            before = {r["namespace"]: r for r in (await operator.namespaces())["default"]}
+            stats = await operator.stats(namespaces=True)
+            metrics = await operator.metrics()
+            # Blocks leave between requests: the figures follow.
+            assert (await a.delete(names("a", 10)))["removed"] == 10
+            after = {r["namespace"]: r for r in (await operator.namespaces())["default"]}
+        assert_figures_match_the_index(tenant_of(daemon), after)
+    assert {r["namespace"] for r in stats["tenants"]["default"]["namespaces"]} == {"a", "b"}
+    assert 'tierd_namespaces{tenant="default"} 2.0' in metrics
+    assert sum(after["a"]["blocks"].values()) < sum(before["a"]["blocks"].values())
+    assert after["b"] == before["b"]
+
+
+# -- finding 4: namespace names -------------------------------------------------------
+
+
+async def test_a_new_namespace_past_the_bound_is_refused_and_known_ones_keep_working(
+    tmp_path: Path,
+) -> None:
+    limits = {"namespaces_per_tenant": 3}
+    async with serve(tmp_path, limits=limits) as daemon:
+        for name in ("one", "two", "three"):
+            async with await connect(daemon, name):
+                pass
+        with pytest.raises(DaemonError) as refused:
+            await connect(daemon, "four")
+        assert refused.value.code == "too_many_namespaces"
+        assert "limits.namespaces_per_tenant" in str(refused.value)
+        async with await connect(daemon, "two") as known:  # a name it used keeps working
+            assert await known.store([b"k"], rows_of([b"k"])) == 1
+        async with await connect(daemon, None) as operator:  # no namespace: not counted
+            listed = {row["namespace"] for row in (await operator.namespaces())["default"]}
+        assert listed == {"one", "two", "three"}  # the refused name left no trace
+    async with serve(tmp_path, limits=limits) as daemon:  # the names came back from disk
+        with pytest.raises(DaemonError) as again:
+            await connect(daemon, "five")
+        assert again.value.code == "too_many_namespaces"
+        async with await connect(daemon, "three"):
+            pass
+
+
+async def test_a_burst_of_new_names_is_written_once_and_whole_at_a_clean_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fresh = [f"burst-{i}" for i in range(40)]
+    names_file = tmp_path / "disk" / NAMES_FILE
+    written: list[str] = []  # each time a names file is renamed into place
+    rename = os.replace
+
+    def counted(src: Any, dst: Any, **kwargs: Any) -> None:
+        if Path(dst) == names_file:
+            written.append(str(dst))
+        rename(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "replace", counted)
+    async with serve(tmp_path) as daemon:
+        for name in fresh:  # one hello each, as fast as the loop answers them
+            async with await connect(daemon, name):
+                pass
+        # One write per burst, not one per name (a write waits for the names after it).
+        assert len(written) <= len(fresh) // 10
+        assert tenant_of(daemon).book.names  # learned, whether written yet or not
+    assert written  # the clean stop wrote what was left
+    saved = json.loads(names_file.read_text())["names"]
+    assert sorted(saved.values()) == sorted(fresh)
