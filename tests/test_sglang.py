@@ -260,3 +260,33 @@ async def test_same_hits_as_sglangs_file_backend_and_a_bound_file_does_not_keep(
     for backend in ("file", "tierd"):
         assert a.stats(backend)["sglang_errors"] == 0
         a.ask("close", backend)
+
+
+BIG = {"page": 512, "layers": 8, "heads": 8, "head_dim": 128}  # 16 MiB pages: K, V 8 MiB
+
+
+async def test_a_load_that_gave_up_never_writes_into_pages_sglang_reused(
+    tmp_path: Path, spawn: Any, pair: Any
+) -> None:
+    """SGLang's recommended memfd path, 4 pages of 16 MiB, a reader whose job deadline
+    (10 ms) expires in the middle of its loads. After each failed load SGLang's pages are
+    reused at once (a sentinel); none may change afterwards. When the daemon wrote into
+    the memfd itself, its copy calls under way at the deadline landed afterwards."""
+    a, _ = pair
+    size = page_bytes(BIG)
+    daemon = await spawn(daemon_config(tmp_path, block_bytes=size, cpu_blocks=8, disk_blocks=None))
+    common = {**BIG, "allocator": "shm", "host_pages": 6, "device_tokens": 6 * 512}
+    a.open("big-w", tierd_spec(daemon.socket_path, **common))
+    assert a.write("big-w", seed=90, pages=4)["stored_pages"] == 4
+    tight = {"lookup_deadline_s": 0.5, "job_deadline_s": 0.01, "breaker_failures": 0}
+    assert a.open("big-r", tierd_spec(daemon.socket_path, **common, extra=tight))["memfd"]
+    failed = overwritten = 0
+    for _ in range(8):  # bounded: each round ends in about reuse_s
+        answer = a.read("big-r", seed=90, pages=4, reuse_s=0.3)
+        assert answer["identical"] == answer["loaded_pages"]
+        failed += answer["loaded_pages"] < answer["hit_pages"]
+        overwritten += answer.get("overwritten", 0)
+    assert failed > 0  # the deadline did cut loads short
+    assert overwritten == 0
+    for name in ("big-w", "big-r"):
+        a.ask("close", name)

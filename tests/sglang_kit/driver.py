@@ -211,7 +211,11 @@ class Engine:
             "took_s": time.monotonic() - started,
         }
 
-    def read(self, seed: int, pages: int) -> dict[str, Any]:
+    def read(self, seed: int, pages: int, reuse_s: float = 0.0) -> dict[str, Any]:
+        """SGLang's prefetch of ``seed``'s pages. With ``reuse_s``, the pages a failed
+        load gave up are reused at once (a sentinel written, as SGLang would hand them
+        to another request), and after ``reuse_s`` the answer says how many of them no
+        longer hold it (``overwritten``: a late write of the backend's)."""
         self.requests += 1
         tokens = tokens_of(seed, pages, self.page)
         started = time.monotonic()
@@ -224,6 +228,8 @@ class Engine:
         if hit_pages:
             loaded = self._schedule(op, hit_pages)
             answer.update(self._compare(seed, op.host_indices, loaded))
+            if reuse_s:
+                answer["overwritten"] = self._reuse(op.host_indices, loaded, hit_pages, reuse_s)
             self.host.free(op.host_indices)
         answer["took_s"] = time.monotonic() - started
         return answer
@@ -241,6 +247,18 @@ class Engine:
                 completed = ack.completed_tokens
             if ack.completed_req:
                 return completed // self.page
+
+    def _reuse(self, indices: torch.Tensor, loaded: int, hit: int, wait_s: float) -> int:
+        sentinel = torch.full((self.size,), 0xA5, dtype=torch.uint8)
+        given_up = [int(indices[i * self.page]) for i in range(loaded, hit)]
+        for index in given_up:
+            self.host.set_from_flat_data_page(index, sentinel.view(self.flat.dtype))
+        time.sleep(wait_s)  # the daemon's late copies, if any, land meanwhile
+        overwritten = 0
+        for index in given_up:
+            got = self.host.get_data_page(index, flat=True).contiguous().view(torch.uint8)
+            overwritten += not bool(torch.equal(got, sentinel))
+        return overwritten
 
     def _compare(self, seed: int, indices: torch.Tensor, loaded: int) -> dict[str, Any]:
         identical, digests = 0, []
@@ -284,7 +302,7 @@ def serve(engines: dict[str, Engine], command: dict[str, Any]) -> dict[str, Any]
     if op == "write":
         return engine.write(command["seed"], command["pages"])
     if op == "read":
-        return engine.read(command["seed"], command["pages"])
+        return engine.read(command["seed"], command["pages"], command.get("reuse_s", 0.0))
     if op == "close":
         engine.cc.detach_storage_backend()
         del engines[name]

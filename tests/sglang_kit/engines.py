@@ -126,8 +126,8 @@ class Engines:
     def write(self, engine: str, seed: int, pages: int) -> dict[str, Any]:
         return self.ask("write", engine, seed=seed, pages=pages)
 
-    def read(self, engine: str, seed: int, pages: int) -> dict[str, Any]:
-        return self.ask("read", engine, seed=seed, pages=pages)
+    def read(self, engine: str, seed: int, pages: int, reuse_s: float = 0.0) -> dict[str, Any]:
+        return self.ask("read", engine, seed=seed, pages=pages, reuse_s=reuse_s)
 
     def stats(self, engine: str) -> dict[str, Any]:
         return self.ask("stats", engine)

@@ -219,9 +219,13 @@ class TierdHiCache(HiCacheStorage):
             pointers, _ = self.mem_pool_host.get_page_buffer_meta(host_indices)
             offsets = jobs.geometry.offsets(pointers, len(keys))
             raw = [page_key(k) for k in keys]
+            if not store:
+                # Loads copy on this thread, from the daemon's pool: nothing of the
+                # daemon's can land in SGLang's pages once this call has given up.
+                return jobs.lease_load(raw, offsets)
             if jobs.zero_copy:
-                return jobs.region_move(store, raw, offsets)
-            return (jobs.lease_store if store else jobs.lease_load)(raw, offsets)
+                return jobs.region_move(True, raw, offsets)
+            return jobs.lease_store(raw, offsets)
 
         done = self._guarded(run, [False] * len(keys))
         pages = done.index(False) if False in done else len(done)

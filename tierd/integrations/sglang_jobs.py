@@ -1,19 +1,23 @@
 """Moving SGLang's host pages to and from the daemon, each call under a deadline.
 
-Two paths, chosen once per backend:
+Two paths:
 
-- **memfd hand-off** (SGLang's host pool allocated with ``"allocator": "shm"``): the pool's
-  file descriptor is registered with the daemon once per connection
-  (``Client.register_region``); a store or a load is then one request of keys and byte
-  offsets (``region_store`` / ``region_load``) and the daemon moves the bytes with
-  positional syscalls. No page byte goes through the socket or through SGLang's process.
-- **leases** (any other allocator): the daemon's pool slots are mapped into this process;
-  a load pins slots (``prepare_load``) and a store reserves them (``prepare_store``), and
-  the page bytes are copied between those slots and SGLang's host pool.
+- **memfd hand-off, for stores** (SGLang's host pool allocated with ``"allocator":
+  "shm"``): the pool's file descriptor is registered with the daemon once per connection
+  (``Client.register_region``); a store is then one request of keys and byte offsets
+  (``region_store``) and the daemon reads the pages with positional syscalls. A read
+  still under way when the call gives up is harmless to SGLang, and the daemon keeps
+  nothing it read past the job's ``expires``.
+- **leases, for every load** (and for stores with any other allocator): the daemon's
+  pool slots are mapped into this process; a load pins slots (``prepare_load``) and a
+  store reserves them (``prepare_store``), and the page bytes are copied between those
+  slots and SGLang's host pool on the **caller's thread**, after the daemon's part has
+  answered and before the call returns.
 
-Copies into and out of SGLang's host pool happen on the **caller's thread**, after the
-daemon's part has answered and before the call returns: when a deadline expires nothing of
-ours touches SGLang's memory afterwards (it may reuse those pages at once). Everything that
+So nothing writes into SGLang's host pool but SGLang's own thread, inside the call:
+once a deadline has expired, no byte of ours lands in pages SGLang may reuse at once.
+(A ``region_load`` into SGLang's pool could not promise that: a daemon copy call that
+started before the deadline may end after it, 8 MiB pieces landed up to 61 ms late.) Everything that
 waits on the daemon goes through :meth:`DaemonLink.ask` (a deadline, a breaker).
 
 Every method raises only :class:`~tierd.errors.TierdError` and ``OSError``; the backend
@@ -103,7 +107,9 @@ class PageJobs:
         return region
 
     def region_move(self, store: bool, keys: Sequence[bytes], offsets: Offsets) -> list[bool]:
-        """``region_store`` (``store``) or ``region_load`` of ``keys`` at ``offsets``."""
+        """``region_store`` (``store``) or ``region_load`` of ``keys`` at ``offsets``.
+        The backend stores only this way: a load into SGLang's own pages must not be
+        written by the daemon (see the module's docstring)."""
         pieces = list(self.geometry.pieces)
         # SGLang may reuse these pages once the call gives up: the daemon starts no copy
         # past then, and keeps nothing it read after it.
