@@ -33,8 +33,7 @@ import asyncio
 import functools
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from functools import cache
 from typing import Any
 
@@ -46,6 +45,7 @@ from tierd.control.context import ServerContext
 from tierd.control.protocol import ErrorCode, int_field
 from tierd.control.region_copy import Layout, Offsets, bounds_problem, read_region, write_region
 from tierd.control.region_fd import file_id, region_problem
+from tierd.control.region_table import MAX_REGIONS, Region, RegionTable
 from tierd.control.region_threads import FairThreads, slices
 from tierd.errors import CapacityError, ProtocolError
 from tierd.keys import BlockKey
@@ -53,87 +53,9 @@ from tierd.stores import BlockStore
 
 __all__ = ["MAX_REGION_BYTES", "MAX_REGIONS", "Region", "RegionTable", "RegionRequests"]
 
-MAX_REGIONS = 4  # per connection: an engine registers one, a few ranks share a process
 MAX_REGION_BYTES = 1 << 40  # larger is not host memory any engine has
 _COPY_THREADS = 4
 ReceiveFd = Callable[[int], Awaitable[int]]
-
-
-class Region:
-    """One registered descriptor: ``size`` bytes of an engine's memory. ``fd`` stays open
-    while a job uses it, until :meth:`close` and the last job both happened."""
-
-    def __init__(self, region_id: int, fd: int, size: int) -> None:
-        self.id = region_id
-        self.fd = fd
-        self.size = size
-        self.jobs = 0
-        self.closing = False
-
-    @contextmanager
-    def job(self) -> Iterator[int]:
-        """The descriptor, held open for the block."""
-        if self.closing:
-            raise ProtocolError(f"region {self.id} is closed", code=ErrorCode.UNKNOWN_REGION)
-        self.jobs += 1
-        try:
-            yield self.fd
-        finally:
-            self.jobs -= 1
-            self._close_if_done()
-
-    def close(self) -> None:
-        self.closing = True
-        self._close_if_done()
-
-    def _close_if_done(self) -> None:
-        if self.closing and not self.jobs and self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            os.close(fd)
-
-
-class RegionTable:
-    """One connection's regions, by id."""
-
-    def __init__(self) -> None:
-        self.regions: dict[int, Region] = {}
-        self._next = 0
-        self.closed = False
-
-    def check_room(self) -> None:
-        if self.closed:
-            raise ProtocolError("the connection closed", code=ErrorCode.SHUTTING_DOWN)
-        if len(self.regions) >= MAX_REGIONS:
-            raise ProtocolError(
-                f"a connection may register at most {MAX_REGIONS} regions",
-                code=ErrorCode.CAPACITY,
-            )
-
-    def add(self, fd: int, size: int) -> Region:
-        self.check_room()
-        self._next += 1
-        region = self.regions[self._next] = Region(self._next, fd, size)
-        return region
-
-    def named(self, region_id: int) -> Region:
-        region = self.regions.get(region_id)
-        if region is None:
-            raise ProtocolError(
-                f"region {region_id} is not a region of this connection",
-                code=ErrorCode.UNKNOWN_REGION,
-            )
-        return region
-
-    def remove(self, region_id: int) -> None:
-        self.named(region_id)
-        self.regions.pop(region_id).close()
-
-    def close(self) -> None:
-        """The connection is gone: close every region (each after its last job)."""
-        self.closed = True
-        for region in self.regions.values():
-            region.close()
-        self.regions.clear()
 
 
 @cache
