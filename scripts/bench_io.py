@@ -8,7 +8,10 @@ For 2 MiB and 256 KiB blocks, in one run:
     ``os.pwrite`` / ``os.pread`` on the same file system, same block size, same O_DIRECT
     setting (the DiskStore's probe result) and the same number of I/Os in flight;
 (c) CPU <-> GPU vs a raw pinned ``tensor.copy_(non_blocking=True)`` per block, when CUDA
-    is available.
+    is available;
+(d) CPU -> DISK through the engine in each durability mode of the disk tier (``fsync``:
+    ``always``, ``batch``, ``none``), against ``none`` in the same run, with the syncs
+    each made (``--fsync-only`` runs this part alone).
 
 Each figure is the median of several repetitions in GB/s (10**9 bytes per second); the
 ratio is engine / baseline (target >= 0.8). The markdown fragment goes to
@@ -41,6 +44,7 @@ from tierd.keys import BlockKey, int_key
 from tierd.stores.base import BlockStore
 from tierd.stores.cpu import CpuStore
 from tierd.stores.disk import DiskStore
+from tierd.stores.fileio import FileIO
 from tierd.stores.gpu import GpuStore
 from tierd.stores.memory import MemoryStore
 from tierd.transfer import TransferEngine
@@ -215,6 +219,70 @@ async def bench_disk(
     return rows, {"o_direct": o_direct, "reason": details.get("reason", "")}
 
 
+# -- (d) durability modes ----------------------------------------------------------------
+
+FSYNC_MODES = ("always", "batch", "none")
+
+
+class _SyncCount(FileIO):
+    """Counts the fsync and fdatasync calls a store makes."""
+
+    def __init__(self) -> None:
+        self.syncs = 0
+
+    def fsync(self, fd: int) -> None:
+        self.syncs += 1
+        super().fsync(fd)
+
+    def fdatasync(self, fd: int) -> None:
+        self.syncs += 1
+        super().fdatasync(fd)
+
+
+async def bench_fsync(
+    plan: Plan, engine: TransferEngine, bb: int
+) -> tuple[list[Row], dict[str, Any]]:
+    """Store throughput (cpu -> disk through the engine) in each ``fsync`` mode, the runs
+    interleaved; the baseline is ``none`` of the same run."""
+    n = plan.volume // bb
+    keys, slots = _keys(n), list(range(n))
+    where = Path(tempfile.mkdtemp(prefix=f"fsync-{bb}-", dir=plan.directory))
+    counts = {mode: _SyncCount() for mode in FSYNC_MODES}
+    disks = {
+        mode: DiskStore(num_blocks=n, block_bytes=bb, directories=[where / mode], fsync=mode,
+                        fileio=counts[mode])
+        for mode in FSYNC_MODES
+    }  # fmt: skip
+    for mode in FSYNC_MODES:
+        (where / mode).mkdir()
+    try:
+        async with CpuStore(num_blocks=n, block_bytes=bb) as cpu:
+            _fill_random(cpu, n)
+            for disk in disks.values():
+                await disk.open()
+            opened = {mode: c.syncs for mode, c in counts.items()}
+            details = disks["none"].stats().details
+
+            def write(disk: DiskStore) -> Callable[[], Awaitable[object]]:
+                return lambda: engine.copy(cpu, slots, disk, slots, keys)
+
+            rates = await _medians(n * bb, plan.reps, *(write(disks[m]) for m in FSYNC_MODES))
+            runs = plan.reps + 1  # the warm-up too
+            syncs = {m: (counts[m].syncs - opened[m]) / runs for m in FSYNC_MODES}
+    finally:
+        for disk in disks.values():
+            if disk.is_open:
+                await disk.close()
+        shutil.rmtree(where, ignore_errors=True)
+    base = rates[FSYNC_MODES.index("none")]
+    facts = {"o_direct": details["o_direct"], "reason": details.get("reason", "")}
+    return [
+        Row(f"cpu -> disk, fsync: {mode}", bb, rate, base,
+            f"vs fsync: none; {syncs[mode]:.0f} syncs per {plan.volume // MiB} MiB")
+        for mode, rate in zip(FSYNC_MODES, rates, strict=True)
+    ], facts  # fmt: skip
+
+
 # -- (c) gpu -----------------------------------------------------------------------------
 
 
@@ -312,14 +380,18 @@ async def main_async(args: argparse.Namespace) -> int:
     )
     # The stores log at debug level (e.g. views outliving a pool); keep the report clean.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    has_gpu = torch.cuda.is_available()
+    has_gpu = torch.cuda.is_available() and not args.fsync_only
     rows: list[Row] = []
     disk_facts: dict[str, Any] = {}
     async with TransferEngine() as engine:
         for bb in SIZES:
-            rows += await bench_cpu_memory(plan, engine, bb)
-            disk_rows, disk_facts = await bench_disk(plan, engine, bb)
-            rows += disk_rows
+            if not args.fsync_only:
+                rows += await bench_cpu_memory(plan, engine, bb)
+                disk_rows, disk_facts = await bench_disk(plan, engine, bb)
+                rows += disk_rows
+            fsync_rows, fsync_facts = await bench_fsync(plan, engine, bb)
+            rows += fsync_rows
+            disk_facts = disk_facts or fsync_facts
             if has_gpu:
                 rows += await bench_gpu(plan, engine, bb)
     gpu_note = (
@@ -332,7 +404,8 @@ async def main_async(args: argparse.Namespace) -> int:
         "cores": str(os.cpu_count()),
         "disk dir file system": _fs_type(plan.directory),
         "O_DIRECT": f"{disk_facts.get('o_direct')} ({disk_facts.get('reason')})",
-        "DiskStore fsync": "never (the raw loop does not fsync either)",
+        "DiskStore fsync": "none in (b), as the raw loop does not fsync either (the"
+        " daemon runs it with `fsync: none`); (d) compares the modes",
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
@@ -351,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--dir", type=Path, default=None, help="where the disk files go")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "io.md")
+    parser.add_argument("--fsync-only", action="store_true", help="only (d): the fsync modes")
     args = parser.parse_args(argv)
     made = args.dir is None
     if made:  # a temp dir under the project: a real file system, not /dev/shm

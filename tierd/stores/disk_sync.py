@@ -11,12 +11,13 @@ power loss or kernel crash loses at most the blocks written in the last ``interv
 holds what was written. Headers and checksums make a block the sync did not cover a
 miss, never wrong bytes.
 
-``none``: the store never syncs while it serves (the kernel writes back on its own
-schedule, ~30 s by default); a clean stop syncs. A power loss or kernel crash may lose any
-block written since the last clean stop or snapshot; a process crash loses nothing;
-never wrong bytes.
+``none``: the store never syncs block data or journal records while it serves (the
+kernel writes back on its own schedule, ~30 s by default); a clean stop syncs. A power loss
+or kernel crash may lose any block the kernel had not written back; a process crash loses
+nothing; never wrong bytes.
 
-A snapshot (every ``journal_limit_bytes`` of journal) and a clean close sync in every mode.
+In every mode a snapshot of the index (every ``journal_limit_bytes`` of journal) syncs
+itself, and a clean close syncs the slab, the journal and the snapshot.
 """
 
 from __future__ import annotations
