@@ -84,7 +84,7 @@ async def bystander(args: argparse.Namespace) -> dict[str, Any]:
 
     block = args.block_kib << 10
     fd = memfd(8 * block)
-    keys = [f"bystander-{i}".encode() for i in range(4)]
+    keys = [f"bystander-{os.getpid()}-{i}".encode() for i in range(4)]  # fresh each phase
     front = np.arange(4, dtype=np.uint64).reshape(4, 1) * np.uint64(block)
     back = front + np.uint64(4 * block)
     times: list[float] = []
