@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from itertools import takewhile
+from itertools import filterfalse, takewhile
 
 from tierd.chain.handles import LoadHandle
 from tierd.chain.moves import ChainMoves
@@ -106,22 +106,9 @@ class ChainLoads(ChainMoves):
         ``deadline`` (loop time), then the run stops before it. Returns the slowest level
         read from."""
         tier = self.levels[target].tier
-        sources: dict[int, list[BlockKey]] = {}
-        reachable: list[BlockKey] = []
-        remote: list[BlockKey] = []  # held by no local level: asked of the remote one
-        for key in keys:
-            if key not in tier and (target, key) not in self._pending:
-                source = self._source_of(key, target)
-                if source is None:
-                    if self.remote is None or any(t.is_writing(key) for t in self._tiers):
-                        break  # nothing beyond the first absent key can be in the prefix
-                    remote.append(key)
-                else:
-                    sources.setdefault(source, []).append(key)
-            reachable.append(key)
+        keys, run, sources, remote = self._plan(target, keys)
         # Pinning keys past that point would only take room the promotions need.
-        keys = reachable
-        self._pin(target, [k for k in keys if k in tier], pinned)
+        self._pin(target, keys[:run] + [k for k in keys[run:] if k in tier], pinned)
         # Hold every source until its turn, so that promoting one group (which may evict
         # and demote at the levels below) cannot push another group's source away.
         waiting = dict(sources)
@@ -137,15 +124,39 @@ class ChainLoads(ChainMoves):
                 self._unpin(source, group)
         if remote:
             await self._promote_remote(target, remote, pinned)
-        for key in keys:
+        for key in filterfalse(pinned.__contains__, keys):  # the pinned ones at C speed
             future = self._pending.get((target, key))
-            if key not in pinned and future is not None and not await _wait(future, deadline):
+            if future is not None and not await _wait(future, deadline):
                 break  # another client is still writing it: the prefix ends here
             if key not in pinned and key in tier:
                 self._pin(target, [key], pinned)
         if remote and any(k in pinned for k in remote):
             return len(self.levels)  # read from the remote level, the slowest
         return max(sources, default=target)  # levels go fastest first
+
+    def _plan(
+        self, target: int, keys: list[BlockKey]
+    ) -> tuple[list[BlockKey], int, dict[int, list[BlockKey]], list[BlockKey]]:
+        """Where ``keys`` come from: the keys up to the first one held nowhere (nor in
+        flight), how many lead them ready at ``target`` (counted at C speed: the common
+        case), the rest by the level nearest ``target`` that holds them, and those only
+        the remote level may hold."""
+        tier = self.levels[target].tier
+        run = tier.ready_run(keys)
+        reachable = keys[:run]
+        sources: dict[int, list[BlockKey]] = {}
+        remote: list[BlockKey] = []  # held by no local level: asked of the remote one
+        for key in keys[run:]:
+            if key not in tier and (target, key) not in self._pending:
+                source = self._source_of(key, target)
+                if source is None:
+                    if self.remote is None or any(t.is_writing(key) for t in self._tiers):
+                        break  # nothing beyond the first absent key can be in the prefix
+                    remote.append(key)
+                else:
+                    sources.setdefault(source, []).append(key)
+            reachable.append(key)
+        return reachable, run, sources, remote
 
     def _source_of(self, key: BlockKey, target: int) -> int | None:
         """The level nearest to ``target`` that holds ``key`` ready."""
