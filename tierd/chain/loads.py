@@ -19,7 +19,7 @@ from tierd.chain.moves import ChainMoves
 from tierd.errors import BlockMissing
 from tierd.keys import BlockKey, Medium
 from tierd.stores import BlockStore
-from tierd.tier import StorePlan
+from tierd.tier import StorePlan, Tier
 
 __all__ = ["LOAD_PIECE", "ChainLoads"]
 
@@ -146,9 +146,10 @@ class ChainLoads(ChainMoves):
         reachable = keys[:run]
         sources: dict[int, list[BlockKey]] = {}
         remote: list[BlockKey] = []  # held by no local level: asked of the remote one
+        nearest = self._nearest(target)  # once, not once per key
         for key in keys[run:]:
             if key not in tier and (target, key) not in self._pending:
-                source = self._source_of(key, target)
+                source = self._source_of(key, nearest)
                 if source is None:
                     if self.remote is None or any(t.is_writing(key) for t in self._tiers):
                         break  # nothing beyond the first absent key can be in the prefix
@@ -158,10 +159,15 @@ class ChainLoads(ChainMoves):
             reachable.append(key)
         return reachable, run, sources, remote
 
-    def _source_of(self, key: BlockKey, target: int) -> int | None:
-        """The level nearest to ``target`` that holds ``key`` ready."""
+    def _nearest(self, target: int) -> list[tuple[int, Tier]]:
+        """The other levels, nearest to ``target`` first (the upper one of two as near)."""
         order = sorted(range(len(self.levels)), key=lambda i: (abs(i - target), i))
-        return next((i for i in order if i != target and key in self.levels[i].tier), None)
+        return [(i, self._tiers[i]) for i in order if i != target]
+
+    @staticmethod
+    def _source_of(key: BlockKey, nearest: list[tuple[int, Tier]]) -> int | None:
+        """The first of the ``nearest`` levels that holds ``key`` ready."""
+        return next((i for i, tier in nearest if key in tier), None)
 
     async def _promote(
         self, source: int, target: int, keys: list[BlockKey], pinned: set[BlockKey]
