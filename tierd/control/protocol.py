@@ -112,7 +112,8 @@ class ErrorCode(StrEnum):
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"  # a bug: logged with a traceback, state untouched
     UNKNOWN_REGION = "unknown_region"  # not a region of this connection (or unregistered)
-    BAD_CONFIG = "bad_config"  # reload: the config file is invalid; nothing was changed
+    # reload: the config file is invalid; trace: its directory is not private. Nothing changed.
+    BAD_CONFIG = "bad_config"
 
 
 def encode(message: Mapping[str, Any]) -> bytes:
