@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
+import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -30,11 +32,14 @@ from typing import Any
 
 import pytest
 
+from tests.test_hostile_neighbours import free_port
 from tierd.client import Client, DaemonError
+from tierd.control import context
 from tierd.control.namespaces import NAMES_FILE
 from tierd.control.protocol import NAMESPACE_ID_BYTES
+from tierd.control.stats import render_prometheus as render
 from tierd.control.tenants import Tenant
-from tierd.daemon import Daemon
+from tierd.daemon import Daemon, metrics_http
 from tierd.testing import daemon_config, running_daemon
 from tierd.tier import Tier
 
@@ -276,3 +281,33 @@ async def test_a_burst_of_new_names_is_written_once_and_whole_at_a_clean_stop(
     assert written  # the clean stop wrote what was left
     saved = json.loads(names_file.read_text())["names"]
     assert sorted(saved.values()) == sorted(fresh)
+
+
+# -- the metrics endpoint ---------------------------------------------------------------
+
+
+async def test_a_scrape_is_rendered_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any local user may scrape the metrics port: its text (70 ms at 1,000 tenants) is
+    made in a thread, from figures read on the loop."""
+    threads: list[str] = []
+
+    def watched(*args: Any, **kwargs: Any) -> str:
+        threads.append(threading.current_thread().name)
+        return render(*args, **kwargs)
+
+    for module in (metrics_http, context):  # where the daemon may call it from
+        monkeypatch.setattr(module, "render_prometheus", watched, raising=False)
+    port = free_port()
+    async with serve(tmp_path, disk_blocks=None, metrics={"http_port": port}) as daemon:
+        async with await connect(daemon, "ns") as client:
+            assert await client.store([b"k"], rows_of([b"k"])) == 1
+        text = await asyncio.to_thread(scrape, port)
+    assert 'tierd_namespace_bytes{namespace="ns",tenant="default"} 1024.0' in text
+    assert threads and threading.main_thread().name not in threads
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        return str(reply.read().decode())
