@@ -133,6 +133,7 @@ async def test_an_invalid_file_changes_nothing(tmp_path: Path, spawn: Spawn) -> 
     config_file(daemon).write_text("limits: [this is not a mapping")
     status, _, err = await reload(daemon)
     assert status == 1 and "bad_config" in err
+    assert f"{config_file(daemon)}: not valid YAML" in err and "line 1" in err
     assert await running_config(daemon) == before
 
 
