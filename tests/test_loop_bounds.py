@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import threading
 import urllib.request
 from collections import Counter
@@ -32,7 +33,6 @@ from typing import Any
 
 import pytest
 
-from tests.test_hostile_neighbours import free_port
 from tierd.client import Client, DaemonError
 from tierd.control import context
 from tierd.control.namespaces import NAMES_FILE
@@ -311,3 +311,9 @@ async def test_a_scrape_is_rendered_off_the_event_loop(
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
         return str(reply.read().decode())
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

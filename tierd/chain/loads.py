@@ -23,7 +23,7 @@ from tierd.tier import StorePlan, Tier
 
 __all__ = ["LOAD_PIECE", "ChainLoads"]
 
-LOAD_PIECE = 1024  # keys a load handles per turn of the event loop
+LOAD_PIECE = 512  # keys a load handles per turn of the event loop
 
 
 class ChainLoads(ChainMoves):
@@ -85,7 +85,7 @@ class ChainLoads(ChainMoves):
         self, target: int, keys: list[BlockKey], pinned: set[BlockKey], deadline: float | None
     ) -> int:
         """:meth:`_gather` ``keys`` :data:`LOAD_PIECE` at a time, yielding to the loop
-        between pieces (a 4,096-key load is one bounded step after another, not one long
+        between pieces (a 4,096-key load is eight bounded steps, not one long
         one); stops after the first piece that is not wholly pinned. Returns the slowest
         level read from."""
         deepest = target

@@ -96,7 +96,7 @@ class LimitsConfig(StrictModel):
     load_wait_s: Seconds = Field(default=5.0, gt=0, le=3600)  # on another client's store
     # Namespace names a tenant may have (kept across restarts): a hello naming a new one
     # past this is refused (too_many_namespaces); names already used keep working.
-    namespaces_per_tenant: int = Field(default=1024, ge=1, le=1 << 20)
+    namespaces_per_tenant: int = Field(default=256, ge=1, le=1 << 20)
 
     @field_validator("lease_blocks_per_connection", "lease_blocks_per_tenant")
     @classmethod

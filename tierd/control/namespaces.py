@@ -36,7 +36,7 @@ log = structlog.get_logger("tierd.control")
 
 NAMES_FILE = "tierd-namespaces.json"
 _FORMAT = 1
-DEFAULT_MAX_NAMES = 1024  # names a tenant's book keeps (limits.namespaces_per_tenant)
+DEFAULT_MAX_NAMES = 256  # names a tenant's book keeps (limits.namespaces_per_tenant)
 WRITE_DELAY_S = 1.0  # a new name waits this long for others to share its write
 
 
@@ -186,25 +186,26 @@ def namespace_rows(book: NamespaceBook, chain: TierChain) -> list[dict[str, Any]
     all tiers, and its request figures; most bytes first. Costs the number of
     namespaces, not of blocks: the chain's census keeps the blocks per namespace."""
     census = chain.prefix_census(NAMESPACE_ID_BYTES)
-    counts = [(level.tier.name, census.counts(i)) for i, level in enumerate(chain.levels)]
-    ids = set(book.figures)
-    for _, count in counts:
-        ids.update(count)
+    tiers = [level.tier.name for level in chain.levels]
+    counts = [census.counts(i) for i in range(len(tiers))]
+    names, every, block_bytes = book.names, book.figures, chain.block_bytes
+    unused = NamespaceFigures()
     rows: list[dict[str, Any]] = []
-    for namespace_id in ids:
-        blocks = {tier: count.get(namespace_id, 0) for tier, count in counts}
-        figures = book.figures.get(namespace_id) or NamespaceFigures()
+    for namespace_id in set(every).union(*counts):
+        held = [count.get(namespace_id, 0) for count in counts]
+        figures = every.get(namespace_id, unused)
+        last = figures.last_used
         rows.append(
             {
-                "namespace": book.label(namespace_id),
+                "namespace": names.get(namespace_id),
                 "id": namespace_id.hex(),
-                "blocks": blocks,
-                "bytes": sum(blocks.values()) * chain.block_bytes,
+                "blocks": dict(zip(tiers, held, strict=True)),
+                "bytes": sum(held) * block_bytes,
                 "lookups": figures.lookups,
                 "hit_blocks": figures.hit_blocks,
                 "miss_blocks": figures.miss_blocks,
                 "stored_blocks": figures.stored_blocks,
-                "last_used": round(figures.last_used, 3) if figures.last_used else None,
+                "last_used": round(last, 3) if last else None,
             }
         )
     rows.sort(key=lambda row: (-int(row["bytes"]), row["namespace"] or "", row["id"]))
