@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""A bystander beside a hostile neighbour: what the neighbour's loop work costs the
+bystander's lookups (a benchmark, not a test; issue 34, findings 4 to 6).
+
+A daemon (``tierd serve`` in a child process) holds ``--blocks`` blocks of 4 KiB of the
+neighbour's namespace in a CPU tier, and 32 of the bystander's. The bystander (this
+process) sends 32-key ``lookup`` round trips, one at a time, and its round trips are
+reported (p50, p99, max, in ms): alone, then while the neighbour (a second child
+process, so that its client work does not share the bystander's loop) loops one attack:
+
+- ``loads``: ``prepare_load`` of 4,096 keys, then ``complete_load``;
+- ``hellos``: a new connection per hello, each naming a fresh namespace;
+- ``namespaces``: ``namespaces`` then ``stats`` with namespaces, on its tenant;
+- ``delete``: ``delete --prefix`` of a prefix none of its keys has (a walk of the index).
+
+Every phase lasts ``--seconds`` or ``--trips`` bystander round trips, whichever ends
+first; the neighbour's rounds are bounded too. The daemon and the neighbour are stopped
+by PID. Usage: ``scripts/bench_neighbours_loop.py [--blocks 240000] [--trips 50000]
+[--seconds 10] [--json]``. To measure another checkout, run it with that checkout on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tierd.client import Client, DaemonError, Unreachable
+from tierd.testing import daemon_config
+
+BLOCK = 4096
+ATTACKS = ("loads", "hellos", "namespaces", "delete")
+CROWD, MINE = "crowd", "bystander"
+BURST = 4096  # keys of one load
+
+
+def keys(prefix: str, count: int) -> list[bytes]:
+    return [f"{prefix}-{i}".encode() for i in range(count)]
+
+
+async def connect(socket: str, namespace: str | None) -> Client:
+    return await Client.connect(socket, namespace=namespace, block_bytes=BLOCK)
+
+
+async def start(config: dict[str, Any], home: Path) -> subprocess.Popen[bytes]:
+    path = home / "tierd.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = (home / "tierd.log").open("wb")
+    command = [sys.executable, "-m", "tierd", "serve", "-c", str(path)]
+    proc = await asyncio.to_thread(subprocess.Popen, command, stdout=log, stderr=log)
+    for _ in range(1200):
+        try:
+            client = await Client.connect(config["socket"]["path"])
+        except Unreachable:  # not up yet
+            if proc.poll() is not None:
+                break
+            await asyncio.sleep(0.05)
+            continue
+        await client.close()
+        return proc
+    raise RuntimeError((home / "tierd.log").read_text())
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(60)
+
+
+async def fill(socket: str, blocks: int) -> None:
+    """The neighbour's blocks and the bystander's 32, through the pool."""
+    row = b"\x07" * BLOCK
+    async with await connect(socket, CROWD) as crowd:
+        names = keys("crowd", blocks)
+        for start in range(0, blocks, BURST):
+            part = names[start : start + BURST]
+            await crowd.store(part, [row] * len(part))
+    async with await connect(socket, MINE) as mine:
+        await mine.store(keys("mine", 32), [row] * 32)
+
+
+async def bystander(socket: str, trips: int, seconds: float) -> list[float]:
+    """Round trips of 32-key lookups, in ms, until ``trips`` or ``seconds``."""
+    wanted = keys("mine", 32)
+    out: list[float] = []
+    async with await connect(socket, MINE) as client:
+        end = time.monotonic() + seconds
+        while len(out) < trips and time.monotonic() < end:
+            began = time.perf_counter()
+            found = await client.lookup(wanted)
+            out.append((time.perf_counter() - began) * 1e3)
+            if found.count != len(wanted):
+                raise RuntimeError(f"the bystander lost blocks: {found.count} of 32")
+    return out
+
+
+def figures(trips: list[float]) -> dict[str, float]:
+    ordered = sorted(trips)
+    return {
+        "trips": len(ordered),
+        "p50_ms": round(statistics.median(ordered), 3),
+        "p99_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 3),
+        "max_ms": round(ordered[-1], 3),
+    }
+
+
+# -- the neighbour, in its own process ------------------------------------------------
+
+
+async def neighbour(attack: str, socket: str, seconds: float) -> int:
+    """Loop ``attack`` for ``seconds`` (at most 100,000 rounds); how many rounds ran."""
+    end = time.monotonic() + seconds
+    rounds = 0
+    stopped = asyncio.Event()  # SIGTERM: the bystander is done
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
+    async with await connect(socket, CROWD) as client:
+        wanted = keys("crowd", BURST)
+        print("started", flush=True)
+        while rounds < 100_000 and time.monotonic() < end and not stopped.is_set():
+            if attack == "loads":
+                reply = await client.request("prepare_load", keys=wanted)
+                if reply.get("lease") is not None:
+                    await client.request("complete_load", lease=reply["lease"])
+            elif attack == "hellos":
+                try:
+                    async with await connect(socket, f"fresh-{rounds}-{time.time_ns()}"):
+                        pass
+                except DaemonError as refused:  # past the bound: refused, and cheap
+                    if refused.code != "too_many_namespaces":
+                        raise
+            elif attack == "namespaces":
+                await client.namespaces()
+                await client.stats(namespaces=True)
+            else:
+                await client.delete(prefix=b"no-key-starts-so")
+            rounds += 1
+    return rounds
+
+
+# -- the phases -----------------------------------------------------------------------
+
+
+async def phase(attack: str | None, socket: str, args: argparse.Namespace) -> dict[str, Any]:
+    child = None
+    if attack is not None:
+        command = [sys.executable, __file__, "--neighbour", attack, "--socket", socket]
+        command += ["--seconds", str(args.seconds)]
+        child = await asyncio.to_thread(
+            subprocess.Popen, command, stdout=subprocess.PIPE, text=True
+        )
+        if child.stdout is None:
+            raise RuntimeError("no pipe from the neighbour")
+        started = await asyncio.to_thread(child.stdout.readline)  # connected: under way
+        if started.strip() != "started":
+            raise RuntimeError(f"the neighbour did not start: {started!r}")
+    trips = await bystander(socket, args.trips, args.seconds)
+    out: dict[str, Any] = {"attack": attack or "alone", **figures(trips)}
+    if child is not None:
+        child.terminate()  # it stops after its round under way and says how many it ran
+        stdout, _ = await asyncio.to_thread(child.communicate, timeout=60)
+        out["neighbour_rounds"] = int(stdout.split()[-1]) if stdout.split() else None
+    return out
+
+
+async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="tierd-loop-") as name:
+        home = Path(name)
+        config = daemon_config(home, cpu_blocks=args.blocks + 4 * BURST, disk_blocks=None)
+        proc = await start(config, home)
+        try:
+            socket = config["socket"]["path"]
+            began = time.monotonic()
+            await fill(socket, args.blocks)
+            print(f"filled {args.blocks} blocks in {time.monotonic() - began:.1f} s", flush=True)
+            rows = []
+            for attack in (None, *ATTACKS):
+                rows.append(await phase(attack, socket, args))
+                print(json.dumps(rows[-1]), flush=True)
+            return rows
+        finally:
+            stop(proc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=240_000)
+    parser.add_argument("--trips", type=int, default=50_000)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--neighbour", choices=ATTACKS, help=argparse.SUPPRESS)
+    parser.add_argument("--socket", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.neighbour:
+        print(asyncio.run(neighbour(args.neighbour, args.socket, args.seconds)))
+        return
+    rows = asyncio.run(bench(args))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'neighbour':<12}{'trips':>7}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}")
+    for row in rows:
+        print(
+            f"{row['attack']:<12}{row['trips']:>7}{row['p50_ms']:>9}{row['p99_ms']:>9}"
+            f"{row['max_ms']:>9}"
+        )
+
+
+if __name__ == "__main__":
+    main()
