@@ -160,6 +160,29 @@ async def test_deleting_a_namespace_gives_the_loop_a_turn_per_slice_of_the_index
             assert (await crowd.lookup(part)).count == len(part)
 
 
+async def test_two_walks_of_one_tenants_index_run_one_after_the_other(tmp_path: Path) -> None:
+    big = names("big", 16 * WALK_SLICE)
+    async with (
+        serve(tmp_path, cpu_blocks=len(big) + 64, disk_blocks=None) as daemon,
+        await connect(daemon, "crowd") as crowd,
+        await connect(daemon, "one") as one,
+        await connect(daemon, "two") as two,
+    ):
+        assert await crowd.store(big, rows_of(big)) == len(big)
+        assert await one.store([b"a"], rows_of([b"a"])) == 1
+        assert await two.store([b"b"], rows_of([b"b"])) == 1
+        with loop_turns() as turns:
+            before = turns[0]
+            first, second = await asyncio.gather(
+                one.delete(everything=True), two.delete(everything=True)
+            )
+            during = turns[0] - before
+        assert first["removed"] == second["removed"] == 1
+        # Side by side, both walks would share their turns; one after the other, each
+        # takes a turn per slice of its own.
+        assert during >= 2 * (len(big) // WALK_SLICE)
+
+
 async def test_a_delete_stays_right_while_stores_and_evictions_run_between_its_slices(
     tmp_path: Path,
 ) -> None:
