@@ -16,7 +16,11 @@ process, so that its client work does not share the bystander's loop) loops one 
 Every phase lasts ``--seconds`` or ``--trips`` bystander round trips, whichever ends
 first; the neighbour's rounds are bounded too. The daemon and the neighbour are stopped
 by PID. Usage: ``scripts/bench_neighbours_loop.py [--blocks 240000] [--trips 50000]
-[--seconds 10] [--json]``. To measure another checkout, run it with that checkout on ``PYTHONPATH``.
+[--seconds 10] [--json] [--probe]``. With ``--probe`` the daemon runs in this process
+instead, and what is reported is the loop's longest turns in CPU time while each
+neighbour attacks (a machine shared with other work stretches wall-clock round trips
+by however long the kernel runs something else). To measure another checkout, run it
+with that checkout on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any
 import yaml
 
 from tierd.client import Client, DaemonError, Unreachable
-from tierd.testing import daemon_config
+from tierd.testing import daemon_config, running_daemon
 
 BLOCK = 4096
 ATTACKS = ("loads", "hellos", "namespaces", "delete")
@@ -190,17 +194,71 @@ async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             stop(proc)
 
 
+async def probe(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The daemon in this process's loop, beside a coroutine that takes one step per turn
+    of the loop and times each turn in this thread's CPU time (so a turn the kernel gave
+    to another process does not count): the loop's longest steps while each neighbour
+    attacks. No bystander: the figure is the loop's own work, not the machine's load."""
+    with tempfile.TemporaryDirectory(prefix="tierd-loop-") as name:
+        home = Path(name)
+        config = daemon_config(home, cpu_blocks=args.blocks + 4 * BURST, disk_blocks=None)
+        async with running_daemon(config):
+            socket = config["socket"]["path"]
+            await fill(socket, args.blocks)
+            rows = []
+            for attack in ATTACKS:
+                rows.append(await probed(attack, socket, args))
+                print(json.dumps(rows[-1]), flush=True)
+            return rows
+
+
+async def probed(attack: str, socket: str, args: argparse.Namespace) -> dict[str, Any]:
+    turns: list[float] = []
+
+    async def tick() -> None:
+        last = time.thread_time()
+        while len(turns) < 10_000_000:
+            await asyncio.sleep(0)
+            now = time.thread_time()
+            turns.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    command = [sys.executable, __file__, "--neighbour", attack, "--socket", socket]
+    child = await asyncio.create_subprocess_exec(
+        *command, "--seconds", str(args.seconds), stdout=subprocess.PIPE
+    )
+    stdout, _ = await child.communicate()
+    ticker.cancel()
+    ordered = sorted(turns)
+    return {
+        "attack": attack,
+        "turns": len(ordered),
+        "p999_turn_ms": round(ordered[int(len(ordered) * 0.999)] * 1e3, 3),
+        "longest_turn_ms": round(ordered[-1] * 1e3, 3),
+        "neighbour_rounds": int(stdout.split()[-1]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=240_000)
     parser.add_argument("--trips", type=int, default=50_000)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--probe", action="store_true", help="time the loop's turns instead")
     parser.add_argument("--neighbour", choices=ATTACKS, help=argparse.SUPPRESS)
     parser.add_argument("--socket", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.neighbour:
         print(asyncio.run(neighbour(args.neighbour, args.socket, args.seconds)))
+        return
+    if args.probe:
+        for row in asyncio.run(probe(args)):
+            print(
+                f"{row['attack']:<12}{row['neighbour_rounds']:>8} rounds, longest loop turn"
+                f" {row['longest_turn_ms']} ms, p99.9 {row['p999_turn_ms']} ms"
+            )
         return
     rows = asyncio.run(bench(args))
     if args.json:
