@@ -253,6 +253,32 @@ async def test_namespaces_and_stats_answer_without_a_pass_over_any_index(
     assert after["b"] == before["b"]
 
 
+async def test_figures_per_namespace_count_the_blocks_a_restart_adopts_in_the_background(
+    tmp_path: Path,
+) -> None:
+    kept = names("kept", 300)
+    async with (
+        serve(tmp_path, cpu_blocks=16, disk_blocks=512) as daemon,
+        await connect(daemon, "kept") as client,
+    ):
+        for start in range(0, len(kept), 16):
+            part = kept[start : start + 16]
+            assert await client.store(part, rows_of(part)) == len(part)
+        await client.flush()
+    config = daemon_config(tmp_path, block_bytes=BLOCK, cpu_blocks=16, disk_blocks=512)
+    # Every kept block adopted in the background, 100 per tenth of a second.
+    config["tiers"][1].update(adopt_inline=0, adopt_rate=1000)
+    async with asyncio.timeout(120), running_daemon(config) as daemon:
+        adopting = [t for t in asyncio.all_tasks() if t.get_name().startswith("adopt-")]
+        async with await connect(daemon, None) as operator:
+            await operator.namespaces()  # while adopting: answered, no pass per request
+            if adopting:
+                await asyncio.wait(adopting)
+            rows = {r["namespace"]: r for r in (await operator.namespaces())["default"]}
+        assert rows["kept"]["blocks"]["disk"] == len(kept)
+        assert_figures_match_the_index(tenant_of(daemon), rows)
+
+
 # -- finding 4: namespace names -------------------------------------------------------
 
 

@@ -10,7 +10,11 @@ prefixes, not the number of blocks.
 
 Blocks that enter a tier without an event (adopted after a restart: they were announced
 before it) are noticed by a cheap check on every read, the number of blocks counted
-against the tier's number of ready blocks, and that level alone is counted again.
+against the tier's number of ready blocks, and that level alone is counted again, once
+its adoption has ended: while a restart still adopts kept blocks in the background (in
+slices, at a bounded rate), a recount on every read would be a pass over the index per
+request again, so until then the adopted blocks are missing from the figures (the
+tier's ``adopting`` figure says how many are still to come).
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ class PrefixCensus:
 
     def _check(self, index: int) -> None:
         tier = self._tiers[index]
+        if tier.adopting:
+            return  # adoption still runs: counting again on every read would cost a pass
         if self._totals[index] != len(tier) - tier.stats().writing:
             self._recount(index)  # blocks came in without an event: adopted at a restart
 
