@@ -268,3 +268,20 @@ def _daemon_fds(fd: int) -> set[int]:
         if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino) and int(name) != fd:
             found.add(int(name))
     return found
+
+
+async def test_a_free_thread_serves_at_once_after_busy_times() -> None:
+    """Threads that have served bursts before, three of them then held by tenant A: B's
+    slice runs at once on the fourth (a lazily grown pool could keep only three, with
+    B's slice queued behind A's held ones)."""
+    threads = FairThreads(4, name="test-warm")
+    for burst in (1, 2, 3, 4, 2, 1, 3):  # threads come and go idle
+        await asyncio.gather(*(threads.run("A", i, lambda: None) for i in range(burst)))
+    gate = threading.Event()
+    held = [asyncio.ensure_future(threads.run("A", i, lambda: gate.wait(30))) for i in range(3)]
+    try:
+        async with asyncio.timeout(10):
+            assert await threads.run("B", 9, lambda: "served") == "served"
+    finally:
+        gate.set()
+    assert await asyncio.gather(*held) == [True] * 3

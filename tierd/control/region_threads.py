@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tierd.stores.base import settle
@@ -55,7 +56,15 @@ class FairThreads:
         self.threads = threads
         self.per_tenant = max(1, threads - 1)
         self.per_connection = max(1, threads - 2)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        # Threads of our own, all started at once: work is handed over only when one is
+        # free, so none ever waits in a queue behind another's. (An executor's lazily
+        # started threads were seen to stay at three of four while three waited on a
+        # client's file lock, and the fourth tenant's slice then waited with them.)
+        self._work: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[Any], object]]] = (
+            queue.SimpleQueue()
+        )
+        self._name = name
+        self._started = False
         # tenant -> connection -> queued work; both orders are the round robin's
         self._queues: dict[Hashable, dict[Hashable, deque[_Work]]] = {}
         self._running: dict[Hashable, int] = {}  # by tenant, and by (tenant, connection)
@@ -93,8 +102,28 @@ class FairThreads:
             self._busy += 1
             for owner in owners:
                 self._running[owner] = self._running.get(owner, 0) + 1
-            done = asyncio.wrap_future(self._pool.submit(fn))
-            done.add_done_callback(functools.partial(self._ended, owners, future))
+            if not self._started:
+                self._start()
+            ended = functools.partial(self._ended, owners, future)
+            report = functools.partial(asyncio.get_running_loop().call_soon_threadsafe, ended)
+            self._work.put((fn, report))
+
+    def _start(self) -> None:
+        self._started = True
+        for i in range(self.threads):
+            thread = threading.Thread(target=self._serve, name=f"{self._name}_{i}", daemon=True)
+            thread.start()
+
+    def _serve(self) -> None:
+        """One copy thread: run each callable handed over, report its outcome."""
+        while True:
+            fn, report = self._work.get()
+            try:
+                outcome: Any = (True, fn())
+            except BaseException as exc:  # handed to the awaiting task, raised there
+                outcome = (False, exc)
+            report(outcome)
+            del fn, report, outcome
 
     def _next(self) -> tuple[tuple[Hashable, Hashable], _Work] | None:
         """The first tenant in turn with queued work and a thread to spare, and its
@@ -128,7 +157,7 @@ class FairThreads:
         self,
         owners: tuple[Hashable, Hashable],
         future: asyncio.Future[Any],
-        done: asyncio.Future[Any],
+        outcome: tuple[bool, Any],
     ) -> None:
         self._busy -= 1
         for owner in owners:
@@ -136,10 +165,9 @@ class FairThreads:
             if not self._running[owner]:
                 del self._running[owner]
         if not future.done():
-            if done.cancelled():
-                future.cancel()
-            elif done.exception() is not None:
-                future.set_exception(done.exception())  # type: ignore[arg-type]
+            ok, value = outcome
+            if ok:
+                future.set_result(value)
             else:
-                future.set_result(done.result())
+                future.set_exception(value)
         self._dispatch()
