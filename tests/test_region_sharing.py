@@ -25,11 +25,14 @@ from typing import Any
 import pytest
 
 import tierd.control.region_copy as region_copy
-from tests.test_daemon_api import serve
+from tests.test_daemon_api import _watch_connections, connect_watched, serve
 from tests.test_region_attacks import refused
 from tests.test_regions import connect, memfd, pattern, rows
+from tierd.control.connection import MAX_REGION_JOBS
 from tierd.control.region_copy import CALL_BYTES, Layout, write_region
 from tierd.control.region_threads import FairThreads, slices
+
+__all__ = ["_watch_connections"]  # the fixture: the daemon's connections, watched
 
 BLOCK = 4096
 MiB = 1 << 20
@@ -285,3 +288,42 @@ async def test_a_free_thread_serves_at_once_after_busy_times() -> None:
     finally:
         gate.set()
     assert await asyncio.gather(*held) == [True] * 3
+
+
+@pytest.mark.usefixtures("_watch_connections")
+async def test_a_connection_runs_a_few_region_jobs_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """32 region loads pipelined on one connection, their copies held: the daemon runs
+    at most MAX_REGION_JOBS of them (the rest wait unread, holding nothing); all are
+    answered once the copies go on."""
+    gate, entered = threading.Event(), threading.Semaphore(0)
+    real = region_copy.write_region
+
+    def copy(fd: int, *args: Any) -> list[bool]:
+        entered.release()
+        gate.wait(30)
+        return real(fd, *args)
+
+    monkeypatch.setattr("tierd.control.regions.write_region", copy)
+    async with serve(tmp_path, cpu_blocks=64) as daemon:
+        client, conn = await connect_watched(daemon)
+        async with client:
+            await client.store([b"k"], [pattern(b"stored", BLOCK)])
+            with memfd(32 * BLOCK, "pipelined") as fd:
+                region = await client.register_region(fd, 32 * BLOCK)
+                jobs = [
+                    client.send(
+                        "region_load", region=region, keys=[b"k"], offsets=rows(i).tobytes()
+                    )
+                    for i in range(32)
+                ]
+                try:
+                    for _ in range(2):  # the connection's two copy threads are held
+                        assert await asyncio.to_thread(entered.acquire, True, 30)
+                    running = len(conn.session.tasks)
+                finally:
+                    gate.set()
+                replies = await asyncio.gather(*jobs)
+        assert 2 <= running <= MAX_REGION_JOBS
+        assert [r["done"] for r in replies] == [[True]] * 32

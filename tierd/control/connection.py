@@ -41,7 +41,18 @@ from tierd.control.session import Session
 from tierd.control.socketfile import peer_credentials
 from tierd.errors import ProtocolError
 
-__all__ = ["Connection", "Listener"]
+__all__ = ["MAX_REGION_JOBS", "Connection", "Listener"]
+
+# Region jobs one connection runs at once; more wait in its backlog (and reading pauses):
+# what a queued job holds (its pins, its offsets) is bounded per connection, and so is
+# how much of the loop and of the copy queues one connection's pipeline takes.
+MAX_REGION_JOBS = 8
+_JOB_OPS = frozenset({"region_load", "region_store"})
+
+
+def _is_job(message: object) -> bool:
+    return type(message) is dict and message.get("op") in _JOB_OPS
+
 
 log = structlog.get_logger("tierd.control")
 
@@ -90,6 +101,7 @@ class Connection(asyncio.Protocol):
         self._batch: list[bytes] | None = None
         self._batch_bytes = 0
         self._reserved = 0  # bytes of replies promised by running get requests
+        self._jobs = 0  # region jobs running (see MAX_REGION_JOBS)
         self._reading_paused = False
         self._hello = Deadline(limits.hello_timeout_s, lambda: self.drop("hello_timeout"))
         self._frame = Deadline(limits.frame_deadline_s, lambda: self.drop("frame_deadline"))
@@ -244,6 +256,8 @@ class Connection(asyncio.Protocol):
             return False
         if len(self.session.tasks) >= limits.max_requests_in_flight:
             return False
+        if self._jobs >= MAX_REGION_JOBS and self.backlog and _is_job(self.backlog[0]):
+            return False  # the next region job waits, unread beyond it, for one to end
         if not self.session.writable.is_set():
             return False
         unsent = transport.get_write_buffer_size() + self._batch_bytes + self._reserved
@@ -266,12 +280,18 @@ class Connection(asyncio.Protocol):
                 task.add_done_callback(self._registered)
         if task is None:
             return
+        if _is_job(message):
+            self._jobs += 1
+            task.add_done_callback(self._job_ended)
         if type(message) is dict and message.get("op") == "get":
             keys = message.get("keys")
             cost = len(keys) * self.ctx.block_bytes if isinstance(keys, list) else 0
             self._reserved += cost
             task.add_done_callback(lambda _: self._release(cost))
         task.add_done_callback(self._work)
+
+    def _job_ended(self, _: object) -> None:
+        self._jobs -= 1
 
     def _registered(self, _: object) -> None:
         self._registering = False
