@@ -87,9 +87,9 @@ class NamespaceBook:
         if namespace_id in self.names or len(self.names) < self.max_names:
             return None
         return (
-            f"namespace {name!r} would be this tenant's {len(self.names) + 1}th; at most"
-            f" {self.max_names} (limits.namespaces_per_tenant): use a namespace it has"
-            " named before"
+            f"namespace {name!r} is new, and this tenant has named {len(self.names)}"
+            f" namespaces already, at most {self.max_names} (limits.namespaces_per_tenant):"
+            " use a namespace it has named before"
         )
 
     def learn(self, name: str, namespace_id: bytes) -> NamespaceFigures:
