@@ -1,23 +1,31 @@
 """The pieces under the namespace operations and reload, without a daemon: the chain's
 ``delete`` across levels (pinned and in-flight keys kept whole, invariants intact, a disk
-tier that forgets), the metrics' bound on namespace label sets, and how a reload sorts
-changed config paths into live and restart-only.
+tier that forgets), the metrics' bound on namespace label sets, how a reload sorts
+changed config paths into live and restart-only, the chain's census of blocks per
+namespace (kept from its events, counted again after blocks came in without one), and
+the book of names (bounded, written once per burst).
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import tierd
-from tests.test_chain import chain_config, keys_of, store_all
+from tests.test_chain import chain_config, content, keys_of, store_all
+from tierd.chain import TierChain
 from tierd.config import DaemonConfig
+from tierd.control.namespaces import NAMES_FILE, NamespaceBook
+from tierd.control.protocol import NAMESPACE_ID_BYTES
 from tierd.control.stats import OTHER, top_namespaces
 from tierd.daemon.reload import plan_reload
 from tierd.errors import ConfigError
 from tierd.events import EventKind
+from tierd.keys import BlockKey
 from tierd.testing import daemon_config
 
 
@@ -128,3 +136,82 @@ async def test_cleared_disk_blocks_do_not_come_back_after_a_reopen(tmp_path: Pat
     async with tierd.open(config) as chain:
         assert chain.levels[1].tier.stats().used == 0
         assert chain.lookup(keys).count == 0
+
+
+# -- the census of blocks per namespace, and the book of names --------------------------
+
+
+def ns_key(namespace: int, i: int) -> BlockKey:
+    return BlockKey(namespace.to_bytes(NAMESPACE_ID_BYTES, "big") + i.to_bytes(8, "big"))
+
+
+def truth(chain: TierChain) -> list[dict[bytes, int]]:
+    """Ready blocks per level by namespace, counted the slow way."""
+    return [
+        dict(Counter(k[:NAMESPACE_ID_BYTES] for k in level.tier.ready_keys()))
+        for level in chain.levels
+    ]
+
+
+async def test_the_census_follows_stores_evictions_demotions_deletes_and_clears(
+    tmp_path: Path,
+) -> None:
+    config = chain_config(
+        tmp_path, {"kind": "cpu", "capacity": 8}, {"kind": "disk", "capacity": 24}
+    )
+    async with tierd.open(config) as chain:
+        census = chain.prefix_census(NAMESPACE_ID_BYTES)
+        seen = lambda: [dict(census.counts(i)) for i in range(len(chain.levels))]  # noqa: E731
+        for namespace in (1, 2, 3):  # 30 blocks through 8 slots: evictions and demotions
+            for i in range(0, 10, 2):
+                await chain.store(
+                    [ns_key(namespace, i), ns_key(namespace, i + 1)],
+                    [content(ns_key(namespace, i)), content(ns_key(namespace, i + 1))],
+                )
+                assert seen() == truth(chain)
+        async with chain.loading([ns_key(1, 0)]):  # a promotion from the disk tier
+            assert seen() == truth(chain)
+        chain.delete([ns_key(2, i) for i in range(10)])
+        assert seen() == truth(chain)
+        assert census.held(0, (2).to_bytes(NAMESPACE_ID_BYTES, "big")) == 0
+        chain.clear(0)
+        assert seen() == truth(chain)
+        assert census.recounts == len(chain.levels)  # once each, at the start: no pass since
+
+
+async def test_the_census_counts_a_level_again_when_blocks_came_in_without_an_event(
+    tmp_path: Path,
+) -> None:
+    config = chain_config(tmp_path, {"kind": "disk", "capacity": 16})
+    async with tierd.open(config) as chain:
+        await chain.store([ns_key(1, i) for i in range(6)], [content(ns_key(1, 0))] * 6)
+    config["tiers"][0]["adopt_inline"] = 0  # the restart adopts them in the background
+    async with tierd.open(config) as chain:
+        census = chain.prefix_census(NAMESPACE_ID_BYTES)  # before adoption: none counted
+        assert chain.levels[0].tier.adopting == 6
+        await chain.store([ns_key(2, 0)], [content(ns_key(2, 0))])
+        adopting = [t for t in asyncio.all_tasks() if t.get_name().startswith("adopt-")]
+        if adopting:  # it may have ended while the store awaited its write
+            await asyncio.wait(adopting)
+        assert chain.levels[0].tier.adopting == 0  # adopted, without an event
+        assert [dict(census.counts(0))] == truth(chain)
+        assert truth(chain) == [{ns_key(1, 0)[:8]: 6, ns_key(2, 0)[:8]: 1}]
+        assert census.recounts == 2  # at the start, and once after the adoption
+
+
+async def test_the_book_writes_a_burst_of_names_once_at_close_and_refuses_past_its_bound(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / NAMES_FILE
+    book = NamespaceBook(path, max_names=50, write_delay_s=3600.0)  # no timer fires here
+    for i in range(50):
+        assert book.refusal(f"ns-{i}", bytes([i]) * 8) is None
+        book.learn(f"ns-{i}", bytes([i]) * 8)
+    assert book.writes == 0 and not path.exists()  # learning costs the loop no file work
+    refusal = book.refusal("one-more", b"\xff" * 8)
+    assert refusal is not None and "limits.namespaces_per_tenant" in refusal
+    assert book.refusal("ns-7", bytes([7]) * 8) is None  # a known name is never refused
+    await book.close()
+    assert book.writes == 1
+    again = NamespaceBook(path)
+    assert again.names == book.names and len(again.names) == 50
