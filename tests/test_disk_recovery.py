@@ -78,7 +78,7 @@ async def test_a_write_in_flight_at_a_checkpoint_survives_a_crash(tmp_path: Path
         await put(store, range(4))
         slab = store._slabs[0]
         gen = slab.begin(5)
-        slab.maybe_checkpoint(0)
+        slab.checkpoint_now()
         assert slab.flush_journal(True) == 0
         assert slab.write_chunk([(5, int_key(5), gen, memoryview(block(5)))]) == [0]
         dead = crash_copy(live, tmp_path / "dead")

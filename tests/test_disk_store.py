@@ -34,7 +34,7 @@ from tierd.testing import StoreConformance
 
 BB = 8192  # a multiple of 4096: caller buffers can be used without staging
 SLOT = ALIGN + BB
-FILES = ("tierd-slab.bin", "tierd-index.msgpack", "tierd-journal.bin")
+FILES = ("tierd-slab.bin", "tierd-index.msgpack", "tierd-journal.bin", "tierd-journal.old.bin")
 
 
 class FaultyIO(FileIO):
@@ -304,50 +304,57 @@ async def test_journal_checkpoints_bound_its_size(tmp_path: Path) -> None:
     async with store_at(live, journal_limit_bytes=2048) as store:
         for round_ in range(20):
             await put(store, [round_ * 16 + s for s in range(16)], slots=range(16))
-        await store.sync()
+            await store.sync()  # and the checkpoint this round started
         assert (live / "tierd-journal.bin").stat().st_size < 4096
+        assert not (live / "tierd-journal.old.bin").exists()
         dead = crash_copy(live, tmp_path / "dead")
     async with store_at(dead) as store:
         assert store.index() == {s: int_key(19 * 16 + s) for s in range(16)}
 
 
-class _JournalRestartFails(FileIO):
-    """Fails, once, the header write that restarts the journal after a checkpoint."""
+class _RotationFails(FileIO):
+    """While armed, fails the header write of the journal a checkpoint's rotation starts
+    (a full file system), once."""
 
     def __init__(self) -> None:
         self.armed = False
-        self._after_truncate = False
+        self.failed = 0
+        self._fds: set[int] = set()
 
-    def truncate(self, fd: int, nbytes: int) -> None:
-        super().truncate(fd, nbytes)
-        self._after_truncate = self.armed
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        fd = super().open(path, flags, mode)
+        if self.armed and path.endswith(".next"):
+            self._fds.add(fd)
+        return fd
 
     def write(self, fd: int, data: bytes) -> int:
-        if self._after_truncate:
-            self._after_truncate = self.armed = False
+        if fd in self._fds:
+            self._fds.discard(fd)
+            self.armed, self.failed = False, self.failed + 1
             raise OSError(errno.ENOSPC, "injected: no space left on device")
         return super().write(fd, data)
 
 
-async def test_a_journal_whose_restart_failed_still_means_a_crash(tmp_path: Path) -> None:
-    # A checkpoint renamed its snapshot into place, then could not write the new journal's
-    # header. Blocks synced after that must survive a crash: the header-less journal left
-    # behind is a crash, not a clean shutdown that would trust the older snapshot.
+async def test_a_checkpoint_that_cannot_start_its_journal_loses_nothing(tmp_path: Path) -> None:
+    # The new journal of a checkpoint could not be written: the checkpoint is given up,
+    # said once, and the old journal goes on growing, so blocks written after it survive
+    # a crash; writes never fail for it. A later checkpoint (after the backoff) succeeds.
     live = tmp_path / "live"
     live.mkdir()
-    io = _JournalRestartFails()
+    io = _RotationFails()
     async with store_at(live, num_blocks=64, journal_limit_bytes=2048, fileio=io) as store:
         io.armed = True
         written = 0
-        while not store.stats().details["journal_errors"]:
+        while not io.failed:
             assert await put(store, range(written, written + 4)) == [True] * 4
             await store.sync()
             written += 4
-        assert not io.armed
-        for _ in range(2):  # synced after the failed restart
+        for _ in range(2):  # synced after the failed checkpoint
             assert await put(store, range(written, written + 4)) == [True] * 4
             await store.sync()
             written += 4
+        assert store.stats().details["snapshot_failures"] == 1  # said, and waits for 5 s
+        assert not (live / "tierd-journal.old.bin").exists()
         dead = crash_copy(live, tmp_path / "dead")
     async with store_at(dead, num_blocks=64) as store:
         assert store.stats().details["recovery"] == ["crash"]

@@ -8,7 +8,9 @@ and generation and the data against its checksum, so a torn, stale or corrupted 
 reads as failed, never as wrong bytes.
 
 I/O runs on two thread pools, reads apart from writes, so loads never queue behind
-write-back. A batch is cut into chunks of up to ``blocks_per_task`` blocks per slab, one
+write-back; snapshots of the index are written on a third thread of their own, never
+inside a write (:mod:`tierd.stores.disk_checkpoint` says when and how). A batch is cut
+into chunks of up to ``blocks_per_task`` blocks per slab, one
 thread hop per chunk; up to ``read_threads`` / ``write_threads`` chunks are in flight.
 O_DIRECT is used where the file system accepts it (probed once per slab at open); caller
 buffers that are page-aligned and a multiple of 4096 bytes long (CPU pool slots) are read
@@ -36,6 +38,7 @@ import numpy as np
 from tierd.keys import BlockKey, Medium
 from tierd.logs import get_logger
 from tierd.stores.base import BlockStore, Buffer, InFlight, StoreStats, block_views, device_rows
+from tierd.stores.disk_checkpoint import Checkpoints
 from tierd.stores.disk_slab import BAD_BLOCK, OK, Slab, SlabConfig
 from tierd.stores.disk_sync import Fsync, PeriodicSync
 from tierd.stores.fileio import FileIO
@@ -99,6 +102,8 @@ class DiskStore(BlockStore):
         self._slabs = [self._make_slab(i, d, o_direct, io) for i, d in enumerate(self.directories)]
         self._readers: ThreadPoolExecutor | None = None
         self._writers: ThreadPoolExecutor | None = None
+        self._snapshots: ThreadPoolExecutor | None = None
+        self._checkpoints: Checkpoints | None = None  # made with the pools, at open
         self._in_flight = InFlight()  # reads and writes in progress
         self._journal_flushes: set[Future[int]] = set()
         self._counts = dict.fromkeys(
@@ -124,6 +129,10 @@ class DiskStore(BlockStore):
     async def _open(self) -> None:
         self._readers = ThreadPoolExecutor(self._threads[0], thread_name_prefix="tierd-disk-r")
         self._writers = ThreadPoolExecutor(self._threads[1], thread_name_prefix="tierd-disk-w")
+        self._snapshots = ThreadPoolExecutor(1, thread_name_prefix="tierd-disk-snap")
+        self._checkpoints = Checkpoints(
+            self._slabs, self._journal_limit, self._flush_soon, self._snapshots
+        )
         loop = asyncio.get_running_loop()
         opens = [loop.run_in_executor(self._readers, s.open_sync) for s in self._slabs]
         results = await asyncio.gather(*opens, return_exceptions=True)
@@ -138,6 +147,8 @@ class DiskStore(BlockStore):
         await self._in_flight.idle()  # the base class already refuses new reads and writes
         loop = asyncio.get_running_loop()
         try:
+            if self._checkpoints is not None:  # the clean snapshot below supersedes its work
+                await self._checkpoints.close()
             if self._periodic is not None:
                 await self._periodic.close()
             for fut in list(self._journal_flushes):
@@ -159,7 +170,7 @@ class DiskStore(BlockStore):
             self._shutdown_pools()
 
     def _shutdown_pools(self) -> None:
-        for pool in (self._readers, self._writers):
+        for pool in (self._readers, self._writers, self._snapshots):
             if pool is not None:
                 pool.shutdown(wait=False)
 
@@ -184,13 +195,18 @@ class DiskStore(BlockStore):
             self._slabs[slot % self._n].invalidate(slot // self._n)
 
     async def sync(self) -> None:
-        """Write the journal of every slab; unless ``fsync`` is ``"none"``, sync the
-        slabs' data, then their journals."""
+        """Finish the checkpoints under way, write the journal of every slab (unless
+        ``fsync`` is ``"none"``, sync the slabs' data, then their journals) and the
+        snapshots due (one waiting out its retry time stays due)."""
         self._check((), None)
+        if self._checkpoints is not None:
+            await self._checkpoints.finish_walks()
         if self._fsync is Fsync.NONE:
             await self._run(self._writers, [partial(_flush, s, False) for s in self._slabs])
         else:
             await self._run(self._writers, [partial(_sync, s) for s in self._slabs])
+        if self._checkpoints is not None:
+            await self._checkpoints.write_due()
 
     def _sync_soon(self) -> Future[object]:
         """Start a sync of every slab (``batch`` mode's periodic one) on a writer thread."""
@@ -247,14 +263,20 @@ class DiskStore(BlockStore):
         if self._writers is None:
             return
         for slab in self._slabs:
-            if not slab.journal.dirty:
-                continue
-            slab.maybe_checkpoint(self._journal_limit)
-            fut = self._writers.submit(slab.flush_journal, self._fsync is Fsync.ALWAYS)
-            self._journal_flushes.add(fut)
-            fut.add_done_callback(self._journal_flushes.discard)
+            if slab.journal.dirty:
+                self._flush_soon(slab)
+        if self._checkpoints is not None:
+            self._checkpoints.after_write()
         if self._periodic is not None:
             self._periodic.written()
+
+    def _flush_soon(self, slab: Slab) -> Future[int]:
+        if self._writers is None:
+            raise RuntimeError("the disk store's thread pools are gone")
+        fut = self._writers.submit(slab.flush_journal, self._fsync is Fsync.ALWAYS)
+        self._journal_flushes.add(fut)
+        fut.add_done_callback(self._journal_flushes.discard)
+        return fut
 
     async def _read_batch(
         self, slots: Sequence[int], keys: Sequence[BlockKey], out: Sequence[Buffer] | Any
@@ -365,6 +387,7 @@ class DiskStore(BlockStore):
                 "checksum_failures": c["checksum_failures"],
                 "index_misses": c["index_misses"],
                 "journal_errors": sum(s.journal_errors for s in slabs),
+                "snapshot_failures": self._checkpoints.failures if self._checkpoints else 0,
                 "fsync": str(self._fsync),
                 "periodic_syncs": self._periodic.syncs if self._periodic else 0,
                 "slot_bytes": slabs[0].slot_size,

@@ -32,6 +32,7 @@ import xxhash
 
 from tierd.logs import get_logger
 from tierd.stores import disk_index as di
+from tierd.stores import disk_journal as dj
 from tierd.stores.fileio import ALIGN, FileIO, aligned_buffer
 
 __all__ = [
@@ -161,7 +162,7 @@ Check = Callable[[int, int | None], bytes | None]
 
 
 def recover_index(
-    journal: di.Journal,
+    journal: dj.Journal,
     uuid: bytes,
     epoch: int,
     scan: Callable[[], dict[int, di.BlockHeader]],
@@ -181,11 +182,15 @@ def recover_index(
     # A clean close removes the journal; any journal left, even one whose header is
     # unreadable (a checkpoint that failed to restart it), means the daemon died and
     # blocks may have been written after the snapshot.
-    crashed = os.path.exists(journal.path)
+    rotated = os.path.exists(journal.old_path)  # a rotation's snapshot was not written
+    crashed = os.path.exists(journal.path) or rotated
     if snap is not None and snap.clean and not crashed:
         resume: Resume | None = (None, []) if snap.pending is not None else None  # v1: rewrite
         return Recovered(snap.entries, snap.next_gen, snap.epoch, "clean", resume=resume)
-    replay = di.Journal.replay(journal.path, uuid) if crashed else None
+    replay = dj.Journal.replay(journal.path, uuid) if crashed else None
+    if rotated and snap is not None:
+        old = dj.Journal.replay(journal.old_path, uuid)
+        replay = _after_rotation(snap.epoch, old, replay, os.path.exists(journal.path))
     if snap is not None and snap.pending is not None and replay is not None:
         return _from_journal(snap, replay, check, path)
     if snap is not None and not crashed:
@@ -202,7 +207,24 @@ def recover_index(
     return _rebuild(known, scan(), check, epoch, path)
 
 
-def _from_journal(snap: di.Snapshot, replay: di.Replay, check: Check, path: str) -> Recovered:
+def _after_rotation(
+    epoch: int, old: dj.Replay | None, new: dj.Replay | None, new_exists: bool
+) -> dj.Replay | None:
+    """The journal to replay over the snapshot of ``epoch`` when a rotation's snapshot
+    may not have been written: the old journal's records then the new one's, when the
+    snapshot is the one the old journal extends (``length`` None: not gone on with, the
+    open writes a new snapshot); the new journal alone when the rotation's snapshot is
+    in place; None when neither extends it (the caller scans)."""
+    if new is not None and new.epoch == epoch:
+        return new
+    if old is None or old.epoch != epoch:
+        return None
+    if new is None:  # a crash between the two renames: the old journal holds everything
+        return None if new_exists else dj.Replay(epoch, old.records, None)
+    return dj.Replay(epoch, {**old.records, **new.records}, None)
+
+
+def _from_journal(snap: di.Snapshot, replay: dj.Replay, check: Check, path: str) -> Recovered:
     """The crash path: snapshot plus journal, checking only the slots left open. The
     journal is gone on with, the checked slots' outcomes appended to it."""
     entries = snap.entries
@@ -237,7 +259,9 @@ def _from_journal(snap: di.Snapshot, replay: di.Replay, check: Check, path: str)
         path=path, source="journal", blocks=len(entries), journal_records=len(records),
         verified=len(unsure), dropped=dropped,
     )  # fmt: skip
-    resume = (replay.length if current else None, outcomes)
+    resume: Resume | None = (replay.length if current else None, outcomes)
+    if current and replay.length is None:  # two journals: write a new snapshot at open
+        resume = None
     return Recovered(
         entries, max(gens) + 1, snap.epoch, "crash", dropped, len(unsure), resume=resume
     )

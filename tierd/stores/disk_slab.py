@@ -27,6 +27,7 @@ from typing import Any
 from tierd.errors import SlabInUse, StoreIOError
 from tierd.logs import get_logger
 from tierd.stores import disk_index as di
+from tierd.stores import disk_journal as dj
 from tierd.stores.disk_open import (
     Resume,
     format_slab,
@@ -35,6 +36,8 @@ from tierd.stores.disk_open import (
     recover_index,
     scan_headers,
 )
+from tierd.stores.disk_snapshot import Checkpoint
+from tierd.stores.disk_walk import IndexWalk
 from tierd.stores.fileio import ALIGN, FileIO, address_of, aligned_buffer, round_up
 
 __all__ = ["BAD_BLOCK", "OK", "SLAB_FILE", "Slab", "SlabConfig", "slab_file_bytes"]
@@ -101,10 +104,11 @@ class Slab:
         self.journal_errors = 0
         self.read_only = ""  # why the slab takes no writes (no room for its journal)
         self._warned = self._retried = -_WARN_EVERY_S
-        self.journal = di.Journal(io, cfg.directory)
+        self.journal = dj.Journal(io, cfg.directory)
         self._lock_fd = -1  # buffered descriptor; holds the flock
         self._fd = -1  # descriptor for block I/O (O_DIRECT when the probe passed)
         self._formatted = False  # this open truncated the slab to format it
+        self.walk: IndexWalk | None = None  # a checkpoint being taken, slice by slice
 
     # -- loop-thread bookkeeping -------------------------------------------------------
 
@@ -118,6 +122,8 @@ class Slab:
         self.entries.pop(local, None)
         self.pending[local] = gen
         self.journal.append(di.Op.BEGIN, local, gen)
+        if self.walk is not None:
+            self.walk.touch(local)
         return gen
 
     def commit(self, local: int, key: bytes, gen: int, ok: bool) -> None:
@@ -131,17 +137,34 @@ class Slab:
             self.journal.append(di.Op.SET, local, gen, key)
         else:
             self.journal.append(di.Op.DEL, local, gen)
+        if self.walk is not None:
+            self.walk.touch(local)
 
     def invalidate(self, local: int) -> None:
         entry = self.entries.pop(local, None)
         gen = max(entry[1] if entry else 0, self.pending.pop(local, 0))
         if gen:
             self.journal.append(di.Op.DEL, local, gen)
+        if self.walk is not None:
+            self.walk.touch(local)
 
-    def maybe_checkpoint(self, limit: int) -> None:
-        if self.journal.bytes > limit:
-            self.epoch += 1
-            self.journal.checkpoint(self.epoch, self.next_gen, self.entries, self.pending)
+    def walk_step(self) -> bool:
+        """Take the next slice of the checkpoint under way; once it is whole, queue the
+        journal's rotation for it and return True."""
+        if self.walk is None or not self.walk.step(self.entries):
+            return False
+        self.epoch += 1
+        self.journal.rotate(self.walk.finish(self.epoch, self.next_gen, self.entries, self.pending))
+        self.walk = None
+        return True
+
+    def checkpoint_now(self, *, clean: bool = False) -> None:
+        """Queue a checkpoint of the whole index at once, superseding one under way (at
+        open and close: the flush that reaches it writes it in line)."""
+        self.walk = None
+        self.epoch += 1
+        cp = Checkpoint.of(self.epoch, self.next_gen, self.entries, self.pending, clean=clean)
+        self.journal.checkpoint(cp)
 
     # -- I/O-thread routines -----------------------------------------------------------
 
@@ -269,8 +292,7 @@ class Slab:
             self.journal.uuid = self.uuid
             resume = self._load_index() if not fresh else None
             if not self._resume_journal(resume):
-                self.epoch += 1
-                self.journal.checkpoint(self.epoch, self.next_gen, self.entries, self.pending)
+                self.checkpoint_now()
                 self._start_journal()
         except OSError as exc:
             self.close_fds()
@@ -334,8 +356,7 @@ class Slab:
     def final_checkpoint(self) -> None:
         """Queue the snapshot that :meth:`close_sync` writes (on the loop's thread, so the
         index cannot change while it is copied). It is the one marked clean."""
-        self.epoch += 1
-        self.journal.checkpoint(self.epoch, self.next_gen, self.entries, self.pending, clean=True)
+        self.checkpoint_now(clean=True)
 
     def close_sync(self) -> str | None:
         """Persist the index (slab fsync, then the clean snapshot), drop the journal, close

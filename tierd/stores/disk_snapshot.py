@@ -17,6 +17,11 @@ recovered by scanning the slab, as those releases did).
 The snapshot is written to a temporary file, fsynced and renamed (a failed write removes
 the temporary file and leaves the previous snapshot). One that cannot be read (torn,
 forged, from another slab) is ignored and the caller rebuilds the index from the slab.
+
+A snapshot is taken as :class:`IndexPart` packed arrays (:func:`take`, at C speed, a
+bounded slice of slots at a time on the event loop) and written as those arrays: the
+msgpack frame around them is made by hand (:func:`encode_pieces`), so no step walks the
+entries one Python object at a time, and the big arrays are hashed and written as they are.
 """
 
 from __future__ import annotations
@@ -26,15 +31,30 @@ import os
 import struct
 import sys
 from array import array
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import itemgetter
+from typing import Any
 
 import msgpack
+import numpy as np
 import xxhash
 
 from tierd.logs import get_logger
 from tierd.stores.fileio import FileIO
 
-__all__ = ["Checkpoint", "Entry", "Snapshot", "fsync_dir", "load_snapshot", "save_snapshot"]
+__all__ = [
+    "Checkpoint",
+    "Entry",
+    "IndexPart",
+    "Snapshot",
+    "encode_pieces",
+    "fsync_dir",
+    "load_snapshot",
+    "save_snapshot",
+    "take",
+]
 
 # A readable block: (key, generation its header must carry). A plain tuple, not a
 # dataclass: the index holds one per block (millions), and building a frozen dataclass
@@ -58,27 +78,80 @@ class Snapshot:
     pending: dict[int, int] | None = field(default_factory=dict)
 
 
+U32s = np.ndarray[Any, np.dtype[np.uint32]]
+
+
+@dataclass(frozen=True, slots=True)
+class IndexPart:
+    """Some entries of an index as packed arrays: slot (u32), generation (u64) and key
+    length (u8) per entry, and the keys concatenated."""
+
+    slots: U32s
+    gens: np.ndarray[Any, np.dtype[np.uint64]]
+    lens: np.ndarray[Any, np.dtype[np.uint8]]
+    keys: bytes
+
+    def without(self, slots: U32s) -> IndexPart:
+        """This part less the entries of ``slots`` (sorted, unique)."""
+        if not slots.size or not self.slots.size:
+            return self
+        keep = ~np.isin(self.slots, slots, assume_unique=True)
+        if keep.all():
+            return self
+        key_bytes = np.frombuffer(self.keys, dtype=np.uint8)[np.repeat(keep, self.lens)]
+        return IndexPart(self.slots[keep], self.gens[keep], self.lens[keep], key_bytes.tobytes())
+
+
+def take(entries: Mapping[int, Entry], slots: Iterable[int]) -> IndexPart:
+    """The entries of ``slots`` that ``entries`` holds, packed at C speed (no Python step
+    per entry)."""
+    wanted = list(slots)
+    got = list(map(entries.get, wanted))
+    found: list[Entry] = list(filter(None, got))
+    keys = list(map(itemgetter(0), found))
+    n = len(found)
+    return IndexPart(
+        np.fromiter(compress(wanted, got), dtype=np.uint32, count=n),
+        np.fromiter(map(itemgetter(1), found), dtype=np.uint64, count=n),
+        np.frombuffer(bytes(map(len, keys)), dtype=np.uint8),  # keys are at most 64 bytes
+        b"".join(keys),
+    )
+
+
+def _no_slots() -> U32s:
+    return np.zeros(0, dtype=np.uint32)
+
+
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """A request, queued in order with the journal records, to write a snapshot of
-    ``entries`` (and the writes still ``pending``) and start a new journal on top of it."""
+    """A snapshot to write: the index as ``parts``, less the entries of ``replaced``
+    (sorted slots whose entry in a part went stale), plus ``patch`` (the current entries
+    of those slots); the writes still ``pending``; the generation and epoch to record."""
 
     epoch: int
     next_gen: int
-    entries: dict[int, Entry]
+    parts: tuple[IndexPart, ...]
     pending: dict[int, int]
     clean: bool = False
+    replaced: U32s = field(default_factory=_no_slots)
+    patch: IndexPart | None = None
+
+    @classmethod
+    def of(
+        cls,
+        epoch: int,
+        next_gen: int,
+        entries: Mapping[int, Entry],
+        pending: Mapping[int, int],
+        *,
+        clean: bool = False,
+    ) -> Checkpoint:
+        """The whole of ``entries`` at once (at open, at close, and in tests)."""
+        return cls(epoch, next_gen, (take(entries, entries.keys()),), dict(pending), clean)
 
 
 def _xxh(data: bytes | memoryview) -> int:
     return int(xxhash.xxh3_64_intdigest(data))
-
-
-def _packed(code: str, values: object) -> bytes:
-    arr = array(code, values)  # type: ignore[call-overload]
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return bytes(arr.tobytes())
 
 
 def _unpacked(code: str, raw: object) -> array:  # type: ignore[type-arg]
@@ -93,32 +166,72 @@ def _unpacked(code: str, raw: object) -> array:  # type: ignore[type-arg]
     return arr
 
 
-def encode(cp: Checkpoint, uuid: bytes) -> bytes:
-    """The version-2 payload (msgpack) of ``cp``."""
-    keys = [e[0] for e in cp.entries.values()]
-    widths = {len(k) for k in keys}
-    width = widths.pop() if len(widths) == 1 else 0
-    doc: dict[str, object] = {
-        "version": VERSION, "uuid": uuid, "epoch": cp.epoch, "next_gen": cp.next_gen,
-        "clean": cp.clean, "slots": _packed("I", cp.entries.keys()),
-        "gens": _packed("Q", (e[1] for e in cp.entries.values())),
-        "key_bytes": width, "keys": b"".join(keys),
-        "pending": b"".join(_PENDING.pack(s, g) for s, g in cp.pending.items()),
-    }  # fmt: skip
+Piece = bytes | memoryview  # a buffer written as it is
+
+
+def _little(parts: list[np.ndarray[Any, Any]], dtype: str) -> list[Piece]:
+    """Each array as little-endian bytes, without a copy where it is already so."""
+    arrays = [np.ascontiguousarray(p, dtype=dtype) for p in parts]
+    return [memoryview(a.data).cast("B") for a in arrays]
+
+
+def _bin(chunks: list[Piece]) -> list[Piece]:
+    """A msgpack bin of the chunks concatenated: its header, then the chunks."""
+    size = sum(len(c) for c in chunks)
+    if size < 1 << 8:
+        head = struct.pack(">BB", 0xC4, size)
+    elif size < 1 << 16:
+        head = struct.pack(">BH", 0xC5, size)
+    else:
+        head = struct.pack(">BI", 0xC6, size)
+    return [head, *chunks]
+
+
+def _width(parts: list[IndexPart]) -> int:
+    """The length of every key, or 0 when they differ (or there is none)."""
+    sizes = [(int(p.lens.min()), int(p.lens.max())) for p in parts if p.lens.size]
+    low = {lo for lo, _ in sizes} | {hi for _, hi in sizes}
+    return low.pop() if len(low) == 1 else 0
+
+
+def encode_pieces(cp: Checkpoint, uuid: bytes) -> list[Piece]:
+    """The version-2 payload of ``cp`` as pieces to write one after another: exactly the
+    msgpack encoding of the snapshot's map, the arrays of every part written as they
+    are (no concatenation: a snapshot of millions of entries copies nothing big)."""
+    parts = [part.without(cp.replaced) for part in cp.parts] + [cp.patch or take({}, ())]
+    width = _width(parts)
+    pending = b"".join(_PENDING.pack(s, g) for s, g in cp.pending.items())
+    fields: list[tuple[str, object]] = [
+        ("version", VERSION), ("uuid", uuid), ("epoch", cp.epoch), ("next_gen", cp.next_gen),
+        ("clean", cp.clean), ("slots", _bin(_little([p.slots for p in parts], "<u4"))),
+        ("gens", _bin(_little([p.gens for p in parts], "<u8"))), ("key_bytes", width),
+        ("keys", _bin([p.keys for p in parts])), ("pending", _bin([pending])),
+    ]  # fmt: skip
     if not width:
-        doc["lens"] = bytes(len(k) for k in keys)
-    return bytes(msgpack.packb(doc))
+        fields.append(("lens", _bin([p.lens.tobytes() for p in parts])))
+    pieces: list[Piece] = [struct.pack(">B", 0x80 | len(fields))]  # fixmap: <= 15 fields
+    for name, value in fields:
+        pieces.append(msgpack.packb(name))
+        pieces += value if isinstance(value, list) else [msgpack.packb(value)]
+    return pieces
 
 
-def save_snapshot(io: FileIO, path: str, uuid: bytes, cp: Checkpoint) -> None:
+def save_snapshot(
+    io: FileIO, path: str, uuid: bytes, cp: Checkpoint, pieces: list[Piece] | None = None
+) -> None:
     """Write the snapshot atomically: temporary file, fsync, rename, fsync the directory.
-    On failure (ENOSPC, EIO) the temporary file is removed and the old snapshot stays."""
-    payload = encode(cp, uuid)
+    On failure (ENOSPC, EIO) the temporary file is removed and the old snapshot stays.
+    ``pieces``: ``cp`` already encoded (:func:`encode_pieces`), e.g. for a failed try."""
+    pieces = encode_pieces(cp, uuid) if pieces is None else pieces
+    hasher = xxhash.xxh3_64()
+    for piece in pieces:
+        hasher.update(piece)
     tmp = path + ".tmp"
     try:
         fd = io.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            write_all(io, fd, _U64.pack(_xxh(payload)) + payload)
+            write_all(io, fd, _U64.pack(hasher.intdigest()))
+            _write_paced(io, fd, pieces)
             io.fsync(fd)
         finally:
             io.close(fd)
@@ -128,6 +241,25 @@ def save_snapshot(io: FileIO, path: str, uuid: bytes, cp: Checkpoint) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(io, os.path.dirname(path))
+
+
+_PACE = 4 << 20  # bytes of a snapshot written between two syncs of it
+
+
+def _write_paced(io: FileIO, fd: int, pieces: list[Piece]) -> None:
+    """Write ``pieces``, syncing every :data:`_PACE` bytes: the device then takes a big
+    snapshot a few MiB at a time, and a block write beside it waits for one such burst,
+    not for the whole snapshot flushed at once."""
+    since = 0
+    for piece in pieces:
+        view = memoryview(piece)
+        for start in range(0, len(view), _PACE):
+            part = view[start : start + _PACE]
+            write_all(io, fd, part)
+            since += len(part)
+            if since >= _PACE:
+                io.fdatasync(fd)
+                since = 0
 
 
 def load_snapshot(path: str, uuid: bytes) -> Snapshot | None:
@@ -208,10 +340,11 @@ def _split(blob: bytes, lens: object, count: int) -> list[bytes]:
     return keys
 
 
-def write_all(io: FileIO, fd: int, data: bytes) -> None:
+def write_all(io: FileIO, fd: int, data: Piece) -> None:
+    view = memoryview(data)  # a short write goes on without copying what is left
     done = 0
-    while done < len(data):
-        done += io.write(fd, data[done:])
+    while done < len(view):
+        done += io.write(fd, view[done:])  # type: ignore[arg-type]  # any buffer will do
 
 
 def fsync_dir(io: FileIO, directory: str) -> None:

@@ -1,0 +1,202 @@
+"""Checkpoints of the disk store's index while it serves: taken in slices on the loop,
+rotated into the journal, written on a thread of their own, retried when they fail.
+
+A crash is a copy of the store's files taken while it is open (``crash_copy``); faults and
+holds come from :class:`~tierd.stores.fileio.FileIO` subclasses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+import tierd.stores.disk_walk
+from tests.test_disk_store import block, crash_copy, get, put, store_at
+from tierd.keys import int_key
+from tierd.stores.disk import DiskStore
+from tierd.stores.disk_snapshot import load_snapshot
+from tierd.stores.disk_walk import IndexWalk
+from tierd.stores.fileio import FileIO
+
+SNAPSHOT_TMP = "tierd-index.msgpack.tmp"
+
+
+class SnapshotFull(FileIO):
+    """While ``full``, a snapshot's temporary file cannot be created (ENOSPC); counts the
+    tries, and notes the thread each snapshot is written from."""
+
+    def __init__(self) -> None:
+        self.full = False
+        self.tries = 0
+        self.threads: list[str] = []
+
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        if path.endswith(SNAPSHOT_TMP):
+            self.tries += 1
+            self.threads.append(threading.current_thread().name)
+            if self.full:
+                raise OSError(errno.ENOSPC, "injected: no space left on device", path)
+        return super().open(path, flags, mode)
+
+
+async def _rounds(store: DiskStore, first: int, rounds: int, slots: int, sync: bool = True) -> int:
+    """Write ``rounds`` batches of 4 blocks (ids from ``first``, slot id % ``slots``),
+    each followed by a :meth:`~DiskStore.sync` when ``sync``; returns the next id. (With
+    ``fsync: always`` each write has its journal records on disk before its data.)"""
+    for i in range(first, first + 4 * rounds, 4):
+        ids = range(i, i + 4)
+        assert await put(store, ids, [n % slots for n in ids]) == [True] * 4
+        if sync:
+            await store.sync()
+    return first + 4 * rounds
+
+
+async def test_a_snapshot_that_cannot_be_written_costs_no_write(tmp_path: Path) -> None:
+    # A full file system refuses the snapshot: no write fails for it, it is not tried
+    # again by every flush (once, then after a backoff), the journal goes on growing, and
+    # a crash meanwhile loses nothing.
+    live = tmp_path / "live"
+    live.mkdir()
+    io = SnapshotFull()
+    slots = 64
+    async with store_at(live, num_blocks=slots, journal_limit_bytes=2048, fileio=io) as store:
+        io.full, opened = True, io.tries
+        written = await _rounds(store, 0, 60, slots)  # ~10 journal limits' worth
+        assert io.tries - opened == 1, f"{io.tries - opened} snapshot tries"
+        assert io.threads[opened:] == ["tierd-disk-snap_0"]  # never inside a write
+        assert store.stats().details["snapshot_failures"] == 1
+        assert (live / "tierd-journal.old.bin").exists()  # kept until a snapshot covers it
+        expected = {
+            s: int_key(max(i for i in range(written) if i % slots == s)) for s in range(slots)
+        }
+        assert store.index() == expected
+        dead = crash_copy(live, tmp_path / "dead")
+        io.full = False
+        store._checkpoints.retry_now()  # the backoff is over
+        await _rounds(store, written, 1, slots)
+    async with store_at(dead, num_blocks=slots) as store:
+        assert store.stats().details["recovery"] == ["crash"]
+        assert store.index() == expected
+        for slot, key in expected.items():
+            assert await get(store, slot, int.from_bytes(key, "little")) is not None
+    async with store_at(live, num_blocks=slots) as store:  # the retry, then a clean close
+        assert store.stats().details["recovery"] == ["clean"]
+
+
+class HeldSnapshot(FileIO):
+    """A snapshot's temporary file is opened only once ``release`` is set; ``waiting`` is
+    set (on the loop) when a snapshot waits for it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.hold = False
+        self.waiting = asyncio.Event()
+        self.release = threading.Event()
+
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        if path.endswith(SNAPSHOT_TMP) and self.hold:
+            self.loop.call_soon_threadsafe(self.waiting.set)
+            self.release.wait(60)
+        return super().open(path, flags, mode)
+
+
+@contextlib.asynccontextmanager
+async def _released(io: HeldSnapshot) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        io.release.set()  # before the store closes: its close waits for the snapshot
+
+
+async def test_a_crash_before_a_rotated_snapshot_is_written_loses_nothing(tmp_path: Path) -> None:
+    # The journal was rotated and its snapshot is still being written when the daemon
+    # dies: the restart replays the previous snapshot, the old journal, then the new one.
+    # Writes and deletes after the rotation are all there.
+    live = tmp_path / "live"
+    live.mkdir()
+    io = HeldSnapshot(asyncio.get_running_loop())
+    slots = 64
+    store = store_at(live, num_blocks=slots, journal_limit_bytes=2048, fileio=io)
+    async with store, _released(io):
+        io.hold = True
+        written = 0
+        async with asyncio.timeout(60):  # (a sync would wait for the held snapshot)
+            while not io.waiting.is_set():
+                written = await _rounds(store, written, 1, slots, sync=False)
+        written = await _rounds(store, written, 3, slots, sync=False)  # after the rotation
+        gone = [(written - 8) % slots, (written - 7) % slots]  # not written again below
+        store.invalidate(gone)
+        written = await _rounds(store, written, 1, slots, sync=False)  # writes the DELs first
+        expected = store.index()
+        latest = {i % slots: int_key(i) for i in range(written)}
+        assert expected == {s: k for s, k in latest.items() if s not in gone}
+        dead = crash_copy(live, tmp_path / "dead")
+        assert (dead / "tierd-journal.old.bin").exists()
+    async with store_at(dead, num_blocks=slots) as store:
+        assert store.stats().details["recovery"] == ["crash"]
+        assert store.index() == expected
+        for slot, key in expected.items():
+            assert await get(store, slot, int.from_bytes(key, "little")) is not None
+    async with store_at(dead, num_blocks=slots) as store:  # that open wrote a new snapshot
+        assert store.index() == expected
+        assert not (dead / "tierd-journal.old.bin").exists()
+
+
+async def test_a_walk_takes_the_index_as_it_is_when_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Slots changed behind the walk (deleted, rewritten, a write begun) and ahead of it:
+    # the checkpoint holds each as it is when the walk ends, and the writes in flight.
+    monkeypatch.setattr(tierd.stores.disk_walk, "SLICE", 8)
+    async with store_at(tmp_path, num_blocks=64) as store:
+        assert await put(store, range(64)) == [True] * 64
+        await store.sync()
+        slab = store._slabs[0]
+        slab.walk = IndexWalk(64)
+        steps = 0
+        while slab.walk.cursor < 24:
+            assert not slab.walk_step()
+            steps += 1
+        assert steps == 3  # a slice per step: 8 slots each
+        store.invalidate([3, 40])  # behind the walk, ahead of it
+        gen = slab.begin(5)
+        slab.commit(5, int_key(105), gen, True)  # rewritten behind the walk
+        in_flight = slab.begin(7)
+        while not slab.walk_step():
+            pass
+        expected = dict(slab.entries)
+        assert expected[5] == (int_key(105), gen) and 3 not in expected and 40 not in expected
+        await store.sync()  # the flush that rotates the journal, then the snapshot
+        snap = load_snapshot(str(tmp_path / "tierd-index.msgpack"), slab.uuid)
+        assert snap is not None and snap.epoch == slab.epoch
+        assert snap.entries == expected and snap.pending == {7: in_flight}
+        slab.commit(7, int_key(7), in_flight, False)  # as a failed write
+    async with store_at(tmp_path, num_blocks=64) as store:
+        assert await get(store, 0, 0) == block(0)
+
+
+def test_which_journals_a_crash_after_a_rotation_replays() -> None:
+    from tierd.stores.disk_index import Op
+    from tierd.stores.disk_journal import Replay
+    from tierd.stores.disk_open import _after_rotation
+
+    old = Replay(4, {1: (Op.SET, 10, b"a"), 2: (Op.SET, 11, b"b")}, 500)
+    new = Replay(5, {2: (Op.DEL, 11, b""), 3: (Op.BEGIN, 12, b"")}, 300)
+    # The rotation's snapshot (epoch 5) is in place: the new journal alone extends it.
+    assert _after_rotation(5, old, new, True) is new
+    # It is not: the old journal's records, then the new one's, over snapshot 4.
+    merged = _after_rotation(4, old, new, True)
+    assert merged is not None and merged.length is None  # two files: not gone on with
+    assert merged.records == {1: old.records[1], 2: new.records[2], 3: new.records[3]}
+    # A crash between the rotation's two renames: the old journal holds every record.
+    only_old = _after_rotation(4, old, None, False)
+    assert only_old is not None and only_old.records == old.records
+    # A new journal that exists but cannot be read, or journals of other epochs: a scan.
+    assert _after_rotation(4, old, None, True) is None
+    assert _after_rotation(3, old, new, True) is None
