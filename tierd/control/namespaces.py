@@ -109,11 +109,11 @@ class NamespaceBook:
 
     async def close(self) -> None:
         """Write the names not written yet (a clean stop loses none)."""
+        if self._writing is not None:
+            await asyncio.wait([self._writing])  # its end may set the next timer
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._writing is not None:
-            await asyncio.wait([self._writing])
         if self._dirty and self.path is not None:
             self._dirty = False
             if await asyncio.to_thread(_write_names, self.path, list(self.names.items())):
