@@ -1,7 +1,7 @@
 """Byte movement between an engine's registered region and block buffers, by syscalls only.
 
 A region is a file descriptor of the engine's own host memory (a memfd, a ``/dev/shm``
-file). The daemon never maps it: a client may truncate its file at any time, and a load or
+file). The daemon never reads or writes it through a mapping: a client may truncate its file at any time, and a load or
 store through a mapping of a truncated file is a SIGBUS that kills the daemon. Every byte
 therefore moves with ``os.preadv`` (region -> block buffers, a store) or ``os.pwritev``
 (block buffers -> region, a load) on the descriptor, where a truncated file is a short
@@ -16,7 +16,7 @@ hands it to an executor once per job, never once per block.
 
 Bounds: :func:`bounds_problem` checks every (offset, length) against the registered size
 before anything moves. At copy time a read past the file's end is a short read; a write
-is made only where every page of its range exists (``SEEK_HOLE`` right before the call):
+is made only where every page of its range exists (``mincore`` right before the call):
 a load never grows a file its owner truncated, nor fills a hole of a sparse file (the
 pages a write creates are charged to the writer, the daemon; a client pays for its own
 memory by touching it first).
@@ -30,6 +30,9 @@ it reuses after the daemon has answered (``docs/protocol.md``, 5.19).
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -186,7 +189,41 @@ class _Run:
 
 
 def _not_all_pages(fd: int, start: int, length: int) -> bool:
-    """Whether ``[start, start + length)`` of the file has a hole or passes its end: a
-    write there would create pages (tmpfs ``SEEK_HOLE`` finds the first missing page;
-    the end of the file counts as a hole)."""
-    return os.lseek(fd, start, os.SEEK_HOLE) < start + length
+    """Whether ``[start, start + length)`` of the file lacks a page (a hole, or past its
+    end): a write there would create pages. Asked of the kernel with ``mincore`` on a
+    read-only window mapped for the question and never touched (so a truncated file is
+    an answer, not a SIGBUS); work in proportion to the range. (``SEEK_HOLE`` scans from
+    the offset to the first hole: to the end of a fully written file, per call.)
+    A page swapped out counts as missing: that load fails, safely."""
+    if os.fstat(fd).st_size < start + length:
+        return True  # a write would grow the file (its last page may exist: partly)
+    libc = _libc()
+    first = start - start % _PAGE
+    span = start + length - first
+    pages = -(-span // _PAGE)
+    address = libc.mmap(None, span, mmap.PROT_READ, mmap.MAP_SHARED, fd, first)
+    if address in (None, _MAP_FAILED):
+        return True
+    try:
+        present = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(address), span, present) != 0:
+            return True
+        return not all(byte & 1 for byte in bytes(present))
+    finally:
+        libc.munmap(ctypes.c_void_p(address), span)
+
+
+_PAGE = mmap.PAGESIZE
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+    ]  # fmt: skip
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
