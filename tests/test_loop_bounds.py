@@ -80,7 +80,7 @@ def loop_turns() -> Iterator[list[int]]:
     turns = [0]
 
     async def tick() -> None:
-        while True:
+        while turns[0] < 10_000_000:  # bounded: far more turns than any test here takes
             turns[0] += 1
             await asyncio.sleep(0)
 
