@@ -1,8 +1,9 @@
 """Byte movement between an engine's registered region and block buffers, by syscalls only.
 
 A region is a file descriptor of the engine's own host memory (a memfd, a ``/dev/shm``
-file). The daemon never reads or writes it through a mapping: a client may truncate its file at any time, and a load or
-store through a mapping of a truncated file is a SIGBUS that kills the daemon. Every byte
+file). The daemon never reads or writes it through a mapping: a client may truncate its
+file at any time, and a load or store through a mapping of a truncated file is a SIGBUS
+that kills the daemon. Every byte
 therefore moves with ``os.preadv`` (region -> block buffers, a store) or ``os.pwritev``
 (block buffers -> region, a load) on the descriptor, where a truncated file is a short
 read (those keys fail), never a signal.
