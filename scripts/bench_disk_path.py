@@ -53,6 +53,7 @@ def start_daemon(workdir: Path, args: argparse.Namespace) -> subprocess.Popen[by
                 "kind": "disk",
                 "capacity": f"{2 * args.total_mib + args.cpu_mib}MiB",
                 "directories": [str(disk)],
+                "fsync": args.fsync,
             },
         ],
         "socket": {"path": str(workdir / "tierd.sock")},
@@ -136,7 +137,7 @@ def device(directory: Path, args: argparse.Namespace) -> dict[str, float]:
             f"--size={args.total_mib // args.in_flight}m", "--group_reporting",
             "--output-format=json",
         ]  # fmt: skip
-        if rw == "randwrite":
+        if rw == "randwrite" and args.fsync != "none":
             command.append("--end_fsync=1")
         report = json.loads(subprocess.run(command, check=True, capture_output=True).stdout)
         job = report["jobs"][0]["write" if rw == "randwrite" else "read"]
@@ -154,6 +155,10 @@ def main() -> None:
     parser.add_argument("--cpu-mib", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=Path("/var/tmp"))
+    parser.add_argument(
+        "--fsync", choices=["always", "batch", "none"], default="always",
+        help="the disk tier's durability mode (fio syncs once at the end unless none)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     figures: dict[str, list[float]] = {}
@@ -173,7 +178,7 @@ def main() -> None:
     med = {name: statistics.median(values) for name, values in figures.items()}
     print(
         f"blocks of {args.block_kib} KiB, jobs of {args.job_mib} MiB, {args.in_flight} in"
-        f" flight, {args.total_mib} MiB moved, median of {args.reps}"
+        f" flight, {args.total_mib} MiB moved, fsync {args.fsync}, median of {args.reps}"
     )
     print("| | tierd GB/s | O_DIRECT GB/s | tierd / device |")
     print("|---|---:|---:|---:|")
