@@ -41,8 +41,10 @@ __all__ = [
     "Resume",
     "format_slab",
     "probe_direct",
+    "check_block",
     "read_superblock",
     "recover_index",
+    "remove_files",
     "scan_headers",
 ]
 
@@ -309,3 +311,34 @@ def _rebuild(
         path=path, source="scan", blocks=len(trusted), verified=len(unsure), dropped=dropped,
     )  # fmt: skip
     return Recovered(trusted, max(gens, default=0) + 1, epoch, "crash", dropped, len(unsure), True)
+
+
+def check_block(
+    io: FileIO, fd: int, page: memoryview, offset: int, local: int, gen: int | None, size: int
+) -> bytes | None:
+    """The key of the block of slot ``local`` (at ``offset``, read into ``page``: a
+    header page and the data) when its header is intact, names this slot, the block size
+    ``size`` and ``gen`` (any when None), and its data matches its checksum."""
+    try:
+        done = io.preadv(fd, [page], offset)
+    except OSError:
+        return None
+    hdr = di.BlockHeader.unpack(page[:ALIGN]) if done == len(page) else None
+    if hdr is None or hdr.slot != local or hdr.data_len != size:
+        return None
+    if gen is not None and hdr.gen != gen:
+        return None
+    if di.data_checksum(page[ALIGN : ALIGN + size]) != hdr.data_xxh3:
+        return None
+    return hdr.key
+
+
+def remove_files(paths: list[str]) -> None:
+    """Remove ``paths``; one missing is fine, one that cannot be removed is logged."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _log.warning("cannot remove", path=path, error=exc.strerror)

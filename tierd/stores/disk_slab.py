@@ -30,10 +30,12 @@ from tierd.stores import disk_index as di
 from tierd.stores import disk_journal as dj
 from tierd.stores.disk_open import (
     Resume,
+    check_block,
     format_slab,
     probe_direct,
     read_superblock,
     recover_index,
+    remove_files,
     scan_headers,
 )
 from tierd.stores.disk_snapshot import Checkpoint
@@ -299,7 +301,7 @@ class Slab:
             if isinstance(exc, SlabInUse):
                 raise
             formatted = self._formatted  # the old blocks are gone: nothing worth keeping
-            self._remove([*created, self.path] if formatted else created)
+            remove_files([*created, self.path] if formatted else created)
             if isinstance(exc, StoreIOError):
                 raise
             path = exc.filename if isinstance(exc.filename, str) else self.path
@@ -343,15 +345,6 @@ class Slab:
 
     def _own_files(self) -> list[str]:
         return [self.path, self.journal.path, self.journal.snapshot_path]
-
-    def _remove(self, paths: list[str]) -> None:
-        for path in paths:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                _log.warning("cannot remove", path=path, error=exc.strerror)
 
     def final_checkpoint(self) -> None:
         """Queue the snapshot that :meth:`close_sync` writes (on the loop's thread, so the
@@ -422,21 +415,11 @@ class Slab:
         return found.resume
 
     def _check(self, local: int, gen: int | None) -> bytes | None:
-        """The key of the block in ``local`` when its header is intact, names this slot,
-        block size and ``gen`` (any when None), and its data matches its checksum."""
+        """:func:`~tierd.stores.disk_open.check_block` on this slab's ``local``."""
         page = _staging(ALIGN + self.data_io)
-        try:
-            done = self.io.preadv(self._fd, [page], self.offset(local))
-        except OSError:
-            return None
-        hdr = di.BlockHeader.unpack(page[:ALIGN]) if done == len(page) else None
-        if hdr is None or hdr.slot != local or hdr.data_len != self.cfg.block_bytes:
-            return None
-        if gen is not None and hdr.gen != gen:
-            return None
-        if di.data_checksum(page[ALIGN : ALIGN + self.cfg.block_bytes]) != hdr.data_xxh3:
-            return None
-        return hdr.key
+        return check_block(
+            self.io, self._fd, page, self.offset(local), local, gen, self.cfg.block_bytes
+        )
 
     def details(self) -> dict[str, Any]:
         details = {"path": self.path, "o_direct": self.o_direct, "reason": self.reason}
