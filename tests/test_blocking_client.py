@@ -137,3 +137,36 @@ async def test_a_stopped_daemon_costs_the_deadline(tmp_path, spawn) -> None:
         assert await asyncio.to_thread(again.lookup_each, [b"a"], soon()) == [False]
     finally:
         again.close()
+
+
+async def test_a_load_past_the_lease_bound_is_served_whole(tmp_path, spawn) -> None:
+    # Issue 35, 1: a load is split at the connection's lease bound (half of a 12-block CPU
+    # tier: 6 blocks); its requests must not race for that bound, and every one counts.
+    cfg = daemon_config(tmp_path, block_bytes=BLOCK, cpu_blocks=12, disk_blocks=64)
+    cfg["limits"] = {"lease_blocks_per_connection": "50%", "lease_blocks_per_tenant": "75%"}
+    daemon = await spawn(cfg)
+    keys = [f"long{i}".encode() for i in range(16)]  # more than the CPU tier: disk hits too
+    async with await Client.connect(daemon.socket_path, namespace=NS) as writer:
+        await writer.store(keys, [block(k) for k in keys])
+
+    def blocking_side() -> tuple[int, list[bool], bytes]:
+        client = connect(daemon.socket_path)
+        try:
+            fd = os.memfd_create("test-region", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, len(keys) * BLOCK)
+                memory = mmap.mmap(fd, len(keys) * BLOCK)
+                memory[:] = bytes(len(memory))
+                region = client.register_region(fd, len(memory), soon())
+            finally:
+                os.close(fd)
+            offsets = np.arange(len(keys), dtype=np.uint64) * BLOCK
+            done = client.region_load(region, keys, offsets, soon())
+            return int(client.info["max_lease_blocks"]), done, bytes(memory)
+        finally:
+            client.close()
+
+    bound, done, memory = await asyncio.to_thread(blocking_side)
+    assert bound < len(keys)  # the load took several requests
+    assert done == [True] * len(keys)
+    assert memory == b"".join(block(k) for k in keys)

@@ -14,9 +14,16 @@ A call that fails for want of an answer (:class:`DaemonSilent`) or a lost connec
 next one. An error reply (:class:`DaemonError`) leaves it usable, unless the daemon hangs
 up after it.
 
-One request at a time, from one thread; the connection names one namespace and maps no
+One call at a time, from one thread; the connection names one namespace and maps no
 pool (region requests move the bytes). The daemon is checked as :func:`check_server`
 does before a byte is sent.
+
+Requests sent together (a lookup split at the daemon's per-request key limit) are
+answered in whatever order the daemon finishes them: each reply is matched to its
+request by id. A region load larger than one request (the per-request key limit, or the
+blocks one connection may hold in leases, ``max_lease_blocks``) sends its requests one
+after the other: sent together, the later ones would find the lease bound taken by the
+first and fail their keys. A load within one request, the common case, is one round trip.
 """
 
 from __future__ import annotations
@@ -104,19 +111,23 @@ class BlockingClient:
 
     def requests(self, op: str, each: Sequence[dict[str, Any]], deadline: float) -> list[Any]:
         """Send one ``op`` request per item of ``each`` (all at once), and return their
-        replies in order; the first error reply raises :class:`DaemonError` once every
-        reply is read."""
+        replies in the order of ``each``, whatever order they come in; the first error
+        reply raises :class:`DaemonError` once every reply is read."""
         if self.closed:
             raise Unreachable("the connection is closed")
         first = self._next_id + 1
         self._next_id += len(each)
-        frames = [encode({"id": first + i, "op": op, **fields}) for i, fields in enumerate(each)]
+        ids = range(first, first + len(each))
+        frames = [
+            encode({"id": i, "op": op, **fields}) for i, fields in zip(ids, each, strict=True)
+        ]
         self._send(frames, deadline)
+        got = self._replies(set(ids), deadline)
         replies: list[Any] = []
         refused: DaemonError | None = None
-        for i in range(len(each)):
+        for request_id in ids:
             try:
-                replies.append(self._reply(first + i, deadline))
+                replies.append(self._answer(request_id, got[request_id]))
             except DaemonError as exc:
                 if self.closed:
                     raise
@@ -138,10 +149,15 @@ class BlockingClient:
         self, region: int, keys: Sequence[bytes], offsets: npt.ArrayLike, deadline: float
     ) -> list[bool]:
         """Copy the blocks of ``keys`` into the region at ``offsets``; per key, whether it
-        was copied. The daemon starts no copy past ``deadline`` (its ``expires``)."""
+        was copied. The daemon starts no copy past ``deadline`` (its ``expires``). A job
+        past one request's bounds goes as several requests, each sent once the one
+        before is answered (each holds up to the connection's lease bound)."""
         each = region_requests(self.info, self.block_bytes, region, keys, offsets, None, deadline)
-        replies = self.requests("region_load", each, deadline)
-        return [bool(flag) for reply in replies for flag in reply["done"]]
+        done: list[bool] = []
+        for fields in each:
+            (reply,) = self.requests("region_load", [fields], deadline)
+            done.extend(bool(flag) for flag in reply["done"])
+        return done
 
     def register_region(self, fd: int, size: int, deadline: float) -> int:
         """Hand the daemon ``fd`` (``size`` bytes, a memfd); the region's id."""
@@ -159,17 +175,27 @@ class BlockingClient:
 
     # -- the wire ---------------------------------------------------------------------
 
-    def _reply(self, request_id: int, deadline: float) -> dict[str, Any]:
-        while True:
+    def _replies(self, wanted: set[int], deadline: float) -> dict[int, Any]:
+        """The replies to the requests ``wanted`` (by id), in whatever order they come."""
+        got: dict[int, Any] = {}
+        while len(got) < len(wanted):
             message = self._next_message(deadline)
             if isinstance(message, dict) and "push" in message:
                 continue  # not subscribed: nothing else is pushed to this connection
-            return self._answer(request_id, message)
+            request_id = message.get("id") if isinstance(message, dict) else None
+            if isinstance(message, dict) and message.get("error") in _HANGS_UP:
+                self.close()  # the daemon hangs up after this (id 0: a frame it refused)
+                raise DaemonError(str(message["error"]), str(message.get("message")))
+            if request_id not in wanted or request_id in got:
+                self.close()
+                raise ProtocolError(f"the daemon answered no request of ours: {message!r:.200}")
+            got[request_id] = message
+        return got
 
     def _answer(self, request_id: int, message: Any) -> dict[str, Any]:
         if not isinstance(message, dict) or message.get("id") != request_id:
             self.close()
-            raise ProtocolError(f"the daemon answered out of turn: {message!r:.200}")
+            raise ProtocolError(f"the daemon answered another request: {message!r:.200}")
         if message.get("ok"):
             return message
         code = str(message.get("error"))

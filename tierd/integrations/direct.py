@@ -7,8 +7,10 @@ and a busy engine hands it over only every switch interval (5 ms). A
 :class:`DirectChannel` makes the call from the scheduler's thread on a blocking
 connection of its own (:class:`~tierd.control.blocking_client.BlockingClient`): the
 thread sends, waits in ``recv`` (the lock released), and goes on. A lookup costs one
-round trip; a load one region request per staging's worth of rows, the daemon copying
-the blocks into a memfd of this channel's, then one numpy copy into vLLM's rows.
+round trip; a load one region request per round (a staging's worth of rows, at most the
+blocks the connection may hold in leases: a longer prefix moves in rounds, one after the
+other), the daemon copying the blocks into a memfd of this channel's, then one numpy
+copy into vLLM's rows.
 
 Each call is bounded: a lookup by ``lookup_deadline_s``, a load by ``load_deadline_s``
 (the daemon is told, and starts no copy past it). A call that gets no answer in time
@@ -32,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tierd.control.blocking_client import BlockingClient
+from tierd.control.client_regions import job_keys
 from tierd.control.handshake import DaemonError, DaemonSilent, Unreachable
 from tierd.errors import TierdError
 from tierd.integrations.copies import LoadOutcome
@@ -152,7 +155,9 @@ class DirectChannel:
         deadline: float,
         loaded: list[int],
     ) -> None:
-        step = len(staging.array)
+        # A round is one request: within the lease bound, so that the rows of a request
+        # that copied are kept even when a later one fails.
+        step = job_keys(client.info, len(staging.array))
         for first in range(0, len(keys), step):
             count = min(step, len(keys) - first)
             done = client.region_load(
