@@ -327,3 +327,26 @@ async def test_a_connection_runs_a_few_region_jobs_at_once(
                 replies = await asyncio.gather(*jobs)
         assert 2 <= running <= MAX_REGION_JOBS
         assert [r["done"] for r in replies] == [[True]] * 32
+
+
+async def test_a_load_of_many_groups_is_byte_exact_with_repeats_and_misses(
+    tmp_path: Path,
+) -> None:
+    """A load is pinned and copied a group at a time (2 MiB), each group's copy beside
+    the next group's reads from disk: 12 keys of 1 MiB, a miss and two repeats among
+    them, blocks on the disk tier and on the CPU tier, every row right."""
+    async with (
+        serve(tmp_path, block_bytes=MiB, cpu_blocks=4, disk_blocks=32) as daemon,
+        await connect(daemon) as client,
+    ):
+        stored = [b"g%d" % i for i in range(10)]
+        await client.store(stored, [pattern(b"g%d-" % i, MiB) for i in range(10)])
+        asked = [*stored[:5], b"missing", stored[2], *stored[5:], stored[9]]
+        with memfd(len(asked) * MiB, "groups") as fd:
+            region = await client.register_region(fd, len(asked) * MiB)
+            done = await client.region_load(region, asked, rows(*range(len(asked)), size=MiB))
+            assert done == [key != b"missing" for key in asked]
+            for row, key in enumerate(asked):
+                if key != b"missing":
+                    want = pattern(key + b"-", MiB)
+                    assert os.pread(fd, MiB, row * MiB) == want, row
