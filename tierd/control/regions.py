@@ -181,7 +181,7 @@ class RegionRequests:
                 raise
             finally:
                 self.blocks.leases.give(len(handle.keys))
-            await handle.commit(ok)
+            self.blocks._stored(await handle.commit(ok))  # counted as stored_blocks
         failed = {k for k, flag in zip(handle.keys, ok, strict=True) if not flag}
         return {"done": [k not in failed for k in keys]}
 
