@@ -40,11 +40,17 @@ HIT = LookupResult.HIT
 spawn = test_daemon_lifecycle.spawn
 
 
-def events_tier(socket_path: str, rows: np.ndarray) -> TierdSecondaryTier:
+def events_tier(socket_path: str, rows: np.ndarray, **config: object) -> TierdSecondaryTier:
     spec = offloading_spec()
     spec.kv_events_config = dataclasses.replace(spec.kv_events_config, enable_kv_cache_events=True)
     return make_tier(
-        socket_path, rows, spec, enable_kv_events=True, medium="STORAGE", locality="LOCAL"
+        socket_path,
+        rows,
+        spec,
+        enable_kv_events=True,
+        medium="STORAGE",
+        locality="LOCAL",
+        **config,
     )
 
 
@@ -86,6 +92,38 @@ async def test_evictions_of_this_engines_blocks_are_removed_events(tmp_path, spa
         gone = [k for e in removed for k in e.keys]
         assert sorted(gone) == sorted(ks[:2])  # LRU: the oldest two
         assert all((e.medium, e.locality) == (Medium.STORAGE, Locality.LOCAL) for e in removed)
+    finally:
+        tier.shutdown()
+
+
+async def test_a_store_job_that_evicts_its_own_first_rounds_tells_each_removal(
+    tmp_path, spawn
+) -> None:
+    # Issue 35, 2: a job of 12 blocks in rounds of 2 into a 4-block daemon evicts its own
+    # first rounds while it runs, before it ends: every eviction is a removed event.
+    daemon = await spawn(daemon_config(tmp_path, block_bytes=ROW, cpu_blocks=4, disk_blocks=None))
+    rows = primary_rows(16)
+    tier = events_tier(daemon.socket_path, rows, staging_bytes=2 * 2 * ROW)
+    residency = tier.report.residency
+    assert residency is not None
+    try:
+        ks = keys("own", 13)
+        fill(rows, range(13), seed=4)
+        assert run_job(tier, 1, ks[:12], range(12), load=False).success
+        # A barrier: once the stream has the last store, it has every earlier eviction.
+        assert run_job(tier, 2, ks[12:], [12], load=False).success
+        wait_until(tier, lambda: residency.holds(bytes(ks[12])))
+        async with await Client.connect(daemon.socket_path) as operator:
+            (cpu,) = (await operator.stats())["tiers"]
+        assert cpu["evictions"] == 9
+        removed: list = []
+
+        def all_removed() -> bool:
+            removed.extend(k for e in tier.take_events() if e.removed for k in e.keys)
+            return len(removed) >= cpu["evictions"]
+
+        wait_until(tier, all_removed)
+        assert sorted(removed) == sorted(ks[:9])  # each eviction once, the oldest first
     finally:
         tier.shutdown()
 

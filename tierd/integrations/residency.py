@@ -8,6 +8,13 @@ keeps the set of tiers holding each block, and reports this engine's keys that l
 tier. Blocks of other engines sharing the namespace are ignored: they were never this
 engine's to announce. No engine imports.
 
+A store job may be evicted in part before it ends (its later rounds push out its first
+ones): the stream then says a block left before the job has made it this engine's. So a
+job's keys are *in flight* from before its first round (:meth:`Residency.storing`) until
+it ends (:meth:`Residency.ended`); a removal of an in-flight key is kept, and when the job
+ends each stored key that left meanwhile, and was not stored again since, is pending as
+below (the job's own store of a key removed just before it may still be on its way).
+
 A tier announces an eviction when it plans it, before the block's demotion stores it in
 the tier below; so a block that leaves an upper tier (not the chain's last, ``bottom``)
 and no other is *pending* for ``grace_s``: a ``stored`` below in that time was its
@@ -34,15 +41,33 @@ class Residency:
         self._pending: dict[bytes, float] = {}  # left an upper tier, maybe on its way down
         self._tiers: dict[bytes, set[str]] = {}
         self._ours: set[bytes] = set()
+        self._flight: dict[bytes, int] = {}  # keys of store jobs under way: how many jobs
+        self._left: dict[bytes, float] = {}  # in-flight keys that left tierd, and when
         self._gone: list[bytes] = []
         self._lock = threading.Lock()
         self._pushes = threading.Condition(self._lock)
         self.pushes = 0  # pushes applied so far (``wait_pushes`` waits on it)
 
-    def stored(self, keys: Iterable[bytes]) -> None:
-        """This engine stored ``keys`` (a successful store job): report their removal."""
+    def storing(self, keys: Iterable[bytes]) -> None:
+        """A store job of ``keys`` starts: their removals are kept until it ends."""
         with self._lock:
-            self._ours.update(keys)
+            for key in keys:
+                self._flight[key] = self._flight.get(key, 0) + 1
+
+    def ended(self, keys: Sequence[bytes], stored: Iterable[bytes]) -> None:
+        """The store job of ``keys`` (each announced by :meth:`storing`) ended, having
+        stored ``stored``: those are this engine's; report their removal, the ones that
+        left while it ran included."""
+        with self._lock:
+            self._ours.update(stored)
+            for key in keys:
+                count = self._flight.pop(key, 1) - 1
+                if count > 0:
+                    self._flight[key] = count
+                    continue
+                since = self._left.pop(key, None)
+                if since is not None and key in self._ours:
+                    self._pending.setdefault(key, since)
 
     def on_push(self, push: dict[str, Any]) -> None:
         """One ``events`` push from the daemon (a list of {kind, tier, keys})."""
@@ -67,6 +92,7 @@ class Residency:
             if kind == "stored":
                 self._tiers.setdefault(key, set()).add(tier)
                 self._pending.pop(key, None)  # a demotion: it never left tierd
+                self._left.pop(key, None)
                 continue
             if kind != "removed":
                 continue
@@ -76,6 +102,9 @@ class Residency:
                 if held:
                     continue  # still in another tier
                 del self._tiers[key]
+            if key in self._flight:  # decided when its store job ends
+                self._left.setdefault(key, time.monotonic())
+                continue
             if self.bottom is not None and tier != self.bottom:
                 if key in self._ours:
                     self._pending[key] = time.monotonic()

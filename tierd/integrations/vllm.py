@@ -285,6 +285,8 @@ class TierdSecondaryTier(SecondaryTierManager):
         row_ids = [int(c) for c in job.chunk_ids]
         finished = threading.Event()
         done: _Done | None = None
+        if not is_load:
+            self.report.storing(keys)
         if self._link.breaker.is_open:  # fail at once: no hop to the link's thread
             self._link.breaker.refused()
             done = _Done(job.job_id, is_load, keys, 0.0, (), "breaker open")
@@ -372,9 +374,7 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def _result(self, done: _Done) -> JobResult:
         success = len(done.ok_keys) == len(done.keys)
-        self.report.job(done.is_load, done.keys, done.ok_keys)
-        if not success:
-            log.debug("tierd job failed", job=done.job_id, error=done.error)
+        self.report.job(done.is_load, done.keys, done.ok_keys, done.error)
         if done.is_load and not success:
             ok = set(done.ok_keys)
             self._lookups.mark_miss([k for k in done.keys if k not in ok])

@@ -7,6 +7,11 @@ Daemon-wide figures (blocks held per tier, the daemon's hits) are not exported h
 engine would export the same value and a sum over engines would count it N times; the
 daemon exports them once (``tierd metrics``, docs/metrics.md).
 
+A failed job (a load that did not fill every row, a store the daemon did not take
+whole) is also a warning, at most one per kind every :data:`WARN_EVERY_S` (the next one
+says how many failed meanwhile): a load that fails is a prefix vLLM recomputes, and an
+operator must see that without turning on debug logs.
+
 Events (vLLM's ``enable_kv_events``): *stored* for every block of a successful store job,
 *removed* when the daemon's event stream says a block this engine stored left its last
 tier (:class:`~tierd.integrations.residency.Residency`), both with the tier's configured
@@ -16,6 +21,7 @@ medium and locality.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +39,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tierd.integrations.residency import Residency
+from tierd.logs import get_logger
 
 __all__ = [
     "METRIC_BREAKER_OPEN",
@@ -41,7 +48,11 @@ __all__ = [
     "METRIC_LOADED",
     "METRIC_STORED",
     "TierReport",
+    "WARN_EVERY_S",
 ]
+
+log = get_logger("tierd.integrations.vllm")
+WARN_EVERY_S = 30.0  # at most one failed-job warning per kind this often
 
 METRIC_STORED = "vllm:kv_offload_tierd_blocks_stored"
 METRIC_LOADED = "vllm:kv_offload_tierd_blocks_loaded"
@@ -59,6 +70,8 @@ class TierReport:
         self.residency = Residency() if events else None
         self._counts = {METRIC_STORED: 0, METRIC_LOADED: 0, METRIC_FAILED: 0}
         self._stored: list[list[OffloadKey]] = []
+        self._warned: dict[bool, float] = {}  # per kind (is_load), when last said
+        self._unsaid: dict[bool, int] = {}  # per kind, failures since then not said
         self._lock = threading.Lock()
 
     @staticmethod
@@ -75,16 +88,59 @@ class TierReport:
             ),
         }
 
-    def job(self, is_load: bool, keys: Sequence[OffloadKey], ok: Sequence[OffloadKey]) -> None:
-        """A finished job: ``ok`` the keys it moved."""
+    def storing(self, keys: Sequence[OffloadKey]) -> None:
+        """A store job of ``keys`` is about to start (before its first round: a removal
+        of one of them while it runs must not be missed); :meth:`job` ends it."""
+        if self.residency is not None:
+            self.residency.storing(bytes(k) for k in keys)
+
+    def job(
+        self,
+        is_load: bool,
+        keys: Sequence[OffloadKey],
+        ok: Sequence[OffloadKey],
+        error: str | None = None,
+    ) -> None:
+        """A finished job: ``ok`` the keys it moved (``error``: why not the rest)."""
         with self._lock:
             self._counts[METRIC_LOADED if is_load else METRIC_STORED] += len(ok)
             if len(ok) != len(keys):
                 self._counts[METRIC_FAILED] += 1
-            if is_load or not ok or self.residency is None:
+            if not is_load and ok and self.residency is not None:
+                self._stored.append(list(ok))
+        if not is_load and self.residency is not None:
+            self.residency.ended([bytes(k) for k in keys], [bytes(k) for k in ok])
+        if len(ok) != len(keys):
+            self._warn(is_load, len(keys), len(ok), error)
+
+    def _warn(self, is_load: bool, keys: int, moved: int, error: str | None) -> None:
+        """Say that a job failed, unless one of its kind was said recently."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._warned.get(is_load)
+            if last is not None and now - last < WARN_EVERY_S:
+                self._unsaid[is_load] = self._unsaid.get(is_load, 0) + 1
                 return
-            self._stored.append(list(ok))
-        self.residency.stored(bytes(k) for k in ok)
+            self._warned[is_load] = now
+            unsaid = self._unsaid.pop(is_load, 0)
+        if is_load:
+            log.warning(
+                "tierd load failed",
+                keys=keys,
+                loaded=moved,
+                error=error or "the daemon did not hold every block",
+                failed_unsaid=unsaid,
+                consequence="vLLM recomputes the blocks not loaded",
+            )
+        else:
+            log.warning(
+                "tierd store failed",
+                keys=keys,
+                stored=moved,
+                error=error or "the daemon did not take every block",
+                failed_unsaid=unsaid,
+                consequence="vLLM keeps its own copy; tierd does not hold these blocks",
+            )
 
     def take_events(self) -> list[OffloadingEvent]:
         if self.residency is None:
