@@ -141,8 +141,11 @@ class DirectChannel:
         return conn is not None and not conn.client.closed
 
     def close(self) -> None:
+        """Close the connection and let go of vLLM's rows (an array over them keeps
+        vLLM's mapping exported, and vLLM could not close it); no call after this."""
         with self._lock:
             self._drop()
+            self._rows = np.empty((0, self._rows.shape[1]), dtype=self._rows.dtype)
 
     # -- inside the lock --------------------------------------------------------------
 

@@ -95,6 +95,11 @@ class StagedCopies:
         self._unsupported = False
         self._registering = asyncio.Lock()  # binds to the link's loop on first use
 
+    def release(self) -> None:
+        """Let go of vLLM's rows (at shutdown, once no job runs): an array over them
+        keeps vLLM's mapping exported, and vLLM could not close it."""
+        self._rows = np.empty((0, self._rows.shape[1]), dtype=self._rows.dtype)
+
     async def _for(self, client: Client) -> Staging | None:
         """This connection's staging, registered on first use (a new connection gets a
         new memfd); None when the daemon has no regions."""

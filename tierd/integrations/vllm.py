@@ -449,9 +449,13 @@ class TierdSecondaryTier(SecondaryTierManager):
         self._lookups.shutdown()
         self._direct.close()
         self._link.close()
-        # Let go of vLLM's primary view: an array over it keeps its buffer exported, and
-        # vLLM cannot close the mapping behind it while one is.
+        # Let go of every view of vLLM's rows (ours, the channel's, the staged copies',
+        # and the one vLLM's base class keeps for us): an array over them keeps vLLM's
+        # mapping exported, and vLLM cannot close it while one is.
+        if self._staged is not None:
+            self._staged.release()
         self._rows = np.empty((0, self._rows.shape[1]), dtype=np.uint8)
+        self._primary_kv_view = memoryview(b"")
 
     # -- figures ----------------------------------------------------------------------
 
