@@ -14,7 +14,16 @@ the specs); the other commands name the engine they address:
   scheduler's step (host buffers for the hit), then SGLang's ``_page_transfer`` (the
   backend's ``batch_get_v1``); answers hit and loaded pages and compares every loaded
   page with the bytes of ``seed``.
-- ``{"op": "stats"}``, ``{"op": "quit"}``.
+- ``{"op": "clear"}``: what SGLang's ``POST /hicache/storage-backend/clear`` runs
+  (``clear_storage_backend``); answers what SGLang would tell the operator.
+- ``{"op": "close_and_call"}``: SGLang's detach (it closes the backend), then every
+  call of the backend once more; answers each one's result or what it raised.
+- ``{"op": "stats"}`` (with ``tierd_logs``: what tierd logged through the logging
+  SGLang configures, at its default level), ``{"op": "log"}`` (``tierd_logs`` alone,
+  no engine needed), ``{"op": "quit"}``.
+
+A spec with ``launch_extra`` (the extra config as given on SGLang's command line, JSON
+or ``@file``) has its allocator and extra config derived by SGLang's own code.
 
 What is not SGLang's here: the device-side allocator is a two-method holder of the CPU
 device pool (``get_kvcache``), and the scheduler step between the hit query and the
@@ -23,6 +32,7 @@ transfer (SGLang's radix cache does it) is the few lines of ``_schedule``.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -45,12 +55,17 @@ _TORCHVISION_OPS.define("nms(Tensor dets, Tensor scores, float iou_threshold) ->
 _TORCHVISION_OPS.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (  # noqa: E402
+    HybridCacheController,
+)
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope  # noqa: E402
+from sglang.srt.mem_cache.pool_host.common import get_allocator_type  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
-from sglang.srt.runtime_context import get_parallel  # noqa: E402
+from sglang.srt.runtime_context import _ConfigBag, get_context, get_parallel  # noqa: E402
+from sglang.srt.utils.common import configure_logger  # noqa: E402
 
 ANSWER_TAG = "@@answer "
 HOST_BUDGET_BYTES = 1 << 30  # the test pools take a few MiB
@@ -75,6 +90,23 @@ class ErrorCount(logging.Handler):
 ERRORS = ErrorCount()
 
 
+class TierdLines(logging.Handler):
+    """Keeps what tierd's loggers write through the logging SGLang configured (the
+    root logger, at SGLang's default level, INFO): ``[level, message]`` pairs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[list[str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith("tierd"):
+            self.lines.append([record.levelname, record.getMessage()])
+            del self.lines[:-200]
+
+
+TIERD_LINES = TierdLines()
+
+
 class DeviceAllocator:
     """What HiCacheController asks of SGLang's device allocator on this path."""
 
@@ -88,6 +120,29 @@ class DeviceAllocator:
         return None
 
 
+def launch_config(spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The host pool's allocator and the backend's extra config, as SGLang's launcher
+    derives them from ``--hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config ARG`` when the spec has ``launch_extra``
+    (ARG: JSON, or ``@file``): SGLang's own ``get_allocator_type`` reads ARG from its
+    published memory config, and its own parser reads the extra config. Else the spec's
+    ``allocator`` and ``extra``."""
+    arg = spec.get("launch_extra")
+    if arg is None:
+        return spec.get("allocator", "default"), dict(spec.get("extra", {}))
+    memory = _ConfigBag("memory")  # the two leaves get_allocator_type reads
+    memory._set("hicache_storage_backend", "dynamic")
+    memory._set("hicache_storage_backend_extra_config", arg)
+    context = get_context()
+    published, context._config_bags = context._config_bags, {"memory": memory}
+    try:
+        allocator = get_allocator_type()
+    finally:
+        context._config_bags = published
+    extra, *_ = HybridCacheController.parse_storage_backend_extra_config(arg)
+    return allocator, extra
+
+
 def build(spec: dict[str, Any]) -> tuple[HiCacheController, Any]:
     """SGLang's device pool, host pool and controller for ``spec``."""
     get_parallel().override_permanently(
@@ -99,11 +154,12 @@ def build(spec: dict[str, Any]) -> tuple[HiCacheController, Any]:
         attn_dcp_rank=0,
     )
     page, layers, dtype = spec["page"], spec["layers"], DTYPES[spec.get("dtype", "float16")]
+    allocator, extra = launch_config(spec)
     tokens = spec.get("device_tokens", 256)
     common = {
         "pin_memory": False,
         "device": "cpu",
-        "allocator_type": spec.get("allocator", "default"),
+        "allocator_type": allocator,
         "device_capacity_tokens": tokens,
         "start_layer": 0,
         "end_layer": layers,
@@ -149,7 +205,6 @@ def build(spec: dict[str, Any]) -> tuple[HiCacheController, Any]:
                 host_token_capacity=spec["host_pages"] * page,
                 **common,
             )
-    extra = dict(spec.get("extra", {}))
     controller = HiCacheController(
         DeviceAllocator(device),
         host,
@@ -280,7 +335,32 @@ class Engine:
             "memfd": bool(getattr(getattr(inner, "_jobs", None), "zero_copy", False)),
             "sglang_errors": ERRORS.count,
             "last_error": ERRORS.last,
+            "tierd_logs": list(TIERD_LINES.lines),
         }
+
+    def close_and_call(self) -> dict[str, Any]:
+        """SGLang's detach (which closes the backend), then every call of the backend
+        once more (a late thread of SGLang's): each one's answer, or what it raised."""
+        backend = self.cc.storage_backend
+        self.cc.detach_storage_backend()
+        keys = get_storage_hash_str(tokens_of(1, 1, self.page), None, page_size=self.page)
+        indices = self.host.alloc(self.page)
+        calls = {
+            "batch_exists": lambda: backend.batch_exists(keys),
+            "batch_get_v1": lambda: backend.batch_get_v1(keys, indices),
+            "batch_set_v1": lambda: backend.batch_set_v1(keys, indices),
+            "exists": lambda: backend.exists(keys[0]),
+            "clear": backend.clear,
+            "close": backend.close,
+        }
+        answers: dict[str, Any] = {}
+        for name, call in calls.items():
+            try:
+                answers[name] = call()
+            except Exception as exc:
+                answers[name] = f"raised {type(exc).__name__}: {exc}"
+        self.host.free(indices)
+        return answers
 
 
 def serve(engines: dict[str, Engine], command: dict[str, Any]) -> dict[str, Any]:
@@ -298,15 +378,22 @@ def serve(engines: dict[str, Engine], command: dict[str, Any]) -> dict[str, Any]
             for key in env:
                 os.environ.pop(key, None)
         return {"ready": True, **engines[name].stats()}
+    if op == "log":
+        return {"tierd_logs": list(TIERD_LINES.lines)}
     engine = engines[name]
     if op == "write":
         return engine.write(command["seed"], command["pages"])
     if op == "read":
         return engine.read(command["seed"], command["pages"], command.get("reuse_s", 0.0))
+    if op == "clear":  # what POST /hicache/storage-backend/clear runs, and answers
+        return {"cleared": HybridCacheController.clear_storage_backend(engine.cc)}
     if op == "close":
         engine.cc.detach_storage_backend()
         del engines[name]
         return {"closed": name}
+    if op == "close_and_call":
+        del engines[name]
+        return engine.close_and_call()
     return engine.stats()
 
 
@@ -324,8 +411,9 @@ def main() -> None:
 
         print("SGLang's HiCache stack and tierd.integrations.sglang import")
         return
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    configure_logger(argparse.Namespace(log_level="info"), prefix=" TP0")  # SGLang's default
     logging.getLogger("sglang").addHandler(ERRORS)
+    logging.getLogger().addHandler(TIERD_LINES)
     engines: dict[str, Engine] = {}
     answer({"started": True})
     for line in sys.stdin:

@@ -34,6 +34,11 @@ EXTRA = {
 GEOMETRY = {"page": 4, "layers": 3, "heads": 2, "head_dim": 8, "dtype": "float16"}
 
 
+def sglang_site() -> Path:
+    """The site-packages directory of the SGLang venv (SGLang's sources)."""
+    return next((SGLANG_PYTHON.parent.parent / "lib").glob("python3*/site-packages"))
+
+
 def missing_reason() -> str | None:
     """Why SGLang engines cannot run here, or None."""
     if not SGLANG_PYTHON.is_file():

@@ -11,8 +11,10 @@ SGLang calls a backend synchronously from its storage threads (prefetch and back
 Every call here waits on the daemon at most a short deadline (``lookup_deadline_s`` for
 ``batch_exists``, ``job_deadline_s`` for the rest), then answers a miss or a failed set;
 after repeated failures a breaker answers at once until the daemon is back
-(:class:`~tierd.integrations.link.DaemonLink`). No call raises into SGLang, and a page is
-only reported loaded when its bytes are the daemon's bytes for that key.
+(:class:`~tierd.integrations.link.DaemonLink`). No call raises into SGLang (after
+``close()`` too), and a page is only reported loaded when its bytes are the daemon's
+bytes for that key. ``clear()`` deletes the namespace's blocks from the daemon. The
+backend logs through the standard logging SGLang configures (``sglang_log``).
 
 This module needs SGLang (``scripts/setup_sglang``); nothing else in tierd imports it.
 """
@@ -36,20 +38,24 @@ from tierd.config import default_socket_path
 from tierd.errors import TierdError
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
 from tierd.integrations.sglang_jobs import PageJobs
+from tierd.integrations.sglang_log import SglangLog
 from tierd.integrations.sglang_pages import (
     PageGeometry,
     UnsupportedPool,
     derive_namespace,
+    ignored_allocator,
     page_facts,
     page_key,
 )
 from tierd.integrations.sglang_stats import Counters, tensor_bytes
-from tierd.logs import get_logger
 
 __all__ = ["SglangSettings", "TierdHiCache", "UnsupportedPool"]
 
-log = get_logger("tierd.integrations.sglang")
+# SGLang configures the standard logging, not structlog: the lines go where SGLang's do.
+log = SglangLog("tierd.integrations.sglang")
 T = TypeVar("T")
+# A clear deletes a whole namespace, in slices the daemon serves between other requests.
+_CLEAR_DEADLINE_S = 30.0
 
 # Keys of the extra config that SGLang itself reads; they are not ours to check.
 _SGLANG_KEYS = frozenset(
@@ -102,6 +108,7 @@ class TierdHiCache(HiCacheStorage):
         self.counters = Counters()
         self._jobs: PageJobs | None = None
         self._link: DaemonLink | None = None
+        self._closed = False  # after close() every call answers a miss or a failure
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -109,6 +116,14 @@ class TierdHiCache(HiCacheStorage):
         """Learn the pages' geometry, derive the namespace and connect; refuses (raises,
         so SGLang does not start) a pool or a daemon it cannot serve exactly."""
         super().register_mem_pool_host(mem_pool_host)
+        if ignored_allocator(self.storage_config.extra_config, mem_pool_host):
+            log.warning(
+                'tierd HiCache: the extra config asks for "allocator": "shm", but SGLang '
+                "allocated its host pool without a memfd (SGLang reads `allocator` only from "
+                "an extra config given inline as JSON, not from an @file), so pages are "
+                "copied through tierd's pool",
+                fix="give --hicache-storage-backend-extra-config as inline JSON (docs/sglang.md)",
+            )
         geometry = PageGeometry.of(mem_pool_host)
         facts = page_facts(self.storage_config, mem_pool_host, geometry, self.settings.namespace)
         self.namespace = derive_namespace(facts)
@@ -242,6 +257,10 @@ class TierdHiCache(HiCacheStorage):
             self.counters.failed()
             log.debug("tierd HiCache call failed", error=str(exc))
             return failed
+        except RuntimeError:
+            if not self._closed:
+                raise
+            return failed  # close() stopped the link's loop under this call
 
     # -- the generic interface --------------------------------------------------------
 
@@ -324,13 +343,46 @@ class TierdHiCache(HiCacheStorage):
         return self.counters.take()
 
     def clear(self) -> bool:
-        """tierd's blocks are shared by every engine of the namespace and survive them:
-        SGLang's /flush_cache does not remove them (see docs/sglang.md)."""
-        log.info("SGLang asked to clear its L3 storage; tierd keeps its blocks")
-        return False
+        """SGLang's L3 flush (``POST /hicache/storage-backend/clear``): delete every
+        block of this backend's namespace from the daemon's tiers, for every engine of
+        the namespace (they share one cache). True only once the daemon has removed them
+        all; else False, logged at WARNING with why."""
+        jobs = self._jobs
+        if jobs is None:
+            state = "closed" if self._closed else "not started"
+            log.warning("tierd HiCache not cleared", reason=f"the backend is {state}")
+            return False
+        try:
+            removed, busy = jobs.clear(_CLEAR_DEADLINE_S)
+        except RuntimeError:
+            if not self._closed:
+                raise
+            log.warning("tierd HiCache not cleared", reason="the backend was closed meanwhile")
+            return False
+        except (TierdError, OSError) as exc:
+            log.warning(
+                "tierd HiCache not cleared: tierd still serves the namespace's pages",
+                namespace=self.namespace,
+                error=str(exc),
+            )
+            return False
+        if busy:
+            log.warning(
+                "tierd HiCache not cleared: pages being loaded stayed; clear again",
+                namespace=self.namespace,
+                removed=removed,
+                in_use=busy,
+            )
+            return False
+        log.info("tierd HiCache cleared", namespace=self.namespace, removed=removed)
+        return True
 
     def close(self) -> None:
-        if self._jobs is not None:
-            self._jobs.close()
-        if self._link is not None:
-            self._link.close()
+        """Disconnect; every later call answers a miss or a failure (idempotent)."""
+        self._closed = True
+        jobs, link = self._jobs, self._link
+        self._jobs = self._link = None
+        if jobs is not None:
+            jobs.close()
+        if link is not None:
+            link.close()

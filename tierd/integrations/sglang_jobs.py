@@ -26,6 +26,7 @@ turns them into misses and failed sets.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Sequence
@@ -37,13 +38,17 @@ import numpy.typing as npt
 from tierd.client import Client, DaemonError, LoadLease, StoreLease
 from tierd.errors import TierdError
 from tierd.integrations.link import DaemonLink
+from tierd.integrations.sglang_log import SglangLog
 from tierd.integrations.sglang_pages import PageGeometry, gather_page, scatter_page
-from tierd.logs import get_logger
 
 __all__ = ["PageJobs"]
 
-log = get_logger("tierd.integrations.sglang")
+log = SglangLog("tierd.integrations.sglang")
 Offsets = npt.NDArray[np.uint64]
+# A clear asks again while some blocks are in use (a load lease lives for one copy): at
+# most this many times, pausing a little longer each time.
+_CLEAR_TRIES = 5
+_CLEAR_PAUSE_S = 0.05
 
 
 class PageJobs:
@@ -239,6 +244,28 @@ class PageJobs:
 
         self.link.ask(commit, self.job_deadline_s)
         return True
+
+    # -- the whole namespace (SGLang's clear) ----------------------------------------
+
+    def clear(self, deadline_s: float) -> tuple[int, int]:
+        """Delete every block of the link's namespace from the daemon's tiers (the
+        daemon's ``delete`` of ``all``, which a member may send for its own namespace),
+        asking again while some are in use; ``(removed, still in use)``. Raises what
+        the link raises (:class:`~tierd.client.Unreachable` past ``deadline_s``)."""
+
+        async def delete(client: Client) -> tuple[int, int]:
+            removed = busy = 0
+            for attempt in range(_CLEAR_TRIES):
+                if attempt:
+                    await asyncio.sleep(_CLEAR_PAUSE_S * attempt)
+                done = await client.delete(everything=True)
+                removed += int(done["removed"])
+                busy = int(done["busy"])
+                if not busy:
+                    break
+            return removed, busy
+
+        return self.link.call(self.link.run(delete), deadline_s)
 
     def close(self) -> None:
         """Forget the region (the daemon drops it with the connection)."""

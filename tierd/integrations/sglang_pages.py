@@ -38,6 +38,7 @@ __all__ = [
     "UnsupportedPool",
     "derive_namespace",
     "gather_page",
+    "ignored_allocator",
     "page_facts",
     "page_key",
     "scatter_page",
@@ -169,6 +170,14 @@ def scatter_page(
     for offset, size in zip(offsets.tolist(), pieces, strict=True):
         memory[offset : offset + size] = source[at : at + size]
         at += size
+
+
+def ignored_allocator(extra: dict[str, Any] | None, pool: Any) -> bool:
+    """Whether the extra config asks for ``"allocator": "shm"`` while SGLang allocated
+    the host pool without a memfd (``pool.fd``). SGLang 0.5.23 picks the allocator from
+    the extra config only when it is given inline as JSON: from an ``@file`` (JSON, YAML
+    or TOML) its choice never sees the key, though the backend does."""
+    return (extra or {}).get("allocator") == "shm" and getattr(pool, "fd", None) is None
 
 
 def _plain(value: Any) -> str | int | float | bool | None:
