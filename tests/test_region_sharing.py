@@ -350,3 +350,20 @@ async def test_a_load_of_many_groups_is_byte_exact_with_repeats_and_misses(
                 if key != b"missing":
                     want = pattern(key + b"-", MiB)
                     assert os.pread(fd, MiB, row * MiB) == want, row
+
+
+async def test_closed_threads_end_after_their_work_and_start_again_for_more() -> None:
+    threads = FairThreads(2, name="test-close")
+    gate = threading.Event()
+    held = asyncio.ensure_future(threads.run("T", 1, lambda: gate.wait(30)))
+    await asyncio.sleep(0)
+    threads.close()  # work is running: the threads stay until it ends
+    gate.set()
+    assert await held is True
+    ours = [t for t in threading.enumerate() if t.name.startswith("test-close")]
+    assert len(ours) == 2
+    for thread in ours:
+        await asyncio.to_thread(thread.join, 30)
+        assert not thread.is_alive()
+    assert await threads.run("T", 1, lambda: "again") == "again"
+    threads.close()

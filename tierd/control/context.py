@@ -18,6 +18,7 @@ import xxhash
 from tierd.control.namespaces import namespace_rows
 from tierd.control.protocol import NAMESPACE_ID_BYTES, PROTOCOL_VERSION, ErrorCode
 from tierd.control.recorder import TraceRecorder
+from tierd.control.region_threads import FairThreads
 from tierd.control.stats import collect_stats, merge_stats, render_prometheus
 from tierd.control.tenants import Grant, PoolInfo, Tenant, TenantTable
 from tierd.control.timing import RequestTiming
@@ -69,6 +70,7 @@ class ServerContext:
     dropped: Counter[str] = field(default_factory=Counter)  # closed by a guard, by reason
     started: float = field(default_factory=time.monotonic)
     timing: RequestTiming = field(default_factory=RequestTiming)
+    copy_threads: FairThreads = field(default_factory=FairThreads)  # region jobs' copies
     _next_lease: int = 0
     _open_leases: Callable[[], int] = lambda: 0
 

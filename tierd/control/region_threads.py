@@ -24,6 +24,7 @@ slice is constant.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import queue
 import threading
@@ -38,6 +39,8 @@ __all__ = ["FairThreads", "SLICE_BYTES", "slices"]
 T = TypeVar("T")
 SLICE_BYTES = 8 << 20  # bytes of one queued slice of a job, at most (one block more)
 _Work = tuple[Callable[[], Any], asyncio.Future[Any]]
+_Handed = tuple[Callable[[], Any], Callable[[Any], object]]
+_STOP: Any = object()  # handed to a thread: it ends
 
 
 def slices(count: int, block_bytes: int, most: int = SLICE_BYTES) -> Iterator[range]:
@@ -60,11 +63,10 @@ class FairThreads:
         # free, so none ever waits in a queue behind another's. (An executor's lazily
         # started threads were seen to stay at three of four while three waited on a
         # client's file lock, and the fourth tenant's slice then waited with them.)
-        self._work: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[Any], object]]] = (
-            queue.SimpleQueue()
-        )
+        self._work: queue.SimpleQueue[_Handed] = queue.SimpleQueue()
         self._name = name
         self._started = False
+        self._closing = False
         # tenant -> connection -> queued work; both orders are the round robin's
         self._queues: dict[Hashable, dict[Hashable, deque[_Work]]] = {}
         self._running: dict[Hashable, int] = {}  # by tenant, and by (tenant, connection)
@@ -114,16 +116,32 @@ class FairThreads:
             thread = threading.Thread(target=self._serve, name=f"{self._name}_{i}", daemon=True)
             thread.start()
 
+    def close(self) -> None:
+        """Stop the threads once no work is running or queued (the server is gone; work
+        handed over later starts them again)."""
+        self._closing = True
+        self._stop_if_idle()
+
+    def _stop_if_idle(self) -> None:
+        if self._closing and self._started and not self._busy and not self._queues:
+            self._started = False
+            for _ in range(self.threads):
+                self._work.put(_STOP)
+
     def _serve(self) -> None:
         """One copy thread: run each callable handed over, report its outcome."""
         while True:
-            fn, report = self._work.get()
+            item = self._work.get()
+            if item is _STOP:
+                return
+            fn, report = item
             try:
                 outcome: Any = (True, fn())
             except BaseException as exc:  # handed to the awaiting task, raised there
                 outcome = (False, exc)
-            report(outcome)
-            del fn, report, outcome
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                report(outcome)
+            del fn, report, outcome, item
 
     def _next(self) -> tuple[tuple[Hashable, Hashable], _Work] | None:
         """The first tenant in turn with queued work and a thread to spare, and its
@@ -171,3 +189,4 @@ class FairThreads:
             else:
                 future.set_exception(value)
         self._dispatch()
+        self._stop_if_idle()

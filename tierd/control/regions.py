@@ -34,7 +34,6 @@ import functools
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from functools import cache
 from typing import Any
 
 import numpy as np
@@ -46,7 +45,7 @@ from tierd.control.protocol import ErrorCode, int_field
 from tierd.control.region_copy import Layout, Offsets, bounds_problem, read_region, write_region
 from tierd.control.region_fd import file_id, region_problem
 from tierd.control.region_table import MAX_REGIONS, Region, RegionTable
-from tierd.control.region_threads import FairThreads, slices
+from tierd.control.region_threads import slices
 from tierd.errors import CapacityError, ProtocolError
 from tierd.keys import BlockKey
 from tierd.stores import BlockStore
@@ -54,13 +53,7 @@ from tierd.stores import BlockStore
 __all__ = ["MAX_REGION_BYTES", "MAX_REGIONS", "Region", "RegionTable", "RegionRequests"]
 
 MAX_REGION_BYTES = 1 << 40  # larger is not host memory any engine has
-_COPY_THREADS = 4
 ReceiveFd = Callable[[int], Awaitable[int]]
-
-
-@cache
-def _threads() -> FairThreads:
-    return FairThreads(_COPY_THREADS)
 
 
 class RegionRequests:
@@ -216,12 +209,14 @@ class RegionRequests:
         slice by slice in the copy threads, each slice in this connection's turn (a
         slice past the job's time moves nothing)."""
         layout, until = how
-        tenant, conn = self.blocks.leases.tenant, self.blocks.leases.conn
+        leases = self.blocks.leases
+        tenant = leases.tenant.name if leases.tenant is not None else ""
+        conn = leases.conn
         ok: list[bool] = []
         for part in slices(len(rows), self.ctx.block_bytes):
             rows_part, blocks_part = rows[part.start : part.stop], blocks[part.start : part.stop]
             job = functools.partial(_in_rows, move, fd, rows_part, blocks_part, layout, until)
-            ok += await _threads().run(id(tenant), conn, job)
+            ok += await self.ctx.copy_threads.run(tenant, conn, job)
         return ok
 
     async def load(self, msg: dict[str, Any]) -> dict[str, Any]:

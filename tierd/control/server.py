@@ -103,11 +103,13 @@ class Server:
         return not pending
 
     async def close(self) -> None:
-        """Close every connection (releasing its leases) and remove the socket file."""
+        """Close every connection (releasing its leases), stop the region copy threads
+        (once what they run has ended) and remove the socket file."""
         self.stop_accepting()
         for conn in list(self.connections):
             conn.close()
             conn.session.close()
+        self.ctx.copy_threads.close()
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
