@@ -358,10 +358,10 @@ async def test_closed_threads_end_after_their_work_and_start_again_for_more() ->
     held = asyncio.ensure_future(threads.run("T", 1, lambda: gate.wait(30)))
     await asyncio.sleep(0)
     threads.close()  # work is running: the threads stay until it ends
+    ours = [t for t in threading.enumerate() if t.name.startswith("test-close")]
+    assert len(ours) == 2 and all(t.is_alive() for t in ours)
     gate.set()
     assert await held is True
-    ours = [t for t in threading.enumerate() if t.name.startswith("test-close")]
-    assert len(ours) == 2
     for thread in ours:
         await asyncio.to_thread(thread.join, 30)
         assert not thread.is_alive()
