@@ -9,7 +9,9 @@ digest (two model shapes under one tenant name got each other's blocks).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,43 @@ def test_a_checkpoint_republished_at_the_same_path_gets_a_new_namespace(tmp_path
     second = derive_namespace(offloading_spec(str(model)), ROW)
     assert second != first
     assert first.rsplit("/", 1)[0] == second.rsplit("/", 1)[0]  # only the digest moved
+
+
+def safetensors(path: Path, header: dict, size: int, patches: dict[int, bytes]) -> None:
+    """A safetensors-shaped file of ``size`` bytes (sparse): its header, then zeros but
+    for ``patches`` (offset -> bytes)."""
+    raw = json.dumps(header).encode()
+    with path.open("wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(size)
+        for offset, data in patches.items():
+            f.seek(offset)
+            f.write(data)
+
+
+def test_weights_replaced_keeping_size_and_times_get_a_new_namespace(tmp_path) -> None:
+    # Issue 35, 3: `cp -p`, `rsync -t` or an image build that normalises times keeps the
+    # size and the modification time; the bytes are another model's all the same.
+    model = checkpoint(tmp_path / "llama", b"")
+    weights = model / "model.safetensors"
+    header = {"w": {"dtype": "BF16", "shape": [1 << 21], "data_offsets": [0, 4 << 20]}}
+    size = 8 << 20
+    tensors = random.Random(1).randbytes(4 << 20)
+    safetensors(weights, header, size, {4096: tensors})
+    stat = weights.stat()
+
+    def republished(header: dict, patches: dict[int, bytes]) -> str:
+        safetensors(weights, header, size, patches)  # the same size
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the old times
+        return derive_namespace(offloading_spec(str(model)), ROW)
+
+    first = derive_namespace(offloading_spec(str(model)), ROW)
+    assert republished(header, {4096: tensors}) == first  # the same bytes: the same name
+    fine_tuned = random.Random(2).randbytes(4 << 20)  # every weight moved a little
+    assert republished(header, {4096: fine_tuned}) != first
+    assert republished(header, {4096: tensors, size - 1: b"x"}) != first  # its last byte
+    other = dict(header, __metadata__={"format": "pt"})  # only the header differs
+    assert republished(other, {4096: tensors}) != first
 
 
 def test_a_gguf_file_and_a_hub_revision_identify_their_weights(tmp_path, monkeypatch) -> None:

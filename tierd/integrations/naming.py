@@ -35,6 +35,13 @@ _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:@+=-]+")
 _MODEL_PART_MAX = 64
 _DIGEST_HEX = 16
 _PARALLEL_FIELDS = ("world_size", "tp_size", "pp_size", "pcp_size", "dcp_size")
+# A weight file's sampled content: its header (a safetensors header whole, up to
+# _HEADER_MAX; else its first _HEAD_BYTES) and _SAMPLES slices of _SAMPLE_BYTES spread
+# evenly from its first byte to its last: a fixed cost per file, whatever its size.
+_HEAD_BYTES = 64 << 10
+_HEADER_MAX = 16 << 20
+_SAMPLES = 64
+_SAMPLE_BYTES = 4096
 
 
 def _plain(value: Any) -> str | int | float | bool | None:
@@ -74,26 +81,56 @@ def _hub_cache() -> Path:
 
 
 def _file_facts(paths: list[Path]) -> list[list[str | int]]:
-    """Name, size and modification time (ns) of each file: a checkpoint written again
-    at the same path changes at least its times."""
+    """Name, size, modification time (ns) and a digest of sampled content of each file:
+    a checkpoint written again at the same path changes at least its times, or (copied
+    keeping them: ``cp -p``, ``rsync -t``) its sampled bytes."""
     facts: list[list[str | int]] = []
     for path in sorted(paths):
         try:
             st = path.stat()  # follows a hub snapshot's links to the blobs
+            sampled = _sampled_digest(path, st.st_size)
         except OSError:
             continue
-        facts.append([path.name, st.st_size, st.st_mtime_ns])
+        facts.append([path.name, st.st_size, st.st_mtime_ns, sampled])
     return facts
+
+
+def _sampled_digest(path: Path, size: int) -> str:
+    """SHA-256 (hex) of the file's header and of :data:`_SAMPLES` fixed slices, read
+    with positional reads (one small file is read whole)."""
+    digest = hashlib.sha256()
+    with path.open("rb", buffering=0) as f:
+        fd = f.fileno()
+        for offset, length in _sample_ranges(fd, size):
+            digest.update(os.pread(fd, length, offset))
+    return digest.hexdigest()
+
+
+def _sample_ranges(fd: int, size: int) -> list[tuple[int, int]]:
+    """(offset, length) of what :func:`_sampled_digest` reads of a file of ``size``."""
+    whole = _HEAD_BYTES + _SAMPLES * _SAMPLE_BYTES
+    if size <= whole:
+        return [(0, size)]
+    head = _HEAD_BYTES
+    prefix = os.pread(fd, 8, 0)  # safetensors: a little-endian u64 header length first
+    if len(prefix) == 8:
+        header = 8 + int.from_bytes(prefix, "little")
+        if header <= min(size, _HEADER_MAX):
+            head = max(head, header)
+    last = size - _SAMPLE_BYTES
+    slices = [(last * i // (_SAMPLES - 1), _SAMPLE_BYTES) for i in range(_SAMPLES)]
+    return [(0, head), *slices]
 
 
 def weights_identity(model: str | None) -> dict[str, Any] | None:
     """What identifies the weights behind ``model`` (vLLM's model name: a local path or a
-    hub id) cheaply: a few ``stat`` calls, never a read of the weights.
+    hub id) at a cost that does not grow with the model's size: per file a ``stat`` and
+    a fixed number of small reads (:func:`_sampled_digest`).
 
-    A local directory: its weight and config files' names, sizes and times. A file (a
-    GGUF): its own. A hub id: the commit every ref of its cache entry points to (a new
-    revision downloaded moves ``refs/main``). None when nothing can be found: the name
-    alone then stands for the model (said in the docs).
+    A local directory: its weight and config files' names, sizes, times and sampled
+    content. A file (a GGUF): its own. A hub id: the commit every ref of its cache entry
+    points to (a new revision downloaded moves ``refs/main``). None when nothing can be
+    found: the name alone then stands for the model (said in the docs).
     """
     if not model:
         return None
