@@ -644,6 +644,49 @@ def test_clear_drops_kept_blocks_and_older_copies_are_forgotten_at_once() -> Non
     assert tier.take_events() == []  # nothing announced them since the restart
 
 
+class _CountedOrder(list[tuple[BlockKey, int]]):
+    """An adoption order that counts the positions read from it (and can be weakly
+    referenced, to see that the tier lets go of it)."""
+
+    visited = 0
+
+    def __getitem__(self, index: Any) -> Any:
+        self.visited += 1
+        return super().__getitem__(index)
+
+
+def test_adopt_visits_at_most_count_positions_after_a_delete() -> None:
+    # A delete drops most kept blocks from the front of the order: one adopt(n) still
+    # visits at most n positions (it walked every dropped one in one call before).
+    kept = _CountedOrder((int_key(i), i) for i in range(1000))
+    tier = Tier(1000, "lru", medium=Medium.DISK)
+    tier.reserve(kept, list)
+    tier.discard([key for key, _ in kept[:990]])
+    kept.visited = 0
+    calls = []
+    while tier.adopting and len(calls) < 2000:
+        before = kept.visited
+        calls.append(tier.adopt(4))
+        assert kept.visited - before <= 4
+    assert sum(calls) == 10 and len(calls) == 250 and tier.adopting == 0
+
+
+def test_a_clear_lets_go_of_the_adoption_order() -> None:
+    import gc
+    import weakref
+
+    kept = _CountedOrder((int_key(i), i) for i in range(100))
+    tier = Tier(100, "lru", medium=Medium.DISK)
+    tier.reserve(kept, list)
+    tier.adopt(10)
+    gone = weakref.ref(kept)
+    del kept
+    tier.clear()
+    gc.collect()
+    assert gone() is None and tier.adopting == 0
+    assert tier.adopt(1) == 0
+
+
 def test_reserve_refuses_bad_slots() -> None:
     with pytest.raises(ValueError, match="out of range"):
         Tier(4).reserve([(int_key(1), 4)], list)

@@ -383,13 +383,16 @@ class Tier:
 
     def adopt(self, count: int) -> int:
         """Make up to ``count`` kept blocks ready (no event: they were announced before
-        the restart); returns how many it took. A key stored again since the restart
+        the restart); returns how many it took. At most ``count`` positions of the
+        adoption order are visited, those of blocks dropped meanwhile included, so one
+        call is bounded however many a delete dropped. A key stored again since the restart
         keeps its new block: the kept copy's slot is freed and forgotten by the store."""
         kept, slots, order = self._kept, self._slots, self._order
         taken: dict[BlockKey, int] = {}
         stale: list[int] = []
         pos, end = self._next, len(order)
-        while pos < end and len(taken) + len(stale) < count:
+        stop = min(end, pos + count)  # positions visited, dropped ones included: bounded
+        while pos < stop:
             key, slot = order[pos]
             pos += 1
             if kept.get(key) != slot:
@@ -418,6 +421,8 @@ class Tier:
             slots = [kept.pop(key) for key in dropped]
             self._freed.extend(slots)
             self._forget(slots)
+        if not kept:  # nothing left to adopt: the order's tuples go too
+            self._order, self._next = (), 0
         return dropped
 
     # -- events and stats ------------------------------------------------------------
