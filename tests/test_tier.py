@@ -11,7 +11,7 @@ from tierd.errors import BlockBusy, BlockMissing, BlockNotPinned, BlockNotReady,
 from tierd.events import EventKind, TierEvent
 from tierd.keys import BlockKey, Medium, int_key
 from tierd.policy import LRUPolicy, policy_names
-from tierd.tier import StorePlan, Tier
+from tierd.tier import StorePlan, Tier, one_slot_per_key
 
 NAME = "cpu0"
 MEDIUM = Medium.CPU
@@ -637,11 +637,24 @@ def test_clear_drops_kept_blocks_and_older_copies_are_forgotten_at_once() -> Non
     tier = Tier(8, "lru", medium=Medium.DISK)
     a, b = int_key(1), int_key(2)
     forgotten: list[int] = []
-    tier.reserve([(a, 0), (b, 5), (a, 2)], forgotten.extend)  # a twice: slot 0 is older
-    assert (forgotten, tier.adopting, tier.free) == ([0], 2, 6)
+    tier.reserve([(a, 0), (b, 5), (a, 2)], forgotten.extend)  # a twice: slot 0 is kept
+    assert (forgotten, tier.adopting, tier.free) == ([2], 2, 6)
     assert sorted(tier.clear()) == [a, b]
     assert sorted(forgotten) == [0, 2, 5] and tier.adopting == 0 and tier.free == 8
     assert tier.take_events() == []  # nothing announced them since the restart
+
+
+def test_a_key_given_twice_keeps_its_lowest_slot_reserved_or_restored() -> None:
+    # One rule for both ways a restart brings blocks back (restore_tier uses the same
+    # function): the lowest slot, whatever the order the store listed them in.
+    a, b = int_key(1), int_key(2)
+    for given in ([(a, 0), (b, 5), (a, 2)], [(a, 2), (b, 5), (a, 0)]):
+        forgotten: list[int] = []
+        tier = Tier(8, "lru", medium=Medium.DISK)
+        tier.reserve(given, forgotten.extend)
+        assert forgotten == [2]
+        assert tier.adopt(8) == 2 and (tier.slot_of(a), tier.slot_of(b)) == (0, 5)
+        assert one_slot_per_key(given) == ({a: 0, b: 5}, [2])
 
 
 class _CountedOrder(list[tuple[BlockKey, int]]):

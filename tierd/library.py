@@ -33,7 +33,7 @@ from tierd.stores.cpu import CpuStore, StartProgress
 from tierd.stores.cuda import torch_missing_reason
 from tierd.stores.disk import DiskStore
 from tierd.stores.memory import MemoryStore
-from tierd.tier import Tier
+from tierd.tier import Tier, one_slot_per_key
 from tierd.transfer import TransferEngine
 
 __all__ = [
@@ -120,14 +120,9 @@ def restore_tier(tier: Tier, store: BlockStore, *, inline: int | None = None) ->
         reserved = list(zip(index.values(), index.keys(), strict=True))
         tier.reserve(reserved, store.invalidate)  # a kept block deleted is forgotten there
         return reserved
-    entries: dict[BlockKey, int] = dict(zip(index.values(), index.keys(), strict=True))
-    if len(entries) != len(index):  # older copies of a block: keep the lowest slot
-        entries, duplicates = {}, []
-        for slot, key in sorted(index.items()):
-            if key in entries:
-                duplicates.append(slot)  # free the slot
-            else:
-                entries[key] = slot
+    listed = list(zip(index.values(), index.keys(), strict=True))
+    entries, duplicates = one_slot_per_key(listed)
+    if duplicates:  # other copies of a block: the same rule as reserve's
         store.invalidate(duplicates)
     kept = list(entries.items())
     tier.restore(kept)

@@ -33,7 +33,7 @@ from tierd.events import EventKind, TierEvent
 from tierd.keys import BlockKey, Medium
 from tierd.policy import CachePolicy, make_policy
 
-__all__ = ["StorePlan", "Tier", "TierStats"]
+__all__ = ["StorePlan", "Tier", "TierStats", "one_slot_per_key"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,9 +359,9 @@ class Tier:
         already serves. Until then they are misses, never evicted, and no store is given
         their slots. A kept block discarded or cleared before it is adopted is gone for
         good: its slot is freed and ``forget`` (the store's invalidate) is called with it,
-        so that it does not come back after a restart either; so is an older copy of a
-        key given twice. Only an empty tier can reserve; a slot out of range or given
-        twice raises ``ValueError``."""
+        so that it does not come back after a restart either; so is every copy but one of
+        a key given twice (see :func:`one_slot_per_key`). Only an empty tier can
+        reserve; a slot out of range or given twice raises ``ValueError``."""
         if self._slots or self._next_unused:
             raise ValueError(f"tier {self.name} is not empty; reserve needs a fresh tier")
         import numpy as np  # restarts only, as restore
@@ -375,9 +375,9 @@ class Tier:
             raise ValueError("reserved slots repeat")
         self._freed = np.flatnonzero(free)[::-1].tolist()  # lowest first, as restore
         self._next_unused = self.num_blocks
-        self._kept, self._forget, self._order, self._next = dict(kept), forget, kept, 0
-        if len(self._kept) != len(kept):  # older copies of a key: free their slots now
-            older = [slot for key, slot in kept if self._kept[key] != slot]
+        self._kept, older = one_slot_per_key(kept)
+        self._forget, self._order, self._next = forget, kept, 0
+        if older:  # other copies of a key: free their slots now
             self._freed.extend(older)
             forget(older)
 
@@ -476,3 +476,22 @@ class Tier:
 
 def _forget_nothing(slots: list[int]) -> None:
     """The default of :meth:`Tier.reserve`'s ``forget``, before anything is kept."""
+
+
+def one_slot_per_key(
+    entries: Sequence[tuple[BlockKey, int]],
+) -> tuple[dict[BlockKey, int], list[int]]:
+    """``entries`` (key, slot) as key -> slot, one slot per key, and the slots of the
+    other copies of a key given twice (a crash between a store and the invalidation of
+    an older copy): the lowest slot is kept, whatever the order given. The one rule for a
+    restart, whether the blocks are restored at once or reserved for adoption."""
+    chosen = dict(entries)
+    if len(chosen) == len(entries):  # the common case, at C speed
+        return chosen, []
+    chosen, others = {}, []
+    for key, slot in sorted(entries, key=itemgetter(1)):
+        if key in chosen:
+            others.append(slot)
+        else:
+            chosen[key] = slot
+    return chosen, others
