@@ -684,6 +684,30 @@ def test_adopt_visits_at_most_count_positions_after_a_delete() -> None:
     assert sum(calls) == 10 and len(calls) == 250 and tier.adopting == 0
 
 
+def test_adoption_is_paced_by_the_blocks_it_takes_not_by_those_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    import tierd.library
+
+    kept = [(int_key(i), i) for i in range(1000)]
+    tier = Tier(1000, "lru", medium=Medium.DISK)
+    tier.reserve(kept, list)
+    tier.discard([key for key, _ in kept[:990]])
+    paused: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float) -> None:
+        paused.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(tierd.library.asyncio, "sleep", sleep)
+    asyncio.run(tierd.library.adopt_kept(tier, 100))
+    assert tier.adopting == 0 and len(tier) == 10
+    assert sum(paused) == pytest.approx(10 / 100)  # 10 blocks at 100 a second
+
+
 def test_a_clear_lets_go_of_the_adoption_order() -> None:
     import gc
     import weakref

@@ -139,13 +139,13 @@ async def adopt_kept(tier: Tier, rate: int) -> None:
     started = last = time.monotonic()
     total, adopted = tier.adopting, 0
     while tier.adopting:
-        part = min(step, tier.adopting)
-        adopted += tier.adopt(part)
+        took = tier.adopt(step)  # visits ``step`` positions, blocks dropped ones included
+        adopted += took
         if time.monotonic() - last >= _PROGRESS_EVERY_S:
             last = time.monotonic()
             log.info("adopting kept blocks", tier=tier.name, adopted=adopted,
                      left=tier.adopting)  # fmt: skip
-        await asyncio.sleep(part / rate if rate else 0)
+        await asyncio.sleep(took / rate if rate else 0)  # paced by the blocks taken
     log.info(
         "kept blocks adopted", tier=tier.name, blocks=adopted, dropped=total - adopted,
         seconds=round(time.monotonic() - started, 3),
