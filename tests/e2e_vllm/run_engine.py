@@ -27,11 +27,13 @@ BLOCK_TOKENS = 32  # vLLM's CPU attention wants a multiple of 32
 def engine(args: argparse.Namespace) -> Any:
     """An LLM for ``args``: ``socket`` (tierd as the secondary tier), else ``fs_root``
     (vLLM's own filesystem tier), else no secondary tier; ``plain``: no offloading at all.
-    ``block_tokens`` (default 32) is vLLM's block size and the offload chunk."""
+    ``block_tokens`` (default 32) is vLLM's block size and the offload chunk, unless
+    ``offload_block_tokens`` (a multiple of it) sets the chunk: ``blocks_per_chunk`` > 1."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     block_tokens = getattr(args, "block_tokens", BLOCK_TOKENS)
+    offload_tokens = getattr(args, "offload_block_tokens", 0) or block_tokens
     tiers: list[dict[str, Any]] = []
     if args.socket:
         tier: dict[str, Any] = {
@@ -51,7 +53,7 @@ def engine(args: argparse.Namespace) -> Any:
             "spec_name": "TorchCopyTieringSpec",
             "spec_module_path": "cpu_offload_spec",
             "cpu_bytes_to_use": args.cpu_bytes,
-            "block_size": block_tokens,
+            "block_size": offload_tokens,
             "secondary_tiers": tiers,
         },
     )
@@ -94,6 +96,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--cpu-bytes", type=int, default=64 << 20)
     parser.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS)
+    parser.add_argument("--offload-block-tokens", type=int, default=0)
     parser.add_argument("--daemon-pid", type=int, default=0)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

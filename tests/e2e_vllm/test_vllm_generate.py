@@ -250,7 +250,8 @@ async def test_gqa_block_64_served_and_a_stopped_daemon_costs_a_deadline(
 
 
 LONG_CHUNKS = 16  # a prefix past the daemon's CPU tier (12 blocks) and its lease bound (6)
-LONG_PREFIX_TOKENS = LONG_CHUNKS * BLOCK_TOKENS
+CHUNK_TOKENS = 4 * BLOCK_TOKENS  # an offload chunk of 4 vLLM blocks: blocks_per_chunk 4
+LONG_PREFIX_TOKENS = LONG_CHUNKS * CHUNK_TOKENS  # 2048 of a 2088-token prompt
 
 
 async def test_a_prefix_longer_than_the_cpu_tier_is_served_whole(
@@ -258,18 +259,19 @@ async def test_a_prefix_longer_than_the_cpu_tier_is_served_whole(
     spawn: Spawn,  # noqa: F811
     models: dict[str, Path],
 ) -> None:
-    """Issue 35, 1: a 16-chunk prefix with a 12-block CPU tier over a disk tier and the
-    daemon's default lease bounds (6 blocks per connection) was served 0 tokens: the
-    load's requests raced for the bound and the whole load failed. Now every token of the
-    prefix is served, 4 chunks of it from the disk tier."""
-    config = daemon_config(tmp_path, cpu_blocks=12, disk_blocks=64, block_bytes=ROW_BYTES)
+    """Issue 35, 1: a 16-chunk prefix (2,088 tokens, 4 vLLM blocks per chunk) with a
+    12-block CPU tier over a disk tier and the daemon's default lease bounds (6 blocks
+    per connection) was served 0 tokens: the load's requests raced for the bound and the
+    whole load failed. Now every token of the prefix is served, some from the disk tier."""
+    config = daemon_config(tmp_path, cpu_blocks=12, disk_blocks=64, block_bytes=4 * ROW_BYTES)
     config["limits"] = {"lease_blocks_per_connection": "50%", "lease_blocks_per_tenant": "75%"}
     daemon = await spawn(config)
     rng = random.Random(35)
     prompt = tmp_path / "long-prompt.txt"
-    prompt.write_text(" ".join(str(4 + rng.randrange(250)) for _ in range(LONG_PREFIX_TOKENS + 8)))
+    prompt.write_text(" ".join(str(4 + rng.randrange(250)) for _ in range(LONG_PREFIX_TOKENS + 40)))
+    extra = ("--offload-block-tokens", str(CHUNK_TOKENS), "--max-model-len", "4096")
     out = await run_engine(
-        tmp_path, "long", models["main"], daemon.socket_path, prompt, "cold,reset,warm"
+        tmp_path, "long", models["main"], daemon.socket_path, prompt, "cold,reset,warm", *extra
     )
     assert out["cold"]["num_cached_tokens"] == 0
     assert out["warm"]["num_cached_tokens"] == LONG_PREFIX_TOKENS
