@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import os
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -200,3 +202,46 @@ def test_which_journals_a_crash_after_a_rotation_replays() -> None:
     # A new journal that exists but cannot be read, or journals of other epochs: a scan.
     assert _after_rotation(4, old, None, True) is None
     assert _after_rotation(3, old, new, True) is None
+
+
+async def test_a_rotation_whose_rename_fails_is_given_up_and_writes_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The new journal cannot be renamed into place: the rotation is given up as one
+    # whose new file cannot be made (the journal goes on growing, retried after a
+    # backoff), its file is closed and removed, and no write fails for it.
+    live = tmp_path / "live"
+    live.mkdir()
+    real_replace, refused = os.replace, []
+
+    def replace(src: Any, dst: Any) -> None:
+        if str(src).endswith("tierd-journal.bin.next"):
+            refused.append(src)
+            raise OSError(errno.EIO, "injected: rename failed", src)
+        real_replace(src, dst)
+
+    slots = 64
+    async with store_at(live, num_blocks=slots, journal_limit_bytes=2048) as store:
+        monkeypatch.setattr(os, "replace", replace)
+        fds = len(os.listdir("/proc/self/fd"))
+        written = await _rounds(store, 0, 60, slots)  # ~10 journal limits' worth
+        assert len(refused) == 1  # once, then after a backoff
+        assert store.stats().details["snapshot_failures"] == 1
+        assert len(os.listdir("/proc/self/fd")) == fds
+        assert not (live / "tierd-journal.bin.next").exists()
+        assert not (live / "tierd-journal.old.bin").exists()
+        expected = {
+            s: int_key(max(i for i in range(written) if i % slots == s)) for s in range(slots)
+        }
+        assert store.index() == expected
+        dead = crash_copy(live, tmp_path / "dead")
+        monkeypatch.setattr(os, "replace", real_replace)
+        store._checkpoints.retry_now()
+        await _rounds(store, written, 1, slots)
+    async with store_at(dead, num_blocks=slots) as store:
+        assert store.stats().details["recovery"] == ["crash"]
+        assert store.index() == expected
+        for slot, key in expected.items():
+            assert await get(store, slot, int.from_bytes(key, "little")) is not None
+    async with store_at(live, num_blocks=slots) as store:
+        assert store.stats().details["recovery"] == ["clean"]

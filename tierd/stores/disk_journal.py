@@ -224,9 +224,13 @@ class Journal:
         try:
             os.replace(nxt, self.path)
             fsync_dir(self._io, os.path.dirname(self.path))
-        except OSError:
-            os.replace(self.old_path, self.path)  # as it was; the flush fails, and retries
-            raise
+        except OSError as exc:
+            self._io.close(fd)
+            os.replace(self.old_path, self.path)  # as it was: the journal goes on growing
+            with contextlib.suppress(OSError):
+                os.unlink(nxt)
+            self.rotating, self.rotation_error = False, exc
+            return
         if self._fd >= 0:
             self._io.close(self._fd)
         self._fd, self._length, self.bytes = fd, _JNL_HDR.size + 8, _JNL_HDR.size + 8
