@@ -230,6 +230,10 @@ async def test_a_rotation_whose_rename_fails_is_given_up_and_writes_go_on(
         assert len(os.listdir("/proc/self/fd")) == fds
         assert not (live / "tierd-journal.bin.next").exists()
         assert not (live / "tierd-journal.old.bin").exists()
+        # The journal's size, as the checkpoints see it, is its file's whole size again:
+        # the retry is due once the backoff ends, not once it grows by another limit.
+        journal = store._slabs[0].journal
+        assert journal.bytes == (live / "tierd-journal.bin").stat().st_size > 4 * 2048
         expected = {
             s: int_key(max(i for i in range(written) if i % slots == s)) for s in range(slots)
         }

@@ -73,9 +73,8 @@ class Checkpoints:
         """Start the checkpoints due and the snapshot retries due (loop thread)."""
         for slab in self._slabs:
             state = self._state[id(slab)]
-            if slab.journal.rotation_error is not None:  # given up: the journal goes on
-                self._failed(slab, state, slab.journal.rotation_error)
-                slab.journal.rotation_error = None
+            if (exc := slab.journal.given_up()) is not None:  # the journal goes on
+                self._failed(slab, state, exc)
             if self._due(slab, state):
                 slab.walk = IndexWalk(slab.cfg.local_slots)
             elif slab.journal.due is not None:

@@ -105,7 +105,10 @@ class Journal:
         self._fd = -1
         self._length = 0  # bytes of whole records (and the header) in the file
         self._torn = False  # a failed write left a partial record the file still holds
-        self.bytes = 0  # size of the current journal file (read on the loop thread)
+        # Size of the current journal file with its queued records: the loop thread's
+        # alone (and the opener's, before the slab serves), never an I/O thread's.
+        self.bytes = 0
+        self._unrotated = 0  # ``bytes`` when the rotation under way was queued
 
     @property
     def dirty(self) -> bool:
@@ -121,13 +124,22 @@ class Journal:
         """Queue ``cp``: the flush that reaches it writes the snapshot and starts the
         journal afresh on top of it (at open and close; it supersedes a rotation)."""
         self._queue.append(cp)
-        self.bytes = _JNL_HDR.size + 8
+        self.bytes, self._unrotated = _JNL_HDR.size + 8, 0
 
     def rotate(self, cp: Checkpoint) -> None:
         """Queue a rotation for ``cp``, whose snapshot :meth:`write_due` writes later."""
         self._queue.append(_Rotate(cp))
         self.rotating = True
-        self.bytes = _JNL_HDR.size + 8
+        self.bytes, self._unrotated = _JNL_HDR.size + 8, self.bytes
+
+    def given_up(self) -> OSError | None:
+        """Why the last rotation was given up, once (None: it was not); the loop thread's
+        call. The journal went on growing in its file: ``bytes`` counts it whole again."""
+        exc, self.rotation_error = self.rotation_error, None
+        if exc is not None and self._unrotated:
+            self.bytes += self._unrotated - (_JNL_HDR.size + 8)
+        self._unrotated = 0
+        return exc
 
     def flush(self, sync: bool) -> None:
         """Write everything queued so far; fsync when ``sync``. Thread-safe."""
@@ -233,7 +245,7 @@ class Journal:
             return
         if self._fd >= 0:
             self._io.close(self._fd)
-        self._fd, self._length, self.bytes = fd, _JNL_HDR.size + 8, _JNL_HDR.size + 8
+        self._fd, self._length = fd, _JNL_HDR.size + 8
         self.due, self.rotation_error = cp, None
 
     def _new_file(self, path: str, epoch: int) -> int:
@@ -283,6 +295,7 @@ class Journal:
         blocks does not rewrite its index. OSError when it cannot."""
         with self._lock:
             self._open_at(epoch, length)
+        self.bytes = self._length  # the opener's thread: the slab does not serve yet
         for op, slot, gen, key in records:
             self.append(op, slot, gen, key)
         self.flush(sync=True)
@@ -302,7 +315,7 @@ class Journal:
             length = len(head) + 8
         else:
             self._io.truncate(self._fd, length)
-        self._length = self.bytes = length
+        self._length = length
         self._io.fsync(self._fd)
 
     @staticmethod
