@@ -20,11 +20,13 @@ import pytest
 
 import tierd.stores.disk_walk
 from tests.test_disk_store import block, crash_copy, get, put, store_at
+from tierd.errors import StoreIOError
 from tierd.keys import int_key
 from tierd.stores.disk import DiskStore
 from tierd.stores.disk_snapshot import load_snapshot
 from tierd.stores.disk_walk import IndexWalk
 from tierd.stores.fileio import FileIO
+from tierd.testing.faults import corrupt_disk_block
 
 SNAPSHOT_TMP = "tierd-index.msgpack.tmp"
 
@@ -249,3 +251,47 @@ async def test_a_rotation_whose_rename_fails_is_given_up_and_writes_go_on(
             assert await get(store, slot, int.from_bytes(key, "little")) is not None
     async with store_at(live, num_blocks=slots) as store:
         assert store.stats().details["recovery"] == ["clean"]
+
+
+class JournalRefused(FileIO):
+    """The journal file cannot be opened (EIO): an open that has just written its new
+    snapshot fails before it starts the journal, as a crash at that point would."""
+
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        if path.endswith("tierd-journal.bin"):
+            raise OSError(errno.EIO, "injected: cannot open the journal", path)
+        return super().open(path, flags, mode)
+
+
+async def test_a_crash_after_the_opening_snapshot_never_replays_a_stale_journal(
+    tmp_path: Path,
+) -> None:
+    # A crash during a rotation leaves the snapshot of epoch E, the old journal (E, its
+    # header unreadable here: the open scans) and the rotated one (E + 1). The open that
+    # recovers writes a new snapshot, then dies before starting its journal. The next
+    # open must not take the rotated journal as extending that snapshot: its SET of a
+    # block the scan found corrupt would bring the block back into the index.
+    live = tmp_path / "live"
+    live.mkdir()
+    io = HeldSnapshot(asyncio.get_running_loop())
+    slots = 64
+    store = store_at(live, num_blocks=slots, journal_limit_bytes=2048, fileio=io)
+    async with store, _released(io):
+        io.hold = True
+        written = 0
+        async with asyncio.timeout(60):
+            while not io.waiting.is_set():
+                written = await _rounds(store, written, 1, slots, sync=False)
+        written = await _rounds(store, written, 2, slots, sync=False)  # after the rotation
+        bad = (written - 1) % slots
+        corrupt_disk_block(store, bad)
+        expected = {s: k for s, k in store.index().items() if s != bad}
+        dead = crash_copy(live, tmp_path / "dead")
+    old = dead / "tierd-journal.old.bin"
+    old.write_bytes(b"X" + old.read_bytes()[1:])  # its header's checksum fails
+    with pytest.raises(StoreIOError):
+        async with store_at(dead, num_blocks=slots, fileio=JournalRefused()):
+            pass
+    async with store_at(dead, num_blocks=slots) as store:
+        assert store.stats().details["recovery"] == ["crash"]
+        assert store.index() == expected

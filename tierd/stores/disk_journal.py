@@ -319,6 +319,17 @@ class Journal:
         self._io.fsync(self._fd)
 
     @staticmethod
+    def base_epoch(path: str, uuid: bytes) -> int | None:
+        """The base epoch in the header of the journal at ``path``; None when there is
+        none, or its header is not intact, or it belongs to another slab."""
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(_JNL_HDR.size + 8)
+        except FileNotFoundError:
+            return None
+        return _epoch_of(raw, uuid)
+
+    @staticmethod
     def replay(path: str, uuid: bytes) -> Replay | None:
         """The journal at ``path``: its base epoch, latest record per slot and the bytes
         of whole records (header included) before any torn tail; None when there is none
@@ -329,12 +340,8 @@ class Journal:
         except FileNotFoundError:
             return None
         head_len = _JNL_HDR.size + 8
-        if len(raw) < head_len or _U64.unpack_from(raw, _JNL_HDR.size)[0] != _xxh(
-            raw[: _JNL_HDR.size]
-        ):
-            return None
-        magic, version, _, epoch, owner = _JNL_HDR.unpack_from(raw)
-        if magic != _JNL_MAGIC or version != _VERSION or owner != uuid:
+        epoch = _epoch_of(raw, uuid)
+        if epoch is None:
             return None
         latest: dict[int, Record] = {}
         count = 0
@@ -342,6 +349,18 @@ class Journal:
             latest[slot] = (op, gen, key)
             count += 1
         return Replay(epoch, latest, head_len + count * _REC_BYTES)
+
+
+def _epoch_of(raw: bytes, uuid: bytes) -> int | None:
+    """The base epoch of a journal that starts with ``raw``, when its header is intact
+    and names slab ``uuid``."""
+    head_len = _JNL_HDR.size + 8
+    if len(raw) < head_len or _U64.unpack_from(raw, _JNL_HDR.size)[0] != _xxh(raw[: _JNL_HDR.size]):
+        return None
+    magic, version, _, epoch, owner = _JNL_HDR.unpack_from(raw)
+    if magic != _JNL_MAGIC or version != _VERSION or owner != uuid:
+        return None
+    return int(epoch)
 
 
 def _records(raw: memoryview) -> Iterator[tuple[Op, int, int, bytes]]:

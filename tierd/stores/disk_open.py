@@ -26,7 +26,7 @@ import os
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import xxhash
 
@@ -180,6 +180,26 @@ def recover_index(
     last word is BEGIN (a write in flight, or whose SET was not written yet) is checked,
     a DEL drops the slot. Only the slots the journal leaves open are read, so the time to
     recover grows with the journal (bounded by checkpoints), not with the slab."""
+    found = _recover(journal, uuid, epoch, scan, check, path)
+    if found.resume is not None:  # the journal is gone on with: its epoch stays
+        return found
+    # The open writes a new snapshot at the epoch after this one: past every journal a
+    # crash left, so that none of them extends it if the open dies before it replaces
+    # them (a stale journal replayed over a snapshot from a scan brings back what the
+    # scan dropped).
+    seen = [dj.Journal.base_epoch(p, uuid) for p in (journal.path, journal.old_path)]
+    return replace(found, epoch=max([found.epoch, *(e for e in seen if e is not None)]))
+
+
+def _recover(
+    journal: dj.Journal,
+    uuid: bytes,
+    epoch: int,
+    scan: Callable[[], dict[int, di.BlockHeader]],
+    check: Check,
+    path: str,
+) -> Recovered:
+    """:func:`recover_index`'s index, at the epoch of the snapshot it started from."""
     snap = di.load_snapshot(journal.snapshot_path, uuid)
     # A clean close removes the journal; any journal left, even one whose header is
     # unreadable (a checkpoint that failed to restart it), means the daemon died and
