@@ -41,6 +41,7 @@ from tierd.control.protocol import NAMESPACE_ID_BYTES
 from tierd.control.stats import render_prometheus as render
 from tierd.control.tenants import Tenant
 from tierd.daemon import Daemon, metrics_http
+from tierd.keys import BlockKey
 from tierd.testing import daemon_config, running_daemon
 from tierd.tier import Tier
 
@@ -159,6 +160,42 @@ async def test_deleting_a_namespace_gives_the_loop_a_turn_per_slice_of_the_index
         for start in range(0, len(big), WALK_SLICE):  # nothing else went
             part = big[start : start + WALK_SLICE]
             assert (await crowd.lookup(part)).count == len(part)
+
+
+async def test_a_delete_walks_no_index_where_the_namespace_has_no_blocks_beside_a_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Any write in flight in a tier made every delete copy and walk the tier's whole
+    # index, however few blocks the namespace held there. Now only the writes in flight
+    # are walked where the census says the namespace holds no ready block.
+    big = names("big", 16 * WALK_SLICE)
+    walked: list[int] = []
+    copy = Tier.keys
+
+    def keys(tier: Tier) -> list[BlockKey]:
+        found = copy(tier)
+        walked.append(len(found))
+        return found
+
+    async with (
+        serve(tmp_path, cpu_blocks=len(big) + 64, disk_blocks=None) as daemon,
+        await connect(daemon, "crowd") as crowd,
+        await connect(daemon, "idle") as idle,
+    ):
+        assert daemon.server is not None
+        assert await crowd.store(big, rows_of(big)) == len(big)
+        tier = tenant_of(daemon).chain.levels[0].tier
+        crowds = BlockKey(daemon.server.ctx.namespace_id("crowd") + b"in flight")
+        idles = BlockKey(daemon.server.ctx.namespace_id("idle") + b"in flight")
+        assert tier.prepare_store([crowds, idles]) is not None  # two writes in flight
+        monkeypatch.setattr(Tier, "keys", keys)
+        try:
+            deleted = await idle.delete(everything=True)
+        finally:
+            tier.complete_store([crowds, idles], success=False)
+        assert (deleted["removed"], deleted["busy"]) == (0, 1)  # its write: busy
+        assert walked == []  # the crowd's index was not walked
+        assert (await crowd.lookup(big[:WALK_SLICE])).count == WALK_SLICE
 
 
 async def test_two_walks_of_one_tenants_index_run_one_after_the_other(tmp_path: Path) -> None:

@@ -223,10 +223,13 @@ async def _delete_starting(tenant: Tenant, start: bytes) -> Deleted:
     handled: set[BlockKey] = set()  # a key held by two levels is deleted (or busy) once
     removed = busy = 0
     for index, level in enumerate(chain.levels):
-        tier = level.tier  # kept blocks not adopted yet are in no census: walk them too
-        if not census.held(index, namespace_id) and not tier.stats().writing and not tier.adopting:
-            continue  # nothing of the namespace there: no need to walk that level
-        keys = level.tier.keys()  # a copy at C speed; the walk below is what is sliced
+        tier = level.tier
+        if census.held(index, namespace_id) or tier.adopting:
+            # A copy at C speed (kept blocks not adopted yet included: they are in no
+            # census, nor are the ones adopted so far); the walk below is what is sliced.
+            keys = tier.keys()
+        else:  # no ready block of the namespace there: only its writes in flight can be
+            keys = tier.writing_keys()
         for first in range(0, len(keys), WALK_SLICE):
             part = keys[first : first + WALK_SLICE]
             found = [k for k in part if k[:size] == start and k not in handled]
