@@ -269,16 +269,19 @@ async def test_a_load_that_gave_up_never_writes_into_pages_sglang_reused(
     tmp_path: Path, spawn: Any, pair: Any
 ) -> None:
     """SGLang's recommended memfd path, 4 pages of 16 MiB, a reader whose job deadline
-    (10 ms) expires in the middle of its loads. After each failed load SGLang's pages are
-    reused at once (a sentinel); none may change afterwards. When the daemon wrote into
-    the memfd itself, its copy calls under way at the deadline landed afterwards."""
+    (5 ms) expires in the middle of its loads (the pages come up from the daemon's disk
+    tier: 64 MiB read, and as much demoted to make room). After each failed load SGLang's
+    pages are reused at once (a sentinel); none may change afterwards. When the daemon
+    wrote into the memfd itself, its copy calls under way at the deadline landed
+    afterwards."""
     a, _ = pair
     size = page_bytes(BIG)
-    daemon = await spawn(daemon_config(tmp_path, block_bytes=size, cpu_blocks=8, disk_blocks=None))
+    daemon = await spawn(daemon_config(tmp_path, block_bytes=size, cpu_blocks=8, disk_blocks=16))
     common = {**BIG, "allocator": "shm", "host_pages": 6, "device_tokens": 6 * 512}
     a.open("big-w", tierd_spec(daemon.socket_path, **common))
-    assert a.write("big-w", seed=90, pages=4)["stored_pages"] == 4
-    tight = {"lookup_deadline_s": 0.5, "job_deadline_s": 0.01, "breaker_failures": 0}
+    for seed in (90, 91, 92):  # 91 and 92 fill the CPU tier: 90 goes down to disk
+        assert a.write("big-w", seed=seed, pages=4)["stored_pages"] == 4
+    tight = {"lookup_deadline_s": 0.5, "job_deadline_s": 0.005, "breaker_failures": 0}
     assert a.open("big-r", tierd_spec(daemon.socket_path, **common, extra=tight))["memfd"]
     failed = overwritten = 0
     for _ in range(8):  # bounded: each round ends in about reuse_s
