@@ -61,6 +61,24 @@ METRIC_CONNECTED = "vllm:kv_offload_tierd_connected"
 METRIC_BREAKER_OPEN = "vllm:kv_offload_tierd_breaker_open"
 
 
+# What a failed job's warning says, by kind (a load: True): its event, the field naming
+# how many blocks moved, the error when the daemon gave none, and what vLLM does then.
+_FAILED = {
+    True: (
+        "tierd load failed",
+        "loaded",
+        "the daemon did not hold every block",
+        "vLLM recomputes the blocks not loaded",
+    ),
+    False: (
+        "tierd store failed",
+        "stored",
+        "the daemon did not take every block",
+        "vLLM keeps its own copy; tierd does not hold these blocks",
+    ),
+}
+
+
 class TierReport:
     """Counters since the last ``stats`` and events since the last ``take_events``."""
 
@@ -123,24 +141,15 @@ class TierReport:
                 return
             self._warned[is_load] = now
             unsaid = self._unsaid.pop(is_load, 0)
-        if is_load:
-            log.warning(
-                "tierd load failed",
-                keys=keys,
-                loaded=moved,
-                error=error or "the daemon did not hold every block",
-                failed_unsaid=unsaid,
-                consequence="vLLM recomputes the blocks not loaded",
-            )
-        else:
-            log.warning(
-                "tierd store failed",
-                keys=keys,
-                stored=moved,
-                error=error or "the daemon did not take every block",
-                failed_unsaid=unsaid,
-                consequence="vLLM keeps its own copy; tierd does not hold these blocks",
-            )
+        event, moved_as, default, consequence = _FAILED[is_load]
+        log.warning(
+            event,
+            keys=keys,
+            **{moved_as: moved},
+            error=error or default,
+            failed_unsaid=unsaid,
+            consequence=consequence,
+        )
 
     def take_events(self) -> list[OffloadingEvent]:
         if self.residency is None:
