@@ -72,9 +72,6 @@ class FairThreads:
         self._running: dict[Hashable, int] = {}  # by tenant, and by (tenant, connection)
         self._busy = 0
 
-    def queued(self) -> int:
-        return sum(len(q) for conns in self._queues.values() for q in conns.values())
-
     async def run(self, tenant: Hashable, conn: Hashable, fn: Callable[[], T]) -> T:
         """Run ``fn`` in a thread when its owner's turn comes; returns only once it
         ended, even when the caller is cancelled meanwhile (then re-raised). Cancelled

@@ -239,7 +239,7 @@ class TierdHiCache(HiCacheStorage):
                 # daemon's can land in SGLang's pages once this call has given up.
                 return jobs.lease_load(raw, offsets)
             if jobs.zero_copy:
-                return jobs.region_move(True, raw, offsets)
+                return jobs.region_store(raw, offsets)
             return jobs.lease_store(raw, offsets)
 
         done = self._guarded(run, [False] * len(keys))

@@ -111,10 +111,10 @@ class PageJobs:
         self._region = (client, region)
         return region
 
-    def region_move(self, store: bool, keys: Sequence[bytes], offsets: Offsets) -> list[bool]:
-        """``region_store`` (``store``) or ``region_load`` of ``keys`` at ``offsets``.
-        The backend stores only this way: a load into SGLang's own pages must not be
-        written by the daemon (see the module's docstring)."""
+    def region_store(self, keys: Sequence[bytes], offsets: Offsets) -> list[bool]:
+        """``region_store`` of ``keys`` at ``offsets``. There is no region load: a load
+        into SGLang's own pages must not be written by the daemon (see the module's
+        docstring)."""
         pieces = list(self.geometry.pieces)
         # SGLang may reuse these pages once the call gives up: the daemon starts no copy
         # past then, and keeps nothing it read after it.
@@ -122,8 +122,7 @@ class PageJobs:
 
         async def op(client: Client) -> list[bool]:
             region = await self._region_of(client)
-            move = client.region_store if store else client.region_load
-            return await move(region, keys, offsets, pieces, expires)
+            return await client.region_store(region, keys, offsets, pieces, expires)
 
         return self.link.ask(op, self.job_deadline_s)
 
