@@ -6,6 +6,11 @@ Nothing is downloaded: the weights are a seeded random init and the tokenizer is
 here on a fixed word list, so every run writes the same models. One KV block (32 tokens,
 bf16, head_dim 64) takes ``LAYERS * KV_HEADS * 8192`` bytes, so 2 layers x 2 heads and
 4 layers x 1 head have the same row size in vLLM's CPU tier but different shapes.
+
+``--window-model DIR LAYERS KV_HEADS`` writes a Llama whose layers alternate sliding-window
+(``--window`` tokens, even layers) and full attention (``layer_types``, which vLLM's Llama
+reads per layer): vLLM makes two KV cache groups of it, the sliding layers' and the full
+ones', and its offload keys carry the group's index.
 """
 
 from __future__ import annotations
@@ -47,12 +52,23 @@ def build_tokenizer(out: Path) -> None:
 
 
 def build_model(
-    out: Path, *, layers: int, kv_heads: int, seed: int, vocab: int, hidden: int = 128
+    out: Path,
+    *,
+    layers: int,
+    kv_heads: int,
+    seed: int,
+    vocab: int,
+    hidden: int = 128,
+    window: int = 0,
 ) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    windows: dict[str, object] = {}
+    if window:
+        kinds = ["sliding_attention", "full_attention"]
+        windows = {"layer_types": [kinds[i % 2] for i in range(layers)], "sliding_window": window}
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -67,6 +83,7 @@ def build_model(
         pad_token_id=3,
         torch_dtype="bfloat16",
         tie_word_embeddings=False,
+        **windows,
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out)
@@ -75,13 +92,23 @@ def build_model(
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--model", nargs=3, action="append", required=True, metavar=("DIR", "LAYERS", "KV_HEADS")
+        "--model", nargs=3, action="append", default=[], metavar=("DIR", "LAYERS", "KV_HEADS")
     )
+    parser.add_argument(
+        "--window-model",
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("DIR", "LAYERS", "KV_HEADS"),
+        help="a model whose layers alternate sliding-window and full attention",
+    )
+    parser.add_argument("--window", type=int, default=64, help="the sliding window, tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=128, help="hidden size (head_dim stays 64)")
     args = parser.parse_args(argv)
     vocab = len(WORDS) + len(SPECIAL)
-    for directory, layers, kv_heads in args.model:
+    todo = [(*m, 0) for m in args.model] + [(*m, args.window) for m in args.window_model]
+    for directory, layers, kv_heads, window in todo:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         build_tokenizer(out)
@@ -92,8 +119,10 @@ def main(argv: list[str]) -> int:
             seed=args.seed,
             vocab=vocab,
             hidden=args.hidden,
+            window=window,
         )
-        print(json.dumps({"model": str(out), "layers": int(layers), "kv_heads": int(kv_heads)}))
+        shape = {"layers": int(layers), "kv_heads": int(kv_heads), "window": window}
+        print(json.dumps({"model": str(out), **shape}))
     return 0
 
 

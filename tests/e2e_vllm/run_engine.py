@@ -8,6 +8,9 @@ Each step prints one JSON object on stdout: ``{"step", "token_ids", "text",
 "num_cached_tokens", "seconds"}``. Steps: ``gen`` (or any name not below) generates the
 prompt greedily; ``reset`` calls ``llm.reset_prefix_cache(reset_connector=True)``, which
 empties vLLM's own prefix cache and its CPU offload tier but keeps secondary tiers (tierd).
+``shift<k>`` generates the prompt rotated by ``k`` tokens. With ``--kv-events`` the
+scheduler's KV events are counted (``engine_events``): ``events`` prints the counts,
+``drain`` steps the engine until tierd's removals reach the daemon's drops (bounded).
 Without ``--socket`` the engine runs with no secondary tier (for comparison).
 """
 
@@ -30,7 +33,7 @@ def engine(args: argparse.Namespace) -> Any:
     ``block_tokens`` (default 32) is vLLM's block size and the offload chunk, unless
     ``offload_block_tokens`` (a multiple of it) sets the chunk: ``blocks_per_chunk`` > 1."""
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     block_tokens = getattr(args, "block_tokens", BLOCK_TOKENS)
     offload_tokens = getattr(args, "offload_block_tokens", 0) or block_tokens
@@ -43,6 +46,10 @@ def engine(args: argparse.Namespace) -> Any:
         }
         if args.namespace:
             tier["namespace"] = args.namespace
+        if getattr(args, "staging_bytes", 0):
+            tier["staging_bytes"] = args.staging_bytes
+        if getattr(args, "kv_events", False):  # its events apart from vLLM's CPU tier's
+            tier.update(enable_kv_events=True, medium="STORAGE")
         tiers.append(tier)
     elif getattr(args, "fs_root", None):
         tiers.append({"type": "fs", "root_dir": args.fs_root})
@@ -71,6 +78,10 @@ def engine(args: argparse.Namespace) -> Any:
         # One process: the scheduler (and so tierd's tier) and the model run here.
         distributed_executor_backend="uni",
         kv_transfer_config=None if getattr(args, "plain", False) else transfer,
+        # Published nowhere: engine_events counts what the scheduler would publish.
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        if getattr(args, "kv_events", False)
+        else None,
     )
 
 
@@ -83,6 +94,43 @@ def tiers() -> list[Any]:
 
 def emit(obj: dict[str, Any]) -> None:
     print(json.dumps(obj), flush=True)
+
+
+def control_step(step: str, llm: Any, args: argparse.Namespace, counts: Any) -> dict | None:
+    """A step that generates nothing: its JSON fields; None for a generate step."""
+    if step.startswith("reset"):
+        return {"ok": bool(llm.reset_prefix_cache(reset_connector=True))}
+    if step in ("sigstop", "sigcont"):  # the daemon, stopped or resumed (--daemon-pid)
+        os.kill(args.daemon_pid, signal.SIGSTOP if step == "sigstop" else signal.SIGCONT)
+        return {}
+    if step == "breaker":  # wait (bounded) until every tierd tier's breaker is closed
+        found = tiers()
+        return {"closed": all(t._link.breaker.wait_closed(60) for t in found), "tiers": len(found)}
+    if step == "events":  # the KV events counted so far (--kv-events)
+        return dict(counts.summary())
+    if step == "drain":  # step until tierd's removals are all told (--kv-events)
+        import engine_events
+
+        return dict(engine_events.drain(llm, counts, args.socket))
+    return None
+
+
+def generate(llm: Any, args: argparse.Namespace, step: str, prompt_ids: list[int]) -> dict:
+    """Generate greedily: the prompt, or for ``shift<k>`` the prompt rotated by ``k``
+    tokens (another prefix from its first block)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    if step.startswith("shift"):
+        k = int(step.removeprefix("shift"))
+        prompt_ids = prompt_ids[k:] + prompt_ids[:k]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    (out,) = llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, use_tqdm=False)
+    return {
+        "token_ids": list(out.outputs[0].token_ids),
+        "text": out.outputs[0].text,
+        "num_cached_tokens": out.num_cached_tokens,
+        "prompt_tokens": len(prompt_ids),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -98,44 +146,27 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS)
     parser.add_argument("--offload-block-tokens", type=int, default=0)
     parser.add_argument("--daemon-pid", type=int, default=0)
+    parser.add_argument("--staging-bytes", type=int, default=0)
+    parser.add_argument("--kv-events", action="store_true")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    from vllm import SamplingParams, TokensPrompt
-
     with open(args.prompt_file) as f:
         prompt_ids = [int(t) for t in f.read().split()]
     llm = engine(args)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    counts = None
+    if args.kv_events:
+        import engine_events
+
+        counts = engine_events.install(llm)
     for step in args.steps.split(","):
         start = time.perf_counter()
-        if step.startswith("reset"):
-            ok = llm.reset_prefix_cache(reset_connector=True)
-            emit({"step": step, "ok": bool(ok), "seconds": time.perf_counter() - start})
-            continue
-        if step in ("sigstop", "sigcont"):  # the daemon, stopped or resumed (--daemon-pid)
-            os.kill(args.daemon_pid, signal.SIGSTOP if step == "sigstop" else signal.SIGCONT)
-            emit({"step": step})
-            continue
-        if step == "breaker":  # wait (bounded) until every tierd tier's breaker is closed
-            found = tiers()
-            closed = all(t._link.breaker.wait_closed(60) for t in found)
-            emit({"step": step, "closed": closed, "tiers": len(found)})
-            continue
-        (out,) = llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        emit(
-            {
-                "step": step,
-                "token_ids": list(out.outputs[0].token_ids),
-                "text": out.outputs[0].text,
-                "num_cached_tokens": out.num_cached_tokens,
-                "prompt_tokens": len(prompt_ids),
-                "seconds": seconds,
-            }
-        )
+        out = control_step(step, llm, args, counts)
+        if out is None:
+            out = generate(llm, args, step, prompt_ids)
+        emit({"step": step, **out, "seconds": time.perf_counter() - start})
     return 0
 
 

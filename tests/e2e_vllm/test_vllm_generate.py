@@ -5,6 +5,11 @@ process per engine (``run_engine.py``), with vLLM's ``TieringOffloadingSpec`` (i
 CPU copies done in plain torch by the test-only ``cpu_offload_spec``) and tierd's
 ``TierdSecondaryTier`` as its secondary tier, talking to a daemon this test starts. The
 model is a tiny random Llama built here (``make_tiny_llama.py``); nothing is downloaded.
+The shapes: dense Llamas of two KV row layouts, a GQA one at vLLM block size 64, the
+dense one with 4 vLLM blocks per offload chunk, and one whose layers alternate a sliding
+window and full attention (two KV cache groups). With ``--kv-events`` the engine counts
+the KV events its scheduler publishes (``engine_events.py``): tierd's removals are
+counted against the blocks the daemon dropped.
 
 The prompt is 200 tokens: six full blocks of 32, so a prefix hit is 192 cached tokens.
 vLLM's own prefix cache and CPU tier are empty whenever a hit is counted (reset, or a
@@ -72,11 +77,14 @@ def vllm_env() -> dict[str, str]:
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny Llamas: ``main`` (2 layers x 2 KV heads) and ``other`` (4 layers x 1 KV head)
     with the same KV row size; ``gqa`` (4 layers, 8 query and 2 KV heads, run with vLLM
-    block size 64)."""
+    block size 64); ``windows`` (2 x 2, its first layer a sliding window of 64 tokens, its
+    second full attention: two KV cache groups)."""
     base = tmp_path_factory.mktemp("models")
     paths = {"main": base / "llama-2x2", "other": base / "llama-4x1", "gqa": base / "gqa-4x8x2"}
+    paths["windows"] = base / "windows-2x2"
     command = [str(VLLM_PYTHON), str(HERE / "make_tiny_llama.py")]
     command += ["--model", str(paths["main"]), "2", "2", "--model", str(paths["other"]), "4", "1"]
+    command += ["--window-model", str(paths["windows"]), "2", "2"]
     gqa = [str(VLLM_PYTHON), str(HERE / "make_tiny_llama.py"), "--hidden", "512"]
     gqa += ["--model", str(paths["gqa"]), "4", "2"]
     for argv in (command, gqa):
@@ -243,7 +251,7 @@ async def test_gqa_block_64_served_and_a_stopped_daemon_costs_a_deadline(
     hung = out["hung"]
     assert hung["num_cached_tokens"] == 0 and hung["token_ids"] == cold["token_ids"]
     assert hung["seconds"] < HUNG_BOUND_S
-    assert out["breaker"] == {"step": "breaker", "closed": True, "tiers": 1}
+    assert (out["breaker"]["closed"], out["breaker"]["tiers"]) == (True, 1)
     back = out["back"]
     assert back["num_cached_tokens"] == GQA_PREFIX_TOKENS
     assert back["token_ids"] == cold["token_ids"]
@@ -278,3 +286,85 @@ async def test_a_prefix_longer_than_the_cpu_tier_is_served_whole(
     assert out["warm"]["token_ids"] == out["cold"]["token_ids"]
     tiers = await tier_stats(daemon)
     assert tiers["disk"]["hits"] >= 1  # blocks beyond the CPU tier: from the disk tier
+
+
+# A group's row is one layer's page (each group has one layer): 2 KV heads x (K, V) x 32
+# tokens x head_dim 64 x 2 bytes.
+WINDOWS_ROW_BYTES = 2 * 2 * BLOCK_TOKENS * 64 * 2
+
+
+async def test_two_kv_cache_groups_served_from_tierd(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+    models: dict[str, Path],
+    prompt_file: Path,
+) -> None:
+    """Issue 35's two-group shape: a sliding-window layer and a full-attention layer make
+    two KV cache groups, whose offload keys carry group index 0 and 1. tierd stores both
+    groups' blocks (vLLM's KV events say which group each is) and serves them: after
+    vLLM's own caches are emptied, and to a second engine process, with the same text."""
+    config = daemon_config(tmp_path, cpu_blocks=64, disk_blocks=None, block_bytes=WINDOWS_ROW_BYTES)
+    daemon = await spawn(config)
+    sock = daemon.socket_path
+    steps = "cold,reset,warm,drain"
+    first = await run_engine(
+        tmp_path, "windows", models["windows"], sock, prompt_file, steps, "--kv-events"
+    )
+    cold, warm = first["cold"], first["warm"]
+    assert cold["num_cached_tokens"] == 0
+    # The sliding window's group keeps only the blocks its window reaches; the full
+    # attention group every block of the prefix.
+    stored = first["drain"]["stored"]["STORAGE"]
+    assert set(stored) == {"0", "1"} and stored["1"] == PREFIX_BLOCKS
+    assert 1 <= stored["0"] < PREFIX_BLOCKS
+    cpu = (await tier_stats(daemon))["cpu"]
+    assert cpu["stores"] == stored["0"] + stored["1"]
+    assert warm["num_cached_tokens"] == PREFIX_TOKENS
+    assert warm["token_ids"] == cold["token_ids"]
+    assert (await tier_stats(daemon))["cpu"]["hits"] == cpu["stores"]  # all from tierd
+
+    second = await run_engine(tmp_path, "windows-2", models["windows"], sock, prompt_file, "gen")
+    assert second["gen"]["num_cached_tokens"] == PREFIX_TOKENS
+    assert second["gen"]["token_ids"] == cold["token_ids"]
+    assert (await tier_stats(daemon))["cpu"]["hits"] == 2 * cpu["stores"]
+
+
+async def namespace_rows(daemon: DaemonProcess) -> list[dict[str, Any]]:
+    """Every tenant's namespaces, as ``tierd namespaces`` lists them."""
+    async with await Client.connect(daemon.socket_path) as client:
+        tenants = await client.namespaces()
+    return [row for rows in tenants.values() for row in rows]
+
+
+async def test_every_block_the_daemon_drops_is_a_removed_kv_event(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+    models: dict[str, Path],
+    prompt_file: Path,
+) -> None:
+    """Issue 35, 2, end to end: three prompts of new blocks (both KV cache groups: 8
+    blocks each) into a 4-block daemon with no disk tier, each store job in rounds of 2
+    blocks, so that each job evicts its own first rounds before it ends as well as the
+    blocks of the job before. vLLM's scheduler publishes one removed block of tierd's
+    tier (its ``STORAGE`` medium) for each block of the engine's namespace the daemon
+    dropped: none lost (with the fix undone, 8 of 20 were told), none twice."""
+    config = daemon_config(tmp_path, cpu_blocks=4, disk_blocks=None, block_bytes=WINDOWS_ROW_BYTES)
+    daemon = await spawn(config)
+    extra = ("--kv-events", "--staging-bytes", str(2 * 2 * WINDOWS_ROW_BYTES))
+    steps = "gen,shift50,shift100,drain"  # rotated prompts: new blocks from the first
+    out = await run_engine(
+        tmp_path, "removals", models["windows"], daemon.socket_path, prompt_file, steps, *extra
+    )
+    drained = out["drain"]
+    assert drained["jobs_left"] is False
+    stored = drained["stored"]["STORAGE"]
+    assert stored["1"] == 3 * PREFIX_BLOCKS and stored["0"] >= 3
+    # The engine's namespace is the daemon's only one: what it stored less what it holds
+    # is what the daemon dropped of it.
+    (row,) = await namespace_rows(daemon)
+    assert row["stored_blocks"] == sum(stored.values())
+    dropped = row["stored_blocks"] - row["blocks"]["cpu"]
+    assert dropped == (await tier_stats(daemon))["cpu"]["evictions"] > 4
+    removed = drained["removed"]["STORAGE"]
+    assert set(removed) == {"0", "1"}  # each group's blocks are told
+    assert sum(removed.values()) == dropped
