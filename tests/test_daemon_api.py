@@ -285,6 +285,23 @@ async def test_touch_keeps_a_block_in_the_cpu_tier(tmp_path: Path) -> None:
         assert (await client.lookup([keys[1]])).media == ("DISK",)
 
 
+async def test_a_touch_longer_than_a_request_keeps_its_order(tmp_path: Path) -> None:
+    """A touch of more keys than ``max_keys_per_request`` goes as several requests (the
+    daemon refused it whole), the tail's first: ``keys[0]`` still ends up most recent."""
+    keys = make_keys("k", 7)
+    options: dict[str, Any] = {"cpu_blocks": 6, "disk_blocks": 16}
+    options["limits"] = {"max_keys_per_request": 2}
+    async with serve(tmp_path, **options) as daemon, await connect(daemon) as client:
+        for i in range(0, 6, 2):
+            await store_via_pool(client, keys[i : i + 2])
+        await client.touch(keys[:6][::-1])  # keys[5] most recent, keys[0] least
+        await store_via_pool(client, keys[6:])  # evicts the least recent: keys[0]
+        assert [(await client.lookup([k])).media for k in keys[:6]] == [
+            ("DISK",),
+            *[("CPU",)] * 5,
+        ]
+
+
 async def test_zero_copy_store_and_load(tmp_path: Path) -> None:
     keys = make_keys("k", 3)
     async with serve(tmp_path) as daemon, await connect(daemon) as client:

@@ -293,3 +293,25 @@ async def test_a_load_that_gave_up_never_writes_into_pages_sglang_reused(
     assert overwritten == 0
     for name in ("big-w", "big-r"):
         a.ask("close", name)
+
+
+async def test_a_sequence_longer_than_the_tiers_keeps_its_head_not_a_dead_tail(
+    tmp_path: Path, spawn: Any, pair: Any
+) -> None:
+    """Issue 35, item 11: a 100-page sequence, backed up by SGLang's controller in turns of
+    10 pages (each with SGLang's prefix keys), into 16 CPU + 32 disk blocks. Each turn's
+    pages used to be the most recent, so the turns after the first pushed the sequence's
+    head out and the 48 pages kept were its tail: served 0 pages. The backend now tells
+    the daemon the whole sequence was used, head most recent, after every turn."""
+    a, _ = pair
+    daemon = await spawn(config(tmp_path, cpu_blocks=16, disk_blocks=32))
+    a.open("tierd", tierd_spec(daemon.socket_path))
+    for start in range(0, 100, 10):
+        assert a.write("tierd", seed=80, pages=start + 10, start=start)["stored_pages"] == 10
+    stats = await daemon_stats(daemon.socket_path)
+    assert sum(t["used"] for t in stats["tiers"]) == 16 + 32
+    answer = a.read("tierd", seed=80, pages=100)
+    assert answer["loaded_pages"] >= 16, answer  # a whole CPU tier's worth at least
+    assert answer["identical"] == answer["loaded_pages"]
+    assert a.stats("tierd")["sglang_errors"] == 0
+    a.ask("close", "tierd")

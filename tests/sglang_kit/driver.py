@@ -9,6 +9,8 @@ the specs); the other commands name the engine they address:
 - ``{"op": "write", "seed": 1, "pages": 16}``: fill host pages with the bytes of
   ``seed`` and back them up through ``HiCacheController.write_storage`` (SGLang's backup
   thread, ``_page_backup``, the backend's ``batch_set_v1``); answers the pages stored.
+  With ``"start": N`` only pages N.. are written, as a later turn of the same sequence:
+  SGLang's ``prefix_keys`` (the hashes of pages 0..N-1) go with them.
 - ``{"op": "read", "seed": 1, "pages": 16}``: ``HiCacheController.prefetch`` (SGLang's
   prefetch thread, ``_storage_hit_query``, the backend's ``batch_exists``), the
   scheduler's step (host buffers for the hit), then SGLang's ``_page_transfer`` (the
@@ -243,20 +245,25 @@ class Engine:
         self.size = self.flat.numel() * self.flat.element_size()
         self.requests = 0
 
-    def fill(self, seed: int, indices: torch.Tensor, pages: int) -> None:
-        for i in range(pages):
+    def fill(self, seed: int, indices: torch.Tensor, pages: range) -> None:
+        for n, i in enumerate(pages):
             data = torch.frombuffer(bytearray(page_bytes(seed, i, self.size)), dtype=torch.uint8)
             self.host.set_from_flat_data_page(
-                int(indices[i * self.page]), data.view(self.flat.dtype)
+                int(indices[n * self.page]), data.view(self.flat.dtype)
             )
 
-    def write(self, seed: int, pages: int) -> dict[str, Any]:
-        indices = self.host.alloc(pages * self.page)
-        self.fill(seed, indices, pages)
+    def write(self, seed: int, pages: int, start: int = 0) -> dict[str, Any]:
+        """Back up pages ``start..pages-1`` of ``seed``'s sequence (``start`` > 0: a later
+        turn, with SGLang's prefix keys, the hashes of the pages before it)."""
+        indices = self.host.alloc((pages - start) * self.page)
+        self.fill(seed, indices, range(start, pages))
         tokens = tokens_of(seed, pages, self.page)
         hashes = get_storage_hash_str(tokens, None, page_size=self.page)
         started = time.monotonic()
-        op_id = self.cc.write_storage(indices, tokens, hash_value=hashes)
+        prefix = hashes[:start] if start else None
+        op_id = self.cc.write_storage(
+            indices, tokens[start * self.page :], hash_value=hashes[start:], prefix_keys=prefix
+        )
         op = self.cc.ack_backup_queue.get(timeout=WAIT_S)
         if op.id != op_id:
             raise RuntimeError(f"backup ack for {op.id}, not {op_id}")
@@ -382,7 +389,7 @@ def serve(engines: dict[str, Engine], command: dict[str, Any]) -> dict[str, Any]
         return {"tierd_logs": list(TIERD_LINES.lines)}
     engine = engines[name]
     if op == "write":
-        return engine.write(command["seed"], command["pages"])
+        return engine.write(command["seed"], command["pages"], command.get("start", 0))
     if op == "read":
         return engine.read(command["seed"], command["pages"], command.get("reuse_s", 0.0))
     if op == "clear":  # what POST /hicache/storage-backend/clear runs, and answers

@@ -128,8 +128,8 @@ class Engines:
     def open(self, engine: str, spec: dict[str, Any]) -> dict[str, Any]:
         return self.ask("open", engine, spec=spec)
 
-    def write(self, engine: str, seed: int, pages: int) -> dict[str, Any]:
-        return self.ask("write", engine, seed=seed, pages=pages)
+    def write(self, engine: str, seed: int, pages: int, start: int = 0) -> dict[str, Any]:
+        return self.ask("write", engine, seed=seed, pages=pages, start=start)
 
     def read(self, engine: str, seed: int, pages: int, reuse_s: float = 0.0) -> dict[str, Any]:
         return self.ask("read", engine, seed=seed, pages=pages, reuse_s=reuse_s)

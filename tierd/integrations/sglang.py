@@ -46,6 +46,7 @@ from tierd.integrations.sglang_pages import (
     ignored_allocator,
     page_facts,
     page_key,
+    prefix_keys,
 )
 from tierd.integrations.sglang_stats import Counters, tensor_bytes
 
@@ -60,6 +61,10 @@ _CLEAR_DEADLINE_S = 30.0
 # Keys of the extra config that SGLang itself reads; they are not ours to check.
 _SGLANG_KEYS = frozenset(
     {"backend_name", "module_path", "class_name", "interface_v1", "allocator", "tp_lcm_size"}
+    # SGLang's own, which it takes out before the backend sees the config; tolerated in
+    # case a driver hands the whole config over.
+    | {"prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token"}
+    | {"hicache_storage_pass_prefix_keys"}
 )
 _TRANSIENT = frozenset({"busy", "shutting_down"})
 
@@ -211,7 +216,7 @@ class TierdHiCache(HiCacheStorage):
         host_indices: Any,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        return self._move(False, keys, host_indices)
+        return self._move(False, keys, host_indices, prefix_keys(extra_info))
 
     def batch_set_v1(
         self,
@@ -222,9 +227,11 @@ class TierdHiCache(HiCacheStorage):
         if not self.is_writer:
             # MLA: every rank holds the same pages and the writer rank stores them.
             return [True] * len(keys)
-        return self._move(True, keys, host_indices)
+        return self._move(True, keys, host_indices, prefix_keys(extra_info))
 
-    def _move(self, store: bool, keys: list[str], host_indices: Any) -> list[bool]:
+    def _move(
+        self, store: bool, keys: list[str], host_indices: Any, prefix: list[str] | None = None
+    ) -> list[bool]:
         jobs = self._jobs
         if jobs is None or not keys:
             return [False] * len(keys)
@@ -244,6 +251,9 @@ class TierdHiCache(HiCacheStorage):
 
         done = self._guarded(run, [False] * len(keys))
         pages = done.index(False) if False in done else len(done)
+        if prefix is not None and pages:
+            # SGLang used the whole sequence: the daemon drops its tail before its head.
+            self._guarded(lambda: jobs.touch_sequence(prefix, keys[:pages]), None)
         elapsed = time.perf_counter() - started
         self.counters.moved(store, pages, pages * jobs.geometry.page_bytes, elapsed)
         return done

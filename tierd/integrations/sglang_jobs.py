@@ -39,7 +39,7 @@ from tierd.client import Client, DaemonError, LoadLease, StoreLease
 from tierd.errors import TierdError
 from tierd.integrations.link import DaemonLink
 from tierd.integrations.sglang_log import SglangLog
-from tierd.integrations.sglang_pages import PageGeometry, gather_page, scatter_page
+from tierd.integrations.sglang_pages import PageGeometry, gather_page, page_key, scatter_page
 
 __all__ = ["PageJobs"]
 
@@ -89,6 +89,19 @@ class PageJobs:
             return int((await client.lookup(keys)).count)
 
         return self.link.ask(op, self.lookup_deadline_s)
+
+    def touch_sequence(self, prefix: Sequence[str], pages: Sequence[str]) -> None:
+        """Mark SGLang's page sequence ``prefix + pages`` (head first) used, without
+        waiting for the answer: its head ends up the most recent at every level of the
+        daemon that holds it, so the daemon drops the sequence's tail before its head (a
+        kept tail whose head is gone is never served). One conversion per page hash."""
+        keys = [page_key(k) for k in prefix]
+        keys += [page_key(k) for k in pages]
+
+        async def touch(client: Client) -> None:
+            await client.touch(keys)
+
+        self.link.start(touch, self.lookup_deadline_s).add_done_callback(_ignore_outcome)
 
     # -- the memfd hand-off -----------------------------------------------------------
 
@@ -272,7 +285,8 @@ class PageJobs:
 
 
 def _ignore_outcome(future: Any) -> None:
-    """A fire-and-forget release or abort: its failure changes nothing for SGLang (the
-    daemon releases a lost connection's leases itself), so it is only logged."""
+    """A fire-and-forget release, abort or touch: its failure changes nothing for SGLang
+    (the daemon releases a lost connection's leases itself; a touch is a hint), so it is
+    only logged."""
     if not future.cancelled() and future.exception() is not None:
-        log.debug("tierd lease not released in time", error=str(future.exception()))
+        log.debug("tierd request not answered in time", error=str(future.exception()))

@@ -41,6 +41,7 @@ __all__ = [
     "ignored_allocator",
     "page_facts",
     "page_key",
+    "prefix_keys",
     "scatter_page",
 ]
 
@@ -68,6 +69,16 @@ _POOL_FIELDS = ("page_size", "layer_num", "head_num", "head_dim", "v_head_dim", 
 
 class UnsupportedPool(TierdError):
     """SGLang's host pool has a shape this backend cannot serve byte-exactly."""
+
+
+def prefix_keys(extra_info: Any) -> list[str] | None:
+    """The page hashes SGLang says precede a call's keys, from the sequence's start
+    (``HiCacheStorageExtraInfo.prefix_keys``; SGLang passes them only with
+    ``"hicache_storage_pass_prefix_keys": true`` in the extra config)."""
+    if extra_info is None:
+        return None
+    keys = getattr(extra_info, "prefix_keys", None)
+    return list(keys) if keys is not None else None
 
 
 def page_key(key: str) -> bytes:
