@@ -4,8 +4,10 @@ A policy never sees slots, bytes or reference counts. The tier tells it which ke
 ready (``insert``/``remove``), which are in use and so must not be evicted
 (``hold``/``release``), and which were used (``touch``); the policy answers ``evict``.
 
-Held keys are kept apart from evictable ones, so eviction never scans past pinned blocks
-(a scan over many pinned blocks per call is quadratic). The ``protected`` keys that
+Held keys are never scanned past call after call (a scan over many pinned blocks per
+call is quadratic): ARC keeps them apart from the evictable ones; LRU keeps them in
+place, marked, and moves each one eviction steps over to the recent end (so a pin and
+its release never delete from its dict: see ``tierd/policy/lru.py``). The ``protected`` keys that
 ``evict`` receives are only the few keys a single call must keep (the keys being stored);
 a container rather than a predicate keeps the victim scan free of Python calls.
 """
