@@ -7,9 +7,9 @@ CPU copies done in plain torch by the test-only ``cpu_offload_spec``) and tierd'
 model is a tiny random Llama built here (``make_tiny_llama.py``); nothing is downloaded.
 The shapes: dense Llamas of two KV row layouts, a GQA one at vLLM block size 64, the
 dense one with 4 vLLM blocks per offload chunk, and one whose layers alternate a sliding
-window and full attention (two KV cache groups). With ``--kv-events`` the engine counts
-the KV events its scheduler publishes (``engine_events.py``): tierd's removals are
-counted against the blocks the daemon dropped.
+window and full attention (two KV cache groups, also 4 blocks per chunk). With
+``--kv-events`` the engine counts the KV events its scheduler publishes
+(``engine_events.py``): tierd's removals are counted against the blocks the daemon dropped.
 
 The prompt is 200 tokens: six full blocks of 32, so a prefix hit is 192 cached tokens.
 vLLM's own prefix cache and CPU tier are empty whenever a hit is counted (reset, or a
@@ -288,19 +288,33 @@ async def test_a_prefix_longer_than_the_cpu_tier_is_served_whole(
     assert tiers["disk"]["hits"] >= 1  # blocks beyond the CPU tier: from the disk tier
 
 
-# A group's row is one layer's page (each group has one layer): 2 KV heads x (K, V) x 32
-# tokens x head_dim 64 x 2 bytes.
-WINDOWS_ROW_BYTES = 2 * 2 * BLOCK_TOKENS * 64 * 2
+# The two-group shape runs with 4 vLLM blocks per offload chunk (blocks_per_chunk 4), as
+# in issue 35. A group's row is one layer's chunk (each group has one layer): 2 KV heads x
+# (K, V) x 128 tokens x head_dim 64 x 2 bytes.
+WINDOWS_ROW_BYTES = 2 * 2 * CHUNK_TOKENS * 64 * 2
+WINDOWS_CHUNKS = 4
+WINDOWS_PREFIX_TOKENS = WINDOWS_CHUNKS * CHUNK_TOKENS  # 512 of a 552-token prompt
+WINDOWS_EXTRA = ("--kv-events", "--offload-block-tokens", str(CHUNK_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def windows_prompt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rng = random.Random(36)
+    ids = [4 + rng.randrange(250) for _ in range(WINDOWS_PREFIX_TOKENS + 40)]
+    path = tmp_path_factory.mktemp("prompt") / "windows-prompt.txt"
+    path.write_text(" ".join(map(str, ids)))
+    return path
 
 
 async def test_two_kv_cache_groups_served_from_tierd(
     tmp_path: Path,
     spawn: Spawn,  # noqa: F811
     models: dict[str, Path],
-    prompt_file: Path,
+    windows_prompt: Path,
 ) -> None:
     """Issue 35's two-group shape: a sliding-window layer and a full-attention layer make
-    two KV cache groups, whose offload keys carry group index 0 and 1. tierd stores both
+    two KV cache groups, whose offload keys carry group index 0 and 1, with 4 vLLM
+    blocks per offload chunk (a 552-token prompt: 4 chunks). tierd stores both
     groups' blocks (vLLM's KV events say which group each is) and serves them: after
     vLLM's own caches are emptied, and to a second engine process, with the same text."""
     config = daemon_config(tmp_path, cpu_blocks=64, disk_blocks=None, block_bytes=WINDOWS_ROW_BYTES)
@@ -308,23 +322,25 @@ async def test_two_kv_cache_groups_served_from_tierd(
     sock = daemon.socket_path
     steps = "cold,reset,warm,drain"
     first = await run_engine(
-        tmp_path, "windows", models["windows"], sock, prompt_file, steps, "--kv-events"
+        tmp_path, "windows", models["windows"], sock, windows_prompt, steps, *WINDOWS_EXTRA
     )
     cold, warm = first["cold"], first["warm"]
     assert cold["num_cached_tokens"] == 0
     # The sliding window's group keeps only the blocks its window reaches; the full
     # attention group every block of the prefix.
     stored = first["drain"]["stored"]["STORAGE"]
-    assert set(stored) == {"0", "1"} and stored["1"] == PREFIX_BLOCKS
-    assert 1 <= stored["0"] < PREFIX_BLOCKS
+    assert set(stored) == {"0", "1"} and stored["1"] == WINDOWS_CHUNKS
+    assert 1 <= stored["0"] < WINDOWS_CHUNKS
     cpu = (await tier_stats(daemon))["cpu"]
     assert cpu["stores"] == stored["0"] + stored["1"]
-    assert warm["num_cached_tokens"] == PREFIX_TOKENS
+    assert warm["num_cached_tokens"] == WINDOWS_PREFIX_TOKENS
     assert warm["token_ids"] == cold["token_ids"]
     assert (await tier_stats(daemon))["cpu"]["hits"] == cpu["stores"]  # all from tierd
 
-    second = await run_engine(tmp_path, "windows-2", models["windows"], sock, prompt_file, "gen")
-    assert second["gen"]["num_cached_tokens"] == PREFIX_TOKENS
+    second = await run_engine(
+        tmp_path, "windows-2", models["windows"], sock, windows_prompt, "gen", *WINDOWS_EXTRA
+    )
+    assert second["gen"]["num_cached_tokens"] == WINDOWS_PREFIX_TOKENS
     assert second["gen"]["token_ids"] == cold["token_ids"]
     assert (await tier_stats(daemon))["cpu"]["hits"] == 2 * cpu["stores"]
 
@@ -340,31 +356,33 @@ async def test_every_block_the_daemon_drops_is_a_removed_kv_event(
     tmp_path: Path,
     spawn: Spawn,  # noqa: F811
     models: dict[str, Path],
-    prompt_file: Path,
+    windows_prompt: Path,
 ) -> None:
-    """Issue 35, 2, end to end: three prompts of new blocks (both KV cache groups: 8
-    blocks each) into a 4-block daemon with no disk tier, each store job in rounds of 2
-    blocks, so that each job evicts its own first rounds before it ends as well as the
-    blocks of the job before. vLLM's scheduler publishes one removed block of tierd's
-    tier (its ``STORAGE`` medium) for each block of the engine's namespace the daemon
-    dropped: none lost (with the fix undone, 8 of 20 were told), none twice."""
-    config = daemon_config(tmp_path, cpu_blocks=4, disk_blocks=None, block_bytes=WINDOWS_ROW_BYTES)
+    """Issue 35, 2, end to end, on the two-group shape: three prompts of new blocks (5
+    chunks each: 4 of the full-attention group, 1 of the sliding window's) into a 2-block
+    daemon with no disk tier, each store job in rounds of 1 block, so that each job
+    evicts its own first rounds before it ends as well as the blocks of the job before.
+    vLLM's scheduler publishes one removed block of tierd's tier (its ``STORAGE``
+    medium) for each block of the engine's namespace that the daemon dropped: none lost
+    (with the fix undone, 4 of 13 were told), none twice."""
+    config = daemon_config(tmp_path, cpu_blocks=2, disk_blocks=None, block_bytes=WINDOWS_ROW_BYTES)
     daemon = await spawn(config)
-    extra = ("--kv-events", "--staging-bytes", str(2 * 2 * WINDOWS_ROW_BYTES))
+    # Half the staging for stores: one row per round.
+    extra = (*WINDOWS_EXTRA, "--staging-bytes", str(2 * WINDOWS_ROW_BYTES))
     steps = "gen,shift50,shift100,drain"  # rotated prompts: new blocks from the first
     out = await run_engine(
-        tmp_path, "removals", models["windows"], daemon.socket_path, prompt_file, steps, *extra
+        tmp_path, "removals", models["windows"], daemon.socket_path, windows_prompt, steps, *extra
     )
     drained = out["drain"]
     assert drained["jobs_left"] is False
     stored = drained["stored"]["STORAGE"]
-    assert stored["1"] == 3 * PREFIX_BLOCKS and stored["0"] >= 3
+    assert stored["1"] == 3 * WINDOWS_CHUNKS and stored["0"] >= 3
     # The engine's namespace is the daemon's only one: what it stored less what it holds
     # is what the daemon dropped of it.
     (row,) = await namespace_rows(daemon)
     assert row["stored_blocks"] == sum(stored.values())
     dropped = row["stored_blocks"] - row["blocks"]["cpu"]
-    assert dropped == (await tier_stats(daemon))["cpu"]["evictions"] > 4
+    assert dropped == (await tier_stats(daemon))["cpu"]["evictions"] == row["stored_blocks"] - 2
     removed = drained["removed"]["STORAGE"]
     assert set(removed) == {"0", "1"}  # each group's blocks are told
     assert sum(removed.values()) == dropped
