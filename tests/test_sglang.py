@@ -315,3 +315,22 @@ async def test_a_sequence_longer_than_the_tiers_keeps_its_head_not_a_dead_tail(
     assert answer["identical"] == answer["loaded_pages"]
     assert a.stats("tierd")["sglang_errors"] == 0
     a.ask("close", "tierd")
+
+
+async def test_sequences_that_fill_the_tiers_keep_their_heads(
+    tmp_path: Path, spawn: Any, pair: Any
+) -> None:
+    """Issue 35, item 11: ten 10-page sequences into 16 CPU + 32 disk blocks, then each
+    read back once, newest first. A sequence's pages go to the daemon in pieces (its
+    lease bound), each newer than the one before, so eviction took heads and kept tails
+    that no read reaches. The backend now touches a call's pages, head most recent."""
+    a, _ = pair
+    daemon = await spawn(config(tmp_path, cpu_blocks=16, disk_blocks=32))
+    a.open("tierd", tierd_spec(daemon.socket_path))
+    for seed in range(50, 60):
+        assert a.write("tierd", seed=seed, pages=10)["stored_pages"] == 10
+    stats = await daemon_stats(daemon.socket_path)
+    held = sum(t["used"] for t in stats["tiers"])
+    served = [a.read("tierd", seed=seed, pages=10)["hit_pages"] for seed in range(59, 49, -1)]
+    assert sum(served) >= 36, (held, served)  # 30 before (38 now: promoted copies take room)
+    a.ask("close", "tierd")

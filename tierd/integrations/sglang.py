@@ -236,11 +236,11 @@ class TierdHiCache(HiCacheStorage):
         if jobs is None or not keys:
             return [False] * len(keys)
         started = time.perf_counter()
+        raw = [page_key(k) for k in keys]
 
         def run() -> list[bool]:
             pointers, _ = self.mem_pool_host.get_page_buffer_meta(host_indices)
             offsets = jobs.geometry.offsets(pointers, len(keys))
-            raw = [page_key(k) for k in keys]
             if not store:
                 # Loads copy on this thread, from the daemon's pool: nothing of the
                 # daemon's can land in SGLang's pages once this call has given up.
@@ -251,9 +251,11 @@ class TierdHiCache(HiCacheStorage):
 
         done = self._guarded(run, [False] * len(keys))
         pages = done.index(False) if False in done else len(done)
-        if prefix is not None and pages:
-            # SGLang used the whole sequence: the daemon drops its tail before its head.
-            self._guarded(lambda: jobs.touch_sequence(prefix, keys[:pages]), None)
+        if pages > 1 or (pages and prefix):
+            # A call's pages (after SGLang's prefix keys, when it passes them) are one
+            # sequence, just used: the daemon is told so, head most recent, so it drops
+            # the sequence's tail before its head.
+            self._guarded(lambda: jobs.touch_sequence(prefix or [], raw[:pages]), None)
         elapsed = time.perf_counter() - started
         self.counters.moved(store, pages, pages * jobs.geometry.page_bytes, elapsed)
         return done

@@ -90,13 +90,14 @@ class PageJobs:
 
         return self.link.ask(op, self.lookup_deadline_s)
 
-    def touch_sequence(self, prefix: Sequence[str], pages: Sequence[str]) -> None:
-        """Mark SGLang's page sequence ``prefix + pages`` (head first) used, without
-        waiting for the answer: its head ends up the most recent at every level of the
-        daemon that holds it, so the daemon drops the sequence's tail before its head (a
-        kept tail whose head is gone is never served). One conversion per page hash."""
+    def touch_sequence(self, prefix: Sequence[str], pages: Sequence[bytes]) -> None:
+        """Mark SGLang's page sequence (the hashes ``prefix``, then the keys ``pages``;
+        head first) used, without waiting for the answer: its head ends up the most
+        recent at every level of the daemon that holds it, so the daemon drops the
+        sequence's tail before its head (a kept tail whose head is gone is never
+        served). One conversion per prefix hash."""
         keys = [page_key(k) for k in prefix]
-        keys += [page_key(k) for k in pages]
+        keys += pages
 
         async def touch(client: Client) -> None:
             await client.touch(keys)
