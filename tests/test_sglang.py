@@ -196,6 +196,12 @@ async def test_a_stopped_or_killed_daemon_costs_a_deadline_and_sglang_never_sees
     stats = a.stats("f")
     assert stats["sglang_errors"] == 0, stats["last_error"]
     assert stats["totals"]["failed_calls"] > 0
+    # The link's own lines reach SGLang's log (they went to structlog, which SGLang never
+    # shows: a lost daemon was silent there).
+    said = [(level, text.split(":")[0]) for level, text in stats["tierd_logs"]]
+    assert ("WARNING", "tierd breaker open") in said, said
+    assert ("WARNING", "tierd daemon lost") in said, said
+    assert ("INFO", "tierd daemon reachable again") in said, said
     a.ask("close", "f")
 
 

@@ -97,8 +97,13 @@ class LinkSettings:
 class DaemonLink:
     """One client connection, owned by a private thread and event loop."""
 
-    def __init__(self, settings: LinkSettings, *, name: str = "tierd-link") -> None:
+    def __init__(
+        self, settings: LinkSettings, *, name: str = "tierd-link", logger: Any = None
+    ) -> None:
         self.settings = settings
+        # The engine's way to log, if not structlog's (SGLang shows only its standard
+        # logging: tierd.integrations.sglang_log); called as log.warning("event", k=v).
+        self.log = logger if logger is not None else log
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._client: Client | None = None
@@ -227,7 +232,7 @@ class DaemonLink:
             return  # start-up raises it with what to change: "unreachable" would mislead
         self._lost_reported = True
         if _is_refusal(exc):
-            log.error(
+            self.log.error(
                 "tierd daemon refuses this engine",
                 socket=self.settings.socket_path,
                 error=str(exc),
@@ -235,7 +240,7 @@ class DaemonLink:
             )
         else:
             event = "tierd daemon lost" if self._ever_connected else "tierd daemon unreachable"
-            log.warning(
+            self.log.warning(
                 event,
                 socket=self.settings.socket_path,
                 error=str(exc),
@@ -245,7 +250,7 @@ class DaemonLink:
     def _on_connected(self) -> None:
         self.connects += 1
         if self._lost_reported:
-            log.info("tierd daemon reachable again", socket=self.settings.socket_path)
+            self.log.info("tierd daemon reachable again", socket=self.settings.socket_path)
         self._lost_reported = False
         self._ever_connected = True
         self._backoff = min(_FIRST_BACKOFF_S, self.settings.reconnect_max_s)
@@ -324,7 +329,7 @@ class DaemonLink:
         answer): count it for the breaker; when that opens it, the link's loop probes
         the daemon until it answers."""
         if self.breaker.failed(silent_since=silent_since):
-            log.warning(
+            self.log.warning(
                 "tierd breaker open",
                 socket=self.settings.socket_path,
                 consequence="lookups miss and jobs fail at once until the daemon answers",
@@ -362,7 +367,7 @@ class DaemonLink:
                 await asyncio.sleep(self.settings.probe_interval_s)
                 continue
             if self.breaker.close():
-                log.info("tierd breaker closed", socket=self.settings.socket_path)
+                self.log.info("tierd breaker closed", socket=self.settings.socket_path)
             return
 
     async def _drop(self) -> None:

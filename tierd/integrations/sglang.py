@@ -145,6 +145,7 @@ class TierdHiCache(HiCacheStorage):
                 breaker_failures=s.breaker_failures,
             ),
             name="tierd-sglang",
+            logger=log,  # SGLang shows its standard logging only
         )
         fd = getattr(mem_pool_host, "fd", None) if s.zero_copy else None
         jobs = PageJobs(
