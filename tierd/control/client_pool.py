@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 from tierd.errors import ProtocolError
+from tierd.prefault import Prefault
 
 __all__ = ["LoadLease", "PoolMap", "PoolUser", "StoreLease"]
 
@@ -38,6 +39,9 @@ class PoolMap:
             raise ProtocolError(f"the pool passed holds {found} bytes, not the {size} named")
         self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._view = memoryview(self._mm)
+        # Page tables filled in the background: a copy into a slot this process never
+        # touched would otherwise fault on every 4 KiB page (tierd/prefault.py).
+        self.prefault = Prefault(self._mm, name or "pool")
 
     def view(self, slot: int) -> memoryview:
         if not 0 <= slot < self.num_blocks:
@@ -55,6 +59,7 @@ class PoolMap:
         )
 
     def close(self) -> None:
+        self.prefault.stop()  # never populating a range after it is unmapped
         self._view.release()
         # A caller may still hold a view: the mapping then goes when the last one does.
         with contextlib.suppress(BufferError):

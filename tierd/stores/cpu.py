@@ -48,6 +48,7 @@ from typing import Any
 from tierd.errors import StoreIOError
 from tierd.keys import Medium
 from tierd.logs import get_logger
+from tierd.prefault import populate_flags
 from tierd.stores.base import INLINE_COPY_BYTES, StoreStats, settle
 from tierd.stores.cuda import (
     CudaCallError,
@@ -184,7 +185,7 @@ class CpuStore(HostPoolStore):
                 self._allocate(fd)
             elif (found := os.fstat(fd).st_size) != self.size:
                 raise OSError(0, f"pool file holds {found} bytes, expected {self.size}")
-            return mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+            return mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | populate_flags())
         except OSError as exc:
             if self.create:
                 self._unlink()
@@ -204,7 +205,9 @@ class CpuStore(HostPoolStore):
             self._allocate(fd)
             seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-            mapping = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+            # Populated now, with the allocation: the daemon's copies into fresh slots
+            # would otherwise fault on every 4 KiB page (tierd/prefault.py).
+            mapping = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | populate_flags())
         except OSError as exc:
             os.close(fd)
             if isinstance(exc, StoreIOError):

@@ -1,0 +1,88 @@
+"""A mapped pool's page tables are filled ahead of use (``tierd/prefault.py``): in the
+background for a client's mapping, at start for the daemon's.
+
+What is checked is the process's own page tables: the resident size (``Rss`` in
+``/proc/self/smaps``) of the mapping, which counts only pages this process has mapped,
+not pages the file holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+from test_daemon_api import connect, serve
+
+from tierd.prefault import Prefault
+
+MIB = 1 << 20
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps"
+)
+
+
+def resident_bytes(mapping: mmap.mmap) -> int:
+    """How much of ``mapping`` this process has in its page tables."""
+    anchor = ctypes.c_char.from_buffer(mapping)
+    start = ctypes.addressof(anchor)
+    del anchor
+    found = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low = int(head.split("-")[0], 16)
+            found = low == start
+        elif found and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("the mapping is not in /proc/self/smaps")
+
+
+def allocated_memfd(size: int) -> int:
+    fd = os.memfd_create("prefault-test", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    os.posix_fallocate(fd, 0, size)  # the pages exist, as the daemon's pool's do
+    return fd
+
+
+def test_a_mapping_is_populated_in_the_background_and_an_untouched_one_is_not() -> None:
+    size = 24 * MIB
+    fd = allocated_memfd(size)
+    try:
+        plain = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        filled = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        prefault = Prefault(filled, "test")
+        assert prefault.wait(30.0)
+        assert prefault.error is None and prefault.done == size
+        assert resident_bytes(filled) == size
+        assert resident_bytes(plain) < MIB  # the same pages, never touched here
+        plain.close()
+        filled.close()  # the thread's view of the buffer is gone: the mapping closes
+    finally:
+        os.close(fd)
+
+
+def test_stop_ends_it_between_steps_and_the_mapping_then_closes() -> None:
+    size = 256 * MIB
+    fd = allocated_memfd(size)
+    try:
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        prefault = Prefault(mapping, "test")
+        prefault.stop()
+        assert prefault.wait(0.0) and prefault.done <= size
+        mapping.close()
+    finally:
+        os.close(fd)
+
+
+async def test_a_clients_pool_mapping_is_populated_without_a_lease(tmp_path: Path) -> None:
+    async with serve(tmp_path, cpu_blocks=256, disk_blocks=16) as daemon:
+        client = await connect(daemon)
+        try:
+            pool = client.require_pool()
+            assert pool.prefault.wait(30.0) and pool.prefault.error is None
+            assert resident_bytes(pool._mm) == pool.prefault.size > 0
+        finally:
+            await client.close()
