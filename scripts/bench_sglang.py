@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -123,9 +124,12 @@ def start_daemon(workdir: Path, block: int, cpu: int, disk: int | None) -> tuple
 class Case:
     """One backend over one host pool: a set and a get of ``n`` fresh pages per rep."""
 
-    def __init__(self, name: str, pool: Any, backend: Any, generic: bool) -> None:
+    def __init__(
+        self, name: str, pool: Any, backend: Any, generic: bool, between: Any = None
+    ) -> None:
         self.name, self.pool, self.backend, self.generic = name, pool, backend, generic
         self.page = GEOMETRY["page"]
+        self.between = between  # run untimed between the set and the get
 
     def run(self, keys: list[str], indices: Any) -> tuple[float, float, bool]:
         started = time.perf_counter()
@@ -133,6 +137,8 @@ class Case:
         set_s = time.perf_counter() - started
         expected = pages_of(self.pool, indices, len(keys))
         self.pool.kv_buffer.view(torch.uint8).zero_()
+        if self.between is not None:
+            self.between()
         started = time.perf_counter()
         loaded = self._get(keys, indices)
         get_s = time.perf_counter() - started
@@ -187,6 +193,33 @@ def memcpy_case(pool: Any, indices: Any, n: int) -> tuple[float, float]:
     return out_s, time.perf_counter() - started
 
 
+def push_out(backend: Any, pool: Any, n: int) -> None:
+    """Store ``n`` other fresh pages (untimed): under a CPU tier of one call, the pages
+    just stored are demoted to the disk tier, so the get reads them from there while the
+    CPU tier holds as many pages as a call (as an engine's does, many times over)."""
+    indices = pool.alloc(n * GEOMETRY["page"])
+    try:
+        keys = [os.urandom(32).hex() for _ in range(n)]
+        if not all(backend.batch_set_v1(keys, indices)):
+            raise RuntimeError("the push-out store failed")
+    finally:
+        pool.free(indices)
+
+
+def drop_cached(directory: Path) -> None:
+    """Write back and drop from the page cache every file under ``directory`` (these
+    files only, untimed), so the next reads come from the drive, as tierd's O_DIRECT
+    reads of its disk tier do."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def fill(pool: Any) -> None:
     generator = torch.Generator().manual_seed(1)
     pool.kv_buffer.view(torch.uint8).copy_(
@@ -228,7 +261,7 @@ def main() -> None:
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
     rows: list[dict[str, Any]] = []
-    pools = {alloc: host_pool(n + 1, alloc) for alloc in ("default", "shm")}
+    pools = {alloc: host_pool(2 * n + 1, alloc) for alloc in ("default", "shm")}
     block = pools["default"].get_size_per_token() * GEOMETRY["page"]
     extra = {
         "backend_name": "tierd",
@@ -239,6 +272,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=os.environ.get("TIERD_BENCH_DIR")) as tmp:
         work = Path(tmp)
         rows.append(measure(None, pools["default"], n, reps, "memcpy (numpy, same pages)"))
+        # SGLang's shm pool is a memfd (tmpfs, shared): its own baseline for the shm rows.
+        rows.append(measure(None, pools["shm"], n, reps, "memcpy (numpy), shm pool"))
         file_backend = StorageBackendFactory.create_backend(
             "file", storage_config({"file_storage_path": str(work / "file")}), pools["default"]
         )
@@ -249,10 +284,30 @@ def main() -> None:
                 pools["default"],
                 n,
                 reps,
-                "SGLang file backend",
+                "SGLang file backend (reads from the page cache)",
             )
         )
-        for label, cpu, disk in (("cpu tier", reps * n + n, None), ("disk tier", 4, reps * n + n)):
+        rows.append(
+            measure(
+                Case(
+                    "file",
+                    pools["default"],
+                    file_backend,
+                    True,
+                    lambda: drop_cached(work / "file"),
+                ),
+                pools["default"],
+                n,
+                reps,
+                "SGLang file backend, its files dropped from the page cache before get",
+            )
+        )
+        daemons = [
+            ("cpu tier", reps * n + n, None, False),
+            ("disk tier", 4, reps * n + n, False),
+            ("disk tier under a CPU tier of one call", n + 4, 2 * reps * n + 2 * n, True),
+        ]
+        for label, cpu, disk, push in daemons:
             proc, sock = start_daemon(work, block, cpu, disk)
             try:
                 for alloc in ("default", "shm"):
@@ -263,9 +318,10 @@ def main() -> None:
                     )
                     backend.register_mem_pool_host(pools[alloc])
                     how = "memfd hand-off" if alloc == "shm" else "lease copies"
+                    between = partial(push_out, backend, pools[alloc], n) if push else None
                     rows.append(
                         measure(
-                            Case("tierd", pools[alloc], backend, False),
+                            Case("tierd", pools[alloc], backend, False, between),
                             pools[alloc],
                             n,
                             reps,
