@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tierd.cli import main
-from tierd.client import Client
+from tierd.client import Client, DaemonError
 from tierd.testing import daemon_config, running_daemon
 
 # CPU holds 2 blocks. Key 1 is used by requests 1 and 2, key 2 by request 1 only; request
@@ -86,3 +86,24 @@ async def test_lookup_then_touch_over_the_socket_counts_once(tmp_path: Path) -> 
             found = await client.lookup([twice])
             assert (found.count, found.media) == (1, ("DISK",))
             assert (await client.lookup([once])).count == 0
+
+
+async def test_a_touch_for_order_only_counts_no_use(tmp_path: Path) -> None:
+    """``uses: false`` (SGLang's backend, after every call) orders without counting a use;
+    a ``uses`` that is not a boolean is refused, and nothing is touched."""
+    config = daemon_config(tmp_path, cpu_blocks=2, disk_blocks=8)
+    config["tiers"][1]["admission"] = "reuse>=2"
+    ordered, used, filler = b"k-ordered", b"k-used", [b"f-1", b"f-2"]
+    async with running_daemon(config) as daemon:
+        path = daemon.config.socket.path
+        async with await Client.connect(path, namespace="adm") as client:
+            await client.store([ordered, used], [bytes(4096)] * 2)
+            for _ in range(3):
+                await client.touch([ordered], uses=False)
+            await client.touch([used])
+            await client.touch([used])
+            with pytest.raises(DaemonError, match="'uses' must be a boolean"):
+                await client.request("touch", keys=[used], uses=1)
+            await client.store(filler, [bytes(4096)] * 2)  # both demoted
+            assert (await client.lookup([used])).media == ("DISK",)
+            assert (await client.lookup([ordered])).count == 0  # refused: never used twice

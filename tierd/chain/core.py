@@ -163,10 +163,11 @@ class TierChain(ChainLoads):
         self._miss_blocks -= found
         return held
 
-    def touch(self, keys: Sequence[BlockKey]) -> None:
+    def touch(self, keys: Sequence[BlockKey], *, uses: bool = True) -> None:
         """Mark ``keys`` used at every level that holds them. A touch is a request's use of
-        its keys, held or not: admission rules count one use per key per touch."""
-        if self._tracks_uses:
+        its keys, held or not: admission rules count one use per key per touch, unless
+        ``uses`` is false (an order only: a client telling which of its keys came first)."""
+        if uses and self._tracks_uses:
             self._count_uses(keys)
         for level in self.levels:
             level.tier.touch(keys)

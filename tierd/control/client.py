@@ -257,13 +257,15 @@ class Client:
         replies = await asyncio.gather(*asked)
         return [bool(flag) for reply in replies for flag in reply["present"]]
 
-    async def touch(self, keys: Sequence[bytes]) -> None:
+    async def touch(self, keys: Sequence[bytes], *, uses: bool = True) -> None:
         """Mark ``keys`` used, tail to head: ``keys[0]`` ends up the most recent. More
         than the daemon's ``max_keys_per_request`` go as several requests, the tail's
-        first, so the order holds across them."""
+        first, so the order holds across them. ``uses=False``: the order only, no use
+        counted for admission rules."""
         step = int(self.info.get("max_keys_per_request") or len(keys) or 1)
+        extra = {} if uses else {"uses": False}
         for end in range(len(keys), 0, -step):
-            await self.request("touch", keys=list(keys[max(0, end - step) : end]))
+            await self.request("touch", keys=list(keys[max(0, end - step) : end]), **extra)
 
     async def prepare_store(self, keys: Sequence[bytes]) -> StoreLease:
         return StoreLease(self, keys, await self.request("prepare_store", keys=list(keys)))

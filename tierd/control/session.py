@@ -348,7 +348,10 @@ class Session:
         }
 
     def _touch(self, msg: dict[str, Any]) -> Reply:
-        self.chain().touch(self.keys(msg))
+        uses = msg.get("uses", True)
+        if type(uses) is not bool:
+            raise ProtocolError("field 'uses' must be a boolean", code=ErrorCode.BAD_REQUEST)
+        self.chain().touch(self.keys(msg), uses=uses)
         return {}
 
     # -- events -----------------------------------------------------------------------

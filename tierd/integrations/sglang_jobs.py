@@ -100,7 +100,9 @@ class PageJobs:
         keys += pages
 
         async def touch(client: Client) -> None:
-            await client.touch(keys)
+            # The order only: a call is not a request, so no use is counted for admission
+            # rules (a prefix would count once per call).
+            await client.touch(keys, uses=False)
 
         self.link.start(touch, self.lookup_deadline_s).add_done_callback(_ignore_outcome)
 
