@@ -20,7 +20,9 @@ output token (TTFT):
 - ``cold``: one prompt, nothing cached anywhere; ``burst8``: eight prompts in one generate;
 - ``served``: after ``reset_prefix_cache(reset_connector=True)`` (vLLM's prefix cache and
   CPU tier empty) the cold prompt again, its prefix from the secondary tier (fs, tierd's CPU
-  tier); ``served_disk``: the same after tierd's ``flush`` and ``clear --tier cpu``.
+  tier); ``served_disk``: the same after tierd's ``flush`` and ``clear --tier cpu``;
+  ``served8`` / ``served8_disk``: the same for the burst's eight prompts in one generate
+  (eight prefixes from the tier together; ratios against plain's ``burst8``).
 
 Then ``--hung-runs`` rounds with the daemon stopped (SIGSTOP): three fresh prompts in one
 generate (``hung3``, against plain's ``burst3``) and a ``reset_prefix_cache`` (``reset``).
@@ -246,11 +248,15 @@ def one_run(
             if kind != "plain":
                 w.ask(op="reset")
                 gen("served", [cold])
+                w.ask(op="reset")
+                gen("served8", burst)  # eight prefixes served together
             if kind == "tierd":
                 asyncio.run(control(socket_path, "flush"))
                 asyncio.run(control(socket_path, "clear-cpu"))
                 w.ask(op="reset")
                 gen("served_disk", [cold])
+                w.ask(op="reset")
+                gen("served8_disk", burst)
             w.ask(op="reset")
     return out
 
@@ -296,6 +302,7 @@ def summarize(samples: list[dict[tuple[str, str, str], tuple[float, list[int]]]]
             if s != shape.name:
                 continue
             base = {"burst8": "burst8", "hung3": "burst3", "reset": "reset", "burst3": "burst3"}
+            base |= {"served8": "burst8", "served8_disk": "burst8"}
             plain = medians.get((s, "plain", base.get(measure, "cold")))
             rows[f"{kind}.{measure}"] = {
                 "median_ms": round(value * 1000, 1),
