@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from tierd.chain import FlushResult
 from tierd.control.context import ServerContext
-from tierd.control.protocol import ErrorCode, opt_str_field
+from tierd.control.protocol import ErrorCode, bool_field, opt_str_field
 from tierd.control.tenants import Grant, Tenant
 from tierd.errors import ConfigError, ProtocolError
 
@@ -119,9 +119,7 @@ class OperatorRequests:
                 code=ErrorCode.NOT_ALLOWED,
             )
         if "enabled" in msg:
-            on = msg["enabled"]
-            if type(on) is not bool:
-                raise ProtocolError("field 'enabled' must be a boolean", code=ErrorCode.BAD_REQUEST)
+            on = bool_field(msg, "enabled", False)
             try:
                 recorder.set_enabled(on)
             except ConfigError as exc:  # a directory another user could read or redirect

@@ -304,6 +304,14 @@ def bytes_list_field(msg: Mapping[str, Any], name: str, *, count: int, size: int
     return values
 
 
+def bool_field(msg: Mapping[str, Any], name: str, default: bool) -> bool:
+    """An optional boolean field (``default`` when absent); anything else is refused."""
+    value = msg.get(name, default)
+    if type(value) is not bool:
+        raise ProtocolError(f"field {name!r} must be a boolean", code=ErrorCode.BAD_REQUEST)
+    return value
+
+
 def bool_list_field(msg: Mapping[str, Any], name: str, *, count: int) -> list[bool]:
     """``count`` booleans, or one boolean meaning all of them (default: all true)."""
     value = msg.get(name, True)

@@ -48,7 +48,7 @@ from tierd.control.leases import Leases
 from tierd.control.namespace_requests import NamespaceRequests
 from tierd.control.namespaces import NamespaceFigures
 from tierd.control.operator_requests import OperatorRequests
-from tierd.control.protocol import ErrorCode, error_reply, int_field, keys_field
+from tierd.control.protocol import ErrorCode, bool_field, error_reply, int_field, keys_field
 from tierd.control.regions import ReceiveFd, RegionRequests
 from tierd.control.tenants import Grant, Tenant
 from tierd.errors import (
@@ -348,10 +348,7 @@ class Session:
         }
 
     def _touch(self, msg: dict[str, Any]) -> Reply:
-        uses = msg.get("uses", True)
-        if type(uses) is not bool:
-            raise ProtocolError("field 'uses' must be a boolean", code=ErrorCode.BAD_REQUEST)
-        self.chain().touch(self.keys(msg), uses=uses)
+        self.chain().touch(self.keys(msg), uses=bool_field(msg, "uses", True))
         return {}
 
     # -- events -----------------------------------------------------------------------

@@ -61,8 +61,7 @@ _CLEAR_DEADLINE_S = 30.0
 # Keys of the extra config that SGLang itself reads; they are not ours to check.
 _SGLANG_KEYS = frozenset(
     {"backend_name", "module_path", "class_name", "interface_v1", "allocator", "tp_lcm_size"}
-    # SGLang's own, which it takes out before the backend sees the config; tolerated in
-    # case a driver hands the whole config over.
+    # SGLang's own, which it takes out before the backend sees the config (tolerated):
     | {"prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token"}
     | {"hicache_storage_pass_prefix_keys"}
 )
