@@ -93,16 +93,20 @@ def storage_config(extra: dict[str, Any]) -> Any:
     )
 
 
-def start_daemon(workdir: Path, block: int, cpu: int, disk: int | None) -> tuple[Any, str]:
+def start_daemon(
+    workdir: Path, block: int, cpu: int, disk: int | None, write_through: bool = False
+) -> tuple[Any, str]:
     sock = tempfile.mkdtemp(prefix="tierd-bench-", dir="/tmp") + "/tierd.sock"
-    tiers = [f"  - {{name: cpu, kind: cpu, capacity: {cpu}}}"]
+    through = ", write_through: true" if write_through else ""
+    tiers = [f"  - {{name: cpu, kind: cpu, capacity: {cpu}{through}}}"]
+    name = f"{cpu}-{int(write_through)}"
     if disk:
-        directory = workdir / f"disk-{cpu}"
+        directory = workdir / f"disk-{name}"
         directory.mkdir(mode=0o700)
         tiers.append(
             f"  - {{name: disk, kind: disk, capacity: {disk}, directories: [{directory}]}}"
         )
-    config = workdir / f"tierd-{cpu}.yaml"
+    config = workdir / f"tierd-{name}.yaml"
     config.write_text(
         f"block_bytes: {block}\ntiers:\n" + "\n".join(tiers) + f"\nsocket: {{path: {sock}}}\n"
         "limits: {lease_blocks_per_connection: '100%', lease_blocks_per_tenant: '100%'}\n"
@@ -302,13 +306,15 @@ def main() -> None:
                 "SGLang file backend, its files dropped from the page cache before get",
             )
         )
+        under = 2 * reps * n + 2 * n  # a disk tier under a CPU tier of one call
         daemons = [
-            ("cpu tier", reps * n + n, None, False),
-            ("disk tier", 4, reps * n + n, False),
-            ("disk tier under a CPU tier of one call", n + 4, 2 * reps * n + 2 * n, True),
+            ("cpu tier", reps * n + n, None, False, False),
+            ("disk tier", 4, reps * n + n, False, False),
+            ("disk tier under a CPU tier of one call", n + 4, under, True, False),
+            ("disk tier under a write-through CPU tier of one call", n + 4, under, True, True),
         ]
-        for label, cpu, disk, push in daemons:
-            proc, sock = start_daemon(work, block, cpu, disk)
+        for label, cpu, disk, push, through in daemons:
+            proc, sock = start_daemon(work, block, cpu, disk, through)
             try:
                 for alloc in ("default", "shm"):
                     backend = StorageBackendFactory.create_backend(
