@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -36,16 +35,13 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 from redis.retry import Retry
 
-from tierd.logs import get_logger
 from tierd.remote.breaker import CircuitBreaker
 from tierd.remote.guard import guarded_parser
+from tierd.remote.notes import CallNotes
 
 __all__ = ["RemoteCalls", "RemoteSettings", "unanswered"]
 
-log = get_logger("tierd.remote")
-
 _UNREACHABLE = (RedisError, OSError)
-_LOG_EVERY_S = 10.0  # a dead server must not flood the log
 _MIN_LEFT = 0.5  # the share of its deadline a call that waited for a connection must have left
 
 
@@ -85,27 +81,21 @@ class RemoteSettings:
         return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
-class RemoteCalls:
+class RemoteCalls(CallNotes):
     """The client of one Redis/Valkey server or cluster. A fault is a ``None`` reply,
     counted (``timeouts``, ``errors``), noted in ``last_error`` and logged at a bounded
     rate; never an exception."""
 
     def __init__(self, settings: RemoteSettings) -> None:
-        self.settings = settings
-        self.breaker = CircuitBreaker(
+        breaker = CircuitBreaker(
             failures=settings.breaker_failures,
             backoff_s=settings.breaker_backoff_s,
             max_backoff_s=settings.breaker_max_backoff_s,
         )
+        super().__init__(settings.name, breaker)
+        self.settings = settings
         self.client: Any = None
-        self.timeouts = 0  # calls past the deadline
-        self.errors = 0  # calls that failed (connection, error reply)
-        self.busy = 0  # calls whose deadline passed while every pooled connection was in use
-        self.last_error = ""
-        self.last_error_at = 0.0  # wall-clock time of last_error (0: none yet)
-        self.last_ok_at = 0.0  # wall-clock time of the last call answered
         self._cluster_ready = False
-        self._last_logged = 0.0
         self._slots = asyncio.Semaphore(settings.pool_size)  # one per pooled connection
 
     @property
@@ -187,36 +177,18 @@ class RemoteCalls:
             failed = False
         except (TimeoutError, RedisTimeout) as exc:
             self.timeouts += 1
-            self._note(exc, "timed out")
+            self.note(exc, "timed out")
             return None
         except _UNREACHABLE as exc:
             self.errors += 1
-            self._note(exc, "unreachable")
+            self.note(exc, "unreachable")
             return None
         finally:
             if failed:
                 self.breaker.failure()
             else:
-                self.breaker.success()
-                self.last_ok_at = time.time()
+                self.answered()
         return list(replies)
-
-    def record_error(self, text: str) -> None:
-        """Note ``text`` as the last error, with its time (stats say how long ago, and
-        whether calls were answered since)."""
-        self.last_error, self.last_error_at = text, time.time()
-
-    def _note(self, exc: BaseException, what: str) -> None:
-        self.record_error(f"{what}: {exc}" if str(exc) else what)
-        now = time.monotonic()
-        if now - self._last_logged >= _LOG_EVERY_S:
-            self._last_logged = now
-            log.warning(
-                "remote level call failed",
-                remote=self.settings.name,
-                error=self.last_error,
-                breaker=str(self.breaker.state),
-            )
 
 
 def unanswered(reply: Any) -> bool:

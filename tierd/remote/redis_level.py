@@ -30,24 +30,20 @@ of it is handed on; a value that fails a check is deleted from the server and co
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from tierd.events import EventKind, TierEvent
-from tierd.keys import MAX_KEY_BYTES, BlockKey, Medium
+from tierd.events import EventKind
+from tierd.keys import BlockKey, Medium
 from tierd.logs import get_logger
 from tierd.remote.calls import RemoteCalls, RemoteSettings, unanswered
+from tierd.remote.level import LevelBase, Payload
 from tierd.remote.values import HEADER_BYTES, decode_block, encode_into, key_space
 
 __all__ = ["RedisLevel"]
 
-Payload = bytes | bytearray | memoryview
-
 log = get_logger("tierd.remote")
 
-_SPARE_BYTES = 32 << 20  # value buffers kept for reuse between writes, at most
 # What asking EXISTS for one block costs, in bytes of payload that are as costly to send:
 # redis-py's work for one more command and reply (about 30 us here) and its share of a
 # round trip (scripts/bench_remote.py). A write asks first while the expected bytes saved
@@ -56,45 +52,19 @@ CHECK_COST_BYTES = 32 << 10
 _HELD_WEIGHT = 0.25  # each write's weight in the moving average of that share
 
 
-@dataclass(slots=True)
-class RemoteCounters:
-    """What the level's block operations did (the calls count their own faults)."""
-
-    lookups: int = 0  # existence checks
-    hits: int = 0  # blocks read and verified
-    misses: int = 0  # blocks asked for and not served
-    stores: int = 0  # blocks written
-    skipped: int = 0  # blocks the server already held
-    corrupt: int = 0  # values that failed a check (deleted)
-    malformed: int = 0  # replies of the wrong shape (a short array, an integer): misses
-    write_errors: int = 0  # blocks the server refused (OOM, ...)
-    dropped: int = 0  # blocks not queued: max_pending_bytes reached, or breaker open
-    bytes_written: int = 0
-    bytes_read: int = 0
-
-
-class RedisLevel:
+class RedisLevel(LevelBase):
     """A shared level on one Redis/Valkey server or cluster. Open with ``open()``."""
 
     medium = Medium.REMOTE
+    calls: RemoteCalls
 
     def __init__(self, settings: RemoteSettings) -> None:
+        super().__init__(settings.name, settings.block_bytes, settings.max_pending_bytes)
         self.settings = settings
-        self.name = settings.name
-        self.block_bytes = settings.block_bytes
         self.calls = RemoteCalls(settings)
-        self.counters = RemoteCounters()
         # The block size and the value format are part of every key: deployments that
         # differ in either never see, or delete, each other's values.
         self._prefix = settings.key_prefix.encode() + key_space(settings.block_bytes)
-        self._writes: set[asyncio.Task[None]] = set()
-        self._pending_bytes = 0
-        self._events: list[TierEvent] = []
-        # Value buffers of finished writes, reused: a fresh buffer per value costs more
-        # (its pages are faulted in) than the copy of the payload into it.
-        self._value_room = HEADER_BYTES + MAX_KEY_BYTES + settings.block_bytes
-        self._spare: list[bytearray] = []
-        self._spare_max = _SPARE_BYTES // self._value_room
         # Check first while held_share > check_above; it starts above it (when checking
         # can pay at all), so that the first writes check until they show otherwise.
         self.check_above = min(1.0, CHECK_COST_BYTES / settings.block_bytes)
@@ -109,13 +79,12 @@ class RedisLevel:
         log.info("remote level opened", remote=self.name, endpoint=self.settings.endpoint)
         return self
 
+    def ready(self) -> bool:
+        return self.calls.client is not None
+
     async def close(self) -> None:
         """Give queued writes one deadline to finish, cancel the rest, close the client."""
-        if self._writes:
-            _, late = await asyncio.wait(set(self._writes), timeout=self.settings.deadline_s)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+        await self.finish_writes(self.settings.deadline_s)
         await self.calls.close()
 
     # -- block operations ----------------------------------------------------------------
@@ -179,7 +148,7 @@ class RedisLevel:
         if bad:
             self.counters.corrupt += len(bad)
             await self.calls.pipeline([("DEL", self._key(k)) for k in bad])
-            self._events.append(TierEvent(EventKind.REMOVED, tuple(bad), self.medium, self.name))
+            self.event(EventKind.REMOVED, bad)
         return out
 
     async def _values(self, keys: Sequence[BlockKey]) -> list[Any] | None:
@@ -224,7 +193,7 @@ class RedisLevel:
                 return 0
         ttl_ms = int(self.settings.ttl_s * 1000)
         expiry = ("PX", ttl_ms) if ttl_ms > 0 else ()
-        buffers = [self._value_buffer(len(key), len(payload)) for key, payload in todo]
+        buffers = [self.value_buffer(len(key), len(payload)) for key, payload in todo]
         commands = []
         for (key, payload), buffer in zip(todo, buffers, strict=True):
             size = encode_into(buffer, key, payload)
@@ -237,7 +206,7 @@ class RedisLevel:
         # A buffer whose command was answered was read whole by the server: reuse it. One
         # whose reply is a failure (a cluster node lost under it) may still sit in a
         # closing connection's queue, so it is left alone.
-        self._recycle([b for b, r in zip(buffers, replies, strict=True) if not unanswered(r)])
+        self.recycle([b for b, r in zip(buffers, replies, strict=True) if not unanswered(r)])
         written: list[BlockKey] = []
         there = 0
         for (key, payload), reply in zip(todo, replies, strict=True):
@@ -253,86 +222,14 @@ class RedisLevel:
         self._held(len(keys) - len(todo) + there, len(keys))
         self.counters.stores += len(written)
         if written:
-            self._events.append(TierEvent(EventKind.STORED, tuple(written), self.medium, self.name))
+            self.event(EventKind.STORED, written)
         return len(written)
 
     def _held(self, there: int, asked: int) -> None:
         """Fold one write's share of blocks found on the server into the average."""
         self.held_share += _HELD_WEIGHT * (there / asked - self.held_share)
 
-    def _value_buffer(self, key_bytes: int, payload_bytes: int) -> bytearray:
-        """A buffer for one value: a spare one when the value fits it, else a new one."""
-        size = HEADER_BYTES + key_bytes + payload_bytes
-        if size > self._value_room:
-            return bytearray(size)
-        return self._spare.pop() if self._spare else bytearray(self._value_room)
-
-    def _recycle(self, buffers: list[bytearray]) -> None:
-        room = self._spare_max - len(self._spare)
-        self._spare += [b for b in buffers[:room] if len(b) == self._value_room]
-
-    def put_later(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> bool:
-        """Queue a write of private copies of blocks; False (and counted as dropped) when
-        ``max_pending_bytes`` is reached or the breaker is open."""
-        size = sum(map(len, payloads))
-        if self.calls.client is None or self.calls.breaker.retry_in_s > 0:
-            self.counters.dropped += len(keys)
-            return False
-        if self._pending_bytes + size > self.settings.max_pending_bytes:
-            self.counters.dropped += len(keys)
-            return False
-        self._pending_bytes += size
-        task = asyncio.get_running_loop().create_task(self._write(list(keys), list(payloads)))
-        self._writes.add(task)
-        task.add_done_callback(lambda t: self._write_done(t, size))
-        return True
-
-    async def _write(self, keys: list[BlockKey], payloads: list[Payload]) -> None:
-        await self.put(keys, payloads)
-
-    def _write_done(self, task: asyncio.Task[None], size: int) -> None:
-        self._writes.discard(task)
-        self._pending_bytes -= size
-        if not task.cancelled() and task.exception() is not None:
-            log.error("remote write failed", remote=self.name, error=repr(task.exception()))
-
-    async def drain(self) -> None:
-        """Wait for every queued write (tests and flush)."""
-        while self._writes:
-            await asyncio.gather(*set(self._writes), return_exceptions=True)
-
     # -- reporting ---------------------------------------------------------------------
 
-    def take_events(self) -> list[TierEvent]:
-        events, self._events = self._events, []
-        return events
-
     def stats(self) -> dict[str, Any]:
-        c, calls, breaker = self.counters, self.calls, self.calls.breaker
-        return {
-            "name": self.name,
-            "medium": str(self.medium),
-            "endpoint": self.settings.endpoint,
-            "state": str(breaker.state),
-            "breaker_opened": breaker.opened,
-            "refused": breaker.refused,
-            "lookups": c.lookups,
-            "hits": c.hits,
-            "misses": c.misses,
-            "stores": c.stores,
-            "skipped": c.skipped,
-            "corrupt": c.corrupt,
-            "malformed": c.malformed,
-            "busy": calls.busy,
-            "errors": calls.errors,
-            "timeouts": calls.timeouts,
-            "write_errors": c.write_errors,
-            "dropped": c.dropped,
-            "pending_bytes": self._pending_bytes,
-            "bytes_written": c.bytes_written,
-            "bytes_read": c.bytes_read,
-            "last_error": calls.last_error,
-            "last_error_at": round(calls.last_error_at, 3),
-            # a call answered after the last error: the level works again
-            "recovered": bool(calls.last_error) and calls.last_ok_at > calls.last_error_at,
-        }
+        return self.base_stats(self.settings.endpoint)

@@ -1,0 +1,76 @@
+"""What every remote level's calls keep of their faults: the circuit breaker, the counts
+of calls that timed out, failed or found the pool full, and the note of the last failure
+(logged at a bounded rate, so a dead server cannot flood the log).
+
+:class:`~tierd.remote.calls.RemoteCalls` (Redis) and :class:`~tierd.remote.s3_calls.S3Calls`
+(S3) both keep them through :class:`CallNotes`, so that ``tierd stats`` and the metrics
+read the same fields from either.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tierd.logs import get_logger
+from tierd.remote.breaker import CircuitBreaker
+
+__all__ = ["CallNotes"]
+
+log = get_logger("tierd.remote")
+
+_LOG_EVERY_S = 10.0  # a dead server must not flood the log
+
+
+class CallNotes:
+    """The breaker and the fault counts of one level's calls."""
+
+    def __init__(self, name: str, breaker: CircuitBreaker) -> None:
+        self.name = name
+        self.breaker = breaker
+        self.timeouts = 0  # calls past the deadline
+        self.errors = 0  # calls that failed (connection, error reply)
+        self.busy = 0  # calls whose deadline passed while every pooled connection was in use
+        self.last_error = ""
+        self.last_error_at = 0.0  # wall-clock time of last_error (0: none yet)
+        self.last_ok_at = 0.0  # wall-clock time of the last call answered
+        self._last_logged = 0.0
+
+    def record_error(self, text: str) -> None:
+        """Note ``text`` as the last error, with its time (stats say how long ago, and
+        whether calls were answered since)."""
+        self.last_error, self.last_error_at = text, time.time()
+
+    def answered(self) -> None:
+        """A call was answered: the breaker closes, and stats may say the level works."""
+        self.breaker.success()
+        self.last_ok_at = time.time()
+
+    def note(self, exc: BaseException, what: str) -> None:
+        """Note a failed call (``what``: "timed out", "unreachable", ...) and log it, at
+        most once per ten seconds."""
+        self.record_error(f"{what}: {exc}" if str(exc) else what)
+        now = time.monotonic()
+        if now - self._last_logged >= _LOG_EVERY_S:
+            self._last_logged = now
+            log.warning(
+                "remote level call failed",
+                remote=self.name,
+                error=self.last_error,
+                breaker=str(self.breaker.state),
+            )
+
+    def fault_stats(self) -> dict[str, object]:
+        """The fields of ``stats()`` these notes own."""
+        breaker = self.breaker
+        return {
+            "state": str(breaker.state),
+            "breaker_opened": breaker.opened,
+            "refused": breaker.refused,
+            "busy": self.busy,
+            "errors": self.errors,
+            "timeouts": self.timeouts,
+            "last_error": self.last_error,
+            "last_error_at": round(self.last_error_at, 3),
+            # a call answered after the last error: the level works again
+            "recovered": bool(self.last_error) and self.last_ok_at > self.last_error_at,
+        }
