@@ -26,6 +26,7 @@ class Medium(StrEnum):
     CPU = "CPU"
     DISK = "DISK"
     REMOTE = "REMOTE"  # a shared server (Redis, Valkey) below the local tiers
+    OBJECT = "OBJECT"  # an object store (S3) below the local tiers, or below REMOTE
 
 
 def block_key(raw: bytes | bytearray | memoryview) -> BlockKey:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -24,10 +25,11 @@ from typing import Any
 
 from tierd.chain import Admission, Level, TierChain
 from tierd.chain.remote import RemoteLevel, RemoteSide
-from tierd.config import ChainConfig, RemoteConfig, TierConfig, TierKind, load_config
-from tierd.errors import StoreIOError, TierdError
+from tierd.config import ChainConfig, RemoteConfig, S3Config, TierConfig, TierKind, load_config
+from tierd.errors import ConfigError, StoreIOError, TierdError
 from tierd.keys import BlockKey
 from tierd.logs import get_logger
+from tierd.remote.level import LevelBase
 from tierd.stores import BlockStore
 from tierd.stores.cpu import CpuStore, StartProgress
 from tierd.stores.cuda import torch_missing_reason
@@ -207,8 +209,25 @@ async def open_chain(
         yield TierChain(levels, engine, entry=cfg.entry_index, remote=remote)
 
 
-async def open_remote(spec: RemoteConfig, block_bytes: int) -> RemoteLevel:
-    """The remote level of ``spec``, opened (its client library loads only here)."""
+async def open_remote(spec: RemoteConfig | S3Config, block_bytes: int) -> RemoteLevel:
+    """The remote level of ``spec`` (with the levels chained below it, if any), opened;
+    its client library loads only here."""
+    from tierd.remote.stack import RemoteStack
+
+    levels = []
+    try:
+        for level in spec.levels():
+            levels.append(await _open_level(level, block_bytes))
+    except BaseException:
+        for opened in levels:
+            await opened.close()
+        raise
+    return levels[0] if len(levels) == 1 else RemoteStack(levels)
+
+
+async def _open_level(spec: RemoteConfig | S3Config, block_bytes: int) -> LevelBase:
+    if isinstance(spec, S3Config):
+        return await _open_s3(spec, block_bytes)
     from tierd.remote.calls import RemoteSettings
     from tierd.remote.redis_level import RedisLevel
 
@@ -227,3 +246,52 @@ async def open_remote(spec: RemoteConfig, block_bytes: int) -> RemoteLevel:
         breaker_max_backoff_s=spec.breaker_max_backoff,
     )
     return await RedisLevel(settings).open()
+
+
+async def _open_s3(spec: S3Config, block_bytes: int) -> LevelBase:
+    from tierd.remote.s3_calls import S3Settings
+    from tierd.remote.s3_level import S3Level
+
+    key_id, secret = s3_credentials(spec)
+    settings = S3Settings(
+        name=spec.name,
+        block_bytes=block_bytes,
+        bucket=spec.bucket,
+        endpoint=spec.endpoint,
+        region=spec.region,
+        key_prefix=spec.key_prefix,
+        access_key_id=key_id,
+        secret_access_key=secret,
+        pool_size=spec.pool_size,
+        deadline_s=spec.deadline,
+        max_pending_bytes=spec.max_pending_writes,
+        breaker_failures=spec.breaker_failures,
+        breaker_backoff_s=spec.breaker_backoff,
+        breaker_max_backoff_s=spec.breaker_max_backoff,
+    )
+    return await S3Level(settings).open()
+
+
+def s3_credentials(spec: S3Config) -> tuple[str | None, str | None]:
+    """The access key and secret of ``spec``: from the config (the secret from its file,
+    which must not be readable by others), else from the environment, else none (the
+    client's own chain: a profile, an instance role)."""
+    if spec.access_key_id is not None and spec.secret_access_key_file is not None:
+        path = spec.secret_access_key_file
+        try:
+            if path.stat().st_mode & 0o077:
+                raise ConfigError(
+                    f"{path} is readable by others: chmod 600 it",
+                    path="remote.secret_access_key_file",
+                )
+            secret = path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot read {path}: {exc.strerror}", path="remote.secret_access_key_file"
+            ) from exc
+        return spec.access_key_id, secret
+    env_id = os.environ.get("AWS_ACCESS_KEY_ID")
+    env_secret = os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if env_id and env_secret:
+        return env_id, env_secret
+    return None, None

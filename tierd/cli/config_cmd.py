@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from tierd.cli.base import EXIT_OK, Command, add_sets
-from tierd.config import DaemonConfig
+from tierd.config import DaemonConfig, S3Config
 from tierd.preflight import check_machine
 from tierd.settings import effective_config_dict, load_settings
 
@@ -72,9 +72,12 @@ def describe(cfg: DaemonConfig) -> str:
     )
     count = f"{len(cfg.tiers)} tier{'s' if len(cfg.tiers) != 1 else ''}"
     line = f"{count}: {tiers}; block {_format_size(cfg.block_bytes)}; socket {cfg.socket.path}"
-    if cfg.remote is not None:
-        where = cfg.remote.url or "cluster " + ",".join(cfg.remote.cluster_nodes or ())
-        line += f"; remote {cfg.remote.name} {where.rpartition('@')[2]}"
+    for level in cfg.remote.levels() if cfg.remote is not None else ():
+        if isinstance(level, S3Config):
+            where = f"s3 {level.endpoint or level.region}/{level.bucket}"
+        else:
+            where = level.url or "cluster " + ",".join(level.cluster_nodes or ())
+        line += f"; remote {level.name} {where.rpartition('@')[2]}"
     if cfg.tenants:
         blocks = cfg.tenant_blocks()
         parts = [

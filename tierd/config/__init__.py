@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from tierd.config.chain import (
     ChainConfig,
     RemoteConfig,
+    S3Config,
     TierConfig,
     TierKind,
     TransferConfig,
@@ -57,6 +58,7 @@ __all__ = [
     "MetricsConfig",
     "NamespaceConfig",
     "RemoteConfig",
+    "S3Config",
     "ShutdownConfig",
     "SocketConfig",
     "TierConfig",

@@ -3,7 +3,8 @@ budgets and the shared remote level.
 
 :class:`ChainConfig` is what the library opens (:func:`tierd.open`) and what each of the
 daemon's tenants gets a part of; :class:`TierConfig` is one tier, :class:`RemoteConfig`
-the Redis-protocol level below the last one. A tier's ``capacity`` is a number of blocks
+the Redis-protocol level below the last one, :class:`S3Config` an object-store level
+(alone, or below the Redis level). A tier's ``capacity`` is a number of blocks
 (``4096`` or ``"4096 blocks"``) or a size (``"64GiB"``, divided by ``block_bytes``).
 """
 
@@ -38,6 +39,7 @@ __all__ = [
     "MAX_BLOCK_BYTES",
     "ChainConfig",
     "RemoteConfig",
+    "S3Config",
     "TierConfig",
     "TierKind",
     "TransferConfig",
@@ -151,25 +153,71 @@ class TierConfig(StrictModel):
         return blocks
 
 
-class RemoteConfig(StrictModel):
-    """The shared level below the last local tier: a Redis-protocol server or cluster.
+class RemoteCommon(StrictModel):
+    """What every remote level is configured with, whatever its server: one shape for
+    the Redis level and the S3 level. ``below`` chains another level under this one
+    (say S3 under Redis): blocks are written to both, found in the upper one first, and
+    promoted up from the lower one (docs/remote.md)."""
 
-    The server owns eviction (``maxmemory`` with ``allkeys-lru`` or ``allkeys-lfu``), so
-    the remote level has no capacity here and the daemon keeps no index of it."""
-
-    kind: Literal["redis"] = "redis"
     name: str = Field(default="remote", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    url: str | None = None  # redis://host:port/db, rediss://..., unix:///path?db=0
-    cluster_nodes: list[str] | None = None  # "host:port" seeds of a cluster
     key_prefix: str = Field(default="tierd:", max_length=256)
     pool_size: int = Field(default=16, ge=1, le=1024)
     deadline: Seconds = Field(default=0.1, gt=0, le=60)  # per call
-    ttl: Seconds = Field(default=0.0, ge=0)  # 0: keys never expire (the server evicts)
     admission: AdmissionRule = "always"
     max_pending_writes: Size = Field(default=64 << 20, ge=0)  # bytes queued to write
     breaker_failures: int = Field(default=3, ge=1)
     breaker_backoff: Seconds = Field(default=0.5, gt=0)
     breaker_max_backoff: Seconds = Field(default=30.0, gt=0)
+    below: Annotated[RemoteConfig | S3Config, Field(discriminator="kind")] | None = None
+
+    @field_validator("below", mode="before")
+    @classmethod
+    def _below(cls, value: Any) -> Any:
+        return remote_kind(value)
+
+    def _common_problems(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.breaker_max_backoff < self.breaker_backoff:
+            problems.append(("breaker_max_backoff", "must be at least breaker_backoff"))
+        if self.below is not None and self.below.admission != "always":
+            message = "admission applies to blocks leaving the node: set it on the first level"
+            problems.append(("below.admission", message))
+        return problems
+
+    def levels(self) -> list[RemoteConfig | S3Config]:
+        """This level and every level below it, fastest first."""
+        out: list[RemoteConfig | S3Config] = []
+        level: RemoteConfig | S3Config | None = self  # type: ignore[assignment]
+        while level is not None:
+            out.append(level)
+            level = level.below
+        return out
+
+    def with_prefix(self, suffix: str) -> RemoteConfig | S3Config:
+        """A copy whose levels keep their objects under ``key_prefix + suffix``."""
+        below = None if self.below is None else self.below.with_prefix(suffix)
+        update = {"key_prefix": f"{self.key_prefix}{suffix}", "below": below}
+        return self.model_copy(update=update)  # type: ignore[return-value]
+
+
+def remote_kind(value: Any) -> Any:
+    """A level's mapping with the default kind (``redis``) filled in, so that the
+    discriminated union can pick its model."""
+    if isinstance(value, dict) and "kind" not in value:
+        return {**value, "kind": "redis"}
+    return value
+
+
+class RemoteConfig(RemoteCommon):
+    """The shared level on a Redis-protocol server or cluster.
+
+    The server owns eviction (``maxmemory`` with ``allkeys-lru`` or ``allkeys-lfu``), so
+    the remote level has no capacity here and the daemon keeps no index of it."""
+
+    kind: Literal["redis"] = "redis"
+    url: str | None = None  # redis://host:port/db, rediss://..., unix:///path?db=0
+    cluster_nodes: list[str] | None = None  # "host:port" seeds of a cluster
+    ttl: Seconds = Field(default=0.0, ge=0)  # 0: keys never expire (the server evicts)
 
     @field_validator("url")
     @classmethod
@@ -189,14 +237,67 @@ class RemoteConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> RemoteConfig:
-        problems = []
+        problems = self._common_problems()
         if (self.url is None) == (not self.cluster_nodes):
             problems.append(("url", "give exactly one of url and cluster_nodes"))
-        if self.breaker_max_backoff < self.breaker_backoff:
-            problems.append(("breaker_max_backoff", "must be at least breaker_backoff"))
         if problems:
             raise errors_at(problems)
         return self
+
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+class S3Config(RemoteCommon):
+    """The object-store level on an S3-compatible server (AWS S3, SeaweedFS, MinIO, ...).
+
+    Objects are written once and never evicted by tierd: the bucket's lifecycle rules
+    bound it (docs/remote.md). Credentials: ``access_key_id`` with the secret read from
+    ``secret_access_key_file``, or else the environment (``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``)."""
+
+    kind: Literal["s3"]
+    name: str = Field(default="s3", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    endpoint: str | None = None  # http(s)://host:port; none: AWS's endpoint of the region
+    bucket: str
+    region: str = Field(default="us-east-1", pattern=r"^[a-z0-9-]{1,32}$")
+    key_prefix: str = Field(default="tierd/", max_length=256)
+    pool_size: int = Field(default=32, ge=1, le=1024)  # requests on the wire at once
+    deadline: Seconds = Field(default=0.5, gt=0, le=60)  # per batch of requests
+    access_key_id: str | None = Field(default=None, max_length=256)
+    secret_access_key_file: Path | None = None
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^https?://[^/?#@\s]+/?$", value):
+            raise ValueError(f"endpoint must be http(s)://host[:port], got {value!r}")
+        return None if value is None else value.rstrip("/")
+
+    @field_validator("bucket")
+    @classmethod
+    def _bucket(cls, value: str) -> str:
+        if not _BUCKET.match(value) or ".." in value:
+            raise ValueError(f"not an S3 bucket name (3-63 of a-z 0-9 . -): {value!r}")
+        return value
+
+    @field_validator("secret_access_key_file", mode="before")
+    @classmethod
+    def _expand(cls, value: Any) -> Any:
+        return expand_path(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> S3Config:
+        problems = self._common_problems()
+        if (self.access_key_id is None) != (self.secret_access_key_file is None):
+            message = "give both access_key_id and secret_access_key_file, or neither"
+            problems.append(("access_key_id", message))
+        if problems:
+            raise errors_at(problems)
+        return self
+
+
+RemoteSpec = Annotated[RemoteConfig | S3Config, Field(discriminator="kind")]
 
 
 class TransferConfig(StrictModel):
@@ -210,17 +311,17 @@ class ChainConfig(StrictModel):
     tiers: list[TierConfig] = Field(min_length=1)
     entry: str | None = None  # tier name; default: the first tier
     transfer: TransferConfig = Field(default_factory=TransferConfig)
-    remote: RemoteConfig | None = None  # a shared level below the last tier
+    remote: RemoteSpec | None = None  # a shared level below the last tier
 
     @field_validator("remote", mode="before")
     @classmethod
     def _remote(cls, value: Any) -> Any:
-        return None if value in ({}, None) else value
+        return None if value in ({}, None) else remote_kind(value)
 
     @model_validator(mode="after")
     def _check(self) -> ChainConfig:
         tiers = [(index, t.name, t.capacity) for index, t in enumerate(self.tiers)]
-        remote = None if self.remote is None else self.remote.name
+        remote = [] if self.remote is None else [level.name for level in self.remote.levels()]
         problems = chain_rules(self.block_bytes, tiers, self.entry, remote)
         if problems:
             raise errors_at(problems)
@@ -254,8 +355,13 @@ def chain_rules(
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         problems.append(("tiers", f"tier names must be unique: {', '.join(twice)} named twice"))
-    if isinstance(remote, str) and remote in names:
-        problems.append(("remote.name", f"{remote!r} is also a tier's name"))
+    remotes = [remote] if isinstance(remote, str) else remote if isinstance(remote, list) else []
+    for depth, name in enumerate(remotes):
+        path = "remote" + ".below" * depth + ".name"
+        if name in names:
+            problems.append((path, f"{name!r} is also a tier's name"))
+        elif name in remotes[:depth]:
+            problems.append((path, f"{name!r} names two remote levels"))
     if isinstance(entry, str) and entry not in names:
         known = ", ".join(dict.fromkeys(names))
         problems.append(("entry", f"{entry!r} is not a tier name ({known})"))
@@ -295,9 +401,13 @@ def raw_chain_problems(data: Mapping[str, Any]) -> list[tuple[str, str]]:
         block_bytes: int | None = parse_size(data.get("block_bytes", 2 << 20))
     except ValueError:
         block_bytes = None
+    names = []
     remote = data.get("remote")
-    remote_name = remote.get("name", "remote") if isinstance(remote, dict) else None
-    return chain_rules(block_bytes, rows, data.get("entry"), remote_name)
+    while isinstance(remote, dict):
+        default = "s3" if remote.get("kind") == "s3" else "remote"
+        names.append(remote.get("name", default))
+        remote = remote.get("below")
+    return chain_rules(block_bytes, rows, data.get("entry"), names)
 
 
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")

@@ -320,9 +320,7 @@ def tenant_chain(cfg: ChainConfig, tenant: str, blocks: Mapping[str, int]) -> Ch
         )
         for tier in cfg.tiers
     ]
-    remote = cfg.remote
-    if remote is not None:
-        remote = remote.model_copy(update={"key_prefix": f"{remote.key_prefix}{tenant}:"})
+    remote = None if cfg.remote is None else cfg.remote.with_prefix(f"{tenant}:")
     return ChainConfig(
         block_bytes=cfg.block_bytes,
         tiers=tiers,

@@ -125,6 +125,9 @@ def merge_stats(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
         latest = max(remotes, key=lambda r: float(r.get("last_error_at", 0.0)))
         for key in ("last_error", "last_error_at", "recovered"):
             remote[key] = latest.get(key, remote.get(key))
+        if "levels" in remote:  # a stack: each level added up over the tenants too
+            per_tenant = [r["levels"] for r in remotes]
+            remote["levels"] = [_add(list(level)) for level in zip(*per_tenant, strict=True)]
     merged = {
         "block_bytes": first["block_bytes"],
         "tiers": tiers,
@@ -311,22 +314,31 @@ class _SnapshotCollector(Collector):
             yield family
 
     def _remote(self, remote: dict[str, Any]) -> Iterator[Metric]:
-        labels = [remote["name"], remote["endpoint"]]
+        # A stack of levels (Redis over S3) gives one sample per level; the chain's own
+        # counts (lookup hits, promotions) go with the first, where blocks leave the node.
+        rows = (
+            [{**remote, **remote["levels"][0]}, *remote["levels"][1:]]
+            if "levels" in remote
+            else [remote]
+        )
+        families = []
         for key, text in _REMOTE_COUNTERS:
             family = CounterMetricFamily(f"tierd_remote_{key}", text, labels=["remote", "endpoint"])
-            family.add_metric(labels, remote[key])
-            yield family
+            for row in rows:
+                family.add_metric([row["name"], row["endpoint"]], row.get(key, 0))
+            families.append(family)
         pending = GaugeMetricFamily(
             "tierd_remote_pending_bytes", "Bytes queued to write", labels=["remote", "endpoint"]
         )
-        pending.add_metric(labels, remote["pending_bytes"])
         state = GaugeMetricFamily(
             "tierd_remote_breaker_open",
             "1 while the circuit breaker refuses calls (open or probing)",
             labels=["remote", "endpoint"],
         )
-        state.add_metric(labels, 0 if remote["state"] == "closed" else 1)
-        yield from (pending, state)
+        for row in rows:
+            pending.add_metric([row["name"], row["endpoint"]], row["pending_bytes"])
+            state.add_metric([row["name"], row["endpoint"]], 0 if row["state"] == "closed" else 1)
+        yield from (*families, pending, state)
 
     def _routes(self, routes: list[dict[str, Any]]) -> Iterator[Metric]:
         moved = CounterMetricFamily("tierd_route_bytes", "Bytes copied", labels=["src", "dst"])

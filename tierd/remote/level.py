@@ -65,11 +65,28 @@ class LevelBase:
         self._spare: list[bytearray] = []
         self._spare_max = _SPARE_BYTES // self._value_room
 
+    # -- what each kind of level adds (see tierd.chain.remote.RemoteLevel) --------------
+
+    async def exists(self, keys: Sequence[BlockKey]) -> int:
+        raise NotImplementedError
+
+    async def present(self, keys: Sequence[BlockKey]) -> list[bool]:
+        raise NotImplementedError
+
+    async def get(self, keys: Sequence[BlockKey]) -> list[memoryview]:
+        raise NotImplementedError
+
     async def put(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> int:
+        raise NotImplementedError
+
+    async def close(self) -> None:
         raise NotImplementedError
 
     def ready(self) -> bool:
         """Whether the level has a client (it is open)."""
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, Any]:
         raise NotImplementedError
 
     # -- events and buffers --------------------------------------------------------------

@@ -68,23 +68,25 @@ def key_space(block_bytes: int) -> bytes:
     return f"v{VERSION}.{block_bytes}:".encode()
 
 
-def decode_block(key: bytes, value: bytes, block_bytes: int) -> memoryview | str:
-    """The payload of ``value`` if it is ``key``'s block of ``block_bytes`` bytes, intact;
-    otherwise the reason it is not (a short phrase for counters and logs)."""
-    if not isinstance(value, bytes):
+def decode_block(key: bytes, value: object, block_bytes: int) -> memoryview | str:
+    """The payload of ``value`` (bytes, or any buffer: an object store's body) if it is
+    ``key``'s block of ``block_bytes`` bytes, intact; otherwise the reason it is not (a
+    short phrase for counters and logs)."""
+    try:
+        view = memoryview(value).cast("B")  # type: ignore[arg-type]  # checked here
+    except TypeError:
         return f"a reply of type {type(value).__name__}, not a value"
-    if len(value) < HEADER_BYTES:
+    if view.nbytes < HEADER_BYTES:
         return "shorter than a header"
-    magic, version, key_len, length, checksum = _HEADER.unpack_from(value)
+    magic, version, key_len, length, checksum = _HEADER.unpack_from(view)
     if magic != MAGIC:
         return "not a tierd block"
     if version != VERSION:
         return f"format version {version}, not {VERSION}"
     if length != block_bytes:
         return f"a block of {length} bytes, not {block_bytes}"
-    if len(value) != HEADER_BYTES + key_len + length:
+    if view.nbytes != HEADER_BYTES + key_len + length:
         return "length does not match its header"
-    view = memoryview(value)
     if view[HEADER_BYTES : HEADER_BYTES + key_len] != key:
         return "holds another key's block"
     payload = view[HEADER_BYTES + key_len :]

@@ -1,0 +1,188 @@
+"""How the object-store level calls its S3 server: one request per block, a batch of
+them under one deadline, at most ``pool_size`` on the wire, and the circuit breaker.
+
+S3 has no pipelining: a batch of blocks is a batch of requests, sent together
+(:meth:`S3Calls.batch`). The whole batch runs under ``deadline_s``; a request still
+waiting for a pool slot when it passes is counted ``busy`` (the daemon's own queue), one
+on the wire ``timeouts``; either is a miss for that block, never a wait past the
+deadline. The breaker is asked once per batch and told once: a batch with any request
+that failed to reach the server, timed out or got a server error (5xx, a refusal of the
+credentials) counts as one failure; a batch answered in full (``404`` and ``412``
+included: those are answers) closes it.
+
+The client is ``obstore`` (Rust's ``object_store``: requests run on its own threads, the
+event loop only awaits them). Its retries are off, so that nothing retries behind the
+deadline, and its own timeouts are set a little past the deadline to bound a request
+this side has stopped waiting for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import Enum
+from typing import Any, TypeVar
+
+from tierd.remote.breaker import CircuitBreaker
+from tierd.remote.notes import CallNotes
+
+__all__ = ["ABSENT", "FAILED", "HELD", "Outcome", "S3Calls", "S3Settings"]
+
+T = TypeVar("T")
+
+
+class Outcome(Enum):
+    """What a request came to when it brought no value."""
+
+    ABSENT = "absent"  # 404: the server holds no such object (or no such bucket)
+    HELD = "held"  # 412 on a create-only write: the object exists already
+    FAILED = "failed"  # not answered in time, unreachable, or a server error
+
+
+ABSENT, HELD, FAILED = Outcome.ABSENT, Outcome.HELD, Outcome.FAILED
+
+
+@dataclass(frozen=True, slots=True)
+class S3Settings:
+    """What the level needs from :class:`~tierd.config.S3Config` (kept apart so that
+    this layer does not import the config layer)."""
+
+    name: str
+    block_bytes: int
+    bucket: str
+    endpoint: str | None = None  # None: the provider's endpoint for ``region``
+    region: str = "us-east-1"
+    key_prefix: str = "tierd/"
+    access_key_id: str | None = None  # None: the usual places (environment, profile)
+    secret_access_key: str | None = None
+    pool_size: int = 32
+    deadline_s: float = 1.0
+    max_pending_bytes: int = 64 << 20
+    breaker_failures: int = 3
+    breaker_backoff_s: float = 0.5
+    breaker_max_backoff_s: float = 30.0
+
+    @property
+    def where(self) -> str:
+        """Where the level is, for stats, metrics labels and logs (no credentials)."""
+        return f"{self.endpoint or 's3:' + self.region}/{self.bucket}"
+
+
+class S3Calls(CallNotes):
+    """The client of one S3 bucket. A fault is an outcome, counted and noted; never an
+    exception to the caller."""
+
+    def __init__(self, settings: S3Settings) -> None:
+        breaker = CircuitBreaker(
+            failures=settings.breaker_failures,
+            backoff_s=settings.breaker_backoff_s,
+            max_backoff_s=settings.breaker_max_backoff_s,
+        )
+        super().__init__(settings.name, breaker)
+        self.settings = settings
+        self.store: Any = None
+        self._slots = asyncio.Semaphore(settings.pool_size)
+
+    def open(self) -> None:
+        """Create the client (it connects on its first request)."""
+        from obstore.store import S3Store
+
+        s = self.settings
+        late = timedelta(seconds=s.deadline_s * 2 + 1)
+        options: Any = {"timeout": late, "connect_timeout": late}
+        if s.endpoint is not None and s.endpoint.startswith("http://"):
+            options["allow_http"] = True
+        config: Any = {"region": s.region}
+        if s.endpoint is not None:
+            config["endpoint"] = s.endpoint
+            config["virtual_hosted_style_request"] = False
+        if s.access_key_id is not None:
+            config["access_key_id"] = s.access_key_id
+            config["secret_access_key"] = s.secret_access_key
+        self.store = S3Store(
+            s.bucket,
+            config=config,
+            client_options=options,
+            retry_config={"max_retries": 0, "retry_timeout": late},
+        )
+
+    async def close(self) -> None:
+        self.store = None
+
+    async def batch(
+        self, request: Callable[[Any, T], Awaitable[Any]], items: Sequence[T]
+    ) -> list[Any] | None:
+        """``request(store, item)`` for every item, together, under one deadline and the
+        breaker. Each result is the request's value or an :class:`Outcome`; ``None``
+        when the breaker refused the batch or the level is closed."""
+        if self.store is None or not items or not self.breaker.allow():
+            return None
+        store = self.store
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.deadline_s
+        on_wire = [False] * len(items)
+        tasks = [
+            loop.create_task(self._one(request, store, item, on_wire, i))
+            for i, item in enumerate(items)
+        ]
+        _, late = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.gather(*late, return_exceptions=True)
+        return self._tally(tasks, on_wire)
+
+    async def _one(
+        self,
+        request: Callable[[Any, T], Awaitable[Any]],
+        store: Any,
+        item: T,
+        on_wire: list[bool],
+        index: int,
+    ) -> Any:
+        async with self._slots:
+            on_wire[index] = True
+            try:
+                return await request(store, item)
+            finally:
+                on_wire[index] = False
+
+    def _tally(self, tasks: list[asyncio.Task[Any]], on_wire: list[bool]) -> list[Any]:
+        """Each task's result or outcome; the batch's faults counted, noted and told to
+        the breaker once."""
+        from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionError
+
+        results: list[Any] = []
+        failed = False
+        late = 0
+        for task, wire in zip(tasks, on_wire, strict=True):
+            if task.cancelled():
+                if wire:
+                    self.timeouts += 1
+                    failed = True
+                    late += 1
+                else:
+                    self.busy += 1
+                results.append(FAILED)
+                continue
+            exc = task.exception()
+            if exc is None:
+                results.append(task.result())
+            elif isinstance(exc, NotFoundError | FileNotFoundError):
+                results.append(ABSENT)
+            elif isinstance(exc, AlreadyExistsError | PreconditionError):
+                results.append(HELD)
+            else:
+                self.errors += 1
+                failed = True
+                self.note(exc, "failed")
+                results.append(FAILED)
+        if late:
+            self.note(TimeoutError(f"{late} of {len(tasks)} requests"), "timed out")
+        if failed:
+            self.breaker.failure()
+        else:
+            self.answered()
+        return results
