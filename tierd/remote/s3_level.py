@@ -9,8 +9,9 @@ xxh3-64 checksum, key, payload), so a wrong, truncated, foreign or oversized obj
 miss, counted ``corrupt`` and deleted (the next write of the block can then store it
 again), never bytes served.
 
-- ``exists``/``present``: a ``HEAD`` per key, sent together; an object of the wrong size
-  is not counted as there.
+- ``present``: a ``HEAD`` per key, sent together; ``exists`` (the leading run) asks in
+  growing windows and stops at the first key missing. An object of the wrong size is not
+  counted as there.
 - ``get``: a ``GET`` per key, sent together; a body longer than a block's value is never
   read.
 - ``put``: a ``PUT`` per block with ``If-None-Match: *``: a block is stored once however
@@ -36,6 +37,9 @@ from tierd.remote.values import HEADER_BYTES, VERSION, decode_block, encode_into
 __all__ = ["S3Level"]
 
 log = get_logger("tierd.remote")
+
+_FIRST_WINDOW = 4  # keys asked in the first round of an existence check
+_WINDOW_GROWTH = 4  # each further round asks this many times more
 
 
 class _TooBig:
@@ -106,12 +110,19 @@ class S3Level(LevelBase):
         ]
 
     async def exists(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading ``keys`` the bucket holds (0 on any fault)."""
-        run = 0
-        for there in await self.present(keys):
-            if not there:
-                break
-            run += 1
+        """How many leading ``keys`` the bucket holds (0 on any fault). Asked in windows
+        of growing size (4, 16, 64, ... keys, each window's requests sent together), so
+        that a prefix the bucket lacks costs a few requests, not one per key, and a long
+        run a few round trips."""
+        run, window = 0, _FIRST_WINDOW
+        while run < len(keys):
+            part = keys[run : run + window]
+            held = await self.present(part)
+            for there in held:
+                if not there:
+                    return run
+                run += 1
+            window *= _WINDOW_GROWTH
         return run
 
     async def get(self, keys: Sequence[BlockKey]) -> list[memoryview]:
