@@ -47,7 +47,7 @@ ENGINES_REQUIRED = os.environ.get("TIERD_REQUIRE_ENGINES") == "1"
 
 def _forbid_engine_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
     reason = str(report.longrepr).lower()
-    engine = any(name in reason for name in ("vllm", "sglang", "redis-server"))
+    engine = any(name in reason for name in ("vllm", "sglang", "redis-server", "seaweedfs"))
     if ENGINES_REQUIRED and report.skipped and engine:
         reason = str(report.longrepr)
         report.outcome = "failed"
