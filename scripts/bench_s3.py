@@ -116,6 +116,8 @@ async def part_a(server: SeaweedServer, block: int, count: int, reps: int) -> di
             if rep:
                 times[f"{name}_put"].append(put_s)
                 times[f"{name}_get"].append(get_s)
+        # Not timed: the server's volumes stay small.
+        await obstore.delete_async(raw, [level.path(k) for k in keys] + paths)
     await level.close()
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -133,6 +135,7 @@ async def part_b(server: SeaweedServer, reps: int) -> dict[str, float]:
         times["many_get"].append(await timed(raw_gets, raw, paths))
         times["one_put"].append(await timed(raw_puts, raw, [f"{tag}/all"], [packed]))
         times["one_get"].append(await timed(raw_gets, raw, [f"{tag}/all"]))
+        await obstore.delete_async(raw, [*paths, f"{tag}/all"])
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -200,7 +203,7 @@ def row(name: str, tier: Figure, raw: Figure) -> str:
 
 async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="tierd-bench-s3-") as tmp:
-        server = SeaweedServer(Path(tmp) / "weed").start()
+        server = SeaweedServer(Path(tmp) / "weed", volume_mb=256, volumes=32).start()
         try:
             await report(server, args)
         finally:

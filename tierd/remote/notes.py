@@ -19,6 +19,7 @@ __all__ = ["CallNotes"]
 log = get_logger("tierd.remote")
 
 _LOG_EVERY_S = 10.0  # a dead server must not flood the log
+_MAX_NOTE = 300  # characters of a failure's message kept in last_error
 
 
 class CallNotes:
@@ -48,7 +49,10 @@ class CallNotes:
     def note(self, exc: BaseException, what: str) -> None:
         """Note a failed call (``what``: "timed out", "unreachable", ...) and log it, at
         most once per ten seconds."""
-        self.record_error(f"{what}: {exc}" if str(exc) else what)
+        # The first line only, bounded: a client library's message may carry a whole
+        # response body and a debug dump.
+        text = str(exc).strip().split("\n", 1)[0][:_MAX_NOTE]
+        self.record_error(f"{what}: {text}" if text else what)
         now = time.monotonic()
         if now - self._last_logged >= _LOG_EVERY_S:
             self._last_logged = now
