@@ -87,7 +87,7 @@ def format_validation_error(
     pydantic's (``must be at least 1``, not ``Input should be greater than or equal``)."""
     lines = []
     for problem in error.errors():
-        loc = ([prefix] if prefix else []) + [str(part) or "''" for part in problem["loc"]]
+        loc = ([prefix] if prefix else []) + _file_path(model, problem["loc"])[0]
         if problem["type"] == AT_PATH:  # a model validator's problems, one line each
             for at, message in problem.get("ctx", {})["problems"]:
                 lines.append(problem_line(".".join(loc + str(at).split(".")), message, sources))
@@ -96,7 +96,8 @@ def format_validation_error(
         quiet = isinstance(got, dict | list | BaseModel) or problem["type"] == "missing"
         message = _plain_message(problem)
         if problem["type"] == "extra_forbidden" and model is not None:
-            known = _fields_at(model, [str(part) for part in problem["loc"][:-1]])
+            found = _file_path(model, problem["loc"][:-1])[1]
+            known = list(found.model_fields) if found is not None else []
             parent = "".join(f"{part}." for part in loc[:-1])
             message, quiet = f"not a setting{close_matches(loc[-1], known, parent)}", True
         lines.append(
@@ -174,34 +175,49 @@ def _shown(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
-def _fields_at(model: type[BaseModel], loc: list[str]) -> list[str]:
-    """The field names of the model found at ``loc`` below ``model`` (list indexes
-    skipped), or none when ``loc`` does not lead to a model."""
-    current: Any = model
+def _file_path(
+    model: type[BaseModel] | None, loc: Iterable[int | str]
+) -> tuple[list[str], type[BaseModel] | None]:
+    """``loc`` as the file spells it, and the model it leads to (None: no one model).
+    pydantic puts a tagged union's tag after its field (``remote.s3.bucket``) where the
+    file has no such key (``remote: {kind: s3, bucket: ...}``): the tag picks the model
+    and is left out of the path. List indexes stay in the path and keep the model."""
+    path: list[str] = []
+    here: Any = model
     for part in loc:
-        if part.isdigit():
+        text = str(part)
+        models = _models_in(here)
+        tags = {_tag(m): m for m in models} if len(models) > 1 else {}
+        if text in tags:
+            here = tags[text]
             continue
-        if not (isinstance(current, type) and issubclass(current, BaseModel)):
-            return []
-        field = current.model_fields.get(part)
-        if field is None:
-            return []
-        current = _model_in(field.annotation)
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return list(current.model_fields)
+        path.append(text or "''")
+        if isinstance(part, int):
+            continue
+        field = models[0].model_fields.get(text) if len(models) == 1 else None
+        here = None if field is None else field.annotation
+    found = _models_in(here)
+    return path, found[0] if len(found) == 1 else None
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The model classes inside ``annotation`` (``X``, ``list[X]``, ``X | Y | None``,
+    ``Annotated[X | Y, ...]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _models_in(typing.get_args(annotation)[0])
+    if origin in (list, typing.Union, types.UnionType):
+        return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
     return []
 
 
-def _model_in(annotation: Any) -> Any:
-    """The model class inside ``annotation`` (``X``, ``list[X]``, ``X | None``), if any."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if typing.get_origin(annotation) in (list, typing.Union, types.UnionType):
-        for arg in typing.get_args(annotation):
-            found = _model_in(arg)
-            if found is not None:
-                return found
-    return None
+def _tag(model: type[BaseModel]) -> str | None:
+    """The value of a model's ``kind: Literal[...]`` field: its tag in a tagged union."""
+    field = model.model_fields.get("kind")
+    values = typing.get_args(field.annotation) if field is not None else ()
+    return str(values[0]) if len(values) == 1 else None
 
 
 def _origin(path: str, sources: Mapping[str, str]) -> str | None:
