@@ -143,11 +143,10 @@ class S3Calls(CallNotes):
         index: int,
     ) -> Any:
         async with self._slots:
+            # Left set when the request ends: a request cancelled at the deadline must
+            # still read as on the wire (a timeout, a failure for the breaker), not busy.
             on_wire[index] = True
-            try:
-                return await request(store, item)
-            finally:
-                on_wire[index] = False
+            return await request(store, item)
 
     def _tally(self, tasks: list[asyncio.Task[Any]], on_wire: list[bool]) -> list[Any]:
         """Each task's result or outcome; the batch's faults counted, noted and told to
