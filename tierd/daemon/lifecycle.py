@@ -256,6 +256,7 @@ class Daemon:
         # From here on nothing can fail: every value was checked by plan_reload.
         if any(path.startswith("logging.") for path in plan.applied):
             configure_logging(cfg.logging)
+            ctx.timing.refresh_log_level()  # the per-request lines check a cached flag
         ctx.limits = _limits(cfg)
         ctx.check_namespace = cfg.namespaces.check
         ctx.namespaces_top = cfg.metrics.namespaces_top

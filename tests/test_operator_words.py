@@ -1,0 +1,76 @@
+"""What the operator commands say is what happens, with real daemons and the ``tierd``
+command as child processes:
+
+- ``tierd reload`` that names ``logging.level`` as applied really changes the level: the
+  per-request debug lines appear from then on;
+- ``tierd config show`` prints the config the running daemon runs (asked over its socket),
+  and, with no daemon answering, the config ``tierd serve`` would run, saying which;
+- ``tierd replay`` whose daemon stops under it prints the results it has, marked cut
+  short, and exits 3;
+- ``tierd top`` says when the daemon went away, waits for it, and goes on when it is back;
+- ``tierd config check`` and ``tierd serve`` name the disk tier and the directory the
+  daemon cannot write (a read-only file system: unwritable for root too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_daemon_lifecycle import DaemonProcess, Spawn, child_env, spawn
+from tests.test_operator import tierd, write_config
+from tests.test_reload import reload, rewrite
+from tierd.client import Client
+from tierd.settings import effective_config_dict, load_settings
+from tierd.share import shipped
+from tierd.testing import daemon_config
+from tierd.workload.generate import GeneratorConfig, generate
+from tierd.workload.trace import write_trace
+
+__all__ = ["spawn"]  # the fixture, imported for the tests below
+
+WAIT_S = 60.0  # a safety net for what a test waits on, never a timed assertion
+NAMESPACE = "words"
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+# -- reload: logging.level ------------------------------------------------------------------
+
+
+async def one_lookup(daemon: DaemonProcess, key: bytes) -> None:
+    async with await Client.connect(daemon.socket_path, namespace=NAMESPACE) as client:
+        await client.lookup([key])
+
+
+async def test_a_reload_to_debug_writes_the_debug_lines_from_then_on(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    daemon = await spawn(daemon_config(tmp_path, logging={"level": "warning", "format": "json"}))
+    await one_lookup(daemon, b"before")
+    rewrite(daemon, {"logging": {"level": "debug"}})
+    status, out, err = await reload(daemon)
+    assert status == 0, err
+    assert json.loads(out)["applied"] == ["logging.level"]
+    await one_lookup(daemon, b"after")
+    assert await daemon.stop() == 0  # every line written and flushed
+    lines = json_lines(daemon.stderr())
+    events = [line["event"] for line in lines]
+    assert "reloaded" in events, daemon.stderr()
+    requests = [line for line in lines if line["event"] == "request"]
+    assert [line["key"] for line in requests if line["op"] == "lookup"] == [b"after".hex()]
+    assert all(line["level"] == "debug" for line in requests)
+    assert events.index("reloaded") < events.index("request")
