@@ -26,6 +26,7 @@ from tierd.config import (
 )
 from tierd.errors import ConfigError
 from tierd.settings import effective_config_dict, load_settings, parse_sets
+from tierd.share import shipped
 
 ROOT = Path(__file__).resolve().parent.parent
 TWO_TIERS = """\
@@ -526,11 +527,12 @@ def test_cli_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert data["socket"]["mode"] == "0o660"
     assert data["socket"]["path"] == "/from/file.sock"
     assert [tier["name"] for tier in data["tiers"]] == ["cpu", "disk"]
+    # No -c and no daemon answering: what `tierd serve` would run, the shipped config.
     assert main(["config", "show"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
     own = tmp_path / "tierd" / "tierd.sock"
     assert shown["socket"]["path"] == str(own)  # from XDG_RUNTIME_DIR
-    assert shown == effective_config_dict(DaemonConfig(socket={"path": own}))
+    assert shown == effective_config_dict(load_settings(shipped("tierd.yaml")))
 
 
 def test_cli_show_follows_the_environment(

@@ -32,7 +32,6 @@ from tests.test_daemon_lifecycle import DaemonProcess, Spawn, child_env, spawn
 from tests.test_operator import tierd, write_config
 from tests.test_reload import reload, rewrite
 from tierd.client import Client
-from tierd.settings import effective_config_dict, load_settings
 from tierd.share import shipped
 from tierd.testing import daemon_config
 from tierd.workload.generate import GeneratorConfig, generate
@@ -74,3 +73,45 @@ async def test_a_reload_to_debug_writes_the_debug_lines_from_then_on(
     assert [line["key"] for line in requests if line["op"] == "lookup"] == [b"after".hex()]
     assert all(line["level"] == "debug" for line in requests)
     assert events.index("reloaded") < events.index("request")
+
+
+# -- config show --------------------------------------------------------------------------
+
+
+async def test_config_show_prints_what_the_running_daemon_runs(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    cfg = daemon_config(tmp_path, cpu_blocks=24, block_bytes=8192, logging={"level": "warning"})
+    daemon = await spawn(cfg)
+    env = child_env(TIERD_SOCKET=daemon.socket_path)
+    for argv in (["--json"], ["--json", "--socket", daemon.socket_path]):
+        done = await tierd("config", "show", *argv, env=env if "--socket" not in argv else None)
+        assert done.returncode == 0, done.stderr
+        shown = json.loads(done.stdout)
+        async with await Client.connect(daemon.socket_path) as operator:
+            assert shown == await operator.config()
+        assert shown["block_bytes"] == 8192
+        assert [tier["name"] for tier in shown["tiers"]] == ["cpu", "disk"]
+        assert f"the running daemon's config (at {daemon.socket_path})" in done.stderr
+
+
+async def test_config_show_without_a_daemon_prints_what_serve_would_run(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    env = child_env(TIERD_SOCKET=str(tmp_path / "nobody.sock"), XDG_STATE_HOME=str(tmp_path))
+    done = await tierd("config", "show", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    served = await tierd("config", "show", "--json", "-c", str(shipped("tierd.yaml")), env=env)
+    assert json.loads(done.stdout) == json.loads(served.stdout)
+    assert json.loads(done.stdout)["block_bytes"] == 256 << 10  # the shipped file's, not 2MiB
+    assert f"no daemon answers at {tmp_path / 'nobody.sock'}" in done.stderr
+    assert f"showing what `tierd serve` would run ({shipped('tierd.yaml')})" in done.stderr
+    # --socket names the daemon to ask: none there is exit status 3, not a fallback.
+    done = await tierd("config", "show", "--socket", str(tmp_path / "nobody.sock"), env=env)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.stdout == ""
+    # -c FILE: that file's config, no daemon asked.
+    path = write_config(tmp_path, daemon_config(tmp_path, block_bytes=16384))
+    done = await tierd("config", "show", "--json", "-c", str(path), env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["block_bytes"] == 16384

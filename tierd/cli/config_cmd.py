@@ -6,18 +6,36 @@ status 78. ``check`` also checks the tiers against this machine (free disk space
 available memory, a CUDA device for a GPU tier; see :mod:`tierd.preflight`), as ``tierd
 serve`` does; ``check --offline`` (or ``--no-machine-checks``) skips those, for a config
 meant for another machine: the schema and the cross-field rules only.
+
+``show`` without ``-c`` or ``--set`` prints what the running daemon runs, asked over its
+socket (``--socket``, else ``$TIERD_SOCKET``, else ``$TIERD_CONFIG``'s, else the default
+path); when no daemon answers there (and ``--socket`` did not name it), what ``tierd
+serve`` would run: ``$TIERD_CONFIG``, else the shipped default config. ``-c FILE`` (or
+``--set``) prints that file's config, asking no daemon. A note on stderr says which.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from tierd.cli.base import EXIT_OK, Command, add_sets
+from tierd.cli.connection import (
+    SOCKET_ENV,
+    CannotReach,
+    socket_path,
+    talks_to_daemon,
+    with_client,
+)
+from tierd.cli.serve_cmd import serve_config_file
 from tierd.config import DaemonConfig, S3Config
+from tierd.control.socketfile import CONFIG_ENV
 from tierd.preflight import check_machine
 from tierd.settings import effective_config_dict, load_settings
 
@@ -40,11 +58,31 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "(disk space, memory, CUDA): for a config meant for another machine",
     )
     add_sets(check)
-    show = actions.add_parser("show", help="print the effective configuration")
+    show = actions.add_parser(
+        "show",
+        help="print the running daemon's configuration (with no daemon: what `tierd serve`"
+        " would run)",
+    )
     show.add_argument(
-        "-c", "--config", type=Path, help="the YAML config file (default: $TIERD_CONFIG, if set)"
+        "-c",
+        "--config",
+        type=Path,
+        help="print this file's config (with TIERD_* variables and --set), asking no daemon",
     )
     add_sets(show)
+    show.add_argument(
+        "--socket",
+        type=Path,
+        metavar="PATH",
+        help=f"the daemon to ask (default: ${SOCKET_ENV}, else the default path)",
+    )
+    show.add_argument(
+        "--trust-uid",
+        type=int,
+        action="append",
+        metavar="UID",
+        help="ask a daemon run by this uid too (default: only this user's or root's)",
+    )
     show.add_argument("--json", action="store_true", help="print JSON instead of YAML")
 
 
@@ -57,12 +95,39 @@ def _run(args: argparse.Namespace) -> int:
         check_machine(cfg)
         print(f"ok: {args.file} ({describe(cfg)})")
         return EXIT_OK
-    data = effective_config_dict(load_settings(args.config, sets=args.sets))
+    return _show(args)
+
+
+@talks_to_daemon
+def _show(args: argparse.Namespace) -> int:
+    data = _shown(args)
     if args.json:
         print(json.dumps(data, indent=2))
     else:
         print(yaml.safe_dump(data, sort_keys=False), end="")
     return EXIT_OK
+
+
+def _shown(args: argparse.Namespace) -> dict[str, Any]:
+    """The config ``show`` prints (which one: see the module's docstring)."""
+    if args.config is not None or args.sets:
+        return effective_config_dict(load_settings(args.config, sets=args.sets))
+    path = socket_path(args)
+    try:
+        data = with_client(args, lambda client: client.config())
+    except CannotReach as exc:
+        if args.socket is not None:
+            raise
+        file = serve_config_file(None) or os.environ.get(CONFIG_ENV)
+        _note(f"no daemon answers at {path}: {exc.reason}")
+        _note(f"showing what `tierd serve` would run ({file})")
+        return effective_config_dict(load_settings(file))
+    _note(f"the running daemon's config (at {path})")
+    return data
+
+
+def _note(text: str) -> None:
+    print(f"tierd config show: {text}", file=sys.stderr)
 
 
 def describe(cfg: DaemonConfig) -> str:

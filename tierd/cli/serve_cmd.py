@@ -38,7 +38,7 @@ from tierd.errors import AlreadyRunning, StoreIOError
 from tierd.settings import CONFIG_ENV, load_settings
 from tierd.share import shipped
 
-__all__ = ["COMMANDS", "process_gone"]
+__all__ = ["COMMANDS", "process_gone", "serve_config_file"]
 
 EXIT_INTERRUPTED = 130  # Ctrl-C before the daemon installed its own signal handlers
 STOP_TIMEOUT = 60.0  # default --timeout: the default grace (10 s) plus a slow write-back
@@ -55,12 +55,18 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add_sets(parser)
 
 
-def _run(args: argparse.Namespace) -> int:
-    path = args.config
+def serve_config_file(path: Path | None) -> Path | None:
+    """The file ``tierd serve -c PATH`` runs: ``path``; else ``$TIERD_CONFIG`` (None: the
+    settings read it); else the shipped default chain (a CPU pool over a disk tier in the
+    XDG state directory)."""
     if path is None and not os.environ.get(CONFIG_ENV):
-        # No file named: the documented default chain (a CPU pool over a disk tier in the
-        # XDG state directory), shipped in the package.
-        path = shipped("tierd.yaml")
+        return shipped("tierd.yaml")
+    return path
+
+
+def _run(args: argparse.Namespace) -> int:
+    path = serve_config_file(args.config)
+    if path is not None and args.config is None:
         print(
             f"tierd serve: no -c and no ${CONFIG_ENV}: running the default {path}", file=sys.stderr
         )
@@ -69,7 +75,8 @@ def _run(args: argparse.Namespace) -> int:
     from tierd.daemon import run_daemon
 
     try:
-        return run_daemon(cfg, load=lambda: load_settings(args.config, sets=args.sets))
+        # A reload reads the same file again (the shipped one too, when none was named).
+        return run_daemon(cfg, load=lambda: load_settings(path, sets=args.sets))
     except (AlreadyRunning, StoreIOError) as exc:  # a slab in use, say: already clear
         return _fail(str(exc), EXIT_BAD_INPUT)
     except OSError as exc:  # the socket's directory is missing or not writable, say
