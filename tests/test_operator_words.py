@@ -115,3 +115,53 @@ async def test_config_show_without_a_daemon_prints_what_serve_would_run(
     done = await tierd("config", "show", "--json", "-c", str(path), env=env)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["block_bytes"] == 16384
+
+
+# -- replay: the daemon stops under it ------------------------------------------------------
+
+
+async def first_store(daemon: DaemonProcess) -> AsyncIterator[None]:
+    """Yield once the daemon has stored the first blocks (its first event batch)."""
+    async with await Client.connect(daemon.socket_path) as watcher:
+        await watcher.subscribe()
+        yield None
+        async with asyncio.timeout(WAIT_S):
+            async for _ in watcher.events():
+                return
+
+
+async def test_a_replay_whose_daemon_stops_prints_what_it_has_cut_short(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, generate(GeneratorConfig(seed=5, conversations=4000)))
+    daemon = await spawn(daemon_config(tmp_path, cpu_blocks=512, disk_blocks=None))
+    argv = ["replay", str(trace), "--socket", daemon.socket_path, "--max-rate", "--json"]
+    watching = first_store(daemon)
+    await anext(watching)  # subscribed before the replay starts
+    replay = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tierd",
+        *argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=child_env(),
+    )
+    try:
+        with contextlib.suppress(StopAsyncIteration):
+            await anext(watching)
+        daemon.signal(signal.SIGTERM)  # by its pid
+        assert await daemon.wait() == 0
+        async with asyncio.timeout(WAIT_S):
+            out, err = await replay.communicate()
+    finally:
+        if replay.returncode is None:
+            replay.kill()
+            await replay.wait()
+    assert replay.returncode == 3, err.decode()
+    summary = json.loads(out)
+    assert 0 < summary["requests"] < summary["planned_requests"]
+    assert summary["cut_short"].startswith("the daemon went away")
+    assert summary["interrupted"] is True
+    assert "cut short after" in err.decode()

@@ -22,12 +22,16 @@ Requests go as fast as the workers take them, unless ``--speed X`` follows the t
 own clock, X times faster (``--max-rate``, the default, is kept for older scripts). A
 progress bar goes to stderr when it is a terminal (``--progress`` / ``--no-progress``).
 Ctrl-C stops the replay after the requests under way and prints the results so far,
-marked ``interrupted after N of M requests`` (a second Ctrl-C stops at once).
+marked ``interrupted after N of M requests`` (a second Ctrl-C stops at once). A daemon
+that stops (or a connection lost) during the replay ends it too: the results so far are
+printed, marked ``cut short after N of M requests`` with the reason (``cut_short`` in
+``--json``), and the same line goes to stderr.
 
 Exit status: 0 every byte checked out; 1 some block came back with wrong bytes, the
 daemon answered an error that ends the replay, or the trace is unusable; 2 a usage error
-(a block size that does not match the daemon's, say); 3 no daemon answers on the socket;
-78 an invalid config; 130 interrupted by Ctrl-C.
+(a block size that does not match the daemon's, say); 3 no daemon answers on the socket,
+or the daemon went away during the replay (results printed, cut short; wrong bytes among
+them are still 1); 78 an invalid config; 130 interrupted by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -52,7 +56,13 @@ from tierd.cli.base import (
 from tierd.cli.connection import CONNECT_TIMEOUT, SOCKET_ENV, unreachable_reason
 from tierd.cli.offline import load_trace
 from tierd.cli.progress import EXIT_INTERRUPTED, Bar, add_progress_option, make_bar, stop_flag
-from tierd.cli.replay_report import compare_table, describe, write_compare_out, write_out
+from tierd.cli.replay_report import (
+    compare_table,
+    cut_short_line,
+    describe,
+    write_compare_out,
+    write_out,
+)
 from tierd.cli.whatif import add_warm_option, what_if_config
 from tierd.client import DaemonError, Unreachable
 from tierd.config import ChainConfig, default_socket_path, load_config
@@ -193,6 +203,10 @@ def _run_one(args: argparse.Namespace, trace: Trace) -> int:
         if args.config is None:
             print(f"namespace       {args.namespace}")
     status = _verdict(summary)
+    if summary.cut_short is not None:
+        line = cut_short_line(summary.requests, summary.planned_requests, summary.cut_short)
+        print(f"tierd: error: {line}", file=sys.stderr)
+        return status if status != EXIT_OK else EXIT_UNREACHABLE
     return EXIT_INTERRUPTED if summary.interrupted else status
 
 

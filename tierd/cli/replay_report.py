@@ -12,7 +12,7 @@ from typing import Any
 from tierd.cli.progress import interrupted_line
 from tierd.workload.replayer import ReplaySummary
 
-__all__ = ["compare_table", "describe", "write_compare_out", "write_out"]
+__all__ = ["compare_table", "cut_short_line", "describe", "write_compare_out", "write_out"]
 
 
 def write_out(out: Path, data: dict[str, Any]) -> None:
@@ -57,7 +57,9 @@ def describe(summary: ReplaySummary, trace: str) -> str:
     where = cfg.get("socket", cfg.get("path"))
     tput = summary.throughput
     lines = []
-    if summary.interrupted:
+    if summary.cut_short is not None:
+        lines.append(cut_short_line(summary.requests, summary.planned_requests, summary.cut_short))
+    elif summary.interrupted:
         lines.append(interrupted_line(summary.requests, summary.planned_requests))
     lines += [
         f"trace           {trace}",
@@ -92,6 +94,11 @@ def describe(summary: ReplaySummary, trace: str) -> str:
         f"wrong bytes     {summary.wrong_bytes:,}",
     ]
     return "\n".join(lines)
+
+
+def cut_short_line(done: int, total: int, reason: str) -> str:
+    """The mark on the results of a replay whose cache went away under it."""
+    return f"cut short after {done:,} of {total:,} requests: {reason}"
 
 
 def _errors(errors: dict[str, int]) -> str:

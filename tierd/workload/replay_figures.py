@@ -1,6 +1,7 @@
-"""What a replay measures and hands back (:class:`ReplaySummary`, :class:`ReplayProgress`),
-the block contents it stores (:func:`block_content`), and its latency records; the replay
-itself is :mod:`tierd.workload.replayer`."""
+"""What a replay drives (:class:`ReplayBackend`), what it measures and hands back
+(:class:`ReplaySummary`, :class:`ReplayProgress`), the block contents it stores
+(:func:`block_content`), and its latency records; the replay itself is
+:mod:`tierd.workload.replayer`."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import random
 from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 __all__ = [
     "SAMPLE_CAP",
     "Contents",
     "Latencies",
+    "ReplayBackend",
     "ReplayProgress",
     "ReplaySummary",
     "block_content",
@@ -31,6 +33,41 @@ def block_content(key: bytes, block_bytes: int) -> bytes:
     """The bytes the replay stores under ``key``: its 64-byte BLAKE2b digest, repeated."""
     seed = hashlib.blake2b(key, digest_size=64).digest()
     return (seed * (block_bytes // 64 + 1))[:block_bytes]
+
+
+class ReplayBackend(Protocol):
+    """A cache the replay drives; one per worker.
+
+    ``lookup``: how many leading keys are cached, and the medium of each. ``load``: copies
+    of the leading blocks it could load. ``store``: store blocks (``data`` co-indexed with
+    ``keys``), returning how many were new; :class:`CapacityError` when there is no room.
+    ``stats``: the daemon's stats structure (:func:`tierd.control.stats.collect_stats`).
+    Other errors are counted by their ``code`` (or class name); a lost connection
+    (``Unreachable``) or a closed resource ends the replay."""
+
+    @property
+    def kind(self) -> str: ...  # "daemon" or "chain"
+
+    @property
+    def target(self) -> str: ...  # the socket path or the config path
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    @property
+    def entry_capacity(self) -> int: ...  # blocks in the tier that stores enter
+
+    async def lookup(self, keys: Sequence[bytes]) -> tuple[int, tuple[str, ...]]: ...
+
+    async def touch(self, keys: Sequence[bytes]) -> None: ...  # one use per request
+
+    async def load(self, keys: Sequence[bytes]) -> list[bytes]: ...
+
+    async def store(self, keys: Sequence[bytes], data: Sequence[bytes]) -> int: ...
+
+    async def stats(self) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +92,10 @@ class ReplaySummary:
     used}}, from before the first request to after the last. ``tiers``: the final stats'
     tiers. ``load_latency_samples``: medium -> up to 20,000 durations (a reservoir).
     ``requests`` is how many were replayed, of ``planned_requests``; fewer when the replay
-    was ``interrupted``. ``load_shortfalls``: loads that brought back fewer blocks than
-    their lookup promised (normal under contention; those blocks are stored again)."""
+    was ``interrupted``; ``cut_short`` says why when the cache went away under the replay
+    (the daemon stopped, the connection was lost), else it is None. ``load_shortfalls``:
+    loads that brought back fewer blocks than their lookup promised (normal under
+    contention; those blocks are stored again)."""
 
     requests: int
     planned_requests: int
@@ -85,6 +124,7 @@ class ReplaySummary:
     # (the clients or the cache could not keep the pace), and the most any was late.
     late_requests: int = 0
     behind_s: float = 0.0
+    cut_short: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

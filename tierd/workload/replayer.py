@@ -9,12 +9,15 @@ lookup promised is a shortfall (counted in ``load_shortfalls``, not as an error:
 correct cache does that under contention, when the block was evicted meanwhile, or when
 its checksum failed); a store the cache had no room for is a ``store_refused``.
 
-The cache sits behind a :class:`ReplayBackend` (see :mod:`tierd.workload.backends`: a
-daemon over its socket, or an in-process chain). ``len(backends)`` workers take requests
+The cache sits behind a :class:`ReplayBackend` (defined in
+:mod:`tierd.workload.replay_figures`; see :mod:`tierd.workload.backends`: a daemon over
+its socket, or an in-process chain). ``len(backends)`` workers take requests
 in trace order; request *i* starts no earlier than ``start + (ts_i - ts_0) / speed``
 (``speed=None``: as fast as the workers go), and requests start (send their lookup) in
 trace order even when many run at once. Once ``stop()`` is true no request starts
-any more: the replay returns what it measured so far, ``interrupted``.
+any more: the replay returns what it measured so far, ``interrupted``. So it does when the
+cache goes away under it (the daemon stops or the connection is lost, the chain is
+closed): the summary's ``cut_short`` says why, and the tiers are those last sampled.
 
 Throughput is defined two ways: ``store_gb_s``/``load_gb_s`` are the bytes moved divided
 by the wall time of the whole replay; ``store_call_gb_s``/``load_call_gb_s`` are the same
@@ -37,7 +40,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from tierd.control.client import Unreachable
 from tierd.errors import CapacityError, ResourceClosed, TierdError
@@ -46,6 +49,7 @@ from tierd.workload.replay_figures import (
     SAMPLE_CAP,
     Contents,
     Latencies,
+    ReplayBackend,
     ReplayProgress,
     ReplaySummary,
     block_content,
@@ -67,41 +71,7 @@ WRONG_KEYS_KEPT = 100
 STOP_CHECK = 0.2  # seconds: how often a paced wait checks whether to stop
 LATE_S = 0.01  # seconds: a paced request that starts later than this after it was due is late
 _FATAL = (ResourceClosed, Unreachable)  # the cache is gone: end the replay
-
-
-class ReplayBackend(Protocol):
-    """A cache the replay drives; one per worker.
-
-    ``lookup``: how many leading keys are cached, and the medium of each. ``load``: copies
-    of the leading blocks it could load. ``store``: store blocks (``data`` co-indexed with
-    ``keys``), returning how many were new; :class:`CapacityError` when there is no room.
-    ``stats``: the daemon's stats structure (:func:`tierd.control.stats.collect_stats`).
-    Other errors are counted by their ``code`` (or class name); a lost connection
-    (``Unreachable``) or a closed resource ends the replay."""
-
-    @property
-    def kind(self) -> str: ...  # "daemon" or "chain"
-
-    @property
-    def target(self) -> str: ...  # the socket path or the config path
-
-    @property
-    def block_bytes(self) -> int: ...
-
-    @property
-    def entry_capacity(self) -> int: ...  # blocks in the tier that stores enter
-
-    async def lookup(self, keys: Sequence[bytes]) -> tuple[int, tuple[str, ...]]: ...
-
-    async def touch(self, keys: Sequence[bytes]) -> None: ...  # one use per request
-
-    async def load(self, keys: Sequence[bytes]) -> list[bytes]: ...
-
-    async def store(self, keys: Sequence[bytes], data: Sequence[bytes]) -> int: ...
-
-    async def stats(self) -> dict[str, Any]: ...
-
-    async def close(self) -> None: ...
+_GOING = "shutting_down"  # the error code of a daemon that is stopping: gone too
 
 
 class _Replay:
@@ -142,11 +112,23 @@ class _Replay:
         self.lookup_lat, self.store_lat = Latencies(), Latencies()
         self.load_lat: dict[str, Latencies] = {}
         self.timeline: list[dict[str, Any]] = []
+        self.tiers: list[dict[str, Any]] = []  # as last sampled
+        self.gone: str | None = None  # why the cache went away, if it did
         self.started = time.perf_counter()
 
     # -- workers -----------------------------------------------------------------------
 
     async def worker(self, backend: ReplayBackend) -> None:
+        """Serve requests until none is left, the replay is stopped or the cache is gone."""
+        try:
+            await self._work(backend)
+        except TierdError as exc:
+            if not isinstance(exc, _FATAL) and _code(exc) != _GOING:
+                raise
+            gone = "the daemon went away" if backend.kind == "daemon" else "the chain closed"
+            self.gone = self.gone or f"{gone}: {exc}"
+
+    async def _work(self, backend: ReplayBackend) -> None:
         while (index := await self._next()) is not None:
             keys = self.requests[index].keys
             if len(set(keys)) != len(keys):  # one block named twice is one block
@@ -180,7 +162,7 @@ class _Replay:
 
     @property
     def stopped(self) -> bool:
-        return self.stop is not None and self.stop()
+        return self.gone is not None or (self.stop is not None and self.stop())
 
     async def _pause(self, delay: float) -> None:
         """Wait ``delay`` seconds (pacing, not synchronisation), or until stopped: the
@@ -198,7 +180,7 @@ class _Replay:
         except _FATAL:
             raise
         except TierdError as exc:
-            self.errors[f"lookup_{_code(exc)}"] += 1
+            self._error("lookup", exc)
             count, media = 0, ()
         else:
             self.lookup_lat.add(time.perf_counter() - began)
@@ -211,7 +193,7 @@ class _Replay:
         except _FATAL:
             raise
         except TierdError as exc:
-            self.errors[f"touch_{_code(exc)}"] += 1
+            self._error("touch", exc)
         if loaded < len(keys):
             await self._store(backend, keys[loaded:])
 
@@ -227,7 +209,7 @@ class _Replay:
             except _FATAL:
                 raise
             except TierdError as exc:
-                self.errors[f"load_{_code(exc)}"] += 1
+                self._error("load", exc)
                 blocks = []
             else:
                 medium = slowest_medium(media[start : start + len(part)])
@@ -241,6 +223,12 @@ class _Replay:
                 self.shortfalls += 1
                 return start + len(blocks)
         return count
+
+    def _error(self, call: str, exc: TierdError) -> None:
+        """Count ``exc`` of ``call``; a daemon's ``shutting_down`` ends the replay."""
+        if _code(exc) == _GOING:
+            raise exc
+        self.errors[f"{call}_{_code(exc)}"] += 1
 
     def _verify(self, keys: Sequence[BlockKey], blocks: Sequence[bytes]) -> None:
         size = self.block_bytes
@@ -264,7 +252,7 @@ class _Replay:
             except _FATAL:
                 raise
             except TierdError as exc:
-                self.errors[f"store_{_code(exc)}"] += 1
+                self._error("store", exc)
             else:
                 self.store_lat.add(time.perf_counter() - began)
                 self.stored += stored
@@ -283,8 +271,8 @@ class _Replay:
                 "occupancy": {tier["name"]: tier["used"] for tier in stats["tiers"]},
             }
         )
-        tiers: list[dict[str, Any]] = stats["tiers"]
-        return tiers
+        self.tiers = stats["tiers"]
+        return self.tiers
 
     def report_progress(self) -> None:
         if self.progress is not None:
@@ -302,6 +290,7 @@ class _Replay:
             requests=self.done,
             planned_requests=len(self.requests),
             interrupted=self.done < len(self.requests),
+            cut_short=self.gone,
             lookups=self.lookups,
             block_accesses=acc,
             hits=self.hits,
@@ -391,7 +380,7 @@ async def replay(
     except BaseExceptionGroup as failure:
         raise failure.exceptions[0] from None
     seconds = time.perf_counter() - run.started
-    tiers = await run.sample(backends[0])
+    tiers = run.tiers if run.gone else await run.sample(backends[0])
     run.report_progress()
     return run.summary(seconds, tiers)
 
