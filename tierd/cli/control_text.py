@@ -42,7 +42,8 @@ def stats_text(stats: dict[str, Any], as_json: bool) -> str:
     remote = stats.get("remote")
     if remote:
         parts.append(
-            f"remote {remote['name']} (REMOTE) {remote['endpoint']}: breaker {remote['state']},"
+            f"remote {remote['name']} ({remote.get('medium', 'REMOTE')}) {remote['endpoint']}:"
+            f" breaker {remote['state']},"
             f" {remote['lookup_hits']:,} lookup hits, {remote['hits']:,} blocks read,"
             f" {remote['stores']:,} written, {remote['skipped']:,} skipped,"
             f" {remote['corrupt']:,} corrupt, {remote['timeouts']:,} timeouts,"

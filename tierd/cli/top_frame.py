@@ -116,7 +116,8 @@ def _tier_lines(tiers: list[Mapping[str, Any]], width: int) -> list[str]:
 def _remote_fields(remote: Mapping[str, Any]) -> list[str]:
     """The remote level in one packed paragraph: where, its breaker, its counters."""
     fields = [
-        f"remote {remote.get('name', '?')} (REMOTE) {remote.get('endpoint', '?')}",
+        f"remote {remote.get('name', '?')} ({remote.get('medium', 'REMOTE')})"
+        f" {remote.get('endpoint', '?')}",
         f"breaker {remote.get('state', '?')}",
     ]
     for key in ("lookup_hits", "hits", "misses", "stores", "skipped", "corrupt", "timeouts"):

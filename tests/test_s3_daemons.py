@@ -1,0 +1,240 @@
+"""Two real ``tierd serve`` processes over one S3 bucket (SeaweedFS): a block stored and
+flushed through daemon A is found and loaded byte-exact through daemon B, whose stats
+name the object-store level (medium ``OBJECT``) and count its hits; a daemon whose disk
+tier was wiped starts warm from the bucket; a restart of the S3 server loses nothing a
+flush acknowledged; and the credentials come from a private secret file (one readable
+by others is refused at start, with a clear error) or from the daemon's environment.
+
+Each daemon has its own CPU and disk tiers and its own home; all name the same bucket
+under a key prefix of the test's own. Blocks reach the bucket deterministically:
+``flush`` through a daemon copies its CPU tier down to its disk tier, then sends the
+disk tier's blocks to the bucket and waits for the writes. Daemons are started and
+stopped (by PID) with the ``spawn`` fixture of the lifecycle tests; the server is one
+``weed mini`` per module (``tests/s3_kit.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import random
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+import obstore
+import pytest
+from s3_kit import SeaweedServer, seaweed_fixture
+
+from tests.test_daemon_lifecycle import DaemonProcess, Spawn, child_env, spawn
+from tierd.cli import main
+from tierd.client import Client
+from tierd.keys import BlockKey
+from tierd.testing import daemon_config
+
+__all__ = ["seaweed_fixture", "spawn"]  # the fixtures, re-exported for pytest
+
+BLOCK = 16 << 10
+NAMESPACE = "model-x"
+
+
+def block(key: bytes) -> bytes:
+    return random.Random(key).randbytes(BLOCK)
+
+
+def names(prefix: str, count: int) -> list[BlockKey]:
+    return [BlockKey(f"{prefix}-{i}".encode()) for i in range(count)]
+
+
+def s3_section(server: SeaweedServer, prefix: str, **extra: Any) -> dict[str, Any]:
+    # A generous deadline: these tests assert hits, not latency, on a busy machine.
+    return {
+        "kind": "s3",
+        "endpoint": server.endpoint,
+        "bucket": server.bucket,
+        "key_prefix": prefix,
+        "deadline": "2s",
+        **extra,
+    }
+
+
+def secret_file(server: SeaweedServer, path: Path, mode: int = 0o600) -> Path:
+    path.write_text(server.secret_key + "\n")
+    path.chmod(mode)
+    return path
+
+
+def node_config(home: Path, remote: dict[str, Any]) -> dict[str, Any]:
+    """A daemon of its own CPU and disk tiers (in ``home``) over the bucket."""
+    home.mkdir(mode=0o700, exist_ok=True)
+    config = daemon_config(home, cpu_blocks=16, disk_blocks=64, block_bytes=BLOCK)
+    config["remote"] = remote
+    config["logging"] = {"level": "warning"}
+    return config
+
+
+class Site:
+    """One test's view of the bucket: its prefix, and configs of daemons that use it
+    with the access key and a private secret file."""
+
+    def __init__(self, server: SeaweedServer, root: Path) -> None:
+        self.server = server
+        self.root = root
+        self.prefix = f"d-{secrets.token_hex(4)}/"
+        self.secret = secret_file(server, root / "s3-secret")
+
+    def config(self, name: str, **extra: Any) -> dict[str, Any]:
+        keys = {"access_key_id": self.server.access_key, "secret_access_key_file": str(self.secret)}
+        return node_config(self.root / name, s3_section(self.server, self.prefix, **keys, **extra))
+
+    async def objects(self) -> list[str]:
+        listed = await obstore.list(self.server.store(), self.prefix).collect_async()
+        return sorted(meta["path"] for meta in listed)
+
+
+@pytest.fixture
+def site(seaweed: SeaweedServer, tmp_path: Path) -> Site:
+    return Site(seaweed, tmp_path)
+
+
+async def connect(daemon: DaemonProcess) -> Client:
+    return await Client.connect(daemon.socket_path, namespace=NAMESPACE, block_bytes=BLOCK)
+
+
+async def stopped(*daemons: DaemonProcess) -> None:
+    statuses = [await daemon.stop() for daemon in daemons]
+    assert statuses == [0] * len(daemons), [d.stderr() for d in daemons]
+
+
+async def store_and_flush(daemon: DaemonProcess, keys: list[BlockKey]) -> dict[str, Any]:
+    """Store ``keys`` through ``daemon``, flush them down to the bucket; its remote stats."""
+    async with await connect(daemon) as client:
+        assert await client.store(keys, [block(k) for k in keys]) == len(keys)
+        flushed = await client.flush()
+        assert flushed.dirty == 0, flushed
+        remote: dict[str, Any] = (await client.stats())["remote"]
+    return remote
+
+
+async def cli(*argv: str) -> tuple[int, str]:
+    """``tierd ARGV`` run in a worker thread (it runs its own event loop): (status, stdout)."""
+    out = io.StringIO()
+
+    def run() -> int:
+        with contextlib.redirect_stdout(out):
+            return main(list(argv))
+
+    status = await asyncio.to_thread(run)
+    return status, out.getvalue()
+
+
+async def test_blocks_flushed_through_one_daemon_load_byte_exact_through_another(
+    site: Site, spawn: Spawn
+) -> None:
+    keys = names("shared", 6)
+    a, b = await spawn(site.config("a")), await spawn(site.config("b"))
+    try:
+        a_remote = await store_and_flush(a, keys)
+        assert (a_remote["stores"], a_remote["errors"], a_remote["write_errors"]) == (6, 0, 0)
+        assert len(await site.objects()) == len(keys)
+        async with await connect(b) as client:
+            before = await client.stats()
+            assert all(tier["used"] == 0 for tier in before["tiers"])  # B holds nothing
+            found = await client.lookup([*keys, b"nobody-stored-this"])
+            assert found.count == len(keys)
+            assert found.media == ("OBJECT",) * len(keys)
+            assert await client.load(keys) == [block(k) for k in keys]
+            assert (await client.lookup(keys)).media == ("CPU",) * len(keys)  # promoted
+            remote = (await client.stats())["remote"]
+        assert remote["medium"] == "OBJECT" and remote["state"] == "closed"
+        assert remote["endpoint"] == f"{site.server.endpoint}/{site.server.bucket}"
+        assert (remote["lookup_hits"], remote["hits"], remote["promotions"]) == (6, 6, 6)
+        assert remote["corrupt"] == remote["errors"] == remote["timeouts"] == 0
+        assert remote["bytes_read"] >= len(keys) * BLOCK
+
+        status, out = await cli("stats", "--socket", b.socket_path)
+        assert status == 0
+        where = f"{site.server.endpoint}/{site.server.bucket}"
+        assert f"remote s3 (OBJECT) {where}: breaker closed, 6 lookup hits" in out, out
+        status, out = await cli(
+            "top", "--socket", b.socket_path, "--plain", "--count", "1", "--interval", "0.05"
+        )
+        assert status == 0, out
+        assert f"remote s3 (OBJECT) {where}" in out, out
+    finally:
+        await stopped(a, b)
+
+
+async def test_a_daemon_with_its_disk_wiped_starts_warm_from_the_bucket(
+    site: Site, spawn: Spawn
+) -> None:
+    keys = names("warm", 8)
+    config = site.config("a")
+    a = await spawn(config)
+    await store_and_flush(a, keys)
+    await stopped(a)
+    disk = site.root / "a" / "disk"
+    assert any(disk.iterdir())  # the disk tier kept the blocks...
+    shutil.rmtree(disk)  # ...and loses them
+    disk.mkdir(mode=0o700)
+    a = await spawn(config)
+    try:
+        async with await connect(a) as client:
+            assert all(tier["used"] == 0 for tier in (await client.stats())["tiers"])
+            found = await client.lookup(keys)
+            assert found.count == len(keys) and found.media == ("OBJECT",) * len(keys)
+            assert await client.load(keys) == [block(k) for k in keys]
+            assert (await client.stats())["remote"]["hits"] == len(keys)
+    finally:
+        await stopped(a)
+
+
+async def test_a_restarted_server_keeps_what_a_flush_acknowledged(site: Site, spawn: Spawn) -> None:
+    keys = names("durable", 6)
+    a = await spawn(site.config("a"))
+    try:
+        assert (await store_and_flush(a, keys))["stores"] == len(keys)
+    finally:
+        await stopped(a)
+    await asyncio.to_thread(site.server.restart)
+    b = await spawn(site.config("b"))
+    try:
+        async with await connect(b) as client:
+            assert (await client.lookup(keys)).count == len(keys)
+            assert await client.load(keys) == [block(k) for k in keys]
+    finally:
+        await stopped(b)
+
+
+async def test_a_secret_file_readable_by_others_is_refused_at_start(
+    site: Site, spawn: Spawn
+) -> None:
+    site.secret.chmod(0o644)
+    daemon = await spawn(site.config("a"), ready=False)
+    status = await daemon.wait()
+    err = daemon.stderr()
+    assert status == 78, err
+    assert "Traceback" not in err
+    assert "remote.secret_access_key_file" in err and "chmod 600" in err, err
+
+
+async def test_credentials_from_the_daemons_environment(site: Site, spawn: Spawn) -> None:
+    keys = names("env", 4)
+    remote = s3_section(site.server, site.prefix)  # no key in the config
+    env = {k: v for k, v in child_env().items() if not k.startswith("AWS_")}
+    given = {"AWS_ACCESS_KEY_ID": site.server.access_key}
+    given["AWS_SECRET_ACCESS_KEY"] = site.server.secret_key
+    a = await spawn(node_config(site.root / "a", remote), env={**env, **given})
+    # Without them the server refuses the daemon's writes: the test can tell.
+    b = await spawn(node_config(site.root / "b", remote), env=env)
+    try:
+        a_remote = await store_and_flush(a, keys)
+        assert (a_remote["stores"], a_remote["errors"]) == (len(keys), 0), a_remote
+        b_remote = await store_and_flush(b, names("anonymous", 2))
+        assert b_remote["stores"] == 0, b_remote
+        assert b_remote["errors"] + b_remote["timeouts"] >= 1, b_remote
+        assert len(await site.objects()) == len(keys)
+    finally:
+        await stopped(a, b)
