@@ -224,14 +224,14 @@ async def test_another_block_size_never_finds_the_objects(bucket: Bucket) -> Non
 
 @asynccontextmanager
 async def faulty(
-    bucket: Bucket, proxy: S3FaultProxy, keys: list[BlockKey], deadline: float
+    bucket: Bucket, proxy: S3FaultProxy, keys: list[BlockKey], deadline: float, **kw: Any
 ) -> AsyncIterator[TierChain]:
-    """A node through ``proxy`` (with ``deadline``) whose ``keys`` another node stored
-    in the bucket directly."""
+    """A node through ``proxy`` (with ``deadline`` and the settings ``kw``) whose ``keys``
+    another node stored in the bucket directly."""
     async with node(bucket.remote(), write_through=True) as writer:
         await store_through(writer, keys)
         assert level(writer).stats()["stores"] == len(keys)
-    async with node(bucket.remote(endpoint=proxy.endpoint, deadline=deadline)) as chain:
+    async with node(bucket.remote(endpoint=proxy.endpoint, deadline=deadline, **kw)) as chain:
         yield chain
 
 
@@ -320,7 +320,8 @@ async def test_the_breaker_opens_refuses_at_once_and_closes_when_the_fault_clear
     bucket: Bucket, s3_proxy: S3FaultProxy
 ) -> None:
     keys = names("breaker", 3)
-    async with faulty(bucket, s3_proxy, keys, GENEROUS) as chain:
+    # A back-off far longer than the refused calls below take, even on a loaded machine.
+    async with faulty(bucket, s3_proxy, keys, GENEROUS, breaker_backoff=1.5) as chain:
         s3_proxy.set_fault("status:500")
         for _ in range(3):  # breaker_failures failed batches
             assert level(chain).stats()["state"] == "closed"
