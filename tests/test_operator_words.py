@@ -165,3 +165,47 @@ async def test_a_replay_whose_daemon_stops_prints_what_it_has_cut_short(
     assert summary["cut_short"].startswith("the daemon went away")
     assert summary["interrupted"] is True
     assert "cut short after" in err.decode()
+
+
+# -- top: the daemon restarts under it ------------------------------------------------------
+
+
+async def read_until(stream: asyncio.StreamReader, text: str, seen: list[str]) -> None:
+    async with asyncio.timeout(WAIT_S):
+        while True:
+            line = (await stream.readline()).decode()
+            if not line:
+                raise AssertionError(f"top ended before {text!r}:\n{''.join(seen)}")
+            seen.append(line)
+            if text in line:
+                return
+
+
+async def test_top_waits_for_a_restarted_daemon_and_goes_on(tmp_path: Path, spawn: Spawn) -> None:
+    cfg = daemon_config(tmp_path)
+    daemon = await spawn(cfg)
+    top = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *["-m", "tierd", "top", "--socket", daemon.socket_path, "--plain", "--interval", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=child_env(),
+    )
+    assert top.stdout is not None
+    seen: list[str] = []
+    try:
+        await read_until(top.stdout, "tierd top at", seen)
+        assert await daemon.stop() == 0
+        await read_until(top.stdout, f"the daemon at {daemon.socket_path} went away", seen)
+        again = await spawn(cfg)
+        await read_until(top.stdout, "the daemon is back", seen)
+        await read_until(top.stdout, "tierd top at", seen)
+        assert await again.stop() == 0
+        top.send_signal(signal.SIGINT)
+        async with asyncio.timeout(WAIT_S):
+            assert await top.wait() == 0, "".join(seen)
+    finally:
+        if top.returncode is None:
+            top.kill()
+            await top.wait()
+    assert any("waiting for it to come back" in line for line in seen), "".join(seen)

@@ -10,8 +10,13 @@ plain loops that draw the frames.
 On a terminal the view is full-screen (curses) and ``q`` quits; with ``--plain``, or when
 stdout is not a terminal, each frame is a block of plain lines followed by an empty line,
 until Ctrl-C or ``--count`` frames. The socket is found as for the other client commands
-(:func:`tierd.cli.connection.socket_path`). Exit status: 0 on ``q``, Ctrl-C or after
-``--count`` frames; 1 on an error reply; 3 when no daemon answers (at start or later).
+(:func:`tierd.cli.connection.socket_path`).
+
+A daemon that goes away later (stopped, restarted, crashed) is waited for: top says so,
+tries to connect again every ``--interval`` seconds until Ctrl-C, says when it is back
+and goes on (its counters start again; ``--count`` counts frames of stats only). Exit
+status: 0 on ``q``, Ctrl-C or after ``--count`` frames; 1 on an error reply; 3 when no
+daemon answers at the start.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import contextlib
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE, Command, UsageError
@@ -77,14 +83,13 @@ def _run(args: argparse.Namespace) -> int:
     try:
         with asyncio.Runner() as runner:
             client = runner.run(_connect(path, trusted_uids(args)))
+            feed = _Feed(client, path, trusted_uids(args))
             try:
-                _show(runner, _Feed(client), args)
+                _show(runner, feed, args)
             finally:
-                runner.run(client.close())
+                runner.run(feed.close())
     except _CannotReach as exc:
         return _fail(f"cannot reach the daemon at {path}: {exc}", EXIT_UNREACHABLE)
-    except Unreachable as exc:
-        return _fail(f"lost the daemon at {path}: {exc}", EXIT_UNREACHABLE)
     except DaemonError as exc:
         return _fail(str(exc), EXIT_BAD_INPUT)
     except KeyboardInterrupt:
@@ -119,26 +124,68 @@ def _show(runner: asyncio.Runner, feed: _Feed, args: argparse.Namespace) -> None
 
 
 class _Feed:
-    """Stats snapshots, each rendered against the one before."""
+    """Stats snapshots, each rendered against the one before; a daemon that went away is
+    waited for (``say`` shows the notes meanwhile), and its frames start afresh."""
 
-    def __init__(self, client: Client) -> None:
-        self.client = client
+    def __init__(self, client: Client, path: str, server_uids: tuple[int, ...]) -> None:
+        self.client: Client | None = client
+        self.path, self.server_uids = path, server_uids
         self.prev: dict[str, Any] | None = None
         self.taken = 0.0
+        self.back = ""  # the note that the daemon came back, for the next frame
+        self.say: Callable[[list[str]], None] = lambda lines: None
 
     async def frame(self, width: int, interval: float) -> list[str]:
-        cur = await self.client.stats()
+        cur = await self._stats(interval)
         now = time.monotonic()
         lines = render_frame(self.prev, cur, now - self.taken, width)
         self.prev, self.taken = cur, now
         title = f"tierd top at {time.strftime('%H:%M:%S')}, every {interval:g} s"
-        return [title[:width], *lines]
+        notes, self.back = ([self.back[:width]] if self.back else []), ""
+        return [title[:width], *notes, *lines]
+
+    async def _stats(self, interval: float) -> dict[str, Any]:
+        """The next snapshot, from this daemon or, once it went away, the next one."""
+        while True:
+            if self.client is None:
+                self.client = await self._come_back(interval)
+            try:
+                return await self.client.stats()
+            except (Unreachable, DaemonError) as exc:
+                if isinstance(exc, DaemonError) and exc.code != "shutting_down":
+                    raise
+                await self.close()
+                self.say(
+                    [
+                        f"{time.strftime('%H:%M:%S')} the daemon at {self.path} went away"
+                        f" ({exc}); waiting for it to come back (Ctrl-C quits)"
+                    ]
+                )
+
+    async def _come_back(self, interval: float) -> Client:
+        """Connect again every ``interval`` seconds until a daemon answers."""
+        while True:
+            try:
+                client = await _connect(self.path, self.server_uids)
+            except _CannotReach:
+                # Another process's socket: nothing to wait on but trying again.
+                await asyncio.sleep(interval)
+                continue
+            self.prev = None  # a new daemon's counters start again
+            self.back = f"{time.strftime('%H:%M:%S')} the daemon is back; its counters start again"
+            return client
+
+    async def close(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            await client.close()
 
 
 async def _plain(feed: _Feed, args: argparse.Namespace) -> None:
     width = args.width
     if width is None:
         width = shutil.get_terminal_size().columns if sys.stdout.isatty() else _PIPE_WIDTH
+    feed.say = lambda lines: print("\n".join(lines) + "\n", flush=True)
     frames = 0
     while True:
         # flushed: a reader at the other end of a pipe sees each frame as it comes
@@ -159,6 +206,7 @@ async def _live(screen: curses.window, feed: _Feed, args: argparse.Namespace) ->
     key_ready = asyncio.Event()
     # Woken by the terminal itself: no polling between frames.
     loop.add_reader(sys.stdin.fileno(), key_ready.set)
+    feed.say = lambda lines: _draw(screen, lines, *screen.getmaxyx())
     try:
         frames = 0
         while True:
