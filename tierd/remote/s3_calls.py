@@ -122,6 +122,8 @@ class S3Calls(CallNotes):
         store = self.store
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.deadline_s
+        if len(items) == 1:  # no task to make and wait for: one request, awaited here
+            return self._tally([await self._alone(request, store, items[0], deadline)])
         on_wire = [False] * len(items)
         tasks = [
             loop.create_task(self._one(request, store, item, on_wire, i))
@@ -132,7 +134,9 @@ class S3Calls(CallNotes):
             task.cancel()
         if late:
             await asyncio.gather(*late, return_exceptions=True)
-        return self._tally(tasks, on_wire)
+        return self._tally(
+            [_settled(task, wire) for task, wire in zip(tasks, on_wire, strict=True)]
+        )
 
     async def _one(
         self,
@@ -148,40 +152,67 @@ class S3Calls(CallNotes):
             on_wire[index] = True
             return await request(store, item)
 
-    def _tally(self, tasks: list[asyncio.Task[Any]], on_wire: list[bool]) -> list[Any]:
-        """Each task's result or outcome; the batch's faults counted, noted and told to
+    async def _alone(
+        self, request: Callable[[Any, T], Awaitable[Any]], store: Any, item: T, deadline: float
+    ) -> tuple[_State, Any]:
+        wire = False
+        try:
+            async with asyncio.timeout_at(deadline), self._slots:
+                wire = True
+                return _State.OK, await request(store, item)
+        except TimeoutError:
+            return (_State.LATE if wire else _State.BUSY), None
+        except Exception as exc:  # what the request raised: judged in _tally
+            return _State.RAISED, exc
+
+    def _tally(self, settled: list[tuple[_State, Any]]) -> list[Any]:
+        """Each request's value or outcome; the batch's faults counted, noted and told to
         the breaker once."""
         from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionError
 
         results: list[Any] = []
         failed = False
         late = 0
-        for task, wire in zip(tasks, on_wire, strict=True):
-            if task.cancelled():
-                if wire:
-                    self.timeouts += 1
-                    failed = True
-                    late += 1
-                else:
-                    self.busy += 1
+        for state, value in settled:
+            if state is _State.OK:
+                results.append(value)
+            elif state is _State.BUSY:
+                self.busy += 1
                 results.append(FAILED)
-                continue
-            exc = task.exception()
-            if exc is None:
-                results.append(task.result())
-            elif isinstance(exc, NotFoundError | FileNotFoundError):
+            elif state is _State.LATE:
+                self.timeouts += 1
+                failed = True
+                late += 1
+                results.append(FAILED)
+            elif isinstance(value, NotFoundError | FileNotFoundError):
                 results.append(ABSENT)
-            elif isinstance(exc, AlreadyExistsError | PreconditionError):
+            elif isinstance(value, AlreadyExistsError | PreconditionError):
                 results.append(HELD)
             else:
                 self.errors += 1
                 failed = True
-                self.note(exc, "failed")
+                self.note(value, "failed")
                 results.append(FAILED)
         if late:
-            self.note(TimeoutError(f"{late} of {len(tasks)} requests"), "timed out")
+            self.note(TimeoutError(f"{late} of {len(settled)} requests"), "timed out")
         if failed:
             self.breaker.failure()
         else:
             self.answered()
         return results
+
+
+class _State(Enum):
+    """How one request of a batch ended."""
+
+    OK = "ok"  # answered with a value
+    RAISED = "raised"  # answered with an error (404, 412, 500, ...) or failed to connect
+    LATE = "late"  # on the wire at the deadline
+    BUSY = "busy"  # still waiting for a pool slot at the deadline
+
+
+def _settled(task: asyncio.Task[Any], on_wire: bool) -> tuple[_State, Any]:
+    if task.cancelled():
+        return (_State.LATE if on_wire else _State.BUSY), None
+    exc = task.exception()
+    return (_State.RAISED, exc) if exc is not None else (_State.OK, task.result())
