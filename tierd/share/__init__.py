@@ -1,8 +1,10 @@
 """What the package ships besides its code: the default config (``tierd.yaml``, the
 chain ``tierd serve`` runs without ``-c``), the GPU node's (``gpu-node.yaml``), the
-systemd unit (``tierd.service``) and the example client (``client_demo.py``).
+systemd unit (``tierd.service``), the example client (``client_demo.py``) and the
+status page the metrics endpoint serves (``status.html``).
 
-In a checkout these are links to ``config/`` and ``examples/``; a wheel carries the files.
+In a checkout these are links to ``config/`` and ``examples/`` (``status.html`` lives
+here); a wheel carries the files.
 """
 
 from pathlib import Path
