@@ -38,6 +38,8 @@ from tierd.remote import encode_block
 from tierd.remote.s3_level import S3Level
 from tierd.remote.stack import RemoteStack
 
+__all__ = ["s3_proxy_fixture", "seaweed_fixture"]  # the fixtures this module uses
+
 BLOCK = 16 << 10
 DEADLINE = 0.5  # where the server hangs: a short wait, then misses
 GENEROUS = 2.0  # where a test asserts answers (hits, or counted faults) on a busy machine
@@ -46,9 +48,6 @@ GENEROUS = 2.0  # where a test asserts answers (hits, or counted faults) on a bu
 def guard(deadline: float) -> float:
     """A bound against hanging for a call of ``deadline``, not a timing goal."""
     return deadline * 4 + 1
-
-
-__all__ = ["s3_proxy_fixture", "seaweed_fixture"]  # the fixtures this module uses
 
 
 def block(key: bytes) -> bytes:
