@@ -209,3 +209,48 @@ async def test_top_waits_for_a_restarted_daemon_and_goes_on(tmp_path: Path, spaw
             top.kill()
             await top.wait()
     assert any("waiting for it to come back" in line for line in seen), "".join(seen)
+
+
+# -- config check / serve: a disk directory the daemon cannot write -------------------------
+
+
+@contextlib.contextmanager
+def read_only_mount() -> Iterator[Path]:
+    """An empty read-only tmpfs (mode 0700, root's): nobody, root included, writes it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    point = Path(tempfile.mkdtemp(prefix="tierd-ro-"))
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m,mode=0700", "tmpfs", str(point)],
+        check=False,
+        capture_output=True,
+    )
+    if mounted.returncode != 0:
+        point.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+        point.rmdir()
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["the-directory", "its-parent"])
+async def test_an_unwritable_disk_directory_is_named_by_check_and_serve(
+    tmp_path: Path, spawn: Spawn, below: bool
+) -> None:
+    with read_only_mount() as point:
+        directory = point / "disk" if below else point
+        cfg = daemon_config(tmp_path)
+        cfg["tiers"][1]["directories"] = [str(directory)]
+        path = write_config(tmp_path, cfg)
+        done = await tierd("config", "check", str(path))
+        assert done.returncode == 78, done.stdout + done.stderr
+        where = point if below else directory
+        assert "tiers.1.directories" in done.stderr
+        assert f"the daemon cannot write {where} (disk tier 'disk'" in done.stderr
+        daemon = await spawn(cfg, ready=False)
+        assert await daemon.wait() != 0
+        err = daemon.stderr()
+        assert "Traceback" not in err
+        assert f"the daemon cannot write {where} (disk tier 'disk'" in err, err

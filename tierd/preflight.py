@@ -6,7 +6,9 @@
   the same tier already there is reused, so only its growth counts;
 - a disk tier's directory must be a directory (or be creatable: see
   :func:`directories_to_create`), the daemon's user's own, and neither readable nor
-  writable by its group or others (it is created 0700); so must ``trace.directory``
+  writable by its group or others (it is created 0700); the daemon must be able to write
+  it (or the parent it is created in, or the slab file already there): a read-only file
+  system stops root too; so must ``trace.directory``
   (:func:`private_directory_problem`, which the trace recorder asks again at
   ``tierd record on``);
 - the CPU tiers' shared-memory pools (memfds, not files in ``/dev/shm``) and memory
@@ -32,6 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierd.cgroups import cgroup_memory_left
 from tierd.config import ChainConfig, DaemonConfig, TierConfig, TierKind
 from tierd.errors import ConfigError
 from tierd.stores.disk_slab import SLAB_FILE, slab_file_bytes
@@ -147,7 +150,23 @@ def _directory_problem(slab: _Slab) -> str | None:
             f"{where}: {slab.directory.parent} does not exist ({name}; create it, or"
             " mount the drive it stands for)"
         )
-    return None
+    return _write_problem(slab, where, name)
+
+
+def _write_problem(slab: _Slab, where: str, name: str) -> str | None:
+    """Why the daemon cannot write ``slab`` where it goes, or ``None``: the slab file when
+    it is there, else the nearest existing directory on the way to it (where the missing
+    ones would be created)."""
+    target = _existing_ancestor(slab.file)
+    wanted = os.R_OK | os.W_OK if target.is_file() else os.W_OK | os.X_OK
+    if os.access(target, wanted, effective_ids=os.access in os.supports_effective_ids):
+        return None
+    if os.statvfs(target).f_flag & os.ST_RDONLY:
+        why = "its file system is mounted read-only"
+    else:
+        st = os.stat(target)
+        why = f"permission denied (mode {stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid})"
+    return f"{where}: the daemon cannot write {target} ({name}): {why}"
 
 
 def _trace_problems(cfg: ChainConfig) -> list[str]:
@@ -359,59 +378,3 @@ def _cuda_devices() -> tuple[int | None, str]:
     if count.value == 0:
         return None, "the CUDA driver sees no device"
     return count.value, ""
-
-
-_NO_LIMIT = 1 << 62  # cgroup v1 reports "no limit" as a huge page-rounded number
-
-
-def cgroup_memory_left(
-    proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
-) -> tuple[int, str] | None:
-    """The memory this process's cgroups leave it: the least, over its memory cgroup and
-    every ancestor that has a limit, of the limit minus what the cgroup uses (v2's
-    ``memory.max``/``memory.current``, v1's ``memory.limit_in_bytes``/``usage_in_bytes``),
-    with the cgroup it comes from; ``None`` without a limit. A tier past it is OOM-killed
-    at start, with nothing in the log, whatever ``MemAvailable`` says."""
-    try:
-        with open(proc_cgroup) as lines:
-            entries = [line.rstrip("\n").split(":", 2) for line in lines]
-    except OSError:
-        return None
-    for entry in entries:
-        if len(entry) != 3:
-            continue
-        _, controllers, path = entry
-        if controllers == "":
-            found = _tightest(Path(root), path, "memory.max", "memory.current")
-        elif "memory" in controllers.split(","):
-            found = _tightest(
-                Path(root) / "memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes"
-            )
-        else:
-            continue
-        if found is not None:
-            return found
-    return None
-
-
-def _tightest(mount: Path, path: str, limit_file: str, usage_file: str) -> tuple[int, str] | None:
-    best: tuple[int, str] | None = None
-    parts = [p for p in path.split("/") if p]
-    for depth in range(len(parts), -1, -1):
-        group = mount.joinpath(*parts[:depth])
-        limit = _read_number(group / limit_file)
-        if limit is None or limit >= _NO_LIMIT:
-            continue
-        left = max(limit - (_read_number(group / usage_file) or 0), 0)
-        if best is None or left < best[0]:
-            name = "/" + "/".join(parts[:depth])
-            best = (left, f"the memory cgroup {name} is limited to {format_bytes(limit)}")
-    return best
-
-
-def _read_number(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None  # "max": no limit
