@@ -178,6 +178,32 @@ async def test_a_block_evicted_on_one_node_is_a_hit_on_another(bucket: Bucket) -
     assert await bucket.objects() == paths
 
 
+async def test_tenants_of_one_bucket_never_see_each_others_blocks(bucket: Bucket) -> None:
+    """Each tenant's chain keeps its objects under ``<key_prefix><tenant>:``: the same
+    key stored by tenant a is no hit for tenant b, and b's own copy is a separate object."""
+    from tierd.config.daemon import tenant_chain
+
+    keys = names("tenant", 2)
+    shared = config(bucket.remote(), write_through=True)
+
+    def chain_of(tenant: str) -> ChainConfig:
+        return tenant_chain(shared, tenant, {"mem": 4})
+
+    async with open_chain(chain_of("a")) as a:
+        await store_through(a, keys)
+        a_paths = sorted(level(a).path(k) for k in keys)
+    assert all(p.startswith(f"{bucket.prefix}a:v1.{BLOCK}/") for p in a_paths)
+    async with open_chain(chain_of("b")) as b:
+        assert (await b.find(keys)).count == 0
+        other = [bytes(reversed(block(k))) for k in keys]
+        await b.store(keys, other)
+        await level(b).drain()
+        b_paths = sorted(level(b).path(k) for k in keys)
+    assert sorted(await bucket.objects()) == sorted(a_paths + b_paths)
+    async with open_chain(chain_of("a")) as again:
+        assert await load_bytes(again, keys) == [block(k) for k in keys]
+
+
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "another_key", "foreign", "oversized"])
 async def test_a_damaged_object_is_a_counted_miss_and_is_deleted(
     bucket: Bucket, damage: str
