@@ -1,7 +1,8 @@
 """What the package ships besides its code: the default config (``tierd.yaml``, the
 chain ``tierd serve`` runs without ``-c``), the GPU node's (``gpu-node.yaml``), the
-systemd unit (``tierd.service``), the example client (``client_demo.py``) and the
-status page the metrics endpoint serves (``status.html``).
+systemd unit (``tierd.service``), the example client (``client_demo.py``), the Grafana
+dashboard of the daemon's metrics (``grafana-tierd.json``) and the status page the
+metrics endpoint serves (``status.html``).
 
 In a checkout these are links to ``config/`` and ``examples/`` (``status.html`` lives
 here); a wheel carries the files.
