@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,16 +120,6 @@ async def test_config_show_without_a_daemon_prints_what_serve_would_run(
 # -- replay: the daemon stops under it ------------------------------------------------------
 
 
-async def first_store(daemon: DaemonProcess) -> AsyncIterator[None]:
-    """Yield once the daemon has stored the first blocks (its first event batch)."""
-    async with await Client.connect(daemon.socket_path) as watcher:
-        await watcher.subscribe()
-        yield None
-        async with asyncio.timeout(WAIT_S):
-            async for _ in watcher.events():
-                return
-
-
 async def test_a_replay_whose_daemon_stops_prints_what_it_has_cut_short(
     tmp_path: Path, spawn: Spawn
 ) -> None:
@@ -137,28 +127,25 @@ async def test_a_replay_whose_daemon_stops_prints_what_it_has_cut_short(
     write_trace(trace, generate(GeneratorConfig(seed=5, conversations=4000)))
     daemon = await spawn(daemon_config(tmp_path, cpu_blocks=512, disk_blocks=None))
     argv = ["replay", str(trace), "--socket", daemon.socket_path, "--max-rate", "--json"]
-    watching = first_store(daemon)
-    await anext(watching)  # subscribed before the replay starts
-    replay = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tierd",
-        *argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=child_env(),
-    )
-    try:
-        with contextlib.suppress(StopAsyncIteration):
-            await anext(watching)
-        daemon.signal(signal.SIGTERM)  # by its pid
-        assert await daemon.wait() == 0
-        async with asyncio.timeout(WAIT_S):
-            out, err = await replay.communicate()
-    finally:
-        if replay.returncode is None:
-            replay.kill()
-            await replay.wait()
+    async with await Client.connect(daemon.socket_path) as watcher:
+        await watcher.subscribe()  # before the replay starts: its first stores are seen
+        replay = await asyncio.create_subprocess_exec(
+            *[sys.executable, "-m", "tierd", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=child_env(),
+        )
+        try:
+            async with asyncio.timeout(WAIT_S):
+                await anext(aiter(watcher.events()))  # the replay's first stores
+            daemon.signal(signal.SIGTERM)  # by its pid, mid-replay
+            assert await daemon.wait() == 0
+            async with asyncio.timeout(WAIT_S):
+                out, err = await replay.communicate()
+        finally:
+            if replay.returncode is None:
+                replay.kill()
+                await replay.wait()
     assert replay.returncode == 3, err.decode()
     summary = json.loads(out)
     assert 0 < summary["requests"] < summary["planned_requests"]
