@@ -117,16 +117,30 @@ async def test_status_json_shows_what_stats_reports(tmp_path: Path, spawn: Spawn
 
 
 async def test_errors_are_listed_as_they_grow(tmp_path: Path, spawn: Spawn) -> None:
+    """Each build (metrics.cache 0: every request) lists the error counters that grew
+    since the last one; a counter growing at build after build stays one entry."""
     daemon, port = await busy_daemon(tmp_path, spawn, cache=0)
     assert (await status_json(port))["recent_errors"] == []
     async with await daemon.connect() as client:
-        with pytest.raises(DaemonError):
-            await client.request("lookup", keys=[])  # refused: an empty key list
-    page = await status_json(port)
-    (entry,) = page["recent_errors"]
-    assert entry["what"] == "error replies: bad_request"
-    assert entry["count"] == entry["total"] == page["server"]["errors"]["bad_request"] == 1
-    assert (await status_json(port))["recent_errors"] == [entry]  # listed once
+
+        async def refused() -> None:
+            with pytest.raises(DaemonError):
+                await client.request("lookup", keys=[])  # an empty key list: bad_request
+
+        await refused()
+        (entry,) = (await status_json(port))["recent_errors"]
+        assert entry["what"] == "error replies: bad_request"
+        assert entry["count"] == entry["total"] == 1 and entry["until"] == entry["at"]
+        await refused()
+        (grown,) = (await status_json(port))["recent_errors"]  # grew again: the same entry
+        assert (grown["at"], grown["count"], grown["total"]) == (entry["at"], 2, 2)
+        assert grown["until"] > grown["at"]
+        assert (await status_json(port))["recent_errors"] == [grown]  # no growth: as it was
+        await refused()
+        page = await status_json(port)
+    newest, older = page["recent_errors"]  # after a build without growth: a new entry
+    assert older == grown and (newest["count"], newest["total"]) == (1, 3)
+    assert page["server"]["errors"]["bad_request"] == 3
     assert await daemon.stop() == 0
 
 

@@ -13,7 +13,9 @@ refused and dropped, a tier's I/O errors, failed copies, expired leases, the rem
 level's faults) and the remote level's last error. :class:`StatusFigures` compares the
 counters with the previous build's and keeps what grew in a ring of
 :data:`RECENT_ERRORS` entries: the page polls every second, so the ring says when
-errors came, to within a build. What a build reads on the event loop costs the number of
+errors came, to within a build. A counter that grows build after build (a lost remote
+server) extends one entry, from its first build to its last, rather than filling the
+ring. What a build reads on the event loop costs the number of
 tenants, namespaces and connections, never of blocks; the JSON is made in a thread.
 """
 
@@ -62,36 +64,59 @@ class StatusFigures:
     connections: Collection[Peer] = ()
     recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=RECENT_ERRORS))
     _seen: dict[str, int] | None = None  # the error counters at the last build
+    _growing: dict[str, dict[str, Any]] = field(default_factory=dict)  # grew at the last build
     _remote_error_at: dict[str, float] = field(default_factory=dict)
 
     def take(self) -> dict[str, Any]:
         """The snapshot a build renders: read on the loop, copied by value."""
         stats = self.ctx.stats(namespaces=True)
         now = time.time()
-        self._note_errors(stats, now)
+        self._note_counters(stats, now)
+        self._note_remote_errors(stats)
         return {
             "stats": stats,
             "clients": [_connection_row(conn) for conn in self.connections],
-            "recent": list(self.recent),
+            "recent": [dict(entry) for entry in self.recent],
             "at": now,
             "top": self.ctx.namespaces_top,
         }
 
-    def _note_errors(self, stats: dict[str, Any], now: float) -> None:
+    def _note_counters(self, stats: dict[str, Any], now: float) -> None:
         counters = dict(_error_counters(stats))
-        before = self._seen
-        self._seen = counters
+        before, self._seen = self._seen, counters
+        growing: dict[str, dict[str, Any]] = {}
         for what, total in counters.items():
             grew = total - (before or {}).get(what, 0)
-            if grew > 0:
+            if grew <= 0:
+                continue
+            entry = self._growing.get(what)
+            if entry is not None and self._unlink(entry):  # it grew at the last build too
+                entry.update(count=entry["count"] + grew, total=total, until=now)
+            else:
                 since = " (since start)" if before is None else ""
-                self.recent.append({"at": now, "what": what + since, "count": grew, "total": total})
+                entry = {"at": now, "until": now, "what": what + since, "count": grew}
+                entry["total"] = total
+            self.recent.append(entry)
+            growing[what] = entry
+        self._growing = growing
+
+    def _unlink(self, entry: dict[str, Any]) -> bool:
+        """Take ``entry`` out of the ring (to go back in as the newest); False if it has
+        left the ring already."""
+        for index, kept in enumerate(self.recent):
+            if kept is entry:
+                del self.recent[index]
+                return True
+        return False
+
+    def _note_remote_errors(self, stats: dict[str, Any]) -> None:
         for level in _remote_levels(stats.get("remote")):
             at = float(level.get("last_error_at") or 0.0)
-            name = f"remote {level.get('name', '?')}"
+            name = f"remote level {level.get('name', '?')}"
             if level.get("last_error") and at > self._remote_error_at.get(name, 0.0):
                 self._remote_error_at[name] = at
-                self.recent.append({"at": at, "what": name, "detail": str(level["last_error"])})
+                error = {"at": at, "until": at, "what": name, "detail": str(level["last_error"])}
+                self.recent.append(error)
 
 
 def render(snapshot: dict[str, Any]) -> bytes:
@@ -119,7 +144,7 @@ def render(snapshot: dict[str, Any]) -> bytes:
         "namespaces_total": namespaces,
         "clients": clients[:CLIENTS_SHOWN],
         "clients_total": len(clients),
-        "recent_errors": sorted(snapshot["recent"], key=lambda e: -e["at"]),
+        "recent_errors": sorted(snapshot["recent"], key=lambda e: -e["until"]),
     }
     return json.dumps(page, separators=(",", ":")).encode()
 
@@ -144,7 +169,8 @@ def _error_counters(stats: dict[str, Any]) -> Iterator[tuple[str, int]]:
     yield "requests refused for a lease bound", leases.get("lease_refusals", 0)
     for level in _remote_levels(stats.get("remote")):
         for key in _REMOTE_FAULTS:
-            yield f"remote {level.get('name', '?')}: {key.replace('_', ' ')}", level.get(key, 0)
+            name = f"remote level {level.get('name', '?')}"
+            yield f"{name}: {key.replace('_', ' ')}", level.get(key, 0)
 
 
 def _remote_levels(remote: dict[str, Any] | None) -> list[dict[str, Any]]:
