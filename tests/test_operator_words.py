@@ -33,7 +33,7 @@ from tests.test_operator import tierd, write_config
 from tests.test_reload import reload, rewrite
 from tierd.client import Client
 from tierd.share import shipped
-from tierd.testing import daemon_config
+from tierd.testing import daemon_config, short_socket_path
 from tierd.workload.generate import GeneratorConfig, generate
 from tierd.workload.trace import write_trace
 
@@ -115,6 +115,45 @@ async def test_config_show_without_a_daemon_prints_what_serve_would_run(
     done = await tierd("config", "show", "--json", "-c", str(path), env=env)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["block_bytes"] == 16384
+
+
+def serve_without_a_file(env: dict[str, str], stderr_path: Path) -> subprocess.Popen[bytes]:
+    """``tierd serve`` with no ``-c``, its output in ``stderr_path``."""
+    with stderr_path.open("wb") as stderr:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tierd", "serve"], stderr=stderr, stdout=stderr, env=env
+        )
+
+
+async def test_a_daemon_served_from_the_shipped_config_reloads_that_config(
+    tmp_path: Path,
+) -> None:
+    """``tierd serve`` with no file runs the shipped config; a reload reads it again (it
+    read the built-in defaults, which have no disk tier, and refused)."""
+    path = short_socket_path()
+    env = child_env(
+        XDG_STATE_HOME=str(tmp_path / "state"),
+        TIERD_SOCKET__PATH=path,
+        TIERD_TIERS__0__CAPACITY="8MiB",  # small sizes for a test; the rest as shipped
+        TIERD_TIERS__1__CAPACITY="16MiB",
+    )
+    stderr_path = tmp_path / "serve.stderr"
+    proc = serve_without_a_file(env, stderr_path)
+    daemon = DaemonProcess(proc, {"socket": {"path": path}}, stderr_path)
+    try:
+        await daemon.wait_ready()
+        done = await tierd("reload", "--socket", path, "--json", env=env)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == {"applied": [], "restart_needed": []}
+        done = await tierd("config", "show", "--json", env=env)
+        assert json.loads(done.stdout)["tiers"][1]["directories"] == [
+            str(tmp_path / "state" / "tierd" / "disk")
+        ]
+        assert await daemon.stop() == 0, daemon.stderr()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 # -- replay: the daemon stops under it ------------------------------------------------------
