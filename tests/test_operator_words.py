@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,6 +155,7 @@ async def test_a_daemon_served_from_the_shipped_config_reloads_that_config(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 # -- replay: the daemon stops under it ------------------------------------------------------
