@@ -4,7 +4,8 @@ command as child processes:
 - ``tierd reload`` that names ``logging.level`` as applied really changes the level: the
   per-request debug lines appear from then on;
 - ``tierd config show`` prints the config the running daemon runs (asked over its socket),
-  and, with no daemon answering, the config ``tierd serve`` would run, saying which;
+  and, with no daemon answering, the config ``tierd serve`` would run, saying which; a
+  daemon served with no file (the shipped config) reloads that file;
 - ``tierd replay`` whose daemon stops under it prints the results it has, marked cut
   short, and exits 3;
 - ``tierd top`` says when the daemon went away, waits for it, and goes on when it is back;
