@@ -3,7 +3,7 @@ every byte that comes back.
 
 ::
 
-    tierd replay TRACE [--socket PATH | --config FILE] [--clients N] [--speed X]
+    tierd replay TRACE [--socket PATH | --config FILE] [--clients N [--unordered]] [--speed X]
                        [--block-bytes B] [--limit N] [--namespace NS] [--out DIR] [--json]
                        [--warm DIR] [--progress | --no-progress]
     tierd replay TRACE --compare A.yaml B.yaml [...] [--warm DIR]
@@ -18,7 +18,10 @@ keeps them there between runs (:mod:`tierd.cli.whatif`). ``--out DIR`` writes ``
 :class:`~tierd.workload.replayer.ReplaySummary` as JSON) and PNG plots; with
 ``--compare``, also ``compare.png`` with every config on the same axes.
 
-Requests go as fast as the workers take them, unless ``--speed X`` follows the trace's
+``--clients N`` workers each have a request under way; their calls to the cache take
+turns in a fixed rotation, so the same command gives the same figures every time
+(``--unordered`` lets the calls overlap: more throughput, figures that vary a little from
+run to run). Requests go as fast as the workers take them, unless ``--speed X`` follows the trace's
 own clock, X times faster (``--max-rate``, the default, is kept for older scripts). A
 progress bar goes to stderr when it is a terminal (``--progress`` / ``--no-progress``).
 Ctrl-C stops the replay after the requests under way and prints the results so far,
@@ -92,7 +95,19 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="replay through each config's chain in turn and compare them side by side",
     )
-    parser.add_argument("--clients", type=_positive, default=1, help="concurrent workers")
+    parser.add_argument(
+        "--clients",
+        type=_positive,
+        default=1,
+        help="workers, each with requests under way; their calls take turns in a fixed "
+        "order, so the same command gives the same figures",
+    )
+    parser.add_argument(
+        "--unordered",
+        action="store_true",
+        help="let the clients' calls overlap: more throughput, but the interleaving (and "
+        "so the hit figures) varies from run to run",
+    )
     pace = parser.add_mutually_exclusive_group()
     pace.add_argument(
         "--speed",
@@ -284,7 +299,13 @@ async def _replay_with(
 ) -> ReplaySummary:
     """Replay ``trace`` through ``backends`` with the pacing, limit and bar ``args`` ask."""
     return await replay(
-        trace, backends, speed=_speed_of(args), limit=args.limit, progress=_ticks(bar), stop=stop
+        trace,
+        backends,
+        speed=_speed_of(args),
+        limit=args.limit,
+        progress=_ticks(bar),
+        stop=stop,
+        ordered=not args.unordered,
     )
 
 

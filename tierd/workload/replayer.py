@@ -14,15 +14,16 @@ The cache sits behind a :class:`ReplayBackend` (defined in
 its socket, or an in-process chain). ``len(backends)`` workers take requests
 in trace order; request *i* starts no earlier than ``start + (ts_i - ts_0) / speed``
 (``speed=None``: as fast as the workers go), and requests start (send their lookup) in
-trace order even when many run at once. Once ``stop()`` is true no request starts
-any more: the replay returns what it measured so far, ``interrupted``. So it does when the
-cache goes away under it (the daemon stops or the connection is lost, the chain is
-closed): the summary's ``cut_short`` says why, and the tiers are those last sampled.
+trace order even when many run at once. ``ordered`` (the default): the workers call one
+at a time in a fixed rotation (:mod:`tierd.workload.turns`), so a trace always gives the
+same figures; else their calls overlap (more throughput; hit figures vary run to run).
+Once ``stop()`` is true no request starts any more: the replay returns what it measured
+so far, ``interrupted``. So it does when the cache goes away under it (the daemon stops,
+the connection is lost, the chain is closed): ``cut_short`` says why, tiers as last sampled.
 
-Throughput is defined two ways: ``store_gb_s``/``load_gb_s`` are the bytes moved divided
-by the wall time of the whole replay; ``store_call_gb_s``/``load_call_gb_s`` are the same
-bytes divided by the summed duration of the calls that moved them (the rate one call
-sees). GB is 10**9 bytes.
+Throughput: ``store_gb_s``/``load_gb_s`` are the bytes moved over the replay's wall time;
+``store_call_gb_s``/``load_call_gb_s`` the same bytes over the summed duration of the
+calls that moved them (the rate one call sees). GB is 10**9 bytes.
 
 Two modes, one engine. ``verify=True`` (``tierd replay``) stores each block's own content
 and checks every byte loaded back, in chunks of at most :data:`MAX_CHUNK_BLOCKS`.
@@ -30,8 +31,7 @@ and checks every byte loaded back, in chunks of at most :data:`MAX_CHUNK_BLOCKS`
 every block is the same filler, loads are not compared, and chunks are the entry tier's
 size, so nothing but the chain's own behaviour decides the figures.
 
-(The module is not called ``replay``: ``tierd.workload.replay`` is the single-tier replay
-function that the package exports, and a submodule of that name would replace it.)
+(Not called ``replay``: that is the single-tier replay function the package exports.)
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from tierd.workload.replay_figures import (
     slowest_medium,
 )
 from tierd.workload.trace import Trace, TraceRequest
+from tierd.workload.turns import InTurn, Turns
 
 __all__ = [
     "ReplayBackend",
@@ -87,8 +88,10 @@ class _Replay:
         progress: Callable[[ReplayProgress], None] | None,
         stop: Callable[[], bool] | None = None,
         verify: bool = True,
+        ordered: bool = True,
     ) -> None:
         first = backends[0]
+        self.turns = Turns(len(backends)) if ordered else None
         self.stop = stop
         self.requests, self.backends, self.speed = requests, backends, speed
         self.block_bytes = first.block_bytes
@@ -118,8 +121,10 @@ class _Replay:
 
     # -- workers -----------------------------------------------------------------------
 
-    async def worker(self, backend: ReplayBackend) -> None:
+    async def worker(self, backend: ReplayBackend, number: int) -> None:
         """Serve requests until none is left, the replay is stopped or the cache is gone."""
+        if self.turns is not None:
+            backend = InTurn(backend, self.turns, number)
         try:
             await self._work(backend)
         except TierdError as exc:
@@ -127,6 +132,9 @@ class _Replay:
                 raise
             gone = "the daemon went away" if backend.kind == "daemon" else "the chain closed"
             self.gone = self.gone or f"{gone}: {exc}"
+        finally:
+            if self.turns is not None:
+                self.turns.leave(number)
 
     async def _work(self, backend: ReplayBackend) -> None:
         while (index := await self._next()) is not None:
@@ -319,6 +327,7 @@ class _Replay:
                 "block_bytes": self.block_bytes,
                 "chunk_blocks": self.chunk,
                 "verify": self.verify,
+                "ordered": self.turns is not None,
                 "backend": first.kind,
                 "socket" if first.kind == "daemon" else "path": first.target,
             },
@@ -353,13 +362,14 @@ async def replay(
     progress: Callable[[ReplayProgress], None] | None = None,
     stop: Callable[[], bool] | None = None,
     verify: bool = True,
+    ordered: bool = True,
 ) -> ReplaySummary:
     """Replay ``trace`` (its first ``limit`` requests) with one worker per backend.
 
     ``speed``: how much faster than the trace's own clock (``None``: no pacing).
     ``sample_every``: requests between timeline points (default: 1/200 of the replay).
     ``stop``: once it returns true, no request starts any more; the summary says
-    ``interrupted``. ``verify``: the mode (see the module's docstring).
+    ``interrupted``. ``verify``, ``ordered``: the modes (see the module's docstring).
     """
     if not backends:
         raise ValueError("a replay needs at least one backend")
@@ -369,14 +379,14 @@ async def replay(
     if limit is not None:
         requests = requests[: max(0, limit)]
     every = sample_every or max(1, len(requests) // 200)
-    run = _Replay(requests, backends, speed, every, progress, stop, verify)
+    run = _Replay(requests, backends, speed, every, progress, stop, verify, ordered)
     await run.sample(backends[0])
     run.started = time.perf_counter()
     run.timeline[0]["t"] = 0.0
     try:
         async with asyncio.TaskGroup() as group:
-            for backend in backends:
-                group.create_task(run.worker(backend))
+            for number, backend in enumerate(backends):
+                group.create_task(run.worker(backend, number))
     except BaseExceptionGroup as failure:
         raise failure.exceptions[0] from None
     seconds = time.perf_counter() - run.started
