@@ -20,6 +20,7 @@ import select
 import shutil
 import socket
 import subprocess
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -40,7 +41,8 @@ from tests.test_daemon_lifecycle import (
 )
 from tests.test_daemon_lifecycle import spawn as spawn_fixture
 from tierd.client import Client, DaemonError
-from tierd.testing import daemon_config
+from tierd.daemon import status_page
+from tierd.testing import daemon_config, running_daemon
 
 spawn = spawn_fixture
 WIDTH, HEIGHT = 1280, 900
@@ -162,6 +164,41 @@ async def test_the_page_answers_only_a_loopback_host(tmp_path: Path, spawn: Spaw
     assert status.endswith("200 OK") and b"<title>tierd status</title>" in page
     assert b"http://" not in page.replace(b"http://www.w3.org/2000/svg", b"")  # no external URL
     assert await daemon.stop() == 0
+
+
+async def test_the_figures_are_built_once_per_interval_in_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any local user may poll /status.json: however many ask within ``metrics.cache``,
+    one build serves them, and its JSON is made off the event loop (the in-loop daemon,
+    so that the build can be watched)."""
+    threads: list[str] = []
+    real = status_page.render
+
+    def watched(snapshot: dict[str, Any]) -> bytes:
+        threads.append(threading.current_thread().name)
+        return real(snapshot)
+
+    monkeypatch.setattr(status_page, "render", watched)
+    port = free_port()
+    config = daemon_config(tmp_path, metrics={"http_port": port, "cache": 3600})
+    async with asyncio.timeout(120), running_daemon(config):
+        # On the loop, not in threads: the daemon's build uses this loop's thread pool.
+        replies = await asyncio.gather(*(loop_get(port, "/status.json") for _ in range(8)))
+        replies.append(await loop_get(port, "/status.json"))  # later, within the interval
+    assert {reply.split(b"\r\n", 1)[0] for reply in replies} == {b"HTTP/1.0 200 OK"}
+    assert len(set(replies)) == 1
+    assert len(threads) == 1 and threads[0] != threading.main_thread().name
+
+
+async def loop_get(port: int, path: str) -> bytes:
+    """The whole reply to ``GET path``, read on the event loop."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+        return await reader.read()
+    finally:
+        writer.close()
 
 
 # -- the page in a headless Chromium -------------------------------------------------------
