@@ -3,16 +3,23 @@ daemons and the ``tierd`` command as child processes:
 
 - "Replays repeat": two ``tierd replay --clients 4`` of one trace against fresh daemons
   give the same figures;
+- a key copied from ``tierd events`` into ``tierd inspect`` finds the block, both forms
+  (``<namespace id>:<key hex>``, and the key's hex with ``--namespace``);
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-from tests.test_daemon_lifecycle import Spawn, spawn
+import pytest
+
+from tests.test_daemon_lifecycle import DaemonProcess, Spawn, child_env, spawn
 from tests.test_operator import tierd
+from tierd.client import Client
 from tierd.testing import daemon_config
 from tierd.workload.generate import GeneratorConfig, generate
 from tierd.workload.trace import write_trace
@@ -20,6 +27,7 @@ from tierd.workload.trace import write_trace
 __all__ = ["spawn"]  # the fixture, imported for the tests below
 
 BLOCK = 4096
+WAIT_S = 60.0  # a safety net for what a test waits on, never a timed assertion
 
 
 def small_trace(path: Path, conversations: int = 60) -> Path:
@@ -58,3 +66,49 @@ async def test_two_replays_with_four_clients_against_fresh_daemons_repeat(
     assert 0 < first["hits"] < first["block_accesses"]
     for figure in ("hits", "hits_by_medium", "loaded_blocks", "stored_blocks", "errors"):
         assert first[figure] == second[figure], figure
+
+
+# -- inspect takes the key that events prints --------------------------------------------------
+
+
+async def key_from_events(daemon: DaemonProcess, key: bytes, *extra: str) -> str:
+    """Store ``key`` in namespace ``ns`` while ``tierd events --count 1`` follows; the key
+    as the command printed it."""
+    events = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "tierd", "events", "--socket", daemon.socket_path],
+        *["--count", "1", *extra],
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=child_env(),
+    )
+    assert events.stdout is not None and events.stderr is not None
+    async with asyncio.timeout(WAIT_S):
+        announced = await events.stderr.readline()
+        assert b"following events" in announced, announced
+        async with await Client.connect(daemon.socket_path, namespace="ns") as client:
+            await client.store([key], [bytes(BLOCK)])
+        out = (await events.stdout.read()).decode()
+        assert await events.wait() == 0
+    line = next(line for line in out.splitlines() if line.startswith("stored"))
+    return line.rsplit(": ", 1)[1].strip()
+
+
+@pytest.mark.parametrize("following", [[], ["--namespace", "ns"]])
+async def test_inspect_finds_a_key_copied_from_events(
+    tmp_path: Path, spawn: Spawn, following: list[str]
+) -> None:
+    cfg = daemon_config(tmp_path, cpu_blocks=8, disk_blocks=None, block_bytes=BLOCK)
+    daemon = await spawn(cfg)
+    printed = await key_from_events(daemon, b"prompt-1", *following)
+
+    found = await tierd("inspect", printed, "--socket", daemon.socket_path, "--namespace", "ns")
+    assert found.returncode == 0, found.stderr
+    assert "not held" not in found.stdout
+    assert "cpu (CPU)" in found.stdout
+
+
+async def test_inspect_without_a_namespace_says_how_to_name_one(tmp_path: Path) -> None:
+    done = await tierd("inspect", "prompt-1", "--socket", str(tmp_path / "none.sock"))
+    assert done.returncode == 2
+    assert "--namespace NS" in done.stderr
+    assert "NSID:HEX" in done.stderr

@@ -5,7 +5,9 @@
 use); ``inspect KEY`` says where one key lives; ``delete`` removes keys, the keys under a
 prefix, or a whole namespace (``--all``: a retired model), from every tier; ``reload``
 makes the daemon read its config file again and prints what it applied and what needs a
-restart. Keys are given as text (UTF-8), or as hex with ``--hex``.
+restart. Keys are given as text (UTF-8), or as hex with ``--hex``; ``inspect`` also takes
+a key as ``tierd events`` prints it: ``<namespace id>:<key in hex>`` (the namespace then
+need not be named), or the key's hex alone, tried when the text is held nowhere.
 
 A member acts on its own tenant's namespaces; another tenant's need an operator
 (docs/security.md). Exit status: 0 done; 1 an error reply (not allowed, an invalid config
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import time
 from typing import Any
 
@@ -28,6 +31,8 @@ from tierd.client import Client
 
 __all__ = ["COMMANDS"]
 
+_EVENTS_FORM = re.compile(r"([0-9a-fA-F]{16}):((?:[0-9a-fA-F]{2})+)")  # as events prints
+
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     add_socket_options(parser)
@@ -37,9 +42,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_where(parser: argparse.ArgumentParser) -> None:
+def _add_where(parser: argparse.ArgumentParser, required: bool = True) -> None:
     _add_common(parser)
-    which = parser.add_mutually_exclusive_group(required=True)
+    which = parser.add_mutually_exclusive_group(required=required)
     which.add_argument("--namespace", metavar="NS", help="the namespace, by name")
     which.add_argument(
         "--namespace-id", metavar="HEX", help="the namespace by its 16-digit id (as listed)"
@@ -74,21 +79,55 @@ def _run_namespaces(args: argparse.Namespace) -> int:
 
 
 def _configure_inspect(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("key", help="the client's key (text, or hex with --hex)")
-    _add_where(parser)
+    parser.add_argument(
+        "key",
+        help="the client's key: text, hex with --hex, or as `tierd events` prints it "
+        "(NSID:HEX, its namespace then need not be named)",
+    )
+    _add_where(parser, required=False)
 
 
 @talks_to_daemon
 def _run_inspect(args: argparse.Namespace) -> int:
-    key = _key(args.key, args.hex)
-    where = _where(args)
+    key, where = _inspected(args)
 
     async def ask(client: Client) -> dict[str, Any]:
-        return await client.inspect(key, **where)
+        found = await client.inspect(key, **where)
+        if found["tiers"] or args.hex or not _is_hex(args.key):
+            return found
+        # Held nowhere as text, but it reads as hex: the form `events --namespace` prints.
+        as_hex = await client.inspect(bytes.fromhex(args.key), **where)
+        return {**as_hex, "read_as": "hex"} if as_hex["tiers"] else found
 
     found = with_client(args, ask)
     print(json.dumps(found) if args.json else _inspect_text(args.key, found))
     return EXIT_OK
+
+
+def _inspected(args: argparse.Namespace) -> tuple[bytes, dict[str, Any]]:
+    """The key ``inspect`` asks about, and where: the ``<namespace id>:<hex>`` form that
+    ``tierd events`` prints carries its own namespace id."""
+    where = _where(args)
+    form = None if args.hex else _EVENTS_FORM.fullmatch(args.key)
+    if form is None:
+        if args.namespace is None and args.namespace_id is None:
+            raise UsageError(
+                "name the key's namespace (--namespace NS or --namespace-id HEX), or give "
+                "the key as `tierd events` prints it (NSID:HEX)"
+            )
+        return _key(args.key, args.hex), where
+    namespace_id, key = form.group(1).lower(), bytes.fromhex(form.group(2))
+    if args.namespace_id is not None and args.namespace_id.lower() != namespace_id:
+        raise UsageError(
+            f"the key names namespace id {namespace_id}, --namespace-id {args.namespace_id}"
+        )
+    if args.namespace is None:
+        where["namespace_id"] = namespace_id
+    return key, where
+
+
+def _is_hex(text: str) -> bool:
+    return len(text) % 2 == 0 and re.fullmatch(r"[0-9a-fA-F]+", text) is not None
 
 
 def _inspect_text(key: str, found: dict[str, Any]) -> str:
@@ -96,6 +135,8 @@ def _inspect_text(key: str, found: dict[str, Any]) -> str:
     if not found["tiers"]:
         return f"{key} (namespace {name}): not held by any tier"
     lines = [f"{key} (namespace {name}): {found['bytes']:,} bytes"]
+    if found.get("read_as") == "hex":
+        lines[0] += " (held nowhere as text; read as hex, as --hex says)"
     for where in found["tiers"]:
         lines.append(
             f"  {where['tenant']}  {where['tier']} ({where['medium']})  {where['state']}"
