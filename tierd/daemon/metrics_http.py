@@ -98,37 +98,46 @@ async def start_metrics_http(
     ``/`` (HTTP/1.0, one request per connection), when ``cfg.http_port`` is set; ``None``
     when it is not. ``connections``: the control socket's open connections (read by the
     page, never changed)."""
-    port = cfg.http_port
-    if port is None:
+    if cfg.http_port is None:
         return None
-    host = cfg.http_host
-    page = shipped("status.html").read_bytes()
-    figures = StatusFigures(ctx, connections)
-    metrics = _Cached(lambda: _render(ctx), cfg.cache)
-    status = _Cached(lambda: _render_status(figures), cfg.cache)
-    open_scrapes = 0
+    endpoint = _Endpoint(cfg, ctx, connections)
+    server = await asyncio.start_server(endpoint.answer, cfg.http_host, cfg.http_port)
+    log.info("metrics over HTTP", url=f"http://{cfg.http_host}:{cfg.http_port}/metrics")
+    return server
 
-    async def route(path: bytes, local_host: bool) -> _Reply:
+
+class _Endpoint:
+    """The routes, their cached bodies and the bound on open connections."""
+
+    def __init__(
+        self, cfg: MetricsConfig, ctx: ServerContext, connections: Collection[Peer]
+    ) -> None:
+        self.page = shipped("status.html").read_bytes()
+        figures = StatusFigures(ctx, connections)
+        self.metrics = _Cached(lambda: _render(ctx), cfg.cache)
+        self.status = _Cached(lambda: _render_status(figures), cfg.cache)
+        self.open = 0
+
+    async def route(self, path: bytes, local_host: bool) -> _Reply:
         if path == b"/metrics":
-            return _Reply("200 OK", _PROMETHEUS, await metrics.get())
+            return _Reply("200 OK", _PROMETHEUS, await self.metrics.get())
         if path not in (b"/", b"/status", b"/status.json"):
             return _Reply("404 Not Found", "text/plain", _NOT_FOUND)
         if not local_host:
             text = b"the status page answers only a loopback Host (127.0.0.1, [::1], localhost)\n"
             return _Reply("403 Forbidden", "text/plain", text)
         if path == b"/status.json":
-            return _Reply("200 OK", "application/json", await status.get(), page=True)
-        return _Reply("200 OK", "text/html; charset=utf-8", page, page=True)
+            return _Reply("200 OK", "application/json", await self.status.get(), page=True)
+        return _Reply("200 OK", "text/html; charset=utf-8", self.page, page=True)
 
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal open_scrapes
-        if open_scrapes >= MAX_SCRAPES:
+    async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.open >= MAX_SCRAPES:
             writer.close()
             return
-        open_scrapes += 1
+        self.open += 1
         try:
             request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            reply = await route(_path(request), _local_host(request))
+            reply = await self.route(_path(request), _local_host(request))
             writer.write(_head(reply) + reply.body)
             await writer.drain()
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
@@ -136,12 +145,8 @@ async def start_metrics_http(
         except OSError:
             pass  # the client went away
         finally:
-            open_scrapes -= 1
+            self.open -= 1
             writer.close()
-
-    server = await asyncio.start_server(answer, host, port)
-    log.info("metrics over HTTP", url=f"http://{host}:{port}/metrics")
-    return server
 
 
 def _path(request: bytes) -> bytes:
