@@ -5,6 +5,8 @@ daemons and the ``tierd`` command as child processes:
   give the same figures;
 - a key copied from ``tierd events`` into ``tierd inspect`` finds the block, both forms
   (``<namespace id>:<key hex>``, and the key's hex with ``--namespace``);
+- ``tierd record status`` of a daemon whose config has no ``trace:`` section says what to
+  add and that the daemon must restart; ``record on`` says the same as its error;
 """
 
 from __future__ import annotations
@@ -112,3 +114,27 @@ async def test_inspect_without_a_namespace_says_how_to_name_one(tmp_path: Path) 
     assert done.returncode == 2
     assert "--namespace NS" in done.stderr
     assert "NSID:HEX" in done.stderr
+
+
+# -- record: no trace section -------------------------------------------------------------------
+
+
+async def test_record_status_without_a_trace_section_says_what_to_add(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    cfg = daemon_config(tmp_path, cpu_blocks=8, disk_blocks=None, block_bytes=BLOCK)
+    assert "trace" not in cfg
+    daemon = await spawn(cfg)
+
+    status = await tierd("record", "status", "--socket", daemon.socket_path)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.startswith("recording    not set up")
+    for words in ("trace:", "directory:", "restart", "docs/sizing.md"):
+        assert words in status.stdout, words
+    as_json = await tierd("record", "status", "--socket", daemon.socket_path, "--json")
+    assert json.loads(as_json.stdout) == {"configured": False, "enabled": False}
+
+    on = await tierd("record", "on", "--socket", daemon.socket_path)
+    assert on.returncode == 1
+    for words in ("trace:", "directory", "restart"):
+        assert words in on.stderr, words

@@ -3,8 +3,9 @@
 The daemon writes each sampled lookup as a Mooncake-format line per tenant (the config's
 ``trace:`` section; :mod:`tierd.control.recorder`). Only an operator may send it. The
 recorded files feed ``tierd simulate FILE --curve --config FILE`` (docs/sizing.md).
-Exit status: 0 success, 1 an error reply (not an operator, no ``trace.directory``),
-3 no daemon answers.
+``status`` of a daemon whose config has no ``trace:`` section says what to add, and that
+the daemon must restart to take it. Exit status: 0 success, 1 an error reply (not an
+operator; ``on``/``off`` with no ``trace.directory``), 3 no daemon answers.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from tierd.cli.connection import add_socket_options, talks_to_daemon, with_clien
 from tierd.client import Client
 
 __all__ = ["COMMANDS"]
+
+_NOT_SET_UP = """recording    not set up: the daemon's config has no trace: section. Add one, e.g.
+  trace:
+    directory: /var/lib/tierd/traces   # one file per tenant, made private (0700)
+    sample: 0.1                        # the share of requests recorded
+then restart the daemon (tierd stop; tierd serve ...): a reload does not apply it.
+docs/sizing.md has the other fields."""
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +44,8 @@ def _run(args: argparse.Namespace) -> int:
     state = with_client(args, ask)
     if args.json:
         print(json.dumps(state))
+    elif not state.get("configured", True):
+        print(_NOT_SET_UP)
     else:
         print(
             f"recording    {'on' if state['enabled'] else 'off'}\n"

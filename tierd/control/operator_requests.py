@@ -113,9 +113,12 @@ class OperatorRequests:
         """Recording of live traffic: its state; ``enabled`` (bool) turns it on or off."""
         self._require_operator("trace")
         recorder = self.ctx.recorder
+        if recorder is None and "enabled" not in msg:
+            return {"trace": {"configured": False, "enabled": False}}
         if recorder is None:
             raise ProtocolError(
-                "trace recording is not configured: set trace.directory in the config",
+                "recording is not set up: add a 'trace:' section naming a 'directory' to "
+                "the daemon's config file and restart the daemon (docs/sizing.md)",
                 code=ErrorCode.NOT_ALLOWED,
             )
         if "enabled" in msg:
@@ -132,7 +135,7 @@ class OperatorRequests:
                     f"cannot record to {recorder.settings.directory}: {exc.strerror or exc}",
                     code=ErrorCode.IO_ERROR,
                 ) from exc
-        return {"trace": recorder.state()}
+        return {"trace": {"configured": True, **recorder.state()}}
 
     async def flush(self, msg: dict[str, Any]) -> Reply:
         self._require_operator("flush")
