@@ -7,6 +7,8 @@ daemons and the ``tierd`` command as child processes:
   (``<namespace id>:<key hex>``, and the key's hex with ``--namespace``);
 - ``tierd record status`` of a daemon whose config has no ``trace:`` section says what to
   add and that the daemon must restart; ``record on`` says the same as its error;
+- ``tierd simulate`` of a recording keeps its namespaces apart: two models sending the
+  same prompts share no block;
 """
 
 from __future__ import annotations
@@ -138,3 +140,47 @@ async def test_record_status_without_a_trace_section_says_what_to_add(
     assert on.returncode == 1
     for words in ("trace:", "directory", "restart"):
         assert words in on.stderr, words
+
+
+# -- simulate: recorded namespaces ----------------------------------------------------------
+
+
+def recorded(path: Path, namespaces: list[str]) -> Path:
+    """The same prompt (blocks 1, 2, 3) once from each namespace, as tierd record writes."""
+    lines = [
+        json.dumps(
+            {
+                "timestamp": number,
+                "input_length": 3,
+                "output_length": 0,
+                "hash_ids": [1, 2, 3],
+                "namespace": namespace,
+            }
+        )
+        for number, namespace in enumerate(namespaces)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("curve", [[], ["--curve"]])
+async def test_simulate_keeps_recorded_namespaces_apart(tmp_path: Path, curve: list[str]) -> None:
+    two_models = recorded(tmp_path / "two.jsonl", ["aa" * 8, "bb" * 8])
+    one_model = recorded(tmp_path / "one.jsonl", ["aa" * 8, "aa" * 8])
+
+    apart = await tierd("simulate", str(two_models), "--capacity", "100", "--json", *curve)
+    shared = await tierd("simulate", str(one_model), "--capacity", "100", "--json", *curve)
+    assert apart.returncode == shared.returncode == 0, apart.stderr + shared.stderr
+    ratio = "max_hit_ratio" if curve else "hit_ratio"
+    figures = json.loads(apart.stdout)
+    assert (figures["unique_blocks"], figures[ratio]) == (6, 0.0)
+    figures = json.loads(shared.stdout)
+    assert (figures["unique_blocks"], figures[ratio]) == (3, 0.5)
+
+
+async def test_simulate_refuses_a_namespace_that_is_not_hex(tmp_path: Path) -> None:
+    bad = recorded(tmp_path / "bad.jsonl", ["model-a"])
+    done = await tierd("simulate", str(bad), "--json")
+    assert done.returncode == 1
+    assert "bad.jsonl:1" in done.stderr
+    assert "namespace" in done.stderr

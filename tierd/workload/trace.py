@@ -9,6 +9,10 @@ A trace is JSON lines, one request per line::
 prefix up to and including that block. In memory each id becomes the block key
 :func:`tierd.keys.int_key` gives it, and every occurrence of one id shares a single
 ``bytes`` object, so a trace costs one key per distinct block, not one per access.
+
+A line may name its ``namespace`` (hex, as ``tierd record`` writes the namespace's id):
+its keys are then that id's bytes followed by the block's key, so the same id in two
+namespaces (two models sent the same prompt) is two blocks, never one shared.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ __all__ = [
 
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 _MAX_ID = 2**64  # ids become 8-byte keys
+_MAX_NAMESPACE = 16  # bytes of a namespace id (hex in the file)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +91,14 @@ class Trace:
 
 
 class _Interner(dict[int, BlockKey]):
-    """Block id -> key, creating each key once."""
+    """Block id -> key (after one namespace's id), creating each key once."""
+
+    def __init__(self, namespace: bytes = b"") -> None:
+        super().__init__()
+        self.namespace = namespace
 
     def __missing__(self, block_id: int) -> BlockKey:
-        key = self[block_id] = int_key(block_id)
+        key = self[block_id] = BlockKey(self.namespace + int_key(block_id))
         return key
 
 
@@ -124,23 +133,26 @@ def _decoded(lines: Iterable[bytes], source: str) -> Iterator[str]:
 
 def parse_trace(lines: Iterable[str], *, source: str = "<memory>") -> Trace:
     """Parse trace lines (blank lines are skipped); errors name ``source`` and the line."""
-    interner = _Interner()
-    intern = interner.__getitem__
+    interners: dict[bytes, _Interner] = {}
     requests: list[TraceRequest] = []
     accesses = 0
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        timestamp, input_length, output_length, ids = _parse_line(line, source, number)
-        keys = tuple(map(intern, ids))
+        timestamp, input_length, output_length, ids, space = _parse_line(line, source, number)
+        interner = interners.get(space)
+        if interner is None:
+            interner = interners[space] = _Interner(space)
+        keys = tuple(map(interner.__getitem__, ids))
         accesses += len(keys)
         requests.append(TraceRequest(timestamp, input_length, output_length, keys))
     if not requests:
         raise TraceError("the trace holds no request", path=source)
-    return Trace(tuple(requests), len(interner), accesses, source)
+    unique = sum(len(interner) for interner in interners.values())
+    return Trace(tuple(requests), unique, accesses, source)
 
 
-def _parse_line(line: str, source: str, number: int) -> tuple[int, int, int, list[int]]:
+def _parse_line(line: str, source: str, number: int) -> tuple[int, int, int, list[int], bytes]:
     try:
         record: Any = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -161,7 +173,26 @@ def _parse_line(line: str, source: str, number: int) -> tuple[int, int, int, lis
         raise TraceError(
             "hash_ids must be a list of integers from 0 to 2**64 - 1", path=source, line=number
         )
-    return numbers[0], numbers[1], numbers[2], ids
+    return numbers[0], numbers[1], numbers[2], ids, _namespace(record, source, number)
+
+
+def _namespace(record: dict[str, Any], source: str, number: int) -> bytes:
+    """The bytes of a line's ``namespace`` id (none: empty)."""
+    text = record.get("namespace")
+    if text is None:
+        return b""
+    try:
+        space = bytes.fromhex(text) if isinstance(text, str) else b""
+    except ValueError:
+        space = b""
+    if not 0 < len(space) <= _MAX_NAMESPACE:
+        raise TraceError(
+            f"namespace must be a namespace id in hex (1 to {_MAX_NAMESPACE} bytes, as "
+            f"tierd record writes it), got {text!r}",
+            path=source,
+            line=number,
+        )
+    return space
 
 
 def write_trace(target: str | Path | TextIO, records: Iterable[TraceRecord]) -> int:
