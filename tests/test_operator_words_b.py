@@ -9,12 +9,14 @@ daemons and the ``tierd`` command as child processes:
   add and that the daemon must restart; ``record on`` says the same as its error;
 - ``tierd simulate`` of a recording keeps its namespaces apart: two models sending the
   same prompts share no block;
+- ``simulate --curve --out`` without matplotlib says it is needed and how to install it;
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -184,3 +186,30 @@ async def test_simulate_refuses_a_namespace_that_is_not_hex(tmp_path: Path) -> N
     assert done.returncode == 1
     assert "bad.jsonl:1" in done.stderr
     assert "namespace" in done.stderr
+
+
+# -- simulate --curve without matplotlib --------------------------------------------------------
+
+NO_MATPLOTLIB = """
+import sys
+sys.modules["matplotlib"] = None  # import matplotlib now fails, as where it is not installed
+from tierd.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("out", ["curve.png", "."])
+def test_a_curve_plot_without_matplotlib_says_what_to_install(tmp_path: Path, out: str) -> None:
+    trace = small_trace(tmp_path / "t.jsonl", conversations=5)
+    argv = ["simulate", str(trace), "--curve", "--out", str(tmp_path / out)]
+    done = subprocess.run(
+        [sys.executable, "-c", NO_MATPLOTLIB, *argv],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        env=child_env(),
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "matplotlib is needed" in done.stderr
+    assert "pip install 'tierd[plots]'" in done.stderr
