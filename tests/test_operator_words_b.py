@@ -10,6 +10,7 @@ daemons and the ``tierd`` command as child processes:
 - ``tierd simulate`` of a recording keeps its namespaces apart: two models sending the
   same prompts share no block;
 - ``simulate --curve --out`` without matplotlib says it is needed and how to install it;
+- ``tierd namespaces`` says that a block in two tiers counts as two copies;
 """
 
 from __future__ import annotations
@@ -213,3 +214,26 @@ def test_a_curve_plot_without_matplotlib_says_what_to_install(tmp_path: Path, ou
     assert done.returncode == 1
     assert "matplotlib is needed" in done.stderr
     assert "pip install 'tierd[plots]'" in done.stderr
+
+
+# -- namespaces: copies in several tiers -------------------------------------------------------
+
+
+async def test_namespaces_says_a_block_in_two_tiers_is_two_copies(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    cfg = daemon_config(tmp_path, cpu_blocks=8, disk_blocks=16, block_bytes=BLOCK)
+    daemon = await spawn(cfg)
+    async with await Client.connect(daemon.socket_path, namespace="ns") as client:
+        await client.store([b"prompt-1"], [bytes(BLOCK)])
+    flushed = await tierd("flush", "--socket", daemon.socket_path)
+    assert flushed.returncode == 0, flushed.stderr
+
+    listed = await tierd("namespaces", "--socket", daemon.socket_path, "--json")
+    (row,) = json.loads(listed.stdout)["default"]
+    assert row["blocks"] == {"cpu": 1, "disk": 1}  # one block, a copy in each tier
+    assert row["bytes"] == 2 * BLOCK
+    table = await tierd("namespaces", "--socket", daemon.socket_path)
+    header = table.stdout.splitlines()[0].split("  ")
+    assert "bytes (copies)" in [cell.strip() for cell in header], table.stdout
+    assert "a block in several tiers counts once in each" in table.stdout

@@ -16,6 +16,7 @@ from tierd.control.protocol import NAMESPACE_ID_BYTES
 __all__ = ["duration", "event_text", "last_error_text", "namespace_table", "stats_text"]
 
 _KEYS_SHOWN = 4
+_COPIES = "(blocks per tier: a block in several tiers counts once in each; bytes: all copies)"
 
 
 def stats_text(stats: dict[str, Any], as_json: bool) -> str:
@@ -108,15 +109,17 @@ def _tenant_table(tenants: dict[str, dict[str, Any]]) -> str:
 
 
 def namespace_table(by_tenant: dict[str, list[dict[str, Any]]], now: float | None = None) -> str:
-    """One row per namespace: blocks per tier, bytes, lookups' hit ratio, stores, last use
-    (the tenant column when there are several tenants)."""
+    """One row per namespace: blocks per tier, bytes of every copy, lookups' hit ratio,
+    stores, last use (the tenant column when there are several tenants). A block held by
+    two tiers counts in both: the table says so under it."""
     rows_in = [(tenant, row) for tenant, rows in by_tenant.items() for row in rows]
     if not rows_in:
         return "namespaces: none holds blocks yet"
     now = time.time() if now is None else now
     tiers = list(rows_in[0][1]["blocks"])
     several = len(by_tenant) > 1
-    header = [*(["tenant"] if several else []), "namespace", "id", *tiers, "bytes", "hit ratio"]
+    header = [*(["tenant"] if several else []), "namespace", "id", *tiers, "bytes (copies)"]
+    header.append("hit ratio")
     header += ["stored", "last used"]
     rows = []
     for tenant, row in rows_in:
@@ -134,7 +137,8 @@ def namespace_table(by_tenant: dict[str, list[dict[str, Any]]], now: float | Non
                 f"{duration(max(0.0, now - last))} ago" if last else "-",
             ]
         )
-    return _table(header, rows, left=3 if several else 2)
+    table = _table(header, rows, left=3 if several else 2)
+    return f"{table}\n{_COPIES}" if len(tiers) > 1 else table
 
 
 def _route_table(routes: list[dict[str, Any]]) -> str:
