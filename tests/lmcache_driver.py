@@ -172,6 +172,7 @@ class Server:
         }
 
     def serve(self) -> None:
+        print(ANSWER_TAG + json.dumps({"started": True}), flush=True)
         for line in sys.stdin:
             command = json.loads(line)
             op = command.pop("op")

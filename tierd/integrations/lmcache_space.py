@@ -82,13 +82,16 @@ def _left(expires: float) -> float:
     return left
 
 
-def _runs(keys: Sequence[bytes], wanted: Sequence[bool]) -> list[tuple[int, list[bytes]]]:
-    """(first index, keys) of the runs of wanted keys, none repeating a key within it."""
+def _runs(
+    keys: Sequence[bytes], wanted: Sequence[bool], most: int = _RUN_MAX
+) -> list[tuple[int, list[bytes]]]:
+    """(first index, keys) of the runs of wanted keys, at most ``most`` keys each and
+    none repeating a key within it."""
     runs: list[tuple[int, list[bytes]]] = []
     current: list[bytes] = []
     seen: set[bytes] = set()
     for i, (key, want) in enumerate(zip(keys, wanted, strict=True)):
-        if want and current and key not in seen and len(current) < _RUN_MAX:
+        if want and current and key not in seen and len(current) < most:
             current.append(key)
             seen.add(key)
             continue
@@ -123,6 +126,21 @@ class Space:
         self._unreleased: list[Hold] = []  # releases that could not be sent yet
         self.used_bytes = 0  # the namespace's bytes in the daemon, at the last report
         self._usage_asked = 0.0
+        self.lease_bound = 0  # the daemon's max_lease_blocks, from its hello (0: none)
+        self.pinned = 0  # blocks locks hold pinned on the current connection
+        self.link.on_connect.append(self._learn)
+
+    def _learn(self, client: Client) -> None:
+        """A new connection: the daemon's bound on the blocks one connection holds (the
+        pins of the one before went with it)."""
+        self.lease_bound = int(client.info.get("max_lease_blocks") or 0)
+        with self._lock:
+            self.pinned = 0
+
+    def chunk(self) -> int:
+        """Keys per lease: half of what one connection may hold (a store and a lock of
+        the same namespace may both hold leases), at most ``_RUN_MAX``."""
+        return max(1, min(_RUN_MAX, self.lease_bound // 2 or _RUN_MAX))
 
     # -- stores -------------------------------------------------------------------------
 
@@ -132,23 +150,27 @@ class Space:
         for key, source in zip(keys, sources, strict=True):
             first.setdefault(key, source)
         unique = list(first)
-        written = 0
-        for start in range(0, len(unique), _RUN_MAX):
-            chunk = unique[start : start + _RUN_MAX]
-            written += self._store_chunk(chunk, [first[k] for k in chunk], expires)
+        written = start = 0
+        while start < len(unique):
+            done, size = self._store_chunk(unique[start:], first, expires)
+            written, start = written + size, start + done
         return written
 
-    def _store_chunk(self, keys: list[bytes], sources: list[Any], expires: float) -> int:
+    def _store_chunk(
+        self, keys: list[bytes], sources: dict[bytes, Any], expires: float
+    ) -> tuple[int, int]:
+        """Store a leading chunk of ``keys``: (keys done, bytes written)."""
+
         async def reserve(client: Client) -> tuple[int, StoreLease]:
-            return self.link.connects, await client.prepare_store(keys)
+            return self.link.connects, await client.prepare_store(keys[: self.chunk()])
 
         connection, lease = self.link.ask(reserve, _left(expires))
         if lease.finished:
-            return 0
+            return len(lease.keys), 0
         try:
             for view, i in zip(lease.views(), lease.to_write, strict=True):
                 with view:
-                    copy_bytes(view, sources[i])
+                    copy_bytes(view, sources[lease.keys[i]])
         except BaseException:
             self._send_on(connection, lease.abort)
             raise
@@ -156,22 +178,24 @@ class Space:
         async def commit(client: Client) -> int:
             return await lease.commit()
 
-        return self.link.ask(commit, _left(expires)) * self.settings.block_bytes
+        stored = self.link.ask(commit, _left(expires))
+        return len(lease.keys), stored * self.settings.block_bytes
 
     # -- lookup and lock ----------------------------------------------------------------
 
-    def lock(self, keys: Sequence[bytes], expires: float) -> list[Pin | None]:
-        """Pin every key the daemon holds ready; per key its pin, or None (a miss)."""
+    def lock(self, keys: Sequence[bytes], expires: float) -> tuple[list[bool], list[Pin | None]]:
+        """Which keys the daemon holds ready, and a pin for each of them that the daemon
+        let this connection hold (a found key without a pin is pinned by its load)."""
         self._flush_releases()
 
         async def present(client: Client) -> list[bool]:
             return await client.lookup_each(keys)
 
         found = self.link.ask(present, _left(expires))
-        runs = _runs(keys, found)
         pins: list[Pin | None] = [None] * len(keys)
+        runs = self._budget(_runs(keys, found, self.chunk()))
         if not runs:
-            return pins
+            return found, pins
 
         async def pin(client: Client) -> tuple[int, PoolMap, list[Any]]:
             connection = self.link.connects
@@ -179,19 +203,48 @@ class Space:
             leases = await asyncio.gather(*asked, return_exceptions=True)
             return connection, client.require_pool(), list(leases)
 
-        connection, pool, leases = self.link.ask(pin, _left(expires))
+        try:
+            connection, pool, leases = self.link.ask(pin, _left(expires))
+        except BaseException:
+            self._give_back(sum(len(run) for _, run in runs))
+            raise
+        unused = 0
         for (first, run), lease in zip(runs, leases, strict=True):
-            if isinstance(lease, DaemonError):
-                continue  # refused (lease bounds, say): these keys miss
             if isinstance(lease, BaseException):
+                unused += len(run)
+                if isinstance(lease, DaemonError):
+                    continue  # refused (the lease bounds, say): its load pins afresh
                 raise lease
             hold = Hold(lease, pool, connection)
             if lease.keys != run[: lease.count]:
+                unused += len(run)
+                hold.left = 0
                 self._release(hold)  # not what was asked: nothing is guessed
                 continue
+            unused += len(run) - lease.count
             for i in range(lease.count):
                 pins[first + i] = Pin(hold, i)
-        return pins
+        self._give_back(unused)
+        return found, pins
+
+    def _give_back(self, blocks: int) -> None:
+        with self._lock:
+            self.pinned = max(0, self.pinned - blocks)
+
+    def _budget(self, runs: list[tuple[int, list[bytes]]]) -> list[tuple[int, list[bytes]]]:
+        """The leading runs (the last one cut) that locks may pin: they hold at most half
+        of what the connection may (the rest is for loads and stores); the blocks are
+        counted as pinned from here on (a refused run gives its share back)."""
+        kept: list[tuple[int, list[bytes]]] = []
+        with self._lock:
+            room = self.chunk() - self.pinned
+            for first, run in runs:
+                if room <= 0:
+                    break
+                kept.append((first, run[:room]))
+                room -= len(kept[-1][1])
+            self.pinned += sum(len(run) for _, run in kept)
+        return kept
 
     def unpin(self, pins: Sequence[Pin]) -> None:
         """Unlock: each pin's lease is released when its last key is (never blocks)."""
@@ -201,6 +254,8 @@ class Space:
                 pin.hold.left -= 1
                 if pin.hold.left == 0:
                     done.append(pin.hold)
+                    if pin.hold.connection == self.link.connects:
+                        self.pinned -= len(pin.hold.lease.keys)
         for hold in done:
             self._release(hold)
 
@@ -242,7 +297,7 @@ class Space:
             if pin is not None and self._valid(pin.hold):
                 rest[i] = False
                 done[i] = self._copy_pinned(pin, targets[i])
-        for first, run in _runs(keys, rest):
+        for first, run in _runs(keys, rest, len(keys) or 1):
             self._load_run(first, run, targets, done, expires)
         return done
 
@@ -260,10 +315,12 @@ class Space:
             keys = run[start:]
 
             async def pin(client: Client, keys: list[bytes] = keys) -> tuple[int, Hold]:
-                lease = await client.prepare_load(keys)
-                return lease.count, Hold(lease, client.require_pool(), self.link.connects)
+                asked = keys[: self.chunk()]
+                lease = await client.prepare_load(asked)
+                return len(asked), Hold(lease, client.require_pool(), self.link.connects)
 
-            count, hold = self.link.ask(pin, _left(at))
+            asked, hold = self.link.ask(pin, _left(at))
+            count = hold.lease.count
             try:
                 if hold.lease.keys != keys[:count]:
                     return
@@ -273,7 +330,7 @@ class Space:
             finally:
                 hold.left = 0
                 self._release(hold)
-            start += count + 1  # past the key that missed
+            start += count + (count < asked)  # past the key that missed
 
     # -- the rest -------------------------------------------------------------------------
 

@@ -66,7 +66,7 @@ class Tasks:
         self.block_bytes: int | None = None
         self.refusal: str | None = None  # set when the daemon cannot serve LMCache at all
         self._spaces: dict[tuple[str, str], Space] = {}
-        self._locks: dict[Any, list[tuple[Space, Pin]]] = defaultdict(list)
+        self._locks: dict[Any, list[tuple[Space, Pin | None]]] = defaultdict(list)
         self._lock = threading.Lock()
         self._probed = 0.0
         self._warned_sizes: set[int] = set()
@@ -189,10 +189,10 @@ class Tasks:
     def lock(self, keys: Sequence[Any], expires: float) -> list[bool]:
         found = [False] * len(keys)
         for space, at in self._groups(keys, expires).items():
-            pins = space.lock([_raw(keys[i]) for i in at], expires)
+            present, pins = space.lock([_raw(keys[i]) for i in at], expires)
             with self._lock:
-                for i, pin in zip(at, pins, strict=True):
-                    if pin is not None:
+                for i, here, pin in zip(at, present, pins, strict=True):
+                    if here:
                         self._locks[keys[i]].append((space, pin))
                         found[i] = True
         return found
@@ -208,7 +208,8 @@ class Tasks:
                 space, pin = held.pop(0)
                 if not held:
                     del self._locks[key]
-                by_space[space].append(pin)
+                if pin is not None:
+                    by_space[space].append(pin)
         for space, pins in by_space.items():
             space.unpin(pins)
 
@@ -226,7 +227,7 @@ class Tasks:
 
     def _pin_of(self, key: Any, space: Space) -> Pin | None:
         for owner, pin in self._locks.get(key, ()):
-            if owner is space:
+            if owner is space and pin is not None:
                 return pin
         return None
 

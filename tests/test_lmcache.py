@@ -1,0 +1,241 @@
+"""tierd under LMCache's own code (issue 37): real ``tierd serve`` processes, LMCache 0.5.6's
+plugin loader, ``lmcache bench l2`` and memory objects, in processes of .venv-lmcache's
+python (scripts/setup_lmcache).
+
+``lmcache bench l2`` runs as LMCache ships it, with the documented ``--l2-adapter`` JSON.
+The other tests run tests/lmcache_driver.py: an LMCache "server" that builds the adapter
+with LMCache's config parser and factory and waits on its event fds as LMCache's
+controllers do; every loaded object is compared, byte for byte, with what the writer
+process stored. The time bounds asserted are liveness bounds (many times the configured
+deadline): a task that never finished used to be the failure, not a slow one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_daemon_lifecycle
+
+from tierd.client import Client
+from tierd.testing import daemon_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "tests" / "lmcache_driver.py"
+LMCACHE_PYTHON = Path(
+    os.environ.get("TIERD_LMCACHE_PYTHON", ROOT / ".venv-lmcache" / "bin" / "python")
+)
+REASON = (
+    None
+    if LMCACHE_PYTHON.is_file()
+    else f"LMCache is not installed ({LMCACHE_PYTHON} missing): run scripts/setup_lmcache"
+)
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+spawn = test_daemon_lifecycle.spawn
+
+ANSWER_TAG = "@@answer "
+ANSWER_S = 300.0  # safety net: importing LMCache and torch on a busy 2-core machine
+BLOCK = 16384
+BENCH_BLOCK = 256 * 1024  # `lmcache bench l2`'s default object (--data-size-kb 256)
+DEADLINE_S = 0.5
+LIVENESS_S = 15.0  # a task on a stopped daemon finishes long before this (30 x deadline)
+MODEL = "org/model-7b"
+
+
+def adapter_json(socket_path: str, **params: Any) -> str:
+    return json.dumps(
+        {
+            "type": "plugin",
+            "module_path": "tierd.integrations.lmcache",
+            "class_name": "TierdL2Adapter",
+            "adapter_params": {"socket": socket_path, **params},
+        }
+    )
+
+
+def child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERD_")}
+    env.update({"PYTHONUNBUFFERED": "1", "LMCACHE_DISABLE_BANNER": "1"})
+    return env
+
+
+class Lmcache:
+    """One LMCache process running tests/lmcache_driver.py; commands answered in order."""
+
+    def __init__(self, spec: str, block: int = BLOCK) -> None:
+        self.proc = subprocess.Popen(
+            [str(LMCACHE_PYTHON), str(DRIVER), spec, str(block), MODEL],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=child_env(),
+            cwd="/",
+        )
+        self._answers: queue.Queue[str | None] = queue.Queue()
+        self._log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        assert self._answer().get("started")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(ANSWER_TAG):
+                self._answers.put(line[len(ANSWER_TAG) :])
+            else:
+                self._log.append(line)
+        self._answers.put(None)
+
+    def _answer(self) -> dict[str, Any]:
+        try:
+            line = self._answers.get(timeout=ANSWER_S)
+        except queue.Empty:
+            raise AssertionError(f"no answer from the LMCache driver:\n{self.log()}") from None
+        if line is None:
+            raise AssertionError(f"the LMCache driver exited:\n{self.log()}")
+        return dict(json.loads(line))
+
+    def log(self) -> str:
+        return "".join(self._log[-80:])
+
+    def ask(self, op: str, **fields: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def store(self, seed: int, count: int) -> dict[str, Any]:
+        return self.ask("store", seed=seed, count=count)
+
+    def load(self, seed: int, count: int) -> dict[str, Any]:
+        return self.ask("load", seed=seed, count=count)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def lmcache() -> Any:
+    """``lmcache(spec)`` starts an LMCache process; all are closed at the end."""
+    started: list[Lmcache] = []
+
+    def start(spec: str, block: int = BLOCK) -> Lmcache:
+        started.append(Lmcache(spec, block))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.close()
+
+
+def config(tmp_path: Path, block: int = BLOCK, **over: Any) -> dict[str, Any]:
+    return daemon_config(
+        tmp_path, block_bytes=block, **{"cpu_blocks": 64, "disk_blocks": 256, **over}
+    )
+
+
+def all_identical(answer: dict[str, Any], count: int) -> bool:
+    return bool(answer.get("finished")) and answer.get("identical") == answer.get("found") == count
+
+
+def eventually_identical(process: Lmcache, seed: int, count: int, tries: int = 40) -> bool:
+    """Whether a load of ``seed`` finds every object within ``tries`` loads (bounded, no
+    sleep: a load on a daemon that is away costs the breaker's fast answer or a deadline);
+    every object loaded on the way must be right."""
+    for _ in range(tries):
+        answer = process.load(seed, count)
+        assert answer["finished"], answer
+        assert answer.get("identical") == answer.get("loaded"), answer
+        if all_identical(answer, count):
+            return True
+    return False
+
+
+async def flush(socket_path: str) -> None:
+    client = await Client.connect(socket_path)
+    try:
+        await client.flush()
+    finally:
+        await client.close()
+
+
+# -- 1. LMCache's own bench ---------------------------------------------------------------
+
+
+def bench(spec: str, *extra: str) -> tuple[int, str, dict[str, Any]]:
+    """``lmcache bench l2`` as LMCache ships it; (exit status, its log, its JSON report)."""
+    command = [str(LMCACHE_PYTHON), "-m", "lmcache.cli.main", "bench", "l2"]
+    command += ["--l2-adapter", spec, "--no-skip-verify", "--lookup-max-hit-rate", "1.0"]
+    command += ["--format", "json", *extra]
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=child_env(), cwd="/", timeout=ANSWER_S
+    )
+    out = done.stdout
+    start = out.find("\n{")
+    report = json.JSONDecoder().raw_decode(out[start + 1 :])[0] if start >= 0 else {}
+    return done.returncode, out + done.stderr, report
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+async def test_lmcache_bench_l2_verifies_every_key_through_a_real_daemon(
+    tmp_path: Path, spawn: Any, tier: str
+) -> None:
+    # "disk": a CPU tier of 8 blocks, so that the bench's 64 objects (2 rounds of 32)
+    # are mostly served from the disk tier below it.
+    cpu_blocks = 128 if tier == "cpu" else 8
+    daemon = await spawn(config(tmp_path, BENCH_BLOCK, cpu_blocks=cpu_blocks))
+    status, log, report = bench(adapter_json(daemon.socket_path))
+    assert status == 0, log
+    assert "All 32 keys data verified OK" in log, log
+    ops = {op["operation"]: op for key, op in report["metrics"].items() if key.startswith("op_")}
+    assert set(ops) == {"Store", "Lookup", "Load"}
+    for op in ops.values():
+        assert op["rounds_timed_out"] == 0, op
+        assert op["total_success"] == op["total_keys"] == 32, op
+    stats = await flush_stats(daemon.socket_path)
+    assert stats >= 64  # both rounds' objects are in the daemon
+
+
+async def flush_stats(socket_path: str) -> int:
+    """Blocks the daemon holds in the bench's namespace, over every tier."""
+    client = await Client.connect(socket_path)
+    try:
+        rows = [r for group in (await client.namespaces()).values() for r in group]
+    finally:
+        await client.close()
+    mine = [r for r in rows if str(r.get("namespace", "")).startswith("lmcache/bench-model/")]
+    return sum(int(r["bytes"]) for r in mine) // BENCH_BLOCK
+
+
+# -- 2. two LMCache servers on one daemon --------------------------------------------------
+
+
+async def test_two_lmcache_processes_share_blocks_and_a_restart_keeps_them(
+    tmp_path: Path, spawn: Any, lmcache: Any
+) -> None:
+    cfg = config(tmp_path)
+    daemon = await spawn(cfg)
+    spec = adapter_json(daemon.socket_path, deadline_s=DEADLINE_S)
+    writer, reader = lmcache(spec), lmcache(spec)
+    stored = writer.store(seed=1, count=24)
+    assert stored["ok"] and stored["bytes"] == 24 * BLOCK, stored
+    assert all_identical(reader.load(seed=1, count=24), 24)
+    assert reader.load(seed=2, count=8)["found"] == 0  # never stored: a miss, not an error
+    assert await daemon.stop() == 0  # drains, writes the CPU tier back to disk
+    await spawn(cfg)
+    assert eventually_identical(reader, seed=1, count=24), reader.log()
+    assert eventually_identical(writer, seed=1, count=24), writer.log()
