@@ -11,6 +11,7 @@ daemons and the ``tierd`` command as child processes:
   same prompts share no block;
 - ``simulate --curve --out`` without matplotlib says it is needed and how to install it;
 - ``tierd namespaces`` says that a block in two tiers counts as two copies;
+- a block size in decimal units (``256kb``: 256,000 bytes) is refused, naming ``256KiB``;
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import pytest
 
 from tests.test_daemon_lifecycle import DaemonProcess, Spawn, child_env, spawn
-from tests.test_operator import tierd
+from tests.test_operator import tierd, write_config
 from tierd.client import Client
 from tierd.testing import daemon_config
 from tierd.workload.generate import GeneratorConfig, generate
@@ -237,3 +238,27 @@ async def test_namespaces_says_a_block_in_two_tiers_is_two_copies(
     header = table.stdout.splitlines()[0].split("  ")
     assert "bytes (copies)" in [cell.strip() for cell in header], table.stdout
     assert "a block in several tiers counts once in each" in table.stdout
+
+
+# -- sizes: kb is 1000, KiB 1024 -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("written", ["256kb", "256 KB", "2MB"])
+async def test_a_block_size_in_decimal_units_is_refused_naming_the_binary_one(
+    tmp_path: Path, written: str
+) -> None:
+    cfg = daemon_config(tmp_path, cpu_blocks=8, disk_blocks=None, block_bytes=BLOCK)
+    cfg["block_bytes"] = written
+    checked = await tierd("config", "check", str(write_config(tmp_path, cfg)), "--offline")
+    assert checked.returncode == 78, checked.stdout + checked.stderr
+    said = checked.stdout + checked.stderr
+    number, unit = written.replace(" ", "")[:-2], written.replace(" ", "")[-2].upper()
+    assert f"{number}{unit}iB" in said, said
+    assert "1000" in said
+
+
+async def test_capacities_in_decimal_units_stay_allowed(tmp_path: Path) -> None:
+    cfg = daemon_config(tmp_path, cpu_blocks=8, disk_blocks=None, block_bytes=BLOCK)
+    cfg["tiers"][0]["capacity"] = "1MB"
+    checked = await tierd("config", "check", str(write_config(tmp_path, cfg)), "--offline")
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -14,6 +14,7 @@ __all__ = [
     "MAX_BLOCKS",
     "capacity_parts",
     "format_bytes",
+    "parse_block_size",
     "parse_mode",
     "parse_seconds",
     "parse_size",
@@ -59,6 +60,22 @@ def parse_size(value: object) -> int:
                 raise ValueError("a size must be at most 4 EiB (2**62 bytes)")
             return int(size)
     raise ValueError(f"{value!r} is not a size (use bytes or a unit: KiB MiB GiB TiB KB MB GB TB)")
+
+
+def parse_block_size(value: object) -> int:
+    """A block size: :func:`parse_size`, but a decimal unit (``256kb`` is 256,000 bytes,
+    not 256 KiB) is refused with both readings, since a block size in powers of 1000 is
+    almost always a KiB or MiB meant; a plain number of bytes is taken as it is."""
+    size = parse_size(value)
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    unit = match.group(2).lower() if match else ""
+    if unit in ("kb", "mb", "gb", "tb"):
+        binary = f"{match.group(1) if match else ''}{unit[0].upper()}iB"
+        raise ValueError(
+            f"{str(value).strip()!r} is {size:,} bytes (KB MB GB TB count in 1000s): a block "
+            f"size in {unit[0].upper()}iB is written {binary!r}; {size} (bytes) if 1000s are meant"
+        )
+    return size
 
 
 MAX_BLOCKS = 1 << 40  # per tier: past any machine's memory for the index

@@ -16,11 +16,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict
 from pydantic_core import PydanticCustomError
 
 from tierd.configfile import AT_PATH
-from tierd.units import parse_mode, parse_seconds, parse_size
+from tierd.units import parse_block_size, parse_mode, parse_seconds, parse_size
 
-__all__ = ["Mode", "Seconds", "Size", "StrictModel", "error_at", "errors_at"]
+__all__ = ["BlockSize", "Mode", "Seconds", "Size", "StrictModel", "error_at", "errors_at"]
 
 Size = Annotated[int, BeforeValidator(parse_size)]
+BlockSize = Annotated[int, BeforeValidator(parse_block_size)]  # no decimal units
 Mode = Annotated[int, BeforeValidator(parse_mode)]
 Seconds = Annotated[float, BeforeValidator(parse_seconds)]
 _AT = AT_PATH  # the error type of error_at: format_validation_error reads its path

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from tierd.config.base import Seconds, Size, StrictModel, error_at, errors_at
+from tierd.config.base import BlockSize, Seconds, Size, StrictModel, error_at, errors_at
 from tierd.configfile import expand_path
 from tierd.errors import ConfigError
 from tierd.keys import Medium
@@ -307,7 +307,7 @@ class TransferConfig(StrictModel):
 class ChainConfig(StrictModel):
     """The chain: block size, levels fastest first, and where stores enter."""
 
-    block_bytes: Size = 2 << 20
+    block_bytes: BlockSize = 2 << 20
     tiers: list[TierConfig] = Field(min_length=1)
     entry: str | None = None  # tier name; default: the first tier
     transfer: TransferConfig = Field(default_factory=TransferConfig)
