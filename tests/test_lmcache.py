@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -239,3 +240,75 @@ async def test_two_lmcache_processes_share_blocks_and_a_restart_keeps_them(
     await spawn(cfg)
     assert eventually_identical(reader, seed=1, count=24), reader.log()
     assert eventually_identical(writer, seed=1, count=24), writer.log()
+
+
+# -- 3. a daemon that stops answering or dies ------------------------------------------------
+
+
+def finished_in_time(answer: dict[str, Any], *keys: str) -> bool:
+    return bool(answer["finished"]) and all(answer[k] < LIVENESS_S for k in keys)
+
+
+async def test_a_stopped_daemon_costs_each_task_a_deadline_and_lmcache_recovers(
+    tmp_path: Path, spawn: Any, lmcache: Any
+) -> None:
+    daemon = await spawn(config(tmp_path))
+    spec = adapter_json(daemon.socket_path, deadline_s=DEADLINE_S, breaker_failures=2)
+    server = lmcache(spec)
+    assert server.store(seed=1, count=8)["ok"]
+    daemon.signal(signal.SIGSTOP)
+    try:
+        for _ in range(3):  # the first waits a deadline; the breaker answers the rest
+            stored = server.store(seed=2, count=8)
+            assert finished_in_time(stored, "elapsed_s") and not stored["ok"], stored
+            missed = server.load(seed=1, count=8)
+            assert finished_in_time(missed, "lookup_s") and missed["found"] == 0, missed
+        status = server.ask("status")
+        assert status["is_healthy"] is False, status
+    finally:
+        daemon.signal(signal.SIGCONT)
+    assert eventually_identical(server, seed=1, count=8), server.log()
+    assert server.store(seed=2, count=8)["ok"]
+    assert all_identical(server.load(seed=2, count=8), 8)
+    assert server.ask("status")["is_healthy"] is True
+
+
+async def test_a_killed_daemon_fails_tasks_at_once_and_its_successor_serves_the_disk_tier(
+    tmp_path: Path, spawn: Any, lmcache: Any
+) -> None:
+    cfg = config(tmp_path)
+    daemon = await spawn(cfg)
+    server = lmcache(adapter_json(daemon.socket_path, deadline_s=DEADLINE_S))
+    assert server.store(seed=1, count=8)["ok"]
+    assert all_identical(server.load(seed=1, count=8), 8)  # pins, loads, unlocks
+    await flush(daemon.socket_path)  # on the disk tier now
+    daemon.signal(signal.SIGKILL)
+    await daemon.wait()
+    for _ in range(3):
+        stored = server.store(seed=2, count=8)
+        assert finished_in_time(stored, "elapsed_s") and not stored["ok"], stored
+        missed = server.load(seed=1, count=8)
+        assert finished_in_time(missed, "lookup_s") and missed["found"] == 0, missed
+    await spawn(cfg)
+    assert eventually_identical(server, seed=1, count=8), server.log()
+    assert server.store(seed=2, count=8)["ok"]
+
+
+# -- 4. objects of another size than the daemon's blocks -------------------------------------
+
+
+async def test_objects_of_another_size_fail_their_tasks_and_say_what_to_set(
+    tmp_path: Path, spawn: Any, lmcache: Any
+) -> None:
+    daemon = await spawn(config(tmp_path))
+    server = lmcache(adapter_json(daemon.socket_path, deadline_s=DEADLINE_S), block=BLOCK // 2)
+    stored = server.store(seed=1, count=4)
+    assert stored["finished"] and not stored["ok"], stored
+    loaded = server.load(seed=1, count=4)
+    assert loaded["finished"] and loaded["found"] == 0, loaded
+    assert f"`block_bytes: {BLOCK // 2}`" in server.log()
+    # Said at start-up when adapter_params name the object size: every task then fails.
+    named = lmcache(adapter_json(daemon.socket_path, block_bytes=BLOCK // 2), block=BLOCK // 2)
+    assert f"`block_bytes: {BLOCK // 2}`" in named.log()
+    assert named.ask("status")["refusal"] is not None
+    assert not named.store(seed=1, count=4)["ok"]
