@@ -12,6 +12,8 @@ daemons and the ``tierd`` command as child processes:
 - ``simulate --curve --out`` without matplotlib says it is needed and how to install it;
 - ``tierd namespaces`` says that a block in two tiers counts as two copies;
 - a block size in decimal units (``256kb``: 256,000 bytes) is refused, naming ``256KiB``;
+- a replay or a what-if through a chain with a disk tier says, before it starts, how much
+  it stores and writes to which disk.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from tests.test_daemon_lifecycle import DaemonProcess, Spawn, child_env, spawn
 from tests.test_operator import tierd, write_config
 from tierd.client import Client
 from tierd.testing import daemon_config
+from tierd.units import format_bytes
 from tierd.workload.generate import GeneratorConfig, generate
-from tierd.workload.trace import write_trace
+from tierd.workload.trace import read_trace, write_trace
 
 __all__ = ["spawn"]  # the fixture, imported for the tests below
 
@@ -262,3 +265,54 @@ async def test_capacities_in_decimal_units_stay_allowed(tmp_path: Path) -> None:
     cfg["tiers"][0]["capacity"] = "1MB"
     checked = await tierd("config", "check", str(write_config(tmp_path, cfg)), "--offline")
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+# -- disk writes announced ------------------------------------------------------------------------
+
+
+def chain_file(tmp_path: Path, disk_blocks: int | None) -> Path:
+    (tmp_path / "chain").mkdir(exist_ok=True)
+    cfg = daemon_config(tmp_path / "chain", cpu_blocks=16, disk_blocks=disk_blocks)
+    tiers = {"block_bytes": cfg["block_bytes"], "tiers": cfg["tiers"]}
+    return write_config(tmp_path, tiers, name="whatif.yaml")
+
+
+def notice(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if "disk writes" in line]
+    assert len(lines) <= 1, stderr
+    return lines[0] if lines else ""
+
+
+@pytest.mark.parametrize("command", ["replay", "simulate"])
+async def test_a_what_if_with_a_disk_tier_says_what_it_will_write(
+    tmp_path: Path, command: str
+) -> None:
+    trace = small_trace(tmp_path / "t.jsonl", conversations=20)
+    distinct = read_trace(trace).unique_blocks
+    config = chain_file(tmp_path, disk_blocks=400)
+    done = await tierd(command, str(trace), "--config", str(config), "--json")
+    assert done.returncode == 0, done.stderr
+    said = notice(done.stderr)
+    assert said.startswith(f"tierd: this run stores {distinct:,} distinct blocks of 4 KiB")
+    assert "disk tier 'disk' (a private directory in" in said
+    past_the_cpu_tier = format_bytes((distinct - 16) * 4096)
+    assert f"expect {past_the_cpu_tier} of disk writes or more" in said
+    json.loads(done.stdout)  # stdout is the result alone
+
+    memory_only = chain_file(tmp_path, disk_blocks=None)
+    quiet = await tierd(command, str(trace), "--config", str(memory_only), "--json")
+    assert quiet.returncode == 0, quiet.stderr
+    assert notice(quiet.stderr) == ""
+
+
+async def test_a_daemon_replay_with_a_disk_tier_says_what_it_will_write(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    trace = small_trace(tmp_path / "t.jsonl", conversations=20)
+    cfg = daemon_config(tmp_path, cpu_blocks=16, disk_blocks=400, block_bytes=BLOCK)
+    daemon = await spawn(cfg)
+    done = await tierd("replay", str(trace), "--socket", daemon.socket_path, "--limit", "10")
+    assert done.returncode == 0, done.stderr
+    said = notice(done.stderr)
+    assert "distinct blocks of 4 KiB" in said
+    assert f"disk tier 'disk' (the daemon's at {daemon.socket_path})" in said

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from tierd.cli.base import EXIT_OK, Command, UsageError, require_config_file
 from tierd.cli.curve_cmd import check_curve_args, run_curve
+from tierd.cli.disk_notice import announce, chain_disks
 from tierd.cli.progress import (
     EXIT_INTERRUPTED,
     add_progress_option,
@@ -116,6 +117,7 @@ def _run_chain_simulate(args: argparse.Namespace, trace: Trace) -> int:
 
     require_config_file(args.config)
     cfg = load_config(args.config, ChainConfig)
+    announce(trace, None, cfg.block_bytes, chain_disks(cfg, args.config.stem, args.warm))
 
     async def run() -> ReplaySummary:
         with what_if_config(cfg, args.config.stem, args.warm) as private:

@@ -57,6 +57,7 @@ from tierd.cli.base import (
     require_config_file,
 )
 from tierd.cli.connection import CONNECT_TIMEOUT, SOCKET_ENV, unreachable_reason
+from tierd.cli.disk_notice import announce, chain_disks, daemon_disks
 from tierd.cli.offline import load_trace
 from tierd.cli.progress import EXIT_INTERRUPTED, Bar, add_progress_option, make_bar, stop_flag
 from tierd.cli.replay_report import (
@@ -287,6 +288,8 @@ async def _replay_daemon(
         connect_timeout=CONNECT_TIMEOUT,
     )
     async with opening as backends:
+        found = daemon_disks(backends[0].client.info, socket)
+        announce(trace, args.limit, backends[0].block_bytes, found)
         return await _replay_with(args, trace, backends, bar, stop)
 
 
@@ -320,6 +323,7 @@ async def _replay_chain(
             f"--block-bytes {args.block_bytes} does not match {path}'s block_bytes "
             f"{cfg.block_bytes}"
         )
+    announce(trace, args.limit, cfg.block_bytes, chain_disks(cfg, path.stem, args.warm))
     with what_if_config(cfg, path.stem, args.warm) as private:
         async with open_chain(private) as chain:
             backends = chain_backends(chain, args.clients, target=str(path))
