@@ -51,6 +51,7 @@ FAMILY_OF = {
     "top": "top_cmd",
     "replay": "replay_cmd",
     "record": "record_cmd",
+    "engine-config": "engine_config_cmd",
 }
 
 

