@@ -13,13 +13,16 @@ daemons and the ``tierd`` command as child processes:
 - ``tierd namespaces`` says that a block in two tiers counts as two copies;
 - a block size in decimal units (``256kb``: 256,000 bytes) is refused, naming ``256KiB``;
 - a replay or a what-if through a chain with a disk tier says, before it starts, how much
-  it stores and writes to which disk.
+  it stores and writes to which disk;
+- the README's command list names every ``tierd`` command, and only options they take.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +32,7 @@ import pytest
 
 from tests.test_daemon_lifecycle import DaemonProcess, Spawn, child_env, spawn
 from tests.test_operator import tierd, write_config
+from tierd.cli import build_parser
 from tierd.client import Client
 from tierd.testing import daemon_config
 from tierd.units import format_bytes
@@ -316,3 +320,50 @@ async def test_a_daemon_replay_with_a_disk_tier_says_what_it_will_write(
     said = notice(done.stderr)
     assert "distinct blocks of 4 KiB" in said
     assert f"disk tier 'disk' (the daemon's at {daemon.socket_path})" in said
+
+
+# -- the README's command list ---------------------------------------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_entries() -> list[str]:
+    """The README's command list, one entry per ``tierd ...`` line with its continuations."""
+    text = README.read_text()
+    block = text.split("## Command line", 1)[1].split("```", 2)[1]
+    entries: list[str] = []
+    for line in block.splitlines():
+        if line.startswith("tierd "):
+            entries.append(line)
+        elif entries and line.strip().startswith(("[", "--")):
+            entries[-1] += " " + line.strip()
+    return entries
+
+
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def options_of(parser: argparse.ArgumentParser) -> set[str]:
+    found = {option for action in parser._actions for option in action.option_strings}
+    for sub in subparsers(parser).values():
+        found |= options_of(sub)
+    return found
+
+
+def test_the_readme_command_list_matches_the_command() -> None:
+    commands = subparsers(build_parser())
+    entries = readme_entries()
+    named: set[str] = set()
+    for entry in entries:
+        words = re.findall(r"(?:^tierd |\| )([a-z][a-z-]*)", entry)
+        here = [word for word in words if word in commands]
+        assert here, entry
+        named.update(here)
+        taken = set().union(*(options_of(commands[word]) for word in here))
+        shown = set(re.findall(r"(?<![\w-])--?[a-z][a-z-]*", entry))
+        assert shown <= taken, f"{entry}: not taken: {sorted(shown - taken)}"
+    assert set(commands) <= named, f"not in the README: {sorted(set(commands) - named)}"
