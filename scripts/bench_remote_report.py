@@ -226,7 +226,7 @@ def _render_replays(
         "server for every run.",
         "",
         "**Replay.** Both halves at once, each `tierd replay HALF --socket S --clients "
-        f"{args.clients}` (its own process, full rate, every loaded block verified "
+        f"{args.clients} --unordered` (its own process, full rate, every loaded block verified "
         "byte for byte). Hit ratio: block hits found by the lookups over block accesses, "
         f"both halves together. {args.replay_runs} runs of each mode, the modes interleaved; "
         "median (min-max).",

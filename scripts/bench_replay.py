@@ -74,7 +74,8 @@ def serve(name: str, block_bytes: int, with_disk: bool, work: Path) -> tuple[Any
 
 def replay(sock: str, out: Path, clients: int, limit: int | None) -> dict[str, Any]:
     argv = [sys.executable, "-m", "tierd", "replay", str(TRACE), "--socket", sock]
-    argv += ["--clients", str(clients), "--max-rate", "--out", str(out), "--json"]
+    # --unordered: the clients' calls overlap, as the figures in docs/BENCHMARKS.md were taken
+    argv += ["--clients", str(clients), "--unordered", "--max-rate", "--out", str(out), "--json"]
     if limit is not None:
         argv += ["--limit", str(limit)]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
