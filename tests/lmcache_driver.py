@@ -9,6 +9,8 @@ per line on stdin and answers each with one line ``@@answer {json}`` on stdout:
 - ``{"op": "store", "seed": s, "count": n}``: store n objects whose bytes derive from s.
 - ``{"op": "load", "seed": s, "count": n}``: lookup-and-lock, load into fresh objects,
   compare with what a store of s put there, unlock.
+- ``{"op": "lock" | "unlock" | "delete", "seed": s, "count": n}``: lookup-and-lock only,
+  unlock, or the adapter's ``delete`` of those keys.
 - ``{"op": "status"}``: the adapter's ``report_status()``; ``{"op": "quit"}``.
 
 Every answer carries each task's wall time. ``--check`` only imports (scripts/setup_lmcache).
@@ -170,6 +172,24 @@ class Server:
             "lookup_s": lookup_s,
             "load_s": load_s,
         }
+
+    def lock(self, seed: int, count: int) -> dict[str, Any]:
+        """Lookup-and-lock only; the keys stay locked until ``unlock``."""
+        keys = self.keys(seed, count)
+        task = self.adapter.submit_lookup_and_lock_task(keys, {})
+        fd = self.adapter.get_lookup_and_lock_event_fd()
+        found = self.wait(fd, lambda: self.adapter.query_lookup_and_lock_result(task))
+        if found is None:
+            return {"finished": False}
+        return {"finished": True, "found": sum(found.test(i) for i in range(count))}
+
+    def unlock(self, seed: int, count: int) -> dict[str, Any]:
+        self.adapter.submit_unlock(self.keys(seed, count))
+        return {"unlocked": count}
+
+    def delete(self, seed: int, count: int) -> dict[str, Any]:
+        self.adapter.delete(self.keys(seed, count))
+        return {"deleted": count}
 
     def serve(self) -> None:
         print(ANSWER_TAG + json.dumps({"started": True}), flush=True)

@@ -25,6 +25,7 @@ import pytest
 import test_daemon_lifecycle
 
 from tierd.client import Client
+from tierd.integrations.lmcache_keys import block_key
 from tierd.testing import daemon_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -312,3 +313,38 @@ async def test_objects_of_another_size_fail_their_tasks_and_say_what_to_set(
     assert f"`block_bytes: {BLOCK // 2}`" in named.log()
     assert named.ask("status")["refusal"] is not None
     assert not named.store(seed=1, count=4)["ok"]
+
+
+# -- 5. locks pin blocks in the daemon until LMCache unlocks them ----------------------------
+
+
+async def delete_from(socket_path: str, namespace: str, raw: list[bytes]) -> dict[str, Any]:
+    client = await Client.connect(socket_path, namespace=namespace)
+    try:
+        return await client.delete(raw)
+    finally:
+        await client.close()
+
+
+async def test_a_lock_pins_the_blocks_until_unlock_and_delete_goes_through_the_daemon(
+    tmp_path: Path, spawn: Any, lmcache: Any
+) -> None:
+    daemon = await spawn(config(tmp_path))
+    server = lmcache(adapter_json(daemon.socket_path, deadline_s=DEADLINE_S))
+    assert server.store(seed=1, count=8)["ok"]
+    (namespace,) = server.ask("status")["namespaces"]
+    # The driver's keys: chunk hash seed * 1_000_003 + i, KV rank i % 2, group 0.
+    raw = [block_key((1_000_003 + i).to_bytes(16, "big"), i % 2, 0) for i in range(8)]
+    assert server.ask("lock", seed=1, count=8)["found"] == 8
+    assert server.ask("status")["locked_keys"] == 8
+    held = await delete_from(daemon.socket_path, namespace, raw)
+    assert held["removed"] == 0 and held["busy"] == 8, held  # pinned: the daemon keeps them
+    server.ask("unlock", seed=1, count=8)
+    assert server.ask("status")["locked_keys"] == 0
+    server.ask("delete", seed=1, count=8)  # through the daemon: gone for every server
+    reader = lmcache(adapter_json(daemon.socket_path, deadline_s=DEADLINE_S))
+    for _ in range(40):  # the delete is sent without waiting: bounded, no sleep
+        if reader.load(seed=1, count=8)["found"] == 0:
+            break
+    else:
+        raise AssertionError("the adapter's delete left the blocks in the daemon")
