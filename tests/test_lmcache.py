@@ -18,6 +18,7 @@ import queue
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -154,16 +155,20 @@ def all_identical(answer: dict[str, Any], count: int) -> bool:
     return bool(answer.get("finished")) and answer.get("identical") == answer.get("found") == count
 
 
-def eventually_identical(process: Lmcache, seed: int, count: int, tries: int = 40) -> bool:
-    """Whether a load of ``seed`` finds every object within ``tries`` loads (bounded, no
-    sleep: a load on a daemon that is away costs the breaker's fast answer or a deadline);
-    every object loaded on the way must be right."""
+def eventually_identical(process: Lmcache, seed: int, count: int, tries: int = 5000) -> bool:
+    """Whether a load of ``seed`` finds every object within ``tries`` loads and LIVENESS_S
+    (bounded both ways, no sleep: while the daemon is away the breaker answers each load
+    at once, until its probe finds the daemon back); every object loaded on the way must
+    be right."""
+    deadline = time.monotonic() + LIVENESS_S
     for _ in range(tries):
         answer = process.load(seed, count)
         assert answer["finished"], answer
         assert answer.get("identical") == answer.get("loaded"), answer
         if all_identical(answer, count):
             return True
+        if time.monotonic() > deadline:
+            break
     return False
 
 
@@ -231,7 +236,7 @@ async def test_two_lmcache_processes_share_blocks_and_a_restart_keeps_them(
 ) -> None:
     cfg = config(tmp_path)
     daemon = await spawn(cfg)
-    spec = adapter_json(daemon.socket_path, deadline_s=DEADLINE_S)
+    spec = adapter_json(daemon.socket_path, deadline_s=DEADLINE_S, reconnect_max_s=0.5)
     writer, reader = lmcache(spec), lmcache(spec)
     stored = writer.store(seed=1, count=24)
     assert stored["ok"] and stored["bytes"] == 24 * BLOCK, stored
@@ -279,7 +284,7 @@ async def test_a_killed_daemon_fails_tasks_at_once_and_its_successor_serves_the_
 ) -> None:
     cfg = config(tmp_path)
     daemon = await spawn(cfg)
-    server = lmcache(adapter_json(daemon.socket_path, deadline_s=DEADLINE_S))
+    server = lmcache(adapter_json(daemon.socket_path, deadline_s=DEADLINE_S, reconnect_max_s=0.5))
     assert server.store(seed=1, count=8)["ok"]
     assert all_identical(server.load(seed=1, count=8), 8)  # pins, loads, unlocks
     await flush(daemon.socket_path)  # on the disk tier now
