@@ -61,6 +61,10 @@ class Hold:
         self.lease, self.pool, self.connection = lease, pool, connection
         self.left = lease.count
 
+    @staticmethod
+    def maker(pool: PoolMap, connection: int) -> Callable[[LoadLease], Hold]:
+        return lambda lease: Hold(lease, pool, connection)
+
 
 @dataclass(frozen=True, slots=True)
 class Pin:
@@ -208,6 +212,18 @@ class Space:
         except BaseException:
             self._give_back(sum(len(run) for _, run in runs))
             raise
+        self._take(runs, leases, Hold.maker(pool, connection), pins)
+        return found, pins
+
+    def _take(
+        self,
+        runs: list[tuple[int, list[bytes]]],
+        leases: list[Any],
+        hold_of: Callable[[LoadLease], Hold],
+        pins: list[Pin | None],
+    ) -> None:
+        """Turn the leases the daemon granted for ``runs`` into ``pins``; what it did not
+        grant is given back to the budget."""
         unused = 0
         for (first, run), lease in zip(runs, leases, strict=True):
             if isinstance(lease, BaseException):
@@ -215,7 +231,7 @@ class Space:
                 if isinstance(lease, DaemonError):
                     continue  # refused (the lease bounds, say): its load pins afresh
                 raise lease
-            hold = Hold(lease, pool, connection)
+            hold = hold_of(lease)
             if lease.keys != run[: lease.count]:
                 unused += len(run)
                 hold.left = 0
@@ -225,7 +241,6 @@ class Space:
             for i in range(lease.count):
                 pins[first + i] = Pin(hold, i)
         self._give_back(unused)
-        return found, pins
 
     def _give_back(self, blocks: int) -> None:
         with self._lock:
@@ -336,20 +351,14 @@ class Space:
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark the blocks used, ``keys[0]`` the most recent (never blocks)."""
-
-        async def touch(client: Client) -> None:
-            await client.touch(keys)
-
-        self.link.start(touch, self.settings.deadline_s).add_done_callback(_log_failure)
+        self._fire(lambda client: client.touch(keys))
 
     def delete(self, keys: Sequence[bytes]) -> None:
         """Delete the blocks from the daemon's tiers (never blocks; a failure is logged)."""
+        self._fire(lambda client: client.delete(keys))
 
-        async def delete(client: Client) -> dict[str, Any]:
-            return await client.delete(keys)
-
-        future = self.link.start(delete, self.settings.deadline_s)
-        future.add_done_callback(_log_failure)
+    def _fire(self, op: Callable[[Client], Awaitable[Any]]) -> None:
+        self.link.start(op, self.settings.deadline_s).add_done_callback(_log_failure)
 
     def refresh_usage(self) -> None:
         """Ask the daemon (at most once a second, never blocking) how many bytes this
@@ -365,7 +374,7 @@ class Space:
             mine = [r for group in rows for r in group if r.get("namespace") == name]
             self.used_bytes = sum(int(r.get("bytes", 0)) for r in mine)
 
-        self.link.start(ask, self.settings.deadline_s).add_done_callback(_log_failure)
+        self._fire(ask)
 
     def _send_on(
         self, connection: int, op: Callable[[], Awaitable[Any]]
