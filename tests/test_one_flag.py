@@ -247,6 +247,71 @@ def test_vllm_plugin_fills_in_the_config_only_when_none_was_given(
         vllm_plugin.fill_in(SimpleNamespace(kv_transfer_config=None))
 
 
+# SGLang's own plugin loader, argument parser and resolution, as its launcher runs them;
+# prints the HiCache fields. (The torchvision ops: as tests/sglang_kit/driver.py says.)
+SGLANG_ARGS = """
+import json, torch
+ops = torch.library.Library("torchvision", "DEF")
+ops.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+ops.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+from sglang.srt.plugins import load_plugins
+from sglang.srt.server_args import prepare_server_args
+load_plugins()
+args = prepare_server_args(["--model-path", "dummy"])
+args.resolve_once()
+names = ("enable_hierarchical_cache", "hicache_storage_backend",
+         "hicache_storage_backend_extra_config")
+print(json.dumps({name: getattr(args, name) for name in names}))
+"""
+
+
+async def sglang_server_args(**env: str) -> dict[str, Any]:
+    from sglang_kit.engines import SGLANG_PYTHON
+
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [str(SGLANG_PYTHON), "-c", SGLANG_ARGS],
+        env=child_env(PYTHONPATH=str(ROOT), **env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return dict(json.loads(done.stdout.splitlines()[-1]))
+
+
+async def test_sglang_with_tierd_set_gets_tierds_hicache_flags_and_its_pages(
+    tmp_path: Path, spawn: Any
+) -> None:
+    from sglang_kit.engines import Engines, missing_reason, page_bytes, tierd_spec
+
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    daemon = await spawn(daemon_config(tmp_path, block_bytes=page_bytes(), cpu_blocks=64))
+    sock = daemon.socket_path
+    off, on = await asyncio.gather(sglang_server_args(), sglang_server_args(TIERD=sock))
+    assert off == dict.fromkeys(off, None) | {"enable_hierarchical_cache": False}
+    extra = on["hicache_storage_backend_extra_config"]
+    assert (on["enable_hierarchical_cache"], on["hicache_storage_backend"]) == (True, "dynamic")
+    assert json.loads(extra) == sglang_extra_config(sock)
+
+    # The flags SGLang resolved load tierd's backend, which serves one engine's pages to
+    # another through the daemon.
+    engines = Engines()
+    try:
+        opened = engines.open("a", tierd_spec(sock, launch_extra=extra))
+        assert (opened["backend"], opened["memfd"]) == ("TierdHiCache", True)
+        engines.open("b", tierd_spec(sock, launch_extra=extra))
+        assert engines.write("a", seed=5, pages=8)["stored_pages"] == 8
+        answer = engines.read("b", seed=5, pages=8)
+    finally:
+        engines.close()
+    assert answer["hit_pages"] == answer["loaded_pages"] == answer["identical"] == 8
+
+
 # -- a missing daemon at start-up -----------------------------------------------------------
 
 

@@ -7,15 +7,17 @@ would use (``TIERD_SOCKET``, else the ``socket.path`` of ``$TIERD_CONFIG``, else
 daemon's default path). An absolute path: on, with that socket. Anything else is refused
 with what to write instead.
 
-vLLM's plugin seam uses it (:mod:`tierd.integrations.vllm_plugin`, entry point
-``vllm.general_plugins``), and ``tierd engine-config`` prints the same configs (vLLM's and
-SGLang's) for those who paste them. The configs are
+The engines' plugin seams use it (:mod:`tierd.integrations.vllm_plugin` for vLLM's
+``vllm.general_plugins``; :func:`register_sglang` for SGLang's ``sglang.srt.plugins``), and
+``tierd engine-config`` prints the same configs for those who paste them. The configs are
 built here once, so that the printed flags and what the variable turns on never differ.
 """
 
 from __future__ import annotations
 
 import errno
+import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,7 +28,9 @@ from tierd.control.socketfile import CONFIG_ENV, default_socket_path
 __all__ = [
     "SWITCH_ENV",
     "VLLM_CPU_BYTES",
+    "fill_in_sglang",
     "missing_daemon",
+    "register_sglang",
     "Switch",
     "SwitchInvalid",
     "read_switch",
@@ -159,4 +163,40 @@ def missing_daemon(socket: str, exc: BaseException) -> str:
     return (
         f"tierd: no daemon answers at {socket} ({why}): this engine runs without tierd, "
         f"every lookup a miss, until one answers there; {start_hint(socket)}"
+    )
+
+
+def register_sglang() -> None:
+    """SGLang's general plugin (entry point group ``sglang.srt.plugins``): with ``TIERD``
+    on, a hook before ``ServerArgs.resolve_once`` (which every launcher calls before the
+    arguments are used, in the process that parsed them) fills in tierd's HiCache flags
+    when no storage backend was given. With ``TIERD`` off it does nothing at all."""
+    if read_switch() is None:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.resolve_once", fill_in_sglang, HookType.BEFORE
+    )
+
+
+def fill_in_sglang(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """Give SGLang's ``server_args`` tierd's HiCache flags if ``TIERD`` is on and the user
+    chose no storage backend (one already resolved is left alone)."""
+    switch = read_switch()
+    if switch is None or getattr(server_args, "_resolution_finished", False):
+        return
+    log = logging.getLogger("tierd.integrations.sglang")  # SGLang configures the root
+    if server_args.hicache_storage_backend is not None:
+        log.info("TIERD is set, but --hicache-storage-backend was given: that one is used")
+        return
+    server_args.enable_hierarchical_cache = True
+    server_args.hicache_storage_backend = "dynamic"
+    server_args.hicache_storage_backend_extra_config = json.dumps(
+        sglang_extra_config(switch.socket)
+    )
+    log.info(
+        "tierd on (TIERD): HiCache storage backend at %s (socket from %s)",
+        switch.socket,
+        switch.source,
     )
