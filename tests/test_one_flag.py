@@ -84,6 +84,8 @@ async def test_engine_config_vllm_names_the_daemons_socket_and_block_size(
     as_json = await engine_config("vllm", "--socket", sock, "--json", "--namespace", "team-a")
     assert as_json.returncode == 0, as_json.stderr
     assert json.loads(as_json.stdout) == vllm_transfer_config(sock, namespace="team-a")
+    cpu = await engine_config("vllm", "--socket", sock, "--json", "--cpu-build")
+    assert json.loads(cpu.stdout) == vllm_transfer_config(sock, cpu_build=True)
 
 
 async def test_engine_config_finds_the_socket_as_client_commands_do(

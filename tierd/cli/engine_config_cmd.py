@@ -58,6 +58,11 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help=f"vLLM only: its own CPU tier in front of tierd (default {VLLM_CPU_BYTES})",
     )
+    parser.add_argument(
+        "--cpu-build",
+        action="store_true",
+        help="vLLM only: for vLLM's CPU build (tierd's torch-copy spec; TIERD=1 picks it there)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON to paste")
 
 
@@ -65,7 +70,9 @@ def engine_json(args: argparse.Namespace, socket: str) -> dict[str, Any]:
     """The JSON value the engine takes, for this daemon's socket."""
     uids = list(trusted_uids(args))
     if args.engine == "vllm":
-        config = vllm_transfer_config(socket, namespace=args.namespace, cpu_bytes=args.cpu_bytes)
+        config = vllm_transfer_config(
+            socket, namespace=args.namespace, cpu_bytes=args.cpu_bytes, cpu_build=args.cpu_build
+        )
         if uids:
             config["kv_connector_extra_config"]["secondary_tiers"][0]["server_uids"] = uids
         return config
@@ -89,7 +96,8 @@ def command_lines(args: argparse.Namespace, socket: str, value: dict[str, Any]) 
         ]
     switch = "1" if socket == str(default_socket_path()) else shlex.quote(socket)
     lines = [f"vllm serve {model} --kv-transfer-config {text}"]
-    if args.namespace is None and not trusted_uids(args) and args.cpu_bytes == VLLM_CPU_BYTES:
+    defaults = args.namespace is None and not trusted_uids(args)
+    if defaults and args.cpu_bytes == VLLM_CPU_BYTES:
         lines += [
             "# the same, with tierd installed in vLLM's environment (docs/vllm.md):",
             f"{SWITCH_ENV}={switch} vllm serve {model}",
