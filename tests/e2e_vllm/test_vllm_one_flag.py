@@ -8,7 +8,7 @@ plugin fills in the config (on this CPU platform with tierd's plain-torch copy w
 ``tierd.integrations.vllm_cpu``). Proof that tierd served it: after vLLM's own prefix
 cache and CPU tier are emptied the prompt's six full blocks come back cached, and the
 daemon counts six stores and six hits. The same engine without ``TIERD`` gets no transfer
-config (the plugin changes nothing). About a minute on 2 cores.
+config (the plugin changes nothing). About 90 s on 2 cores.
 """
 
 from __future__ import annotations
