@@ -13,11 +13,14 @@ per line on stdin and answers each with one line ``@@answer {json}`` on stdout:
   unlock, or the adapter's ``delete`` of those keys.
 - ``{"op": "status"}``: the adapter's ``report_status()``; ``{"op": "quit"}``.
 
-Every answer carries each task's wall time. ``--check`` only imports (scripts/setup_lmcache).
+Every answer carries each task's wall time. ``--in-loop`` (after the arguments) builds the
+adapter inside a running event loop, as LMCache's MP server does. ``--check`` only imports
+(scripts/setup_lmcache).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import select
 import sys
@@ -50,7 +53,7 @@ def check() -> None:
 
 
 class Server:
-    def __init__(self, spec: str, block: int, model: str) -> None:
+    def __init__(self, spec: str, block: int, model: str, in_loop: bool = False) -> None:
         import argparse
 
         import torch
@@ -59,7 +62,14 @@ class Server:
 
         self.torch = torch
         config = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[spec]))
-        self.adapter = create_l2_adapter(config.adapters[0])
+        if in_loop:  # as LMCache's MP server does: inside its HTTP frontend's event loop
+
+            async def build() -> Any:
+                return create_l2_adapter(config.adapters[0])
+
+            self.adapter = asyncio.run(build())
+        else:
+            self.adapter = create_l2_adapter(config.adapters[0])
         self.block = block
         self.model = model
 
@@ -211,7 +221,7 @@ def main() -> None:
         check()
         return
     spec, block, model = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    Server(spec, block, model).serve()
+    Server(spec, block, model, in_loop=sys.argv[4:] == ["--in-loop"]).serve()
 
 
 if __name__ == "__main__":

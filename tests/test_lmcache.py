@@ -71,9 +71,10 @@ def child_env() -> dict[str, str]:
 class Lmcache:
     """One LMCache process running tests/lmcache_driver.py; commands answered in order."""
 
-    def __init__(self, spec: str, block: int = BLOCK) -> None:
+    def __init__(self, spec: str, block: int = BLOCK, *, in_loop: bool = False) -> None:
+        extra = ["--in-loop"] if in_loop else []
         self.proc = subprocess.Popen(
-            [str(LMCACHE_PYTHON), str(DRIVER), spec, str(block), MODEL],
+            [str(LMCACHE_PYTHON), str(DRIVER), spec, str(block), MODEL, *extra],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -136,8 +137,8 @@ def lmcache() -> Any:
     """``lmcache(spec)`` starts an LMCache process; all are closed at the end."""
     started: list[Lmcache] = []
 
-    def start(spec: str, block: int = BLOCK) -> Lmcache:
-        started.append(Lmcache(spec, block))
+    def start(spec: str, block: int = BLOCK, *, in_loop: bool = False) -> Lmcache:
+        started.append(Lmcache(spec, block, in_loop=in_loop))
         return started[-1]
 
     yield start
@@ -353,3 +354,16 @@ async def test_a_lock_pins_the_blocks_until_unlock_and_delete_goes_through_the_d
             break
     else:
         raise AssertionError("the adapter's delete left the blocks in the daemon")
+
+
+async def test_the_adapter_starts_inside_a_running_event_loop_as_lmcache_server_builds_it(
+    tmp_path: Path, spawn: Any, lmcache: Any
+) -> None:
+    # `lmcache server` builds its L2 adapters in its HTTP frontend's start-up, on a running
+    # event loop: the adapter's first contact with the daemon must not need a loop of its
+    # own on that thread.
+    daemon = await spawn(config(tmp_path))
+    server = lmcache(adapter_json(daemon.socket_path, deadline_s=DEADLINE_S), in_loop=True)
+    assert server.ask("status")["block_bytes"] == BLOCK, server.log()
+    assert server.store(seed=1, count=4)["ok"]
+    assert all_identical(server.load(seed=1, count=4), 4)

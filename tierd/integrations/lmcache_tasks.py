@@ -16,6 +16,7 @@ failed task (logged), never into an exception in LMCache's threads.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -111,7 +112,9 @@ class Tasks:
             return client.block_bytes
 
         try:
-            daemon_bytes = asyncio.run(hello())
+            # On a thread of its own: LMCache's MP server builds adapters on a running loop.
+            with concurrent.futures.ThreadPoolExecutor(1, "tierd-lmcache-hello") as one:
+                daemon_bytes = one.submit(lambda: asyncio.run(hello())).result()
         except TimeoutError:
             raise Unreachable(f"no hello from the daemon at {self.socket_path}") from None
         except (UntrustedDaemon, DaemonError) as exc:
