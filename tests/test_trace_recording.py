@@ -109,8 +109,11 @@ async def test_recording_is_per_tenant_and_only_an_operator_turns_it_on(
         assert bad.value.code == "bad_request"
         assert (await client.request("trace", enabled=False))["trace"]["recorded"] == 2
     for tenant, want in (("alpha", keys[0]), ("beta", keys[1])):
-        (request,) = read_trace(tmp_path / "traces" / f"{tenant}.jsonl").requests
-        assert list(request.keys) == [int_key(hash_id(k.encode())) for k in want]
+        path = tmp_path / "traces" / f"{tenant}.jsonl"
+        (request,) = read_trace(path).requests
+        # A recorded line names its namespace: read back, its keys follow that id.
+        namespace = bytes.fromhex(json.loads(path.read_text())["namespace"])
+        assert list(request.keys) == [namespace + int_key(hash_id(k.encode())) for k in want]
 
 
 def test_files_rotate_at_their_size_and_keep_a_bounded_number(tmp_path: Path) -> None:
@@ -124,4 +127,4 @@ def test_files_rotate_at_their_size_and_keep_a_bounded_number(tmp_path: Path) ->
     assert names == ["t.jsonl", "t.jsonl.1", "t.jsonl.2"]
     assert all((tmp_path / n).stat().st_size <= 4096 for n in names)
     last = read_trace(tmp_path / "t.jsonl").requests[-1]
-    assert last.keys[0] == int_key(199)
+    assert last.keys[0] == b"\0" * 8 + int_key(199)  # after the recorded namespace's id
