@@ -12,13 +12,16 @@ deadline): a task that never finished used to be the failure, not a slow one.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -367,3 +370,59 @@ async def test_the_adapter_starts_inside_a_running_event_loop_as_lmcache_server_
     assert server.ask("status")["block_bytes"] == BLOCK, server.log()
     assert server.store(seed=1, count=4)["ok"]
     assert all_identical(server.load(seed=1, count=4), 4)
+
+
+# -- 6. LMCache's MP server --------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_server(command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("wb") as log:
+        return subprocess.Popen(command, stdout=log, stderr=log, env=child_env(), cwd="/")
+
+
+def get_json(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        return dict(json.loads(reply.read()))
+
+
+async def server_status(url: str, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    """``GET /status`` of a starting ``lmcache server``, polled until it answers (start-up:
+    nothing to wait on but the port); bounded by ANSWER_S, failing at once if it exits."""
+    deadline = time.monotonic() + ANSWER_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"lmcache server exited with {proc.returncode}")
+        try:
+            return await asyncio.to_thread(get_json, url)
+        except OSError:
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"lmcache server did not answer {url} within {ANSWER_S} s")
+
+
+async def test_lmcache_server_builds_the_adapter_from_the_documented_json(
+    tmp_path: Path, spawn: Any
+) -> None:
+    daemon = await spawn(config(tmp_path))
+    http_port = free_port()
+    command = [str(LMCACHE_PYTHON), "-m", "lmcache.cli.main", "server"]
+    command += ["--host", "127.0.0.1", "--port", str(free_port())]
+    command += ["--http-host", "127.0.0.1", "--http-port", str(http_port)]
+    command += ["--l1-size-gb", "0.05", "--eviction-policy", "LRU", "--disable-observability"]
+    command += ["--l2-adapter", adapter_json(daemon.socket_path)]
+    log_path = tmp_path / "lmcache-server.log"
+    proc = start_server(command, log_path)
+    try:
+        status = await server_status(f"http://127.0.0.1:{http_port}/status", proc)
+        (adapter,) = status["storage_manager"]["l2_adapters"]
+        assert adapter["type"] == "tierd" and adapter["is_healthy"] is True, adapter
+        assert adapter["block_bytes"] == BLOCK and adapter["refusal"] is None, adapter
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, ANSWER_S)
+    assert "MPCacheServer closed" in log_path.read_text(), log_path.read_text()[-3000:]

@@ -263,6 +263,7 @@ class Tasks:
             locked = sum(len(pins) for pins in self._locks.values())
         return {
             "is_healthy": self.refusal is None
+            and self.block_bytes is not None  # the daemon answered once at least
             and all(s.link.connected and not s.link.breaker.is_open for s in spaces),
             "type": "tierd",
             "socket": self.socket_path,
