@@ -228,7 +228,7 @@ class TierdL2Adapter(L2AdapterInterface):
     def get_usage(self) -> AdapterUsage:
         """The bytes the daemon holds in this adapter's namespaces (as of its last answer,
         asked at most once a second), per cache salt; capacity 0: tierd evicts."""
-        by_salt = self._tasks.usage()
+        by_salt = self._tasks.guarded(self._tasks.usage) or {}
         return AdapterUsage(
             total_bytes_used=sum(by_salt.values()),
             total_capacity_bytes=0,
