@@ -26,8 +26,6 @@ from pydantic import BaseModel, ValidationError
 
 from tierd.config.chain import (
     ChainConfig,
-    RemoteConfig,
-    S3Config,
     TierConfig,
     TierKind,
     TransferConfig,
@@ -45,6 +43,7 @@ from tierd.config.daemon import (
     default_socket_path,
     tenant_chain,
 )
+from tierd.config.remote import RemoteConfig, S3Config
 from tierd.configfile import AT_PATH, format_validation_error, problem_line, read_config_file
 from tierd.errors import ConfigError
 from tierd.units import parse_mode, parse_seconds, parse_size

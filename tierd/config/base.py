@@ -12,19 +12,38 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 from pydantic_core import PydanticCustomError
 
 from tierd.configfile import AT_PATH
+from tierd.policy.admission import Admission
 from tierd.units import parse_block_size, parse_mode, parse_seconds, parse_size
 
-__all__ = ["BlockSize", "Mode", "Seconds", "Size", "StrictModel", "error_at", "errors_at"]
+__all__ = [
+    "AdmissionRule",
+    "BlockSize",
+    "Mode",
+    "Seconds",
+    "Size",
+    "StrictModel",
+    "error_at",
+    "errors_at",
+]
 
 Size = Annotated[int, BeforeValidator(parse_size)]
 BlockSize = Annotated[int, BeforeValidator(parse_block_size)]  # no decimal units
 Mode = Annotated[int, BeforeValidator(parse_mode)]
 Seconds = Annotated[float, BeforeValidator(parse_seconds)]
 _AT = AT_PATH  # the error type of error_at: format_validation_error reads its path
+
+
+def _admission_rule(value: str) -> str:
+    Admission.parse(value)  # raises ValueError naming what is allowed
+    return value
+
+
+# A level's admission rule (``always``, ``reuse>=2``, ``comeback>=0.1|sample<=0.5``, ...).
+AdmissionRule = Annotated[str, AfterValidator(_admission_rule)]
 
 
 def error_at(path: str, message: str) -> PydanticCustomError:
