@@ -11,6 +11,7 @@ per line on stdin and answers each with one line ``@@answer {json}`` on stdout:
   compare with what a store of s put there, unlock.
 - ``{"op": "lock" | "unlock" | "delete", "seed": s, "count": n}``: lookup-and-lock only,
   unlock, or the adapter's ``delete`` of those keys.
+- ``{"op": "as_user", "model": m, "salt": s}``: later keys name model m, cache salt s.
 - ``{"op": "status"}``: the adapter's ``report_status()``; ``{"op": "quit"}``.
 
 Every answer carries each task's wall time. ``--in-loop`` (after the arguments) builds the
@@ -72,6 +73,7 @@ class Server:
             self.adapter = create_l2_adapter(config.adapters[0])
         self.block = block
         self.model = model
+        self.salt = ""  # LMCache's per-user isolation (the ``salt`` command sets it)
 
     def keys(self, seed: int, count: int) -> list[Any]:
         from lmcache.v1.distributed.api import ObjectKey
@@ -81,6 +83,7 @@ class Server:
                 chunk_hash=(seed * 1_000_003 + i).to_bytes(16, "big"),
                 model_name=self.model,
                 kv_rank=i % 2,
+                cache_salt=self.salt,
             )
             for i in range(count)
         ]
@@ -182,6 +185,11 @@ class Server:
             "lookup_s": lookup_s,
             "load_s": load_s,
         }
+
+    def as_user(self, model: str, salt: str) -> dict[str, Any]:
+        """Later keys name ``model`` and carry ``salt``."""
+        self.model, self.salt = model, salt
+        return {"model": model, "salt": salt}
 
     def lock(self, seed: int, count: int) -> dict[str, Any]:
         """Lookup-and-lock only; the keys stay locked until ``unlock``."""

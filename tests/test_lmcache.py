@@ -324,6 +324,28 @@ async def test_objects_of_another_size_fail_their_tasks_and_say_what_to_set(
     assert not named.store(seed=1, count=4)["ok"]
 
 
+# -- 4b. what is not interchangeable stays apart ----------------------------------------------
+
+
+async def test_another_cache_salt_or_model_misses_and_gets_a_namespace_of_its_own(
+    tmp_path: Path, spawn: Any, lmcache: Any
+) -> None:
+    daemon = await spawn(config(tmp_path))
+    spec = adapter_json(daemon.socket_path, deadline_s=DEADLINE_S)
+    alice, other = lmcache(spec), lmcache(spec)
+    alice.ask("as_user", model=MODEL, salt="alice")
+    assert alice.store(seed=1, count=6)["ok"]
+    for model, salt in ((MODEL, "bob"), (MODEL, ""), ("org/other-7b", "alice")):
+        other.ask("as_user", model=model, salt=salt)
+        assert other.load(seed=1, count=6)["found"] == 0, (model, salt)
+    other.ask("as_user", model=MODEL, salt="alice")
+    assert all_identical(other.load(seed=1, count=6), 6)
+    spaces = set(other.ask("status")["namespaces"])
+    assert len(spaces) == 4 and all(s.startswith("lmcache/") for s in spaces), spaces
+    # The same facts name the same namespace in every LMCache process.
+    assert set(alice.ask("status")["namespaces"]) < spaces
+
+
 # -- 5. locks pin blocks in the daemon until LMCache unlocks them ----------------------------
 
 
