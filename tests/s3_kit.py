@@ -135,6 +135,7 @@ class SeaweedServer:
         self.volume_mb = volume_mb
         self.volumes = volumes
         self.proc: subprocess.Popen[bytes] | None = None
+        self._probes: list[str] = []  # objects written at each start, read at the next
         self._log: IO[bytes] | None = None
 
     @property
@@ -189,7 +190,7 @@ class SeaweedServer:
                 raise RuntimeError(
                     f"seaweedfs exited with {self.proc.returncode}:\n{self.log_tail()}"
                 )
-            if self._s3_answers():
+            if self._s3_answers() and self._serves_data():
                 return self
             time.sleep(0.05)
         self.kill()
@@ -219,6 +220,25 @@ class SeaweedServer:
             if "NoSuchBucket" in str(exc):
                 return False
             raise
+        return True
+
+    def _serves_data(self) -> bool:
+        """True once objects can be written and read back, those of earlier starts
+        included: after a restart the gateway lists the bucket a while before the volume
+        server has registered again, and reads of old objects answer 500 until it has."""
+        import obstore
+        from obstore.exceptions import GenericError
+
+        store = self.store(retry_config={"max_retries": 0}, client_options={"timeout": "5s"})
+        probe = f"kit-probe/{len(self._probes)}"
+        try:
+            obstore.put(store, probe, probe.encode())
+            for name in (*self._probes, probe):
+                if bytes(obstore.get(store, name).bytes()) != name.encode():
+                    raise RuntimeError(f"seaweedfs read back a wrong probe object {name}")
+        except GenericError:
+            return False
+        self._probes.append(probe)
         return True
 
     def log_tail(self, lines: int = 40) -> str:
