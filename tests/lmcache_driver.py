@@ -14,6 +14,12 @@ per line on stdin and answers each with one line ``@@answer {json}`` on stdout:
 - ``{"op": "as_user", "model": m, "salt": s}``: later keys name model m, cache salt s.
 - ``{"op": "status"}``: the adapter's ``report_status()``; ``{"op": "quit"}``.
 
+With a ``"serde"`` sub-dict in the JSON the adapter is wrapped as LMCache's storage
+manager wraps it (``SerdeL2AdapterWrapper`` around it, temporary buffers from a real
+``L1Manager``); the objects are then bf16 tensors of ``block`` bytes, and a load counts as
+``identical`` when it equals what the fp8 round trip of the stored tensor gives, and as
+``within`` when it is within fp8's tolerance of the stored tensor (``exact``: equal to it).
+
 Every answer carries each task's wall time. ``--in-loop`` (after the arguments) builds the
 adapter inside a running event loop, as LMCache's MP server does. ``--check`` only imports
 (scripts/setup_lmcache).
@@ -63,17 +69,34 @@ class Server:
 
         self.torch = torch
         config = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[spec]))
+        adapter_config = config.adapters[0]
         if in_loop:  # as LMCache's MP server does: inside its HTTP frontend's event loop
 
             async def build() -> Any:
-                return create_l2_adapter(config.adapters[0])
+                return create_l2_adapter(adapter_config)
 
             self.adapter = asyncio.run(build())
         else:
-            self.adapter = create_l2_adapter(config.adapters[0])
+            self.adapter = create_l2_adapter(adapter_config)
+        self.serde = adapter_config.serde_config is not None
+        self.l1: Any = None
+        if self.serde:
+            self.adapter = self.with_serde(self.adapter, adapter_config.serde_config)
         self.block = block
         self.model = model
         self.salt = ""  # LMCache's per-user isolation (the ``salt`` command sets it)
+
+    def with_serde(self, inner: Any, serde_config: Any) -> Any:
+        """``inner`` wrapped as LMCache's StorageManager wraps an adapter with serde."""
+        from lmcache.v1.distributed.config import L1ManagerConfig, L1MemoryManagerConfig
+        from lmcache.v1.distributed.l1_manager import L1Manager
+        from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper
+        from lmcache.v1.distributed.serde import create_serde_processor
+
+        memory = L1MemoryManagerConfig(size_in_bytes=64 << 20, use_lazy=False, shm_name="")
+        self.l1 = L1Manager(L1ManagerConfig(memory_config=memory))
+        serde = create_serde_processor(serde_config)
+        return SerdeL2AdapterWrapper(inner=inner, serde=serde, l1_manager=self.l1)
 
     def keys(self, seed: int, count: int) -> list[Any]:
         from lmcache.v1.distributed.api import ObjectKey
@@ -90,6 +113,10 @@ class Server:
 
     def pattern(self, seed: int, i: int) -> Any:
         torch = self.torch
+        if self.serde:  # KV-like bf16 values, as bytes
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + i)
+            values = torch.randn(self.block // 2, generator=generator).to(torch.bfloat16)
+            return values.view(torch.uint8)
         step = (seed * 31 + i * 7) % 251 + 1
         return ((torch.arange(self.block, dtype=torch.int64) * step + i) % 256).to(torch.uint8)
 
@@ -106,13 +133,17 @@ class Server:
             raw = torch.zeros(self.block, dtype=torch.uint8)
             if fill is not None:
                 raw.copy_(fill(i))
+            dtype = torch.bfloat16 if self.serde else torch.uint8
+            shape = torch.Size([self.block // dtype.itemsize])
             meta = MemoryObjMetadata(
-                shape=torch.Size([self.block]),
-                dtype=torch.uint8,
+                shape=shape,
+                dtype=dtype,
                 address=0,
                 phy_size=self.block,
                 fmt=MemoryFormat.KV_2LTD,
                 ref_count=1,
+                shapes=[shape],
+                dtypes=[dtype],
             )
             out.append(TensorMemoryObj(raw_data=raw, metadata=meta, parent_allocator=None))
         return out
@@ -166,6 +197,8 @@ class Server:
         if found is None:
             return {"finished": False, "lookup_s": lookup_s}
         hits = [i for i in range(count) if found.test(i)]
+        if self.serde and not hits:  # LMCache's serde wrapper raises IndexError on no keys
+            return {"finished": True, "found": 0, "loaded": 0, "lookup_s": lookup_s}
         objs = self.objects(count)
         started = time.monotonic()
         task = self.adapter.submit_load_task([keys[i] for i in hits], [objs[i] for i in hits])
@@ -176,15 +209,32 @@ class Server:
         if loaded is None:
             return {"finished": False, "found": len(hits), "lookup_s": lookup_s}
         good = [hits[j] for j in range(len(hits)) if loaded.test(j)]
-        same = sum(bool(self.torch.equal(objs[i].raw_data, self.pattern(seed, i))) for i in good)
-        return {
+        answer = {
             "finished": True,
             "found": len(hits),
             "loaded": len(good),
-            "identical": same,
             "lookup_s": lookup_s,
             "load_s": load_s,
         }
+        if self.serde:
+            return answer | self.compare_fp8(seed, [(i, objs[i]) for i in good])
+        same = sum(bool(self.torch.equal(objs[i].raw_data, self.pattern(seed, i))) for i in good)
+        return answer | {"identical": same}
+
+    def compare_fp8(self, seed: int, loaded: list[tuple[int, Any]]) -> dict[str, int]:
+        """How many loaded bf16 objects equal the fp8 round trip of what was stored
+        (``identical``), lie within fp8 e4m3's tolerance of it (``within``: relative
+        2**-4, absolute 2**-9 near zero) or equal it (``exact``)."""
+        torch = self.torch
+        counts = {"identical": 0, "within": 0, "exact": 0}
+        for i, obj in loaded:
+            stored = self.pattern(seed, i).view(torch.bfloat16)
+            got = obj.raw_data.view(torch.bfloat16)
+            expected = stored.to(torch.float8_e4m3fn).to(torch.bfloat16)
+            counts["identical"] += bool(torch.equal(got, expected))
+            counts["within"] += bool(torch.allclose(got, stored, rtol=2**-4, atol=2**-9))
+            counts["exact"] += bool(torch.equal(got, stored))
+        return counts
 
     def as_user(self, model: str, salt: str) -> dict[str, Any]:
         """Later keys name ``model`` and carry ``salt``."""
@@ -222,6 +272,8 @@ class Server:
                 answer = getattr(self, op)(**command)
             print(ANSWER_TAG + json.dumps(answer, default=str), flush=True)
         self.adapter.close()
+        if self.l1 is not None:
+            self.l1.close()
 
 
 def main() -> None:

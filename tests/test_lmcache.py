@@ -324,6 +324,42 @@ async def test_objects_of_another_size_fail_their_tasks_and_say_what_to_set(
     assert not named.store(seed=1, count=4)["ok"]
 
 
+# -- 4a. LMCache's per-adapter serde (fp8) on top of the adapter -----------------------------
+
+
+FP8 = {"type": "fp8", "fp8_dtype": "float8_e4m3fn"}
+
+
+def with_serde(spec: str, serde: dict[str, Any]) -> str:
+    return json.dumps({**json.loads(spec), "serde": serde})
+
+
+async def test_fp8_serde_wraps_the_adapter_and_the_daemon_stores_the_serialised_half(
+    tmp_path: Path, spawn: Any, lmcache: Any
+) -> None:
+    # `lmcache bench l2` builds the adapter without LMCache's serde wrapper (only its
+    # storage manager wraps), so the driver wraps it the same way. bf16 objects of BLOCK
+    # bytes serialise to BLOCK // 2 bytes of fp8: the daemon's blocks are that size.
+    daemon = await spawn(config(tmp_path, BLOCK // 2))
+    spec = with_serde(adapter_json(daemon.socket_path, namespace="fp8"), FP8)
+    writer, reader = lmcache(spec), lmcache(spec)
+    assert writer.ask("status")["serde_wrapped"] is True
+    stored = writer.store(seed=1, count=8)
+    assert stored["ok"] and stored["bytes"] == 8 * (BLOCK // 2), (stored, writer.log())
+    loaded = reader.load(seed=1, count=8)
+    assert loaded["finished"] and loaded["found"] == loaded["loaded"] == 8, loaded
+    # Lossy: each object is the fp8 round trip of what was stored, within fp8's tolerance.
+    assert loaded["identical"] == loaded["within"] == 8 and loaded["exact"] == 0, loaded
+    assert reader.load(seed=2, count=4)["found"] == 0
+    # A daemon sized to the raw objects refuses the serialised ones and names the size.
+    (tmp_path / "raw").mkdir()
+    raw = await spawn(config(tmp_path / "raw", BLOCK))
+    spec = with_serde(adapter_json(raw.socket_path, deadline_s=DEADLINE_S), FP8)
+    mis = lmcache(spec)
+    assert not mis.store(seed=3, count=2)["ok"]
+    assert f"`block_bytes: {BLOCK // 2}`" in mis.log(), mis.log()
+
+
 # -- 4b. what is not interchangeable stays apart ----------------------------------------------
 
 
