@@ -178,9 +178,7 @@ class Daemon:
         restore = self._install_signals()
         metrics: asyncio.Server | None = None
         try:
-            metrics = await start_metrics_http(
-                self.config.metrics, server.ctx, server.connections
-            )
+            metrics = await start_metrics_http(self.config.metrics, server.ctx, server.connections)
             await server.start()
             log.info("ready", socket=str(self.config.socket.path), pid=os.getpid())
             # Every object made so far (modules, config, tiers: ~50,000) lives as long as
