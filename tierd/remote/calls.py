@@ -35,7 +35,6 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 from redis.retry import Retry
 
-from tierd.remote.breaker import CircuitBreaker
 from tierd.remote.guard import guarded_parser
 from tierd.remote.notes import CallNotes
 
@@ -87,12 +86,7 @@ class RemoteCalls(CallNotes):
     rate; never an exception."""
 
     def __init__(self, settings: RemoteSettings) -> None:
-        breaker = CircuitBreaker(
-            failures=settings.breaker_failures,
-            backoff_s=settings.breaker_backoff_s,
-            max_backoff_s=settings.breaker_max_backoff_s,
-        )
-        super().__init__(settings.name, breaker)
+        super().__init__(settings)
         self.settings = settings
         self.client: Any = None
         self._cluster_ready = False

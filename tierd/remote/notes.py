@@ -10,11 +10,12 @@ read the same fields from either.
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 from tierd.logs import get_logger
 from tierd.remote.breaker import CircuitBreaker
 
-__all__ = ["CallNotes"]
+__all__ = ["CallNotes", "LevelSettings"]
 
 log = get_logger("tierd.remote")
 
@@ -22,12 +23,29 @@ _LOG_EVERY_S = 10.0  # a dead server must not flood the log
 _MAX_NOTE = 300  # characters of a failure's message kept in last_error
 
 
+class LevelSettings(Protocol):
+    """What the notes read of a level's settings (Redis's and S3's both have it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def breaker_failures(self) -> int: ...
+    @property
+    def breaker_backoff_s(self) -> float: ...
+    @property
+    def breaker_max_backoff_s(self) -> float: ...
+
+
 class CallNotes:
     """The breaker and the fault counts of one level's calls."""
 
-    def __init__(self, name: str, breaker: CircuitBreaker) -> None:
-        self.name = name
-        self.breaker = breaker
+    def __init__(self, settings: LevelSettings) -> None:
+        self.name = settings.name
+        self.breaker = CircuitBreaker(
+            failures=settings.breaker_failures,
+            backoff_s=settings.breaker_backoff_s,
+            max_backoff_s=settings.breaker_max_backoff_s,
+        )
         self.timeouts = 0  # calls past the deadline
         self.errors = 0  # calls that failed (connection, error reply)
         self.busy = 0  # calls whose deadline passed while every pooled connection was in use

@@ -25,7 +25,6 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any, TypeVar
 
-from tierd.remote.breaker import CircuitBreaker
 from tierd.remote.notes import CallNotes
 
 __all__ = ["ABSENT", "FAILED", "HELD", "Outcome", "S3Calls", "S3Settings"]
@@ -75,12 +74,7 @@ class S3Calls(CallNotes):
     exception to the caller."""
 
     def __init__(self, settings: S3Settings) -> None:
-        breaker = CircuitBreaker(
-            failures=settings.breaker_failures,
-            backoff_s=settings.breaker_backoff_s,
-            max_backoff_s=settings.breaker_max_backoff_s,
-        )
-        super().__init__(settings.name, breaker)
+        super().__init__(settings)
         self.settings = settings
         self.store: Any = None
         self._slots = asyncio.Semaphore(settings.pool_size)
