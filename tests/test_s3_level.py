@@ -514,3 +514,20 @@ def test_config_check_names_the_bad_value(
 def test_config_check_accepts_a_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     quiet_environ(monkeypatch, tmp_path)
     assert check(tmp_path, {"url": "redis://127.0.0.1:6379/0", "below": S3})[0] == 0
+
+
+def test_stats_of_several_tenants_keep_each_levels_latest_error() -> None:
+    """Tenants' stats merged: each level of a stack keeps its latest error and its time
+    (not the first tenant's, not a sum of times), and adds its counts up."""
+    from tierd.control.stats import merge_stats
+
+    def snapshot(at: float, error: str) -> dict[str, Any]:
+        level = {"state": "closed", "errors": 1, "last_error": error, "last_error_at": at}
+        levels = [{**level, "name": "redis"}, {**level, "name": "s3", "recovered": False}]
+        remote = {**level, "name": "redis+s3", "recovered": False, "levels": levels}
+        chain = {"hit_blocks": 0, "miss_blocks": 0}
+        return {"block_bytes": BLOCK, "tiers": [], "routes": [], "chain": chain, "remote": remote}
+
+    merged = merge_stats([snapshot(100.0, "early"), snapshot(200.0, "late")])
+    for level in merged["remote"]["levels"]:
+        assert (level["last_error"], level["last_error_at"], level["errors"]) == ("late", 200.0, 2)

@@ -101,7 +101,7 @@ def merge_stats(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     """One snapshot for several chains of the same tiers (one per tenant): counts and
     sizes add up, tier by tier and route by route; ratios are computed again."""
     first = snapshots[0]
-    tiers = [_add([s["tiers"][i] for s in snapshots]) for i in range(len(first["tiers"]))]
+    tiers = [_add(list(level)) for level in zip(*(s["tiers"] for s in snapshots), strict=True)]
     by_route: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for snapshot in snapshots:
         for route in snapshot["routes"]:
@@ -117,27 +117,31 @@ def merge_stats(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     looked_up = chain["hit_blocks"] + chain["miss_blocks"]
     chain["hit_ratio"] = round(chain["hit_blocks"] / looked_up, 6) if looked_up else 0.0
     remotes = [s["remote"] for s in snapshots if s.get("remote")]
-    remote = None
-    if remotes:
-        remote = _add(remotes)
-        states = [r["state"] for r in remotes if r["state"] != "closed"]
-        remote["state"] = states[0] if states else "closed"
-        latest = max(remotes, key=lambda r: float(r.get("last_error_at", 0.0)))
-        for key in ("last_error", "last_error_at", "recovered"):
-            remote[key] = latest.get(key, remote.get(key))
-        if "levels" in remote:  # a stack: each level added up over the tenants too
-            per_tenant = [r["levels"] for r in remotes]
-            remote["levels"] = [_add(list(level)) for level in zip(*per_tenant, strict=True)]
     merged = {
         "block_bytes": first["block_bytes"],
         "tiers": tiers,
-        "remote": remote,
+        "remote": _merge_remote(remotes) if remotes else None,
         "routes": routes,
         "chain": chain,
     }
     if all("leases" in s for s in snapshots):  # a tenant's own lease counters
         merged["leases"] = _add([s["leases"] for s in snapshots])
     return merged
+
+
+def _merge_remote(remotes: list[dict[str, Any]]) -> dict[str, Any]:
+    """One remote level over several tenants: counts added up, the worst breaker state, the
+    latest error with its time (never a sum of times); a stack's levels the same way."""
+    remote = _add(remotes)
+    states = [r["state"] for r in remotes if r["state"] != "closed"]
+    remote["state"] = states[0] if states else "closed"
+    latest = max(remotes, key=lambda r: float(r.get("last_error_at", 0.0)))
+    for key in ("last_error", "last_error_at", "recovered"):
+        remote[key] = latest.get(key, remote.get(key))
+    if "levels" in remote:
+        per_tenant = [r["levels"] for r in remotes]
+        remote["levels"] = [_merge_remote(list(level)) for level in zip(*per_tenant, strict=True)]
+    return remote
 
 
 def _add(items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -314,26 +318,22 @@ class _SnapshotCollector(Collector):
             yield family
 
     def _remote(self, remote: dict[str, Any]) -> Iterator[Metric]:
-        # A stack of levels (Redis over S3) gives one sample per level; the chain's own
-        # counts (lookup hits, promotions) go with the first, where blocks leave the node.
-        rows = (
-            [{**remote, **remote["levels"][0]}, *remote["levels"][1:]]
-            if "levels" in remote
-            else [remote]
-        )
+        # A stack: one sample per level; the chain's own counts go with the first level.
+        levels = remote.get("levels")
+        rows = [{**remote, **levels[0]}, *levels[1:]] if levels else [remote]
+        labels = ["remote", "endpoint"]
         families = []
         for key, text in _REMOTE_COUNTERS:
-            family = CounterMetricFamily(f"tierd_remote_{key}", text, labels=["remote", "endpoint"])
+            family = CounterMetricFamily(f"tierd_remote_{key}", text, labels=labels)
             for row in rows:
                 family.add_metric([row["name"], row["endpoint"]], row.get(key, 0))
             families.append(family)
-        pending = GaugeMetricFamily(
-            "tierd_remote_pending_bytes", "Bytes queued to write", labels=["remote", "endpoint"]
-        )
+        queued = "Bytes queued to write"
+        pending = GaugeMetricFamily("tierd_remote_pending_bytes", queued, labels=labels)
         state = GaugeMetricFamily(
             "tierd_remote_breaker_open",
             "1 while the circuit breaker refuses calls (open or probing)",
-            labels=["remote", "endpoint"],
+            labels=labels,
         )
         for row in rows:
             pending.add_metric([row["name"], row["endpoint"]], row["pending_bytes"])
