@@ -484,3 +484,28 @@ async def test_lmcache_server_builds_the_adapter_from_the_documented_json(
         proc.terminate()
         await asyncio.to_thread(proc.wait, ANSWER_S)
     assert "MPCacheServer closed" in log_path.read_text(), log_path.read_text()[-3000:]
+
+
+# -- 7. the adapter's parts under faults, directly --------------------------------------------
+
+
+def _space(tmp_path: Path, workers: int = 2, socket_path: str = "") -> Any:
+    from tierd.integrations.lmcache_space import Space, SpaceSettings
+
+    path = socket_path or str(tmp_path / "no-daemon.sock")
+    return Space(SpaceSettings(path, "ns", BLOCK, 5.0, 3, 1.0, (), workers))
+
+
+def test_a_lease_chunk_leaves_room_for_every_worker_and_the_request_bound(
+    tmp_path: Path,
+) -> None:
+    space = _space(tmp_path, workers=2)
+    try:
+        space.lease_bound, space.request_bound = 400, 0
+        assert space.chunk() == 100  # locks, two workers' leases and a spare: 4 x 100
+        space.lease_bound, space.request_bound = 0, 64
+        assert space.chunk() == 64
+        space.lease_bound, space.request_bound = 3, 0
+        assert space.chunk() == 1  # at least one key
+    finally:
+        space.close()

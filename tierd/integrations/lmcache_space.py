@@ -49,6 +49,7 @@ class SpaceSettings:
     breaker_failures: int
     reconnect_max_s: float
     server_uids: tuple[int, ...]
+    workers: int = 2  # the adapter's threads: each may hold a store or load lease
 
 
 class Hold:
@@ -130,21 +131,22 @@ class Space:
         self._unreleased: list[Hold] = []  # releases that could not be sent yet
         self.used_bytes = 0  # the namespace's bytes in the daemon, at the last report
         self._usage_asked = 0.0
-        self.lease_bound = 0  # the daemon's max_lease_blocks, from its hello (0: none)
+        self.lease_bound = self.request_bound = 0  # from the daemon's hello (0: none)
         self.pinned = 0  # blocks locks hold pinned on the current connection
         self.link.on_connect.append(self._learn)
 
     def _learn(self, client: Client) -> None:
-        """A new connection: the daemon's bound on the blocks one connection holds (the
-        pins of the one before went with it)."""
+        """A new connection: the daemon's bounds (the pins of the one before went with it)."""
         self.lease_bound = int(client.info.get("max_lease_blocks") or 0)
+        self.request_bound = int(client.info.get("max_keys_per_request") or 0)
         with self._lock:
             self.pinned = 0
 
     def chunk(self) -> int:
-        """Keys per lease: half of what one connection may hold (a store and a lock of
-        the same namespace may both hold leases), at most ``_RUN_MAX``."""
-        return max(1, min(_RUN_MAX, self.lease_bound // 2 or _RUN_MAX))
+        """Keys per lease: a share of what one connection may hold (the locks, each
+        worker's store or load and one spare), at most the keys of one request."""
+        share = self.lease_bound // (self.settings.workers + 2) if self.lease_bound else _RUN_MAX
+        return max(1, min(_RUN_MAX, share, self.request_bound or _RUN_MAX))
 
     # -- stores -------------------------------------------------------------------------
 
@@ -247,8 +249,8 @@ class Space:
             self.pinned = max(0, self.pinned - blocks)
 
     def _budget(self, runs: list[tuple[int, list[bytes]]]) -> list[tuple[int, list[bytes]]]:
-        """The leading runs (the last one cut) that locks may pin: they hold at most half
-        of what the connection may (the rest is for loads and stores); the blocks are
+        """The leading runs (the last one cut) that locks may pin: they hold at most one
+        chunk of what the connection may (the rest is for loads and stores); the blocks are
         counted as pinned from here on (a refused run gives its share back)."""
         kept: list[tuple[int, list[bytes]]] = []
         with self._lock:

@@ -51,6 +51,8 @@ class _Settings(Protocol):
     def server_uids(self) -> tuple[int, ...]: ...
     @property
     def max_namespaces(self) -> int: ...
+    @property
+    def workers(self) -> int: ...
 
 
 class Refused(TierdError):
@@ -163,6 +165,7 @@ class Tasks:
                     s.breaker_failures,
                     s.reconnect_max_s,
                     s.server_uids,
+                    s.workers,
                 )
             )
             self._spaces[name] = space
