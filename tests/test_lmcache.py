@@ -509,3 +509,23 @@ def test_a_lease_chunk_leaves_room_for_every_worker_and_the_request_bound(
         assert space.chunk() == 1  # at least one key
     finally:
         space.close()
+
+
+def test_a_closed_event_fd_is_never_written_again_whatever_reused_its_number() -> None:
+    from tierd.integrations.lmcache_book import Book, StoreOutcome
+
+    book = Book()
+    task = book.new_task()
+    number = book.store_events.fd
+    reader, writer = os.pipe()
+    book.close()
+    reused = os.dup(writer)  # the lowest free number: the store fd's comes back
+    try:
+        book.stored(task, StoreOutcome(True, 1))
+        os.set_blocking(reader, False)
+        with pytest.raises(BlockingIOError):
+            os.read(reader, 64)  # nothing was written into the pipe
+        assert reused == number
+    finally:
+        for fd in (reader, writer, reused):
+            os.close(fd)

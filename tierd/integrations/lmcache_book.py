@@ -29,18 +29,22 @@ class StoreOutcome:
 class _Notifier:
     """One eventfd (non-blocking), signalled once per finished task."""
 
-    __slots__ = ("fd",)
+    __slots__ = ("_lock", "fd")
 
     def __init__(self) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._lock = threading.Lock()  # a closed fd's number may be reused at once
 
     def signal(self) -> None:
-        with contextlib.suppress(OSError):  # closed meanwhile: nobody waits any more
-            os.eventfd_write(self.fd, 1)
+        with self._lock, contextlib.suppress(OSError):  # full: it fires anyway
+            if self.fd >= 0:  # closed: nobody waits any more
+                os.eventfd_write(self.fd, 1)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        with self._lock:
+            fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class Book:
