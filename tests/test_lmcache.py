@@ -529,3 +529,34 @@ def test_a_closed_event_fd_is_never_written_again_whatever_reused_its_number() -
     finally:
         for fd in (reader, writer, reused):
             os.close(fd)
+
+
+async def test_a_deadline_passing_during_a_stores_copy_aborts_its_reservation(
+    tmp_path: Path, spawn: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierd.control.handshake import DaemonSilent
+    from tierd.integrations import lmcache_space
+
+    limits = {"lease_blocks_per_connection": 1, "store_lease_ttl_s": 600}
+    daemon = await spawn(config(tmp_path, limits=limits))
+    skew = [0.0]
+    copy = lmcache_space.copy_bytes
+
+    def slow_copy(dst: Any, src: Any) -> None:  # the copy outlasts the task's deadline
+        copy(dst, src)
+        skew[0] += 100.0
+
+    clock = type("Clock", (), {"monotonic": staticmethod(lambda: time.monotonic() + skew[0])})
+    monkeypatch.setattr(lmcache_space, "time", clock)
+    monkeypatch.setattr(lmcache_space, "copy_bytes", slow_copy)
+    space = _space(tmp_path, socket_path=daemon.socket_path)
+    try:
+        block = bytes(BLOCK)
+        with pytest.raises(DaemonSilent):
+            await asyncio.to_thread(space.store, [b"a"], [block], time.monotonic() + 5)
+        skew[0] = -100.0  # the next copy is in time
+        # The connection may hold one block: the reservation of b"a" was given back.
+        stored = await asyncio.to_thread(space.store, [b"b"], [block], time.monotonic() + 5)
+        assert stored == BLOCK
+    finally:
+        space.close()

@@ -177,6 +177,7 @@ class Space:
             for view, i in zip(lease.views(), lease.to_write, strict=True):
                 with view:
                     copy_bytes(view, sources[lease.keys[i]])
+            left = _left(expires)  # a deadline passed during the copy aborts too
         except BaseException:
             self._send_on(connection, lease.abort)
             raise
@@ -184,7 +185,7 @@ class Space:
         async def commit(client: Client) -> int:
             return await lease.commit()
 
-        stored = self.link.ask(commit, _left(expires))
+        stored = self.link.ask(commit, left)
         return len(lease.keys), stored * self.settings.block_bytes
 
     # -- lookup and lock ----------------------------------------------------------------
