@@ -560,3 +560,27 @@ async def test_a_deadline_passing_during_a_stores_copy_aborts_its_reservation(
         assert stored == BLOCK
     finally:
         space.close()
+
+
+async def test_a_busy_daemon_at_the_first_hello_is_asked_again_not_refused_for_good(
+    tmp_path: Path, spawn: Any
+) -> None:
+    from tierd.client import Unreachable
+    from tierd.integrations.lmcache_tasks import Tasks
+
+    class Settings:
+        namespace, block_bytes, deadline_s, breaker_failures = "ns", None, 5.0, 3
+        reconnect_max_s, server_uids, max_namespaces, workers = 1.0, (), 4, 2
+
+    daemon = await spawn(config(tmp_path, limits={"max_connections": 1}))
+    tasks = Tasks(Settings(), daemon.socket_path)
+    other = await Client.connect(daemon.socket_path)  # the only connection allowed
+    try:
+        with pytest.raises(Unreachable):
+            await asyncio.to_thread(tasks._probe, time.monotonic() + 5)
+        assert tasks.refusal is None
+    finally:
+        await other.close()
+    tasks._probed = 0.0  # asked again now, not a second later
+    assert await asyncio.to_thread(tasks._probe, time.monotonic() + 5) == BLOCK
+    tasks.close()

@@ -34,6 +34,7 @@ __all__ = ["Tasks"]
 T = TypeVar("T")
 _std_log = logging.getLogger("tierd.integrations.lmcache")
 _PROBE_EVERY_S = 1.0
+_PASSING = ("busy", "shutting_down")  # a daemon's answers that do not refuse for good
 
 
 class _Settings(Protocol):
@@ -119,7 +120,12 @@ class Tasks:
                 daemon_bytes = one.submit(lambda: asyncio.run(hello())).result()
         except TimeoutError:
             raise Unreachable(f"no hello from the daemon at {self.socket_path}") from None
-        except (UntrustedDaemon, DaemonError) as exc:
+        except DaemonError as exc:
+            if exc.code in _PASSING:  # starting or stopping: asked again a moment later
+                raise Unreachable(f"tierd at {self.socket_path} is {exc.code}") from exc
+            self.refusal = f"tierd at {self.socket_path} refused LMCache: {exc}"
+            raise Refused(self.refusal) from exc
+        except UntrustedDaemon as exc:
             self.refusal = f"tierd at {self.socket_path} refused LMCache: {exc}"
             raise Refused(self.refusal) from exc
         if wanted is not None and wanted != daemon_bytes:
