@@ -584,3 +584,48 @@ async def test_a_busy_daemon_at_the_first_hello_is_asked_again_not_refused_for_g
     tasks._probed = 0.0  # asked again now, not a second later
     assert await asyncio.to_thread(tasks._probe, time.monotonic() + 5) == BLOCK
     tasks.close()
+
+
+def test_an_unlock_during_a_load_keeps_the_pins_lease_until_the_copy_is_done(
+    tmp_path: Path,
+) -> None:
+    from tierd.integrations.lmcache_space import Hold, Pin
+    from tierd.integrations.lmcache_tasks import Tasks
+
+    class Settings:
+        namespace, block_bytes, deadline_s, breaker_failures = "ns", BLOCK, DEADLINE_S, 3
+        reconnect_max_s, server_uids, max_namespaces, workers = 1.0, (), 4, 2
+
+    class Key:
+        chunk_hash, model_name, kv_rank, object_group_id, cache_salt = b"k", MODEL, 0, 0, ""
+
+    class Obj:
+        byte_array = bytearray(BLOCK)
+
+        def get_size(self) -> int:
+            return BLOCK
+
+    class Lease:
+        count, keys, slots = 1, [b"k"], [0]
+
+    tasks = Tasks(Settings(), str(tmp_path / "no-daemon.sock"))
+    tasks.block_bytes = BLOCK
+    key = Key()
+    space = tasks._space(key, BLOCK)
+    hold = Hold(Lease(), None, space.link.connects)  # type: ignore[arg-type]
+    tasks._locks[key].append((space, Pin(hold, 0)))
+    released: list[Hold] = []
+    lefts: list[int] = []
+    space._release = released.append  # type: ignore[method-assign]
+
+    def load(raw: Any, targets: Any, pins: Any, expires: float) -> list[bool]:
+        tasks.unlock([key])  # LMCache unlocks while the load copies
+        lefts.append(hold.left)
+        return [True]
+
+    space.load = load  # type: ignore[method-assign]
+    try:
+        assert tasks.load([key], [Obj()], time.monotonic() + 1) == [True]
+        assert lefts == [1] and released == [hold]  # released after the copy, not before
+    finally:
+        tasks.close()

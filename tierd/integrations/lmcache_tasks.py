@@ -229,12 +229,18 @@ class Tasks:
         done = [False] * len(keys)
         for space, at in self._groups(keys, expires).items():
             wanted = [i for i in at if _fits(objects[i], space.settings.block_bytes)]
-            with self._lock:
+            with self._lock:  # each pin taken is held: an unlock meanwhile keeps its slot
                 pins = [self._pin_of(keys[i], space) for i in wanted]
-            raw = [_raw(keys[i]) for i in wanted]
-            targets = [objects[i].byte_array for i in wanted]
-            for i, ok in zip(wanted, space.load(raw, targets, pins, expires), strict=True):
-                done[i] = ok
+                held = [pin for pin in pins if pin is not None]
+                for pin in held:
+                    pin.hold.left += 1
+            try:
+                raw = [_raw(keys[i]) for i in wanted]
+                targets = [objects[i].byte_array for i in wanted]
+                for i, ok in zip(wanted, space.load(raw, targets, pins, expires), strict=True):
+                    done[i] = ok
+            finally:
+                space.unpin(held)
         return done
 
     def _pin_of(self, key: Any, space: Space) -> Pin | None:
