@@ -264,6 +264,12 @@ class Space:
             self.pinned += sum(len(run) for _, run in kept)
         return kept
 
+    def hold(self, pins: Sequence[Pin]) -> None:
+        """Keep each pin's lease for a copy from it (an :meth:`unpin` of it lets it go)."""
+        with self._lock:
+            for pin in pins:
+                pin.hold.left += 1
+
     def unpin(self, pins: Sequence[Pin]) -> None:
         """Unlock: each pin's lease is released when its last key is (never blocks)."""
         done: list[Hold] = []

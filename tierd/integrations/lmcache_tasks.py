@@ -232,8 +232,7 @@ class Tasks:
             with self._lock:  # each pin taken is held: an unlock meanwhile keeps its slot
                 pins = [self._pin_of(keys[i], space) for i in wanted]
                 held = [pin for pin in pins if pin is not None]
-                for pin in held:
-                    pin.hold.left += 1
+                space.hold(held)
             try:
                 raw = [_raw(keys[i]) for i in wanted]
                 targets = [objects[i].byte_array for i in wanted]
