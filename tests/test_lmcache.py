@@ -496,21 +496,6 @@ def _space(tmp_path: Path, workers: int = 2, socket_path: str = "") -> Any:
     return Space(SpaceSettings(path, "ns", BLOCK, 5.0, 3, 1.0, (), workers))
 
 
-def test_a_lease_chunk_leaves_room_for_every_worker_and_the_request_bound(
-    tmp_path: Path,
-) -> None:
-    space = _space(tmp_path, workers=2)
-    try:
-        space.lease_bound, space.request_bound = 400, 0
-        assert space.chunk() == 100  # locks, two workers' leases and a spare: 4 x 100
-        space.lease_bound, space.request_bound = 0, 64
-        assert space.chunk() == 64
-        space.lease_bound, space.request_bound = 3, 0
-        assert space.chunk() == 1  # at least one key
-    finally:
-        space.close()
-
-
 def test_a_closed_event_fd_is_never_written_again_whatever_reused_its_number() -> None:
     from tierd.integrations.lmcache_book import Book, StoreOutcome
 
@@ -529,6 +514,66 @@ def test_a_closed_event_fd_is_never_written_again_whatever_reused_its_number() -
     finally:
         for fd in (reader, writer, reused):
             os.close(fd)
+
+
+def test_a_lease_chunk_leaves_room_for_every_worker_and_the_request_bound(
+    tmp_path: Path,
+) -> None:
+    space = _space(tmp_path, workers=2)
+    try:
+        space.lease_bound, space.request_bound = 400, 0
+        assert space.chunk() == 100  # locks, two workers' leases and a spare: 4 x 100
+        space.lease_bound, space.request_bound = 0, 64
+        assert space.chunk() == 64
+        space.lease_bound, space.request_bound = 3, 0
+        assert space.chunk() == 1  # at least one key
+    finally:
+        space.close()
+
+
+def test_an_unlock_during_a_load_keeps_the_pins_lease_until_the_copy_is_done(
+    tmp_path: Path,
+) -> None:
+    from tierd.integrations.lmcache_space import Hold, Pin
+    from tierd.integrations.lmcache_tasks import Tasks
+
+    class Settings:
+        namespace, block_bytes, deadline_s, breaker_failures = "ns", BLOCK, DEADLINE_S, 3
+        reconnect_max_s, server_uids, max_namespaces, workers = 1.0, (), 4, 2
+
+    class Key:
+        chunk_hash, model_name, kv_rank, object_group_id, cache_salt = b"k", MODEL, 0, 0, ""
+
+    class Obj:
+        byte_array = bytearray(BLOCK)
+
+        def get_size(self) -> int:
+            return BLOCK
+
+    class Lease:
+        count, keys, slots = 1, [b"k"], [0]
+
+    tasks = Tasks(Settings(), str(tmp_path / "no-daemon.sock"))
+    tasks.block_bytes = BLOCK
+    key = Key()
+    space = tasks._space(key, BLOCK)
+    hold = Hold(Lease(), None, space.link.connects)  # type: ignore[arg-type]
+    tasks._locks[key].append((space, Pin(hold, 0)))
+    released: list[Hold] = []
+    lefts: list[int] = []
+    space._release = released.append  # type: ignore[method-assign]
+
+    def load(raw: Any, targets: Any, pins: Any, expires: float) -> list[bool]:
+        tasks.unlock([key])  # LMCache unlocks while the load copies
+        lefts.append(hold.left)
+        return [True]
+
+    space.load = load  # type: ignore[method-assign]
+    try:
+        assert tasks.load([key], [Obj()], time.monotonic() + 1) == [True]
+        assert lefts == [1] and released == [hold]  # released after the copy, not before
+    finally:
+        tasks.close()
 
 
 async def test_a_deadline_passing_during_a_stores_copy_aborts_its_reservation(
@@ -586,46 +631,35 @@ async def test_a_busy_daemon_at_the_first_hello_is_asked_again_not_refused_for_g
     tasks.close()
 
 
-def test_an_unlock_during_a_load_keeps_the_pins_lease_until_the_copy_is_done(
-    tmp_path: Path,
+async def test_a_pin_whose_answer_came_too_late_drops_its_connection_so_the_daemon_unpins(
+    tmp_path: Path, spawn: Any
 ) -> None:
-    from tierd.integrations.lmcache_space import Hold, Pin
-    from tierd.integrations.lmcache_tasks import Tasks
+    from tierd.control.handshake import DaemonSilent
 
-    class Settings:
-        namespace, block_bytes, deadline_s, breaker_failures = "ns", BLOCK, DEADLINE_S, 3
-        reconnect_max_s, server_uids, max_namespaces, workers = 1.0, (), 4, 2
+    daemon = await spawn(config(tmp_path))
+    space = _space(tmp_path, socket_path=daemon.socket_path)
+    keys, blocks = [b"a", b"b"], [bytes(BLOCK)] * 2
+    asked = 0
+    ask = space.link.ask
 
-    class Key:
-        chunk_hash, model_name, kv_rank, object_group_id, cache_salt = b"k", MODEL, 0, 0, ""
+    def late(op: Any, deadline_s: float) -> Any:  # the caller stopped waiting first
+        nonlocal asked
+        answer = ask(op, deadline_s)
+        asked += 1
+        if asked == 2:  # the pin (after the lookup): sent, and its answer discarded
+            raise DaemonSilent("no answer within the caller's wait")
+        return answer
 
-    class Obj:
-        byte_array = bytearray(BLOCK)
-
-        def get_size(self) -> int:
-            return BLOCK
-
-    class Lease:
-        count, keys, slots = 1, [b"k"], [0]
-
-    tasks = Tasks(Settings(), str(tmp_path / "no-daemon.sock"))
-    tasks.block_bytes = BLOCK
-    key = Key()
-    space = tasks._space(key, BLOCK)
-    hold = Hold(Lease(), None, space.link.connects)  # type: ignore[arg-type]
-    tasks._locks[key].append((space, Pin(hold, 0)))
-    released: list[Hold] = []
-    lefts: list[int] = []
-    space._release = released.append  # type: ignore[method-assign]
-
-    def load(raw: Any, targets: Any, pins: Any, expires: float) -> list[bool]:
-        tasks.unlock([key])  # LMCache unlocks while the load copies
-        lefts.append(hold.left)
-        return [True]
-
-    space.load = load  # type: ignore[method-assign]
     try:
-        assert tasks.load([key], [Obj()], time.monotonic() + 1) == [True]
-        assert lefts == [1] and released == [hold]  # released after the copy, not before
+        assert await asyncio.to_thread(space.store, keys, blocks, time.monotonic() + 5) > 0
+        space.link.ask = late
+        with pytest.raises(DaemonSilent):
+            await asyncio.to_thread(space.lock, keys, time.monotonic() + 5)
+        deadline = time.monotonic() + LIVENESS_S
+        for _ in range(500):  # the connection is dropped on the link's loop: bounded
+            removed = (await delete_from(daemon.socket_path, "ns", keys))["removed"]
+            if removed == 2 or time.monotonic() > deadline:
+                break
+        assert removed == 2  # nothing left pinned by the discarded lease
     finally:
-        tasks.close()
+        space.close()

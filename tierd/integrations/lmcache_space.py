@@ -1,31 +1,26 @@
 """One namespace of the LMCache adapter: its daemon connection and the work on it.
 
-A :class:`Space` owns a :class:`~tierd.integrations.link.DaemonLink` (its own connection,
-named by the namespace, with a breaker) and moves bytes through leases on the daemon's
-pool, which is mapped into this process: a store reserves slots (``prepare_store``),
-copies LMCache's bytes in and commits; a lookup-and-lock pins the blocks it finds
-(``prepare_load``) and hands back :class:`Pin` s, which a load copies from and an unlock
-releases. Every copy runs on the calling worker thread, after the daemon has answered and
-before the task is reported, so nothing lands in LMCache's memory after a task is done.
+A :class:`Space` owns a :class:`~tierd.integrations.link.DaemonLink` (its connection) and
+moves bytes through leases on the daemon's pool, mapped into this process: a store reserves
+slots, copies LMCache's bytes in and commits; a lookup-and-lock pins the blocks it finds as
+:class:`Pin` s, which a load copies from and an unlock releases. Copies run on the calling
+worker thread before the task is reported: nothing lands in LMCache's memory later.
 
-A pin belongs to one connection: when the link loses it (the daemon died, restarted or
-was too slow), the daemon has released the lease with it, so a load no longer trusts the
-pin (it pins afresh) and an unlock has nothing to send. A load copying from a pin checks
-the connection again after the copy: a connection dropped meanwhile fails the key.
-
-Every method waits at most until ``expires`` (a ``time.monotonic()`` instant) and raises
-only :class:`~tierd.errors.TierdError` and ``OSError``.
+A pin belongs to one connection: when the link loses it, the daemon released the lease with
+it (a load pins afresh, an unlock sends nothing, a copy during the loss fails its key). Each
+method waits at most until ``expires`` (a ``time.monotonic()`` instant) and raises only
+:class:`~tierd.errors.TierdError` and ``OSError``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,8 +31,10 @@ from tierd.integrations.sglang_log import SglangLog
 
 __all__ = ["Hold", "Pin", "Space", "SpaceSettings"]
 
+T = TypeVar("T")
 log = SglangLog("tierd.integrations.lmcache")
 _RUN_MAX = 1024  # keys per lease (the daemon's max_keys_per_request may be lower)
+_LEAST_S = 0.02  # a request with less time left is not sent (its answer could not come)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,18 +50,13 @@ class SpaceSettings:
 
 
 class Hold:
-    """One load lease of the daemon, shared by the pins of its keys; released when the
-    last of them is unlocked."""
+    """One load lease, shared by the pins of its keys; released when the last is unlocked."""
 
     __slots__ = ("connection", "lease", "left", "pool")
 
     def __init__(self, lease: LoadLease, pool: PoolMap, connection: int) -> None:
         self.lease, self.pool, self.connection = lease, pool, connection
-        self.left = lease.count
-
-    @staticmethod
-    def maker(pool: PoolMap, connection: int) -> Callable[[LoadLease], Hold]:
-        return lambda lease: Hold(lease, pool, connection)
+        self.left = lease.count  # the pins, and the loads copying from them, still held
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +74,7 @@ def copy_bytes(dst: Any, src: Any) -> None:
 
 def _left(expires: float) -> float:
     left = expires - time.monotonic()
-    if left <= 0:
+    if left <= _LEAST_S:
         raise DaemonSilent("the task's deadline passed before the daemon was asked")
     return left
 
@@ -90,8 +82,7 @@ def _left(expires: float) -> float:
 def _runs(
     keys: Sequence[bytes], wanted: Sequence[bool], most: int = _RUN_MAX
 ) -> list[tuple[int, list[bytes]]]:
-    """(first index, keys) of the runs of wanted keys, at most ``most`` keys each and
-    none repeating a key within it."""
+    """(first index, keys) of the runs of wanted keys: at most ``most``, none repeated."""
     runs: list[tuple[int, list[bytes]]] = []
     current: list[bytes] = []
     seen: set[bytes] = set()
@@ -155,10 +146,9 @@ class Space:
         first: dict[bytes, Any] = {}
         for key, source in zip(keys, sources, strict=True):
             first.setdefault(key, source)
-        unique = list(first)
         written = start = 0
-        while start < len(unique):
-            done, size = self._store_chunk(unique[start:], first, expires)
+        while start < len(first):
+            done, size = self._store_chunk(list(first)[start:], first, expires)
             written, start = written + size, start + done
         return written
 
@@ -170,7 +160,7 @@ class Space:
         async def reserve(client: Client) -> tuple[int, StoreLease]:
             return self.link.connects, await client.prepare_store(keys[: self.chunk()])
 
-        connection, lease = self.link.ask(reserve, _left(expires))
+        connection, lease = self._ask(reserve, expires)
         if lease.finished:
             return len(lease.keys), 0
         try:
@@ -182,23 +172,19 @@ class Space:
             self._send_on(connection, lease.abort)
             raise
 
-        async def commit(client: Client) -> int:
-            return await lease.commit()
-
-        stored = self.link.ask(commit, left)
+        stored = self.link.ask(lambda client: lease.commit(), left)
         return len(lease.keys), stored * self.settings.block_bytes
 
     # -- lookup and lock ----------------------------------------------------------------
 
     def lock(self, keys: Sequence[bytes], expires: float) -> tuple[list[bool], list[Pin | None]]:
-        """Which keys the daemon holds ready, and a pin for each of them that the daemon
-        let this connection hold (a found key without a pin is pinned by its load)."""
-        self._flush_releases()
+        """Which keys the daemon holds ready, and pins for those the connection may hold."""
+        with self._lock:  # releases that could not be sent before
+            holds, self._unreleased = self._unreleased, []
+        for hold in holds:
+            self._release(hold)
 
-        async def present(client: Client) -> list[bool]:
-            return await client.lookup_each(keys)
-
-        found = self.link.ask(present, _left(expires))
+        found = self._ask(lambda client: client.lookup_each(keys), expires)
         pins: list[Pin | None] = [None] * len(keys)
         runs = self._budget(_runs(keys, found, self.chunk()))
         if not runs:
@@ -211,11 +197,11 @@ class Space:
             return connection, client.require_pool(), list(leases)
 
         try:
-            connection, pool, leases = self.link.ask(pin, _left(expires))
+            connection, pool, leases = self._ask(pin, expires)
         except BaseException:
             self._give_back(sum(len(run) for _, run in runs))
             raise
-        self._take(runs, leases, Hold.maker(pool, connection), pins)
+        self._take(runs, leases, lambda lease: Hold(lease, pool, connection), pins)
         return found, pins
 
     def _take(
@@ -225,8 +211,7 @@ class Space:
         hold_of: Callable[[LoadLease], Hold],
         pins: list[Pin | None],
     ) -> None:
-        """Turn the leases the daemon granted for ``runs`` into ``pins``; what it did not
-        grant is given back to the budget."""
+        """``pins`` from the leases granted for ``runs``; what was not goes back to the budget."""
         unused = 0
         for (first, run), lease in zip(runs, leases, strict=True):
             if isinstance(lease, BaseException):
@@ -298,12 +283,6 @@ class Space:
 
         future.add_done_callback(retry_later)
 
-    def _flush_releases(self) -> None:
-        with self._lock:
-            holds, self._unreleased = self._unreleased, []
-        for hold in holds:
-            self._release(hold)
-
     # -- loads --------------------------------------------------------------------------
 
     def load(
@@ -343,7 +322,7 @@ class Space:
                 lease = await client.prepare_load(asked)
                 return len(asked), Hold(lease, client.require_pool(), self.link.connects)
 
-            asked, hold = self.link.ask(pin, _left(at))
+            asked, hold = self._ask(pin, at)
             count = hold.lease.count
             try:
                 if hold.lease.keys != keys[:count]:
@@ -358,6 +337,21 @@ class Space:
 
     # -- the rest -------------------------------------------------------------------------
 
+    def _ask(self, op: Callable[[Client], Awaitable[T]], expires: float) -> T:
+        """``link.ask``; a request sent but given up on drops its connection (and leases)."""
+        began: list[Client] = []
+
+        async def first_noted(client: Client) -> T:
+            began.append(client)
+            return await op(client)
+
+        try:
+            return self.link.ask(first_noted, _left(expires))
+        except DaemonSilent as exc:
+            for client in began:
+                self.link.submit(self.link.failed(client, exc)).add_done_callback(_log_failure)
+            raise
+
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark the blocks used, ``keys[0]`` the most recent (never blocks)."""
         self._fire(lambda client: client.touch(keys))
@@ -370,8 +364,7 @@ class Space:
         self.link.start(op, self.settings.deadline_s).add_done_callback(_log_failure)
 
     def refresh_usage(self) -> None:
-        """Ask the daemon (at most once a second, never blocking) how many bytes this
-        namespace holds; :attr:`used_bytes` takes the answer."""
+        """Have :attr:`used_bytes` take the namespace's bytes (asked at most once a second)."""
         now = time.monotonic()
         if now - self._usage_asked < 1.0:
             return
@@ -385,12 +378,9 @@ class Space:
 
         self._fire(ask)
 
-    def _send_on(
-        self, connection: int, op: Callable[[], Awaitable[Any]]
-    ) -> concurrent.futures.Future[Any]:
-        """Send ``op()`` (a request of a lease) if its connection is still the link's:
-        a lease of a lost connection is gone with it, and a request on that old client
-        must not count as a failure of the new one."""
+    def _send_on(self, connection: int, op: Callable[[], Awaitable[Any]]) -> Future[Any]:
+        """Send ``op()`` (a request of a lease) if its connection is still the link's (a
+        lease of a lost one went with it; no failure of the new connection to count)."""
 
         async def on_link(client: Client) -> Any:
             if self.link.connects != connection or not self.link.connected:
