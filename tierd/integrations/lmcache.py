@@ -159,15 +159,15 @@ class TierdL2Adapter(L2AdapterInterface):
         task = self._book.new_task()
 
         def finish(written: int | None) -> None:
-            if written is None:
-                self._book.stored(task, StoreOutcome(False, 0))
-                return
-            self._book.stored(task, StoreOutcome(True, written))
-            sizes = [int(obj.get_size()) for obj in objects]
-            self._notify_keys_stored(list(keys), sizes)
+            if written is not None:  # listeners hear before LMCache can pop the result
+                self._tasks.guarded(lambda: self._stored_keys(keys, objects))
+            self._book.stored(task, StoreOutcome(written is not None, written or 0))
 
         self._submit(lambda at: self._tasks.store(keys, objects, at), finish)
         return task
+
+    def _stored_keys(self, keys: list[Any], objects: list[Any]) -> None:
+        self._notify_keys_stored(list(keys), [int(obj.get_size()) for obj in objects])
 
     def pop_completed_store_tasks(self) -> dict[int, Any]:
         return {
