@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import test_daemon_lifecycle
+from lmcache_driver import adapter_json
 
 from tierd.client import Client
 from tierd.integrations.lmcache_keys import block_key
@@ -52,17 +53,6 @@ BENCH_BLOCK = 256 * 1024  # `lmcache bench l2`'s default object (--data-size-kb 
 DEADLINE_S = 0.5
 LIVENESS_S = 15.0  # a task on a stopped daemon finishes long before this (30 x deadline)
 MODEL = "org/model-7b"
-
-
-def adapter_json(socket_path: str, **params: Any) -> str:
-    return json.dumps(
-        {
-            "type": "plugin",
-            "module_path": "tierd.integrations.lmcache",
-            "class_name": "TierdL2Adapter",
-            "adapter_params": {"socket": socket_path, **params},
-        }
-    )
 
 
 def child_env() -> dict[str, str]:

@@ -28,7 +28,7 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -40,6 +40,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from tierd.config import default_socket_path
 from tierd.integrations.lmcache_book import Book, StoreOutcome
 from tierd.integrations.lmcache_tasks import Tasks
+from tierd.integrations.params import checked_params
 
 try:  # LMCache 0.5.7 tags every adapter's medium; 0.5.6 has no such types
     from lmcache.v1.distributed.api import MemoryResidency, MemorySegment, MemoryTags
@@ -65,19 +66,11 @@ class LmcacheSettings:
 
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> LmcacheSettings:
-        given = dict(params or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(given) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown adapter_params of tierd's L2 adapter: {unknown} (known: "
-                f"{sorted(known)}; see docs/lmcache.md)"
-            )
-        if "server_uids" in given:
-            given["server_uids"] = tuple(int(uid) for uid in given["server_uids"])
-        for name in ("deadline_s", "reconnect_max_s"):
-            if name in given and not float(given[name]) > 0:
-                raise ValueError(f"tierd's L2 adapter: {name} must be > 0")
+        given = checked_params(
+            cls, dict(params or {}), owner="tierd's L2 adapter",
+            unknown_what="unknown adapter_params of tierd's L2 adapter",
+            doc="docs/lmcache.md", positive=("deadline_s", "reconnect_max_s"),
+        )  # fmt: skip
         for name in ("workers", "max_namespaces", "block_bytes"):
             if given.get(name) is not None and int(given[name]) < 1:
                 raise ValueError(f"tierd's L2 adapter: {name} must be >= 1")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sglang.srt.mem_cache.hicache_storage import (
@@ -37,6 +37,7 @@ from tierd.client import DaemonError, UntrustedDaemon
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
+from tierd.integrations.params import checked_params
 from tierd.integrations.plugin import missing_daemon
 from tierd.integrations.sglang_jobs import PageJobs
 from tierd.integrations.sglang_log import SglangLog
@@ -85,19 +86,12 @@ class SglangSettings:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> SglangSettings:
-        ours = {k: v for k, v in (extra or {}).items() if k not in _SGLANG_KEYS}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(ours) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown keys in tierd's HiCache extra config: {unknown} (known: "
-                f"{sorted(known)}; see docs/sglang.md)"
-            )
-        if "server_uids" in ours:
-            ours["server_uids"] = tuple(int(uid) for uid in ours["server_uids"])
-        for name in ("lookup_deadline_s", "job_deadline_s", "connect_timeout_s"):
-            if name in ours and not float(ours[name]) > 0:
-                raise ValueError(f"tierd's HiCache extra config: {name} must be > 0")
+        ours = checked_params(
+            cls, {k: v for k, v in (extra or {}).items() if k not in _SGLANG_KEYS},
+            owner="tierd's HiCache extra config",
+            unknown_what="unknown keys in tierd's HiCache extra config", doc="docs/sglang.md",
+            positive=("lookup_deadline_s", "job_deadline_s", "connect_timeout_s"),
+        )  # fmt: skip
         return cls(**ours)
 
 
