@@ -1,11 +1,12 @@
 """The daemon's lifecycle, with real processes: start-up, serving, SIGTERM, restart.
 
-Most tests run the daemon as a child process from a YAML file (:func:`serve_command`) and
-talk to it with :class:`tierd.client.Client` over its real Unix socket; its stderr goes to
-a file, so a chatty daemon never blocks on a full pipe. Start-up is awaited by polling for
-a hello answer under a 30 s deadline (a process start is not something a test can hook
-into); everything after that waits on replies, datagrams and exits. The ``spawn`` fixture
-kills whatever is still running at the end of a test and removes its pool file.
+Most tests run the daemon as a child process from a YAML file (the ``spawn`` fixture, over
+:func:`tierd.testing.start_daemon`) and talk to it with :class:`tierd.client.Client` over
+its real Unix socket; its stderr goes to a file, so a chatty daemon never blocks on a full
+pipe. Start-up is awaited on the daemon's own ``READY=1`` (sd_notify) under a 30 s
+deadline; everything after that waits on replies, datagrams and exits. The ``spawn``
+fixture kills whatever is still running at the end of a test and removes its socket's
+directory.
 
 The forced exit on a second signal is tested in this test's event loop instead, where the
 drain can be held open deterministically (a gated ``chain.flush``).
@@ -34,24 +35,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from tierd.chain import FlushResult
 from tierd.client import Client, DaemonError, Unreachable
 from tierd.config import DaemonConfig
 from tierd.daemon import Daemon
-from tierd.testing import daemon_config, short_socket_path
+from tierd.testing import DaemonProcess as ChildDaemon
+from tierd.testing import daemon_config, short_socket_path, start_daemon
 
 TESTS = Path(__file__).resolve().parent
 NAMESPACE = "lifecycle"
 BLOCK = 4096
 DEADLINE_S = 30.0  # safety net for anything a test waits on
 EXIT_DEADLINE_S = 60.0  # a daemon's exit: its grace period plus room for a loaded machine
-
-
-def serve_command(config_file: Path) -> list[str]:
-    """The command line that runs the daemon from ``config_file``."""
-    return [sys.executable, "-m", "tierd", "serve", "-c", str(config_file)]
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -103,14 +99,13 @@ def shm_pools() -> set[str]:
 
 
 class DaemonProcess:
-    """A daemon running as a child process; stderr is in ``stderr_path``."""
+    """A daemon started by the ``spawn`` fixture (:func:`tierd.testing.start_daemon`), with
+    this suite's async waits and a client of :data:`NAMESPACE`."""
 
-    def __init__(
-        self, proc: subprocess.Popen[bytes], config: dict[str, Any], stderr_path: Path
-    ) -> None:
-        self.proc = proc
+    def __init__(self, process: ChildDaemon, config: dict[str, Any]) -> None:
+        self.process = process
+        self.proc = process.proc
         self.config = config
-        self.stderr_path = stderr_path
 
     @property
     def socket_path(self) -> str:
@@ -118,79 +113,61 @@ class DaemonProcess:
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.process.pid
 
     def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
+        return self.process.log_text()
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
-        self.proc.send_signal(sig)
+        self.process.signal(sig)
 
     async def wait(self) -> int:
         """The exit status (a safety-net deadline, not a timed assertion)."""
-        return await asyncio.to_thread(self.proc.wait, EXIT_DEADLINE_S)
+        return await self.process.wait_async(EXIT_DEADLINE_S)
 
     async def stop(self) -> int:
-        self.signal(signal.SIGTERM)
-        return await self.wait()
+        """SIGTERM; the exit status (SIGKILL past the safety net)."""
+        return await self.process.stop_async(EXIT_DEADLINE_S)
 
     async def connect(self) -> Client:
         return await Client.connect(self.socket_path, namespace=NAMESPACE, block_bytes=BLOCK)
 
     async def wait_ready(self) -> None:
-        """Poll until the socket answers a hello; fail at once if the process exits."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + DEADLINE_S
-        while True:
-            status = self.proc.poll()
-            if status is not None:
-                raise AssertionError(f"the daemon exited with {status}:\n{self.stderr()}")
-            try:
-                async with asyncio.timeout(DEADLINE_S):
-                    client = await Client.connect(self.socket_path)
-            except Unreachable:
-                if loop.time() > deadline:
-                    message = f"no hello within {DEADLINE_S}s:\n{self.stderr()}"
-                    raise AssertionError(message) from None
-                await asyncio.sleep(0.05)  # start-up: nothing to wait on but the socket
-                continue
-            await client.close()
-            return
+        """Until the daemon's READY=1; fails at once, with its log, if it exits first."""
+        await self.process.wait_ready_async(DEADLINE_S)
 
 
 Spawn = Callable[..., Awaitable[DaemonProcess]]
 
 
-def _popen(command: list[str], stderr_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Start ``command`` with its stdout and stderr in a file (no pipe to fill up)."""
-    with stderr_path.open("wb") as stderr:
-        return subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, env=env
-        )
-
-
 @pytest.fixture
 def spawn(tmp_path: Path) -> Iterator[Spawn]:
     """``await spawn(config, env=..., ready=True, wrap=None)`` starts a daemon from
-    ``config`` (a mapping written as YAML; ``wrap``: a command to run it under, such as
-    ``unshare``); at the end every daemon still running is killed."""
+    ``config`` (a mapping written as YAML; ``None``: ``tierd serve`` with no file, its
+    socket from ``env``; ``wrap``: a command to run it under, such as ``unshare``); an
+    ``env`` with its own ``NOTIFY_SOCKET`` keeps it. At the end every daemon still
+    running is killed."""
     started: list[DaemonProcess] = []
     numbers = itertools.count()
 
     async def start(
-        config: dict[str, Any],
+        config: dict[str, Any] | None,
         *,
         env: dict[str, str] | None = None,
         ready: bool = True,
         wrap: list[str] | None = None,
     ) -> DaemonProcess:
-        number = next(numbers)
-        config_file = tmp_path / f"tierd-{number}.yaml"
-        config_file.write_text(yaml.safe_dump(config))
-        stderr_path = tmp_path / f"tierd-{number}.stderr"
-        command = [*(wrap or []), *serve_command(config_file)]
-        proc = _popen(command, stderr_path, child_env() if env is None else env)
-        daemon = DaemonProcess(proc, config, stderr_path)
+        env = child_env() if env is None else env
+        process = start_daemon(
+            config,
+            wrap=wrap or (),
+            env=env,
+            log=tmp_path / f"tierd-{next(numbers)}.stderr",
+            notify="NOTIFY_SOCKET" not in env,
+            wait=False,
+        )
+        known = config if config is not None else {"socket": {"path": process.socket}}
+        daemon = DaemonProcess(process, known)
         started.append(daemon)
         if ready:
             await daemon.wait_ready()
@@ -198,9 +175,7 @@ def spawn(tmp_path: Path) -> Iterator[Spawn]:
 
     yield start
     for daemon in started:
-        if daemon.proc.poll() is None:
-            daemon.proc.kill()
-            daemon.proc.wait()
+        daemon.process.kill()
         shutil.rmtree(os.path.dirname(daemon.socket_path), ignore_errors=True)
 
 

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -119,16 +118,8 @@ async def test_config_show_without_a_daemon_prints_what_serve_would_run(
     assert json.loads(done.stdout)["block_bytes"] == 16384
 
 
-def serve_without_a_file(env: dict[str, str], stderr_path: Path) -> subprocess.Popen[bytes]:
-    """``tierd serve`` with no ``-c``, its output in ``stderr_path``."""
-    with stderr_path.open("wb") as stderr:
-        return subprocess.Popen(
-            [sys.executable, "-m", "tierd", "serve"], stderr=stderr, stdout=stderr, env=env
-        )
-
-
 async def test_a_daemon_served_from_the_shipped_config_reloads_that_config(
-    tmp_path: Path,
+    tmp_path: Path, spawn: Spawn
 ) -> None:
     """``tierd serve`` with no file runs the shipped config; a reload reads it again (it
     read the built-in defaults, which have no disk tier, and refused)."""
@@ -139,24 +130,16 @@ async def test_a_daemon_served_from_the_shipped_config_reloads_that_config(
         TIERD_TIERS__0__CAPACITY="8MiB",  # small sizes for a test; the rest as shipped
         TIERD_TIERS__1__CAPACITY="16MiB",
     )
-    stderr_path = tmp_path / "serve.stderr"
-    proc = serve_without_a_file(env, stderr_path)
-    daemon = DaemonProcess(proc, {"socket": {"path": path}}, stderr_path)
-    try:
-        await daemon.wait_ready()
-        done = await tierd("reload", "--socket", path, "--json", env=env)
-        assert done.returncode == 0, done.stderr
-        assert json.loads(done.stdout) == {"applied": [], "restart_needed": []}
-        done = await tierd("config", "show", "--json", env=env)
-        assert json.loads(done.stdout)["tiers"][1]["directories"] == [
-            str(tmp_path / "state" / "tierd" / "disk")
-        ]
-        assert await daemon.stop() == 0, daemon.stderr()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    daemon = await spawn(None, env=env)  # no -c
+    assert daemon.socket_path == path
+    done = await tierd("reload", "--socket", path, "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"applied": [], "restart_needed": []}
+    done = await tierd("config", "show", "--json", env=env)
+    assert json.loads(done.stdout)["tiers"][1]["directories"] == [
+        str(tmp_path / "state" / "tierd" / "disk")
+    ]
+    assert await daemon.stop() == 0, daemon.stderr()
 
 
 # -- replay: the daemon stops under it ------------------------------------------------------

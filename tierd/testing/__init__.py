@@ -11,12 +11,14 @@ subclasses it and says how to build an *unopened* store::
 View checks run only where ``store.has_views`` is true. :class:`FailingStore` wraps a
 real store and fails chosen blocks (or holds copies at a gate) for tier and chain tests.
 :func:`running_daemon` runs a whole daemon inside the test's event loop, on a real
-socket (:func:`daemon_config` builds a small cpu + disk config for it).
+socket (:func:`daemon_config` builds a small cpu + disk config for it);
+:func:`start_daemon` runs one in a child process and returns once it sent ``READY=1``.
 This package imports pytest: it is for tests only.
 
 Modules: :mod:`~tierd.testing.conformance` (the suite), :mod:`~tierd.testing.faults`
 (stores that fail, bytes flipped on disk), :mod:`~tierd.testing.daemon` (configs, socket
-paths, a daemon in the test's loop), :mod:`~tierd.testing.blocks` (keys and block bytes).
+paths, a daemon in the test's loop), :mod:`~tierd.testing.process` (a daemon in a child
+process, awaited through sd_notify), :mod:`~tierd.testing.blocks` (keys and block bytes).
 Import every name from here: ``from tierd.testing import FailingStore``.
 """
 
@@ -24,8 +26,19 @@ from tierd.testing.blocks import as_bytes, keys_for, random_blocks
 from tierd.testing.conformance import StoreConformance
 from tierd.testing.daemon import daemon_config, running_daemon, short_socket_path
 from tierd.testing.faults import FailingStore, corrupt_disk_block
+from tierd.testing.process import (
+    DaemonNotReady,
+    DaemonProcess,
+    DaemonSpec,
+    serve_command,
+    start_daemon,
+    start_daemon_async,
+)
 
 __all__ = [
+    "DaemonNotReady",
+    "DaemonProcess",
+    "DaemonSpec",
     "FailingStore",
     "StoreConformance",
     "as_bytes",
@@ -34,5 +47,8 @@ __all__ = [
     "keys_for",
     "random_blocks",
     "running_daemon",
+    "serve_command",
     "short_socket_path",
+    "start_daemon",
+    "start_daemon_async",
 ]
