@@ -309,11 +309,11 @@ def test_the_shipped_config_keeps_other_users_out_of_its_blocks(
     """config/tierd.yaml, opened to another user the way the attacks needed it
     (``socket.mode: 0o666``, that user in ``allow_uids``): the pool is no file anyone can
     open, a user not allowed is refused, an allowed one is a member, not an operator."""
-    from tests.test_walkthrough import Serve
+    from tests.test_walkthrough import serve
 
     socket_path = short_socket_path()
     disk = tmp_path / "disk"
-    serve = Serve(
+    served = serve(
         [
             f"socket.path={socket_path}",
             "socket.mode=0o666",
@@ -327,7 +327,7 @@ def test_the_shipped_config_keeps_other_users_out_of_its_blocks(
     )
     try:
         os.chmod(os.path.dirname(socket_path), 0o711)
-        running = DaemonProcess(serve.proc, {"socket": {"path": socket_path}}, tmp_path / "x")
+        running = DaemonProcess(served, {"socket": {"path": socket_path}})
         (refused,) = asyncio.run(as_user(running, users["stranger"], connect()))
         assert refused["error"] == "not_allowed"
         hello, stored, *ops = asyncio.run(
@@ -344,10 +344,10 @@ def test_the_shipped_config_keeps_other_users_out_of_its_blocks(
         )
         assert (hello, stored) == ({"tenant": "default", "pool": True}, 2)
         assert [r.get("error") for r in ops[1:]] == ["not_allowed"] * 3, ops
-        maps = maps_of(serve.proc.pid)
+        maps = maps_of(served.pid)
         assert "/memfd:" in maps and "/dev/shm/" not in maps
         assert stat.S_IMODE(disk.stat().st_mode) == 0o700
-        assert serve.proc.poll() is None
+        assert served.returncode is None
     finally:
-        status = serve.stop()
+        status = served.stop()
     assert status == 0

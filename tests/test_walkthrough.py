@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tierd.testing import short_socket_path
+from tierd.testing import DaemonProcess, short_socket_path, start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "config" / "tierd.yaml"
@@ -33,38 +32,10 @@ def run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return done
 
 
-class Serve:
-    """`tierd serve` in a child process, ready once it said so to a notify socket."""
-
-    def __init__(self, sets: list[str], tmp: Path) -> None:
-        import socket
-
-        self.notify_path = str(Path(short_socket_path()).with_name("notify"))
-        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.notify.bind(self.notify_path)
-        self.notify.settimeout(60)
-        argv = [sys.executable, "-m", "tierd", "serve", "-c", str(DEFAULT_CONFIG)]
-        for item in sets:
-            argv += ["--set", item]
-        self.log = (tmp / "serve.log").open("a")
-        env = {**os.environ, "NOTIFY_SOCKET": self.notify_path}
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=self.log, env=env, cwd=tmp)
-        # Start-up progress (EXTEND_TIMEOUT_USEC, per GiB of the CPU pool) comes first.
-        while (message := self.notify.recv(256)).startswith(b"EXTEND_TIMEOUT_USEC="):
-            pass
-        assert message == b"READY=1"
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        status = self.proc.wait(timeout=60)
-        self.notify.close()
-        self.log.close()
-        return status
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+def serve(sets: list[str], tmp: Path) -> DaemonProcess:
+    """`tierd serve -c config/tierd.yaml --set ...` in a child process, ready once it said
+    so (READY=1) to a notify socket; its output in ``tmp``."""
+    return start_daemon(DEFAULT_CONFIG, sets=sets, log=tmp / "serve.log", cwd=tmp)
 
 
 @pytest.fixture
@@ -82,7 +53,7 @@ def settings(tmp_path: Path) -> tuple[list[str], str]:
 
 def test_first_session_from_the_readme(tmp_path: Path, settings: tuple[list[str], str]) -> None:
     sets, socket_path = settings
-    serve = Serve(sets, tmp_path)
+    daemon = serve(sets, tmp_path)
     tierd = [sys.executable, "-m", "tierd"]
     events = subprocess.Popen(
         [*tierd, "events", "--count", "1", "--socket", socket_path],
@@ -106,19 +77,19 @@ def test_first_session_from_the_readme(tmp_path: Path, settings: tuple[list[str]
         assert cpu["used"] == 64  # 64 blocks of 256 KiB fit in the 16 MiB CPU tier
         loaded = demo("load", "--count", "64", "--socket", socket_path)
         assert "loaded 64 blocks byte-identical, 0 wrong" in loaded
-        assert serve.stop() == 0  # SIGTERM: drain, write the CPU blocks down, exit 0
+        assert daemon.stop() == 0  # SIGTERM: drain, write the CPU blocks down, exit 0
     finally:
         if events.poll() is None:
             events.kill()
             events.communicate()
-        serve.kill()
+        daemon.kill()
     assert not os.path.exists(socket_path)
 
-    serve = Serve(sets, tmp_path)  # the same command again
+    again = daemon.restart(log=tmp_path / "serve-again.log")  # the same command again
     try:
         loaded = demo("load", "--count", "64", "--socket", socket_path)
         assert "lookup: 64 of 64 cached {'DISK': 64}" in loaded
         assert "loaded 64 blocks byte-identical, 0 wrong" in loaded
-        assert serve.stop() == 0
+        assert again.stop() == 0
     finally:
-        serve.kill()
+        again.kill()
