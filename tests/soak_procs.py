@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from soak_daemon import FaultControl
 from soak_settings import DEADLINE_S, NAMESPACE, RUNNER, START_DEADLINE_S
 
 from tierd.client import Client
+from tierd.testing import DaemonNotReady, start_daemon_async
+from tierd.testing import DaemonProcess as ChildDaemon
 
 
 def child_env() -> dict[str, str]:
@@ -45,7 +46,7 @@ class DaemonProcess:
         self.config_file.write_text(yaml.safe_dump(config))
         self.fault_file = workdir / "faults.bin"
         self.control = FaultControl(self.fault_file, create=True)
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: ChildDaemon | None = None
         self.incarnation = 0
         self.started_at = 0.0
         self.pids: list[int] = []
@@ -62,51 +63,37 @@ class DaemonProcess:
         return self.workdir / f"daemon-{incarnation or self.incarnation}.log"
 
     async def start(self) -> None:
+        """A new incarnation, awaited on its READY=1 (:func:`tierd.testing.start_daemon`)."""
         self.incarnation += 1
-        with self.log_path().open("wb") as log:
-            self.proc = proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                str(RUNNER),
-                "serve",
-                str(self.config_file),
-                str(self.fault_file),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=log,
+        command = [
+            sys.executable,
+            str(RUNNER),
+            "serve",
+            str(self.config_file),
+            str(self.fault_file),
+        ]
+        try:
+            self.proc = await start_daemon_async(
+                command=command,
                 env=child_env(),
+                log=self.log_path(),
+                socket_path=self.socket_path,
+                timeout_s=START_DEADLINE_S,
             )
-        line = b""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(START_DEADLINE_S):
-                line = await proc.stdout.readline() if proc.stdout else b""
-        if not line.startswith(b"ready"):
-            if proc.returncode is None:
-                proc.kill()
-            status = await proc.wait()
-            tail = self.log_path().read_text(errors="replace")[-2000:]
-            raise DaemonFailed(f"the daemon did not start (status {status}):\n{tail}")
+        except DaemonNotReady as exc:
+            raise DaemonFailed(f"the daemon did not start: {exc}") from None
         self.started_at = time.monotonic()
-        self.pids.append(proc.pid)
+        self.pids.append(self.proc.pid)
 
     async def kill(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGKILL)
         if self.proc is not None:
-            await self.proc.wait()
+            await self.proc.kill_async()
 
     async def stop(self) -> int:
         """SIGTERM; the exit status (-9 when it had to be killed after the deadline)."""
-        proc = self.proc
-        if proc is None:
+        if self.proc is None:
             return 0
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            async with asyncio.timeout(START_DEADLINE_S):
-                return await proc.wait()
-        except TimeoutError:
-            await self.kill()
-            return -9
+        return await self.proc.stop_async(START_DEADLINE_S)
 
     def rss_kib(self) -> int | None:
         if not self.alive or self.proc is None:
