@@ -23,7 +23,6 @@ import os
 import socket
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,41 +31,22 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from fake_redis import fake_redis  # noqa: E402
 from redis_kit import redis_server  # noqa: E402
 
-from tierd.client import Client, Unreachable  # noqa: E402
-from tierd.testing import daemon_config  # noqa: E402
+from tierd.client import Client  # noqa: E402
+from tierd.testing import DaemonProcess, daemon_config, start_daemon_async  # noqa: E402
 
 BLOCK = 4096
 NAMESPACE = "bench"
 
 
-async def start(config: dict[str, Any], home: Path) -> subprocess.Popen[bytes]:
-    path = home / "tierd.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = (home / "tierd.log").open("wb")
-    command = [sys.executable, "-m", "tierd", "serve", "-c", str(path)]
-    proc = await asyncio.to_thread(subprocess.Popen, command, stdout=log, stderr=log)
-    for _ in range(600):
-        try:
-            client = await Client.connect(config["socket"]["path"])
-        except Unreachable:  # not up yet
-            await asyncio.sleep(0.05)
-            continue
-        await client.close()
-        return proc
-    raise RuntimeError((home / "tierd.log").read_text())
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    proc.wait(60)
+async def start(config: dict[str, Any], home: Path) -> DaemonProcess:
+    """``tierd serve`` of ``config`` (YAML and log in ``home``), once it is ready."""
+    return await start_daemon_async(config, log=home / "tierd.log")
 
 
 def rss_mib(pid: int) -> float:
@@ -102,7 +82,7 @@ async def stall(home: Path) -> None:
         await asyncio.gather(loads(), pings())
         await loader.close()
         await pinger.close()
-        stop(proc)
+        proc.stop()
     print(
         f"stall: {len(trips)} health round trips, median {statistics.median(trips) * 1e3:.2f} ms,"
         f" longest {max(trips) * 1e3:.1f} ms"
@@ -123,7 +103,7 @@ async def pool(home: Path) -> None:
             keys = [f"p{n}-{i}".encode() for i in range(n)]
             await c.store(keys, [os.urandom(BLOCK) for _ in keys])
             await c.flush()
-            stop(proc)
+            proc.stop()
             proc = await start(config, sub)  # a fresh daemon: the blocks are on Redis only
             clients = [
                 await Client.connect(
@@ -135,7 +115,7 @@ async def pool(home: Path) -> None:
             remote = (await clients[0].stats())["remote"]
             for client in clients:
                 await client.close()
-            stop(proc)
+            proc.stop()
             print(
                 f"pool: {n} concurrent lookups, found {sum(f.count for f in found)},"
                 f" breaker opened {remote['breaker_opened']}, errors {remote['errors']},"
@@ -169,7 +149,7 @@ async def partial(home: Path) -> None:
         await client.lookup([f"x{i}".encode()])
     later = rss_mib(proc.pid)
     await client.close()
-    stop(proc)
+    proc.stop()
     print(
         f"partial: RSS {before:.0f} MiB before, {after:.0f} after 12 rounds of 4 x 63 MiB,"
         f" {later:.0f} after 2,000 lookups"
@@ -215,7 +195,7 @@ async def scrape(home: Path) -> None:
     for t in threads:
         t.join()
     await client.close()
-    stop(proc)
+    proc.stop()
     print(
         f"scrape: {size[0] / 1e6:.2f} MB per scrape; health median {alone:.2f} ms alone,"
         f" {loaded:.2f} ms with 4 scraping threads"
