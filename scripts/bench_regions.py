@@ -26,22 +26,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from tierd.testing import DaemonProcess
 
-def start_daemon(workdir: Path, block_bytes: int, capacity: int) -> subprocess.Popen[bytes]:
+
+def start_daemon(workdir: Path, block_bytes: int, capacity: int) -> DaemonProcess:
+    """``tierd serve`` of one CPU tier, its config and log in ``workdir``, once ready."""
+    from tierd.testing import start_daemon as serve
+
     config = {
         "block_bytes": block_bytes,
         "tiers": [{"name": "cpu", "kind": "cpu", "capacity": capacity}],
@@ -49,15 +52,7 @@ def start_daemon(workdir: Path, block_bytes: int, capacity: int) -> subprocess.P
         "limits": {"lease_blocks_per_connection": "100%", "lease_blocks_per_tenant": "100%"},
         "logging": {"level": "warning"},
     }
-    path = workdir / "tierd.json"
-    path.write_text(json.dumps(config))
-    child = subprocess.Popen([sys.executable, "-m", "tierd", "serve", "-c", str(path)])
-    deadline = time.monotonic() + 60
-    while not (workdir / "tierd.sock").exists():
-        if child.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the daemon did not start (exit status {child.poll()})")
-        time.sleep(0.05)
-    return child
+    return serve(config, log=workdir / "tierd.log")
 
 
 async def measure(socket_path: str, args: argparse.Namespace) -> dict[str, list[float]]:
@@ -148,8 +143,7 @@ def main() -> None:
             times = asyncio.run(measure(str(Path(tmp) / "tierd.sock"), args))
         finally:
             stop.set()
-            child.terminate()
-            child.wait(timeout=60)
+            child.stop()
     mib = args.blocks * block / (1 << 20)
     beside = "a busy Python thread beside" if args.busy else "nothing else running"
     print(f"{args.blocks} blocks of {args.block_kib} KiB per job, {args.rounds} rounds, {beside}")
