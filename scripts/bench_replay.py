@@ -24,27 +24,26 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tierd.testing import DaemonProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
 CPU_BLOCKS, DISK_BLOCKS = 9139, 45697
 
 
-def serve(name: str, block_bytes: int, with_disk: bool, work: Path) -> tuple[Any, str, Any]:
-    """Start ``tierd serve``; returns the process, its socket and the notify socket (kept
-    open until the daemon stops, for its STOPPING=1) once it is ready."""
+def serve(name: str, block_bytes: int, with_disk: bool, work: Path) -> tuple[DaemonProcess, str]:
+    """Start ``tierd serve`` (the shipped config, with ``--set``s); returns the process and
+    its socket once it is ready (its READY=1: a large disk tier is preallocated first)."""
+    from tierd.testing import start_daemon
+
     sock = str(work / f"{name}.sock")
-    notify_path = str(work / f"{name}.notify")
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(notify_path)
-    notify.settimeout(600)  # a large disk tier is preallocated at start
     sets = [
         f"socket.path={sock}",
         f"block_bytes={block_bytes}",
@@ -59,17 +58,9 @@ def serve(name: str, block_bytes: int, with_disk: bool, work: Path) -> tuple[Any
         ]
     else:
         sets.append(f"tiers=[{{name: cpu, kind: cpu, capacity: {CPU_BLOCKS}, policy: lru}}]")
-    argv = [sys.executable, "-m", "tierd", "serve", "-c", str(ROOT / "config" / "tierd.yaml")]
-    for item in sets:
-        argv += ["--set", item]
-    env = {**os.environ, "NOTIFY_SOCKET": notify_path}
-    proc = subprocess.Popen(argv, env=env, cwd=work)
-    # Start-up progress (EXTEND_TIMEOUT_USEC, per GiB of the CPU pool) comes first.
-    while (message := notify.recv(256)).startswith(b"EXTEND_TIMEOUT_USEC="):
-        pass
-    if message != b"READY=1":
-        raise RuntimeError("the daemon did not report ready")
-    return proc, sock, notify
+    config = ROOT / "config" / "tierd.yaml"
+    proc = start_daemon(config, sets=sets, log=work / f"{name}.log", cwd=work, timeout_s=600)
+    return proc, sock
 
 
 def replay(sock: str, out: Path, clients: int, limit: int | None) -> dict[str, Any]:
@@ -114,18 +105,15 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     for name, with_disk in (("cpu", False), ("cpu+disk", True)):
         work = Path(tempfile.mkdtemp(prefix="tierd-bench-replay-", dir=ROOT))
-        proc = notify = None
+        proc = None
         try:
-            proc, sock, notify = serve(name.replace("+", "-"), args.block_bytes, with_disk, work)
+            proc, sock = serve(name.replace("+", "-"), args.block_bytes, with_disk, work)
             out = args.out / f"replay-{name.replace('+', '-')}"
             results[name] = replay(sock, out, args.clients, args.limit)
             print(row(name, results[name]), flush=True)
         finally:
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=120)
-            if notify is not None:
-                notify.close()
+            if proc is not None:
+                proc.stop(timeout_s=120)
             shutil.rmtree(work, ignore_errors=True)
     write_report(args, results)
     return 0
