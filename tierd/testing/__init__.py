@@ -13,7 +13,9 @@ real store and fails chosen blocks (or holds copies at a gate) for tier and chai
 :func:`running_daemon` runs a whole daemon inside the test's event loop, on a real
 socket (:func:`daemon_config` builds a small cpu + disk config for it);
 :func:`start_daemon` runs one in a child process and returns once it sent ``READY=1``.
-This package imports pytest: it is for tests only.
+It is for tests and benchmarks. The conformance suite needs pytest and torch (the ``test``
+and ``gpu`` extras) and is imported on first use of :class:`StoreConformance`, so the rest,
+the daemon helpers included, works in any install of tierd (an engine's venv too).
 
 Modules: :mod:`~tierd.testing.conformance` (the suite), :mod:`~tierd.testing.faults`
 (stores that fail, bytes flipped on disk), :mod:`~tierd.testing.daemon` (configs, socket
@@ -22,8 +24,9 @@ process, awaited through sd_notify), :mod:`~tierd.testing.blocks` (keys and bloc
 Import every name from here: ``from tierd.testing import FailingStore``.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from tierd.testing.blocks import as_bytes, keys_for, random_blocks
-from tierd.testing.conformance import StoreConformance
 from tierd.testing.daemon import daemon_config, running_daemon, short_socket_path
 from tierd.testing.faults import FailingStore, corrupt_disk_block
 from tierd.testing.process import (
@@ -34,6 +37,9 @@ from tierd.testing.process import (
     start_daemon,
     start_daemon_async,
 )
+
+if TYPE_CHECKING:
+    from tierd.testing.conformance import StoreConformance
 
 __all__ = [
     "DaemonNotReady",
@@ -52,3 +58,12 @@ __all__ = [
     "start_daemon",
     "start_daemon_async",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """:class:`StoreConformance` on first use: it imports pytest and torch."""
+    if name == "StoreConformance":
+        from tierd.testing.conformance import StoreConformance
+
+        return StoreConformance
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
