@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,6 +33,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 # First: declares the two torchvision schemas SGLang's imports need on CPU (driver.py).
 from sglang_kit import driver  # noqa: E402
+
+from tierd.testing import DaemonProcess, start_daemon  # noqa: E402
 
 torch = driver.torch
 GEOMETRY = {"page": 32, "layers": 8, "heads": 8, "head_dim": 128}  # 1 MiB pages, fp16
@@ -93,9 +94,9 @@ def storage_config(extra: dict[str, Any]) -> Any:
     )
 
 
-def start_daemon(
+def serve(
     workdir: Path, block: int, cpu: int, disk: int | None, write_through: bool = False
-) -> tuple[Any, str]:
+) -> tuple[DaemonProcess, str]:
     sock = tempfile.mkdtemp(prefix="tierd-bench-", dir="/tmp") + "/tierd.sock"
     through = ", write_through: true" if write_through else ""
     tiers = [f"  - {{name: cpu, kind: cpu, capacity: {cpu}{through}}}"]
@@ -111,18 +112,8 @@ def start_daemon(
         f"block_bytes: {block}\ntiers:\n" + "\n".join(tiers) + f"\nsocket: {{path: {sock}}}\n"
         "limits: {lease_blocks_per_connection: '100%', lease_blocks_per_tenant: '100%'}\n"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tierd", "serve", "-c", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 120
-    while not os.path.exists(sock):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"tierd serve did not start ({config})")
-        time.sleep(0.1)
-    time.sleep(0.5)
-    return proc, sock
+    log = workdir / f"tierd-{name}.log"
+    return start_daemon(config, log=log, timeout_s=120), sock  # once READY=1
 
 
 class Case:
@@ -314,7 +305,7 @@ def main() -> None:
             ("disk tier under a write-through CPU tier of one call", n + 4, under, True, True),
         ]
         for label, cpu, disk, push, through in daemons:
-            proc, sock = start_daemon(work, block, cpu, disk, through)
+            proc, sock = serve(work, block, cpu, disk, through)
             try:
                 for alloc in ("default", "shm"):
                     backend = StorageBackendFactory.create_backend(
@@ -336,8 +327,7 @@ def main() -> None:
                     )
                     backend.close()
             finally:
-                proc.terminate()
-                proc.wait(60)
+                proc.stop()
     mib = block / 2**20
     print(
         f"pages of {mib:g} MiB, {n} pages per call, median of {reps}; set = batch_set_v1, "
