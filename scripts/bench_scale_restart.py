@@ -18,12 +18,7 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -33,6 +28,7 @@ import xxhash
 from tierd.client import Client
 from tierd.keys import int_key
 from tierd.stores.disk import DiskStore
+from tierd.testing import start_daemon
 
 BB = 4096
 NAMESPACE = "bench-scale"
@@ -78,37 +74,6 @@ async def fill(work: Path, blocks: int) -> float:
             if not all(ok):
                 raise RuntimeError(f"fill: {ok.count(False)} writes failed")
     return time.perf_counter() - t0
-
-
-@dataclass
-class Started:
-    child: subprocess.Popen[bytes]
-    ready_s: float
-    log: Path
-
-
-def start_daemon(work: Path, config: Path, run: int) -> tuple[Started, float]:
-    """Start tierd; (the process and its READY time, the monotonic start time)."""
-    notify = str(work / f"notify-{run}")
-    log = work / f"daemon-{run}.log"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(notify)
-        t0 = time.monotonic()
-        with log.open("wb") as errors:
-            child = subprocess.Popen(
-                [sys.executable, "-m", "tierd", "serve", "-c", str(config)],
-                env={**os.environ, "NOTIFY_SOCKET": notify}, stderr=errors,
-            )  # fmt: skip
-        sock.settimeout(1.0)
-        while time.monotonic() - t0 < START_TIMEOUT_S and child.poll() is None:
-            try:
-                if b"READY=1" in sock.recv(4096):
-                    return Started(child, time.monotonic() - t0, log), t0
-            except TimeoutError:
-                continue
-    child.kill()
-    child.wait()
-    raise RuntimeError(f"tierd did not start: {log.read_text(errors='replace')[-3000:]}")
 
 
 async def first_block(path: Path, t0: float, key: int) -> float:
@@ -171,30 +136,29 @@ async def churn(path: Path, blocks: int, count: int) -> int:
 def restart(work: Path, config: Path, blocks: int, run: int, kind: str) -> dict[str, Any]:
     """One daemon start over the filled slab; then stop it (SIGTERM, or SIGKILL after
     storing more blocks). The figures of this start."""
-    started, t0 = start_daemon(work, config, run)
+    log = work / f"daemon-{run}.log"
+    daemon = start_daemon(config, log=log, timeout_s=START_TIMEOUT_S)  # READY=1 (sd_notify)
+    t0 = daemon.started_at  # just before the spawn
     sock = work / "t.sock"
     try:
-        at_ready = proc_costs(started.child.pid)
+        at_ready = proc_costs(daemon.pid)
         first = asyncio.run(first_block(sock, t0, 0))
         all_adopted = asyncio.run(adopted(sock, t0))
         found = asyncio.run(census(sock, blocks, 2000))
         if kind == "kill":
             found["stored_before_kill"] = asyncio.run(churn(sock, blocks, SPARE // 2))
-            started.child.send_signal(signal.SIGKILL)
+            daemon.kill()
         else:
-            started.child.send_signal(signal.SIGTERM)
-        started.child.wait(120)
+            daemon.stop(timeout_s=120)
     finally:
-        if started.child.poll() is None:
-            started.child.kill()
-            started.child.wait()
-        for pool in Path("/dev/shm").glob(f"tierd-{started.child.pid}-*"):
+        daemon.kill()  # by PID, if it still runs
+        for pool in Path("/dev/shm").glob(f"tierd-{daemon.pid}-*"):
             pool.unlink(missing_ok=True)
     return {
-        "ready_s": round(started.ready_s, 3),
+        "ready_s": round(daemon.ready_s or 0.0, 3),  # set by a start that returned
         "first_block_s": round(first, 3),
         "all_adopted_s": round(all_adopted, 3),
-        "disk_open_s": disk_open_s(started.log),
+        "disk_open_s": disk_open_s(log),
         **at_ready,
         **found,
     }
