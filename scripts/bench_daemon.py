@@ -103,8 +103,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     load_before = os.getloadavg()
     try:
         servers.start_echo(paths["echo"])
-        servers.start_daemon(config, launcher)
-        daemon = servers.children[-1]
+        daemon = servers.start_daemon(config, launcher)
         uvloop.run(store_lookup_keys(paths["tierd"], args.keys))
         control_runs(args, paths, figs)
         plan = DataPlan(paths["tierd"], args.runs, args.batch, args.mib * MiB // (2 * MiB))

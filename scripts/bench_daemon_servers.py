@@ -5,16 +5,11 @@ daemon's config, and tierd run under cProfile with its summary."""
 from __future__ import annotations
 
 import argparse
-import contextlib
-import glob
-import os
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +17,9 @@ from typing import Any
 import uvloop
 from bench_daemon_data import store_lookup_keys
 from bench_daemon_wire import START_TIMEOUT_S, ClientPlan, Phase, run_clients
+
+from tierd.testing import DaemonProcess as Daemon
+from tierd.testing import start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent / "bench_daemon.py"  # runs the echo server
@@ -51,7 +49,7 @@ class Servers:
     """The child processes; :meth:`stop_all` ends them (SIGTERM, then SIGKILL)."""
 
     workdir: Path
-    children: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    children: list[subprocess.Popen[bytes] | Daemon] = field(default_factory=list)
 
     def start_echo(self, path: str) -> None:
         child = subprocess.Popen(
@@ -63,44 +61,33 @@ class Servers:
         if line.strip() != b"ready":
             raise RuntimeError(f"the echo server did not start (exit status {child.poll()})")
 
-    def start_daemon(self, config: Path, launcher: str, profile: Path | None = None) -> None:
-        """Start tierd and wait for its READY=1 (sd_notify) on a socket of ours."""
-        notify = str(self.workdir / f"notify-{len(self.children)}")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.bind(notify)
-            if launcher == "serve" and profile is None:
-                argv = [sys.executable, "-m", "tierd", "serve", "-c", str(config)]
-            else:
-                argv = [sys.executable, "-c", _DAEMON, str(config)]
-                argv += [str(profile)] if profile is not None else []
-            env = {**os.environ, "NOTIFY_SOCKET": notify}
-            log_path = self.workdir / f"daemon-{len(self.children)}.log"
-            with log_path.open("wb") as errors:
-                child = subprocess.Popen(argv, env=env, stderr=errors)
-            self.children.append(child)
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while time.monotonic() < deadline and child.poll() is None:
-                ready, _, _ = select.select([sock], [], [], 1.0)  # 1 s: to notice an exit
-                if ready and b"READY=1" in sock.recv(4096):
-                    return
-        log = log_path.read_text(errors="replace")[-4000:]
-        raise RuntimeError(f"tierd did not become ready (exit status {child.poll()}):\n{log}")
+    def start_daemon(self, config: Path, launcher: str, profile: Path | None = None) -> Daemon:
+        """Start tierd and wait for its READY=1 (:func:`tierd.testing.start_daemon`)."""
+        command = None  # `python -m tierd serve -c CONFIG`
+        if launcher != "serve" or profile is not None:
+            command = [sys.executable, "-c", _DAEMON, str(config)]
+            command += [str(profile)] if profile is not None else []
+        log = self.workdir / f"daemon-{len(self.children)}.log"
+        daemon = start_daemon(config, command=command, log=log, timeout_s=START_TIMEOUT_S)
+        self.children.append(daemon)
+        return daemon
 
-    def stop(self, child: subprocess.Popen[bytes]) -> int | None:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-            try:
-                child.wait(30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-                # A killed daemon cannot unlink its pool: remove ours, and only ours.
-                for pool in glob.glob(f"/dev/shm/tierd-{child.pid}-*"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(pool)
+    def stop(self, child: subprocess.Popen[bytes] | Daemon) -> int | None:
+        """SIGTERM, then SIGKILL after 30 s; the exit status."""
+        if isinstance(child, Daemon):
+            status: int | None = child.stop(timeout_s=30)
+        else:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+                try:
+                    child.wait(30)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+            status = child.returncode
         if child in self.children:
             self.children.remove(child)
-        return child.returncode
+        return status
 
     def stop_all(self) -> None:
         for child in reversed(list(self.children)):
@@ -150,8 +137,7 @@ def profile_daemon(
 ) -> tuple[list[tuple[str, int, float, float]], float, int]:
     """Run tierd under cProfile through one client's round trips and pipelined lookups."""
     prof = servers.workdir / "daemon.prof"
-    servers.start_daemon(config, "python -c", profile=prof)
-    child = servers.children[-1]
+    child = servers.start_daemon(config, "python -c", profile=prof)
     path = str(config.with_suffix(".sock"))
     uvloop.run(store_lookup_keys(path, args.keys))
     phases = (Phase("rt", args.n, 1, True), Phase("pipe", args.pipe, args.window, False))
