@@ -1,19 +1,17 @@
 """The processes of ``scripts/bench_remote.py``: a redis-server on 127.0.0.1 without
 persistence (:class:`RedisServer`, with its memory figures) and ``tierd serve`` daemons
 (:class:`Daemon`, :func:`daemons`), each in a directory of its own, each waited on until it
-answers and stopped by its PID (SIGTERM, then SIGKILL past a deadline). Parts (a), (b) and
-(c) all run on these."""
+answers (a daemon: its READY=1) and stopped by its PID (SIGTERM, then SIGKILL past a
+deadline). Parts (a), (b) and (c) all run on these."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -21,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
-import yaml
 
-from tierd.client import Client, Unreachable
+from tierd.testing import start_daemon
 
 START_DEADLINE_S = 60.0
 
@@ -98,7 +95,8 @@ class RedisServer:
 
 
 class Daemon:
-    """``tierd serve`` from a config mapping, in a directory of its own under /tmp."""
+    """``tierd serve`` from a config mapping, in a directory of its own under /tmp
+    (:func:`tierd.testing.start_daemon`; :meth:`ready` waits for its READY=1)."""
 
     def __init__(self, config: dict[str, Any], home: Path) -> None:
         home.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -108,37 +106,15 @@ class Daemon:
             "socket": {"path": self.socket},
             "logging": {"level": "warning"},
         }
-        path = home / "tierd.yaml"
-        path.write_text(yaml.safe_dump(self.config))
         self.log = home / "serve.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIERD_")}
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tierd", "serve", "-c", str(path)],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                env=env,
-            )
+        self.process = start_daemon(self.config, env=env, log=self.log, wait=False)
 
     async def ready(self) -> None:
-        deadline = time.monotonic() + START_DEADLINE_S
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"tierd serve exited:\n{self.log.read_text()[-4000:]}")
-            try:
-                client = await Client.connect(self.socket)
-            except Unreachable:
-                if time.monotonic() > deadline:
-                    message = f"tierd serve not ready:\n{self.log.read_text()[-4000:]}"
-                    raise SystemExit(message) from None
-                await asyncio.sleep(0.05)  # start-up: nothing to wait on but the socket
-                continue
-            await client.close()
-            return
+        await self.process.wait_ready_async(START_DEADLINE_S)
 
     def stop(self) -> int:
-        return _stop(self.proc)
+        return self.process.stop()
 
 
 @contextlib.contextmanager
