@@ -42,10 +42,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tierd.testing import DaemonProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 E2E = ROOT / "tests" / "e2e_vllm"
@@ -136,8 +138,9 @@ def build_models(directory: Path) -> dict[str, Path]:
     return paths
 
 
-def start_daemon(directory: Path, row_bytes: int) -> tuple[subprocess.Popen[bytes], str]:
-    import yaml
+def start_daemon(directory: Path, row_bytes: int) -> tuple[DaemonProcess, str]:
+    """``tierd serve`` of a CPU tier over a disk tier, once ready (its READY=1)."""
+    from tierd.testing import start_daemon as serve
 
     socket_path = str(directory / "tierd.sock")
     (directory / "disk").mkdir(mode=0o700)
@@ -154,31 +157,8 @@ def start_daemon(directory: Path, row_bytes: int) -> tuple[subprocess.Popen[byte
         ],
         "socket": {"path": socket_path},
     }
-    path = directory / "tierd.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = (directory / "daemon.log").open("wb")
-    command = [sys.executable, "-m", "tierd", "serve", "-c", str(path)]
-    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    asyncio.run(wait_ready(proc, socket_path))
-    return proc, socket_path
-
-
-async def wait_ready(proc: subprocess.Popen[bytes], socket_path: str) -> None:
-    from tierd.client import Client, Unreachable
-
-    deadline = time.monotonic() + START_DEADLINE_S
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"bench_vllm: the daemon exited with {proc.returncode}")
-        try:
-            client = await Client.connect(socket_path)
-        except Unreachable:
-            if time.monotonic() > deadline:
-                raise SystemExit("bench_vllm: the daemon did not answer in time") from None
-            await asyncio.sleep(0.05)  # a process start-up: nothing to wait on but the socket
-            continue
-        await client.close()
-        return
+    log = directory / "daemon.log"
+    return serve(config, log=log, timeout_s=START_DEADLINE_S), socket_path
 
 
 async def control(socket_path: str, what: str) -> None:
@@ -264,7 +244,7 @@ def one_run(
 def hung_run(
     args: argparse.Namespace,
     workers: dict[tuple[str, str], Worker],
-    daemon: subprocess.Popen[bytes],
+    daemon: DaemonProcess,
     rng: random.Random,
 ) -> dict[tuple[str, str, str], tuple[float, list[int]]]:
     print("bench_vllm: a round with the daemon stopped", file=sys.stderr, flush=True)
@@ -275,7 +255,7 @@ def hung_run(
         out[shape.name, "plain", "burst3"] = (answer["seconds"], answer["cached"])
         reset = workers[shape.name, "plain"].ask(op="reset")
         out[shape.name, "plain", "reset"] = (reset["seconds"], [])
-        daemon.send_signal(signal.SIGSTOP)
+        daemon.signal(signal.SIGSTOP)
         try:
             w = workers[shape.name, "tierd"]
             answer = w.ask(op="gen", prompts=three)
@@ -283,7 +263,7 @@ def hung_run(
             reset = w.ask(op="reset")
             out[shape.name, "tierd", "reset"] = (reset["seconds"], [])
         finally:
-            daemon.send_signal(signal.SIGCONT)
+            daemon.signal(signal.SIGCONT)
     return out
 
 
@@ -347,13 +327,8 @@ def main(argv: list[str]) -> int:
         finally:
             for worker in workers.values():
                 worker.close()
-            daemon.send_signal(signal.SIGCONT)
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(60)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+            daemon.signal(signal.SIGCONT)
+            daemon.stop(timeout_s=60)  # SIGTERM, then SIGKILL
     result = summarize(samples)
     if args.json:
         print(json.dumps(result, indent=2))
