@@ -30,17 +30,22 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tierd.testing import DaemonProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_daemon(workdir: Path, args: argparse.Namespace) -> subprocess.Popen[bytes]:
+def start_daemon(workdir: Path, args: argparse.Namespace) -> DaemonProcess:
+    from tierd.testing import start_daemon as serve
+
     block = args.block_kib << 10
     disk = workdir / "disk"
     disk.mkdir(mode=0o700)
@@ -60,17 +65,8 @@ def start_daemon(workdir: Path, args: argparse.Namespace) -> subprocess.Popen[by
         "limits": {"lease_blocks_per_connection": "100%", "lease_blocks_per_tenant": "100%"},
         "logging": {"level": "warning"},
     }
-    path = workdir / "tierd.json"
-    path.write_text(json.dumps(config))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    child = subprocess.Popen([sys.executable, "-m", "tierd", "serve", "-c", str(path)], env=env)
-    deadline = time.monotonic() + 120
-    while not (workdir / "tierd.sock").exists():  # bounded: the deadline, or its exit
-        if child.poll() is not None or time.monotonic() > deadline:
-            child.kill()
-            raise RuntimeError(f"the daemon did not start (exit status {child.poll()})")
-        time.sleep(0.05)
-    return child
+    return serve(config, env=env, log=workdir / "tierd.log", timeout_s=120)  # once READY=1
 
 
 async def through_tierd(socket: str, args: argparse.Namespace, rep: int) -> dict[str, float]:
@@ -169,8 +165,7 @@ def main() -> None:
             try:
                 ours = asyncio.run(through_tierd(str(workdir / "tierd.sock"), args, rep))
             finally:
-                child.terminate()
-                child.wait(60)
+                child.stop()
             ref = device(workdir, args)
         for op in ("store", "load"):
             figures.setdefault(f"tierd {op}", []).append(ours[op])
