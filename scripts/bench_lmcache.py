@@ -18,13 +18,11 @@ docs/BENCHMARKS.md by hand.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from redis_kit import RedisServer  # noqa: E402
 
-from tierd.client import Client, Unreachable  # noqa: E402
-from tierd.testing import daemon_config  # noqa: E402
+from tierd.testing import DaemonProcess, daemon_config, start_daemon  # noqa: E402
 
 LMCACHE_PYTHON = Path(
     os.environ.get("TIERD_LMCACHE_PYTHON", ROOT / ".venv-lmcache" / "bin" / "python")
@@ -54,33 +51,23 @@ def tierd_spec(socket_path: str) -> dict[str, Any]:
     }
 
 
-async def wait_ready(socket_path: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + READY_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"tierd serve exited with {proc.returncode}")
-        try:
-            client = await Client.connect(socket_path)
-        except (Unreachable, OSError):
-            await asyncio.sleep(0.05)
-            continue
-        await client.close()
-        return
-    raise RuntimeError(f"tierd serve did not answer within {READY_S} s")
-
-
-def start_tierd(workdir: Path, block: int, cpu_blocks: int, disk_blocks: int | None) -> Any:
+def start_tierd(
+    workdir: Path, block: int, cpu_blocks: int, disk_blocks: int | None
+) -> tuple[DaemonProcess, str]:
+    """``tierd serve`` (.venv's console script) of a small chain, once it sent READY=1."""
     config = daemon_config(
         workdir, block_bytes=block, cpu_blocks=cpu_blocks, disk_blocks=disk_blocks
     )
-    path = workdir / "tierd.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = (workdir / "tierd.log").open("wb")
-    proc = subprocess.Popen(
-        [str(TIERD), "serve", "-c", str(path)], stdout=log, stderr=log, stdin=subprocess.DEVNULL
+    command = [str(TIERD), "serve", "-c", str(workdir / "tierd.yaml")]
+    (workdir / "tierd.yaml").write_text(yaml.safe_dump(config))
+    socket_path = str(config["socket"]["path"])
+    # Not this script's TIERD_LMCACHE_PYTHON: the daemon refuses TIERD_* it does not know.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERD_")}
+    log = workdir / "tierd.log"
+    daemon = start_daemon(
+        command=command, env=env, log=log, socket_path=socket_path, timeout_s=READY_S
     )
-    asyncio.run(wait_ready(config["socket"]["path"], proc))
-    return proc, config["socket"]["path"]
+    return daemon, socket_path
 
 
 def bench(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -112,8 +99,7 @@ def run_case(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
         try:
             return bench(tierd_spec(socket_path), args)
         finally:
-            proc.terminate()
-            proc.wait(60)
+            proc.stop()
     if name == "LMCache fs":
         return bench({"type": "fs", "base_path": str(workdir / "fs")}, args)
     redis = RedisServer(workdir / "redis").start()
