@@ -40,7 +40,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tierd.testing import DaemonProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 BYSTANDER_UID, NEIGHBOUR_UID = 61001, 61002  # only as tenants' uids: no account needed
@@ -223,23 +226,13 @@ def daemon_config(workdir: Path, args: argparse.Namespace, tenants: bool) -> dic
     return config
 
 
-def start_daemon(workdir: Path, config: dict[str, Any]) -> subprocess.Popen[bytes]:
-    path = workdir / "tierd.json"
-    path.write_text(json.dumps(config))
-    log = (workdir / "tierd.stderr").open("wb")
+def start_daemon(workdir: Path, config: dict[str, Any]) -> DaemonProcess:
+    """``tierd serve`` of ``config`` (the tierd beside this script), once READY=1."""
+    from tierd.testing import start_daemon as serve
+
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the tierd beside this script
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tierd", "serve", "-c", str(path)], stderr=log, cwd=ROOT, env=env
-    )
-    deadline = time.monotonic() + START_S
-    while not (workdir / "tierd.sock").exists():  # bounded: the deadline, or its exit
-        if child.poll() is not None or time.monotonic() > deadline:
-            child.kill()
-            raise RuntimeError(
-                f"the daemon did not start: {(workdir / 'tierd.stderr').read_text()[-2000:]}"
-            )
-        time.sleep(0.05)
-    return child
+    log = workdir / "tierd.stderr"
+    return serve(config, env=env, log=log, cwd=ROOT, timeout_s=START_S)
 
 
 def memory_kib(pid: int) -> dict[str, int]:
@@ -362,8 +355,7 @@ def orchestrate(args: argparse.Namespace) -> None:
         try:
             phases = [run_phase(args, name, daemon.pid) for name in PHASES]
         finally:
-            daemon.terminate()
-            daemon.wait(timeout=STOP_S)
+            daemon.stop(timeout_s=STOP_S)
     report = {
         "commit": commit(args.commit),
         "code": str(ROOT),
