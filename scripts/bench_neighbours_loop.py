@@ -37,10 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from tierd.client import Client, DaemonError, Unreachable
-from tierd.testing import daemon_config, running_daemon
+from tierd.client import Client, DaemonError
+from tierd.testing import DaemonProcess, daemon_config, running_daemon, start_daemon_async
 
 BLOCK = 4096
 ATTACKS = ("loads", "hellos", "namespaces", "delete")
@@ -56,28 +54,9 @@ async def connect(socket: str, namespace: str | None) -> Client:
     return await Client.connect(socket, namespace=namespace, block_bytes=BLOCK)
 
 
-async def start(config: dict[str, Any], home: Path) -> subprocess.Popen[bytes]:
-    path = home / "tierd.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = (home / "tierd.log").open("wb")
-    command = [sys.executable, "-m", "tierd", "serve", "-c", str(path)]
-    proc = await asyncio.to_thread(subprocess.Popen, command, stdout=log, stderr=log)
-    for _ in range(1200):
-        try:
-            client = await Client.connect(config["socket"]["path"])
-        except Unreachable:  # not up yet
-            if proc.poll() is not None:
-                break
-            await asyncio.sleep(0.05)
-            continue
-        await client.close()
-        return proc
-    raise RuntimeError((home / "tierd.log").read_text())
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    proc.wait(60)
+async def start(config: dict[str, Any], home: Path) -> DaemonProcess:
+    """``tierd serve`` of ``config`` (YAML and log in ``home``), once it sent READY=1."""
+    return await start_daemon_async(config, log=home / "tierd.log")
 
 
 async def fill(socket: str, blocks: int) -> None:
@@ -191,7 +170,7 @@ async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                 print(json.dumps(rows[-1]), flush=True)
             return rows
         finally:
-            stop(proc)
+            proc.stop()
 
 
 async def probe(args: argparse.Namespace) -> list[dict[str, Any]]:
