@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,9 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_scale_restart import proc_costs, start_daemon
+from bench_scale_restart import START_TIMEOUT_S, proc_costs
 
 from tierd.client import Client
+from tierd.testing import DaemonProcess, start_daemon
 
 BB = 4096
 NS = "bench-scale"
@@ -139,13 +139,9 @@ shutdown: {{grace: 10s, write_back: none}}
     return path
 
 
-def _stop(child: subprocess.Popen[bytes]) -> None:
-    child.send_signal(signal.SIGTERM)
-    try:
-        child.wait(60)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
+def _start(work: Path, config: Path, run: int) -> DaemonProcess:
+    """``tierd serve`` of ``config``, once it sent READY=1; its log in ``work``."""
+    return start_daemon(config, log=work / f"daemon-{run}.log", timeout_s=START_TIMEOUT_S)
 
 
 def _key(i: int) -> bytes:
@@ -172,11 +168,11 @@ async def _keys_per_lookup(sock: Path, counts: list[int], reps: int) -> list[dic
 
 def keys_growth(work: Path, counts: list[int], reps: int = 200) -> list[dict[str, Any]]:
     work.mkdir(parents=True, exist_ok=True)
-    started, _ = start_daemon(work, _yaml(work, "64MiB"), 0)
+    started = _start(work, _yaml(work, "64MiB"), 0)
     try:
         return asyncio.run(_keys_per_lookup(work / "t.sock", counts, reps))
     finally:
-        _stop(started.child)
+        started.stop()
 
 
 async def _engine(sock: Path, who: int, steps: int, lats: list[float]) -> int:
@@ -201,16 +197,16 @@ async def _clients(sock: Path, n: int, steps: int) -> tuple[float, list[float], 
 
 def clients_growth(work: Path, counts: list[int], requests: int = 3000) -> list[dict[str, Any]]:
     work.mkdir(parents=True, exist_ok=True)
-    started, _ = start_daemon(work, _yaml(work, "256MiB"), 1)
+    started = _start(work, _yaml(work, "256MiB"), 1)
     sock = work / "t.sock"
     rows = []
     try:
         asyncio.run(_keys_per_lookup(sock, [1], 1))  # stores the 4096 looked-up blocks
         for n in counts:
             steps = max(5, requests // 3 // n)
-            before = proc_costs(started.child.pid)["cpu_s"]
+            before = proc_costs(started.pid)["cpu_s"]
             wall, lats, reqs = asyncio.run(_clients(sock, n, steps))
-            cpu = proc_costs(started.child.pid)["cpu_s"] - before
+            cpu = proc_costs(started.pid)["cpu_s"] - before
             lats.sort()
             rows.append({
                 "clients": n, "steps_per_s": round(len(lats) / wall, 1),
@@ -221,7 +217,7 @@ def clients_growth(work: Path, counts: list[int], requests: int = 3000) -> list[
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     finally:
-        _stop(started.child)
+        started.stop()
     return rows
 
 
@@ -240,14 +236,14 @@ def pool_growth(work: Path, sizes: list[str]) -> list[dict[str, Any]]:
     for run, size in enumerate(sizes):
         where = work / f"pool-{run}"
         where.mkdir(parents=True)
-        started, _ = start_daemon(where, _yaml(where, size), 10 + run)
+        started = _start(where, _yaml(where, size), 10 + run)
         try:
-            costs = proc_costs(started.child.pid)
+            costs = proc_costs(started.pid)
             first = asyncio.run(_touch(where / "t.sock", 16384))  # 64 MiB
-            after = proc_costs(started.child.pid)
+            after = proc_costs(started.pid)
         finally:
-            _stop(started.child)
-        rows.append({"pool": size, "ready_s": round(started.ready_s, 2),
+            started.stop()
+        rows.append({"pool": size, "ready_s": round(started.ready_s or 0.0, 2),
                      "rss_at_ready_mib": costs["rss_mib"], "cpu_to_ready_s": costs["cpu_s"],
                      "store_first_64mib_s": round(first, 3),
                      "rss_after_64mib": after["rss_mib"]})  # fmt: skip
