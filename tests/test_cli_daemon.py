@@ -19,7 +19,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -33,7 +32,13 @@ import yaml
 
 from tierd.cli import main
 from tierd.client import Client
-from tierd.testing import daemon_config, running_daemon, short_socket_path
+from tierd.testing import (
+    DaemonProcess,
+    daemon_config,
+    running_daemon,
+    short_socket_path,
+    start_daemon,
+)
 from tierd.version import __version__
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -585,42 +590,33 @@ def notify_socket() -> Iterator[socket.socket]:
         yield sock
 
 
-def wait_for_notice(sock: socket.socket, proc: subprocess.Popen[bytes], state: str) -> None:
+def wait_for_notice(sock: socket.socket, daemon: DaemonProcess, state: str) -> None:
     # Start-up progress (EXTEND_TIMEOUT_USEC, one per GiB of the CPU pool) comes first.
     while (message := sock.recv(4096).decode()).startswith("EXTEND_TIMEOUT_USEC="):
         pass
-    assert message == state, f"expected {state}, got {message} (exit status {proc.poll()})"
+    assert message == state, f"expected {state}, got {message} (exit status {daemon.returncode})"
 
 
 def test_serve_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = daemon_config(tmp_path, cpu_blocks=8, disk_blocks=16, block_bytes=BLOCK)
     path = str(config["socket"]["path"])
-    config_file = tmp_path / "tierd.yaml"
-    config_file.write_text(yaml.safe_dump(config))
     log_file = tmp_path / "serve.log"
-    with notify_socket() as notices, log_file.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tierd", "serve", "-c", str(config_file)],
-            cwd=ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            env=child_env(NOTIFY_SOCKET=notices.getsockname()),
-        )
+    with notify_socket() as notices:
+        # The notices are this test's to read: the helper leaves NOTIFY_SOCKET to it.
+        env = child_env(NOTIFY_SOCKET=notices.getsockname())
+        daemon = start_daemon(config, env=env, log=log_file, cwd=ROOT, notify=False, wait=False)
         try:
-            wait_for_notice(notices, proc, "READY=1")
+            wait_for_notice(notices, daemon, "READY=1")
             assert store(path, names("p", 3)) == 3
             status, out, _ = run_cli(capsys, "stats", "--socket", path, "--json")
             assert status == 0
             assert tier(json.loads(out), "cpu")["used"] == 3
 
-            proc.send_signal(signal.SIGTERM)
-            wait_for_notice(notices, proc, "STOPPING=1")
-            assert proc.wait(EXIT_DEADLINE_S) == 0
+            daemon.signal(signal.SIGTERM)
+            wait_for_notice(notices, daemon, "STOPPING=1")
+            assert daemon.wait(EXIT_DEADLINE_S) == 0
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            daemon.kill()
     assert not os.path.exists(path)
     lines = log_file.read_text().splitlines()
     events = [json.loads(line)["event"] for line in lines if line.startswith("{")]
