@@ -419,3 +419,20 @@ def test_describe_refuses_impossible_input() -> None:
         wire.describe([2**64], None, [1], 16)
     assert PLAIN.size == len(PLAIN.fields) + len(PLAIN.hashes)
     assert msgpack.unpackb(PLAIN.hashes) == INT_HASHES
+
+
+def test_a_batch_that_cannot_be_encoded_is_a_counted_drop_and_the_thread_goes_on(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    publisher = started()
+    try:
+        assert publisher.offer(["not bytes"])  # type: ignore[list-item]
+        assert publisher.offer([wire.cleared()])
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(str(publisher.replay_endpoint))
+        answers = ask_replay(dealer, [b"", bytes(8)])
+        assert [int.from_bytes(a[2], "big") for a in answers[:-1]] == [1]
+        stats = publisher.stats()
+        assert (stats["dropped_batches"], stats["published_batches"]) == (1, 1)
+    finally:
+        publisher.close()

@@ -135,6 +135,7 @@ def describe(
     )
 
 
+@lru_cache(maxsize=256)
 def _tail(medium: str, locality: str | None, ownership: str | None) -> tuple[int, bytes]:
     """The pairs every block event ends with: medium, then locality and ownership if set."""
     parts = [_MEDIUM + _text(medium)]
