@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 from users_kit import Attacker, as_user, attacker
 
-from tierd.client import Client, Unreachable, UntrustedDaemon
+from tierd.client import Client, UntrustedDaemon
+from tierd.testing import DaemonProcess, start_daemon, start_daemon_async
 
 __all__ = ["attacker"]  # the fixture, re-exported for pytest
 
@@ -147,16 +148,12 @@ async def test_the_command_line_trusts_a_service_users_daemon_when_told(
     assert await impostor.received() > 0
 
 
-def _serve(runtime: Path, config: Path) -> subprocess.Popen[str]:
+def _serve(runtime: Path, config: Path, *, wait: bool) -> DaemonProcess:
+    """``tierd serve`` of ``config`` with ``runtime`` as XDG_RUNTIME_DIR; with ``wait``,
+    once it sent READY=1."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERD_")}
     env["XDG_RUNTIME_DIR"] = str(runtime)
-    return subprocess.Popen(
-        [sys.executable, "-m", "tierd", "serve", "-c", str(config)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return start_daemon(config, env=env, log=runtime / "serve.log", wait=wait)
 
 
 @pytest.fixture
@@ -180,9 +177,9 @@ async def test_the_daemon_refuses_a_socket_directory_another_user_owns(
     squatted = runtime_dir / "tierd"
     squatted.mkdir()
     os.chown(squatted, NOBODY, NOBODY)
-    daemon = _serve(runtime_dir, cpu_only)
-    out, _ = await asyncio.to_thread(daemon.communicate, timeout=60)
-    assert daemon.returncode == 1
+    daemon = _serve(runtime_dir, cpu_only, wait=False)
+    assert await daemon.wait_async(60) == 1
+    out = daemon.log_text()
     assert f"the socket directory {squatted} belongs to uid {NOBODY}" in out
     assert "Traceback" not in out
     assert list(squatted.iterdir()) == []
@@ -191,24 +188,16 @@ async def test_the_daemon_refuses_a_socket_directory_another_user_owns(
 async def test_the_daemon_makes_its_socket_directory_private(
     runtime_dir: Path, cpu_only: Path
 ) -> None:
-    daemon = _serve(runtime_dir, cpu_only)
+    daemon = await asyncio.to_thread(_serve, runtime_dir, cpu_only, wait=True)
     try:
         path = runtime_dir / "tierd" / "tierd.sock"
-        client = None
-        for _ in range(600):  # start-up: nothing to wait on but the socket (60 s at most)
-            assert daemon.poll() is None, daemon.stdout.read() if daemon.stdout else ""
-            try:
-                client = await Client.connect(path)
-                break
-            except Unreachable:
-                await asyncio.sleep(0.1)
-        assert client is not None
+        assert daemon.socket == str(path)
+        client = await Client.connect(path)  # READY=1 came after the socket accepts
         await client.close()
         st = os.stat(runtime_dir / "tierd")
         assert (st.st_uid, st.st_mode & 0o777) == (os.getuid(), 0o700)
     finally:
-        daemon.terminate()
-        await asyncio.to_thread(daemon.wait, 60)
+        await daemon.stop_async(60)
 
 
 # -- files planted in a shared directory --------------------------------------------------
@@ -241,27 +230,10 @@ async def test_links_planted_for_the_pid_file_are_never_written_through(
         if unshare is None:
             pytest.skip("unshare is not installed")
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIERD_")}
-        daemon = await asyncio.to_thread(
-            subprocess.Popen,
-            [
-                unshare,
-                "--pid",
-                "--fork",
-                "--kill-child=SIGTERM",
-                sys.executable,
-                "-m",
-                "tierd",
-                "serve",
-                "-c",
-                str(config),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        wrap = [unshare, "--pid", "--fork", "--kill-child=SIGTERM"]
+        daemon = await start_daemon_async(config, wrap=wrap, env=env, log=tmp_path / "serve.log")
         try:
-            client = await _connect_when_up(daemon, shared / "tierd.sock")
+            client = await Client.connect(shared / "tierd.sock")  # ready: READY=1 came
             await client.close()
             pid_file = shared / "tierd.sock.pid"
             assert not pid_file.is_symlink() and pid_file.read_text().strip().isdigit()
@@ -271,7 +243,7 @@ async def test_links_planted_for_the_pid_file_are_never_written_through(
             children = await asyncio.to_thread(listing.read_text)
             for child in children.split():
                 os.kill(int(child), signal.SIGKILL)
-            await asyncio.to_thread(daemon.wait, 60)
+            await daemon.wait_async(60)
         assert victim.read_text() == "root's data\n"
     finally:
         shutil.rmtree(shared, ignore_errors=True)
@@ -316,14 +288,3 @@ async def test_a_world_writable_directory_of_another_user_is_refused(
     finally:
         shutil.rmtree(shared, ignore_errors=True)
         shutil.rmtree(home, ignore_errors=True)
-
-
-async def _connect_when_up(daemon: subprocess.Popen[str], path: Path) -> Client:
-    for _ in range(600):  # start-up: nothing to wait on but the socket (60 s at most)
-        if daemon.poll() is not None:
-            raise AssertionError(daemon.stdout.read() if daemon.stdout else "")
-        try:
-            return await Client.connect(path)
-        except Unreachable:
-            await asyncio.sleep(0.1)
-    raise AssertionError("the daemon never answered")
