@@ -33,6 +33,7 @@ async def test_returns_once_ready_and_the_socket_answers_at_once(tmp_path: Path)
     try:
         assert daemon.socket == config["socket"]["path"]
         assert daemon.ready_s is not None and daemon.returncode is None
+        assert daemon.notices[-1] == b"READY=1"  # after the CPU pool's progress, if any
         # READY=1 comes after the socket accepts: the first connection is answered.
         async with await Client.connect(daemon.socket) as client:
             assert (await client.health())["status"] == "ok"
@@ -59,6 +60,7 @@ def test_a_child_that_never_says_ready_is_killed_at_the_bound(tmp_path: Path) ->
 
 def test_stop_kills_by_pid_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
     daemon = start_daemon(command=[sys.executable, "-c", STUBBORN], log=tmp_path / "s.log")
+    assert daemon.notices == [b"STATUS=starting", b"READY=1"]
     assert daemon.returncode is None
     assert daemon.stop(timeout_s=0.5) == -signal.SIGKILL
     with pytest.raises(ProcessLookupError):

@@ -105,33 +105,25 @@ def test_serve_without_a_config_runs_the_shipped_default_chain(tmp_path: Path) -
     """``tierd serve`` with no ``-c`` and no ``$TIERD_CONFIG`` runs the shipped tierd.yaml
     (a CPU pool over a disk tier in the XDG state directory), without torch."""
     import asyncio
-    import signal
-    import socket
 
     from tierd.client import Client
-    from tierd.testing import short_socket_path
+    from tierd.testing import short_socket_path, start_daemon
 
     path = short_socket_path()
-    notify = tmp_path / "notify"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    listener.bind(str(notify))
-    listener.settimeout(60)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERD_")}
     env.update(
         PYTHONPATH=str(ROOT),
         XDG_STATE_HOME=str(tmp_path / "state"),
-        NOTIFY_SOCKET=str(notify),
         TIERD_SOCKET__PATH=path,
         TIERD_TIERS__0__CAPACITY="8MiB",  # small sizes for a test; the rest as shipped
         TIERD_TIERS__1__CAPACITY="16MiB",
     )
     code = NO_TORCH + "from tierd.cli import main; sys.exit(main())"
-    child = subprocess.Popen(
-        [sys.executable, "-c", code, "serve"], env=env, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        while (message := listener.recv(256)) != b"READY=1":
-            assert message.startswith(b"EXTEND_TIMEOUT_USEC="), message
+    command = [sys.executable, "-c", code, "serve"]
+    with start_daemon(command=command, env=env, log=tmp_path / "serve.log") as child:
+        *progress, ready = child.notices
+        assert ready == b"READY=1"
+        assert all(m.startswith(b"EXTEND_TIMEOUT_USEC=") for m in progress), progress
 
         async def tiers() -> list[str]:
             async with await Client.connect(path) as client:
@@ -139,14 +131,9 @@ def test_serve_without_a_config_runs_the_shipped_default_chain(tmp_path: Path) -
             return [tier["name"] for tier in stats["tiers"]]
 
         assert asyncio.run(tiers()) == ["cpu", "disk"]
-        child.send_signal(signal.SIGTERM)
-        _, err = child.communicate(timeout=60)
-    finally:
-        listener.close()
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    assert child.returncode == 0, err
+        status = child.stop(60)
+    err = child.log_text()
+    assert status == 0, err
     assert "running the default" in err and "tierd/share/tierd.yaml" in err
     assert (tmp_path / "state" / "tierd" / "disk").is_dir()
 

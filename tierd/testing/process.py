@@ -97,6 +97,7 @@ class DaemonProcess:
     def __init__(self, spec: DaemonSpec) -> None:
         self.spec = spec
         self.ready_s: float | None = None  # seconds from the spawn to READY=1
+        self.notices: list[bytes] = []  # what it sent to the notify socket, READY=1 last
         self._notify: socket.socket | None = None
         env = dict(os.environ if spec.env is None else spec.env)
         if spec.notify:
@@ -142,7 +143,8 @@ class DaemonProcess:
             raise DaemonNotReady("this daemon was started without a notify socket")
         pidfd = os.pidfd_open(self.proc.pid)
         try:
-            ready = _await_ready(self._notify, pidfd, time.monotonic() + timeout_s)
+            deadline = time.monotonic() + timeout_s
+            ready = _await_ready(self._notify, pidfd, deadline, self.notices)
         finally:
             os.close(pidfd)
         if ready:
@@ -306,14 +308,15 @@ def _resolved_socket(
     return str(cfg.socket.path)
 
 
-def _await_ready(notify: socket.socket, pidfd: int, deadline: float) -> bool:
-    """Read ``notify`` until a ``READY=1`` line (True), or until the child exits or the
-    deadline passes (False). Start-up progress (``EXTEND_TIMEOUT_USEC``) is skipped."""
+def _await_ready(notify: socket.socket, pidfd: int, deadline: float, seen: list[bytes]) -> bool:
+    """Read ``notify`` into ``seen`` until a ``READY=1`` line (True), or until the child
+    exits or the deadline passes (False). Start-up progress (``EXTEND_TIMEOUT_USEC``)
+    comes before it."""
     while (left := deadline - time.monotonic()) > 0:
         readable, _, _ = select.select([notify.fileno(), pidfd], [], [], left)
         if notify.fileno() in readable:
-            message = notify.recv(4096)
-            if b"READY=1" in message.split(b"\n"):
+            seen.append(notify.recv(4096))
+            if b"READY=1" in seen[-1].split(b"\n"):
                 return True
             continue  # read every message sent before the exit first
         if pidfd in readable:
