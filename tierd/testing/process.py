@@ -107,7 +107,7 @@ class DaemonProcess:
             with spec.log.open("wb") as log:
                 stdout = log if spec.stdout is None else spec.stdout
                 self.proc: subprocess.Popen[bytes] = subprocess.Popen(
-                    spec.command, stdin=subprocess.DEVNULL, stdout=stdout, stderr=log,
+                    list(spec.command), stdin=subprocess.DEVNULL, stdout=stdout, stderr=log,
                     env=env, cwd=spec.cwd,
                 )  # fmt: skip
         except BaseException:
