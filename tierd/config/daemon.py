@@ -20,6 +20,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tierd.config.base import Mode, Seconds, Size, StrictModel, error_at, errors_at
 from tierd.config.chain import ChainConfig, TierConfig, TierKind
+from tierd.config.kv_events import KvEventsConfig
 from tierd.control.socketfile import bind_path_bytes, default_socket_path
 from tierd.tenancy import DEFAULT_TENANT, QuotaProblem, TenantConfig, quota_blocks
 from tierd.units import share_parts
@@ -230,6 +231,7 @@ class DaemonConfig(ChainConfig):
     events: EventsConfig = Field(default_factory=EventsConfig)
     tenants: list[TenantConfig] = Field(default_factory=list)  # see tierd.tenancy
     trace: TraceConfig = Field(default_factory=TraceConfig)
+    kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
 
     @model_validator(mode="after")
     def _tenants(self) -> DaemonConfig:
@@ -251,6 +253,14 @@ class DaemonConfig(ChainConfig):
                 problems.append((problem.path, problem.message))
         if problems:
             raise errors_at(problems)
+        return self
+
+    @model_validator(mode="after")
+    def _published_tenants(self) -> DaemonConfig:
+        names = {t.name for t in self.tenants} or {DEFAULT_TENANT}
+        unknown = [n for n in self.kv_events.tenants if n != "*" and n not in names]
+        if unknown:
+            raise error_at("kv_events.tenants", f"no tenant named {', '.join(map(repr, unknown))}")
         return self
 
     def tenant_blocks(self) -> dict[str, dict[str, int]]:

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self, cast
+
+import msgpack
 
 from tierd.control.client_pool import LoadLease, PoolMap, StoreLease
 from tierd.control.client_regions import Registration, move_blocks, register_region
@@ -401,6 +403,25 @@ class Client:
             dirty_by_tier={str(k): int(v) for k, v in reply["dirty_by_tier"].items()},
             reason=str(reply["reason"]),
         )
+
+    async def describe(self, keys: Sequence[bytes], blocks: Sequence[Mapping[str, Any]]) -> int:
+        """Say what each block of ``keys`` is in the engine's terms (docs/events.md), for
+        the KV events routers read; returns how many descriptions the daemon kept (0 when
+        its ``kv_events:`` section does not publish this tenant)."""
+        packed = [msgpack.packb(block, use_bin_type=True) for block in blocks]
+        return int((await self.request("describe", keys=list(keys), blocks=packed))["kept"])
+
+    async def blocks_held(
+        self, requests: Sequence[Sequence[int | bytes]], *, tenant: str | None = None
+    ) -> list[list[str]]:
+        """For each list of engine block hashes: the media of the leading blocks the
+        node holds (as many as it holds, up to the first it does not)."""
+        flat = [h for request in requests for h in request]
+        lengths = [len(request) for request in requests]
+        reply = await self.request(
+            "blocks_held", hashes=flat, lengths=lengths, **_present(tenant=tenant)
+        )
+        return [list(m) for m in reply["media"]]
 
     async def clear(self, tier: str | None = None) -> int:
         fields = {} if tier is None else {"tier": tier}

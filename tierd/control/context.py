@@ -26,7 +26,7 @@ from tierd.keys import MAX_KEY_BYTES
 from tierd.version import __version__
 
 if TYPE_CHECKING:
-    pass
+    from tierd.kvevents.feed import EventFeed
 
 __all__ = ["Limits", "PoolInfo", "ServerContext"]
 
@@ -62,6 +62,7 @@ class ServerContext:
     reload: Callable[[], Awaitable[dict[str, Any]]] | None = None
     namespaces_top: int = 20  # namespaces with labels of their own in the metrics
     recorder: TraceRecorder | None = None  # live traffic to a trace; None: not configured
+    kv_feed: EventFeed | None = None  # KV events for routers; None: kv_events is off
     shutting_down: bool = False
     connections: int = 0
     requests: int = 0
@@ -158,7 +159,10 @@ class ServerContext:
             tenant.name: self._tenant_stats(tenant, namespaces) for tenant in self.tenants.tenants
         }
         merged = merge_stats(list(each.values()))
-        return {**merged, "tenants": each, "server": self.server_fields()}
+        out = {**merged, "tenants": each, "server": self.server_fields()}
+        if self.kv_feed is not None:
+            out["kv_events"] = self.kv_feed.stats()
+        return out
 
     @staticmethod
     def _tenant_stats(tenant: Tenant, namespaces: bool) -> dict[str, Any]:

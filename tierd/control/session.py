@@ -44,6 +44,7 @@ from tierd.control.block_requests import LOADED_FROM, BlockRequests
 from tierd.control.context import ServerContext
 from tierd.control.event_stream import EventStream
 from tierd.control.hello import answer_hello
+from tierd.control.kv_requests import KvRequests
 from tierd.control.leases import Leases
 from tierd.control.namespace_requests import NamespaceRequests
 from tierd.control.namespaces import NamespaceFigures
@@ -115,6 +116,7 @@ class Session:
         operator = OperatorRequests(ctx, self)
         self.regions = RegionRequests(ctx, self, blocks, lambda: self.receive_fd)
         by_namespace = NamespaceRequests(ctx, self)
+        kv = KvRequests(ctx, self)
         answered: dict[str, _Answer] = {
             "hello": self._hello,
             "lookup": self._lookup,
@@ -136,6 +138,8 @@ class Session:
             "namespaces": by_namespace.namespaces,
             "inspect": by_namespace.inspect,
             "trace": operator.trace,
+            "describe": kv.describe,
+            "blocks_held": kv.blocks_held,
         }
         started: dict[str, _Start] = {
             "prepare_store": blocks.prepare_store,

@@ -49,6 +49,7 @@ from tierd.control.recorder import RecorderSettings, TraceRecorder
 from tierd.control.server import Server, bind_unix_socket
 from tierd.control.socketfile import check_directory, prepare_socket_directory
 from tierd.control.tenants import TenantTable
+from tierd.daemon.kv_events import open_kv_events
 from tierd.daemon.metrics_http import start_metrics_http
 from tierd.daemon.reload import ReloadPlan, plan_reload
 from tierd.daemon.service import (
@@ -157,7 +158,9 @@ class Daemon:
             async with AsyncExitStack() as stack:
                 table = await open_tenants(cfg, stack, self.chains, start_progress())
                 created = []  # the chains opened: their directories are the daemon's now
-                self.server = server = Server(self._context(table))
+                context = self._context(table)
+                context.kv_feed = await open_kv_events(cfg, table, stack)
+                self.server = server = Server(context)
                 server.adopt(sock, path)
                 return await self._serve(server)
         finally:

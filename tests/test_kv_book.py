@@ -1,0 +1,120 @@
+"""The book of block descriptions: where each block is, when its description goes, its
+budget, and its file across restarts (tierd.kvevents.book, book_file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tierd.keys import BlockKey
+from tierd.kvevents.book import DescriptorBook, Entry
+from tierd.kvevents.book_file import BookFile, read_book
+from tierd.kvevents.describe import parse_description
+
+CPU, DISK = 1, 2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _entry(i: int, tokens: int = 4) -> Entry:
+    return parse_description(
+        {"hashes": [i], "parent": None, "tokens": [1] * tokens, "block_size": tokens}
+    )
+
+
+def _key(i: int) -> BlockKey:
+    return BlockKey(f"k{i}".encode())
+
+
+def test_a_block_demoted_keeps_its_description_and_one_gone_loses_it() -> None:
+    clock = Clock()
+    book = DescriptorBook(1 << 20, grace_s=2.0, clock=clock)
+    book.put(_key(1), _entry(1))
+    book.put(_key(2), _entry(2))
+    for k in (1, 2):
+        book.stored(_key(k), CPU)
+    # Evicted from the CPU tier (announced before the demotion stores it below).
+    book.removed(_key(1), CPU, last=False)
+    book.removed(_key(2), CPU, last=False)
+    book.stored(_key(1), DISK)  # 1 was demoted; 2 was refused below
+    clock.now = 1.9
+    assert book.sweep() == 0 and len(book) == 2
+    clock.now = 2.1
+    book.sweep()
+    assert book.get(_key(1)) is not None and book.get(_key(2)) is None
+    assert book.held([1], lambda mask: "DISK" if mask == DISK else "?") == ["DISK"]
+    book.removed(_key(1), DISK, last=True)  # left the node: gone at once
+    assert len(book) == 0 and book.bytes_used == 0
+    assert book.held([1], str) == []
+
+
+def test_a_description_of_a_block_never_stored_goes_after_its_wait() -> None:
+    clock = Clock()
+    book = DescriptorBook(1 << 20, unheld_s=60.0, clock=clock)
+    book.put(_key(1), _entry(1))
+    clock.now = 59.0
+    book.sweep()
+    assert len(book) == 1
+    clock.now = 61.0
+    book.sweep()
+    assert len(book) == 0
+
+
+def test_the_budget_pushes_out_the_oldest_and_counts_them() -> None:
+    one = _entry(0).cost
+    book = DescriptorBook(3 * one + one // 2)
+    for i in range(5):
+        book.put(_key(i), _entry(i))
+    assert [bytes(k) for k in book.entries] == [b"k2", b"k3", b"k4"]
+    assert book.evicted == 2 and book.bytes_used == 3 * one
+    assert book.held([0], str) == [] and book.held([1], str) == []
+
+
+def test_a_shared_hash_stays_held_while_any_key_holds_it() -> None:
+    book = DescriptorBook(1 << 20)
+    book.put(_key(1), _entry(7))
+    book.put(_key(2), _entry(7))  # two namespaces, the same prompt
+    book.stored(_key(1), CPU)
+    book.stored(_key(2), DISK)
+    book.removed(_key(1), CPU, last=False)
+    assert book.held([7], lambda mask: {CPU: "CPU", DISK: "DISK"}[mask]) == ["DISK"]
+
+
+def test_the_file_keeps_the_last_word_on_each_key_and_survives_a_torn_end(tmp_path: Path) -> None:
+    path = tmp_path / "kv-descriptors.log"
+    book = DescriptorBook(1 << 20)
+    file = BookFile(path, lambda: list(book.entries.items()))
+    file.start()
+    book.on_change = lambda key, entry: file.changed(key, entry, book.bytes_used)
+    for i in range(10):
+        book.put(_key(i), _entry(i))
+    book.drop(_key(3))
+    book.put(_key(4), _entry(40))  # described again
+    file.close()
+    with open(path, "ab") as f:
+        f.write(b"\x95\xc4")  # a record cut short by a crash
+    back = read_book(path)
+    assert sorted(back) == sorted(k for k in book.entries)
+    assert back[_key(4)].hashes == (40,)
+    assert back[_key(4)].described == book.entries[_key(4)].described
+
+
+def test_the_file_is_rewritten_when_it_has_grown_past_the_live_entries(tmp_path: Path) -> None:
+    path = tmp_path / "kv-descriptors.log"
+    book = DescriptorBook(1 << 30)
+    file = BookFile(path, lambda: list(book.entries.items()))
+    file.start()
+    book.on_change = lambda key, entry: file.changed(key, entry, book.bytes_used)
+    big = 4096
+    for i in range(3000):  # bounded: ~36 MB of records for one live entry at the end
+        book.put(_key(i % 2), _entry(i, tokens=big))
+        book.drop(_key(i % 2))
+    book.put(_key(1), _entry(1))
+    file.close()
+    assert path.stat().st_size < 9 << 20
+    assert list(read_book(path)) == [_key(1)]

@@ -1,0 +1,135 @@
+"""The requests of KV events (docs/events.md): ``describe`` and ``blocks_held``.
+
+- ``describe``: a namespaced client says what its blocks are, in its engine's terms (one
+  description per key, :mod:`tierd.kvevents.describe`), so that their events carry what a
+  router indexes. A block already held is announced at once. Without a ``kv_events:``
+  section publishing the tenant, the answer is ``kept: 0`` and nothing is kept.
+- ``blocks_held``: the existence query of routers that ask instead of listen: lists of
+  engine block hashes in (one list per request, prefix order), for each the number of
+  leading blocks the node holds and the medium of each. A tenant's connection asks its own
+  tenant's blocks; an operator's connection without a namespace asks every published
+  tenant's (or the one ``tenant`` names), and gets, per request, the longest answer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tierd.control.context import ServerContext
+from tierd.control.protocol import ErrorCode, opt_str_field
+from tierd.control.tenants import Grant, Tenant
+from tierd.errors import ProtocolError
+from tierd.keys import BlockKey
+from tierd.kvevents.describe import BadDescription, parse_description, unpack_description
+
+if TYPE_CHECKING:
+    from tierd.kvevents.feed import KvTenant
+
+__all__ = ["KvRequests"]
+
+Reply = dict[str, Any]
+
+
+class Asker(Protocol):
+    """What the KV-event requests ask of the session."""
+
+    @property
+    def grant(self) -> Grant: ...
+
+    @property
+    def tenant(self) -> Tenant | None: ...
+
+    @property
+    def namespace(self) -> str | None: ...
+
+    def keys(self, msg: dict[str, Any], name: str = "keys") -> list[BlockKey]: ...
+
+
+class KvRequests:
+    """``describe`` and ``blocks_held`` for one session."""
+
+    def __init__(self, ctx: ServerContext, asker: Asker) -> None:
+        self.ctx = ctx
+        self.asker = asker
+
+    def describe(self, msg: dict[str, Any]) -> Reply:
+        keys = self.asker.keys(msg)
+        blocks = msg.get("blocks")
+        if not isinstance(blocks, list) or len(blocks) != len(keys):
+            raise _bad(f"field 'blocks' must be a list of {len(keys)} descriptions (one per key)")
+        tenant = self.asker.tenant
+        feed = self.ctx.kv_feed
+        published = None if feed is None or tenant is None else feed.tenants.get(tenant.name)
+        if published is None:
+            return {"kept": 0}
+        try:
+            entries = [parse_description(unpack_description(raw)) for raw in blocks]
+        except BadDescription as exc:
+            raise _bad(f"a description: {exc}") from None
+        for key, entry in zip(keys, entries, strict=True):
+            feed.described(published, key, entry)  # type: ignore[union-attr]
+        return {"kept": len(entries)}
+
+    def blocks_held(self, msg: dict[str, Any]) -> Reply:
+        requests = _requests(msg, self.ctx.max_keys)
+        tenants = self._asked(msg)
+        answers: list[list[str]] = []
+        for hashes in requests:
+            best: list[str] = []
+            for t in tenants:
+                media = t.book.held(hashes, t.top_medium)
+                best = media if len(media) > len(best) else best
+            answers.append(best)
+        return {"held": [len(m) for m in answers], "media": answers}
+
+    def _asked(self, msg: dict[str, Any]) -> list[KvTenant]:
+        feed = self.ctx.kv_feed
+        if feed is None:
+            raise ProtocolError(
+                "KV events are off: turn them on in the kv_events: section",
+                code=ErrorCode.BAD_REQUEST,
+            )
+        named = opt_str_field(msg, "tenant")
+        grant, asker = self.asker.grant, self.asker
+        if grant.operator and asker.namespace is None:
+            if named is None:
+                return list(feed.tenants.values())
+            if named not in feed.tenants:
+                raise _bad(f"tenant {named!r} is not published (kv_events.tenants)")
+            return [feed.tenants[named]]
+        tenant = asker.tenant
+        if tenant is None:
+            raise ProtocolError(f"{grant.label} may not ask", code=ErrorCode.NOT_ALLOWED)
+        if named is not None and named != tenant.name:
+            raise ProtocolError(
+                f"tenant {tenant.name!r} may not ask for {named!r}'s blocks",
+                code=ErrorCode.NOT_ALLOWED,
+            )
+        own = feed.tenants.get(tenant.name)
+        return [] if own is None else [own]
+
+
+def _requests(msg: dict[str, Any], max_keys: int) -> list[list[Any]]:
+    """The requests of ``blocks_held``: ``hashes`` (all of them, one list: a frame holds
+    few containers) cut at ``lengths`` (how many hashes each request has)."""
+    hashes, lengths = msg.get("hashes"), msg.get("lengths")
+    if not isinstance(hashes, list) or not isinstance(lengths, list):
+        raise _bad("fields 'hashes' and 'lengths' must be lists (all hashes; one length each)")
+    if len(hashes) > max_keys:
+        raise ProtocolError(
+            f"{len(hashes)} hashes in one request, the limit is {max_keys}",
+            code=ErrorCode.TOO_MANY_KEYS,
+        )
+    if not all(type(n) is int and n >= 0 for n in lengths) or sum(lengths) != len(hashes):
+        raise _bad("'lengths' must be counts adding up to the number of hashes")
+    if not all(type(h) in (int, bytes) for h in hashes):
+        raise _bad("a block hash is an integer or bytes")
+    out, start = [], 0
+    for n in lengths:
+        out.append(hashes[start : start + n])
+        start += n
+    return out
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(message, code=ErrorCode.BAD_REQUEST)

@@ -1,0 +1,136 @@
+"""A block's description as a client sends it (``describe``, docs/protocol.md), checked.
+
+One map per block, in the engine's own terms (vLLM's ``BlockStored`` fields)::
+
+    {"hashes": [h, ...], "parent": h | None, "tokens": [t, ...], "block_size": n,
+     "lora_id": int | None, "lora_name": str | None, "extra_keys": [..] | None,
+     "group": int | None}
+
+A hash is an integer (signed or unsigned 64-bit) or a byte string of at most 64 bytes,
+as the engine's router computes it. A tierd block may be several engine blocks (a vLLM
+chunk): ``tokens`` holds ``block_size`` tokens per hash. ``extra_keys`` has one entry per
+hash (None, or a list of scalars). Anything else is refused with what is wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from tierd.kvevents import wire
+from tierd.kvevents.book import Entry
+
+__all__ = ["MAX_HASHES", "MAX_TOKENS", "BadDescription", "parse_description"]
+
+MAX_HASHES = 256  # engine blocks in one tierd block
+MAX_TOKENS = 1 << 16  # tokens in one tierd block
+_FIELDS = frozenset(
+    {"hashes", "parent", "tokens", "block_size", "lora_id", "lora_name", "extra_keys", "group"}
+)
+_SCALARS = (int, float, str, bytes, bool, type(None))
+
+
+class BadDescription(ValueError):
+    """A description that cannot be one (the message says why)."""
+
+
+def _hash(value: Any, what: str) -> int | bytes:
+    if isinstance(value, bool):
+        raise BadDescription(f"{what} is a boolean, not a hash")
+    if isinstance(value, int):
+        if not -(1 << 63) <= value < (1 << 64):
+            raise BadDescription(f"{what} is out of the 64-bit range")
+        return value
+    if isinstance(value, bytes) and 0 < len(value) <= 64:
+        return value
+    raise BadDescription(f"{what} is not an integer or 1-64 bytes")
+
+
+def _opt_int(raw: dict[str, Any], name: str) -> int | None:
+    value = raw.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise BadDescription(f"{name} is not an integer")
+    if value is not None and not -(1 << 63) <= value < (1 << 63):
+        raise BadDescription(f"{name} is out of range")
+    return value
+
+
+def _extra_keys(value: Any, count: int) -> list[Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != count:
+        raise BadDescription(f"extra_keys is not a list of {count} entries (one per hash)")
+    for item in value:
+        if item is not None and not (
+            isinstance(item, list)
+            and len(item) <= 64
+            and all(isinstance(x, _SCALARS) for x in item)
+        ):
+            raise BadDescription("an extra_keys entry is not null or a list of at most 64 scalars")
+    return value
+
+
+def _tokens(value: Any, expected: int) -> list[int]:
+    if not isinstance(value, list) or len(value) != expected:
+        raise BadDescription(f"tokens is not a list of {expected} (block_size per hash)")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < (1 << 32):
+            raise BadDescription("a token id is not an integer in [0, 2**32)")
+    return value
+
+
+def unpack_description(packed: Any) -> Any:
+    """A description travels as msgpack bytes of its own (a request's frame would
+    otherwise hold three containers per block: over the frame's bound on containers)."""
+    if type(packed) is not bytes:
+        raise BadDescription("a description is the msgpack bytes (bin) of a map")
+    try:
+        return msgpack.unpackb(
+            packed,
+            raw=False,
+            strict_map_key=True,
+            max_array_len=MAX_TOKENS,
+            max_map_len=len(_FIELDS),
+            max_str_len=256,
+            max_bin_len=64,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        raise BadDescription("a description is not a msgpack map within bounds") from None
+
+
+def parse_description(raw: Any) -> Entry:
+    """The book entry of one client description (a map, unpacked by
+    :func:`unpack_description`); :class:`BadDescription` if it is not one."""
+    if not isinstance(raw, dict):
+        raise BadDescription("a description is a map")
+    unknown = set(raw) - _FIELDS
+    if unknown:
+        raise BadDescription(f"unknown field {sorted(map(str, unknown))[0]!r}")
+    hashes_raw = raw.get("hashes")
+    if not isinstance(hashes_raw, list) or not 0 < len(hashes_raw) <= MAX_HASHES:
+        raise BadDescription(f"hashes is not a list of 1-{MAX_HASHES} hashes")
+    hashes = [_hash(h, "a hash") for h in hashes_raw]
+    parent = raw.get("parent")
+    parent = None if parent is None else _hash(parent, "parent")
+    size = raw.get("block_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise BadDescription("block_size is not a positive integer")
+    if size * len(hashes) > MAX_TOKENS:
+        raise BadDescription(f"a block of more than {MAX_TOKENS} tokens")
+    tokens = _tokens(raw.get("tokens"), size * len(hashes))
+    lora_name = raw.get("lora_name")
+    if lora_name is not None and (not isinstance(lora_name, str) or len(lora_name) > 256):
+        raise BadDescription("lora_name is not a string of at most 256 characters")
+    described = wire.describe(
+        hashes,
+        parent,
+        tokens,
+        size,
+        lora_id=_opt_int(raw, "lora_id"),
+        lora_name=lora_name,
+        extra_keys=_extra_keys(raw.get("extra_keys"), len(hashes)),
+        group_idx=_opt_int(raw, "group"),
+    )
+    return Entry(described, tuple(hashes))

@@ -1,0 +1,255 @@
+"""From the tiers' events to the routers' wire: :class:`EventFeed`.
+
+The feed follows each published tenant's chain (a bounded subscription of its event bus,
+like any subscriber: a feed that falls behind loses batches, counted, and never slows the
+chain), keeps the tenant's :class:`~tierd.kvevents.book.DescriptorBook` up to date with
+where each described block is, and turns each tier event into ``BlockStored`` /
+``BlockRemoved`` events of the engines' own format, the tier's medium named as the engines
+name it (``media``). A block that was never described is not announced (a store without
+tokens is a placeholder routers drop); it is counted in ``undescribed``.
+
+Events are gathered for ``batch_s`` (or ``max_batch_events``) and offered to the
+:class:`~tierd.kvevents.publisher.Publisher` as one batch: a sequence number each, a gap
+when the publisher's queue is full. Every start is a new incarnation: the first batch is
+``AllBlocksCleared`` (the sequence starts again at 0), and once the chains have adopted
+the blocks their disk tiers kept, the descriptions read back from disk are announced for
+the blocks held again, and dropped for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tierd.events import EventKind, Subscription, TierEvent
+from tierd.keys import BlockKey
+from tierd.kvevents import wire
+from tierd.kvevents.book import DescriptorBook, Entry
+from tierd.kvevents.book_file import BookFile
+from tierd.logs import get_logger
+
+if TYPE_CHECKING:
+    from tierd.chain import TierChain
+    from tierd.kvevents.publisher import Publisher
+
+__all__ = ["EventFeed", "FeedSettings", "KvTenant"]
+
+log = get_logger("tierd.kvevents")
+ADOPTION_POLL_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class FeedSettings:
+    media: dict[str, str]  # tierd's medium -> the engines' name for it
+    locality: str | None = "LOCAL"
+    ownership: str | None = None
+    batch_s: float = 0.01
+    max_batch_events: int = 1024
+    queue_batches: int = 4096  # of the chain's bus, per tenant
+
+
+@dataclass(slots=True)
+class KvTenant:
+    """One published tenant: its chain, its book (and the book's file, if kept)."""
+
+    name: str
+    chain: TierChain
+    book: DescriptorBook
+    file: BookFile | None = None
+    restored: list[BlockKey] = field(default_factory=list)
+    bits: dict[str, int] = field(default_factory=dict)  # tier name -> its bit
+    media: dict[int, str] = field(default_factory=dict)  # bit -> medium on the wire
+    last: int = 0  # bits of the levels a block leaves the node from
+    sweeper: asyncio.TimerHandle | None = None  # the next look at the book's pending
+
+    def bit_of(self, event: TierEvent, names: dict[str, str]) -> int:
+        bit = self.bits.get(event.tier)
+        if bit is None:  # a remote level: its own bit, and the bottom of the node's reach
+            bit = self.bits[event.tier] = 1 << len(self.bits)
+            self.media[bit] = names[str(event.medium)]
+            self.last |= bit
+        return bit
+
+    def top_medium(self, mask: int) -> str:
+        return self.media[mask & -mask]
+
+
+class EventFeed:
+    """Publishes the tenants' block events (see the module's docstring)."""
+
+    def __init__(
+        self, publisher: Publisher, tenants: Sequence[KvTenant], settings: FeedSettings
+    ) -> None:
+        self.publisher = publisher
+        self.tenants = {t.name: t for t in tenants}
+        self.settings = settings
+        self.incarnation = secrets.token_hex(8)
+        self.undescribed = 0
+        self.announced = 0
+        self._out: list[bytes] = []
+        self._flush: asyncio.TimerHandle | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subscriptions: list[Subscription] = []
+        for tenant in tenants:
+            self._map_levels(tenant)
+
+    def _map_levels(self, tenant: KvTenant) -> None:
+        levels = tenant.chain.levels
+        for i, level in enumerate(levels):
+            tenant.bits[level.tier.name] = 1 << i
+            tenant.media[1 << i] = self.settings.media[str(level.medium)]
+        if tenant.chain.remote is None:
+            tenant.last = 1 << (len(levels) - 1)
+
+    # -- running ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """On the loop: the new incarnation's first batch, then follow every chain."""
+        self.publisher.offer([wire.cleared()])
+        loop = asyncio.get_running_loop()
+        for tenant in self.tenants.values():
+            subscription = tenant.chain.bus.subscribe(self.settings.queue_batches)
+            self._subscriptions.append(subscription)
+            self._tasks.append(loop.create_task(self._follow(tenant, subscription)))
+            if tenant.restored:
+                self._tasks.append(loop.create_task(self._settle_restored(tenant)))
+        log.info("kv events on", incarnation=self.incarnation, tenants=list(self.tenants))
+
+    async def close(self) -> None:
+        for tenant in self.tenants.values():
+            if tenant.sweeper is not None:
+                tenant.sweeper.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for subscription in self._subscriptions:
+            subscription.close()
+        self._send()
+        for tenant in self.tenants.values():
+            if tenant.file is not None:
+                await asyncio.to_thread(tenant.file.close)
+
+    async def _follow(self, tenant: KvTenant, subscription: Subscription) -> None:
+        async for batch in subscription:
+            self._take(tenant, batch)
+            self._sweep(tenant)
+
+    def _sweep(self, tenant: KvTenant) -> None:
+        """Drop what is due, and look again when the next pending description is."""
+        book = tenant.book
+        book.sweep()
+        due = book.next_due()
+        if due is None:
+            return
+        timer = tenant.sweeper
+        if timer is not None and timer.when() - asyncio.get_running_loop().time() <= (
+            due - book.clock()
+        ):
+            return  # an earlier look is planned already
+        if timer is not None:
+            timer.cancel()
+        delay = max(0.0, due - book.clock()) + 0.01
+        tenant.sweeper = asyncio.get_running_loop().call_later(delay, self._swept, tenant)
+
+    def _swept(self, tenant: KvTenant) -> None:
+        tenant.sweeper = None
+        self._sweep(tenant)
+
+    def _take(self, tenant: KvTenant, events: list[TierEvent]) -> None:
+        s, book, out = self.settings, tenant.book, self._out
+        for event in events:
+            bit = tenant.bit_of(event, s.media)
+            medium = tenant.media[bit]
+            if event.kind is EventKind.STORED:
+                for key in event.keys:
+                    entry = book.stored(key, bit)
+                    if entry is None:
+                        self.undescribed += 1
+                        continue
+                    out.append(wire.stored(entry.described, medium, **self._who))
+            else:
+                last = bool(bit & tenant.last)
+                for key in event.keys:
+                    entry = book.removed(key, bit, last=last)
+                    if entry is not None:
+                        out.append(wire.removed(entry.described, medium, **self._who))
+        self._sent_soon()
+
+    @property
+    def _who(self) -> dict[str, Any]:
+        return {"locality": self.settings.locality, "ownership": self.settings.ownership}
+
+    def described(self, tenant: KvTenant, key: BlockKey, entry: Entry) -> None:
+        """A description came for ``key``: announce the block where the chain holds it
+        already (it was stored before it was described)."""
+        tenant.book.put(key, entry)
+        self._announce_held(tenant, key, entry)
+        self._sent_soon()
+
+    def _announce_held(self, tenant: KvTenant, key: BlockKey, entry: Entry) -> None:
+        for i, level in enumerate(tenant.chain.levels):
+            bit = 1 << i
+            if key in level.tier and not entry.mask & bit:
+                entry.mask |= bit
+                self._out.append(wire.stored(entry.described, tenant.media[bit], **self._who))
+
+    async def _settle_restored(self, tenant: KvTenant) -> None:
+        """Once every level has adopted its kept blocks: announce the restored
+        descriptions of blocks held again, drop the others."""
+        levels = tenant.chain.levels
+        # Adoption is the chain's background task and signals nothing: a look every half
+        # second costs nothing next to it.
+        while any(level.tier.adopting for level in levels):  # noqa: ASYNC110
+            await asyncio.sleep(ADOPTION_POLL_S)
+        keys, tenant.restored = tenant.restored, []
+        for key in keys:
+            entry = tenant.book.get(key)
+            if entry is None:
+                continue
+            self._announce_held(tenant, key, entry)
+            if entry.mask == 0:
+                tenant.book.drop(key)
+        self._sent_soon()
+        log.info(
+            "kv events: restored descriptions settled", tenant=tenant.name, kept=len(tenant.book)
+        )
+
+    def _sent_soon(self) -> None:
+        if len(self._out) >= self.settings.max_batch_events:
+            self._send()
+        elif self._out and self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(self.settings.batch_s, self._send)
+
+    def _send(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        out, limit = self._out, self.settings.max_batch_events
+        self._out = []
+        for start in range(0, len(out), limit):
+            chunk = out[start : start + limit]
+            self.announced += len(chunk)
+            self.publisher.offer(chunk)
+
+    # -- figures ------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        books = [t.book for t in self.tenants.values()]
+        return {
+            "incarnation": self.incarnation,
+            "endpoint": self.publisher.endpoint,
+            "replay_endpoint": self.publisher.replay_endpoint,
+            "events": self.announced,
+            "undescribed": self.undescribed,
+            "bus_dropped": sum(s.dropped for s in self._subscriptions),
+            "described": sum(len(b) for b in books),
+            "descriptor_bytes": sum(b.bytes_used for b in books),
+            "descriptors_evicted": sum(b.evicted for b in books),
+            **self.publisher.stats(),
+        }
