@@ -109,23 +109,26 @@ def describe(
     """
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, not {block_size}")
-    pairs: list[tuple[str, Any]] = [
-        ("parent_block_hash", parent),
-        ("token_ids", list(tokens)),
-        ("block_size", block_size),
-        ("lora_id", lora_id),
-        ("lora_name", lora_name),
-    ]
+    rest: dict[str, Any] = {
+        "parent_block_hash": parent,
+        "token_ids": tokens if isinstance(tokens, list) else list(tokens),
+        "block_size": block_size,
+        "lora_id": lora_id,
+        "lora_name": lora_name,
+    }
     if extra_keys is not None:
-        pairs.append(("extra_keys", list(extra_keys)))
+        rest["extra_keys"] = list(extra_keys)
     if group_idx is not None:
-        pairs.append(("group_idx", group_idx))
+        rest["group_idx"] = group_idx
     try:
-        encoded_hashes = _pack(list(hashes))
-        rest = b"".join(_text(key) + _pack(value) for key, value in pairs)
+        encoded_hashes = _pack(hashes if isinstance(hashes, list) else list(hashes))
+        # One packing of the map, its header cut off: the pairs, in order (at most 7
+        # pairs: a fixmap's header is one byte).
+        body = _pack(rest)[1:]
     except (OverflowError, TypeError, ValueError) as exc:
         raise ValueError(f"a block description msgpack cannot encode: {exc}") from exc
-    fields = _HASHES + encoded_hashes + rest
+    pairs = rest
+    fields = _HASHES + encoded_hashes + body
     return Described(
         fields=fields,
         count=len(pairs) + 1,
