@@ -14,6 +14,7 @@ import msgpack
 import pytest
 import zmq
 
+from tierd.cli.control_text import stats_text
 from tierd.client import Client, DaemonError
 from tierd.testing import daemon_config, running_daemon
 
@@ -145,6 +146,9 @@ async def test_described_blocks_are_announced_as_they_enter_move_and_leave(tmp_p
         assert kv["described"] == 0 and kv["undescribed"] == 0
         batches = await _replayed(client)
         assert [seq for _, seq, _ in batches] == list(range(len(batches)))  # no gap
+        async with await _connect(daemon, None) as operator:
+            text = stats_text(await operator.stats(), as_json=False)
+        assert f"incarnation {kv['incarnation']}" in text and "0 batches dropped" in text
         assert {topic for topic, _, _ in batches} == {b"kv@node:n1@m"}
 
 

@@ -51,6 +51,14 @@ def stats_text(stats: dict[str, Any], as_json: bool) -> str:
             f" {remote['errors']:,} errors, {remote['dropped']:,} dropped"
             + (f" ({last_error_text(remote)})" if remote["last_error"] else "")
         )
+    kv = stats.get("kv_events")
+    if kv:
+        parts.append(
+            f"kv events {kv['endpoint']} (replay {kv['replay_endpoint'] or 'off'}),"
+            f" incarnation {kv['incarnation']}: {kv['events']:,} events,"
+            f" {kv['dropped_batches']:,} batches dropped, {kv['undescribed']:,} blocks not"
+            f" described, {kv['described']:,} descriptions kept"
+        )
     server = stats.get("server")
     if server is not None:
         errors = server["errors"]
