@@ -22,10 +22,18 @@ from typing import Any
 
 import msgpack
 
-from tierd.errors import ProtocolError
+from tierd.errors import (
+    CapacityError,
+    ProtocolError,
+    ResourceClosed,
+    StoreIOError,
+    TierdError,
+    TransferError,
+)
 
 __all__ = [
     "HEADER",
+    "error_code_of",
     "NAMESPACE_ID_BYTES",
     "OPERATIONS",
     "PASS_FDS",
@@ -79,6 +87,8 @@ OPERATIONS = (
     "delete",
     "reload",
     "trace",
+    "describe",
+    "blocks_held",
 )
 HEADER = struct.Struct(">I")
 # A namespaced key is an 8-byte namespace id followed by the client's key, so a client
@@ -120,6 +130,22 @@ def encode(message: Mapping[str, Any]) -> bytes:
     """One frame: length prefix plus msgpack body."""
     body: bytes = msgpack.packb(message, use_bin_type=True)
     return HEADER.pack(len(body)) + body
+
+
+def error_code_of(exc: Exception) -> ErrorCode:
+    """The code a failed request is answered with, by what went wrong."""
+    if isinstance(exc, ProtocolError):
+        codes = {str(code): code for code in ErrorCode}
+        return codes.get(exc.code, ErrorCode.BAD_REQUEST)
+    if isinstance(exc, CapacityError):
+        return ErrorCode.CAPACITY
+    if isinstance(exc, StoreIOError | TransferError):
+        return ErrorCode.IO_ERROR
+    if isinstance(exc, ResourceClosed):
+        return ErrorCode.SHUTTING_DOWN
+    if isinstance(exc, TierdError):
+        return ErrorCode.BAD_REQUEST
+    return ErrorCode.INTERNAL
 
 
 def error_reply(request_id: int, code: ErrorCode | str, message: str) -> dict[str, Any]:

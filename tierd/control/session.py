@@ -8,7 +8,8 @@ and ``touch`` (the fast path) and the event stream; what hello checks is in
 :mod:`~tierd.control.block_requests`, the operator's (``clear``, ``flush``, ``stop``,
 ``config``, ``metrics``, ``reload``) in :mod:`~tierd.control.operator_requests`, those by
 namespace (``namespaces``, ``inspect``, ``delete``) in
-:mod:`~tierd.control.namespace_requests`.
+:mod:`~tierd.control.namespace_requests`, KV events' (``describe``, ``blocks_held``) in
+:mod:`~tierd.control.kv_requests`.
 
 - **Tenants.** The connection's :class:`~tierd.control.tenants.Grant` (decided by the
   server from the peer's kernel credentials, never from what the client says) names its
@@ -49,17 +50,17 @@ from tierd.control.leases import Leases
 from tierd.control.namespace_requests import NamespaceRequests
 from tierd.control.namespaces import NamespaceFigures
 from tierd.control.operator_requests import OperatorRequests
-from tierd.control.protocol import ErrorCode, bool_field, error_reply, int_field, keys_field
+from tierd.control.protocol import (
+    ErrorCode,
+    bool_field,
+    error_code_of,
+    error_reply,
+    int_field,
+    keys_field,
+)
 from tierd.control.regions import ReceiveFd, RegionRequests
 from tierd.control.tenants import Grant, Tenant
-from tierd.errors import (
-    CapacityError,
-    ProtocolError,
-    ResourceClosed,
-    StoreIOError,
-    TierdError,
-    TransferError,
-)
+from tierd.errors import ProtocolError
 from tierd.keys import MAX_KEY_BYTES, BlockKey
 
 __all__ = ["Session"]
@@ -253,7 +254,7 @@ class Session:
 
     def _fail(self, request_id: int, exc: Exception) -> str:
         """Answer ``exc`` as an error reply; returns its code."""
-        code = _error_code(exc)
+        code = error_code_of(exc)
         if code is ErrorCode.INTERNAL:
             log.error("request failed", namespace=self.namespace, exc_info=exc)
         self.ctx.count_error(code)
@@ -390,18 +391,3 @@ class Session:
         self._unsubscribe({})
         self.leases.close()
         self.regions.close()
-
-
-def _error_code(exc: Exception) -> ErrorCode:
-    if isinstance(exc, ProtocolError):
-        codes = {str(code): code for code in ErrorCode}
-        return codes.get(exc.code, ErrorCode.BAD_REQUEST)
-    if isinstance(exc, CapacityError):
-        return ErrorCode.CAPACITY
-    if isinstance(exc, StoreIOError | TransferError):
-        return ErrorCode.IO_ERROR
-    if isinstance(exc, ResourceClosed):
-        return ErrorCode.SHUTTING_DOWN
-    if isinstance(exc, TierdError):
-        return ErrorCode.BAD_REQUEST
-    return ErrorCode.INTERNAL
