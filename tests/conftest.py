@@ -50,7 +50,16 @@ def _forbid_engine_skip(report: pytest.CollectReport | pytest.TestReport) -> Non
     reason = str(report.longrepr).lower()
     engine = any(
         name in reason
-        for name in ("vllm", "sglang", "lmcache", "smg", "redis-server", "seaweedfs", "chromium")
+        for name in (
+            "vllm",
+            "sglang",
+            "lmcache",
+            "smg",
+            "dynamo",
+            "redis-server",
+            "seaweedfs",
+            "chromium",
+        )
     )
     if ENGINES_REQUIRED and report.skipped and engine:
         reason = str(report.longrepr)
