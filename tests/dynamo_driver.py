@@ -68,6 +68,9 @@ def chain() -> tuple[list[bytes], list[dict[str, Any]], list[int]]:
     return keys, descs, tokens
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no *_proxy variables
+
+
 def http(method: str, path: str, body: Any = None) -> tuple[int, Any]:
     """One request to the indexer on loopback: (status, decoded JSON or text)."""
     data = None if body is None else json.dumps(body).encode()
@@ -78,7 +81,7 @@ def http(method: str, path: str, body: Any = None) -> tuple[int, Any]:
         headers={"content-type": "application/json"},
     )
     try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
+        with _DIRECT.open(req, timeout=5) as resp:
             status, raw = resp.status, resp.read().decode()
     except urllib.error.HTTPError as exc:
         status, raw = exc.code, exc.read().decode()
