@@ -12,6 +12,7 @@ empties vLLM's own prefix cache and its CPU offload tier but keeps secondary tie
 ``shift<k>`` generates the prompt rotated by ``k`` tokens. With ``--kv-events`` the
 scheduler's KV events are counted (``engine_events``): ``events`` prints the counts,
 ``drain`` steps the engine until tierd's removals reach the daemon's drops (bounded).
+``--kv-events-endpoint E`` publishes them through vLLM's zmq publisher bound at ``E``.
 Without ``--socket`` the engine runs with no secondary tier (for comparison).
 """
 
@@ -34,7 +35,7 @@ def engine(args: argparse.Namespace) -> Any:
     ``block_tokens`` (default 32) is vLLM's block size and the offload chunk, unless
     ``offload_block_tokens`` (a multiple of it) sets the chunk: ``blocks_per_chunk`` > 1."""
     from vllm import LLM
-    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.config import KVTransferConfig
 
     block_tokens = getattr(args, "block_tokens", BLOCK_TOKENS)
     offload_tokens = getattr(args, "offload_block_tokens", 0) or block_tokens
@@ -79,11 +80,22 @@ def engine(args: argparse.Namespace) -> Any:
         # One process: the scheduler (and so tierd's tier) and the model run here.
         distributed_executor_backend="uni",
         kv_transfer_config=None if getattr(args, "plain", False) else transfer,
-        # Published nowhere: engine_events counts what the scheduler would publish.
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-        if getattr(args, "kv_events", False)
-        else None,
+        kv_events_config=events_config(args),
     )
+
+
+def events_config(args: argparse.Namespace) -> Any:
+    """vLLM's KV events: published through zmq at ``--kv-events-endpoint``; with
+    ``--kv-events``, published nowhere (engine_events counts what the scheduler would
+    publish); else off."""
+    from vllm.config import KVEventsConfig
+
+    endpoint = getattr(args, "kv_events_endpoint", None)
+    if endpoint:
+        return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
+    if getattr(args, "kv_events", False):
+        return KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    return None
 
 
 def tiers() -> list[Any]:
@@ -149,6 +161,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--daemon-pid", type=int, default=0)
     parser.add_argument("--staging-bytes", type=int, default=0)
     parser.add_argument("--kv-events", action="store_true")
+    parser.add_argument("--kv-events-endpoint")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

