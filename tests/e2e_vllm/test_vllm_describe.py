@@ -112,7 +112,9 @@ def stored(batches: list[Any]) -> list[dict[str, Any]]:
     return [e for b in batches for e in b[1] if isinstance(e, dict) and e["type"] == "BlockStored"]
 
 
+@pytest.mark.parametrize("per_chunk", [1, 4], ids=["block-chunks", "4-block-chunks"])
 async def test_tierd_events_carry_the_hashes_and_tokens_vllm_published(
+    per_chunk: int,
     tmp_path: Path,
     spawn: Spawn,  # noqa: F811
     tiny_model: Path,
@@ -120,7 +122,7 @@ async def test_tierd_events_carry_the_hashes_and_tokens_vllm_published(
 ) -> None:
     kv = {"enabled": True, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}
     config = daemon_config(
-        tmp_path, cpu_blocks=64, disk_blocks=None, block_bytes=ROW_BYTES, kv_events=kv
+        tmp_path, cpu_blocks=64, disk_blocks=None, block_bytes=per_chunk * ROW_BYTES, kv_events=kv
     )
     daemon = await spawn(config)
     vllm_endpoint = f"ipc://{tmp_path}/vllm-kv-events"
@@ -134,6 +136,8 @@ async def test_tierd_events_carry_the_hashes_and_tokens_vllm_published(
             "gen",
             "--kv-events-endpoint",
             vllm_endpoint,
+            "--offload-block-tokens",
+            str(per_chunk * BLOCK_TOKENS),
         )
         assert out["gen"]["num_cached_tokens"] == 0
     prompt = [int(t) for t in (await asyncio.to_thread(prompt_file.read_text)).split()]
@@ -148,12 +152,15 @@ async def test_tierd_events_carry_the_hashes_and_tokens_vllm_published(
         kv_stats = (await client.stats())["kv_events"]
     ours = stored(await asyncio.to_thread(replay, kv_stats["replay_endpoint"]))
     assert kv_stats["undescribed"] == 0, kv_stats
-    # One event per stored chunk (one block each here), in the daemon's order.
-    by_hash = {e["block_hashes"][0]: e for e in ours if len(e["block_hashes"]) == 1}
-    assert len(by_hash) == len(ours) == PREFIX_BLOCKS, ours
-    assert sorted(by_hash) == sorted(gpu_hashes)
-    for i, block_hash in enumerate(gpu_hashes):
-        event = by_hash[block_hash]
-        assert event["token_ids"] == prompt[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]
-        assert event["parent_block_hash"] == (gpu_hashes[i - 1] if i else None)
+    # One event per stored chunk (its vLLM blocks, first to last), in the daemon's order:
+    # six chunks of one block, or one of four (the last two blocks make no full chunk).
+    chunks = PREFIX_BLOCKS // per_chunk
+    by_last = {e["block_hashes"][-1]: e for e in ours}
+    assert len(by_last) == len(ours) == chunks, ours
+    chunk_tokens = per_chunk * BLOCK_TOKENS
+    for c in range(chunks):
+        event = by_last[gpu_hashes[(c + 1) * per_chunk - 1]]
+        assert event["block_hashes"] == gpu_hashes[c * per_chunk : (c + 1) * per_chunk]
+        assert event["token_ids"] == prompt[c * chunk_tokens : (c + 1) * chunk_tokens]
+        assert event["parent_block_hash"] == (gpu_hashes[c * per_chunk - 1] if c else None)
         assert (event["block_size"], event["medium"]) == (BLOCK_TOKENS, "CPU")
