@@ -40,6 +40,7 @@ __all__ = ["EventFeed", "FeedSettings", "KvTenant"]
 
 log = get_logger("tierd.kvevents")
 ADOPTION_POLL_S = 0.5
+SETTLE_SLICE = 4096  # restored descriptions settled per turn of the loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,14 +209,16 @@ class EventFeed:
         while any(level.tier.adopting for level in levels):  # noqa: ASYNC110
             await asyncio.sleep(ADOPTION_POLL_S)
         keys, tenant.restored = tenant.restored, []
-        for key in keys:
-            entry = tenant.book.get(key)
-            if entry is None:
-                continue
-            self._announce_held(tenant, key, entry)
-            if entry.mask == 0:
-                tenant.book.drop(key)
-        self._sent_soon()
+        for start in range(0, len(keys), SETTLE_SLICE):  # the loop's turn between slices
+            for key in keys[start : start + SETTLE_SLICE]:
+                entry = tenant.book.get(key)
+                if entry is None:
+                    continue
+                self._announce_held(tenant, key, entry)
+                if entry.mask == 0:
+                    tenant.book.drop(key)
+            self._sent_soon()
+            await asyncio.sleep(0)
         log.info(
             "kv events: restored descriptions settled", tenant=tenant.name, kept=len(tenant.book)
         )
