@@ -33,7 +33,7 @@ TEST_ONLY_MODULES = {
     "tierd/stores/gpu_calls.py": ("gpu",),
 }
 # Import names whose distribution is not the import name with "_" read as "-".
-DISTRIBUTION_OF = {"yaml": "pyyaml"}
+DISTRIBUTION_OF = {"yaml": "pyyaml", "zmq": "pyzmq"}
 
 
 @dataclass(frozen=True, slots=True)
