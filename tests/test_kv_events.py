@@ -16,13 +16,12 @@ import zmq
 
 from tierd.cli.control_text import stats_text
 from tierd.client import Client, DaemonError
-from tierd.testing import daemon_config, running_daemon
+from tierd.testing import daemon_config, kv_replay, running_daemon
 
 pytestmark = pytest.mark.asyncio
 
 NS = "model-a"
 BS = 4  # tokens per engine block
-END = (-1).to_bytes(8, "big", signed=True)
 
 
 def _config(tmp_path: Path, **kv: Any) -> dict[str, Any]:
@@ -68,22 +67,7 @@ async def _kv(client: Client) -> dict[str, Any]:
 
 def _replay(endpoint: str, start: int) -> list[tuple[bytes, int, Any]]:
     """Every batch the publisher still keeps from ``start`` on, asked of its ROUTER."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    try:
-        sock.connect(endpoint)
-        sock.send_multipart([b"", start.to_bytes(8, "big")])
-        out = []
-        for _ in range(100_000):  # bounded
-            _, topic, seq, payload = sock.recv_multipart()
-            if seq == END:
-                return out
-            out.append((topic, int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
-        raise AssertionError("no end marker")
-    finally:
-        sock.close()
+    return [(topic, seq, msgpack.unpackb(p)) for topic, seq, p in kv_replay(endpoint, start)]
 
 
 def _events(batches: list[tuple[bytes, int, Any]]) -> list[dict[str, Any]]:

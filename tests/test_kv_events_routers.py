@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import zmq
-from test_kv_events import END, NS, _chain, _config, _put
+from test_kv_events import NS, _chain, _config, _put
 from test_kv_publisher import decode, engine_python
 
 from tierd.client import Client
-from tierd.testing import running_daemon
+from tierd.testing import kv_replay, running_daemon
 
 ROOT = Path(__file__).resolve().parents[1]
 SMG_PYTHON = Path(os.environ.get("TIERD_SMG_PYTHON", ROOT / ".venv-smg" / "bin" / "python"))
@@ -32,21 +31,7 @@ SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
 
 
 def _raw_replay(endpoint: str) -> list[bytes]:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    try:
-        sock.connect(endpoint)
-        sock.send_multipart([b"", (0).to_bytes(8, "big")])
-        out = []
-        for _ in range(100_000):  # bounded
-            _, _, seq, payload = sock.recv_multipart()
-            if seq == END:
-                return out
-            out.append(payload)
-        raise AssertionError("no end marker")
-    finally:
-        sock.close()
+    return [payload for _, _, payload in kv_replay(endpoint)]
 
 
 @pytest.fixture(scope="module")

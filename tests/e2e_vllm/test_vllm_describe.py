@@ -39,7 +39,7 @@ from test_vllm_generate import (
 )
 
 from tierd.client import Client
-from tierd.testing import daemon_config
+from tierd.testing import daemon_config, kv_replay
 
 pytestmark = [
     pytest.mark.vllm_e2e,
@@ -49,7 +49,6 @@ pytestmark = [
     ),
 ]
 
-END = (-1).to_bytes(8, "big", signed=True)
 MAX_BATCHES = 100_000  # bound on what one listener or replay reads
 
 
@@ -91,21 +90,8 @@ def listening(endpoint: str) -> Iterator[list[Any]]:
 
 def replay(endpoint: str) -> list[Any]:
     """Every batch the daemon's publisher keeps, asked of its ROUTER from sequence 0."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
-    try:
-        sock.connect(endpoint)
-        sock.send_multipart([b"", (0).to_bytes(8, "big")])
-        out = []
-        for _ in range(MAX_BATCHES):
-            _, _, seq, payload = sock.recv_multipart()
-            if seq == END:
-                return out
-            out.append(msgpack.unpackb(payload))
-        raise AssertionError("no end marker in the daemon's replay")
-    finally:
-        sock.close()
+    batches = kv_replay(endpoint, timeout_ms=10_000, limit=MAX_BATCHES)
+    return [msgpack.unpackb(payload) for _, _, payload in batches]
 
 
 def stored(batches: list[Any]) -> list[dict[str, Any]]:

@@ -20,7 +20,8 @@ the daemon helpers included, works in any install of tierd (an engine's venv too
 Modules: :mod:`~tierd.testing.conformance` (the suite), :mod:`~tierd.testing.faults`
 (stores that fail, bytes flipped on disk), :mod:`~tierd.testing.daemon` (configs, socket
 paths, a daemon in the test's loop), :mod:`~tierd.testing.process` (a daemon in a child
-process, awaited through sd_notify), :mod:`~tierd.testing.blocks` (keys and block bytes).
+process, awaited through sd_notify), :mod:`~tierd.testing.blocks` (keys and block bytes),
+:mod:`~tierd.testing.kv_replay` (a KV-event publisher's replay, asked).
 Import every name from here: ``from tierd.testing import FailingStore``.
 """
 
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from tierd.testing.blocks import as_bytes, keys_for, random_blocks
 from tierd.testing.daemon import daemon_config, running_daemon, short_socket_path
 from tierd.testing.faults import FailingStore, corrupt_disk_block
+from tierd.testing.kv_replay import kv_replay
 from tierd.testing.process import (
     DaemonNotReady,
     DaemonProcess,
@@ -51,6 +53,7 @@ __all__ = [
     "corrupt_disk_block",
     "daemon_config",
     "keys_for",
+    "kv_replay",
     "random_blocks",
     "running_daemon",
     "serve_command",
