@@ -485,11 +485,16 @@ def test_effective_config_round_trips(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("clean_environ")
 def test_cli_check_a_good_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write(tmp_path)
+    # `config check` compares a disk tier with its file system's free space, so the
+    # file's disk tier is small and lives in the test's own directory: the check must
+    # not depend on how full the machine's /tmp happens to be.
+    disk = tmp_path / "disk"
+    text = TWO_TIERS.replace("capacity: 8GiB", "capacity: 256MiB")
+    path = write(tmp_path, text.replace("/tmp/tierd-test-disk", str(disk)))
     assert main(["config", "check", str(path)]) == 0
     out = capsys.readouterr().out
     assert out == (
-        f"ok: {path} (2 tiers: cpu 4096 blocks lru, disk 32768 blocks lru; "
+        f"ok: {path} (2 tiers: cpu 4096 blocks lru, disk 1024 blocks lru; "
         "block 256KiB; socket /from/file.sock)\n"
     )
     assert main(["config", "check", str(path), "--set", "tiers.0.policy=arc"]) == 0
