@@ -31,7 +31,14 @@ from tierd.client import Client
 from tierd.errors import TierdError
 from tierd.logs import get_logger
 
-__all__ = ["BlockBook", "Describer", "describer_for", "engine_kv_events", "loopback_endpoint"]
+__all__ = [
+    "BlockBook",
+    "Describer",
+    "describer_for",
+    "engine_kv_events",
+    "loopback_endpoint",
+    "rank_endpoint",
+]
 
 log = get_logger("tierd.integrations.vllm_describe")
 
@@ -105,6 +112,8 @@ class BlockBook:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        if endpoint.startswith("tcp://["):  # an IPv6 address: zmq refuses it unless told
+            self._sub.setsockopt(zmq.IPV6, 1)
         self._sub.connect(endpoint)
         self._thread = threading.Thread(target=self._run, name="tierd-vllm-kv-sub", daemon=True)
         self._thread.start()
@@ -244,11 +253,13 @@ class Describer:
             self.book.close()
 
 
-def engine_kv_events() -> Any:
-    """vLLM's ``KVEventsConfig`` for this engine, or None. The offloading spec a tier is
-    given keeps only whether events are on, not where they go: the config is vLLM's
-    current one if set, else the ``vllm_config`` that vLLM's offloading connector was
-    built with, found among the callers' frames (the tier is built inside it)."""
+def engine_kv_events() -> tuple[Any, int]:
+    """vLLM's ``KVEventsConfig`` for this engine (or None) and the engine's data-parallel
+    index (its publisher's port is the configured one plus this index). The offloading
+    spec a tier is given keeps only whether events are on, not where they go: the config
+    is vLLM's current one if set, else the ``vllm_config`` that vLLM's offloading
+    connector was built with, found among the callers' frames (the tier is built inside
+    it)."""
     from vllm.config import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()
@@ -259,7 +270,22 @@ def engine_kv_events() -> Any:
         found = frame.f_locals.get("vllm_config")
         config = found if hasattr(found, "kv_events_config") else None
         frame = frame.f_back
-    return getattr(config, "kv_events_config", None)
+    parallel = getattr(config, "parallel_config", None)
+    rank = getattr(parallel, "data_parallel_index", 0)
+    return getattr(config, "kv_events_config", None), rank if isinstance(rank, int) else 0
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str | None:
+    """Where vLLM's publisher of data-parallel rank ``rank`` binds when configured with
+    ``endpoint``: vLLM's own rule (its ``offset_endpoint_port``), None where it has none
+    (an ``ipc://`` path shared by several ranks)."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    try:
+        bound = ZmqEventPublisher.offset_endpoint_port(endpoint, rank)
+    except ValueError:
+        return None
+    return str(bound) if bound is not None else None
 
 
 def describer_for(spec: Any, asked: bool | None, endpoint: str | None = None) -> Describer:
@@ -271,13 +297,14 @@ def describer_for(spec: Any, asked: bool | None, endpoint: str | None = None) ->
     blocks_per_chunk = int(getattr(spec, "blocks_per_chunk", 1) or 1)
     int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
     off = Describer(None, blocks_per_chunk, int_hashes)
-    events = engine_kv_events() if asked is not False else None
+    events, rank = engine_kv_events() if asked is not False else (None, 0)
     zmq_on = getattr(events, "enable_kv_cache_events", False) is True
     zmq_on = zmq_on and getattr(events, "publisher", None) == "zmq"
     if asked is False or (asked is None and not zmq_on and endpoint is None):
         return off
     if endpoint is None and zmq_on:
-        endpoint = loopback_endpoint(str(getattr(events, "endpoint", "")))
+        bound = rank_endpoint(str(getattr(events, "endpoint", "")), rank)
+        endpoint = loopback_endpoint(bound) if bound is not None else None
     if endpoint is None:
         log.warning("describe_blocks: no vLLM KV events publisher tierd can reach; off")
         return off
