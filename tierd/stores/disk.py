@@ -2,20 +2,28 @@
 
 Global slot ``s`` lives in slab ``s % len(directories)`` at local slot
 ``s // len(directories)``, so consecutive slots stripe across drives. Every block is
-written as one ``pwritev`` of a header page (key, generation, length, xxh3 of the data,
-xxh3 of the header) and the data; every read checks the header against the expected key
-and generation and the data against its checksum, so a torn, stale or corrupted block
-reads as failed, never as wrong bytes.
+written as one ``pwritev`` of a header page and its data, and read back checked against
+the expected key, generation and checksum (:mod:`tierd.stores.disk_block`): a torn, stale
+or corrupted block reads as failed, never as wrong bytes.
+
+Each slab (:mod:`tierd.stores.disk_slab`) keeps its slot index in memory, with a journal
+of every BEGIN, SET and DEL since the last snapshot of that index
+(:mod:`tierd.stores.disk_journal`, :mod:`tierd.stores.disk_snapshot`); a write's BEGIN
+record is in the journal file before its block is written. Opening a slab
+(:mod:`tierd.stores.disk_open`) takes the snapshot a clean close wrote as it stands; after
+a crash it replays the snapshot and journal and reads only the slots they leave open
+(writes in flight); only without a usable snapshot and journal does it read every slot's
+header. :meth:`DiskStore.index` then lists what survived, for the tier above to adopt.
+Checkpoints are taken while serving, a slice per loop turn, and their snapshots written
+on a thread of their own, never inside a write (:mod:`tierd.stores.disk_checkpoint`).
 
 I/O runs on two thread pools, reads apart from writes, so loads never queue behind
-write-back; snapshots of the index are written on a third thread of their own, never
-inside a write (:mod:`tierd.stores.disk_checkpoint` says when and how). A batch is cut
-into chunks of up to ``blocks_per_task`` blocks per slab, one
-thread hop per chunk; up to ``read_threads`` / ``write_threads`` chunks are in flight.
-O_DIRECT is used where the file system accepts it (probed once per slab at open); caller
-buffers that are page-aligned and a multiple of 4096 bytes long (CPU pool slots) are read
-into and written from directly, anything else goes through a per-thread aligned staging
-buffer. Under buffered I/O no staging is needed at all.
+write-back; a batch is cut into chunks of up to ``blocks_per_task`` blocks per slab, one
+thread hop per chunk, up to ``read_threads`` / ``write_threads`` chunks in flight
+(:mod:`tierd.stores.disk_threads`). O_DIRECT is used where the file system accepts it
+(probed once per slab at open); caller buffers that are page-aligned and a multiple of
+4096 bytes long (CPU pool slots) are read into and written from directly, anything else
+goes through a per-thread aligned staging buffer. Under buffered I/O no staging is needed.
 
 Durability (``fsync``): ``"always"`` syncs the journal before a batch's data is written
 and fdatasyncs the slab after it, before the write is acknowledged; ``"batch"`` syncs
@@ -27,7 +35,7 @@ docstring; checksums make the worst case a miss.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from operator import itemgetter
@@ -38,16 +46,16 @@ import numpy as np
 from tierd.keys import BlockKey, Medium
 from tierd.logs import get_logger
 from tierd.stores.base import BlockStore, Buffer, InFlight, StoreStats, block_views, device_rows
+from tierd.stores.disk_block import BAD_BLOCK, OK
 from tierd.stores.disk_checkpoint import Checkpoints
-from tierd.stores.disk_slab import BAD_BLOCK, OK, Slab, SlabConfig
+from tierd.stores.disk_slab import Slab, SlabConfig
 from tierd.stores.disk_sync import Fsync, PeriodicSync
+from tierd.stores.disk_threads import Chunking, run_chunks
 from tierd.stores.fileio import FileIO
 
 _log = get_logger("tierd.disk")
 
 __all__ = ["DiskStore"]
-
-_Chunk = Callable[[], list[int]]
 
 
 def _from_numpy(array: np.ndarray[Any, Any]) -> Any:
@@ -91,8 +99,8 @@ class DiskStore(BlockStore):
             raise ValueError("thread counts and blocks_per_task must be positive")
         self.directories = [str(d) for d in directories]
         self._n = len(self.directories)
-        self._threads = (read_threads, write_threads)
-        self._per_task = blocks_per_task
+        self._reading = Chunking(read_threads, blocks_per_task)
+        self._writing = Chunking(write_threads, blocks_per_task)
         self._fsync = _MODES[fsync]
         self._periodic: PeriodicSync | None = None
         if self._fsync is Fsync.BATCH:
@@ -127,8 +135,8 @@ class DiskStore(BlockStore):
     # -- lifecycle ---------------------------------------------------------------------
 
     async def _open(self) -> None:
-        self._readers = ThreadPoolExecutor(self._threads[0], thread_name_prefix="tierd-disk-r")
-        self._writers = ThreadPoolExecutor(self._threads[1], thread_name_prefix="tierd-disk-w")
+        self._readers = ThreadPoolExecutor(self._reading.threads, thread_name_prefix="tierd-disk-r")
+        self._writers = ThreadPoolExecutor(self._writing.threads, thread_name_prefix="tierd-disk-w")
         self._snapshots = ThreadPoolExecutor(1, thread_name_prefix="tierd-disk-snap")
         self._checkpoints = Checkpoints(
             self._slabs, self._journal_limit, self._flush_soon, self._snapshots
@@ -202,9 +210,9 @@ class DiskStore(BlockStore):
         if self._checkpoints is not None:
             await self._checkpoints.finish_walks()
         if self._fsync is Fsync.NONE:
-            await self._run(self._writers, [partial(_flush, s, False) for s in self._slabs])
+            await run_chunks(self._writers, [partial(_flush, s, False) for s in self._slabs])
         else:
-            await self._run(self._writers, [partial(_sync, s) for s in self._slabs])
+            await run_chunks(self._writers, [partial(_sync, s) for s in self._slabs])
         if self._checkpoints is not None:
             await self._checkpoints.write_due()
 
@@ -246,7 +254,7 @@ class DiskStore(BlockStore):
         ]
         codes: list[int] | None = None
         try:
-            codes = await self._run_jobs(self._writers, jobs, write=True)
+            codes = await self._writing.run(self._writers, jobs, write=True)
         finally:
             ok = [False] * len(plan) if codes is None else [c == OK for c in codes]
             for (slab, local, key), gen, good in zip(plan, gens, ok, strict=True):
@@ -296,7 +304,7 @@ class DiskStore(BlockStore):
                 continue
             jobs.append((slab, (local, bytes(key), entry[1], views[i])))
             where.append(i)
-        codes = await self._run_jobs(self._readers, jobs, write=False) if jobs else []
+        codes = await self._reading.run(self._readers, jobs, write=False) if jobs else []
         for i, code in zip(where, codes, strict=True):
             results[i] = code == OK
             if code == OK and rows is not None:
@@ -305,70 +313,6 @@ class DiskStore(BlockStore):
         self._counts["checksum_failures"] += codes.count(BAD_BLOCK)
         self._counts["read_errors"] += sum(1 for c in codes if c > 0)
         return results
-
-    def _chunks(
-        self, jobs: list[tuple[Slab, Any]], *, write: bool
-    ) -> tuple[list[_Chunk], list[int]]:
-        """Group the jobs by slab and cut each group into thread hops of at most
-        ``blocks_per_task`` blocks (fewer when that keeps every thread busy). Returns the
-        chunks and, per flattened result, the job position it belongs to."""
-        groups: dict[int, list[int]] = {}
-        for pos, (slab, _) in enumerate(jobs):
-            groups.setdefault(id(slab), []).append(pos)
-        threads = self._threads[1 if write else 0]
-        size = max(1, min(self._per_task, -(-len(jobs) // threads)))
-        chunks: list[_Chunk] = []
-        order: list[int] = []
-        for positions in groups.values():
-            slab = jobs[positions[0]][0]
-            fn = slab.write_chunk if write else slab.read_chunk
-            for i in range(0, len(positions), size):
-                part = positions[i : i + size]
-                chunks.append(partial(fn, [jobs[p][1] for p in part]))
-                order += part
-        return chunks, order
-
-    async def _run_jobs(
-        self, pool: ThreadPoolExecutor | None, jobs: list[tuple[Slab, Any]], *, write: bool
-    ) -> list[int]:
-        """Per-block result codes, in job order."""
-        chunks, order = self._chunks(jobs, write=write)
-        flat = await self._run(pool, chunks)
-        codes = [OK] * len(jobs)
-        for pos, code in zip(order, flat, strict=True):
-            codes[pos] = code
-        return codes
-
-    async def _run(self, pool: ThreadPoolExecutor | None, chunks: list[_Chunk]) -> list[int]:
-        """Run the chunks on ``pool``; the flattened per-block codes in order.
-
-        Cancelled: chunks not started yet are dropped, the ones already running are
-        waited for (so no byte lands after the caller moved on), then CancelledError.
-        """
-        if pool is None:
-            raise RuntimeError("the disk store's thread pools are gone")
-        loop = asyncio.get_running_loop()
-        cfs = [pool.submit(fn) for fn in chunks]
-        waiter = asyncio.gather(
-            *(asyncio.wrap_future(cf, loop=loop) for cf in cfs), return_exceptions=True
-        )
-        try:
-            results = await asyncio.shield(waiter)
-        except asyncio.CancelledError:
-            for cf in cfs:
-                cf.cancel()
-            while not waiter.done():
-                try:
-                    await asyncio.wait([waiter])
-                except asyncio.CancelledError:
-                    continue
-            raise
-        codes: list[int] = []
-        for res in results:
-            if isinstance(res, BaseException):
-                raise res
-            codes += res
-        return codes
 
     # -- stats -------------------------------------------------------------------------
 

@@ -4,9 +4,10 @@ One slab directory holds the slab (``tierd-slab.bin``), the index snapshot
 (``tierd-index.msgpack``, :mod:`tierd.stores.disk_snapshot`) and the journal
 (``tierd-journal.bin``, with ``tierd-journal.old.bin`` while a checkpoint is written:
 :mod:`tierd.stores.disk_journal`). This module owns the per-slot block header, the journal's
-operations, and the rule that rebuilds a slab's index from its headers after a crash
-(:func:`reconcile`). The header is the truth about bytes; the snapshot and journal are the
-truth about intent (which slots the store invalidated).
+operations, and the rule that rebuilds a slab's index from its headers when a crash left
+no usable snapshot and journal (:func:`reconcile`; :mod:`tierd.stores.disk_open` decides
+when). The header is the truth about bytes; the snapshot and journal are the truth about
+intent (which slots the store invalidated).
 
 Block header (first 4096-byte page of every slot, little-endian; data follows at +4096)::
 

@@ -1,8 +1,9 @@
 """One slab file of the disk store (one per directory, i.e. per drive) and its slot index.
 
 A :class:`Slab` owns the file descriptors and their lock, the in-memory slot index with
-its journal, the blocking per-chunk I/O routines that the store runs on its thread pools,
-and the order of opening and closing. Everything here except the ``*_chunk``, ``*_sync``
+its journal, the blocking per-chunk I/O routines that the store runs on its thread pools
+(each block's own write and checked read are :mod:`tierd.stores.disk_block`'s), and the
+order of opening and closing. Everything here except the ``*_chunk``, ``*_sync``
 and ``flush_journal`` methods runs on the event loop's thread and never blocks. What
 opening finds out (the superblock, the O_DIRECT probe, the index recovered after a crash)
 is :mod:`tierd.stores.disk_open`.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import threading
 import time
 import uuid as uuidlib
 from dataclasses import dataclass
@@ -28,6 +28,15 @@ from tierd.errors import SlabInUse, StoreIOError
 from tierd.logs import get_logger
 from tierd.stores import disk_index as di
 from tierd.stores import disk_journal as dj
+from tierd.stores.disk_block import (
+    BAD_BLOCK,
+    OK,
+    ReadJob,
+    WriteJob,
+    read_block,
+    staging,
+    write_block,
+)
 from tierd.stores.disk_open import (
     Resume,
     check_block,
@@ -40,22 +49,15 @@ from tierd.stores.disk_open import (
 )
 from tierd.stores.disk_snapshot import Checkpoint
 from tierd.stores.disk_walk import IndexWalk
-from tierd.stores.fileio import ALIGN, FileIO, address_of, aligned_buffer, round_up
+from tierd.stores.fileio import ALIGN, FileIO, aligned_buffer, round_up
 
 __all__ = ["BAD_BLOCK", "OK", "SLAB_FILE", "Slab", "SlabConfig", "slab_file_bytes"]
-
-OK = 0  # a chunk routine's per-block result; a positive value is an errno
-BAD_BLOCK = -1  # header, key, generation or checksum did not match
 
 SLAB_FILE = "tierd-slab.bin"  # the slab's name in its directory
 _LOCKED = frozenset({errno.EAGAIN, errno.EWOULDBLOCK})
 _log = get_logger("tierd.disk")
 _NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
 _WARN_EVERY_S = 5.0  # at most one journal warning per slab this often
-_tls = threading.local()
-
-WriteJob = tuple[int, bytes, int, memoryview]  # (local slot, key, gen, data)
-ReadJob = tuple[int, bytes, int, memoryview]  # (local slot, key, gen, out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,15 +74,6 @@ class SlabConfig:
 def slab_file_bytes(local_slots: int, block_bytes: int) -> int:
     """The size of a slab file holding ``local_slots`` blocks of ``block_bytes``."""
     return ALIGN + local_slots * (ALIGN + round_up(block_bytes))
-
-
-def _staging(nbytes: int) -> memoryview:
-    """This thread's page-aligned scratch buffer of at least ``nbytes``."""
-    buf: memoryview | None = getattr(_tls, "buf", None)
-    if buf is None or len(buf) < nbytes:
-        buf = aligned_buffer(nbytes)
-        _tls.buf = buf
-    return buf[:nbytes]
 
 
 class Slab:
@@ -219,8 +212,8 @@ class Slab:
         failed = self.flush_journal(self.cfg.sync)
         if failed:
             return [failed] * len(jobs)
-        page = _staging(ALIGN + self.data_io)
-        codes = [self._write_one(page, job) for job in jobs]
+        fd, size, direct = self._fd, self.data_io, self.o_direct
+        codes = [write_block(self.io, fd, self.offset(j[0]), j, size, direct) for j in jobs]
         if self.cfg.sync and OK in codes:
             try:
                 self.io.fdatasync(self._fd)
@@ -228,47 +221,9 @@ class Slab:
                 return [exc.errno or errno.EIO] * len(jobs)
         return codes
 
-    def _write_one(self, page: memoryview, job: WriteJob) -> int:
-        local, key, gen, data = job
-        hdr = page[:ALIGN]
-        bb = self.cfg.block_bytes
-        di.BlockHeader(local, gen, key, bb, di.data_checksum(data)).pack_into(hdr)
-        body = data
-        if self.o_direct and not self._direct_ok(data):
-            body = page[ALIGN : ALIGN + self.data_io]
-            body[:bb] = data
-        try:
-            done = self.io.pwritev(self._fd, [hdr, body], self.offset(local))
-        except OSError as exc:
-            return exc.errno or errno.EIO
-        return OK if done == ALIGN + len(body) else errno.ENOSPC
-
     def read_chunk(self, jobs: list[ReadJob]) -> list[int]:
-        page = _staging(ALIGN + self.data_io)
-        return [self._read_one(page, job) for job in jobs]
-
-    def _read_one(self, page: memoryview, job: ReadJob) -> int:
-        local, key, gen, out = job
-        bb = self.cfg.block_bytes
-        direct = not self.o_direct or self._direct_ok(out)
-        body = out if direct else page[ALIGN : ALIGN + self.data_io]
-        try:
-            done = self.io.preadv(self._fd, [page[:ALIGN], body], self.offset(local))
-        except OSError as exc:
-            return exc.errno or errno.EIO
-        if done != ALIGN + len(body):
-            return errno.EIO
-        hdr = di.BlockHeader.unpack(page[:ALIGN])
-        if hdr is None or (hdr.slot, hdr.key, hdr.gen, hdr.data_len) != (local, key, gen, bb):
-            return BAD_BLOCK
-        if di.data_checksum(body[:bb]) != hdr.data_xxh3:
-            return BAD_BLOCK
-        if not direct:
-            out[:] = body[:bb]
-        return OK
-
-    def _direct_ok(self, view: memoryview) -> bool:
-        return len(view) == self.data_io and address_of(view) % ALIGN == 0
+        fd, size, direct = self._fd, self.data_io, self.o_direct
+        return [read_block(self.io, fd, self.offset(j[0]), j, size, direct) for j in jobs]
 
     # -- open / close (I/O thread) -----------------------------------------------------
 
@@ -416,7 +371,7 @@ class Slab:
 
     def _check(self, local: int, gen: int | None) -> bytes | None:
         """:func:`~tierd.stores.disk_open.check_block` on this slab's ``local``."""
-        page = _staging(ALIGN + self.data_io)
+        page = staging(ALIGN + self.data_io)
         return check_block(
             self.io, self._fd, page, self.offset(local), local, gen, self.cfg.block_bytes
         )
