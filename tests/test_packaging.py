@@ -31,6 +31,7 @@ TEST_ONLY_MODULES = {
     "tierd/testing/conformance.py": ("test", "gpu"),
     "tierd/stores/gpu.py": ("gpu",),
     "tierd/stores/gpu_calls.py": ("gpu",),
+    "tierd/stores/gpu_staging.py": ("gpu",),
 }
 # Import names whose distribution is not the import name with "_" read as "-".
 DISTRIBUTION_OF = {"yaml": "pyyaml", "zmq": "pyzmq"}

@@ -7,9 +7,10 @@ thread would otherwise wait on that thread's stream, not the caller's): bytes a 
 kernel is still writing into a slot view are not copied early, and a released slot is not
 overwritten under a kernel still reading it. Host tensors move straight into or out of
 pool rows (one DMA per consecutive run, or per block): no device temporary. Host buffers
-that are not tensors are packed into pinned staging of at most ``_STAGING_BYTES`` per
-launch (bigger batches go in pieces). Completion comes back to the event loop through an
-:class:`~tierd.stores.cuda.EventWaiter` per stream: the loop never blocks or polls.
+that are not tensors are packed into pinned staging of bounded size per launch (bigger
+batches go in pieces: :mod:`tierd.stores.gpu_staging`). Completion comes back to the event
+loop through an :class:`~tierd.stores.cuda.EventWaiter` per stream: the loop never blocks
+or polls.
 
 A copy from or to host memory that is not page-locked is synchronous in CUDA: such a
 batch is never launched on the event loop (it goes to a worker thread), and
@@ -34,9 +35,8 @@ import contextlib
 import errno
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
 import torch
 
 from tierd.errors import StoreClosed, StoreIOError
@@ -53,7 +53,6 @@ from tierd.stores.base import (
     run_copy,
     settle,
     slot_run_start,
-    tensor_memoryview,
 )
 from tierd.stores.cuda import EventWaiter, cuda_unavailable_reason
 from tierd.stores.gpu_calls import DeviceLost, is_device_error, is_sticky
@@ -64,12 +63,10 @@ from tierd.stores.gpu_calls import host_pinned as _host_pinned
 from tierd.stores.gpu_calls import set_device as _set_device
 from tierd.stores.gpu_calls import stream_scope as _stream_scope
 from tierd.stores.gpu_calls import within as _within
+from tierd.stores.gpu_staging import new_staging, pack, pieces, tensor_if_array, unpack
 
 __all__ = ["COPY_TIMEOUT_S", "DeviceLost", "GpuStore", "is_device_error", "is_sticky"]
 
-# Per launch, host buffers that are not tensors are packed into pinned staging of at most
-# this much; torch's pinned allocator rounds each size up to a power of two and caches it.
-_STAGING_BYTES = 64 << 20
 # A copy not done after this long means a hung device (a copy of 512 MiB takes ~20 ms).
 COPY_TIMEOUT_S = 60.0
 
@@ -198,11 +195,11 @@ class GpuStore(BlockStore):
         self, slots: Sequence[int], keys: Sequence[BlockKey], data: Sequence[Buffer] | Any
     ) -> list[bool]:
         count = len(slots)
-        src = _tensor_if_array(block_batch(data, count, self.block_bytes, writable=False))
+        src = tensor_if_array(block_batch(data, count, self.block_bytes, writable=False))
         self._refuse_if_lost()
         if count == 0:
             return []
-        for begin, end in self._pieces(src, count):
+        for begin, end in pieces(src, count, self.block_bytes):
             part = src[begin:end]
             launch = self._launcher(self._launch_write, slots[begin:end], part)
             await self._copy(self._h2d, launch, part, (end - begin), write=True)
@@ -213,28 +210,20 @@ class GpuStore(BlockStore):
         self, slots: Sequence[int], keys: Sequence[BlockKey], out: Sequence[Buffer] | Any
     ) -> list[bool]:
         count = len(slots)
-        dst = _tensor_if_array(block_batch(out, count, self.block_bytes, writable=True))
+        dst = tensor_if_array(block_batch(out, count, self.block_bytes, writable=True))
         self._refuse_if_lost()
         if count == 0:
             return []
-        for begin, end in self._pieces(dst, count):
+        for begin, end in pieces(dst, count, self.block_bytes):
             part = dst[begin:end]
             launch = self._launcher(self._launch_read, slots[begin:end], part)
             pending = await self._copy(self._d2h, launch, part, end - begin, write=False)
             if pending.staging is not None:
                 nbytes = (end - begin) * self.block_bytes
-                unpack = _bind(_unpack, pending.staging, part)
-                await run_copy(unpack, nbytes, inline_limit=self.inline_limit)
+                copy = _bind(unpack, pending.staging, part)
+                await run_copy(copy, nbytes, inline_limit=self.inline_limit)
         self._counters.bytes_read += count * self.block_bytes
         return [True] * count
-
-    def _pieces(self, batch: BlockBatch, count: int) -> list[tuple[int, int]]:
-        """Host buffers that are not tensors go through pinned staging: at most
-        ``_STAGING_BYTES`` of it per launch (S6); tensors go whole."""
-        if not isinstance(batch, list) or not batch or isinstance(batch[0], torch.Tensor):
-            return [(0, count)]
-        step = max(1, _STAGING_BYTES // self.block_bytes)
-        return [(i, min(i + step, count)) for i in range(0, count, step)]
 
     def _launcher(
         self, launch: Callable[..., _Pending], slots: Sequence[int], batch: BlockBatch
@@ -321,7 +310,7 @@ class GpuStore(BlockStore):
                 for slot, row in zip(slots, rows, strict=True):  # one DMA per block
                     self._pool[slot].copy_(row, non_blocking=True)
                 return _Pending(_record(lane), tuple(rows))
-            host = self._pack(src, len(slots))
+            host = pack(src, len(slots), self.block_bytes, self.device)
             start = slot_run_start(slots)
             if start is not None:  # straight into the rows: no device temporary
                 self._pool[start : start + len(slots)].copy_(host, non_blocking=True)
@@ -351,7 +340,7 @@ class GpuStore(BlockStore):
             if isinstance(dst, torch.Tensor):
                 dst.copy_(rows, non_blocking=True)
             else:
-                staging = self._staging(len(slots))
+                staging = new_staging(len(slots), self.block_bytes, self.device)
                 staging.copy_(rows, non_blocking=True)
             return _Pending(_record(lane), (rows,), staging)
 
@@ -368,25 +357,6 @@ class GpuStore(BlockStore):
         stack.enter_context(_stream_scope(lane.stream))
         return stack
 
-    def _pack(self, src: BlockBatch, count: int) -> torch.Tensor:
-        """One ``[count, block_bytes]`` host or device tensor holding the blocks to write."""
-        if isinstance(src, torch.Tensor):
-            return src
-        staging = self._staging(count)
-        flat, size = tensor_memoryview(staging), self.block_bytes
-        for i, view in enumerate(cast(list[memoryview], src)):
-            flat[i * size : (i + 1) * size] = view
-        return staging
-
-    def _staging(self, count: int) -> torch.Tensor:
-        pinned = self.device.type == "cuda"
-        return torch.empty((count, self.block_bytes), dtype=torch.uint8, pin_memory=pinned)
-
-
-def _tensor_if_array(batch: Any) -> BlockBatch:
-    """A numpy batch as a tensor over the same memory (the launch code takes tensors)."""
-    return torch.from_numpy(batch) if isinstance(batch, np.ndarray) else batch
-
 
 def _record(lane: _Lane | None) -> torch.cuda.Event | None:
     if lane is None:
@@ -399,10 +369,3 @@ def _record(lane: _Lane | None) -> torch.cuda.Event | None:
 
 def _new_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-
-
-def _unpack(staging: torch.Tensor, dst: BlockBatch) -> None:
-    """Copy a read's staging rows into the caller's host buffers."""
-    flat, size = tensor_memoryview(staging), staging.shape[1]
-    for i, view in enumerate(cast(list[memoryview], dst)):
-        view[:] = flat[i * size : (i + 1) * size]
