@@ -18,25 +18,28 @@ pool slots themselves; without it ``put``/``get`` carry the bytes in the message
 context managers always finish their lease, on error too; if the client dies instead,
 the daemon releases the lease when the connection closes.
 
-This module owns :class:`Client` (requests, replies, events, the connection's end) and
-the values its replies become; connecting and the hello exchange are
-:mod:`~tierd.control.handshake`'s, the pool mapping and the leases
-:mod:`~tierd.control.client_pool`'s. Every public name of those is importable from here.
+This module owns :class:`Client` (requests and their replies, the data path, engine
+regions, events, the connection's end) and the values its data path's replies become;
+connecting and the hello exchange are :mod:`~tierd.control.handshake`'s, the pool mapping
+and the leases :mod:`~tierd.control.client_pool`'s, decoding the socket's frames
+:mod:`~tierd.control.client_wire`'s, and the operator's requests (stats, flush, delete,
+reload...) with their :class:`Flushed` :mod:`~tierd.control.client_operator`'s. Every
+public name of those is importable from here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import TYPE_CHECKING, Any, Self
 
-import msgpack
-
+from tierd.control.client_operator import ControlRequests, Flushed
 from tierd.control.client_pool import LoadLease, PoolMap, StoreLease
 from tierd.control.client_regions import Registration, move_blocks, register_region
+from tierd.control.client_wire import ClientWire
 from tierd.control.handshake import (
     HELLO_ID,
     DaemonError,
@@ -46,7 +49,7 @@ from tierd.control.handshake import (
     greet,
     open_socket,
 )
-from tierd.control.protocol import FrameDecoder, encode
+from tierd.control.protocol import encode
 from tierd.errors import ProtocolError, TierdError
 
 if TYPE_CHECKING:
@@ -76,51 +79,14 @@ class Lookup:
     in_flight: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Flushed:
-    """A flush's reply: blocks ``copied`` down, blocks still ``dirty`` (per tier), and why."""
-
-    copied: int
-    dirty: int
-    dirty_by_tier: dict[str, int]
-    reason: str
-
-
-class _Protocol(asyncio.Protocol):
-    def __init__(self, client: Client, max_frame_bytes: int) -> None:
-        self.client = client
-        self.decoder = FrameDecoder(max_frame_bytes)
-        self.transport: asyncio.Transport | None = None
-        self.lost = asyncio.get_running_loop().create_future()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            messages = self.decoder.feed(data)
-        except ProtocolError as exc:
-            self.client._lost(exc)
-            if self.transport is not None:
-                self.transport.close()
-            return
-        for message in messages:
-            self.client._dispatch(message)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.client._lost(exc)
-        if not self.lost.done():
-            self.lost.set_result(None)
-
-
-class Client:
+class Client(ControlRequests):
     """One connection to the daemon. Build it with :meth:`connect`."""
 
     def __init__(self) -> None:
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._next_id = 0
         self._events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        self._protocol: _Protocol | None = None
+        self._protocol: ClientWire | None = None
         self._closed: BaseException | None = None
         self.info: dict[str, Any] = {}
         self.pool: PoolMap | None = None
@@ -149,7 +115,7 @@ class Client:
         loop = asyncio.get_running_loop()
         where = os.fspath(path)
         sock = await open_socket(loop, where)
-        protocol = _Protocol(client, max_frame_bytes)
+        protocol = ClientWire(max_frame_bytes, client._dispatch, client._lost)
         try:
             check_server(sock, where, server_uids)
             greeting = await greet(
@@ -377,102 +343,7 @@ class Client:
         starts past ``expires``."""
         return await move_blocks(self, "region_load", region, keys, offsets, piece_bytes, expires)
 
-    # -- control ----------------------------------------------------------------------
-
-    async def stats(self, *, namespaces: bool = False) -> dict[str, Any]:
-        """The daemon's figures; with ``namespaces``, each tenant's namespaces too."""
-        fields = {"namespaces": True} if namespaces else {}
-        return dict((await self.request("stats", **fields))["stats"])
-
-    async def health(self) -> dict[str, Any]:
-        reply = await self.request("health")
-        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
-
-    async def config(self) -> dict[str, Any]:
-        return dict((await self.request("config"))["config"])
-
-    async def metrics(self) -> str:
-        return str((await self.request("metrics"))["text"])
-
-    async def flush(self) -> Flushed:
-        """Copy every dirty block down; what stayed dirty, and why, is in the result."""
-        reply = await self.request("flush")
-        return Flushed(
-            copied=int(reply["copied"]),
-            dirty=int(reply["dirty"]),
-            dirty_by_tier={str(k): int(v) for k, v in reply["dirty_by_tier"].items()},
-            reason=str(reply["reason"]),
-        )
-
-    async def describe(self, keys: Sequence[bytes], blocks: Sequence[Mapping[str, Any]]) -> int:
-        """Say what each block of ``keys`` is in the engine's terms (docs/events.md), for
-        the KV events routers read; returns how many descriptions the daemon kept (0 when
-        its ``kv_events:`` section does not publish this tenant)."""
-        packed = [msgpack.packb(block, use_bin_type=True) for block in blocks]
-        return int((await self.request("describe", keys=list(keys), blocks=packed))["kept"])
-
-    async def blocks_held(
-        self, requests: Sequence[Sequence[int | bytes]], *, tenant: str | None = None
-    ) -> list[list[str]]:
-        """For each list of engine block hashes: the media of the leading blocks the
-        node holds (as many as it holds, up to the first it does not)."""
-        flat = [h for request in requests for h in request]
-        lengths = [len(request) for request in requests]
-        reply = await self.request(
-            "blocks_held", hashes=flat, lengths=lengths, **_present(tenant=tenant)
-        )
-        return [list(m) for m in reply["media"]]
-
-    async def clear(self, tier: str | None = None) -> int:
-        fields = {} if tier is None else {"tier": tier}
-        return int((await self.request("clear", **fields))["removed"])
-
-    async def namespaces(self, tenant: str | None = None) -> dict[str, list[dict[str, Any]]]:
-        """Each tenant's namespaces (an operator's: every tenant, or ``tenant``)."""
-        reply = await self.request("namespaces", **_present(tenant=tenant))
-        return dict(reply["tenants"])
-
-    async def inspect(
-        self,
-        key: bytes,
-        *,
-        namespace: str | None = None,
-        namespace_id: str | None = None,
-        tenant: str | None = None,
-    ) -> dict[str, Any]:
-        """Where ``key`` lives: in this connection's namespace, or the one named."""
-        where = _present(namespace=namespace, namespace_id=namespace_id, tenant=tenant)
-        reply = await self.request("inspect", key=key, **where)
-        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
-
-    async def delete(
-        self,
-        keys: Sequence[bytes] | None = None,
-        *,
-        prefix: bytes | None = None,
-        everything: bool = False,
-        namespace: str | None = None,
-        namespace_id: str | None = None,
-        tenant: str | None = None,
-    ) -> dict[str, Any]:
-        """Delete ``keys``, the keys starting with ``prefix``, or (``everything``) a whole
-        namespace (this connection's, or the one named); ``removed`` and ``busy`` (kept:
-        in use, ask again) come back."""
-        fields = _present(
-            keys=list(keys) if keys is not None else None,
-            prefix=prefix,
-            all=True if everything else None,
-            namespace=namespace,
-            namespace_id=namespace_id,
-            tenant=tenant,
-        )
-        reply = await self.request("delete", **fields)
-        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
-
-    async def reload(self) -> dict[str, Any]:
-        """Read the daemon's config again: what was ``applied``, what is ``restart_needed``."""
-        reply = await self.request("reload")
-        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+    # -- events ---------------------------------------------------------------------
 
     async def subscribe(self) -> None:
         """Start the event stream (pushes queue up until :meth:`events` reads them)."""
@@ -507,8 +378,3 @@ class Client:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def _present(**fields: Any) -> dict[str, Any]:
-    """The fields that have a value (a request leaves the others out)."""
-    return {name: value for name, value in fields.items() if value is not None}
