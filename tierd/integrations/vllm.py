@@ -14,8 +14,9 @@ deadline: the lookups of a scheduler step go to the daemon as one request when t
 ends (vLLM's ``AsyncLookupManager``: RETRY until the answer, then HIT or MISS), and a load
 is one region request, the daemon copying the blocks, the thread waiting in ``recv``.
 Stores, which nobody waits for, run as coroutines on a
-:class:`~tierd.integrations.link.DaemonLink` (its own thread and event loop). Jobs are
-reported by ``get_finished_jobs``. Any failure (daemon down, stopped, killed, restarted,
+:class:`~tierd.integrations.link.DaemonLink` (its own thread and event loop); where each
+job runs and how it ends is :mod:`tierd.integrations.vllm_jobs`'. Jobs are reported by
+``get_finished_jobs``. Any failure (daemon down, stopped, killed, restarted,
 ``capacity``, a block evicted or failing its checksum) is a failed job or a miss, never an
 exception in vLLM; past a few failures a breaker answers at once until the daemon is back.
 
@@ -25,14 +26,10 @@ This module needs vLLM (``scripts/setup_vllm``); nothing else in tierd imports i
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
-import threading
-import time
 import weakref
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -56,13 +53,13 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
-from tierd.integrations.copies import LoadOutcome, load_rows, store_rows
 from tierd.integrations.direct import DirectChannel
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
 from tierd.integrations.naming import derive_namespace
 from tierd.integrations.plugin import missing_daemon
 from tierd.integrations.staging import StagedCopies
 from tierd.integrations.vllm_describe import describer_for
+from tierd.integrations.vllm_jobs import Done, Jobs
 from tierd.integrations.vllm_report import TierReport, event_config
 from tierd.logs import get_logger
 
@@ -81,27 +78,6 @@ engine_log = logging.getLogger("vllm.tierd")
 _TRANSIENT = frozenset({"busy", "shutting_down"})
 _Results = Any  # the lookup manager's result queue: put(list of (key, generation, found))
 _LIVE: weakref.WeakSet[TierdSecondaryTier] = weakref.WeakSet()
-_STOP_WAIT_S = 5.0  # a cancelled job stops at its next await on the link's (own) loop
-
-
-@dataclass(frozen=True, slots=True)
-class _Done:
-    """A finished job as the link's loop reports it to the scheduler thread."""
-
-    job_id: int
-    is_load: bool
-    keys: tuple[OffloadKey, ...]
-    elapsed_s: float
-    ok_keys: tuple[OffloadKey, ...]
-    error: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class _Pending:
-    future: concurrent.futures.Future[_Done]
-    keys: tuple[OffloadKey, ...]
-    is_load: bool
-    finished: threading.Event  # set once the job's coroutine no longer runs
 
 
 class _Lookups(AsyncLookupManager):
@@ -209,8 +185,8 @@ class TierdSecondaryTier(SecondaryTierManager):
         # Half of staging_bytes for the link's stores, half for the scheduler's loads.
         self._staged = StagedCopies(self._rows, staging_bytes // 2) if regions else None
         self._direct = DirectChannel(self._link, self._rows, staging_bytes // 2, regions=regions)
-        self._jobs: dict[int, _Pending] = {}
         self._describer = describer_for(offloading_spec, describe_blocks, kv_events_endpoint)
+        self._jobs = Jobs(self._link, self._direct, self._staged, self._describer, self._rows)
         self.report = TierReport(
             Medium(medium) if medium is not None else self.medium,
             self.locality,
@@ -291,95 +267,14 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def _submit(self, job: TransferJob, *, is_load: bool) -> None:
         keys = tuple(job.keys)
-        row_ids = [int(c) for c in job.chunk_ids]
-        finished = threading.Event()
-        done: _Done | None = None
         if not is_load:
             self.report.storing(keys)
-        if self._link.breaker.is_open:  # fail at once: no hop to the link's thread
-            self._link.breaker.refused()
-            done = _Done(job.job_id, is_load, keys, 0.0, (), "breaker open")
-        elif is_load and self._direct.regions:  # a request waits for it: right here
-            done = self._load_here(job.job_id, keys, row_ids)
-        if done is not None:
-            future: concurrent.futures.Future[_Done] = concurrent.futures.Future()
-            future.set_result(done)
-            finished.set()
-        else:
-            coro = self._run_job(job.job_id, keys, row_ids, is_load, finished)
-            future = self._link.submit(coro)
-        self._jobs[job.job_id] = _Pending(future, keys, is_load, finished)
-
-    def _load_here(
-        self, job_id: int, keys: tuple[OffloadKey, ...], row_ids: list[int]
-    ) -> _Done | None:
-        """A load on the scheduler's thread (None: the daemon has no regions)."""
-        started = time.monotonic()
-        outcome = self._direct.load([bytes(k) for k in keys], row_ids)
-        if outcome is None:
-            return None
-        ok = tuple(keys[i] for i in outcome.loaded)
-        return _Done(job_id, True, keys, time.monotonic() - started, ok, outcome.error)
-
-    async def _run_job(
-        self,
-        job_id: int,
-        keys: tuple[OffloadKey, ...],
-        row_ids: list[int],
-        is_load: bool,
-        finished: threading.Event,
-    ) -> _Done:
-        started = time.monotonic()
-        raw = [bytes(k) for k in keys]
-        outcome = LoadOutcome(())
-        error: str | None = None
-        deadline = self.settings.job_deadline_s
-        try:
-            if is_load:
-                outcome = await self._link.bounded(lambda c: self._load(c, raw, row_ids), deadline)
-                error = outcome.error
-            elif await self._link.bounded(lambda c: self._store(c, raw, row_ids), deadline):
-                outcome = LoadOutcome(tuple(range(len(keys))))
-            else:
-                error = "the daemon did not take every block (capacity)"
-        except (TierdError, OSError) as exc:
-            error = str(exc)
-        finally:
-            finished.set()  # no copy of this job touches vLLM's rows after this
-        ok = tuple(keys[i] for i in outcome.loaded)
-        return _Done(job_id, is_load, keys, time.monotonic() - started, ok, error)
-
-    async def _load(self, client: Client, keys: list[bytes], row_ids: list[int]) -> LoadOutcome:
-        """Through leases (the daemon has no regions, or the tier was told to use none)."""
-        return await load_rows(client, keys, self._rows, row_ids)
-
-    async def _store(self, client: Client, keys: list[bytes], row_ids: list[int]) -> bool:
-        """Whether the daemon holds every key now (described first, if the tier can)."""
-        await self._describer.describe(client, keys)
-        if self._staged is not None:
-            held = await self._staged.store(client, keys, row_ids)
-            if held is not None:
-                return held
-        await store_rows(client, keys, self._rows, row_ids)
-        return True
+        self._jobs.submit(job.job_id, keys, [int(c) for c in job.chunk_ids], is_load=is_load)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        finished = [job_id for job_id, p in self._jobs.items() if p.future.done()]
-        return [self._result(self._outcome(job_id, self._jobs.pop(job_id))) for job_id in finished]
+        return [self._result(done) for done in self._jobs.finished()]
 
-    @staticmethod
-    def _outcome(job_id: int, pending: _Pending) -> _Done:
-        """A finished job's result; a job that crashed or was cancelled failed."""
-        future = pending.future
-        if future.cancelled():
-            return _Done(job_id, pending.is_load, pending.keys, 0.0, (), "cancelled")
-        exc = future.exception()
-        if exc is not None:
-            log.error("tierd job crashed", job=job_id, error=repr(exc))
-            return _Done(job_id, pending.is_load, pending.keys, 0.0, (), repr(exc))
-        return future.result()
-
-    def _result(self, done: _Done) -> JobResult:
+    def _result(self, done: Done) -> JobResult:
         success = len(done.ok_keys) == len(done.keys)
         self.report.job(done.is_load, done.keys, done.ok_keys, done.error)
         if done.is_load and not success:
@@ -397,36 +292,9 @@ class TierdSecondaryTier(SecondaryTierManager):
         return bool(self._jobs)
 
     def drain_jobs(self) -> None:
-        """Wait for every submitted job; never on a daemon that does not answer.
-
-        Jobs still running after one lookup deadline are waited for only if the daemon
-        answers a ``health`` within a lookup deadline (else the breaker opens), and at
-        most one job deadline. The rest are cancelled; each stops at its next await (a
-        row copy is never cut), and this returns only once none of them runs.
-        """
-        pending = [p.future for p in self._jobs.values() if not p.future.done()]
-        if not pending:
-            return
-        lookup_s, job_s = self.settings.lookup_deadline_s, self.settings.job_deadline_s
-        _, pending_set = concurrent.futures.wait(pending, timeout=lookup_s)
-        if pending_set and self._daemon_answers():
-            _, pending_set = concurrent.futures.wait(pending_set, timeout=job_s)
-        for future in pending_set:
-            future.cancel()
-        for p in self._jobs.values():
-            if not p.finished.wait(_STOP_WAIT_S):
-                log.error("a tierd job did not stop", keys=len(p.keys))
-
-    def _daemon_answers(self) -> bool:
-        """Whether the daemon answers a ``health`` within a quarter of a job deadline
-        (longer than a lookup's: a busy link's loop may owe the answer a few ms)."""
-        try:
-            self._link.ask(lambda c: c.health(), self.settings.job_deadline_s / 4)
-        except DaemonError:
-            return True
-        except (TierdError, OSError):
-            return False
-        return True
+        """Wait for every submitted job; never on a daemon that does not answer
+        (:meth:`~tierd.integrations.vllm_jobs.Jobs.drain`)."""
+        self._jobs.drain()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         return self.report.take_events()
@@ -459,6 +327,7 @@ class TierdSecondaryTier(SecondaryTierManager):
         self._describer.close()
         # Let go of every view of vLLM's rows (ours, the channel's, the staged copies', the
         # base class's): an array over them keeps vLLM's mapping exported, unclosable.
+        self._jobs.release()
         if self._staged is not None:
             self._staged.release()
         self._rows = np.empty((0, self._rows.shape[1]), dtype=np.uint8)
