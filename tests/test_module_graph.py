@@ -3,7 +3,8 @@
 ``scripts/check`` runs import-linter for the layers; this test adds what a layers
 contract cannot say: no cycle at all between modules, the imports made only for type
 checking included (``tierd.chain.core`` and ``tierd.chain.handles`` were one: handles
-called back into the chain; they now know it only through the ``HandleOwner`` protocol).
+called back into the chain; now each handle is given the part it calls, which never
+imports the handles).
 """
 
 from __future__ import annotations

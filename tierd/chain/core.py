@@ -14,23 +14,37 @@ every byte moves through the :class:`~tierd.transfer.TransferEngine`.
   callers promoting the same block at once share one read.
 - After every operation each level's events are published on the chain's event bus.
 
-The chain is built in layers, a module each: its state and bookkeeping (``state``), writes
-and demotion (``moves``), loads and promotion (``loads``), and this public face.
+The chain is composed of parts, each owning its state and given what it calls in its
+constructor: the levels and their events (``levels.ChainLevels``), admission
+(``admit.Admissions``), writes in flight (``pending.PendingWrites``), writes and demotion
+(``moves.Movement``: levels, transfer, pending writes, admission), promotion
+(``loads.Loading``: levels, transfer, pending writes, movement) and lookups with their
+counts (``lookups.Lookups``: levels). :class:`TierChain` builds them, delegates to them
+and adds the whole-chain operations (store, flush, clear, delete, stats).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+from tierd.chain.admit import Admissions
 from tierd.chain.census import PrefixCensus
-from tierd.chain.handles import StoreHandle
+from tierd.chain.handles import LoadHandle, StoreHandle
 from tierd.chain.invariants import check_levels
-from tierd.chain.loads import ChainLoads
-from tierd.chain.values import ChainStats, Deleted, FlushResult, LookupResult
+from tierd.chain.levels import ChainLevels
+from tierd.chain.loads import Loading
+from tierd.chain.lookups import Lookups
+from tierd.chain.moves import Movement
+from tierd.chain.pending import PendingWrites
+from tierd.chain.remote import RemoteSide
+from tierd.chain.values import Admission, ChainStats, Deleted, FlushResult, Level, LookupResult
 from tierd.errors import CapacityError
-from tierd.keys import BlockKey
+from tierd.events import EventBus
+from tierd.keys import BlockKey, Medium
 from tierd.stores import Buffer
+from tierd.transfer import TransferEngine
 
 __all__ = ["TierChain"]
 
@@ -38,137 +52,96 @@ _IN_USE = ("writing", "pinned")
 _REMOTE_BATCH = 256  # blocks per round trip when a flush sends the last level's blocks
 
 
-class TierChain(ChainLoads):
+class TierChain:
     """Levels fastest first, moved between by one transfer engine: lookups, stores, loads
-    (:class:`~tierd.chain.loads.ChainLoads`) and whole-chain operations."""
+    and whole-chain operations, over the parts it builds."""
+
+    def __init__(
+        self,
+        levels: Sequence[Level],
+        transfer: TransferEngine,
+        *,
+        entry: int = 0,
+        bus: EventBus | None = None,
+        reuse_memory: int = 1 << 20,
+        remote: RemoteSide | None = None,
+    ) -> None:
+        self._levels = chain_levels = ChainLevels(levels, entry=entry, bus=bus, remote=remote)
+        self.levels = chain_levels.levels
+        self.entry = entry
+        self.bus = chain_levels.bus
+        self.block_bytes = chain_levels.block_bytes
+        self.remote = remote
+        self.transfer = transfer
+        self._admissions = Admissions(chain_levels, reuse_memory)
+        self._writes = PendingWrites(chain_levels)
+        self._moves = Movement(chain_levels, transfer, self._writes, self._admissions)
+        self._loads = Loading(chain_levels, transfer, self._writes, self._moves)
+        self._lookups = Lookups(chain_levels)
+
+    @property
+    def census(self) -> PrefixCensus | None:
+        """Blocks per key prefix, once :meth:`prefix_census` was asked for."""
+        return self._levels.census
+
+    def set_admissions(self, rules: Sequence[Admission], remote: Admission | None = None) -> None:
+        """New admission rules, one per level (and the remote level's): what the old rules
+        counted of recent uses is kept only if the new ones need no more of it."""
+        self._admissions.set_rules(rules, remote)
+
+    def level_of(self, medium: Medium | str) -> int:
+        """The index of the first level on ``medium``."""
+        return self._levels.level_of(medium)
+
+    def _publish(self) -> None:
+        """Publish every level's buffered events now."""
+        self._levels.publish()
+
+    def loading(
+        self, keys: Sequence[BlockKey], into: Medium | str | None = None
+    ) -> AbstractAsyncContextManager[LoadHandle]:
+        """``async with chain.loading(keys) as handle:`` — :meth:`load`, released on exit."""
+        return self._loads.loading(keys, into)
+
+    async def load(
+        self,
+        keys: Sequence[BlockKey],
+        into: Medium | str | None = None,
+        *,
+        wait_s: float | None = None,
+    ) -> LoadHandle:
+        """Promote ``keys`` up to the level on ``into`` (default: the entry level) and pin
+        them there: see :meth:`tierd.chain.loads.Loading.load`."""
+        return await self._loads.load(keys, into, wait_s=wait_s)
 
     def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
-        """How many leading keys are ready at some level, and where. A lookup is a query:
-        it may be repeated while a request waits (``in_flight``), so it counts no use."""
-        tiers = self._tiers
-        top, hits = tiers[0], self._hits_by_level
-        found: list[int] = []
-        in_flight = False
-        pos, n = 0, len(keys)
-        while pos < n:
-            run = top.ready_run(keys, pos)  # the hot case: a run of hits at the top level
-            if run:
-                found += [0] * run
-                hits[0] += run
-                pos += run
-                continue
-            key = keys[pos]
-            for index in range(1, len(tiers)):
-                if key in tiers[index]:
-                    found.append(index)
-                    hits[index] += 1
-                    pos += 1
-                    break
-            else:
-                in_flight = any(tier.is_writing(key) for tier in tiers)
-                break
-        self._lookups += 1
-        self._hit_blocks += len(found)
-        self._miss_blocks += n - len(found)
-        media = tuple(map(self._media.__getitem__, found))
-        return LookupResult(len(found), tuple(found), media, in_flight)
+        """How many leading keys are ready at some level, and where; counts no use:
+        see :meth:`tierd.chain.lookups.Lookups.lookup`."""
+        return self._lookups.lookup(keys)
 
     async def find(self, keys: Sequence[BlockKey]) -> LookupResult:
-        """:meth:`lookup`, then, with a remote level, the rest of the leading run across
-        local and remote levels alike: past the local run, the keys no local level holds
-        are asked of the remote level in one batched existence check (faults there are
-        misses, bounded by its deadline), and the run goes on through keys held locally
-        or remotely until the first key held nowhere. Under LRU a prefix's head ages out
-        first, so a head on the remote level with its tail still local is the usual shape.
-        Without a remote level it is :meth:`lookup` and never awaits."""
-        local = self.lookup(keys)
-        remote = self.remote
-        if remote is None or local.in_flight or local.count == len(keys):
-            return local
-        holders = self._holders(keys, local.count)
-        missing = [
-            key for key, holder in zip(keys[local.count :], holders, strict=True) if holder is None
-        ]
-        run = await remote.level.exists(missing)
-        if not run:
-            return local
-        where = len(self.levels)  # the remote level comes after the local ones
-        levels = list(local.levels)
-        for holder in holders:
-            if holder is None:
-                if run == 0:
-                    break  # held nowhere: the run ends here
-                run -= 1
-                holder = where
-            levels.append(holder)
-        found = levels[local.count :]
-        for holder in found:
-            if holder == where:
-                remote.hits += 1
-            else:
-                self._hits_by_level[holder] += 1
-        self._hit_blocks += len(found)
-        self._miss_blocks -= len(found)
-        media = (*self._media, remote.level.medium)
-        stop = keys[len(levels)] if len(levels) < len(keys) else None
-        in_flight = stop is not None and any(tier.is_writing(stop) for tier in self._tiers)
-        return LookupResult(len(levels), tuple(levels), tuple(media[i] for i in levels), in_flight)
-
-    def _holders(self, keys: Sequence[BlockKey], start: int) -> list[int | None]:
-        """For each key from ``keys[start]`` on, the highest local level holding it ready
-        (``None``: none does)."""
-        tiers = self._tiers
-        return [
-            next((i for i, tier in enumerate(tiers) if key in tier), None) for key in keys[start:]
-        ]
+        """:meth:`lookup`, then the rest of the leading run on the remote level:
+        see :meth:`tierd.chain.lookups.Lookups.find`."""
+        return await self._lookups.find(keys)
 
     def holds(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Per key, whether some local level holds it ready (in flight: False). Unlike
-        :meth:`lookup` it does not stop at a miss; it counts one lookup and its hits."""
-        by_level = self._hits_by_level
-        held = [False] * len(keys)
-        for i, key in enumerate(keys):
-            index = self._holder(key)
-            if index is not None:
-                held[i] = True
-                by_level[index] += 1
-        hits = held.count(True)
-        self._lookups += 1
-        self._hit_blocks += hits
-        self._miss_blocks += len(keys) - hits
-        return held
+        """Per key, whether some local level holds it ready; counted as a lookup."""
+        return self._lookups.holds(keys)
 
     def held_locally(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key, whether some local level holds it ready; a query that counts nothing."""
-        return [self._holder(key) is not None for key in keys]
-
-    def _holder(self, key: BlockKey) -> int | None:
-        """The fastest level that holds ``key`` ready."""
-        return next((i for i, tier in enumerate(self._tiers) if key in tier), None)
+        return self._lookups.held_locally(keys)
 
     async def find_each(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """:meth:`holds`, then, with a remote level, one batched existence check there for
-        the keys no local level holds (faults there are misses, bounded by its deadline)."""
-        held = self.holds(keys)
-        remote = self.remote
-        if remote is None or all(held):
-            return held
-        missing = [i for i, flag in enumerate(held) if not flag]
-        there = await remote.level.present([keys[i] for i in missing])
-        for i, flag in zip(missing, there, strict=True):
-            held[i] = flag
-        found = sum(there)
-        remote.hits += found
-        self._hit_blocks += found
-        self._miss_blocks -= found
-        return held
+        """:meth:`holds`, then one batched existence check on the remote level."""
+        return await self._lookups.find_each(keys)
 
     def touch(self, keys: Sequence[BlockKey], *, uses: bool = True) -> None:
         """Mark ``keys`` used at every level that holds them. A touch is a request's use of
         its keys, held or not: admission rules count one use per key per touch, unless
         ``uses`` is false (an order only: a client telling which of its keys came first)."""
-        if uses and self._tracks_uses:
-            self._count_uses(keys)
+        if uses and self._admissions.tracks_uses:
+            self._admissions.count_uses(keys)
         for level in self.levels:
             level.tier.touch(keys)
 
@@ -195,7 +168,7 @@ class TierChain(ChainLoads):
         after demoting the victims. The caller fills ``handle.slots`` (zero-copy, through
         the store's views) and then calls ``commit`` or ``abort``; until then the keys are
         in flight. Raises :class:`CapacityError` as :meth:`store` does."""
-        reserved = await self._reserve(self.entry, list(dict.fromkeys(keys)))
+        reserved = await self._moves.reserve(self.entry, list(dict.fromkeys(keys)))
         if reserved is None:
             stats = self.levels[self.entry].tier.stats()
             raise CapacityError(
@@ -204,7 +177,7 @@ class TierChain(ChainLoads):
                 tier=stats.name,
                 medium=str(stats.medium),
             )
-        return StoreHandle(self, self.entry, *reserved)
+        return StoreHandle(self._moves, self.entry, *reserved)
 
     async def flush(self) -> FlushResult:
         """Copy every dirty block down, level by level, so that the last level ends up
@@ -218,20 +191,20 @@ class TierChain(ChainLoads):
         for _ in range(len(self.levels)):
             moved = 0
             for index in upper:
-                moved += len(await self._copy_down(index, self._dirty(index)))
+                moved += len(await self._moves.copy_down(index, self._dirty(index)))
             copied += moved
             if not moved:
                 break
         if self.remote is not None:  # the server skips what it holds already
             last = len(self.levels) - 1
-            ready = self._tiers[last].ready_keys()
+            ready = self.levels[last].tier.ready_keys()
             for start in range(0, len(ready), _REMOTE_BATCH):
-                copied += await self._send_remote(
+                copied += await self._moves.send_remote(
                     last, ready[start : start + _REMOTE_BATCH], wait=True
                 )
             await self.remote.level.drain()
             self._publish()
-        dirty = {self._tiers[i].name: n for i in upper if (n := len(self._dirty(i)))}
+        dirty = {self.levels[i].tier.name: n for i in upper if (n := len(self._dirty(i)))}
         failed = {
             level.tier.name: level.io_errors - before
             for level, before in zip(self.levels, errors, strict=True)
@@ -241,10 +214,9 @@ class TierChain(ChainLoads):
 
     def _dirty(self, index: int) -> list[BlockKey]:
         """Ready blocks at ``index`` that the level below neither holds nor is writing."""
-        lower = self._tiers[index + 1]
-        return [
-            k for k in self._tiers[index].ready_keys() if k not in lower and not lower.is_writing(k)
-        ]
+        tiers = self._levels.tiers
+        lower = tiers[index + 1]
+        return [k for k in tiers[index].ready_keys() if k not in lower and not lower.is_writing(k)]
 
     def clear(self, index: int | None = None) -> int:
         """Drop every idle block at one level (or all); returns how many were removed. A
@@ -267,7 +239,7 @@ class TierChain(ChainLoads):
         level is kept whole, at every level: no reader loses a block under it and no key
         is left half removed. It is reported busy, to be asked again. The remote level
         is not asked: its server owns membership (its TTL and eviction)."""
-        tiers = self._tiers
+        tiers = self._levels.tiers
         asked = list(dict.fromkeys(keys))
         busy = [k for k in asked if any(t.state_of(k) in _IN_USE for t in tiers)]
         held = set(busy)
@@ -286,10 +258,11 @@ class TierChain(ChainLoads):
         """Ready blocks per level by the first ``length`` bytes of their keys, kept up to
         date from the chain's events from the first call on (which counts each level
         once; a call with another length starts again)."""
-        if self.census is None or self.census.length != length:
-            self._publish()  # events still buffered are in the count already
-            self.census = PrefixCensus(length, self._tiers)
-        return self.census
+        levels = self._levels
+        if levels.census is None or levels.census.length != length:
+            levels.publish()  # events still buffered are in the count already
+            levels.census = PrefixCensus(length, levels.tiers)
+        return levels.census
 
     def holders(self, key: BlockKey) -> list[tuple[str, str, str, int]]:
         """Where ``key`` is: (tier, medium, state, slot) for every level holding it."""
@@ -303,18 +276,19 @@ class TierChain(ChainLoads):
         return out
 
     def stats(self) -> ChainStats:
+        counts = self._lookups
         by_medium: dict[str, int] = {}
-        for level, hits in zip(self.levels, self._hits_by_level, strict=True):
+        for level, hits in zip(self.levels, counts.hits_by_level, strict=True):
             if hits:
                 by_medium[level.medium] = by_medium.get(level.medium, 0) + hits
         if self.remote is not None and self.remote.hits:
             by_medium[self.remote.level.medium] = self.remote.hits
         return ChainStats(
-            lookups=self._lookups,
-            hit_blocks=self._hit_blocks,
-            miss_blocks=self._miss_blocks,
+            lookups=counts.lookups,
+            hit_blocks=counts.hit_blocks,
+            miss_blocks=counts.miss_blocks,
             hits_by_medium=by_medium,
-            hits_by_level=tuple(self._hits_by_level),
+            hits_by_level=tuple(counts.hits_by_level),
             events_published=self.bus.published,
             events_dropped=self.bus.dropped,
         )
@@ -322,4 +296,4 @@ class TierChain(ChainLoads):
     def check_invariants(self, *, idle: bool = False) -> None:
         """Raise ``AssertionError`` naming the first broken invariant. With ``idle=True``
         (no operation in progress) pins, in-flight writes and pending futures must be 0."""
-        check_levels(self.levels, idle=idle, pending=len(self._pending))
+        check_levels(self.levels, idle=idle, pending=len(self._writes))

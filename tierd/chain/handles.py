@@ -10,75 +10,39 @@
 Both are idempotent to finish, so an owner that cleans up on every exit path (a
 connection that closes, an exception) can always call ``release``/``abort``.
 
-A handle knows its chain only through :class:`HandleOwner`, the five calls it makes back
-(which :class:`~tierd.chain.core.TierChain` provides): this module imports nothing of the
-chain's, so dependencies point one way, from the chain to its handles.
+A handle is given the part of the chain it calls back: a load handle the levels
+(:class:`~tierd.chain.levels.ChainLevels`: the store to read, the pins to release), a
+store handle :class:`~tierd.chain.moves.Movement` (which ends the write, and copies it
+down where the chain writes through). Neither imports this module: dependencies point one
+way, from the chain to its handles.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Protocol
 
+from tierd.chain.levels import ChainLevels
+from tierd.chain.moves import Movement
 from tierd.keys import BlockKey, Medium
 from tierd.stores import BlockStore, Buffer
 from tierd.tier import StorePlan
 
-__all__ = ["HandleOwner", "LoadHandle", "StoreHandle"]
-
-
-class HandleOwner(Protocol):
-    """What a handle asks of the chain that made it."""
-
-    def store_at(self, level: int) -> BlockStore:
-        """The store of level ``level``."""
-        ...
-
-    def medium_at(self, level: int) -> Medium:
-        """The medium of level ``level`` (one past the last: the remote level's)."""
-        ...
-
-    def release_pins(self, level: int, keys: list[BlockKey]) -> None:
-        """Unpin ``keys`` at ``level``."""
-        ...
-
-    def end_store(
-        self,
-        level: int,
-        keys: Sequence[BlockKey],
-        ok: Sequence[bool],
-        futures: list[asyncio.Future[bool]],
-        *,
-        io_failed: bool = True,
-    ) -> list[BlockKey]:
-        """Complete a write: the ``ok`` blocks become ready, the rest are dropped."""
-        ...
-
-    async def commit_store(
-        self,
-        level: int,
-        keys: Sequence[BlockKey],
-        ok: Sequence[bool],
-        futures: list[asyncio.Future[bool]],
-    ) -> list[BlockKey]:
-        """:meth:`end_store` for a client's write, then copy it down where the chain
-        writes through."""
-        ...
+__all__ = ["LoadHandle", "StoreHandle"]
 
 
 class _SlotHandle:
     """``keys[i]`` lives in ``slots[i]`` of one level's store."""
 
-    def __init__(self, chain: HandleOwner, level: int, keys: list[BlockKey], slots: list[int]):
-        self._chain = chain
+    def __init__(self, levels: ChainLevels, level: int, keys: list[BlockKey], slots: list[int]):
+        self._levels = levels
         self.level = level
         self.keys = keys
         self.slots = slots
 
     @property
     def store(self) -> BlockStore:
-        return self._chain.store_at(self.level)
+        return self._levels.store_at(self.level)
 
     def views(self) -> list[Buffer]:
         """Zero-copy views of the slots, co-indexed with ``keys``."""
@@ -92,13 +56,13 @@ class LoadHandle(_SlotHandle):
 
     def __init__(
         self,
-        chain: HandleOwner,
+        levels: ChainLevels,
         level: int,
         keys: list[BlockKey],
         slots: list[int],
         source: int | None = None,
     ):
-        super().__init__(chain, level, keys, slots)
+        super().__init__(levels, level, keys, slots)
         self.source = level if source is None else source
         self.released = False
 
@@ -106,7 +70,7 @@ class LoadHandle(_SlotHandle):
     def source_medium(self) -> Medium:
         """The medium of :attr:`source`: what the load's latency depended on (a source
         past the last level is the chain's remote level)."""
-        return self._chain.medium_at(self.source)
+        return self._levels.medium_at(self.source)
 
     async def read_into(self, out: Sequence[Buffer]) -> list[bool]:
         """Copy the pinned blocks into caller buffers (for stores without views)."""
@@ -116,7 +80,7 @@ class LoadHandle(_SlotHandle):
         """Unpin the blocks; releasing twice is a no-op."""
         if not self.released:
             self.released = True
-            self._chain.release_pins(self.level, self.keys)
+            self._levels.unpin(self.level, self.keys)
 
     async def __aenter__(self) -> LoadHandle:
         return self
@@ -135,12 +99,13 @@ class StoreHandle(_SlotHandle):
 
     def __init__(
         self,
-        chain: HandleOwner,
+        moves: Movement,
         level: int,
         plan: StorePlan,
         futures: list[asyncio.Future[bool]],
     ) -> None:
-        super().__init__(chain, level, list(plan.keys), list(plan.slots))
+        super().__init__(moves.levels, level, list(plan.keys), list(plan.slots))
+        self._moves = moves
         self._futures = futures
         self.finished = False
 
@@ -152,19 +117,15 @@ class StoreHandle(_SlotHandle):
         self.finished = True
         flags = [ok] * len(self.keys) if isinstance(ok, bool) else list(ok)
         if len(flags) != len(self.keys):
-            self._chain.end_store(
-                self.level, self.keys, [False] * len(self.keys), self._futures, io_failed=False
-            )
+            self._moves.abort_store(self.level, self.keys, self._futures)
             raise ValueError(f"commit needs {len(self.keys)} flags, got {len(flags)}")
-        return await self._chain.commit_store(self.level, self.keys, flags, self._futures)
+        return await self._moves.commit_store(self.level, self.keys, flags, self._futures)
 
     def abort(self) -> None:
         """Drop the reserved blocks and free their slots; a no-op once finished."""
         if not self.finished:
             self.finished = True
-            self._chain.end_store(
-                self.level, self.keys, [False] * len(self.keys), self._futures, io_failed=False
-            )
+            self._moves.abort_store(self.level, self.keys, self._futures)
 
     async def __aenter__(self) -> StoreHandle:
         return self

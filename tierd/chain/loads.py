@@ -5,6 +5,10 @@ already, the ones it copies up from the nearest level below that holds them (the
 copy stays, so a promoted block is clean), and past the local levels the ones the remote
 level holds intact. Two callers promoting the same block share one read; a block another
 caller is still writing is waited for, until a deadline.
+
+:class:`Loading` owns no state of its own: it is given the levels (where it pins), the
+transfer engine, the writes in flight (which it waits for) and :class:`Movement` (every
+promotion is a write into the target level, which may evict and demote there).
 """
 
 from __future__ import annotations
@@ -15,19 +19,34 @@ from contextlib import asynccontextmanager
 from itertools import filterfalse, takewhile
 
 from tierd.chain.handles import LoadHandle
-from tierd.chain.moves import ChainMoves
+from tierd.chain.levels import ChainLevels
+from tierd.chain.moves import Movement
+from tierd.chain.pending import PendingWrites
 from tierd.errors import BlockMissing
 from tierd.keys import BlockKey, Medium
 from tierd.stores import BlockStore
 from tierd.tier import StorePlan, Tier
+from tierd.transfer import TransferEngine
 
-__all__ = ["LOAD_PIECE", "ChainLoads"]
+__all__ = ["LOAD_PIECE", "Loading"]
 
 LOAD_PIECE = 512  # keys a load handles per turn of the event loop
 
 
-class ChainLoads(ChainMoves):
+class Loading:
     """Loads: promotion and pinning at the target level."""
+
+    def __init__(
+        self,
+        levels: ChainLevels,
+        transfer: TransferEngine,
+        writes: PendingWrites,
+        moves: Movement,
+    ) -> None:
+        self._levels = levels
+        self._transfer = transfer
+        self._writes = writes
+        self._moves = moves
 
     @asynccontextmanager
     async def loading(
@@ -54,23 +73,23 @@ class ChainLoads(ChainMoves):
         ``wait_s`` seconds from the call (``None``: until that store ends); past that the
         load stops before it. Raises :class:`BlockMissing` if not even the first key can
         be loaded."""
-        target = self.entry if into is None else self.level_of(into)
-        # A load cannot hold more than the level.
-        wanted = list(dict.fromkeys(keys))[: self.levels[target].tier.num_blocks]
+        levels = self._levels
+        target = levels.entry if into is None else levels.level_of(into)
+        tier = levels.tiers[target]
+        wanted = list(dict.fromkeys(keys))[: tier.num_blocks]  # no more than the level holds
         pinned: set[BlockKey] = set()
         deadline = None if wait_s is None else asyncio.get_running_loop().time() + wait_s
         try:
             deepest = await self._gather_pieces(target, wanted, pinned, deadline)
         except BaseException:
-            self._unpin(target, list(pinned))
+            levels.unpin(target, list(pinned))
             raise
         finally:
-            self._publish()
+            levels.publish()
         prefix = wanted[: _leading_run(wanted, pinned)]
         if len(prefix) != len(pinned):  # pinned past the first gap: not part of the load
             leading = set(prefix)
-            self._unpin(target, [k for k in pinned if k not in leading])
-        tier = self.levels[target].tier
+            levels.unpin(target, [k for k in pinned if k not in leading])
         if not prefix and wanted:
             raise BlockMissing(
                 "no leading block can be loaded",
@@ -79,7 +98,7 @@ class ChainLoads(ChainMoves):
                 key=wanted[0],
             )
         slots = [tier.slot_of(k) for k in prefix]
-        return LoadHandle(self, target, prefix, [s for s in slots if s is not None], deepest)
+        return LoadHandle(levels, target, prefix, [s for s in slots if s is not None], deepest)
 
     async def _gather_pieces(
         self, target: int, keys: list[BlockKey], pinned: set[BlockKey], deadline: float | None
@@ -105,33 +124,34 @@ class ChainLoads(ChainMoves):
         is there (so nothing evicts it meanwhile); a key in flight is waited for until
         ``deadline`` (loop time), then the run stops before it. Returns the slowest level
         read from."""
-        tier = self.levels[target].tier
+        levels = self._levels
+        tier = levels.tiers[target]
         keys, run, sources, remote = self._plan(target, keys)
         # Pinning keys past that point would only take room the promotions need.
-        self._pin(target, keys[:run] + [k for k in keys[run:] if k in tier], pinned)
+        levels.pin(target, keys[:run] + [k for k in keys[run:] if k in tier], pinned)
         # Hold every source until its turn, so that promoting one group (which may evict
         # and demote at the levels below) cannot push another group's source away.
         waiting = dict(sources)
         for source, group in waiting.items():
-            self.levels[source].tier.prepare_load(group)
+            levels.tiers[source].prepare_load(group)
         try:
             for source, group in sources.items():
                 del waiting[source]
-                self._unpin(source, group)  # _promote pins them again before it awaits
+                levels.unpin(source, group)  # _promote pins them again before it awaits
                 await self._promote(source, target, group, pinned)
         finally:
             for source, group in waiting.items():
-                self._unpin(source, group)
+                levels.unpin(source, group)
         if remote:
             await self._promote_remote(target, remote, pinned)
         for key in filterfalse(pinned.__contains__, keys):  # the pinned ones at C speed
-            future = self._pending.get((target, key))
+            future = self._writes.future_of(target, key)
             if future is not None and not await _wait(future, deadline):
                 break  # another client is still writing it: the prefix ends here
             if key not in pinned and key in tier:
-                self._pin(target, [key], pinned)
+                levels.pin(target, [key], pinned)
         if remote and any(k in pinned for k in remote):
-            return len(self.levels)  # read from the remote level, the slowest
+            return len(levels.levels)  # read from the remote level, the slowest
         return max(sources, default=target)  # levels go fastest first
 
     def _plan(
@@ -141,17 +161,19 @@ class ChainLoads(ChainMoves):
         flight), how many lead them ready at ``target`` (counted at C speed: the common
         case), the rest by the level nearest ``target`` that holds them, and those only
         the remote level may hold."""
-        tier = self.levels[target].tier
+        tiers, in_flight = self._levels.tiers, self._writes.in_flight
+        tier = tiers[target]
         run = tier.ready_run(keys)
         reachable = keys[:run]
         sources: dict[int, list[BlockKey]] = {}
         remote: list[BlockKey] = []  # held by no local level: asked of the remote one
         nearest = self._nearest(target)  # once, not once per key
+        no_remote = self._levels.remote is None
         for key in keys[run:]:
-            if key not in tier and (target, key) not in self._pending:
+            if key not in tier and not in_flight(target, key):
                 source = self._source_of(key, nearest)
                 if source is None:
-                    if self.remote is None or any(t.is_writing(key) for t in self._tiers):
+                    if no_remote or any(t.is_writing(key) for t in tiers):
                         break  # nothing beyond the first absent key can be in the prefix
                     remote.append(key)
                 else:
@@ -161,8 +183,9 @@ class ChainLoads(ChainMoves):
 
     def _nearest(self, target: int) -> list[tuple[int, Tier]]:
         """The other levels, nearest to ``target`` first (the upper one of two as near)."""
-        order = sorted(range(len(self.levels)), key=lambda i: (abs(i - target), i))
-        return [(i, self._tiers[i]) for i in order if i != target]
+        tiers = self._levels.tiers
+        order = sorted(range(len(tiers)), key=lambda i: (abs(i - target), i))
+        return [(i, tiers[i]) for i in order if i != target]
 
     @staticmethod
     def _source_of(key: BlockKey, nearest: list[tuple[int, Tier]]) -> int | None:
@@ -173,7 +196,8 @@ class ChainLoads(ChainMoves):
         self, source: int, target: int, keys: list[BlockKey], pinned: set[BlockKey]
     ) -> None:
         """Copy ready blocks from ``source`` into ``target``; the source copy stays."""
-        upper, lower = self.levels[target], self.levels[source]
+        levels = self._levels
+        upper, lower = levels.levels[target], levels.levels[source]
         keys = [k for k in keys if k in lower.tier]
         if not keys:
             return
@@ -182,16 +206,16 @@ class ChainLoads(ChainMoves):
 
         async def fill(store: BlockStore, plan: StorePlan) -> list[bool]:
             src = [slots[k] for k in plan.keys]
-            ok = await self.transfer.copy(lower.store, src, store, plan.slots, plan.keys)
+            ok = await self._transfer.copy(lower.store, src, store, plan.slots, plan.keys)
             failed.extend(k for k, flag in zip(plan.keys, ok, strict=True) if not flag)
             return ok
 
         try:
-            moved = await self._store_into(target, keys, fill)
+            moved = await self._moves.store_into(target, keys, fill)
             upper.promotions += len(moved)
-            self._pin(target, moved, pinned)
+            levels.pin(target, moved, pinned)
         finally:
-            self._unpin(source, keys)
+            levels.unpin(source, keys)
         if failed and lower.medium not in (Medium.MEMORY, Medium.CPU):
             # A block that cannot be read is useless below too (bad checksum, bad sector).
             # Host memory cannot fail a read: there the destination's write failed (it
@@ -205,7 +229,7 @@ class ChainLoads(ChainMoves):
         """Fetch the leading ``keys`` the remote level holds intact (verified into private
         buffers first) and store them into ``target``, pinned there (nothing without a
         remote level)."""
-        remote = self.remote
+        remote = self._levels.remote
         payloads = await remote.level.get(keys) if remote is not None else []
         if remote is None or not payloads:
             return
@@ -214,10 +238,10 @@ class ChainLoads(ChainMoves):
         async def fill(store: BlockStore, plan: StorePlan) -> list[bool]:
             return await store.write(plan.slots, plan.keys, [fetched[k] for k in plan.keys])
 
-        moved = await self._store_into(target, list(fetched), fill)
+        moved = await self._moves.store_into(target, list(fetched), fill)
         remote.promotions += len(moved)
-        self.levels[target].promotions += len(moved)
-        self._pin(target, moved, pinned)
+        self._levels.levels[target].promotions += len(moved)
+        self._levels.pin(target, moved, pinned)
 
 
 def _leading_run(keys: list[BlockKey], pinned: set[BlockKey]) -> int:
