@@ -11,7 +11,9 @@ Its operations mirror vLLM's ``OffloadingManager``:
 
 Block states: *writing* (slot allocated, not readable, not evictable), *ready*
 (evictable), *pinned* (ready, ``ref > 0``, not evictable). The tier owns the slot index;
-the policy orders the ready keys and chooses victims.
+the policy orders the ready keys and chooses victims. Which slots are free, in what order
+they are given out, and what a restart brings back (kept blocks not adopted yet) is
+:mod:`tierd.tier_slots`'s.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tierd.errors import (
 from tierd.events import EventKind, TierEvent
 from tierd.keys import BlockKey, Medium
 from tierd.policy import CachePolicy, make_policy
+from tierd.tier_slots import FreeSlots, KeptBlocks, one_slot_per_key, reserved, restored
 
 __all__ = ["StorePlan", "Tier", "TierStats", "one_slot_per_key"]
 
@@ -87,19 +90,13 @@ class Tier:
         self._slots: dict[BlockKey, int] = {}  # every present block, whatever its state
         self._writing: set[BlockKey] = set()
         self._pins: dict[BlockKey, int] = {}  # ready blocks with ref > 0
-        self._next_unused = 0
-        self._freed: list[int] = []  # a stack: the last freed slot is reused first
+        self._free = FreeSlots(num_blocks)  # which slots a store may be given
         self._events: list[TierEvent] = []
         self.hits = 0
         self.misses = 0
         self.stores = 0
         self.evictions = 0
-        # Blocks a persistent store kept across a restart, not adopted yet (see
-        # :meth:`reserve`): key -> reserved slot, and how the store forgets a slot.
-        self._kept: dict[BlockKey, int] = {}
-        self._order: Sequence[tuple[BlockKey, int]] = ()  # adoption order; dropped ones stay
-        self._next = 0  # the position in ``_order`` adoption has reached
-        self._forget: Callable[[list[int]], None] = _forget_nothing
+        self._kept = KeptBlocks()  # kept across a restart, not adopted yet (:meth:`reserve`)
 
     # -- queries ---------------------------------------------------------------------
 
@@ -113,7 +110,7 @@ class Tier:
     @property
     def adopting(self) -> int:
         """Reserved slots of kept blocks not adopted yet (see :meth:`reserve`)."""
-        return len(self._kept)
+        return len(self._kept.slots)
 
     @property
     def free(self) -> int:
@@ -161,8 +158,8 @@ class Tier:
         walking them reaches those too; a key stored again since the restart is listed
         twice), copied at C speed (about 15 ns a key): a snapshot that a pass can walk in
         slices, yielding between them, while the tier changes."""
-        if self._kept:
-            return [*self._slots, *self._kept]
+        if self._kept.slots:
+            return [*self._slots, *self._kept.slots]
         return list(self._slots)
 
     def writing_keys(self) -> list[BlockKey]:
@@ -174,9 +171,9 @@ class Tier:
         adopted yet (so that deleting a prefix reaches them too)."""
         size = len(prefix)
         found = [key for key in self._slots if key[:size] == prefix]
-        if self._kept:
+        if self._kept.slots:
             slots = self._slots
-            found += [k for k in self._kept if k[:size] == prefix and k not in slots]
+            found += [k for k in self._kept.slots if k[:size] == prefix and k not in slots]
         return found
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
@@ -266,10 +263,10 @@ class Tier:
                 return None
             evicted = tuple(victims)
             evicted_slots = tuple(map(slots.pop, victims))
-            self._freed.extend(evicted_slots)
+            self._free.release(evicted_slots)
             self.evictions += len(evicted)
             self._events.append(TierEvent(_REMOVED, evicted, self.medium, self.name))
-        new_slots = self._allocate(len(todo))
+        new_slots = self._free.allocate(len(todo))
         slots.update(zip(todo, new_slots, strict=True))
         return StorePlan(tuple(todo), new_slots, evicted, evicted_slots)
 
@@ -301,7 +298,7 @@ class Tier:
             self.stores += len(done)
             self._events.append(TierEvent(_STORED, tuple(done), self.medium, self.name))
         else:
-            self._freed.extend(map(self._slots.pop, done))
+            self._free.release(map(self._slots.pop, done))
 
     def discard(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """Remove ready, unpinned blocks (a ``REMOVED`` event); absent keys are skipped.
@@ -313,12 +310,12 @@ class Tier:
                 raise self._error(BlockBusy, "cannot discard a block in use", key)
         asked = dict.fromkeys(keys)
         gone = [key for key in asked if key in self._slots]
+        self._free.release(map(self._slots.pop, gone))
         for key in gone:
-            self._freed.append(self._slots.pop(key))
             self.policy.remove(key)
         if gone:
             self._events.append(TierEvent(EventKind.REMOVED, tuple(gone), self.medium, self.name))
-        if self._kept:  # no event: nothing announced a kept block since the restart
+        if self._kept.slots:  # no event: nothing announced a kept block since the restart
             held = set(gone)
             gone += [key for key in self._drop_kept(asked) if key not in held]
         return gone
@@ -326,7 +323,7 @@ class Tier:
     def clear(self) -> list[BlockKey]:
         """Discard every ready, unpinned block, and every kept block not adopted yet (no
         event for those, as for :meth:`discard`); returns the keys removed."""
-        kept = [k for k in self._drop_kept(list(self._kept)) if k not in self._slots]
+        kept = [k for k in self._drop_kept(list(self._kept.slots)) if k not in self._slots]
         idle = [k for k in self._slots if k not in self._pins and k not in self._writing]
         return self.discard(idle) + kept
 
@@ -335,99 +332,44 @@ class Tier:
 
         Only an empty tier can restore; no event is emitted (the blocks were announced
         before the restart). A slot out of range or given twice, or a key given twice,
-        raises ``ValueError`` and nothing changes."""
-        if self._slots or self._next_unused:
+        raises ``ValueError`` and nothing changes (:func:`~tierd.tier_slots.restored`)."""
+        if self._slots or not self._free.untouched:
             raise ValueError(f"tier {self.name} is not empty; restore needs a fresh tier")
-        # Millions of blocks come back at a restart: every check and copy here runs at C
-        # speed (dict, set, min/max, numpy), never one Python step per slot.
-        adopted = dict(entries)
-        slots = list(adopted.values())
-        if len(adopted) != len(entries) or len(set(slots)) != len(slots):
-            raise ValueError("restore entries repeat a key or a slot")
-        if slots and (min(slots) < 0 or max(slots) >= self.num_blocks):
-            raise ValueError(f"restore slot out of range 0..{self.num_blocks - 1}")
+        adopted, free = restored(entries, self.num_blocks)
+        self._free.rebuild(free)
         self._slots.update(adopted)
         self.policy.insert(list(adopted))
-        import numpy as np  # restarts only: a client command importing tierd never needs it
-
-        free = np.ones(self.num_blocks, dtype=bool)
-        free[np.fromiter(slots, dtype=np.int64, count=len(slots))] = False
-        # Every slot counts as used once: free ones come back lowest first.
-        self._freed = np.flatnonzero(free)[::-1].tolist()
-        self._next_unused = self.num_blocks
 
     def reserve(
         self, kept: Sequence[tuple[BlockKey, int]], forget: Callable[[list[int]], None]
     ) -> None:
         """Keep the slots of ``kept`` (key, slot) off the free list: blocks a persistent
-        store kept across a restart, to be adopted later (:meth:`adopt`) while the tier
-        already serves. Until then they are misses, never evicted, and no store is given
-        their slots. A kept block discarded or cleared before it is adopted is gone for
-        good: its slot is freed and ``forget`` (the store's invalidate) is called with it,
-        so that it does not come back after a restart either; so is every copy but one of
-        a key given twice (see :func:`one_slot_per_key`). Only an empty tier can
-        reserve; a slot out of range or given twice raises ``ValueError``."""
-        if self._slots or self._next_unused:
+        store kept across a restart, adopted later (:meth:`adopt`) while the tier already
+        serves (:class:`~tierd.tier_slots.KeptBlocks`); ``forget`` is the store's
+        invalidate. Only an empty tier can reserve; a slot out of range or given twice
+        raises ``ValueError``."""
+        if self._slots or not self._free.untouched:
             raise ValueError(f"tier {self.name} is not empty; reserve needs a fresh tier")
-        import numpy as np  # restarts only, as restore
-
-        taken = np.fromiter(map(itemgetter(1), kept), dtype=np.int64, count=len(kept))
-        if taken.size and (taken.min() < 0 or taken.max() >= self.num_blocks):
-            raise ValueError(f"reserved slot out of range 0..{self.num_blocks - 1}")
-        free = np.ones(self.num_blocks, dtype=bool)
-        free[taken] = False
-        if self.num_blocks - int(np.count_nonzero(free)) != taken.size:
-            raise ValueError("reserved slots repeat")
-        self._freed = np.flatnonzero(free)[::-1].tolist()  # lowest first, as restore
-        self._next_unused = self.num_blocks
-        self._kept, older = one_slot_per_key(kept)
-        self._forget, self._order, self._next = forget, kept, 0
-        if older:  # other copies of a key: free their slots now
-            self._freed.extend(older)
-            forget(older)
+        self._free.rebuild(reserved(kept, self.num_blocks))
+        self._free.release(self._kept.keep(kept, forget))  # other copies of a key: free now
 
     def adopt(self, count: int) -> int:
         """Make up to ``count`` kept blocks ready (no event: they were announced before
-        the restart); returns how many it took. At most ``count`` positions of the
-        adoption order are visited, those of blocks dropped meanwhile included, so one
-        call is bounded however many a delete dropped. A key stored again since the restart
-        keeps its new block: the kept copy's slot is freed and forgotten by the store."""
-        kept, slots, order = self._kept, self._slots, self._order
-        taken: dict[BlockKey, int] = {}
-        stale: list[int] = []
-        pos, end = self._next, len(order)
-        stop = min(end, pos + count)  # positions visited, dropped ones included: bounded
-        while pos < stop:
-            key, slot = order[pos]
-            pos += 1
-            if kept.get(key) != slot:
-                continue  # dropped meanwhile (or an older copy, dropped at once)
-            del kept[key]
-            if key in slots:
-                stale.append(slot)
-            else:
-                taken[key] = slot
-        self._next = pos
-        if not kept:
-            self._order, self._next = (), 0
+        the restart); returns how many it took. One call is bounded, however many a
+        delete dropped; a key stored again since keeps its new block
+        (:meth:`~tierd.tier_slots.KeptBlocks.take`)."""
+        slots = self._slots
+        taken, stale = self._kept.take(count, slots)
         slots.update(taken)
         self.policy.insert(list(taken))
-        if stale:
-            self._freed.extend(stale)
-            self._forget(stale)
+        self._free.release(stale)
         return len(taken)
 
     def _drop_kept(self, keys: Collection[BlockKey]) -> list[BlockKey]:
         """Drop the kept blocks of ``keys`` before they are adopted: their slots are
         freed, and forgotten by the store. Returns the keys dropped."""
-        kept = self._kept
-        dropped = [key for key in keys if key in kept]
-        if dropped:
-            slots = [kept.pop(key) for key in dropped]
-            self._freed.extend(slots)
-            self._forget(slots)
-        if not kept:  # nothing left to adopt: the order's tuples go too
-            self._order, self._next = (), 0
+        dropped, slots = self._kept.drop(keys)
+        self._free.release(slots)
         return dropped
 
     # -- events and stats ------------------------------------------------------------
@@ -453,50 +395,5 @@ class Tier:
             adopting=self.adopting,
         )
 
-    # -- internals -------------------------------------------------------------------
-
-    def _allocate(self, n: int) -> tuple[int, ...]:
-        # Never-used slots first, in increasing order; then freed ones, last freed first.
-        start = self._next_unused
-        if start == self.num_blocks and n > 0:  # the steady state: every slot used once
-            freed = self._freed
-            recycled = freed[-n:]
-            del freed[-n:]
-            recycled.reverse()
-            return tuple(recycled)
-        fresh = min(n, self.num_blocks - start)
-        self._next_unused = start + fresh
-        reuse = n - fresh
-        if not reuse:
-            return tuple(range(start, start + fresh))
-        freed = self._freed
-        recycled = freed[-reuse:]
-        del freed[-reuse:]
-        recycled.reverse()
-        return (*range(start, start + fresh), *recycled)
-
     def _error(self, kind: type[BlockStateError], message: str, key: BlockKey) -> BlockStateError:
         return kind(message, tier=self.name, medium=str(self.medium), key=key)
-
-
-def _forget_nothing(slots: list[int]) -> None:
-    """The default of :meth:`Tier.reserve`'s ``forget``, before anything is kept."""
-
-
-def one_slot_per_key(
-    entries: Sequence[tuple[BlockKey, int]],
-) -> tuple[dict[BlockKey, int], list[int]]:
-    """``entries`` (key, slot) as key -> slot, one slot per key, and the slots of the
-    other copies of a key given twice (a crash between a store and the invalidation of
-    an older copy): the lowest slot is kept, whatever the order given. The one rule for a
-    restart, whether the blocks are restored at once or reserved for adoption."""
-    chosen = dict(entries)
-    if len(chosen) == len(entries):  # the common case, at C speed
-        return chosen, []
-    chosen, others = {}, []
-    for key, slot in sorted(entries, key=itemgetter(1)):
-        if key in chosen:
-            others.append(slot)
-        else:
-            chosen[key] = slot
-    return chosen, others
