@@ -16,9 +16,6 @@ blocks up.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import io
 import random
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -28,26 +25,13 @@ from typing import Any
 import pytest
 from redis_kit import RedisServer, redis_server
 
+from tests.remote_daemon_kit import BLOCK, block, cli, connect, names
 from tests.test_daemon_lifecycle import DaemonProcess, Spawn, spawn
-from tierd.cli import main
-from tierd.client import Client
-from tierd.keys import BlockKey
 from tierd.remote.calls import RemoteSettings
 from tierd.remote.redis_level import RedisLevel
 from tierd.testing import daemon_config
 
 __all__ = ["spawn"]  # the fixture, re-exported for pytest
-
-BLOCK = 16 << 10
-NAMESPACE = "model-x"
-
-
-def block(key: bytes) -> bytes:
-    return random.Random(key).randbytes(BLOCK)
-
-
-def names(prefix: str, count: int) -> list[BlockKey]:
-    return [BlockKey(f"{prefix}-{i}".encode()) for i in range(count)]
 
 
 def node_config(home: Path, remote_url: str) -> dict[str, Any]:
@@ -58,10 +42,6 @@ def node_config(home: Path, remote_url: str) -> dict[str, Any]:
     config["remote"] = {"url": remote_url, "deadline": "2s"}
     config["logging"] = {"level": "warning"}
     return config
-
-
-async def connect(daemon: DaemonProcess, namespace: str = NAMESPACE) -> Client:
-    return await Client.connect(daemon.socket_path, namespace=namespace, block_bytes=BLOCK)
 
 
 @pytest.fixture
@@ -82,18 +62,6 @@ async def two_daemons(
     finally:
         statuses = [await a.stop(), await b.stop()]
     assert statuses == [0, 0], [a.stderr(), b.stderr()]
-
-
-async def cli(*argv: str) -> tuple[int, str]:
-    """``tierd ARGV`` run in a worker thread (it runs its own event loop): (status, stdout)."""
-    out = io.StringIO()
-
-    def run() -> int:
-        with contextlib.redirect_stdout(out):
-            return main(list(argv))
-
-    status = await asyncio.to_thread(run)
-    return status, out.getvalue()
 
 
 async def test_a_block_stored_through_one_daemon_loads_byte_exact_through_another(

@@ -16,9 +16,6 @@ stopped (by PID) with the ``spawn`` fixture of the lifecycle tests; the server i
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
-import random
 import secrets
 import shutil
 from pathlib import Path
@@ -28,24 +25,12 @@ import obstore
 import pytest
 from s3_kit import SeaweedServer, seaweed_fixture
 
+from tests.remote_daemon_kit import BLOCK, block, cli, connect, names
 from tests.test_daemon_lifecycle import DaemonProcess, Spawn, child_env, spawn
-from tierd.cli import main
-from tierd.client import Client
 from tierd.keys import BlockKey
 from tierd.testing import daemon_config
 
 __all__ = ["seaweed_fixture", "spawn"]  # the fixtures, re-exported for pytest
-
-BLOCK = 16 << 10
-NAMESPACE = "model-x"
-
-
-def block(key: bytes) -> bytes:
-    return random.Random(key).randbytes(BLOCK)
-
-
-def names(prefix: str, count: int) -> list[BlockKey]:
-    return [BlockKey(f"{prefix}-{i}".encode()) for i in range(count)]
 
 
 def s3_section(server: SeaweedServer, prefix: str, **extra: Any) -> dict[str, Any]:
@@ -99,10 +84,6 @@ def site(seaweed: SeaweedServer, tmp_path: Path) -> Site:
     return Site(seaweed, tmp_path)
 
 
-async def connect(daemon: DaemonProcess) -> Client:
-    return await Client.connect(daemon.socket_path, namespace=NAMESPACE, block_bytes=BLOCK)
-
-
 async def stopped(*daemons: DaemonProcess) -> None:
     statuses = [await daemon.stop() for daemon in daemons]
     assert statuses == [0] * len(daemons), [d.stderr() for d in daemons]
@@ -116,18 +97,6 @@ async def store_and_flush(daemon: DaemonProcess, keys: list[BlockKey]) -> dict[s
         assert flushed.dirty == 0, flushed
         remote: dict[str, Any] = (await client.stats())["remote"]
     return remote
-
-
-async def cli(*argv: str) -> tuple[int, str]:
-    """``tierd ARGV`` run in a worker thread (it runs its own event loop): (status, stdout)."""
-    out = io.StringIO()
-
-    def run() -> int:
-        with contextlib.redirect_stdout(out):
-            return main(list(argv))
-
-    status = await asyncio.to_thread(run)
-    return status, out.getvalue()
 
 
 async def test_blocks_flushed_through_one_daemon_load_byte_exact_through_another(
