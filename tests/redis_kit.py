@@ -8,7 +8,6 @@ it cannot (no root, no apt), :func:`require_redis` skips with the reason.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
 import socket
@@ -19,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from port_kit import free_port_pairs, running
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
@@ -30,15 +30,6 @@ def require_redis() -> str:
     return REDIS_SERVER
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def free_port(*, cluster: bool = False) -> int:
     """A free loopback port; for a cluster node, one whose bus port (+10000) is free too
     (redis refuses a cluster port above 55535)."""
@@ -46,12 +37,7 @@ def free_port(*, cluster: bool = False) -> int:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             return int(sock.getsockname()[1])
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 55535)
-        if _bindable(port) and _bindable(port + 10000):
-            return port
-    raise RuntimeError("no free port pair for a cluster node")
+    return free_port_pairs(1, offset=10000, below=55535)[0]
 
 
 class RedisServer:
@@ -139,11 +125,8 @@ class RedisServer:
 
 @contextmanager
 def redis_server(workdir: Path, *args: str) -> Iterator[RedisServer]:
-    server = RedisServer(workdir, *args).start()
-    try:
+    with running(RedisServer(workdir, *args)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @contextmanager

@@ -13,11 +13,9 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
+from port_kit import free_port_pairs, running
 from s3_fault_proxy import S3FaultProxy
 
 __all__ = [
@@ -62,29 +61,6 @@ def require_weed() -> str:
     return WEED
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def _free_pairs(count: int) -> list[int]:
-    """``count`` distinct loopback ports, each with its port + 10000 free too."""
-    rng = random.Random()
-    chosen: list[int] = []
-    for _ in range(400):
-        port = rng.randrange(20000, 55535 - GRPC_OFFSET)
-        clash = {port, port + GRPC_OFFSET} & {p + d for p in chosen for d in (0, GRPC_OFFSET)}
-        if not clash and _bindable(port) and _bindable(port + GRPC_OFFSET):
-            chosen.append(port)
-            if len(chosen) == count:
-                return chosen
-    raise RuntimeError(f"no {count} free loopback port pairs for seaweedfs")
-
-
 @dataclass(frozen=True, slots=True)
 class SeaweedPorts:
     """The HTTP port of each component; each one's gRPC port is HTTP + 10000."""
@@ -97,7 +73,7 @@ class SeaweedPorts:
 
     @classmethod
     def pick(cls) -> SeaweedPorts:
-        return cls(*_free_pairs(5))
+        return cls(*free_port_pairs(5, offset=GRPC_OFFSET, below=55535 - GRPC_OFFSET))
 
     def all(self) -> list[int]:
         http_ports = [self.master, self.volume, self.filer, self.s3, self.admin]
@@ -323,11 +299,8 @@ class SeaweedServer:
 
 @contextmanager
 def seaweed_server(workdir: Path, **options: Any) -> Iterator[SeaweedServer]:
-    server = SeaweedServer(workdir, **options).start()
-    try:
+    with running(SeaweedServer(workdir, **options)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(name="seaweed", scope="module")
