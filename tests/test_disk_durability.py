@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 
 import tierd
-from tests.disk_crash_child import content
+from tests.disk_crash_child import content, kill_after_acks
 from tierd.config import ChainConfig, load_config
 from tierd.errors import ConfigError
 from tierd.keys import int_key
@@ -61,24 +60,8 @@ async def _child(config: dict[str, Any]) -> None:
 
 
 async def _run_until_killed(config: dict[str, Any], acks: int) -> list[int]:
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, str(THIS), json.dumps(config),
-        stdout=asyncio.subprocess.PIPE, cwd=str(THIS.parent.parent),
-    )  # fmt: skip
-    acked: list[int] = []
-    try:
-        assert child.stdout is not None
-        async with asyncio.timeout(120):
-            while len(acked) < acks and (line := await child.stdout.readline()):
-                if line.startswith(b"ack "):
-                    acked.append(int(line.split()[1]))
-        child.send_signal(signal.SIGKILL)
-    finally:
-        if child.returncode is None:
-            child.kill()
-        await child.wait()
-    assert len(acked) >= acks, "the child died before it acknowledged enough blocks"
-    return acked
+    argv = [sys.executable, str(THIS), json.dumps(config)]
+    return await kill_after_acks(argv, THIS.parent.parent, acks)
 
 
 async def _read_back(config: dict[str, Any], ids: Sequence[int]) -> dict[int, bool]:

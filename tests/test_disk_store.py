@@ -11,7 +11,6 @@ import asyncio
 import errno
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -23,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.disk_crash_child import content
+from tests.disk_crash_child import content, kill_after_acks
 from tierd.errors import SlabInUse, SlotError, StoreClosed, StoreIOError
 from tierd.keys import int_key
 from tierd.stores.base import BlockStore
@@ -223,23 +222,8 @@ async def run_child_until_killed(
     dirs: list[Path], num_blocks: int, fsync: str, acks: int
 ) -> list[int]:
     """Start the writer child, SIGKILL it once it acknowledged ``acks`` blocks; the acks."""
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, str(CHILD), ",".join(map(str, dirs)), str(num_blocks), str(BB), fsync,
-        stdout=asyncio.subprocess.PIPE, cwd=str(CHILD.parent.parent),
-    )  # fmt: skip
-    acked: list[int] = []
-    try:
-        assert child.stdout is not None
-        while len(acked) < acks and (line := await child.stdout.readline()):
-            if line.startswith(b"ack "):
-                acked.append(int(line.split()[1]))
-        child.send_signal(signal.SIGKILL)
-    finally:
-        if child.returncode is None:
-            child.kill()
-        await child.wait()
-    assert len(acked) >= acks, "the child died before it acknowledged enough blocks"
-    return acked
+    argv = [sys.executable, str(CHILD), ",".join(map(str, dirs)), str(num_blocks), str(BB)]
+    return await kill_after_acks([*argv, fsync], CHILD.parent.parent, acks)
 
 
 @pytest.mark.parametrize(
