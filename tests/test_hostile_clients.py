@@ -54,8 +54,13 @@ def raw_connect(daemon: DaemonProcess, *, hello: bool = True) -> socket.socket:
 
 def read_replies(sock: socket.socket, count: int) -> list[dict[str, Any]]:
     """The next ``count`` messages (fewer if the daemon closes the connection)."""
-    decoder = FrameDecoder(1 << 30)
-    out: list[dict[str, Any]] = []
+    return replies_from(sock, FrameDecoder(1 << 30), count)
+
+
+def replies_from(sock: socket.socket, decoder: FrameDecoder, count: int) -> list[Any]:
+    """The next ``count`` messages through ``decoder``, which keeps what arrived past them
+    for the next call (fewer if the daemon closes the connection)."""
+    out: list[Any] = []
     while len(out) < count:
         data = sock.recv(1 << 20)
         if not data:

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from tests.test_daemon_lifecycle import BLOCK, DaemonProcess, Spawn, block, keys, spawn
+from tests.test_hostile_clients import replies_from
 from tests.test_operator import tierd
 from tests.test_service_unit import UNIT, parse_unit
 from tierd.cli import main
@@ -185,16 +186,6 @@ def pipelined(path: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]
         assert hello["ok"], hello
         sock.sendall(b"".join(encode(message) for message in messages))
         return replies_from(sock, decoder, len(messages))
-
-
-def replies_from(sock: socket.socket, decoder: FrameDecoder, count: int) -> list[Any]:
-    out: list[Any] = []
-    while len(out) < count:
-        data = sock.recv(1 << 20)
-        if not data:
-            break
-        out += decoder.feed(data)
-    return out
 
 
 def big_yaml(config: dict[str, Any], padding: int) -> str:
