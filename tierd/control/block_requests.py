@@ -4,7 +4,8 @@
   reserves slots for the keys the chain does not hold and ``complete_store`` (or
   ``abort_store``) finishes it; ``prepare_load`` pins the leading cached blocks and
   ``complete_load`` unpins them. Each hands out a lease of the session's
-  :class:`~tierd.control.leases.Leases`, whose bounds are taken before the chain is asked.
+  :class:`~tierd.control.leases.Leases`, whose bounds are held (a
+  :class:`~tierd.control.leases.Hold`) before the chain is asked.
   A load waits at most ``load_wait_s`` on blocks another client is still writing.
 - **Inline**: ``put`` and ``get`` carry the bytes in the messages (``get`` at most what
   fits in one frame).
@@ -20,7 +21,7 @@ from typing import Any, Protocol
 
 from tierd.chain import LoadHandle, StoreHandle, TierChain
 from tierd.control.context import ServerContext
-from tierd.control.leases import Leases
+from tierd.control.leases import Hold, Leases
 from tierd.control.namespaces import NamespaceFigures
 from tierd.control.protocol import ErrorCode, bool_list_field, bytes_list_field, int_field
 from tierd.control.tenants import Tenant
@@ -80,30 +81,25 @@ class BlockRequests:
 
     # -- zero-copy, through the pool --------------------------------------------------
 
-    async def reserve(self, keys: list[BlockKey]) -> StoreHandle:
-        """Entry-level slots for the keys the chain does not hold, under the lease bounds:
-        the blocks of ``handle.keys`` stay counted as held until the caller gives them back."""
+    async def reserve(self, keys: list[BlockKey]) -> tuple[StoreHandle, Hold]:
+        """Entry-level slots for the keys the chain does not hold, under the lease bounds,
+        and the hold that counts the blocks of ``handle.keys`` (the caller's to release)."""
         chain = self.session.chain()
-        taken = self.leases.take(len(keys))
-        try:
+        with self.leases.hold(len(keys)) as asked:
             handle = await chain.begin_store(keys)
-        except BaseException:
-            self.leases.give(taken)
-            raise
-        self.leases.give(taken - len(handle.keys))
-        return handle
+            return handle, asked.keep(len(handle.keys))
 
     async def prepare_store(self, msg: dict[str, Any]) -> Reply:
         keys = distinct(self.session.keys(msg))
         self.session.chain()
         self._require_pool()
-        handle = await self.reserve(keys)
+        handle, held = await self.reserve(keys)
         slot_of = dict(zip(handle.keys, handle.slots, strict=True))
         slots = [slot_of.get(key) for key in keys]
         if not handle.keys:
             await handle.commit()
             return {"lease": None, "slots": slots}
-        return {"lease": self.leases.register(handle), "slots": slots}
+        return {"lease": self.leases.register(handle, held), "slots": slots}
 
     async def complete_store(self, msg: dict[str, Any]) -> Reply:
         lease = int_field(msg, "lease")
@@ -119,32 +115,28 @@ class BlockRequests:
         handle.abort()
         return {}
 
-    async def pin(self, keys: list[BlockKey], wait_s: float) -> LoadHandle | None:
+    async def pin(self, keys: list[BlockKey], wait_s: float) -> tuple[LoadHandle, Hold] | None:
         """The leading keys loaded into the entry level and pinned there, under the lease
-        bounds (None: not even the first); its blocks stay counted as held until the
-        caller gives them back. Waits at most ``wait_s`` on blocks being written."""
+        bounds, and the hold that counts them (the caller's to release); None: not even
+        the first. Waits at most ``wait_s`` on blocks being written."""
         chain = self.session.chain()
-        taken = self.leases.take(len(dict.fromkeys(keys)))
-        try:
-            handle = await chain.load(keys, wait_s=wait_s)
-        except BlockMissing:
-            self.leases.give(taken)
-            return None
-        except BaseException:
-            self.leases.give(taken)
-            raise
-        self.leases.give(taken - len(handle.keys))
-        return handle
+        with self.leases.hold(len(dict.fromkeys(keys))) as asked:
+            try:
+                handle = await chain.load(keys, wait_s=wait_s)
+            except BlockMissing:
+                return None
+            return handle, asked.keep(len(handle.keys))
 
     async def prepare_load(self, msg: dict[str, Any]) -> Reply:
         keys = self.session.keys(msg)
         self.session.chain()
         self._require_pool()
-        handle = await self.pin(keys, self.ctx.limits.load_wait_s)
-        if handle is None:
+        pinned = await self.pin(keys, self.ctx.limits.load_wait_s)
+        if pinned is None:
             return {"lease": None, "count": 0, "slots": []}
+        handle, held = pinned
         return {
-            "lease": self.leases.register(handle),
+            "lease": self.leases.register(handle, held),
             "count": len(handle.keys),
             "slots": handle.slots,
             LOADED_FROM: str(handle.source_medium),

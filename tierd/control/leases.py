@@ -4,9 +4,12 @@ A lease names the blocks of a :class:`~tierd.chain.StoreHandle` (slots reserved 
 store) or a :class:`~tierd.chain.LoadHandle` (blocks pinned for a load) by an id only the
 connection that opened it can finish. :class:`Leases` keeps those ids for one session:
 
-- **Bounds.** :meth:`Leases.take` counts blocks as held, by the connection and by its
+- **Bounds.** :meth:`Leases.hold` counts blocks as held, by the connection and by its
   tenant, *before* the chain is asked for them, so pipelined requests cannot all pass
-  the bounds; :meth:`Leases.give` hands back what a request did not use.
+  the bounds. What it returns, a :class:`Hold`, is the only owner of those counts: used
+  as a context manager it gives back on exit whatever was not moved out of it with
+  :meth:`Hold.keep` (the blocks the chain did grant), and :meth:`Hold.release` is
+  idempotent. A registered lease keeps its hold until the lease ends.
 - **Expiry.** A store lease not finished within ``store_lease_ttl_s`` is aborted and its
   id remembered (the last ``_EXPIRED_MEMORY``), so finishing it later gets a clear error.
 - **End of life.** :meth:`Leases.close` finishes every lease left; a handle registered
@@ -26,7 +29,7 @@ from tierd.control.protocol import ErrorCode
 from tierd.control.tenants import Tenant
 from tierd.errors import ProtocolError
 
-__all__ = ["Lease", "Leases", "finish"]
+__all__ = ["Hold", "Lease", "Leases", "finish"]
 
 log = structlog.get_logger("tierd.control")
 
@@ -47,7 +50,7 @@ class Leases:
         self.closed = False
         self.open: dict[int, Lease] = {}
         self.held = 0  # blocks this connection holds in open leases
-        self._held_by_lease: dict[int, int] = {}
+        self._held_by_lease: dict[int, Hold] = {}
         self._expiry: dict[int, asyncio.TimerHandle] = {}
         self._expired: dict[int, None] = {}  # recently expired lease ids, oldest first
 
@@ -55,37 +58,37 @@ class Leases:
         """How many leases are open."""
         return len(self.open)
 
-    def take(self, blocks: int) -> int:
+    def hold(self, blocks: int) -> Hold:
         """Count ``blocks`` as held by this connection before asking the chain for them
         (so pipelined requests cannot all pass the bounds); refused past a bound."""
         tenant = self.tenant
         if tenant is None:
-            return 0
+            return Hold(self, 0)
         problem = tenant.lease_problem(self.held, blocks)
         if problem is not None:
             tenant.lease_refusals += 1
             raise ProtocolError(problem, code=ErrorCode.CAPACITY)
         self.held += blocks
         tenant.held += blocks
-        return blocks
+        return Hold(self, blocks)
 
-    def give(self, blocks: int) -> None:
-        """Hand back ``blocks`` counted by :meth:`take` and not held after all."""
+    def _give(self, blocks: int) -> None:
+        """Only :meth:`Hold.release` calls this: ``blocks`` are held no more."""
         if blocks and self.tenant is not None:
             self.held -= blocks
             self.tenant.held -= blocks
 
-    def register(self, handle: Lease) -> int:
-        """Register ``handle`` under a new lease id; if the connection closed meanwhile
-        (the request outlived its client), give the blocks back at once. A store lease is
-        aborted if it is not finished within ``store_lease_ttl_s``."""
+    def register(self, handle: Lease, held: Hold) -> int:
+        """Register ``handle`` under a new lease id, with the hold of its blocks; if the
+        connection closed meanwhile (the request outlived its client), give the blocks
+        back at once. A store lease is aborted if not finished within ``store_lease_ttl_s``."""
         if self.closed:
-            self.give(len(handle.keys))
+            held.release()
             finish(handle)
             raise ProtocolError("the connection closed", code=ErrorCode.SHUTTING_DOWN)
         lease = self.ctx.new_lease_id()
         self.open[lease] = handle
-        self._held_by_lease[lease] = len(handle.keys)
+        self._held_by_lease[lease] = held
         if isinstance(handle, StoreHandle):
             loop = asyncio.get_running_loop()
             ttl = self.ctx.limits.store_lease_ttl_s
@@ -95,7 +98,9 @@ class Leases:
     def end(self, lease: int) -> Lease:
         """Forget ``lease`` (the caller finishes its handle): its blocks are free."""
         handle = self.open.pop(lease)
-        self.give(self._held_by_lease.pop(lease, 0))
+        held = self._held_by_lease.pop(lease, None)
+        if held is not None:
+            held.release()
         timer = self._expiry.pop(lease, None)
         if timer is not None:
             timer.cancel()
@@ -142,6 +147,36 @@ class Leases:
         self.closed = True
         for lease in list(self.open):
             finish(self.end(lease))
+
+
+class Hold:
+    """Blocks counted as held by one connection and its tenant, given back once: by
+    :meth:`release` (idempotent) or on leaving a ``with`` block. :meth:`keep` moves some
+    of them into a new hold that outlives the block (a lease's, or a job's)."""
+
+    __slots__ = ("_book", "blocks")
+
+    def __init__(self, book: Leases, blocks: int) -> None:
+        self._book = book
+        self.blocks = blocks
+
+    def keep(self, blocks: int) -> Hold:
+        """Move ``blocks`` of this hold into a new one; the rest stays here."""
+        if not 0 <= blocks <= self.blocks:
+            raise ValueError(f"a hold of {self.blocks} blocks cannot keep {blocks}")
+        self.blocks -= blocks
+        return Hold(self._book, blocks)
+
+    def release(self) -> None:
+        """Give the blocks back to the bounds; a second call gives nothing."""
+        blocks, self.blocks = self.blocks, 0
+        self._book._give(blocks)
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
 
 
 def finish(handle: Lease) -> None:

@@ -30,6 +30,7 @@ the entry tier has no host memory views, the bytes are staged through private bu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import time
@@ -158,22 +159,21 @@ class RegionRequests:
             return {"done": [False] * len(keys)}
         with region.job() as fd:
             try:
-                handle = await self.blocks.reserve(keys)
+                handle, held = await self.blocks.reserve(keys)
             except (CapacityError, ProtocolError) as exc:
                 if isinstance(exc, ProtocolError) and exc.code != ErrorCode.CAPACITY:
                     raise
                 return {"done": [False] * len(keys)}
-            try:
-                row = {key: i for i, key in enumerate(keys)}
-                rows = offsets[[row[k] for k in handle.keys]]
-                ok = await self._fill(handle, fd, rows, layout, until)
-                if _past(until):
-                    ok = [False] * len(ok)
-            except BaseException:
-                handle.abort()
-                raise
-            finally:
-                self.blocks.leases.give(len(handle.keys))
+            with held:
+                try:
+                    row = {key: i for i, key in enumerate(keys)}
+                    rows = offsets[[row[k] for k in handle.keys]]
+                    ok = await self._fill(handle, fd, rows, layout, until)
+                    if _past(until):
+                        ok = [False] * len(ok)
+                except BaseException:
+                    handle.abort()
+                    raise
             self.blocks._stored(await handle.commit(ok))  # counted as stored_blocks
         failed = {k for k, flag in zip(handle.keys, ok, strict=True) if not flag}
         return {"done": [k not in failed for k in keys]}
@@ -224,41 +224,39 @@ class RegionRequests:
         write starts past the job's ``expires``."""
         region, keys, layout, offsets = self.job(msg, store=False)
         until = expires_field(msg)
-        handles: list[LoadHandle] = []
-        # A repeated key is pinned once but written as often as it is named: each copy
-        # counts against the lease bounds like a block of its own.
-        repeats = self.blocks.leases.take(len(keys) - len(set(keys)))
-        with region.job() as fd:
-            try:
-                await self._pin_each(keys, handles)
-                done = await self._drain(handles, fd, keys, offsets, (layout, until))
-                return {"done": done}
-            finally:
-                self.blocks.leases.give(repeats)
-                for handle in handles:
-                    self.blocks.leases.give(len(handle.keys))
-                    handle.release()
+        with contextlib.ExitStack() as held:
+            # A repeated key is pinned once but written as often as it is named: each
+            # copy counts against the lease bounds like a block of its own.
+            held.enter_context(self.blocks.leases.hold(len(keys) - len(set(keys))))
+            fd = held.enter_context(region.job())
+            handles = await self._pin_each(keys, held)
+            return {"done": await self._drain(handles, fd, keys, offsets, (layout, until))}
 
-    async def _pin_each(self, keys: list[BlockKey], handles: list[LoadHandle]) -> None:
-        """Pin every key the chain can load into ``handles``, each run of them with one
-        load; a key that cannot be loaded is skipped (keys are independent), and past a
-        bound on held blocks the rest are. Waits at most ``load_wait_s`` in all on blocks
-        being written."""
+    async def _pin_each(self, keys: list[BlockKey], held: contextlib.ExitStack) -> list[LoadHandle]:
+        """Pin every key the chain can load, each run of them with one load, their pins
+        and holds released when ``held`` closes; a key that cannot be loaded is skipped
+        (keys are independent), and past a bound on held blocks the rest are. Waits at
+        most ``load_wait_s`` in all on blocks being written."""
+        handles: list[LoadHandle] = []
         wanted = await self._worth_loading(list(dict.fromkeys(keys)))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.ctx.limits.load_wait_s
         while wanted:
             try:
-                handle = await self.blocks.pin(wanted, max(0.0, deadline - loop.time()))
+                pinned = await self.blocks.pin(wanted, max(0.0, deadline - loop.time()))
             except (CapacityError, ProtocolError) as exc:
                 if isinstance(exc, ProtocolError) and exc.code != ErrorCode.CAPACITY:
                     raise
-                return
-            if handle is None:
+                return handles
+            if pinned is None:
                 wanted = wanted[1:]  # the first cannot be loaded: skip it
                 continue
+            handle, hold = pinned
+            held.callback(handle.release)
+            held.enter_context(hold)
             handles.append(handle)
             wanted = wanted[len(handle.keys) :]
+        return handles
 
     async def _worth_loading(self, keys: list[BlockKey]) -> list[BlockKey]:
         """The keys some level holds, the remote level asked once for the rest, so that a
