@@ -36,10 +36,8 @@ from tierd.control.protocol import (
     encode,
     error_reply,
 )
-from tierd.control.region_fd import FdRefused, receive_fd
 from tierd.control.session import Session
 from tierd.control.socketfile import peer_credentials
-from tierd.errors import ProtocolError
 
 __all__ = ["MAX_REGION_JOBS", "Connection", "Listener"]
 
@@ -90,7 +88,8 @@ class Connection(asyncio.Protocol):
         self.server = server
         self.ctx = ctx = server.ctx
         self.id = server.new_connection_id()
-        self.session = Session(ctx, self._send, self.id)
+        self.session = Session(ctx, self.send, self.id, line=self)
+        self.registrations = self.session.regions.registrations
         limits = ctx.limits
         self.decoder = FrameDecoder(
             limits.max_frame_bytes,
@@ -108,10 +107,6 @@ class Connection(asyncio.Protocol):
         self._stall = Deadline(limits.output_stall_s, self._stalled)
         self._stall_mark = 0  # unsent bytes when the stall clock started
         self.peer: tuple[int, int, int] = (0, -1, -1)
-        # A register_region is being answered: nothing else is read or handled meanwhile.
-        self._registering = False
-        self._register_clean = False  # nothing came behind it
-        self.session.receive_fd = self._receive_fd
 
     # -- asyncio.Protocol -------------------------------------------------------------
 
@@ -252,8 +247,8 @@ class Connection(asyncio.Protocol):
 
     def _has_room(self, transport: asyncio.Transport) -> bool:
         limits = self.ctx.limits
-        if self._registering:
-            return False
+        if self.registrations.busy:
+            return False  # nothing is read or handled while a region is registered
         if len(self.session.tasks) >= limits.max_requests_in_flight:
             return False
         if self._jobs >= MAX_REGION_JOBS and self.backlog and _is_job(self.backlog[0]):
@@ -267,17 +262,12 @@ class Connection(asyncio.Protocol):
         """One request to the session; a ``get`` reserves its reply's bytes until done."""
         self.session.spawned = None
         registering = type(message) is dict and message.get("op") == "register_region"
-        if registering:
-            # Its descriptor comes next, on the socket itself: nothing may be read first.
-            self._registering = True
-            self._register_clean = not self.backlog and not self.decoder.buffered
+        if registering:  # its descriptor comes next, on the socket itself
+            self.registrations.begin(clean=not self.backlog and not self.decoder.buffered)
         self.session.handle(message)
         task = self.session.spawned
         if registering:
-            if task is None:
-                self._registering = False
-            else:
-                task.add_done_callback(self._registered)
+            self.registrations.follow(task)
         if task is None:
             return
         if _is_job(message):
@@ -293,34 +283,11 @@ class Connection(asyncio.Protocol):
     def _job_ended(self, _: object) -> None:
         self._jobs -= 1
 
-    def _registered(self, _: object) -> None:
-        self._registering = False
-
-    async def _receive_fd(self, request_id: int) -> int:
-        """The descriptor the client sends with one byte after the ``send_fd`` push that
-        answers its ``register_region`` (reading is paused meanwhile). Refused if it sent
-        anything behind the request; dropped when framing can no longer be trusted."""
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            raise ProtocolError("the connection closed", code=ErrorCode.SHUTTING_DOWN)
-        if not self._register_clean:
-            raise ProtocolError(
-                "requests came behind register_region: send nothing more until it is answered",
-                code=ErrorCode.BAD_REQUEST,
-            )
-        self._send({"push": "send_fd", "request": request_id})
-        fileno = transport.get_extra_info("socket").fileno()
-        try:
-            return await receive_fd(fileno, self.ctx.limits.hello_timeout_s)
-        except FdRefused as exc:
-            if exc.framing_lost:
-                self.drop("region_fd", message=f"register_region: {exc}")
-            raise
-
     def _release(self, cost: int) -> None:
         self._reserved -= cost
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def send(self, message: dict[str, Any]) -> None:
+        """Write ``message`` to the client (descriptors it names passed beside it)."""
         fds = message.pop(PASS_FDS, None)
         frame = encode(message)
         if fds:

@@ -2,8 +2,8 @@
 descriptor, so that a store or a load is one small request of (key, offsets) descriptors
 and the daemon copies the bytes between that memory and its tiers, off the engine's GIL.
 
-- ``register_region`` (size): the descriptor comes beside the request
-  (:mod:`~tierd.control.region_fd`), is checked, and gets an id of this connection's.
+- ``register_region`` (size): the descriptor comes beside the request, is checked, and
+  gets an id of this connection's, all of it :mod:`~tierd.control.region_registration`'s.
 - ``region_store`` (region, keys, offsets[, pieces]): the keys the chain does not hold
   get entry-level slots (a store handle, as ``prepare_store``), their pieces are read from
   the region into the slots (:mod:`~tierd.control.region_copy`), and the handle is
@@ -32,9 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,7 +43,7 @@ from tierd.control.block_requests import BlockRequests, Requester, distinct
 from tierd.control.context import ServerContext
 from tierd.control.protocol import ErrorCode, int_field
 from tierd.control.region_copy import Layout, Offsets, bounds_problem, read_region, write_region
-from tierd.control.region_fd import file_id, region_problem
+from tierd.control.region_registration import MAX_REGION_BYTES, FdLine, Registrations
 from tierd.control.region_table import MAX_REGIONS, Region, RegionTable
 from tierd.control.region_threads import slices
 from tierd.errors import CapacityError, ProtocolError
@@ -53,60 +52,20 @@ from tierd.stores import BlockStore
 
 __all__ = ["MAX_REGION_BYTES", "MAX_REGIONS", "Region", "RegionTable", "RegionRequests"]
 
-MAX_REGION_BYTES = 1 << 40  # larger is not host memory any engine has
-ReceiveFd = Callable[[int], Awaitable[int]]
-
 
 class RegionRequests:
-    """The region operations of one session; ``receive_fd(request_id)`` gets the
-    descriptor sent beside a ``register_region`` (the connection's, owned by the caller)."""
+    """The region operations of one session; a ``register_region`` is its
+    :class:`~tierd.control.region_registration.Registrations`' (descriptors come on
+    ``line``, the connection's; None: they cannot come)."""
 
     def __init__(
-        self,
-        ctx: ServerContext,
-        session: Requester,
-        blocks: BlockRequests,
-        receive_fd: Callable[[], ReceiveFd | None],
+        self, ctx: ServerContext, session: Requester, blocks: BlockRequests, line: FdLine | None
     ) -> None:
         self.ctx = ctx
         self.session = session
         self.blocks = blocks
         self.table = RegionTable()
-        self._receive_fd = receive_fd
-
-    async def register(self, msg: dict[str, Any]) -> dict[str, Any]:
-        size = int_field(msg, "size")
-        if not 0 < size <= MAX_REGION_BYTES:
-            raise ProtocolError(
-                f"a region's size must be 1 to {MAX_REGION_BYTES} bytes, not {size}",
-                code=ErrorCode.BAD_REQUEST,
-            )
-        self.session.chain()  # a user of no tenant keeps no blocks
-        if self.session.namespace is None:
-            raise ProtocolError(
-                "regions hold blocks of a namespace: name one in hello",
-                code=ErrorCode.NAMESPACE_REQUIRED,
-            )
-        self.table.check_room()
-        receive = self._receive_fd()
-        if receive is None:
-            raise ProtocolError(
-                "this connection cannot receive descriptors", code=ErrorCode.BAD_REQUEST
-            )
-        fd = await receive(int_field(msg, "id"))
-        try:
-            problem = region_problem(fd, size, self._own_files())
-            if problem is not None:
-                raise ProtocolError(problem, code=ErrorCode.BAD_REQUEST)
-            region = self.table.add(fd, size)
-        except BaseException:
-            os.close(fd)
-            raise
-        return {"region": region.id}
-
-    def _own_files(self) -> set[tuple[int, int]]:
-        pools = (t.pool for t in self.ctx.tenants.tenants)
-        return {file_id(pool.fd) for pool in pools if pool is not None}
+        self.registrations = Registrations(ctx, session, self.table, line)
 
     def unregister(self, msg: dict[str, Any]) -> dict[str, Any]:
         self.table.remove(int_field(msg, "region"))

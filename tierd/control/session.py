@@ -58,7 +58,8 @@ from tierd.control.protocol import (
     int_field,
     keys_field,
 )
-from tierd.control.regions import ReceiveFd, RegionRequests
+from tierd.control.region_registration import FdLine
+from tierd.control.regions import RegionRequests
 from tierd.control.tenants import Grant, Tenant
 from tierd.errors import ProtocolError
 from tierd.keys import MAX_KEY_BYTES, BlockKey
@@ -79,7 +80,8 @@ _STARTS_WORK = frozenset(
 
 
 class Session:
-    """Requests from one client; ``send`` writes a message back to it."""
+    """Requests from one client; ``send`` writes a message back to it, and a region's
+    descriptor comes on ``line`` (the connection's)."""
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class Session:
         send: Callable[[dict[str, Any]], None],
         conn: int = 0,
         grant: Grant | None = None,
+        line: FdLine | None = None,
     ) -> None:
         self.ctx = ctx
         self.send = send
@@ -102,8 +105,7 @@ class Session:
         self.spawned: asyncio.Task[None] | None = None  # the task of the last request handled
         self.closed = False
         self._stream: EventStream | None = None
-        # Set by the connection: receives the descriptor sent beside a register_region.
-        self.receive_fd: ReceiveFd | None = None
+        self._line = line  # the connection descriptors come on (None: they cannot)
         self.writable = asyncio.Event()  # cleared while the client's socket is full
         self.writable.set()
         self._sync, self._async = self._operations()
@@ -115,7 +117,7 @@ class Session:
         ctx = self.ctx
         blocks = BlockRequests(ctx, self, self.leases)
         operator = OperatorRequests(ctx, self)
-        self.regions = RegionRequests(ctx, self, blocks, lambda: self.receive_fd)
+        self.regions = RegionRequests(ctx, self, blocks, self._line)
         by_namespace = NamespaceRequests(ctx, self)
         kv = KvRequests(ctx, self)
         answered: dict[str, _Answer] = {
@@ -150,7 +152,7 @@ class Session:
             "get": blocks.get,
             "flush": operator.flush,
             "reload": operator.reload,  # reads a file: off the loop, so a task
-            "register_region": self.regions.register,
+            "register_region": self.regions.registrations.register,
             "region_store": self.regions.store,
             "region_load": self.regions.load,
             "delete": by_namespace.delete,
