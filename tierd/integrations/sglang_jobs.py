@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -198,15 +198,24 @@ class PageJobs:
         return done
 
     def _store_chunk(self, keys: list[bytes], offsets: Offsets) -> None:
+        def fill(lease: StoreLease) -> None:
+            for view, i in zip(lease.views(), lease.to_write, strict=True):
+                gather_page(self.memory, offsets[i], self.geometry.pieces, view)
+
+        self._store(keys, fill)
+
+    def _store(self, keys: list[bytes], fill: Callable[[StoreLease], None]) -> None:
+        """Reserve ``keys``, let ``fill`` write the views the daemon wants (none when it
+        holds every key already) and commit; a fill that raises aborts the lease."""
+
         async def reserve(client: Client) -> StoreLease:
             return await client.prepare_store(keys)
 
         lease = self.link.ask(reserve, self.job_deadline_s)
         if lease.finished:
-            return  # the daemon holds (or is being given) every page already
+            return  # the daemon holds (or is being given) every key already
         try:
-            for view, i in zip(lease.views(), lease.to_write, strict=True):
-                gather_page(self.memory, offsets[i], self.geometry.pieces, view)
+            fill(lease)
         except BaseException:
             self._abort(lease)
             raise
@@ -242,22 +251,10 @@ class PageJobs:
     def put_block(self, key: bytes, data: Any) -> bool:
         """Store ``data`` (a buffer of a block) under ``key``."""
 
-        async def reserve(client: Client) -> StoreLease:
-            return await client.prepare_store([key])
-
-        lease = self.link.ask(reserve, self.job_deadline_s)
-        if lease.finished:
-            return True
-        try:
+        def fill(lease: StoreLease) -> None:
             lease.views()[0][:] = data
-        except BaseException:
-            self._abort(lease)
-            raise
 
-        async def commit(client: Client) -> int:
-            return await lease.commit()
-
-        self.link.ask(commit, self.job_deadline_s)
+        self._store([key], fill)
         return True
 
     # -- the whole namespace (SGLang's clear) ----------------------------------------
