@@ -3,7 +3,8 @@ checking what it is.
 
 The server's connections read with plain ``read()`` (uvloop transports), which drops any
 descriptor sent with a frame. So a ``register_region`` is a small exchange of its own:
-the connection stops reading, tells the client to send (a ``send_fd`` push), and
+the connection stops reading (:mod:`~tierd.control.region_registration` runs the whole
+exchange), tells the client to send (a ``send_fd`` push), and
 :func:`receive_fds` reads exactly one byte, with the descriptors riding on it
 (``SCM_RIGHTS``), from a duplicate of the connection's socket, waiting on the loop (never
 blocking it) under a deadline. Descriptors arrive close-on-exec; the caller owns them.
