@@ -61,6 +61,21 @@ async def _rounds(store: DiskStore, first: int, rounds: int, slots: int, sync: b
     return first + 4 * rounds
 
 
+def _latest(written: int, slots: int) -> dict[int, bytes]:
+    """Each slot's key after blocks ``0 .. written - 1`` went round the ``slots``."""
+    return {s: int_key(max(i for i in range(written) if i % slots == s)) for s in range(slots)}
+
+
+async def _recovers_after_crash(dead: Path, slots: int, expected: dict[int, bytes]) -> None:
+    """The store in ``dead`` opens as after a crash with the index ``expected``, every
+    block of it readable."""
+    async with store_at(dead, num_blocks=slots) as store:
+        assert store.stats().details["recovery"] == ["crash"]
+        assert store.index() == expected
+        for slot, key in expected.items():
+            assert await get(store, slot, int.from_bytes(key, "little")) is not None
+
+
 async def test_a_snapshot_that_cannot_be_written_costs_no_write(tmp_path: Path) -> None:
     # A full file system refuses the snapshot: no write fails for it, it is not tried
     # again by every flush (once, then after a backoff), the journal goes on growing, and
@@ -76,19 +91,13 @@ async def test_a_snapshot_that_cannot_be_written_costs_no_write(tmp_path: Path) 
         assert io.threads[opened:] == ["tierd-disk-snap_0"]  # never inside a write
         assert store.stats().details["snapshot_failures"] == 1
         assert (live / "tierd-journal.old.bin").exists()  # kept until a snapshot covers it
-        expected = {
-            s: int_key(max(i for i in range(written) if i % slots == s)) for s in range(slots)
-        }
+        expected = _latest(written, slots)
         assert store.index() == expected
         dead = crash_copy(live, tmp_path / "dead")
         io.full = False
         store._checkpoints.retry_now()  # the backoff is over
         await _rounds(store, written, 1, slots)
-    async with store_at(dead, num_blocks=slots) as store:
-        assert store.stats().details["recovery"] == ["crash"]
-        assert store.index() == expected
-        for slot, key in expected.items():
-            assert await get(store, slot, int.from_bytes(key, "little")) is not None
+    await _recovers_after_crash(dead, slots, expected)
     async with store_at(live, num_blocks=slots) as store:  # the retry, then a clean close
         assert store.stats().details["recovery"] == ["clean"]
 
@@ -118,21 +127,29 @@ async def _released(io: HeldSnapshot) -> AsyncIterator[None]:
         io.release.set()  # before the store closes: its close waits for the snapshot
 
 
-async def test_a_crash_before_a_rotated_snapshot_is_written_loses_nothing(tmp_path: Path) -> None:
-    # The journal was rotated and its snapshot is still being written when the daemon
-    # dies: the restart replays the previous snapshot, the old journal, then the new one.
-    # Writes and deletes after the rotation are all there.
-    live = tmp_path / "live"
-    live.mkdir()
+@contextlib.asynccontextmanager
+async def _rotation_held(live: Path, slots: int) -> AsyncIterator[tuple[DiskStore, int]]:
+    """A store in ``live`` whose journal has rotated while the rotation's snapshot is held
+    unwritten (until the exit); the store and how many blocks it was given (the writes do
+    not sync: a sync would wait for the held snapshot)."""
     io = HeldSnapshot(asyncio.get_running_loop())
-    slots = 64
     store = store_at(live, num_blocks=slots, journal_limit_bytes=2048, fileio=io)
     async with store, _released(io):
         io.hold = True
         written = 0
-        async with asyncio.timeout(60):  # (a sync would wait for the held snapshot)
+        async with asyncio.timeout(60):
             while not io.waiting.is_set():
                 written = await _rounds(store, written, 1, slots, sync=False)
+        yield store, written
+
+
+async def test_a_crash_before_a_rotated_snapshot_is_written_loses_nothing(tmp_path: Path) -> None:
+    # The journal was rotated and its snapshot is still being written when the daemon
+    # dies: the restart replays the previous snapshot, the old journal, then the new one.
+    # Writes and deletes after the rotation are all there.
+    live, slots = tmp_path / "live", 64
+    live.mkdir()
+    async with _rotation_held(live, slots) as (store, written):
         written = await _rounds(store, written, 3, slots, sync=False)  # after the rotation
         gone = [(written - 8) % slots, (written - 7) % slots]  # not written again below
         store.invalidate(gone)
@@ -142,11 +159,7 @@ async def test_a_crash_before_a_rotated_snapshot_is_written_loses_nothing(tmp_pa
         assert expected == {s: k for s, k in latest.items() if s not in gone}
         dead = crash_copy(live, tmp_path / "dead")
         assert (dead / "tierd-journal.old.bin").exists()
-    async with store_at(dead, num_blocks=slots) as store:
-        assert store.stats().details["recovery"] == ["crash"]
-        assert store.index() == expected
-        for slot, key in expected.items():
-            assert await get(store, slot, int.from_bytes(key, "little")) is not None
+    await _recovers_after_crash(dead, slots, expected)
     async with store_at(dead, num_blocks=slots) as store:  # that open wrote a new snapshot
         assert store.index() == expected
         assert not (dead / "tierd-journal.old.bin").exists()
@@ -236,19 +249,13 @@ async def test_a_rotation_whose_rename_fails_is_given_up_and_writes_go_on(
         # the retry is due once the backoff ends, not once it grows by another limit.
         journal = store._slabs[0].journal
         assert journal.bytes == (live / "tierd-journal.bin").stat().st_size > 4 * 2048
-        expected = {
-            s: int_key(max(i for i in range(written) if i % slots == s)) for s in range(slots)
-        }
+        expected = _latest(written, slots)
         assert store.index() == expected
         dead = crash_copy(live, tmp_path / "dead")
         monkeypatch.setattr(os, "replace", real_replace)
         store._checkpoints.retry_now()
         await _rounds(store, written, 1, slots)
-    async with store_at(dead, num_blocks=slots) as store:
-        assert store.stats().details["recovery"] == ["crash"]
-        assert store.index() == expected
-        for slot, key in expected.items():
-            assert await get(store, slot, int.from_bytes(key, "little")) is not None
+    await _recovers_after_crash(dead, slots, expected)
     async with store_at(live, num_blocks=slots) as store:
         assert store.stats().details["recovery"] == ["clean"]
 
@@ -271,17 +278,9 @@ async def test_a_crash_after_the_opening_snapshot_never_replays_a_stale_journal(
     # recovers writes a new snapshot, then dies before starting its journal. The next
     # open must not take the rotated journal as extending that snapshot: its SET of a
     # block the scan found corrupt would bring the block back into the index.
-    live = tmp_path / "live"
+    live, slots = tmp_path / "live", 64
     live.mkdir()
-    io = HeldSnapshot(asyncio.get_running_loop())
-    slots = 64
-    store = store_at(live, num_blocks=slots, journal_limit_bytes=2048, fileio=io)
-    async with store, _released(io):
-        io.hold = True
-        written = 0
-        async with asyncio.timeout(60):
-            while not io.waiting.is_set():
-                written = await _rounds(store, written, 1, slots, sync=False)
+    async with _rotation_held(live, slots) as (store, written):
         written = await _rounds(store, written, 2, slots, sync=False)  # after the rotation
         bad = (written - 1) % slots
         corrupt_disk_block(store, bad)
