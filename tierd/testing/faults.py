@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from tierd.keys import BlockKey
@@ -71,13 +71,7 @@ class FailingStore(BlockStore):
         await self._hold()
         data = block_batch(data, len(slots), self.block_bytes, writable=False)
         ok = [key not in self.fail_writes for key in keys]
-        chosen = [i for i, good in enumerate(ok) if good]
-        if chosen:
-            result = await self.inner.write(
-                [slots[i] for i in chosen], [keys[i] for i in chosen], [data[i] for i in chosen]
-            )
-            for i, good in zip(chosen, result, strict=True):
-                ok[i] = good
+        await _pass_through(self.inner.write, ok, slots, keys, data)
         for slot, good in zip(slots, ok, strict=True):
             (self._poisoned.discard if good else self._poisoned.add)(slot)
         self._write_failures += ok.count(False)
@@ -90,15 +84,27 @@ class FailingStore(BlockStore):
             k not in self.fail_reads and s not in self._poisoned
             for s, k in zip(slots, keys, strict=True)
         ]
-        chosen = [i for i, good in enumerate(ok) if good]
-        if chosen:
-            result = await self.inner.read(
-                [slots[i] for i in chosen], [keys[i] for i in chosen], [out[i] for i in chosen]
-            )
-            for i, good in zip(chosen, result, strict=True):
-                ok[i] = good
+        await _pass_through(self.inner.read, ok, slots, keys, out)
         self._read_failures += ok.count(False)
         return ok
+
+
+async def _pass_through(
+    op: Callable[[list[int], list[BlockKey], list[Buffer]], Awaitable[list[bool]]],
+    ok: list[bool],
+    slots: Sequence[int],
+    keys: Sequence[BlockKey],
+    buffers: Sequence[Buffer],
+) -> None:
+    """Hand the blocks still ``ok`` to the inner store's ``op``; its answer for each goes
+    into ``ok`` (the others stay failed)."""
+    chosen = [i for i, good in enumerate(ok) if good]
+    if chosen:
+        result = await op(
+            [slots[i] for i in chosen], [keys[i] for i in chosen], [buffers[i] for i in chosen]
+        )
+        for i, good in zip(chosen, result, strict=True):
+            ok[i] = good
 
 
 def corrupt_disk_block(store: BlockStore, slot: int, nbytes: int = 16) -> None:
