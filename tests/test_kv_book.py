@@ -85,12 +85,18 @@ def test_a_shared_hash_stays_held_while_any_key_holds_it() -> None:
     assert book.held([7], lambda mask: {CPU: "CPU", DISK: "DISK"}[mask]) == ["DISK"]
 
 
-def test_the_file_keeps_the_last_word_on_each_key_and_survives_a_torn_end(tmp_path: Path) -> None:
-    path = tmp_path / "kv-descriptors.log"
-    book = DescriptorBook(1 << 20)
+def _kept_in(path: Path, budget_bytes: int) -> tuple[DescriptorBook, BookFile]:
+    """A book of ``budget_bytes`` whose every change goes to its file at ``path`` (started)."""
+    book = DescriptorBook(budget_bytes)
     file = BookFile(path, lambda: list(book.entries.items()))
     file.start()
     book.on_change = lambda key, entry: file.changed(key, entry, book.bytes_used)
+    return book, file
+
+
+def test_the_file_keeps_the_last_word_on_each_key_and_survives_a_torn_end(tmp_path: Path) -> None:
+    path = tmp_path / "kv-descriptors.log"
+    book, file = _kept_in(path, 1 << 20)
     for i in range(10):
         book.put(_key(i), _entry(i))
     book.drop(_key(3))
@@ -106,10 +112,7 @@ def test_the_file_keeps_the_last_word_on_each_key_and_survives_a_torn_end(tmp_pa
 
 def test_the_file_is_rewritten_when_it_has_grown_past_the_live_entries(tmp_path: Path) -> None:
     path = tmp_path / "kv-descriptors.log"
-    book = DescriptorBook(1 << 30)
-    file = BookFile(path, lambda: list(book.entries.items()))
-    file.start()
-    book.on_change = lambda key, entry: file.changed(key, entry, book.bytes_used)
+    book, file = _kept_in(path, 1 << 30)
     big = 4096
     for i in range(3000):  # bounded: ~36 MB of records for one live entry at the end
         book.put(_key(i % 2), _entry(i, tokens=big))
