@@ -4,7 +4,7 @@ one use, so ``reuse>=2`` means "seen in two requests"."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -20,24 +20,25 @@ from tierd.testing import daemon_config, running_daemon
 REQUESTS = [[1, 2], [1], [3, 4], [1], [2]]
 
 
-def write_trace(path: Path) -> Path:
+def write_trace(path: Path, requests: Sequence[Sequence[int]] = REQUESTS) -> Path:
     lines = [
         json.dumps({"timestamp": t, "input_length": 1, "output_length": 1, "hash_ids": ids})
-        for t, ids in enumerate(REQUESTS)
+        for t, ids in enumerate(requests)
     ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def chain_yaml(tmp_path: Path, admission: str) -> Path:
-    disk = tmp_path / "disk"
-    disk.mkdir(exist_ok=True)
+def chain_yaml(tmp_path: Path, admission: str, cpu: int = 2, disk: int = 8) -> Path:
+    """A chain of ``cpu`` blocks over ``disk`` blocks that admits by ``admission``."""
+    directory = tmp_path / "disk"
+    directory.mkdir(exist_ok=True)
     path = tmp_path / "chain.yaml"
     path.write_text(
         "block_bytes: 4096\n"
         "tiers:\n"
-        "  - {name: cpu, kind: cpu, capacity: 2}\n"
-        f"  - {{name: disk, kind: disk, capacity: 8, directories: ['{disk}'],"
+        f"  - {{name: cpu, kind: cpu, capacity: {cpu}}}\n"
+        f"  - {{name: disk, kind: disk, capacity: {disk}, directories: ['{directory}'],"
         f" admission: '{admission}'}}\n"
     )
     return path

@@ -14,6 +14,7 @@ import pytest
 from xxhash import xxh3_64_intdigest
 
 import tierd
+from tests.test_admission import chain_yaml, write_trace
 from tierd.cli import main
 from tierd.config import ChainConfig, load_config
 from tierd.errors import ConfigError
@@ -203,15 +204,6 @@ def test_the_shadow_is_bounded_by_its_memory() -> None:
 # -- through a chain ---------------------------------------------------------------------
 
 
-def write_trace(path: Path, requests: Sequence[Sequence[int]]) -> Path:
-    lines = [
-        json.dumps({"timestamp": t, "input_length": 1, "output_length": 1, "hash_ids": ids})
-        for t, ids in enumerate(requests)
-    ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def simulate(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
@@ -220,16 +212,7 @@ def simulate(
     cpu: int,
     disk: int,
 ) -> Any:
-    directory = tmp_path / "disk"
-    directory.mkdir(exist_ok=True)
-    config = tmp_path / "chain.yaml"
-    config.write_text(
-        "block_bytes: 4096\n"
-        "tiers:\n"
-        f"  - {{name: cpu, kind: cpu, capacity: {cpu}}}\n"
-        f"  - {{name: disk, kind: disk, capacity: {disk}, directories: ['{directory}'],"
-        f" admission: '{admission}'}}\n"
-    )
+    config = chain_yaml(tmp_path, admission, cpu=cpu, disk=disk)
     trace = write_trace(tmp_path / "trace.jsonl", requests)
     assert main(["simulate", str(trace), "--config", str(config), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
