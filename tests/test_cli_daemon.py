@@ -350,14 +350,28 @@ def test_stats_usage_errors(
 # -- tierd events ---------------------------------------------------------------------------
 
 
+def subscribed(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    following: str,
+    socket_path: str,
+    *argv: str,
+) -> CliThread:
+    """``tierd events --socket SOCKET_PATH ARGV`` in a thread, once it says on stderr that
+    it is ``following`` (subscribed); what was captured before is dropped."""
+    stderr = Watched(following)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    capsys.readouterr()
+    cli = CliThread("events", "--socket", socket_path, *argv)
+    assert stderr.seen.wait(DEADLINE_S), "the command did not subscribe"
+    return cli
+
+
 def test_events_json_prints_a_store_made_elsewhere(
     live: Live, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    stderr = Watched("tierd: following events")
-    monkeypatch.setattr(sys, "stderr", stderr)
-    capsys.readouterr()
-    cli = CliThread("events", "--socket", live.socket, "--count", "1", "--json")
-    assert stderr.seen.wait(DEADLINE_S), "the command did not subscribe"
+    following = "tierd: following events"
+    cli = subscribed(monkeypatch, capsys, following, live.socket, "--count", "1", "--json")
     keys = names("e", 3)
 
     async def store_and_name(client: Client) -> str:
@@ -383,11 +397,10 @@ def test_events_json_prints_a_store_made_elsewhere(
 def test_events_of_one_namespace_show_its_own_keys(
     live: Live, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    stderr = Watched("tierd: following events of namespace mine")
-    monkeypatch.setattr(sys, "stderr", stderr)
-    capsys.readouterr()
-    cli = CliThread("events", "--socket", live.socket, "--namespace", "mine", "--count", "1")
-    assert stderr.seen.wait(DEADLINE_S), "the command did not subscribe"
+    following = "tierd: following events of namespace mine"
+    cli = subscribed(
+        monkeypatch, capsys, following, live.socket, "--namespace", "mine", "--count", "1"
+    )
     with_client(live.socket, lambda c: c.store([b"other"], [bytes(BLOCK)]), namespace="other")
     with_client(live.socket, lambda c: c.store([b"k1", b"k2"], [bytes(BLOCK)] * 2), "mine")
 
