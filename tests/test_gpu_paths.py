@@ -192,6 +192,22 @@ class FakeCudart:
         return code
 
 
+def _pinned_in_chunks(
+    num_blocks: int, cudart: FakeCudart
+) -> tuple[CpuStore, list[tuple[str, int]]]:
+    """A CPU store pinned four blocks at a time through ``cudart``, and the list its
+    progress reports (stage, blocks done) go to."""
+    seen: list[tuple[str, int]] = []
+    store = CpuStore(
+        num_blocks=num_blocks,
+        block_bytes=BB,
+        register_chunk_bytes=4 * BB,
+        cudart=cudart,
+        progress=lambda stage, done, total: seen.append((stage, done)),
+    )
+    return store, seen
+
+
 def test_a_failed_registration_clears_the_last_error() -> None:
     cudart = FakeCudart(fail_at=3)
     with pytest.raises(RuntimeError, match="cudaHostRegister"):
@@ -205,14 +221,7 @@ async def test_a_stop_interrupts_pinning_between_chunks() -> None:
     under way and unregisters what was done, instead of pinning the whole pool first."""
     gate = threading.Event()
     cudart = FakeCudart(gate=gate)
-    seen: list[tuple[str, int]] = []
-    store = CpuStore(
-        num_blocks=64,
-        block_bytes=BB,
-        register_chunk_bytes=4 * BB,
-        cudart=cudart,
-        progress=lambda stage, done, total: seen.append((stage, done)),
-    )
+    store, seen = _pinned_in_chunks(64, cudart)
     opening = asyncio.create_task(store.open())
     await asyncio.to_thread(cudart.started.acquire)  # the first chunk is being registered
     opening.cancel()
@@ -229,14 +238,7 @@ async def test_a_stop_interrupts_pinning_between_chunks() -> None:
 
 async def test_pinning_reports_progress_per_chunk() -> None:
     cudart = FakeCudart()
-    seen: list[tuple[str, int]] = []
-    store = CpuStore(
-        num_blocks=8,
-        block_bytes=BB,
-        register_chunk_bytes=4 * BB,
-        cudart=cudart,
-        progress=lambda stage, done, total: seen.append((stage, done)),
-    )
+    store, seen = _pinned_in_chunks(8, cudart)
     async with store:
         assert store.pinned
         assert seen == [
