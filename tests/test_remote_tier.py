@@ -224,6 +224,14 @@ async def test_a_damaged_value_is_a_counted_miss_and_is_deleted(
 # -- faults -------------------------------------------------------------------------------
 
 
+async def store_in_fifties(chain: TierChain, keys: list[BlockKey]) -> None:
+    """Store ``keys`` fifty at a time, each batch settled (written through) before the next."""
+    for start in range(0, len(keys), 50):
+        part = keys[start : start + 50]
+        await chain.store(part, [block(k) for k in part])
+        await settle(chain)
+
+
 async def timed_find(chain: TierChain, keys: list[BlockKey]) -> tuple[int, float]:
     started = time.perf_counter()
     found = await chain.find(keys)
@@ -312,10 +320,7 @@ async def test_full_server_without_eviction_refuses_writes_without_opening_the_b
     ) as s:
         keys = names("full", 600)  # 2.4 MiB of blocks
         async with node({"url": s.url}, blocks=700, write_through=True) as chain:
-            for start in range(0, len(keys), 50):
-                part = keys[start : start + 50]
-                await chain.store(part, [block(k) for k in part])
-                await settle(chain)
+            await store_in_fifties(chain, keys)
             assert chain.remote is not None
             stats = chain.remote.level.stats()
             assert stats["write_errors"] > 0 and "maxmemory" in stats["last_error"]
@@ -334,10 +339,7 @@ async def test_full_server_with_eviction_turns_old_blocks_into_misses(tmp_path: 
     ) as s:
         keys = names("evict", 800)
         async with node({"url": s.url}, blocks=900, write_through=True) as chain:
-            for start in range(0, len(keys), 50):
-                part = keys[start : start + 50]
-                await chain.store(part, [block(k) for k in part])
-                await settle(chain)
+            await store_in_fifties(chain, keys)
             assert chain.remote is not None
             assert chain.remote.level.stats()["write_errors"] == 0
         async with node({"url": s.url}) as other:
