@@ -27,6 +27,13 @@ output token (TTFT):
 Then ``--hung-runs`` rounds with the daemon stopped (SIGSTOP): three fresh prompts in one
 generate (``hung3``, against plain's ``burst3``) and a ``reset_prefix_cache`` (``reset``).
 Medians over the runs (the first run warms up and is not counted); ratios to plain.
+
+``--describe`` measures instead what describing blocks for routers costs an engine
+(docs/events.md): the daemon publishes KV events (``kv_events:`` on, an ipc endpoint) and
+the kinds are ``plain``, ``tierd-ev`` (vLLM's own KV events on, through its zmq publisher;
+tierd's tier not describing) and ``tierd-desc`` (the same, the tier describing every
+stored chunk to the daemon from vLLM's events before the store); ``tierd-desc`` rows also
+give their ratio to ``tierd-ev`` (no rounds with the daemon stopped).
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ WORKER = Path(__file__).resolve().parent / "bench_vllm_worker.py"
 START_DEADLINE_S = 900.0  # building six engines on a loaded 2-core machine
 STEP_DEADLINE_S = 300.0
 KINDS = ("plain", "fs", "tierd")
+DESCRIBE_KINDS = ("plain", "tierd-ev", "tierd-desc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +87,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hung-runs", type=int, default=5, help="rounds with SIGSTOP")
     parser.add_argument("--prompt-tokens", type=int, default=2064)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--describe", action="store_true", help="what describing blocks for routers costs"
+    )
     args = parser.parse_args(argv)
     if args.runs < 1 or args.hung_runs < 1:
         parser.error("--runs and --hung-runs must be at least 1")
@@ -138,8 +149,15 @@ def build_models(directory: Path) -> dict[str, Path]:
     return paths
 
 
-def start_daemon(directory: Path, row_bytes: int) -> tuple[DaemonProcess, str]:
-    """``tierd serve`` of a CPU tier over a disk tier, once ready (its READY=1)."""
+def kinds_of(args: argparse.Namespace) -> tuple[str, ...]:
+    return DESCRIBE_KINDS if args.describe else KINDS
+
+
+def start_daemon(
+    directory: Path, row_bytes: int, events: bool = False
+) -> tuple[DaemonProcess, str]:
+    """``tierd serve`` of a CPU tier over a disk tier, once ready (its READY=1); with
+    ``events``, publishing KV events on an ipc endpoint in ``directory``."""
     from tierd.testing import start_daemon as serve
 
     socket_path = str(directory / "tierd.sock")
@@ -157,6 +175,9 @@ def start_daemon(directory: Path, row_bytes: int) -> tuple[DaemonProcess, str]:
         ],
         "socket": {"path": socket_path},
     }
+    if events:
+        endpoint = f"ipc://{directory}/tierd-events"
+        config["kv_events"] = {"enabled": True, "endpoint": endpoint, "replay_endpoint": None}
     log = directory / "daemon.log"
     return serve(config, log=log, timeout_s=START_DEADLINE_S), socket_path
 
@@ -172,7 +193,11 @@ async def control(socket_path: str, what: str) -> None:
 
 
 def start_workers(
-    directory: Path, models: dict[str, Path], socket_path: str, prompt_tokens: int
+    directory: Path,
+    models: dict[str, Path],
+    socket_path: str,
+    prompt_tokens: int,
+    kinds: tuple[str, ...] = KINDS,
 ) -> dict[tuple[str, str], Worker]:
     env = dict(os.environ, PYTHONPATH=f"{E2E}{os.pathsep}{ROOT}", VLLM_NO_USAGE_STATS="1")
     workers = {}
@@ -180,8 +205,9 @@ def start_workers(
         max_len = (prompt_tokens // shape.block_tokens + 2) * shape.block_tokens
         # vLLM's CPU tier holds a burst of eight prompts and then some.
         cpu_bytes = 12 * (prompt_tokens // shape.block_tokens + 1) * shape.row_bytes
-        for kind in KINDS:
+        for kind in kinds:
             command = [sys.executable, str(WORKER), str(models[shape.name]), "--kind", kind]
+            command += ["--events", f"ipc://{directory}/vllm-{shape.name}-{kind}"]
             command += ["--block-tokens", str(shape.block_tokens), "--cpu-bytes", str(cpu_bytes)]
             command += ["--max-model-len", str(max_len), "--socket", socket_path]
             command += ["--fs-root", str(directory / f"fs-{shape.name}")]
@@ -208,7 +234,8 @@ def one_run(
     out: dict[tuple[str, str, str], tuple[float, list[int]]] = {}
     cold = prompt(rng, args.prompt_tokens)
     burst = [prompt(rng, args.prompt_tokens) for _ in range(8)]
-    order = KINDS[run % 3 :] + KINDS[: run % 3]
+    kinds = kinds_of(args)
+    order = kinds[run % 3 :] + kinds[: run % 3]
     for shape in SHAPES:
         for kind in order:
             w = workers[shape.name, kind]
@@ -230,7 +257,7 @@ def one_run(
                 gen("served", [cold])
                 w.ask(op="reset")
                 gen("served8", burst)  # eight prefixes served together
-            if kind == "tierd":
+            if kind.startswith("tierd"):
                 asyncio.run(control(socket_path, "flush"))
                 asyncio.run(control(socket_path, "clear-cpu"))
                 w.ask(op="reset")
@@ -290,6 +317,9 @@ def summarize(samples: list[dict[tuple[str, str, str], tuple[float, list[int]]]]
                 "ratio_to_plain": round(value / plain, 3) if plain else None,
                 "cached_tokens": sorted(set(cached[s, kind, measure])),
             }
+            events_only = medians.get((s, "tierd-ev", measure))
+            if kind == "tierd-desc" and events_only:
+                rows[f"{kind}.{measure}"]["ratio_to_tierd_ev"] = round(value / events_only, 3)
         result[shape.name] = rows
     return result
 
@@ -300,8 +330,10 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"\n{shape}:")
         for name, row in rows.items():
             ratio = row["ratio_to_plain"]
+            to_ev = row.get("ratio_to_tierd_ev")
+            beside = f"  {to_ev:5.2f}x tierd-ev" if to_ev is not None else ""
             print(
-                f"  {name:<20} {row['median_ms']:9.1f} ms  {ratio:6.2f}x  "
+                f"  {name:<24} {row['median_ms']:9.1f} ms  {ratio:6.2f}x{beside}  "
                 f"cached {row['cached_tokens']}"
             )
 
@@ -316,14 +348,16 @@ def main(argv: list[str]) -> int:
         rows = {shape.row_bytes for shape in SHAPES}
         if len(rows) != 1:
             raise SystemExit("bench_vllm: the shapes must share one row size (one daemon)")
-        daemon, socket_path = start_daemon(directory, rows.pop())
+        daemon, socket_path = start_daemon(directory, rows.pop(), events=args.describe)
         workers: dict[tuple[str, str], Worker] = {}
         try:
-            workers = start_workers(directory, models, socket_path, args.prompt_tokens)
+            kinds = kinds_of(args)
+            workers = start_workers(directory, models, socket_path, args.prompt_tokens, kinds)
             runs = range(args.runs + 1)
             samples = [one_run(args, workers, socket_path, rng, run) for run in runs]
             samples = samples[1:]  # the first run warms every engine up
-            samples += [hung_run(args, workers, daemon, rng) for _ in range(args.hung_runs)]
+            hung = 0 if args.describe else args.hung_runs
+            samples += [hung_run(args, workers, daemon, rng) for _ in range(hung)]
         finally:
             for worker in workers.values():
                 worker.close()

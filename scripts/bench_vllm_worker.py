@@ -2,8 +2,13 @@
 
 Run with the vLLM venv's python, ``tests/e2e_vllm`` and the repository on PYTHONPATH::
 
-    bench_vllm_worker.py MODEL --kind plain|fs|tierd [--socket S] [--fs-root D]
-                         [--block-tokens N] [--cpu-bytes B] [--max-model-len L]
+    bench_vllm_worker.py MODEL --kind plain|fs|tierd|tierd-ev|tierd-desc [--socket S]
+                         [--fs-root D] [--events E] [--block-tokens N] [--cpu-bytes B]
+                         [--max-model-len L]
+
+``tierd-ev`` publishes vLLM's KV events through its zmq publisher bound at ``--events``
+with tierd's tier not describing blocks; ``tierd-desc`` the same with the tier describing
+each stored chunk to the daemon from those events (``describe_blocks``).
 
 It prints ``{"ready": true}`` once the engine is built, then answers each command with
 one JSON line:
@@ -28,7 +33,9 @@ from typing import Any
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
-    parser.add_argument("--kind", choices=("plain", "fs", "tierd"), required=True)
+    kinds = ("plain", "fs", "tierd", "tierd-ev", "tierd-desc")
+    parser.add_argument("--kind", choices=kinds, required=True)
+    parser.add_argument("--events", help="vLLM's KV events endpoint (the -ev/-desc kinds)")
     parser.add_argument("--socket")
     parser.add_argument("--fs-root")
     parser.add_argument("--block-tokens", type=int, default=32)
@@ -44,13 +51,21 @@ def main(argv: list[str]) -> int:
 
     options = argparse.Namespace(
         model=args.model,
-        socket=args.socket if args.kind == "tierd" else None,
+        socket=args.socket if args.kind.startswith("tierd") else None,
         fs_root=args.fs_root if args.kind == "fs" else None,
         plain=args.kind == "plain",
-        namespace=None,
+        # The two describe-mode kinds share one daemon and one model: each its own
+        # namespace, or the second would be served the first one's stores.
+        namespace=(
+            f"bench-{os.path.basename(args.model)}-{args.kind}"
+            if args.kind in ("tierd-ev", "tierd-desc")
+            else None
+        ),
         cpu_bytes=args.cpu_bytes,
         max_model_len=args.max_model_len,
         block_tokens=args.block_tokens,
+        kv_events_endpoint=args.events if args.kind in ("tierd-ev", "tierd-desc") else None,
+        describe_blocks={"tierd-ev": False, "tierd-desc": True}.get(args.kind),
     )
     llm = run_engine.engine(options)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

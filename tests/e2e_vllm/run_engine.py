@@ -50,6 +50,8 @@ def engine(args: argparse.Namespace) -> Any:
             tier["namespace"] = args.namespace
         if getattr(args, "staging_bytes", 0):
             tier["staging_bytes"] = args.staging_bytes
+        if getattr(args, "describe_blocks", None) is not None:
+            tier["describe_blocks"] = args.describe_blocks
         if getattr(args, "kv_events", False):  # its events apart from vLLM's CPU tier's
             tier.update(enable_kv_events=True, medium="STORAGE")
         tiers.append(tier)
