@@ -10,8 +10,10 @@ The time bounds asserted are liveness bounds (many times the configured deadline
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ BLOCK = page_bytes()  # 768: one page_first / layer_first page of the MHA geomet
 MLA = {"mla": True, "lora": 24, "rope": 8}  # (24 + 8) x 3 layers x 2 B x 4 tokens = 768
 FAST = {"lookup_deadline_s": 0.2, "job_deadline_s": 0.5}
 LIVENESS_S = 30.0  # a call on a stopped daemon returns long before this (it used to hang)
+RECONNECT_WITHIN_S = 30.0  # the link's backoff is at most 10 s (reconnect_max_s)
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +56,20 @@ def loaded_all(answer: dict[str, Any], pages: int) -> bool:
 
 
 def eventually_loaded(engines: Engines, name: str, seed: int, tries: int = 20) -> bool:
-    """Whether a read of ``seed``'s pages loads them all within ``tries`` reads (a bounded
-    count, no sleep: each read is SGLang's own prefetch); every page loaded on the way must
-    be right."""
+    """Whether a read of ``seed``'s pages loads them all within ``tries`` reads and
+    :data:`RECONNECT_WITHIN_S` (each read is SGLang's own prefetch; a read that loads
+    nothing is followed by a short pause, as an engine's next request would be, so that
+    reads answered at once by an open breaker cannot use up the tries before its probe);
+    every page loaded on the way must be right."""
+    deadline = time.monotonic() + RECONNECT_WITHIN_S
     for _ in range(tries):
         answer = engines.read(name, seed=seed, pages=PAGES)
         assert answer["identical"] == answer["loaded_pages"]
         if loaded_all(answer, PAGES):
             return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
     return False
 
 
@@ -190,8 +199,16 @@ async def test_a_stopped_or_killed_daemon_costs_a_deadline_and_sglang_never_sees
     assert a.write("f", seed=13, pages=PAGES)["stored_pages"] == 0
     assert a.read("f", seed=11, pages=PAGES)["hit_pages"] == 0
     daemon = await spawn(config(tmp_path, socket={"path": sock}))
-    stored = [a.write("f", seed=14, pages=PAGES)["stored_pages"] for _ in range(40)]
-    assert PAGES in stored
+    # Back after a kill: the link reconnects with backoff (up to reconnect_max_s, 10 s),
+    # and a write before then fails at once. So the tries are bounded in time as well as
+    # count, paced, rather than 40 back-to-back writes that can all land in one backoff.
+    stored: list[int] = []
+    deadline = time.monotonic() + RECONNECT_WITHIN_S
+    while PAGES not in stored and len(stored) < 400 and time.monotonic() < deadline:
+        stored.append(a.write("f", seed=14, pages=PAGES)["stored_pages"])
+        if stored[-1] != PAGES:
+            await asyncio.sleep(0.1)  # pacing the retries, as an engine's next request would
+    assert PAGES in stored, stored
     assert loaded_all(a.read("f", seed=14, pages=PAGES), PAGES)
     stats = a.stats("f")
     assert stats["sglang_errors"] == 0, stats["last_error"]
