@@ -372,6 +372,9 @@ def _markdown(rows: list[Row], machine: dict[str, str], plan: Plan, gpu_note: st
     return "\n".join(lines)
 
 
+PARTS = ("memory", "disk", "gpu", "fsync")
+
+
 async def main_async(args: argparse.Namespace) -> int:
     plan = Plan(
         volume=(64 if args.quick else args.mib) * MiB,
@@ -380,25 +383,29 @@ async def main_async(args: argparse.Namespace) -> int:
     )
     # The stores log at debug level (e.g. views outliving a pool); keep the report clean.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    has_gpu = torch.cuda.is_available() and not args.fsync_only
+    parts = {"fsync"} if args.fsync_only else set(args.parts)
+    has_gpu = torch.cuda.is_available() and "gpu" in parts
     rows: list[Row] = []
     disk_facts: dict[str, Any] = {}
     async with TransferEngine() as engine:
-        for bb in SIZES:
-            if not args.fsync_only:
+        for bb in [kib << 10 for kib in args.block_kib]:
+            if "memory" in parts:
                 rows += await bench_cpu_memory(plan, engine, bb)
+            if "disk" in parts:
                 disk_rows, disk_facts = await bench_disk(plan, engine, bb)
                 rows += disk_rows
-            fsync_rows, fsync_facts = await bench_fsync(plan, engine, bb)
-            rows += fsync_rows
-            disk_facts = disk_facts or fsync_facts
+            if "fsync" in parts:
+                fsync_rows, fsync_facts = await bench_fsync(plan, engine, bb)
+                rows += fsync_rows
+                disk_facts = disk_facts or fsync_facts
             if has_gpu:
                 rows += await bench_gpu(plan, engine, bb)
-    gpu_note = (
-        f"GPU: {torch.cuda.get_device_name()}."
-        if has_gpu
-        else "GPU: no CUDA device was present, so (c) gpu <-> cpu was not measured."
-    )
+    if has_gpu:
+        gpu_note = f"GPU: {torch.cuda.get_device_name()}."
+    elif "gpu" not in parts:
+        gpu_note = "GPU: (c) gpu <-> cpu was not asked for (--parts)."
+    else:
+        gpu_note = "GPU: no CUDA device was present, so (c) gpu <-> cpu was not measured."
     machine = {
         "CPU": _cpu_model(),
         "cores": str(os.cpu_count()),
@@ -425,6 +432,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="where the disk files go")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "io.md")
     parser.add_argument("--fsync-only", action="store_true", help="only (d): the fsync modes")
+    parser.add_argument(
+        "--block-kib",
+        type=int,
+        nargs="+",
+        default=[size >> 10 for size in SIZES],
+        help="block sizes in KiB (default: 2048 256)",
+    )
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="which parts to run: memory (a), disk (b), gpu (c), fsync (d); all by default",
+    )
     args = parser.parse_args(argv)
     made = args.dir is None
     if made:  # a temp dir under the project: a real file system, not /dev/shm

@@ -49,7 +49,19 @@ def no_gpu_reason() -> str | None:
 
 def step_cuda_suite() -> Result:
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"],
+        # A module that cannot be imported where the probe runs (a dev-only dependency,
+        # say) is reported in the summary; the CUDA tests of every other module still run.
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-m",
+            "cuda",
+            "-p",
+            "no:cacheprovider",
+            "--continue-on-collection-errors",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -84,10 +96,15 @@ def step_cross_registration() -> Result:
             except RuntimeError as exc:
                 result["raw_copy"] = f"error: {exc}"
             keys = [int_key(i) for i in range(8)]
+            sent = rows[2:10].clone()  # slots 8 and 9 are written back over below
             ok = await engine.copy(cpu, range(2, 10), gpu, range(8), keys)
             back = await engine.copy(gpu, range(8), cpu, range(8, 16), keys)
-            same = torch.equal(rows[8:16], rows[2:10])
-            result["engine_copy"] = "ok" if all(ok) and all(back) and same else "FAILED"
+            same = torch.equal(rows[8:16], sent)
+            result["engine_copy"] = (
+                "ok"
+                if all(ok) and all(back) and same
+                else f"FAILED (to gpu {sum(ok)}/8, back {sum(back)}/8, bytes equal {same})"
+            )
 
     asyncio.run(run())
     result["ok"] = result.get("engine_copy") == "ok"

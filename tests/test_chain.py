@@ -46,7 +46,9 @@ async def store_all(chain: TierChain, keys: list[BlockKey]) -> list[BlockKey]:
     return await chain.store(keys, [content(k) for k in keys])
 
 
-async def read_back(chain: TierChain, keys: list[BlockKey], into: Medium | None = None) -> None:
+async def read_back(
+    chain: TierChain, keys: list[BlockKey], into: Medium | str | None = None
+) -> None:
     """Load ``keys`` (all must load) and check every byte."""
     async with chain.loading(keys, into) as handle:
         assert handle.keys == keys
@@ -355,4 +357,20 @@ async def test_load_of_more_blocks_than_the_level_holds_returns_the_leading_ones
             assert handle.keys == keys[:4]
             for key, view in zip(handle.keys, handle.views(), strict=True):
                 assert bytes(memoryview(view).cast("B")) == content(key)
+        chain.check_invariants(idle=True)
+
+
+async def test_a_level_is_named_by_its_medium_in_either_case(tmp_path: Path) -> None:
+    """``into="cpu"`` names the CPU level as ``Medium.CPU`` does (the GPU probe's first
+    run on a GPU failed with "no level on medium 'cpu'"); a medium with no level says so."""
+    config = chain_config(
+        tmp_path, {"kind": "memory", "capacity": 4}, {"kind": "cpu", "capacity": 4}
+    )
+    async with tierd.open(config) as chain:
+        keys = keys_of(1, 2)
+        await store_all(chain, keys)
+        for into in ("cpu", "Cpu", Medium.CPU):
+            await read_back(chain, keys, into)
+        with pytest.raises(ValueError, match="no level on medium 'disk'"):
+            await chain.load(keys, into="disk")
         chain.check_invariants(idle=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import threading
@@ -94,6 +95,35 @@ async def test_a_run_across_two_registrations_goes_as_two_copies() -> None:
         assert [bytes(cpu.view(s))[0] for s in range(6, 14)] == list(range(1, 9))
 
 
+async def test_scattered_pool_slots_go_to_the_gpu_one_dma_per_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Scattered slots of a host pool reach the GPU store as per-block tensors, each one
+    copy, in both directions: never packed through a Python memcpy into staging (on an
+    H100, packing moved 5 GB/s where per-block DMAs moved 22 at 256 KiB and 49 at 2 MiB)."""
+    bb = 256 << 10
+
+    def no_packing(*args: Any) -> None:
+        raise AssertionError("per-block host tensors were packed into staging")
+
+    monkeypatch.setattr(gpu_module, "pack", no_packing)
+    monkeypatch.setattr(gpu_module, "new_staging", no_packing)
+    cpu = CpuStore(num_blocks=8, block_bytes=bb, pin=False)
+    gpu = _RecordingGpu(num_blocks=8, block_bytes=bb, device="cpu")
+    keys = [int_key(i) for i in range(3)]
+    async with cpu, gpu, TransferEngine() as engine:
+        for slot in (6, 1, 4):
+            cpu.view(slot)[:] = bytes([slot]) * bb
+        assert await engine.copy(cpu, [6, 1, 4], gpu, [0, 5, 2], keys) == [True] * 3
+        assert await engine.copy(gpu, [0, 5, 2], cpu, [3, 7, 0], keys) == [True] * 3
+        assert gpu.batches == [3, 3]
+        assert [bytes(cpu.view(s)[:2]) for s in (3, 7, 0)] == [
+            b"\x06" * 2,
+            b"\x01" * 2,
+            b"\x04" * 2,
+        ]
+
+
 # -- C3: a GPU entry tier over the socket -----------------------------------------------------
 
 
@@ -145,7 +175,9 @@ def test_the_gpu_tier_imports_under_a_torch_without_accelerator_error() -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        # The project first, then whatever path the suite itself runs with (where the
+        # dependencies are installed beside the interpreter's own, say).
+        env={"PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path[1:]]), "PATH": "/usr/bin:/bin"},
         check=False,
     )
     assert done.returncode == 0, done.stderr

@@ -50,9 +50,10 @@ class ChainLevels:
         self.census: PrefixCensus | None = None  # blocks per key prefix, once asked for
 
     def level_of(self, medium: Medium | str) -> int:
-        """The index of the first level on ``medium``."""
+        """The index of the first level on ``medium`` (a name in any case: "cpu" or "CPU")."""
+        wanted = str(medium).upper()
         for index, level in enumerate(self.levels):
-            if level.medium == medium:
+            if level.medium == wanted:
                 return index
         raise ValueError(f"no level on medium {medium!r}")
 

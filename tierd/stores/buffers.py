@@ -55,15 +55,18 @@ def is_tensor(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
-def block_batch(data: Any, count: int, block_bytes: int, *, writable: bool) -> BlockBatch:
+def block_batch(
+    data: Any, count: int, block_bytes: int, *, writable: bool, host_rows: bool = False
+) -> BlockBatch:
     """Validate a whole batch before any byte moves (:class:`SlotError` otherwise) and say
-    which of the three forms it takes."""
+    which of the three forms it takes. ``host_rows``: per-block host tensors stay tensors
+    (the GPU store copies each with one DMA) rather than becoming memoryviews."""
     whole = block_tensor(data, count, block_bytes)
     if whole is not None:
         return whole
     if isinstance(data, np.ndarray) and data.ndim == 2:
         return block_array(data, count, block_bytes, writable=writable)
-    rows = device_rows(data, count, block_bytes)
+    rows = device_rows(data, count, block_bytes, host_too=host_rows)
     if rows is not None:
         return rows
     return block_views(data, count, block_bytes, writable=writable)
@@ -147,13 +150,17 @@ def _block_view(item: Any, block_bytes: int, writable: bool) -> memoryview:
     return view
 
 
-def device_rows(data: Any, count: int, block_bytes: int) -> list[torch.Tensor] | None:
+def device_rows(
+    data: Any, count: int, block_bytes: int, *, host_too: bool = False
+) -> list[torch.Tensor] | None:
     """For a sequence of per-block tensors of which at least one lives on a device (GPU
-    slot views, say): each block as a flat uint8 tensor, validated; else ``None`` (use
+    slot views, say), or with ``host_too`` a sequence of tensors only (a pinned pool's
+    slot views): each block as a flat uint8 tensor, validated; else ``None`` (use
     :func:`block_tensor` / :func:`block_views`)."""
-    if is_tensor(data) or not isinstance(data, Sequence):
+    if is_tensor(data) or not isinstance(data, Sequence) or not data:
         return None
-    if not any(is_tensor(item) and item.device.type != "cpu" for item in data):
+    on_device = any(is_tensor(item) and item.device.type != "cpu" for item in data)
+    if not on_device and not (host_too and all(is_tensor(item) for item in data)):
         return None
     if len(data) != count:
         raise SlotError(f"{count} slots but {len(data)} buffers")

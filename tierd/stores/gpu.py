@@ -195,7 +195,9 @@ class GpuStore(BlockStore):
         self, slots: Sequence[int], keys: Sequence[BlockKey], data: Sequence[Buffer] | Any
     ) -> list[bool]:
         count = len(slots)
-        src = tensor_if_array(block_batch(data, count, self.block_bytes, writable=False))
+        src = tensor_if_array(
+            block_batch(data, count, self.block_bytes, writable=False, host_rows=True)
+        )
         self._refuse_if_lost()
         if count == 0:
             return []
@@ -210,7 +212,9 @@ class GpuStore(BlockStore):
         self, slots: Sequence[int], keys: Sequence[BlockKey], out: Sequence[Buffer] | Any
     ) -> list[bool]:
         count = len(slots)
-        dst = tensor_if_array(block_batch(out, count, self.block_bytes, writable=True))
+        dst = tensor_if_array(
+            block_batch(out, count, self.block_bytes, writable=True, host_rows=True)
+        )
         self._refuse_if_lost()
         if count == 0:
             return []

@@ -24,10 +24,11 @@ __all__ = ["Staging", "StagingAreas", "StagingFactory", "dma_pieces", "slot_buff
 # Builds an unopened CPU store of (num_blocks, block_bytes) whose views are the staging area.
 StagingFactory = Callable[[int, int], BlockStore]
 
-_MiB = 1 << 20
-# A cudaMemcpyAsync costs about 2 us: at or above 1 MiB per block, one DMA per block wastes
-# little, below it the GPU store had better pack the blocks into one buffer first.
-_DMA_BLOCK_BYTES = _MiB
+# Scattered slots of a pinned pool go to or from a GPU as one DMA per block at or above
+# this size, else packed by a Python memcpy into pinned staging first. On an H100 (16 cores,
+# docs/BENCHMARKS.md "GPU probe") per-block DMAs moved 22 GB/s at 256 KiB and 49 at 2 MiB,
+# packing 5 at both.
+_DMA_BLOCK_BYTES = 256 << 10
 _STAGING_SEGMENTS = 2
 
 
