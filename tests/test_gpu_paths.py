@@ -28,7 +28,7 @@ import structlog.testing
 import torch
 
 from tierd.client import Client
-from tierd.errors import StoreIOError
+from tierd.errors import SlotError, StoreIOError
 from tierd.keys import int_key
 from tierd.stores import gpu as gpu_module
 from tierd.stores.cpu import CpuStore
@@ -122,6 +122,22 @@ async def test_scattered_pool_slots_go_to_the_gpu_one_dma_per_block(
             b"\x01" * 2,
             b"\x04" * 2,
         ]
+
+
+async def test_a_pools_own_rows_are_still_checked_for_count_size_and_range() -> None:
+    """A pool's slot tensors skip the row-by-row check, not the batch's: a wrong count or
+    block size is a SlotError before any byte moves, and so is a slot out of range."""
+    cpu = CpuStore(num_blocks=4, block_bytes=BB, pin=False)
+    gpu = GpuStore(num_blocks=4, block_bytes=BB, device="cpu")
+    small = CpuStore(num_blocks=4, block_bytes=BB // 2, pin=False)
+    async with cpu, gpu, small:
+        with pytest.raises(SlotError, match="2 slots of 4096 bytes but 1 rows"):
+            await gpu.write([0, 1], [int_key(0), int_key(1)], cpu.slot_tensors([3]))
+        with pytest.raises(SlotError, match="but 1 rows of 2048"):
+            await gpu.write([0], [int_key(0)], small.slot_tensors([3]))
+        with pytest.raises(SlotError, match="out of range"):
+            cpu.slot_tensors([4])
+        assert gpu.stats().bytes_written == 0
 
 
 # -- C3: a GPU entry tier over the socket -----------------------------------------------------

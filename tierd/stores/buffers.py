@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # torch is the GPU extra's: only the GPU tier imports it
 __all__ = [
     "BlockBatch",
     "Buffer",
+    "PoolRows",
     "block_array",
     "block_batch",
     "block_tensor",
@@ -45,6 +46,18 @@ Buffer = Any
 BlockBatch: TypeAlias = (
     "torch.Tensor | np.ndarray[Any, Any] | list[torch.Tensor] | list[memoryview]"
 )
+
+
+class PoolRows(list):  # type: ignore[type-arg]
+    """Per-block flat uint8 host tensors that a pool made of its own slots (rows of one
+    ``[n, block_bytes]`` tensor): valid by construction, so a batch of them is checked
+    for its count and block size only, not row by row."""
+
+    __slots__ = ("block_bytes",)
+
+    def __init__(self, rows: list[torch.Tensor], block_bytes: int) -> None:
+        super().__init__(rows)
+        self.block_bytes = block_bytes
 
 
 def is_tensor(obj: Any) -> bool:
@@ -159,6 +172,12 @@ def device_rows(
     :func:`block_tensor` / :func:`block_views`)."""
     if is_tensor(data) or not isinstance(data, Sequence) or not data:
         return None
+    if host_too and isinstance(data, PoolRows):
+        if len(data) != count or data.block_bytes != block_bytes:
+            raise SlotError(
+                f"{count} slots of {block_bytes} bytes but {len(data)} rows of {data.block_bytes}"
+            )
+        return data
     on_device = any(is_tensor(item) and item.device.type != "cpu" for item in data)
     if not on_device and not (host_too and all(is_tensor(item) for item in data)):
         return None

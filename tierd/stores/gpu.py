@@ -121,6 +121,7 @@ class GpuStore(BlockStore):
         self._in_flight = InFlight()  # copies under way
         self._lost: str | None = None  # why the device is unusable, once it is
         self._unpinned_copies = 0
+        self._row_views: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -170,6 +171,14 @@ class GpuStore(BlockStore):
 
     def _view(self, slot: int) -> torch.Tensor:
         return self._pool[slot]
+
+    def _slot_rows(self) -> tuple[torch.Tensor, ...]:
+        """A view of each slot's row, made once per pool (a copy per block then indexes a
+        tuple rather than making a tensor view per block)."""
+        pool, made = self._pool, self._row_views
+        if made is None or made[0] is not pool:
+            made = self._row_views = (pool, pool.unbind(0))
+        return made[1]
 
     def pool_tensor(self) -> torch.Tensor:
         """The whole pool, ``[num_blocks, block_bytes]`` on ``device``."""
@@ -310,9 +319,9 @@ class GpuStore(BlockStore):
         lane = self._h2d
         with self._on(lane, caller):
             if isinstance(src, list) and src and isinstance(src[0], torch.Tensor):
-                rows = src
+                rows, pool = src, self._slot_rows()
                 for slot, row in zip(slots, rows, strict=True):  # one DMA per block
-                    self._pool[slot].copy_(row, non_blocking=True)
+                    pool[slot].copy_(row, non_blocking=True)
                 return _Pending(_record(lane), tuple(rows))
             host = pack(src, len(slots), self.block_bytes, self.device)
             start = slot_run_start(slots)
@@ -330,9 +339,9 @@ class GpuStore(BlockStore):
         lane = self._d2h
         with self._on(lane, caller):
             if isinstance(dst, list) and dst and isinstance(dst[0], torch.Tensor):
-                targets = dst
+                targets, pool = dst, self._slot_rows()
                 for slot, target in zip(slots, targets, strict=True):  # one DMA per block
-                    target.copy_(self._pool[slot], non_blocking=True)
+                    target.copy_(pool[slot], non_blocking=True)
                 return _Pending(_record(lane), tuple(targets))
             start = slot_run_start(slots)
             if start is not None:

@@ -39,6 +39,7 @@ from tierd.stores.base import (
     run_copy,
     slot_run_start,
 )
+from tierd.stores.buffers import PoolRows
 
 if TYPE_CHECKING:
     import torch
@@ -88,6 +89,7 @@ class HostPoolStore(BlockStore):
         self._pool = flat.reshape(self.num_blocks, self.stride)
         self._rows = self._pool[:, : self.block_bytes]
         self._tensor: torch.Tensor | None = None
+        self._row_tensors: tuple[torch.Tensor, ...] | None = None
 
     def _detach(self) -> None:
         """Drop the store's own references to the pool (views handed out keep theirs)."""
@@ -95,6 +97,7 @@ class HostPoolStore(BlockStore):
         self._pool = np.empty((0, self.stride), dtype=np.uint8)
         self._rows = self._pool
         self._tensor = None
+        self._row_tensors = None
 
     # -- views -----------------------------------------------------------------------
 
@@ -112,6 +115,16 @@ class HostPoolStore(BlockStore):
         """The slot's ``block_bytes`` as a zero-copy uint8 tensor (needs torch)."""
         self._check((slot,), None)
         return self.pool_tensor()[slot, : self.block_bytes]
+
+    def slot_tensors(self, slots: Sequence[int]) -> PoolRows:
+        """The ``block_bytes`` of each of ``slots`` as zero-copy uint8 tensors, checked
+        once for the batch (a copy per block to or from a GPU takes these: the row views
+        are made once per pool, not once per block)."""
+        self._check(slots, None)
+        if self._row_tensors is None:
+            self._row_tensors = self.pool_tensor()[:, : self.block_bytes].unbind(0)
+        rows = self._row_tensors
+        return PoolRows([rows[slot] for slot in slots], self.block_bytes)
 
     def pool_tensor(self) -> torch.Tensor:
         """The whole pool as a zero-copy ``[num_blocks, stride]`` uint8 tensor (needs

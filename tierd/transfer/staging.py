@@ -99,7 +99,7 @@ def slot_buffers(store: BlockStore, slots: Sequence[int], *, dma: bool) -> Any |
             pool = store.pool_tensor() if dma else store.pool_array()
             return pool[start : start + len(slots)]
         if dma and store.block_bytes >= _DMA_BLOCK_BYTES:
-            return [store.tensor_view(slot) for slot in slots]
+            return store.slot_tensors(slots)
     return [store.view(slot) for slot in slots]
 
 
