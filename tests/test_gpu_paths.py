@@ -34,7 +34,7 @@ from tierd.stores import gpu as gpu_module
 from tierd.stores.cpu import CpuStore
 from tierd.stores.cuda import EventWaiter, host_register, split_at_boundaries
 from tierd.stores.gpu import DeviceLost, GpuStore, _Lane
-from tierd.testing import daemon_config, running_daemon
+from tierd.testing import daemon_config, running_daemon, start_daemon_async
 from tierd.transfer import TransferEngine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,6 +162,35 @@ async def test_a_gpu_tier_listed_first_leaves_clients_their_pool(tmp_path: Path)
             keys = [b"a", b"b"]
             assert await client.store(keys, [b"1" * BB, b"2" * BB]) == 2
             assert await client.load(keys) == [b"1" * BB, b"2" * BB]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")])
+async def test_a_daemon_process_moves_blocks_through_a_gpu_entry_tier(
+    tmp_path: Path, device: str
+) -> None:
+    """A real ``tierd serve`` whose entry tier is a GPU tier of 4 blocks over a CPU tier of
+    8 and a disk tier: 16 blocks put over the socket demote down to the disk; each comes
+    back with its own bytes, promoted to the GPU again (on a GPU: device memory, streams
+    and pinned copies in the daemon's own process)."""
+    config = daemon_config(tmp_path, logging={"level": "warning"}, entry="gpu")
+    config["tiers"].insert(0, {"name": "gpu", "kind": "gpu", "capacity": 4, "device": device})
+    daemon = await start_daemon_async(config, log=tmp_path / "tierd.log", timeout_s=120)
+    try:
+        assert daemon.socket is not None
+        async with await Client.connect(daemon.socket, namespace="ns") as client:
+            keys = [int_key(i) for i in range(16)]
+            blocks = [bytes([i + 1]) * BB for i in range(16)]
+            for first in range(0, 16, 4):  # a put is at most the entry tier's capacity
+                assert await client.put(keys[first : first + 4], blocks[first : first + 4]) == 4
+            for key, block in reversed(list(zip(keys, blocks, strict=True))):
+                assert await client.get([key]) == [block]
+            gpu, cpu, disk = (await client.stats())["tiers"]
+        assert (gpu["name"], gpu["used"]) == ("gpu", 4)
+        assert gpu["demotions"] >= 12 and gpu["io_errors"] == 0
+        assert gpu["promotions"] == 12  # the 12 that had left the GPU came back to it
+        assert cpu["demotions"] >= 4 and disk["used"] >= 4
+    finally:
+        assert await daemon.stop_async() == 0, daemon.log_text()
 
 
 async def test_get_serves_a_block_from_a_gpu_entry_tier(tmp_path: Path) -> None:
