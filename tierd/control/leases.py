@@ -19,6 +19,7 @@ connection that opened it can finish. :class:`Leases` keeps those ids for one se
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TypeVar
 
 import structlog
@@ -63,17 +64,17 @@ class Leases:
         (so pipelined requests cannot all pass the bounds); refused past a bound."""
         tenant = self.tenant
         if tenant is None:
-            return Hold(self, 0)
+            return Hold(self._give, 0)
         problem = tenant.lease_problem(self.held, blocks)
         if problem is not None:
             tenant.lease_refusals += 1
             raise ProtocolError(problem, code=ErrorCode.CAPACITY)
         self.held += blocks
         tenant.held += blocks
-        return Hold(self, blocks)
+        return Hold(self._give, blocks)
 
     def _give(self, blocks: int) -> None:
-        """Only :meth:`Hold.release` calls this: ``blocks`` are held no more."""
+        """``blocks`` are held no more: handed to each :class:`Hold`, which calls it once."""
         if blocks and self.tenant is not None:
             self.held -= blocks
             self.tenant.held -= blocks
@@ -154,10 +155,10 @@ class Hold:
     :meth:`release` (idempotent) or on leaving a ``with`` block. :meth:`keep` moves some
     of them into a new hold that outlives the block (a lease's, or a job's)."""
 
-    __slots__ = ("_book", "blocks")
+    __slots__ = ("_give", "blocks")
 
-    def __init__(self, book: Leases, blocks: int) -> None:
-        self._book = book
+    def __init__(self, give: Callable[[int], None], blocks: int) -> None:
+        self._give = give  # what gives held blocks back to the bounds they were counted in
         self.blocks = blocks
 
     def keep(self, blocks: int) -> Hold:
@@ -165,12 +166,12 @@ class Hold:
         if not 0 <= blocks <= self.blocks:
             raise ValueError(f"a hold of {self.blocks} blocks cannot keep {blocks}")
         self.blocks -= blocks
-        return Hold(self._book, blocks)
+        return Hold(self._give, blocks)
 
     def release(self) -> None:
         """Give the blocks back to the bounds; a second call gives nothing."""
         blocks, self.blocks = self.blocks, 0
-        self._book._give(blocks)
+        self._give(blocks)
 
     def __enter__(self) -> Hold:
         return self
