@@ -121,7 +121,6 @@ class GpuStore(BlockStore):
         self._in_flight = InFlight()  # copies under way
         self._lost: str | None = None  # why the device is unusable, once it is
         self._unpinned_copies = 0
-        self._row_views: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -171,14 +170,6 @@ class GpuStore(BlockStore):
 
     def _view(self, slot: int) -> torch.Tensor:
         return self._pool[slot]
-
-    def _slot_rows(self) -> tuple[torch.Tensor, ...]:
-        """A view of each slot's row, made once per pool (a copy per block then indexes a
-        tuple rather than making a tensor view per block)."""
-        pool, made = self._pool, self._row_views
-        if made is None or made[0] is not pool:
-            made = self._row_views = (pool, pool.unbind(0))
-        return made[1]
 
     def pool_tensor(self) -> torch.Tensor:
         """The whole pool, ``[num_blocks, block_bytes]`` on ``device``."""
@@ -319,7 +310,7 @@ class GpuStore(BlockStore):
         lane = self._h2d
         with self._on(lane, caller):
             if isinstance(src, list) and src and isinstance(src[0], torch.Tensor):
-                rows, pool = src, self._slot_rows()
+                rows, pool = src, self._pool
                 for slot, row in zip(slots, rows, strict=True):  # one DMA per block
                     pool[slot].copy_(row, non_blocking=True)
                 return _Pending(_record(lane), tuple(rows))
@@ -339,7 +330,7 @@ class GpuStore(BlockStore):
         lane = self._d2h
         with self._on(lane, caller):
             if isinstance(dst, list) and dst and isinstance(dst[0], torch.Tensor):
-                targets, pool = dst, self._slot_rows()
+                targets, pool = dst, self._pool
                 for slot, target in zip(slots, targets, strict=True):  # one DMA per block
                     target.copy_(pool[slot], non_blocking=True)
                 return _Pending(_record(lane), tuple(targets))

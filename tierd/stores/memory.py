@@ -89,7 +89,7 @@ class HostPoolStore(BlockStore):
         self._pool = flat.reshape(self.num_blocks, self.stride)
         self._rows = self._pool[:, : self.block_bytes]
         self._tensor: torch.Tensor | None = None
-        self._row_tensors: tuple[torch.Tensor, ...] | None = None
+        self._row_tensor: torch.Tensor | None = None
 
     def _detach(self) -> None:
         """Drop the store's own references to the pool (views handed out keep theirs)."""
@@ -97,7 +97,7 @@ class HostPoolStore(BlockStore):
         self._pool = np.empty((0, self.stride), dtype=np.uint8)
         self._rows = self._pool
         self._tensor = None
-        self._row_tensors = None
+        self._row_tensor = None
 
     # -- views -----------------------------------------------------------------------
 
@@ -118,12 +118,12 @@ class HostPoolStore(BlockStore):
 
     def slot_tensors(self, slots: Sequence[int]) -> PoolRows:
         """The ``block_bytes`` of each of ``slots`` as zero-copy uint8 tensors, checked
-        once for the batch (a copy per block to or from a GPU takes these: the row views
-        are made once per pool, not once per block)."""
+        once for the batch rather than per slot (a copy per block to or from a GPU takes
+        these)."""
         self._check(slots, None)
-        if self._row_tensors is None:
-            self._row_tensors = self.pool_tensor()[:, : self.block_bytes].unbind(0)
-        rows = self._row_tensors
+        if self._row_tensor is None:
+            self._row_tensor = self.pool_tensor()[:, : self.block_bytes]
+        rows = self._row_tensor  # a view per row is made per call, not kept: 650 bytes each
         return PoolRows([rows[slot] for slot in slots], self.block_bytes)
 
     def pool_tensor(self) -> torch.Tensor:
