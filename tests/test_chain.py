@@ -42,6 +42,15 @@ def chain_config(tmp_path: Path, *tiers: dict[str, Any], **extra: Any) -> dict[s
     return {"block_bytes": BLOCK, "tiers": specs, **extra}
 
 
+def cpu_over_disk(tmp_path: Path, cpu: int, disk: int, **cpu_options: Any) -> dict[str, Any]:
+    """The usual two-level chain: a CPU tier of ``cpu`` blocks over a disk tier of ``disk``."""
+    return chain_config(
+        tmp_path,
+        {"kind": "cpu", "capacity": cpu, **cpu_options},
+        {"kind": "disk", "capacity": disk},
+    )
+
+
 async def store_all(chain: TierChain, keys: list[BlockKey]) -> list[BlockKey]:
     return await chain.store(keys, [content(k) for k in keys])
 
@@ -127,7 +136,7 @@ async def test_exact_event_sequence(tmp_path: Path) -> None:
 
 
 async def test_demotion_is_removed_above_and_stored_below(tmp_path: Path) -> None:
-    config = chain_config(tmp_path, {"kind": "cpu", "capacity": 1}, {"kind": "disk", "capacity": 2})
+    config = cpu_over_disk(tmp_path, 1, 2)
     async with tierd.open(config) as chain:
         events = chain.bus.subscribe()
         a, b = keys_of(10, 11)
@@ -142,11 +151,7 @@ async def test_demotion_is_removed_above_and_stored_below(tmp_path: Path) -> Non
 
 
 async def test_clean_block_is_dropped_not_copied_again(tmp_path: Path) -> None:
-    config = chain_config(
-        tmp_path,
-        {"kind": "cpu", "capacity": 2, "write_through": True},
-        {"kind": "disk", "capacity": 8},
-    )
+    config = cpu_over_disk(tmp_path, 2, 8, write_through=True)
     async with tierd.open(config) as chain:
         keys = keys_of(1, 2, 3, 4)
         await store_all(chain, keys[:2])
@@ -193,7 +198,7 @@ async def test_lookup_reports_in_flight_and_levels(tmp_path: Path) -> None:
 
 
 async def test_concurrent_promotions_read_the_lower_tier_once(tmp_path: Path) -> None:
-    config = chain_config(tmp_path, {"kind": "cpu", "capacity": 4}, {"kind": "disk", "capacity": 8})
+    config = cpu_over_disk(tmp_path, 4, 8)
     async with tierd.open(config) as chain:
         keys = keys_of(*range(8))
         await store_all(chain, keys[:4])
@@ -235,7 +240,7 @@ async def test_load_stops_at_first_missing_key(tmp_path: Path) -> None:
 
 
 async def test_flush_writes_dirty_blocks_down_and_clear_drops_them(tmp_path: Path) -> None:
-    config = chain_config(tmp_path, {"kind": "cpu", "capacity": 4}, {"kind": "disk", "capacity": 8})
+    config = cpu_over_disk(tmp_path, 4, 8)
     async with tierd.open(config) as chain:
         keys = keys_of(1, 2, 3)
         await store_all(chain, keys)
@@ -248,9 +253,7 @@ async def test_flush_writes_dirty_blocks_down_and_clear_drops_them(tmp_path: Pat
 
 
 async def test_cancelled_load_releases_every_pin(tmp_path: Path) -> None:
-    config = chain_config(
-        tmp_path, {"kind": "cpu", "capacity": 4}, {"kind": "disk", "capacity": 16}
-    )
+    config = cpu_over_disk(tmp_path, 4, 16)
     async with tierd.open(config) as chain:
         keys = keys_of(*range(12))
         for i in range(0, 12, 4):
@@ -270,7 +273,7 @@ async def test_cancelled_load_releases_every_pin(tmp_path: Path) -> None:
 
 
 async def test_disk_tier_survives_reopen(tmp_path: Path) -> None:
-    config = chain_config(tmp_path, {"kind": "cpu", "capacity": 2}, {"kind": "disk", "capacity": 8})
+    config = cpu_over_disk(tmp_path, 2, 8)
     keys = keys_of(*range(6))
     async with tierd.open(config) as chain:
         for i in range(0, 6, 2):
@@ -286,11 +289,7 @@ async def test_disk_tier_survives_reopen(tmp_path: Path) -> None:
 
 
 async def test_begin_store_writes_in_place_and_commit_makes_blocks_ready(tmp_path: Path) -> None:
-    config = chain_config(
-        tmp_path,
-        {"kind": "cpu", "capacity": 8, "write_through": True},
-        {"kind": "disk", "capacity": 16},
-    )
+    config = cpu_over_disk(tmp_path, 8, 16, write_through=True)
     async with tierd.open(config) as chain:
         await store_all(chain, keys_of(1))
         handle = await chain.begin_store(keys_of(1, 2, 3))
@@ -346,9 +345,7 @@ async def test_begin_store_without_room_raises_and_changes_nothing(tmp_path: Pat
 async def test_load_of_more_blocks_than_the_level_holds_returns_the_leading_ones(
     tmp_path: Path,
 ) -> None:
-    config = chain_config(
-        tmp_path, {"kind": "cpu", "capacity": 4}, {"kind": "disk", "capacity": 32}
-    )
+    config = cpu_over_disk(tmp_path, 4, 32)
     async with tierd.open(config) as chain:
         keys = keys_of(*range(8))
         for i in range(0, 8, 4):

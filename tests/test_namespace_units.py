@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import tierd
-from tests.test_chain import chain_config, content, keys_of, store_all
+from tests.test_chain import chain_config, content, cpu_over_disk, keys_of, store_all
 from tierd.chain import TierChain
 from tierd.config import DaemonConfig
 from tierd.control.namespaces import NAMES_FILE, NamespaceBook
@@ -30,9 +30,7 @@ from tierd.testing import daemon_config
 
 
 async def test_delete_removes_every_copy_and_keeps_busy_keys_whole(tmp_path: Path) -> None:
-    config = chain_config(
-        tmp_path, {"kind": "cpu", "capacity": 4}, {"kind": "disk", "capacity": 16}
-    )
+    config = cpu_over_disk(tmp_path, 4, 16)
     keys = keys_of(*range(8))
     async with tierd.open(config) as chain:
         for start in range(0, len(keys), 2):
@@ -126,7 +124,7 @@ def test_reload_refuses_live_values_that_do_not_fit_what_keeps_running(tmp_path:
 
 
 async def test_cleared_disk_blocks_do_not_come_back_after_a_reopen(tmp_path: Path) -> None:
-    config = chain_config(tmp_path, {"kind": "cpu", "capacity": 2}, {"kind": "disk", "capacity": 8})
+    config = cpu_over_disk(tmp_path, 2, 8)
     keys = keys_of(*range(4))
     async with tierd.open(config) as chain:
         for start in range(0, len(keys), 2):
@@ -156,9 +154,7 @@ def truth(chain: TierChain) -> list[dict[bytes, int]]:
 async def test_the_census_follows_stores_evictions_demotions_deletes_and_clears(
     tmp_path: Path,
 ) -> None:
-    config = chain_config(
-        tmp_path, {"kind": "cpu", "capacity": 8}, {"kind": "disk", "capacity": 24}
-    )
+    config = cpu_over_disk(tmp_path, 8, 24)
     async with tierd.open(config) as chain:
         census = chain.prefix_census(NAMESPACE_ID_BYTES)
         seen = lambda: [dict(census.counts(i)) for i in range(len(chain.levels))]  # noqa: E731
