@@ -40,6 +40,13 @@ def pattern(tag: bytes, size: int) -> bytes:
     return (tag * (size // len(tag) + 1))[:size]
 
 
+def write_patterns(fd: int, tag: bytes, count: int) -> list[bytes]:
+    """Rows ``0..count`` of ``fd`` filled with ``pattern(tag + i + "-")``; the keys ``tag + i``."""
+    for i in range(count):
+        os.pwrite(fd, pattern(b"%s%d-" % (tag, i), BLOCK), i * BLOCK)
+    return [b"%s%d" % (tag, i) for i in range(count)]
+
+
 async def connect(daemon: Daemon, namespace: str | None = NS) -> Client:
     return await Client.connect(str(daemon.config.socket.path), namespace=namespace)
 
@@ -124,10 +131,8 @@ async def test_loads_are_per_key_and_come_from_every_tier(tmp_path: Path) -> Non
         await connect(daemon) as client,
     ):
         with memfd(32 * BLOCK) as fd:
-            for i in range(12):
-                os.pwrite(fd, pattern(b"blk%d-" % i, BLOCK), i * BLOCK)
+            keys = write_patterns(fd, b"blk", 12)
             region = await client.register_region(fd, 32 * BLOCK)
-            keys = [b"blk%d" % i for i in range(12)]
             for start in range(0, 12, 4):  # through a 4-block CPU tier: most go to disk
                 part = range(start, start + 4)
                 done = await client.region_store(region, keys[start : start + 4], rows(*part))
@@ -278,10 +283,8 @@ async def test_jobs_over_the_daemons_bounds_are_split_by_the_client(tmp_path: Pa
         await connect(daemon) as client,
     ):
         with memfd(64 * BLOCK) as fd:
-            for i in range(20):
-                os.pwrite(fd, pattern(b"big%d-" % i, BLOCK), i * BLOCK)
+            keys = write_patterns(fd, b"big", 20)
             region = await client.register_region(fd, 64 * BLOCK)
-            keys = [b"big%d" % i for i in range(20)]
             assert await client.region_store(region, keys, rows(*range(20))) == [True] * 20
             assert await client.region_load(region, keys, rows(*range(32, 52))) == [True] * 20
             for i in range(20):
