@@ -11,6 +11,7 @@ import pytest
 import tierd
 from tierd.workload.backends import replay_chain
 from tierd.workload.generate import GeneratorConfig, generate
+from tierd.workload.replay_figures import ReplaySummary
 from tierd.workload.simulate import simulate
 from tierd.workload.trace import Trace, read_trace, write_trace
 
@@ -39,12 +40,17 @@ def config(tmp_path: Path, cpu_blocks: int, disk_blocks: int | None) -> dict[str
     return {"block_bytes": BLOCK, "tiers": tiers}
 
 
+async def replay_cpu_only(tmp_path: Path, trace: Trace, capacity: int) -> ReplaySummary:
+    """``trace`` replayed through a chain of one CPU tier of ``capacity`` blocks."""
+    async with tierd.open(config(tmp_path, capacity, None)) as chain:
+        return await replay_chain(chain, trace)
+
+
 async def test_cpu_only_chain_matches_the_single_tier_simulation(
     tmp_path: Path, trace: Trace
 ) -> None:
     capacity = max(8, trace.unique_blocks // 10)
-    async with tierd.open(config(tmp_path, capacity, None)) as chain:
-        result = await replay_chain(chain, trace)
+    result = await replay_cpu_only(tmp_path, trace, capacity)
     reference = simulate(trace, "lru", capacity)
     assert result.block_accesses == reference.block_accesses
     assert result.hits == reference.hits
@@ -55,8 +61,7 @@ async def test_a_disk_tier_below_adds_hits_and_reports_them_per_medium(
     tmp_path: Path, trace: Trace
 ) -> None:
     capacity = max(8, trace.unique_blocks // 20)
-    async with tierd.open(config(tmp_path, capacity, None)) as chain:
-        alone = await replay_chain(chain, trace)
+    alone = await replay_cpu_only(tmp_path, trace, capacity)
     async with tierd.open(config(tmp_path, capacity, trace.unique_blocks)) as chain:
         both = await replay_chain(chain, trace)
         chain.check_invariants(idle=True)
