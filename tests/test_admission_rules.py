@@ -6,7 +6,7 @@ where the outcome is exact."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -204,20 +204,23 @@ def test_the_shadow_is_bounded_by_its_memory() -> None:
 # -- through a chain ---------------------------------------------------------------------
 
 
-def simulate(
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    requests: Sequence[Sequence[int]],
-    admission: str,
-    cpu: int,
-    disk: int,
-) -> Any:
-    config = chain_yaml(tmp_path, admission, cpu=cpu, disk=disk)
-    trace = write_trace(tmp_path / "trace.jsonl", requests)
-    assert main(["simulate", str(trace), "--config", str(config), "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    disk_tier = next(t for t in result["tiers"] if t["name"] == "disk")
-    return disk_tier["stores"], result["hits_by_medium"].get("DISK", 0)
+Simulate = Callable[[Sequence[Sequence[int]], str], tuple[int, int]]
+
+
+@pytest.fixture
+def simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Simulate:
+    """``tierd simulate --json`` of requests through a 1-block CPU tier over a 2-block
+    disk tier under an admission rule: the disk tier's stores and its hits."""
+
+    def run(requests: Sequence[Sequence[int]], admission: str) -> tuple[int, int]:
+        config = chain_yaml(tmp_path, admission, cpu=1, disk=2)
+        trace = write_trace(tmp_path / "trace.jsonl", requests)
+        assert main(["simulate", str(trace), "--config", str(config), "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        disk_tier = next(t for t in result["tiers"] if t["name"] == "disk")
+        return disk_tier["stores"], result["hits_by_medium"].get("DISK", 0)
+
+    return run
 
 
 # One block per request, never used again: each request demotes the one before it.
@@ -241,14 +244,9 @@ RETURNS = [[1], [2], [1]] + [r for n in range(3, 9) for r in ([n], [n - 1])]
     ],
 )
 def test_comeback_through_simulate(
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    requests: list[list[int]],
-    admission: str,
-    stores: int,
-    disk_hits: int,
+    simulate: Simulate, requests: list[list[int]], admission: str, stores: int, disk_hits: int
 ) -> None:
-    assert simulate(tmp_path, capsys, requests, admission, cpu=1, disk=2) == (stores, disk_hits)
+    assert simulate(requests, admission) == (stores, disk_hits)
 
 
 async def test_sample_keeps_or_drops_whole_requests(tmp_path: Path) -> None:
