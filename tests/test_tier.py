@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
-from tierd.errors import BlockBusy, BlockMissing, BlockNotPinned, BlockNotReady, UnknownPolicy
+from tierd.errors import (
+    BlockBusy,
+    BlockMissing,
+    BlockNotPinned,
+    BlockNotReady,
+    BlockStateError,
+    UnknownPolicy,
+)
 from tierd.events import EventKind, TierEvent
 from tierd.keys import BlockKey, Medium, int_key
 from tierd.policy import LRUPolicy, policy_names
@@ -20,6 +27,7 @@ a, b, c, d, e, f, g = (int_key(i) for i in range(1, 8))
 UNIVERSE = [int_key(i) for i in range(1, 20)]
 
 MakeTier = Callable[..., Tier]
+Refusal = TypeVar("Refusal", bound=BlockStateError)
 
 
 @pytest.fixture
@@ -56,6 +64,21 @@ def snapshot(tier: Tier) -> tuple[Any, ...]:
         {k for k in UNIVERSE if tier.is_writing(k)},
         {k for k in UNIVERSE if tier.is_pinned(k)},
     )
+
+
+def assert_refused(
+    tier: Tier, error: type[Refusal], call: Callable[[], object], key: BlockKey
+) -> Refusal:
+    """``call`` raises ``error`` naming ``key``, and the tier is as it was, with no events
+    (those before the call are taken first)."""
+    tier.take_events()
+    before = snapshot(tier)
+    with pytest.raises(error) as info:
+        call()
+    assert info.value.key == key
+    assert snapshot(tier) == before
+    assert tier.take_events() == []
+    return info.value
 
 
 # -- construction --------------------------------------------------------------------
@@ -397,13 +420,8 @@ def test_pins_are_counted(make_tier: MakeTier) -> None:
 def test_prepare_load_of_a_missing_key(make_tier: MakeTier) -> None:
     tier = make_tier(3)
     store(tier, [a])
-    tier.take_events()
-    before = snapshot(tier)
-    with pytest.raises(BlockMissing) as info:
-        tier.prepare_load([a, e])
-    assert info.value.key == e and info.value.tier == NAME and info.value.medium == "CPU"
-    assert snapshot(tier) == before
-    assert tier.take_events() == []
+    missing = assert_refused(tier, BlockMissing, lambda: tier.prepare_load([a, e]), e)
+    assert missing.tier == NAME and missing.medium == "CPU"
     with pytest.raises(BlockNotPinned):
         tier.complete_load([a])  # the failed call pinned nothing
 
@@ -412,13 +430,7 @@ def test_prepare_load_of_a_writing_key(make_tier: MakeTier) -> None:
     tier = make_tier(3)
     store(tier, [a])
     tier.prepare_store([b])
-    tier.take_events()
-    before = snapshot(tier)
-    with pytest.raises(BlockNotReady) as info:
-        tier.prepare_load([a, b])
-    assert info.value.key == b
-    assert snapshot(tier) == before
-    assert tier.take_events() == []
+    assert_refused(tier, BlockNotReady, lambda: tier.prepare_load([a, b]), b)
     assert not tier.is_pinned(a)
 
 
@@ -426,12 +438,8 @@ def test_complete_load_of_an_unpinned_key(make_tier: MakeTier) -> None:
     tier = make_tier(3)
     store(tier, [a, b])
     tier.prepare_load([a])
-    tier.take_events()
+    assert_refused(tier, BlockNotPinned, lambda: tier.complete_load([a, b]), b)
     before = snapshot(tier)
-    with pytest.raises(BlockNotPinned) as info:
-        tier.complete_load([a, b])
-    assert info.value.key == b
-    assert snapshot(tier) == before
     with pytest.raises(BlockNotPinned):
         tier.complete_load([a, a])  # pinned once, released twice
     assert snapshot(tier) == before
@@ -536,13 +544,7 @@ def test_discard_of_a_busy_block_removes_nothing(make_tier: MakeTier, busy: str)
     else:
         tier.prepare_store([c])
         key = c
-    tier.take_events()
-    before = snapshot(tier)
-    with pytest.raises(BlockBusy) as info:
-        tier.discard([a, key])
-    assert info.value.key == key
-    assert snapshot(tier) == before
-    assert tier.take_events() == []
+    assert_refused(tier, BlockBusy, lambda: tier.discard([a, key]), key)
 
 
 def test_clear_removes_idle_blocks_only(make_tier: MakeTier) -> None:
