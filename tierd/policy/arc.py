@@ -91,20 +91,10 @@ class ARCPolicy(CachePolicy):
                 held2[key] = None
 
     def hold(self, key: BlockKey) -> None:
-        if key in self._t1:
-            del self._t1[key]
-            self._held1[key] = None
-        elif key in self._t2:
-            del self._t2[key]
-            self._held2[key] = None
+        _shift(key, ((self._t1, self._held1), (self._t2, self._held2)))
 
     def release(self, key: BlockKey) -> None:
-        if key in self._held1:
-            del self._held1[key]
-            self._t1[key] = None
-        elif key in self._held2:
-            del self._held2[key]
-            self._t2[key] = None
+        _shift(key, ((self._held1, self._t1), (self._held2, self._t2)))
 
     def evict(self, n: int, protected: Collection[BlockKey] = ()) -> list[BlockKey] | None:
         if n <= 0:
@@ -158,3 +148,15 @@ class ARCPolicy(CachePolicy):
         for group in (self._t1, self._t2, self._held1, self._held2, self._b1, self._b2):
             group.clear()
         self.p = 0.0
+
+
+def _shift(
+    key: BlockKey, moves: Sequence[tuple[dict[BlockKey, None], dict[BlockKey, None]]]
+) -> None:
+    """Move ``key`` from the first list of the first pair that holds it to that pair's
+    second list (the key keeps its T1 or T2 side while it is held)."""
+    for source, target in moves:
+        if key in source:
+            del source[key]
+            target[key] = None
+            return
