@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,10 +163,8 @@ def gather_page(
 ) -> None:
     """Copy one page's pieces, in order, from the host pool into ``out`` (a block)."""
     target = np.frombuffer(out, dtype=np.uint8)
-    at = 0
-    for offset, size in zip(offsets.tolist(), pieces, strict=True):
-        target[at : at + size] = memory[offset : offset + size]
-        at += size
+    for in_pool, in_block in _piece_spans(offsets, pieces):
+        target[in_block] = memory[in_pool]
 
 
 def scatter_page(
@@ -177,9 +175,18 @@ def scatter_page(
 ) -> None:
     """Copy one block into the pieces of one page of the host pool."""
     source = np.frombuffer(block, dtype=np.uint8)
+    for in_pool, in_block in _piece_spans(offsets, pieces):
+        memory[in_pool] = source[in_block]
+
+
+def _piece_spans(
+    offsets: npt.NDArray[np.uint64], pieces: Sequence[int]
+) -> Iterator[tuple[slice, slice]]:
+    """Where each piece of one page lies: in the host pool, and in the block (the pieces
+    one after another, in order)."""
     at = 0
     for offset, size in zip(offsets.tolist(), pieces, strict=True):
-        memory[offset : offset + size] = source[at : at + size]
+        yield slice(offset, offset + size), slice(at, at + size)
         at += size
 
 
