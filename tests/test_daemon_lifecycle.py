@@ -348,6 +348,14 @@ async def _store_dirty(cfg: DaemonConfig, names: list[bytes]) -> None:
         await store_all(client, names, 4)
 
 
+async def _forced_exit(daemon: Daemon, task: asyncio.Task[int], cfg: DaemonConfig) -> None:
+    """One more stop request ends the daemon at once: exit status 1, its socket removed."""
+    daemon.request_stop()
+    async with asyncio.timeout(DEADLINE_S):
+        assert await task == 1
+    assert not exists(cfg.socket.path)
+
+
 async def test_second_stop_during_drain_forces_exit_status_1(tmp_path: Path) -> None:
     cfg = DaemonConfig.model_validate(daemon_config(tmp_path, cpu_blocks=8))
     daemon, task = await _start_in_loop(cfg)
@@ -360,12 +368,8 @@ async def test_second_stop_during_drain_forces_exit_status_1(tmp_path: Path) -> 
         daemon.request_stop()
         async with asyncio.timeout(DEADLINE_S):
             await entered.wait()  # the drain is now writing back, held at the gate
-        daemon.request_stop()
-        async with asyncio.timeout(DEADLINE_S):
-            status = await task
+        await _forced_exit(daemon, task, cfg)
         assert not gate.is_set()
-    assert status == 1
-    assert not exists(cfg.socket.path)
 
     # The write-back was skipped: only what was on disk survived (and its index did).
     daemon, task = await _start_in_loop(cfg)
@@ -386,12 +390,8 @@ async def test_two_stop_requests_before_the_drain_skip_it(tmp_path: Path) -> Non
     await _store_dirty(cfg, keys("twice", 4))
     async with _gated_flush(daemon) as (entered, _gate):
         daemon.request_stop()
-        daemon.request_stop()
-        async with asyncio.timeout(DEADLINE_S):
-            status = await task
+        await _forced_exit(daemon, task, cfg)
         assert not entered.is_set()
-    assert status == 1
-    assert not exists(cfg.socket.path)
 
 
 async def test_cancelling_the_daemon_during_the_drain_propagates(tmp_path: Path) -> None:
