@@ -19,7 +19,7 @@ without a copy, then move with one numpy call per batch (a slice, a fancy-index 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
@@ -148,26 +148,31 @@ class HostPoolStore(BlockStore):
     async def _write(
         self, slots: Sequence[int], keys: Sequence[BlockKey], data: Sequence[Buffer] | Any
     ) -> list[bool]:
-        count = len(slots)
-        src = block_batch(data, count, self.block_bytes, writable=False)
-        if count == 0:
-            return []
-        nbytes = count * self.block_bytes
-        await run_copy(partial(self._copy_in, slots, src), nbytes, inline_limit=self.inline_limit)
-        self._counters.bytes_written += nbytes
-        return [True] * count
+        self._counters.bytes_written += await self._copy(self._copy_in, slots, data, False)
+        return [True] * len(slots)
 
     async def _read(
         self, slots: Sequence[int], keys: Sequence[BlockKey], out: Sequence[Buffer] | Any
     ) -> list[bool]:
+        self._counters.bytes_read += await self._copy(self._copy_out, slots, out, True)
+        return [True] * len(slots)
+
+    async def _copy(
+        self,
+        copy: Callable[[Sequence[int], BlockBatch], None],
+        slots: Sequence[int],
+        blocks: Sequence[Buffer] | Any,
+        writable: bool,
+    ) -> int:
+        """Copy ``blocks`` to or from ``slots`` with ``copy`` (inline or on a thread, by
+        size); the bytes copied. ``writable``: the blocks are written (a read)."""
         count = len(slots)
-        dst = block_batch(out, count, self.block_bytes, writable=True)
+        batch = block_batch(blocks, count, self.block_bytes, writable=writable)
         if count == 0:
-            return []
+            return 0
         nbytes = count * self.block_bytes
-        await run_copy(partial(self._copy_out, slots, dst), nbytes, inline_limit=self.inline_limit)
-        self._counters.bytes_read += nbytes
-        return [True] * count
+        await run_copy(partial(copy, slots, batch), nbytes, inline_limit=self.inline_limit)
+        return nbytes
 
     def _copy_in(self, slots: Sequence[int], src: BlockBatch) -> None:
         if isinstance(src, list) and src and is_tensor(src[0]):
