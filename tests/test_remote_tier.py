@@ -71,6 +71,20 @@ async def load_bytes(chain: TierChain, keys: list[BlockKey]) -> list[bytes]:
         return [bytes(view) for view in handle.views()]
 
 
+async def assert_found_below(
+    chain: TierChain, keys: list[BlockKey], medium: Medium, data: list[bytes]
+) -> None:
+    """A node that never stored them finds the first ``len(data)`` of ``keys`` in the level
+    of ``medium`` alone, loads ``data`` from it and promotes the blocks into its local tier."""
+    count = len(data)
+    found = await chain.find(keys)
+    assert found.count == count
+    assert found.media == (medium,) * count
+    assert chain.lookup(keys).count == 0  # the local lookup alone sees nothing
+    assert await load_bytes(chain, keys[:count]) == data
+    assert chain.lookup(keys[:count]).count == count  # promoted into the local tier
+
+
 async def settle(chain: TierChain) -> None:
     assert chain.remote is not None
     await chain.remote.level.drain()
@@ -134,12 +148,7 @@ async def test_a_block_evicted_on_one_node_is_a_hit_on_another(server: RedisServ
         await settle(a)
         assert a.remote is not None and a.remote.sent == 4
     async with node({"url": server.url}) as b:
-        found = await b.find(keys)
-        assert found.count == 4
-        assert found.media == (Medium.REMOTE,) * 4
-        assert b.lookup(keys).count == 0  # the local lookup alone sees nothing
-        assert await load_bytes(b, keys[:4]) == [block(k) for k in keys[:4]]
-        assert b.lookup(keys[:4]).count == 4  # promoted into the local tier
+        await assert_found_below(b, keys, Medium.REMOTE, [block(k) for k in keys[:4]])
         stats = b.remote.level.stats() if b.remote else {}
         assert stats["hits"] == 4 and stats["corrupt"] == 0
 

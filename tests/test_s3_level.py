@@ -28,6 +28,7 @@ import yaml
 from redis_kit import RedisServer, redis_server
 from s3_kit import S3FaultProxy, SeaweedServer, s3_proxy_fixture, seaweed_fixture
 
+from tests.test_remote_tier import assert_found_below, load_bytes
 from tierd.chain import TierChain
 from tierd.cli import main
 from tierd.config import ChainConfig
@@ -137,11 +138,6 @@ def stack(chain: TierChain) -> RemoteStack:
     return found
 
 
-async def load_bytes(chain: TierChain, keys: list[BlockKey]) -> list[bytes]:
-    async with chain.loading(keys) as handle:
-        return [bytes(view) for view in handle.views()]
-
-
 async def store_through(chain: TierChain, keys: list[BlockKey]) -> None:
     """Store ``keys`` and wait until every write to the remote level is done."""
     await chain.store(keys, [block(k) for k in keys])
@@ -162,12 +158,7 @@ async def test_a_block_evicted_on_one_node_is_a_hit_on_another(bucket: Bucket) -
         paths = sorted(level(a).path(k) for k in keys[:4])
     assert await bucket.objects() == paths
     async with node(bucket.remote()) as b:
-        found = await b.find(keys)
-        assert found.count == 4
-        assert found.media == (Medium.OBJECT,) * 4
-        assert b.lookup(keys).count == 0  # the local lookup alone sees nothing
-        assert await load_bytes(b, keys[:4]) == [block(k) for k in keys[:4]]
-        assert b.lookup(keys[:4]).count == 4  # promoted into the local tier
+        await assert_found_below(b, keys, Medium.OBJECT, [block(k) for k in keys[:4]])
         stats = level(b).stats()
         assert stats["medium"] == "OBJECT"
         assert (stats["hits"], stats["corrupt"], stats["errors"]) == (4, 0, 0)
