@@ -7,6 +7,7 @@ loads torch.
 
 from typing import Any
 
+from tierd.lazy import lazy_attribute
 from tierd.stores.base import BlockStore, Buffer, StoreStats
 from tierd.stores.cpu import CpuStore
 from tierd.stores.disk import DiskStore
@@ -25,8 +26,4 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name == "GpuStore":
-        from tierd.stores.gpu import GpuStore
-
-        return GpuStore
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lazy_attribute(__name__, name, {"GpuStore": "tierd.stores.gpu"})

@@ -27,6 +27,7 @@ Import every name from here: ``from tierd.testing import FailingStore``.
 
 from typing import TYPE_CHECKING, Any
 
+from tierd.lazy import lazy_attribute
 from tierd.testing.blocks import as_bytes, keys_for, random_blocks
 from tierd.testing.daemon import daemon_config, running_daemon, short_socket_path
 from tierd.testing.faults import FailingStore, corrupt_disk_block
@@ -65,8 +66,4 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     """:class:`StoreConformance` on first use: it imports pytest and torch."""
-    if name == "StoreConformance":
-        from tierd.testing.conformance import StoreConformance
-
-        return StoreConformance
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lazy_attribute(__name__, name, {"StoreConformance": "tierd.testing.conformance"})
