@@ -17,7 +17,7 @@ A :class:`BlockRequests` knows its session only through :class:`Requester`.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from tierd.chain import LoadHandle, StoreHandle, TierChain
 from tierd.control.context import ServerContext
@@ -31,6 +31,8 @@ from tierd.keys import BlockKey, Medium
 __all__ = ["LOADED_FROM", "BlockRequests", "Requester", "distinct"]
 
 Reply = dict[str, Any]
+_Handle = TypeVar("_Handle", StoreHandle, LoadHandle)
+
 # A load's reply carries the slowest medium it read from under this key, for the timing;
 # the session takes it out before the reply is sent.
 LOADED_FROM = "_loaded_from"
@@ -109,11 +111,16 @@ class BlockRequests:
         return {"stored": self._stored(await handle.commit(ok))}
 
     def abort_store(self, msg: dict[str, Any]) -> Reply:
-        lease = int_field(msg, "lease")
-        handle = self.leases.named(lease, StoreHandle)
-        self.leases.end(lease)
-        handle.abort()
+        self._take(msg, StoreHandle).abort()
         return {}
+
+    def _take(self, msg: dict[str, Any], kind: type[_Handle]) -> _Handle:
+        """The handle of the request's ``lease``, which must be of ``kind``; the lease ends
+        here (its blocks no longer count) and the caller finishes the handle."""
+        lease = int_field(msg, "lease")
+        handle = self.leases.named(lease, kind)
+        self.leases.end(lease)
+        return handle
 
     async def pin(self, keys: list[BlockKey], wait_s: float) -> tuple[LoadHandle, Hold] | None:
         """The leading keys loaded into the entry level and pinned there, under the lease
@@ -143,10 +150,7 @@ class BlockRequests:
         }
 
     def complete_load(self, msg: dict[str, Any]) -> Reply:
-        lease = int_field(msg, "lease")
-        handle = self.leases.named(lease, LoadHandle)
-        self.leases.end(lease)
-        handle.release()
+        self._take(msg, LoadHandle).release()
         return {}
 
     # -- inline, in the messages ------------------------------------------------------
