@@ -187,7 +187,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=str(ROOT / ".bench"), help="where the disk files go")
     parser.add_argument("--mib", type=int, default=256, help="MiB moved per case and run")
@@ -195,7 +195,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "chain.md"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.mib, args.repeat = 32, 1
     Path(args.dir).mkdir(parents=True, exist_ok=True)
@@ -206,7 +206,8 @@ def main() -> None:
     if not args.quick:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -46,16 +46,11 @@ from typing import Any
 import uvloop
 
 # Only light imports at the top: client processes are spawned and import this module.
-# The rest of the benchmark sits beside it (scripts/bench_daemon_*.py); a spawned client
-# process gets this sys.path.
-SCRIPTS = str(Path(__file__).resolve().parent)
-if SCRIPTS not in sys.path:
-    sys.path.insert(0, SCRIPTS)
-
-from bench_daemon_data import DataPlan, data_path, store_lookup_keys, tierd_client_lookups  # noqa: E402
-from bench_daemon_report import Figures, markdown  # noqa: E402
-from bench_daemon_servers import Servers, daemon_yaml, profile_daemon, serve_launcher  # noqa: E402
-from bench_daemon_wire import ClientPlan, Phase, echo_main, run_clients  # noqa: E402
+# The rest of the benchmark sits beside it (bench/daemon_*.py).
+from bench.daemon_data import DataPlan, data_path, store_lookup_keys, tierd_client_lookups
+from bench.daemon_report import Figures, markdown
+from bench.daemon_servers import Servers, daemon_yaml, profile_daemon, serve_launcher
+from bench.daemon_wire import ClientPlan, Phase, echo_main, run_clients
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from bench_daemon_wire import NAMESPACE, lookup_keys
+from bench.daemon_wire import NAMESPACE, lookup_keys
 
 
 async def store_lookup_keys(path: str, count: int) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 
 import msgpack
 import uvloop
-from bench_daemon_wire import KEY_BYTES
+
+from bench.daemon_wire import KEY_BYTES
 
 
 @dataclass

@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from bench_daemon_data import store_lookup_keys
-from bench_daemon_wire import START_TIMEOUT_S, ClientPlan, Phase, run_clients
 
+from bench.daemon_data import store_lookup_keys
+from bench.daemon_wire import START_TIMEOUT_S, ClientPlan, Phase, run_clients
 from tierd.testing import DaemonProcess as Daemon
 from tierd.testing import start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = Path(__file__).resolve().parent / "bench_daemon.py"  # runs the echo server
 
 _DAEMON = """
 import sys
@@ -53,7 +52,7 @@ class Servers:
 
     def start_echo(self, path: str) -> None:
         child = subprocess.Popen(
-            [sys.executable, str(BENCH), "--echo-server", path], stdout=subprocess.PIPE
+            [sys.executable, "-m", "bench.daemon", "--echo-server", path], stdout=subprocess.PIPE
         )
         self.children.append(child)
         ready, _, _ = select.select([child.stdout], [], [], START_TIMEOUT_S)

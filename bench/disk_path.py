@@ -142,7 +142,7 @@ def device(directory: Path, args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--block-kib", type=int, default=1024)
     parser.add_argument("--in-flight", type=int, default=1)
@@ -156,7 +156,7 @@ def main() -> None:
         help="the disk tier's durability mode (fio syncs once at the end unless none)",
     )  # fmt: skip
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     figures: dict[str, list[float]] = {}
     for rep in range(args.reps):
         with tempfile.TemporaryDirectory(prefix="tierd-disk-path-", dir=args.dir) as tmp:
@@ -188,7 +188,8 @@ def main() -> None:
                 indent=1,
             )
         )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -18,6 +18,7 @@ Usage: ``scripts/bench_hostile.py stall|pool|partial|scrape``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import socket
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT / "tests"))
 
 from fake_redis import fake_redis  # noqa: E402
 from redis_kit import redis_server  # noqa: E402
@@ -202,15 +203,18 @@ async def scrape(home: Path) -> None:
     )
 
 
-def main() -> None:
-    part = sys.argv[1]
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=["stall", "pool", "partial", "scrape"])
+    part = parser.parse_args(argv).part
     with tempfile.TemporaryDirectory(prefix="bh-") as tmp:
         home = Path(tmp)
         os.chmod(home, 0o700)
         asyncio.run(
             {"stall": stall, "pool": pool, "partial": partial, "scrape": scrape}[part](home)
         )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -152,7 +152,7 @@ async def _round(on: bool, args: argparse.Namespace) -> dict[str, float]:
             return out
 
 
-async def main(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace) -> None:
     off: list[dict[str, float]] = []
     on: list[dict[str, float]] = []
     for r in range(args.rounds):
@@ -176,11 +176,17 @@ async def main(args: argparse.Namespace) -> None:
     )
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", type=int, default=8)
     parser.add_argument("--rate", type=int, default=256, help="blocks/s per engine")
     parser.add_argument("--batch", type=int, default=16, help="keys per store")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=3)
-    asyncio.run(main(parser.parse_args()))
+    args = parser.parse_args(argv)
+    asyncio.run(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

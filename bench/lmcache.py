@@ -132,13 +132,13 @@ def table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--num-keys", type=int, default=32)
     parser.add_argument("--data-size-kb", type=int, default=256)
     parser.add_argument("--in-flight", type=int, default=1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not LMCACHE_PYTHON.is_file():
         sys.exit(f"LMCache is not installed ({LMCACHE_PYTHON} missing): run scripts/setup_lmcache")
     results: dict[str, dict[str, Any]] = {}
@@ -147,7 +147,8 @@ def main() -> None:
             results[name] = run_case(name, args, Path(tmp))
         print(f"{name}: done", file=sys.stderr)
     print(table(results, args))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

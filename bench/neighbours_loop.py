@@ -135,7 +135,15 @@ async def neighbour(attack: str, socket: str, seconds: float) -> int:
 async def phase(attack: str | None, socket: str, args: argparse.Namespace) -> dict[str, Any]:
     child = None
     if attack is not None:
-        command = [sys.executable, __file__, "--neighbour", attack, "--socket", socket]
+        command = [
+            sys.executable,
+            "-m",
+            "bench.neighbours_loop",
+            "--neighbour",
+            attack,
+            "--socket",
+            socket,
+        ]
         command += ["--seconds", str(args.seconds)]
         child = await asyncio.to_thread(
             subprocess.Popen, command, stdout=subprocess.PIPE, text=True
@@ -203,7 +211,15 @@ async def probed(attack: str, socket: str, args: argparse.Namespace) -> dict[str
             last = now
 
     ticker = asyncio.create_task(tick())
-    command = [sys.executable, __file__, "--neighbour", attack, "--socket", socket]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.neighbours_loop",
+        "--neighbour",
+        attack,
+        "--socket",
+        socket,
+    ]
     child = await asyncio.create_subprocess_exec(
         *command, "--seconds", str(args.seconds), stdout=subprocess.PIPE
     )
@@ -219,7 +235,7 @@ async def probed(attack: str, socket: str, args: argparse.Namespace) -> dict[str
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=240_000)
     parser.add_argument("--trips", type=int, default=50_000)
@@ -228,7 +244,7 @@ def main() -> None:
     parser.add_argument("--probe", action="store_true", help="time the loop's turns instead")
     parser.add_argument("--neighbour", choices=ATTACKS, help=argparse.SUPPRESS)
     parser.add_argument("--socket", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.neighbour:
         print(asyncio.run(neighbour(args.neighbour, args.socket, args.seconds)))
         return
@@ -249,7 +265,8 @@ def main() -> None:
             f"{row['attack']:<12}{row['trips']:>7}{row['p50_ms']:>9}{row['p99_ms']:>9}"
             f"{row['max_ms']:>9}"
         )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -246,7 +246,15 @@ def memory_kib(pid: int) -> dict[str, int]:
 
 
 def spawn_child(args: argparse.Namespace, role: str, uid: int | None, kind: str = "") -> Any:
-    command = [sys.executable, __file__, "--role", role, "--socket", args.socket]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.neighbours_regions",
+        "--role",
+        role,
+        "--socket",
+        args.socket,
+    ]
     command += ["--kind", kind, "--in-flight", str(args.in_flight)] if kind else []
     command += ["--uid", str(uid)] if uid is not None else []
     for name in ("block_kib", "samples", "interval_ms", "phase_s"):
@@ -380,7 +388,7 @@ def orchestrate(args: argparse.Namespace) -> None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     parser.add_argument("--samples", type=int, default=2000, help="bystander jobs per phase")
@@ -395,15 +403,20 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--kind", default="", help=argparse.SUPPRESS)
     parser.add_argument("--socket", default="", help=argparse.SUPPRESS)
     parser.add_argument("--uid", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not 0 < args.phase_s <= 20 or args.samples < 1 or args.in_flight < 1:
         parser.error("--phase-s must be in (0, 20], --samples and --in-flight at least 1")
     return args
 
 
-if __name__ == "__main__":
-    arguments = parse()
+def main(argv: list[str] | None = None) -> int:
+    arguments = parse(argv)
     if arguments.role is None:
         orchestrate(arguments)
     else:
         child_main(arguments)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

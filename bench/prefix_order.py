@@ -60,12 +60,12 @@ async def replay(requests: list[list[int]], cpu: int, disk: int, piece: int, tou
             return hits
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=12_031)
     parser.add_argument("--capacity", default="0.05,0.10", help="fractions of unique blocks")
     parser.add_argument("--piece", type=int, default=6)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not TRACE.exists():
         sys.exit(f"the shared trace is missing: {TRACE}")
     lines = TRACE.read_text().splitlines()[: args.requests]
@@ -88,7 +88,8 @@ def main() -> None:
             f"({time.monotonic() - started:.0f} s)",
             file=sys.stdout,
         )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

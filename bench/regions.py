@@ -124,14 +124,14 @@ def spin(stop: threading.Event) -> None:
             total += i
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=32)
     parser.add_argument("--block-kib", type=int, default=128)
     parser.add_argument("--busy", action="store_true", help="a busy Python thread beside")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     block = args.block_kib << 10
     capacity = 8 * args.blocks  # slots are reused: page faults of a fresh pool are not timed
     with tempfile.TemporaryDirectory(prefix="tierd-bench-", dir="/tmp") as tmp:
@@ -159,7 +159,8 @@ def main() -> None:
                 cells.append(f"{seconds * 1e3:.2f} ms{rate}")
         print(f"| {op} | " + " | ".join(cells) + " |")
     print(f"\nload average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

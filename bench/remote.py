@@ -44,18 +44,12 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-# The benchmark's parts sit beside it (scripts/bench_remote_*.py): its folder goes first on
-# sys.path, so that they import as siblings however this script is run.
-SCRIPTS = str(Path(__file__).resolve().parent)
-if SCRIPTS not in sys.path:
-    sys.path.insert(0, SCRIPTS)
-
-from bench_remote_lookups import part_b  # noqa: E402
-from bench_remote_report import render  # noqa: E402
-from bench_remote_servers import RedisServer  # noqa: E402
-from bench_remote_stats import KiB  # noqa: E402
-from bench_remote_trace import TRACE, part_c, split_trace  # noqa: E402
-from bench_remote_transfer import part_a  # noqa: E402
+from bench.remote_lookups import part_b
+from bench.remote_report import render
+from bench.remote_servers import RedisServer
+from bench.remote_stats import KiB
+from bench.remote_trace import TRACE, part_c, split_trace
+from bench.remote_transfer import part_a
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "bench" / "remote.md"

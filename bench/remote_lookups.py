@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import uvloop
-from bench_remote_servers import Daemon, RedisServer, daemons
-from bench_remote_stats import Figure, KiB, block_keys
 
+from bench.remote_servers import Daemon, RedisServer, daemons
+from bench.remote_stats import Figure, KiB, block_keys
 from tierd.client import Client
 from tierd.keys import BlockKey
 from tierd.library import open_chain

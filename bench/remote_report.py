@@ -17,9 +17,10 @@ from typing import Any
 
 import redis
 import uvloop
-from bench_remote_lookups import LOOKUP_CASES, REMOTE_CASES
-from bench_remote_stats import Figure, KiB
-from bench_remote_trace import REPLAY_MODES, TRACE, Split, combined
+
+from bench.remote_lookups import LOOKUP_CASES, REMOTE_CASES
+from bench.remote_stats import Figure, KiB
+from bench.remote_trace import REPLAY_MODES, TRACE, Split, combined
 
 TARGET = 0.8
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from bench_remote_servers import Daemon, RedisServer, daemons
 
+from bench.remote_servers import Daemon, RedisServer, daemons
 from tierd.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,10 +14,10 @@ import time
 from collections.abc import Awaitable, Sequence
 
 import uvloop
-from bench_remote_servers import RedisServer
-from bench_remote_stats import Figure, block_keys
 from redis.asyncio import Redis
 
+from bench.remote_servers import RedisServer
+from bench.remote_stats import Figure, block_keys
 from tierd.keys import BlockKey
 from tierd.remote.calls import RemoteSettings
 from tierd.remote.redis_level import RedisLevel

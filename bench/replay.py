@@ -95,13 +95,13 @@ def row(name: str, s: dict[str, Any]) -> str:
     )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-bytes", type=int, default=64 << 10)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--limit", type=int, default=None, help="first N requests only")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results: dict[str, dict[str, Any]] = {}
     for name, with_disk in (("cpu", False), ("cpu+disk", True)):
         work = Path(tempfile.mkdtemp(prefix="tierd-bench-replay-", dir=ROOT))

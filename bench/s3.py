@@ -36,15 +36,15 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-for extra in (str(ROOT / "scripts"), str(ROOT / "tests")):
+for extra in (str(ROOT / "tests"),):
     if extra not in sys.path:
         sys.path.insert(0, extra)
 
 import obstore  # noqa: E402
 import uvloop  # noqa: E402
-from bench_remote_stats import Figure, block_keys  # noqa: E402
 from s3_kit import SeaweedServer  # noqa: E402
 
+from bench.remote_stats import Figure, block_keys  # noqa: E402
 from tierd.config import ChainConfig  # noqa: E402
 from tierd.keys import BlockKey  # noqa: E402
 from tierd.library import open_chain  # noqa: E402
@@ -201,7 +201,7 @@ def row(name: str, tier: Figure, raw: Figure) -> str:
     return f"| {name} | {tier.text(1e3, 2)} | {raw.text(1e3, 2)} | {ratio.text(1, 2)} |"
 
 
-async def main(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="tierd-bench-s3-") as tmp:
         server = SeaweedServer(Path(tmp) / "weed", volume_mb=256, volumes=32).start()
         try:
@@ -235,13 +235,18 @@ async def report(server: SeaweedServer, args: argparse.Namespace) -> None:
     print(f"- raw obstore gets: {raw.text(1, 0)} blocks/s; chain / raw {ratio.text(1, 2)}")
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--reps", type=int, default=9, help="repetitions per run (median)")
     parser.add_argument("--warm-blocks", type=int, default=512)
     parser.add_argument("--quick", action="store_true", help="one short run")
-    parsed = parser.parse_args()
-    if parsed.quick:
-        parsed.runs, parsed.reps, parsed.warm_blocks = 1, 2, 64
-    uvloop.run(main(parsed))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.runs, args.reps, args.warm_blocks = 1, 2, 64
+    uvloop.run(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

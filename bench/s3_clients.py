@@ -13,6 +13,7 @@ in docs/BENCHMARKS.md ("Choosing the client") came from it. A benchmark, not a t
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import statistics
@@ -113,14 +114,16 @@ async def measure(server: SeaweedServer) -> None:
     print(f"\nimport: obstore {ob_ms:.0f} ms, aiobotocore {boto_ms:.0f} ms")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tierd-s3-clients-") as tmp:
         server = SeaweedServer(Path(tmp) / "weed", volume_mb=256, volumes=16).start()
         try:
             asyncio.run(measure(server))
         finally:
             server.stop()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

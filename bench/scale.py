@@ -17,16 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_scale_growth as growth
-import bench_scale_restart
+import bench.scale_growth as growth
+import bench.scale_restart as bench_scale_restart
 
 
 def restart_table(res: dict[str, Any]) -> str:

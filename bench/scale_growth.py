@@ -27,8 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_scale_restart import START_TIMEOUT_S, proc_costs
-
+from bench.scale_restart import START_TIMEOUT_S, proc_costs
 from tierd.client import Client
 from tierd.testing import DaemonProcess, start_daemon
 

@@ -247,11 +247,11 @@ def measure(case: Case | None, pool: Any, n: int, reps: int, tag: str) -> dict[s
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pages-per-call", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     n, reps = args.pages_per_call, args.reps
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
@@ -340,8 +340,9 @@ def main() -> None:
             f"| {r['case']} | {r['set_pages_s']:.0f} | {r['set_gb_s']:.2f} | "
             f"{r['get_pages_s']:.0f} | {r['get_gb_s']:.2f} | {'yes' if r['ok'] else 'NO'} |"
         )
+    return 0
 
 
 if __name__ == "__main__":
     threading.current_thread().name = "bench"
-    main()
+    raise SystemExit(main())

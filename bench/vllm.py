@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 E2E = ROOT / "tests" / "e2e_vllm"
-WORKER = Path(__file__).resolve().parent / "bench_vllm_worker.py"
+WORKER = "bench.vllm_worker"  # run with -m; PYTHONPATH holds the repository root
 START_DEADLINE_S = 900.0  # building six engines on a loaded 2-core machine
 STEP_DEADLINE_S = 300.0
 KINDS = ("plain", "fs", "tierd")
@@ -81,7 +81,7 @@ class Shape:
 SHAPES = (Shape("8L-b32", 8, 2, 32), Shape("4L-b64", 4, 2, 64))
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=7, help="timed runs (default 7)")
     parser.add_argument("--hung-runs", type=int, default=5, help="rounds with SIGSTOP")
@@ -206,7 +206,7 @@ def start_workers(
         # vLLM's CPU tier holds a burst of eight prompts and then some.
         cpu_bytes = 12 * (prompt_tokens // shape.block_tokens + 1) * shape.row_bytes
         for kind in kinds:
-            command = [sys.executable, str(WORKER), str(models[shape.name]), "--kind", kind]
+            command = [sys.executable, "-m", WORKER, str(models[shape.name]), "--kind", kind]
             command += ["--events", f"ipc://{directory}/vllm-{shape.name}-{kind}"]
             command += ["--block-tokens", str(shape.block_tokens), "--cpu-bytes", str(cpu_bytes)]
             command += ["--max-model-len", str(max_len), "--socket", socket_path]
@@ -338,7 +338,7 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
             )
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rng = random.Random(24)
@@ -372,4 +372,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

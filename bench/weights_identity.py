@@ -66,12 +66,12 @@ def measure(directory: Path, runs: int, cold: bool) -> tuple[float, float]:
     return identity, stats
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes-gib", type=float, nargs="+", default=[1, 8, 64])
     parser.add_argument("--written-gib", type=float, default=0)
     parser.add_argument("--runs", type=int, default=9)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cases = [(gib, False) for gib in args.sizes_gib]
     if args.written_gib:
         cases.append((args.written_gib, True))
@@ -87,7 +87,8 @@ def main() -> None:
         kind = "written, cold cache" if written else "sparse"
         ratio = identity / stats if stats else float("inf")
         print(f"| {gib:g} GiB {kind} | {identity * 1e3:.2f} | {stats * 1e3:.3f} | {ratio:.0f}x |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

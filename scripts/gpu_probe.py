@@ -13,7 +13,7 @@ that could only be reasoned about on a machine without one (docs/gpu.md lists th
 4. the time to allocate and register a CPU pool of 16, 64 and 128 GiB, where memory allows;
 5. a write of GPU rows produced on a side stream, then the chain's write-through to the
    CPU tier: the bytes that arrive are the ones the side stream wrote;
-6. the I/O benchmark (scripts/bench_io.py) at 2 GiB per repetition;
+6. the I/O benchmark (scripts/bench io) at 2 GiB per repetition;
 7. with two GPUs or more: a GPU tier on cuda:1 (with a pinned CPU tier) makes no CUDA
    context on GPU 0.
 
@@ -240,7 +240,8 @@ def step_io_bench(out: Path) -> Result:
     done = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "scripts" / "bench_io.py"),
+            "-m",
+            "bench.io",
             "--mib",
             "2048",
             "--out",
