@@ -98,6 +98,15 @@ class Gate:
         self._open.set()
 
 
+async def close_client(client: Client | None) -> None:
+    """Closes ``client`` (if any) within the deadline; a daemon already gone or too slow
+    to answer the goodbye is expected in the campaign (it kills and stalls the daemon)."""
+    if client is not None:
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(DEADLINE_S):
+                await client.close()
+
+
 def error_kind(exc: BaseException) -> str:
     if isinstance(exc, DaemonError):
         return exc.code
@@ -152,10 +161,7 @@ class Worker:
 
     async def drop(self) -> None:
         client, self.client = self.client, None
-        if client is not None:
-            with contextlib.suppress(OSError, TimeoutError):
-                async with asyncio.timeout(DEADLINE_S):
-                    await client.close()
+        await close_client(client)
 
     async def _round(self) -> None:
         client = self.client

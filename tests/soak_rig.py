@@ -11,7 +11,6 @@ the blocks of stores whose client was killed (never visible).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from collections.abc import Callable
 from soak_daemon import FaultControl, FaultPlan
 from soak_fuzz import StuckSubscriber
 from soak_hostile import RealFullDisk
-from soak_load import KeySpace, Tally, error_kind
+from soak_load import KeySpace, Tally, close_client, error_kind
 from soak_procs import DaemonProcess, idle_figures, wait_idle
 from soak_settings import DEADLINE_S, NAMESPACE
 
@@ -127,10 +126,7 @@ class Rig:
 
     async def close_ctl(self) -> None:
         ctl, self._ctl = self._ctl, None
-        if ctl is not None:
-            with contextlib.suppress(OSError, TimeoutError):
-                async with asyncio.timeout(DEADLINE_S):
-                    await ctl.close()
+        await close_client(ctl)
 
 
 class Checks:
