@@ -120,16 +120,8 @@ class Hostile:
         count = 200_000  # under the soak's frame limit: the decoder's limits must act
         head = msgpack.packb({"id": 2, "op": "health", "x": []})
         body = head[:-1] + b"\xdd" + count.to_bytes(4, "big") + b"\x90" * count
-        reader, writer = await self._open()
-        try:
-            writer.write(HEADER.pack(len(body)) + body)
-            replies = await _replies(reader, 1)
-            if replies and replies[0].get("error") in ("bad_frame", "frame_too_large"):
-                self.counts["bomb_refused"] += 1
-            else:
-                self._odd(f"bomb answered {replies[:1]}")
-        finally:
-            writer.close()
+        frame = HEADER.pack(len(body)) + body
+        await self._refused("bomb", frame, ("bad_frame", "frame_too_large"), "bomb_refused")
 
     async def _non_reader(self) -> None:
         """Pipelines a thousand ``metrics`` requests (megabytes of replies) and never
@@ -145,14 +137,23 @@ class Hostile:
             writer.close()
 
     async def _slowloris(self) -> None:
+        frame = HEADER.pack(1 << 16) + b"\x00" * 1000
+        await self._refused("slowloris", frame, ("bad_frame",), "slowloris_closed", close=True)
+
+    async def _refused(
+        self, name: str, frame: bytes, errors: tuple[str, ...], counter: str, close: bool = False
+    ) -> None:
+        """Sends ``frame`` on a fresh connection: the daemon must answer one of ``errors``
+        (and then close the connection, with ``close``); that counts under ``counter``."""
         reader, writer = await self._open()
         try:
-            writer.write(HEADER.pack(1 << 16) + b"\x00" * 1000)
+            writer.write(frame)
             replies = await _replies(reader, 1)
-            if replies and replies[0].get("error") == "bad_frame" and await _closed(reader):
-                self.counts["slowloris_closed"] += 1
+            refused = bool(replies) and replies[0].get("error") in errors
+            if refused and (not close or await _closed(reader)):
+                self.counts[counter] += 1
             else:
-                self._odd(f"slowloris answered {replies[:1]}")
+                self._odd(f"{name} answered {replies[:1]}")
         finally:
             writer.close()
 
