@@ -41,7 +41,6 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
 from bench.remote_lookups import part_b
@@ -58,7 +57,7 @@ OUT = ROOT / "docs" / "bench" / "remote.md"
 # -- main ---------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="runs of each timing (a, b)")
     parser.add_argument("--reps", type=int, default=20, help="timed batches per run (a)")
