@@ -4,28 +4,10 @@ See :mod:`tierd.control.client` for the full story; this module is the stable im
 path for engines::
 
     from tierd.client import Client
+
+It re-exports exactly :mod:`tierd.control.client`'s public names (its ``__all__``), so a
+name added there is importable here too.
 """
 
-from tierd.control.client import (
-    Client,
-    DaemonError,
-    Flushed,
-    LoadLease,
-    Lookup,
-    PoolMap,
-    StoreLease,
-    Unreachable,
-    UntrustedDaemon,
-)
-
-__all__ = [
-    "Client",
-    "DaemonError",
-    "Flushed",
-    "LoadLease",
-    "Lookup",
-    "PoolMap",
-    "StoreLease",
-    "Unreachable",
-    "UntrustedDaemon",
-]
+from tierd.control.client import *  # noqa: F403
+from tierd.control.client import __all__ as __all__
