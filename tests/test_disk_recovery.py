@@ -226,17 +226,10 @@ async def test_a_daemon_killed_under_load_recovers_from_its_journal(tmp_path: Pa
     # demoted while it dies. The restart rebuilds the index from the snapshot and the
     # journal (no slot scan), checks at most the writes in flight, and serves every
     # flushed block byte for byte.
-    from tests.test_soak import BLOCK, NS, blocks, make_keys, soak_kit, store_batches
+    from tests.test_soak import NS, blocks, make_keys, store_batches, unleashed_daemon
     from tierd.client import Client
-    from tierd.testing import short_socket_path
 
-    settings = soak_kit.Settings(
-        block_bytes=BLOCK, cpu_blocks=64, disk_blocks=4096,
-        lease_per_connection="100%", lease_per_tenant="100%",
-    )  # fmt: skip
-    daemon = soak_kit.DaemonProcess(
-        tmp_path, soak_kit.soak_config(tmp_path, short_socket_path(), settings)
-    )
+    daemon = unleashed_daemon(tmp_path, cpu_blocks=64, disk_blocks=4096)
     durable, later = make_keys("durable", 600), make_keys("later", 200)
     try:
         await daemon.start()
@@ -274,16 +267,11 @@ async def test_a_daemon_serves_while_it_adopts_kept_blocks(tmp_path: Path) -> No
     # adopted so far, stores new blocks into free slots only (never a slot whose block
     # waits to be adopted), and a second SIGKILL mid-adoption loses nothing: the third
     # start (adopting at once) serves every block, byte for byte.
-    from tests.test_soak import BLOCK, NS, blocks, make_keys, soak_kit, store_batches, tier
+    from tests.test_soak import NS, blocks, make_keys, store_batches, tier, unleashed_daemon
     from tierd.client import Client
-    from tierd.testing import short_socket_path
 
-    settings = soak_kit.Settings(
-        block_bytes=BLOCK, cpu_blocks=64, disk_blocks=4096,
-        lease_per_connection="100%", lease_per_tenant="100%",
-    )  # fmt: skip
-    config = soak_kit.soak_config(tmp_path, short_socket_path(), settings)
-    daemon = soak_kit.DaemonProcess(tmp_path, config)
+    daemon = unleashed_daemon(tmp_path, cpu_blocks=64, disk_blocks=4096)
+    config = daemon.config
     durable, fresh = make_keys("durable", 600), make_keys("fresh", 300)
 
     def disk_options(**options: int) -> None:

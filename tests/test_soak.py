@@ -59,6 +59,21 @@ async def store_batches(client: Client, keys: Sequence[bytes], batch: int = 8) -
         assert await client.store(part, blocks(part)) == len(part)
 
 
+def unleashed_daemon(tmp_path: Path, cpu_blocks: int, disk_blocks: int) -> soak_kit.DaemonProcess:
+    """A soak daemon process (not started) over a CPU and a disk tier, its leases
+    limited by nothing but the tiers."""
+    settings = soak_kit.Settings(
+        block_bytes=BLOCK,
+        cpu_blocks=cpu_blocks,
+        disk_blocks=disk_blocks,
+        lease_per_connection="100%",
+        lease_per_tenant="100%",
+    )
+    return soak_kit.DaemonProcess(
+        tmp_path, soak_kit.soak_config(tmp_path, short_socket_path(), settings)
+    )
+
+
 def tier(stats: dict[str, Any], name: str) -> dict[str, Any]:
     (found,) = [t for t in stats["tiers"] if t["name"] == name]
     return found
@@ -198,16 +213,7 @@ async def test_sigkill_restart_keeps_flushed_disk_blocks(
 ) -> None:
     """Blocks acknowledged and flushed before a SIGKILL come back byte-identical, also
     when the kill lands while the disk tears block writes or refuses journal records."""
-    settings = soak_kit.Settings(
-        block_bytes=BLOCK,
-        cpu_blocks=8,
-        disk_blocks=64,
-        lease_per_connection="100%",
-        lease_per_tenant="100%",
-    )
-    daemon = soak_kit.DaemonProcess(
-        tmp_path, soak_kit.soak_config(tmp_path, short_socket_path(), settings)
-    )
+    daemon = unleashed_daemon(tmp_path, cpu_blocks=8, disk_blocks=64)
     durable, later = make_keys("durable", 40), make_keys("later", 16)
     try:
         await daemon.start()
