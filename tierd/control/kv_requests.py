@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from itertools import accumulate, pairwise
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tierd.control.context import ServerContext
@@ -124,11 +125,7 @@ def _requests(msg: dict[str, Any], max_keys: int) -> list[list[Any]]:
         raise _bad("'lengths' must be counts adding up to the number of hashes")
     if not all(type(h) in (int, bytes) for h in hashes):
         raise _bad("a block hash is an integer or bytes")
-    out, start = [], 0
-    for n in lengths:
-        out.append(hashes[start : start + n])
-        start += n
-    return out
+    return [hashes[start:end] for start, end in pairwise(accumulate(lengths, initial=0))]
 
 
 def _bad(message: str) -> ProtocolError:

@@ -33,7 +33,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import accumulate, compress, pairwise
 from operator import itemgetter
 from typing import Any
 
@@ -333,11 +333,7 @@ def _parse_v2(doc: dict[str, object]) -> tuple[dict[int, Entry], dict[int, int]]
 def _split(blob: bytes, lens: object, count: int) -> list[bytes]:
     if type(lens) is not bytes or len(lens) != count or sum(lens) != len(blob):
         raise ValueError("the key lengths do not add up to the key array")
-    keys, pos = [], 0
-    for n in lens:
-        keys.append(blob[pos : pos + n])
-        pos += n
-    return keys
+    return [blob[start:end] for start, end in pairwise(accumulate(lens, initial=0))]
 
 
 def write_all(io: FileIO, fd: int, data: Piece) -> None:
