@@ -51,6 +51,12 @@ def config(tmp_path: Path, **over: Any) -> dict[str, Any]:
     )
 
 
+@pytest.fixture
+async def daemon(tmp_path: Path, spawn: Any) -> Any:
+    """A ``tierd serve`` process of the default :func:`config`, for one test."""
+    return await spawn(config(tmp_path))
+
+
 def loaded_all(answer: dict[str, Any], pages: int) -> bool:
     return answer["hit_pages"] == answer["loaded_pages"] == answer["identical"] == pages
 
@@ -82,10 +88,9 @@ async def daemon_stats(socket_path: str) -> dict[str, Any]:
 
 
 async def test_two_engines_share_pages_byte_for_byte_in_every_layout_and_allocator(
-    tmp_path: Path, spawn: Any, pair: Any
+    tmp_path: Path, spawn: Any, pair: Any, daemon: Any
 ) -> None:
     a, b = pair
-    daemon = await spawn(config(tmp_path))
     sock = daemon.socket_path
     opened = {
         ("a", "pf"): a.open("pf", tierd_spec(sock)),
@@ -127,11 +132,8 @@ async def test_two_engines_share_pages_byte_for_byte_in_every_layout_and_allocat
         engines.ask("close", name)
 
 
-async def test_namespaces_mla_writer_rank_and_other_shapes(
-    tmp_path: Path, spawn: Any, pair: Any
-) -> None:
+async def test_namespaces_mla_writer_rank_and_other_shapes(pair: Any, daemon: Any) -> None:
     a, b = pair
-    daemon = await spawn(config(tmp_path))
     sock = daemon.socket_path
     # MLA: ranks hold the same pages, so they share a namespace; rank 1 never writes.
     r1 = a.open("mla1", tierd_spec(sock, tp_rank=1, tp_size=2, **MLA))

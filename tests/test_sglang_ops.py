@@ -27,13 +27,13 @@ from sglang_kit.engines import (
     sglang_site,
     tierd_spec,
 )
-from test_sglang import PAGES, config, loaded_all, pair, spawn
+from test_sglang import PAGES, config, daemon, loaded_all, pair, spawn
 
 from tierd.client import Client
 
 REASON = missing_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
-__all__ = ["pair", "spawn"]  # fixtures, shared with tests/test_sglang.py
+__all__ = ["daemon", "pair", "spawn"]  # fixtures, shared with tests/test_sglang.py
 
 
 def tierd_lines(engines: Engines, name: str, level: str) -> list[str]:
@@ -53,12 +53,11 @@ async def namespace_row(socket_path: str, namespace: str) -> dict[str, Any]:
 
 
 async def test_clear_removes_the_namespaces_pages_for_every_engine_and_says_so(
-    tmp_path: Path, spawn: Any, pair: Any
+    pair: Any, daemon: Any
 ) -> None:
     """SGLang answers POST /hicache/storage-backend/clear with "cleared" whatever the
     backend does: tierd must then serve none of the namespace's pages."""
     a, b = pair
-    daemon = await spawn(config(tmp_path))
     sock = daemon.socket_path
     ns = a.open("c", tierd_spec(sock, allocator="shm"))["namespace"]
     b.open("c", tierd_spec(sock))
@@ -117,10 +116,9 @@ def tierd_lines_all(engines: Engines) -> list[list[str]]:
 
 
 async def test_namespaces_count_memfd_stores_and_calls_after_close_miss(
-    tmp_path: Path, spawn: Any, pair: Any
+    pair: Any, daemon: Any
 ) -> None:
     a, b = pair
-    daemon = await spawn(config(tmp_path))
     sock = daemon.socket_path
     ns = a.open("m", tierd_spec(sock, allocator="shm"))["namespace"]
     assert a.stats("m")["memfd"]
