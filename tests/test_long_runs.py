@@ -29,12 +29,19 @@ BAR = re.compile(rb"\|\s*(\d+)/(\d+) \[")  # tqdm: " 12%|#    | 720/6001 [00:01<
 DEADLINE_S = 120.0
 
 
+def generated_trace(
+    tmp_path_factory: pytest.TempPathFactory, name: str, seed: int, conversations: int
+) -> Path:
+    """A trace file of the generator's ``conversations`` from ``seed``."""
+    path = tmp_path_factory.mktemp(name) / "trace.jsonl"
+    write_trace(path, generate(GeneratorConfig(seed=seed, conversations=conversations)))
+    return path
+
+
 @pytest.fixture(scope="module")
 def big_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """About 6,000 requests over 17 minutes of trace clock."""
-    path = tmp_path_factory.mktemp("trace") / "big.jsonl"
-    write_trace(path, generate(GeneratorConfig(seed=5, conversations=2000)))
-    return path
+    return generated_trace(tmp_path_factory, "big", seed=5, conversations=2000)
 
 
 def chain_config(path: Path, capacity: int) -> Path:
@@ -168,9 +175,7 @@ def test_simulate_stop_ends_the_replay_early(trace_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def trace_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("small") / "trace.jsonl"
-    write_trace(path, generate(GeneratorConfig(seed=3, conversations=600)))
-    return path
+    return generated_trace(tmp_path_factory, "small", seed=3, conversations=600)
 
 
 # -- pacing and the bar ----------------------------------------------------------------------
