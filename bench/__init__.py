@@ -15,6 +15,8 @@ HELPERS = frozenset(
         "daemon_report",
         "daemon_servers",
         "daemon_wire",
+        "figures",
+        "fragment",
         "remote_lookups",
         "remote_report",
         "remote_servers",

@@ -23,7 +23,6 @@ import logging
 import os
 import platform
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 import structlog
 
 import tierd
+from bench.figures import median_of
 from tierd.chain import TierChain
 from tierd.keys import BlockKey, int_key
 from tierd.stores.cpu import CpuStore
@@ -147,12 +147,12 @@ async def measure(args: argparse.Namespace, block_bytes: int) -> dict[str, Any]:
                     latencies.extend(lat)
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in rows.items()}
+    med = {k: median_of(v) for k, v in rows.items()}
     return {
         "block_bytes": block_bytes,
         "blocks": blocks,
         **med,
-        "lat_p50_ms": statistics.median(latencies) * 1e3,
+        "lat_p50_ms": median_of(latencies) * 1e3,
         "lat_p99_ms": p99(latencies) * 1e3,
     }
 

@@ -48,9 +48,10 @@ import uvloop
 # Only light imports at the top: client processes are spawned and import this module.
 # The rest of the benchmark sits beside it (bench/daemon_*.py).
 from bench.daemon_data import DataPlan, data_path, store_lookup_keys, tierd_client_lookups
-from bench.daemon_report import Figures, markdown
+from bench.daemon_report import markdown
 from bench.daemon_servers import Servers, daemon_yaml, profile_daemon, serve_launcher
 from bench.daemon_wire import ClientPlan, Phase, echo_main, run_clients
+from bench.figures import Figures
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from bench.daemon_wire import NAMESPACE, lookup_keys
+from bench.figures import median_of
 
 
 async def store_lookup_keys(path: str, count: int) -> None:
@@ -49,7 +49,7 @@ async def tierd_client_lookups(path: str, keys: int, n: int, window: int) -> tup
         for future in pending:
             await future
         rate = count / (time.perf_counter() - started)
-    return statistics.median(lats), rate
+    return median_of(lats), rate
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,30 +9,14 @@ import argparse
 import contextlib
 import os
 import platform
-import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import uvloop
 
 from bench.daemon_wire import KEY_BYTES
-
-
-@dataclass
-class Figures:
-    values: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, name: str, value: float) -> None:
-        self.values.setdefault(name, []).append(value)
-
-    def median(self, name: str) -> float:
-        return statistics.median(self.values[name])
-
-    def spread(self, name: str, scale: float, fmt: str) -> str:
-        v = self.values[name]
-        return f"{format(min(v) * scale, fmt)}-{format(max(v) * scale, fmt)}"
-
+from bench.figures import Figures
 
 # -- report ------------------------------------------------------------------------------
 

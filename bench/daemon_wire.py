@@ -12,7 +12,6 @@ import asyncio
 import multiprocessing
 import queue
 import signal
-import statistics
 import struct
 import time
 import traceback
@@ -24,6 +23,7 @@ from typing import Any
 import msgpack
 import uvloop
 
+from bench.figures import median_of
 from tierd.control.protocol import PROTOCOL_VERSION  # light: msgpack and the stdlib only
 
 HEADER = struct.Struct(">I")
@@ -273,7 +273,7 @@ def run_clients(plan: ClientPlan, procs: int) -> dict[str, dict[str, float]]:
         elapsed = max(p["end"] for p in parts) - min(p["start"] for p in parts)
         lats = [x for p in parts for x in p["latencies"]]
         figures[phase.name] = {
-            "latency": statistics.median(lats) if lats else 0.0,
+            "latency": median_of(lats) if lats else 0.0,
             "rate": sum(p["requests"] for p in parts) / elapsed,
         }
     return figures

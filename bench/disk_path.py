@@ -28,7 +28,6 @@ import json
 import os
 import random
 import shutil
-import statistics
 import subprocess
 import tempfile
 import time
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from bench.figures import median_of
 
 if TYPE_CHECKING:
     from tierd.testing import DaemonProcess
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         for op in ("store", "load"):
             figures.setdefault(f"tierd {op}", []).append(ours[op])
             figures.setdefault(f"device {op}", []).append(ref[op])
-    med = {name: statistics.median(values) for name, values in figures.items()}
+    med = {name: median_of(values) for name, values in figures.items()}
     print(
         f"blocks of {args.block_kib} KiB, jobs of {args.job_mib} MiB, {args.in_flight} in"
         f" flight, {args.total_mib} MiB moved, fsync {args.fsync}, median of {args.reps}"

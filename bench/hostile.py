@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import os
 import socket
-import statistics
 import struct
 import sys
 import tempfile
@@ -31,6 +30,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from bench.figures import median_of
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -85,7 +86,7 @@ async def stall(home: Path) -> None:
         await pinger.close()
         proc.stop()
     print(
-        f"stall: {len(trips)} health round trips, median {statistics.median(trips) * 1e3:.2f} ms,"
+        f"stall: {len(trips)} health round trips, median {median_of(trips) * 1e3:.2f} ms,"
         f" longest {max(trips) * 1e3:.1f} ms"
     )
 
@@ -177,7 +178,7 @@ async def scrape(home: Path) -> None:
             t = time.perf_counter()
             await client.health()
             trips.append(time.perf_counter() - t)
-        return statistics.median(trips) * 1e3
+        return median_of(trips) * 1e3
 
     alone = await median_trip(500)
     stop_event = threading.Event()

@@ -27,10 +27,8 @@ import os
 import platform
 import random
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +38,7 @@ from typing import Any
 import structlog
 import torch
 
+from bench.figures import median_of, side_by_side_async
 from tierd.keys import BlockKey, int_key
 from tierd.stores.base import BlockStore
 from tierd.stores.cpu import CpuStore
@@ -79,19 +78,10 @@ class Plan:
 
 
 async def _medians(nbytes: int, reps: int, *fns: Callable[[], Awaitable[object]]) -> list[float]:
-    """Median GB/s of each of ``fns`` over ``reps`` timed runs after one warm-up run each.
-    The runs interleave (and rotate their order) so that drift on a shared machine hits
-    the engine and its baseline alike."""
-    rates: list[list[float]] = [[] for _ in fns]
-    for fn in fns:
-        await fn()
-    for rep in range(reps):
-        for k in range(len(fns)):
-            i = (k + rep) % len(fns)
-            start = time.perf_counter()
-            await fns[i]()
-            rates[i].append(nbytes / (time.perf_counter() - start) / 1e9)
-    return [statistics.median(r) for r in rates]
+    """Median GB/s of each of ``fns`` over ``reps`` timed runs after one warm-up run each,
+    interleaved side by side (:func:`bench.figures.side_by_side_async`)."""
+    figures = await side_by_side_async(reps, *fns)
+    return [median_of([nbytes / t / 1e9 for t in f.runs]) for f in figures]
 
 
 def _keys(n: int) -> list[BlockKey]:

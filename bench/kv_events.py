@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -29,6 +28,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from bench.figures import median_of
 from tierd.client import Client
 from tierd.testing.process import start_daemon
 
@@ -161,7 +161,7 @@ async def run(args: argparse.Namespace) -> None:
         print(f"round {r}: off {off[-1]}  on {on[-1]}", flush=True)
 
     def med(rows: list[dict[str, float]], name: str) -> float:
-        return statistics.median(row[name] for row in rows)
+        return median_of(row[name] for row in rows)
 
     ratio = med(on, "cpu_us_per_block") / med(off, "cpu_us_per_block")
     print(

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.figures import median_of
 from tierd.client import Client, DaemonError
 from tierd.testing import DaemonProcess, daemon_config, running_daemon, start_daemon_async
 
@@ -90,7 +90,7 @@ def figures(trips: list[float]) -> dict[str, float]:
     ordered = sorted(trips)
     return {
         "trips": len(ordered),
-        "p50_ms": round(statistics.median(ordered), 3),
+        "p50_ms": round(median_of(ordered), 3),
         "p99_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 3),
         "max_ms": round(ordered[-1], 3),
     }

@@ -33,7 +33,6 @@ import json
 import os
 import select
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,8 @@ import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from bench.figures import median_of
 
 if TYPE_CHECKING:
     from tierd.testing import DaemonProcess
@@ -305,7 +306,7 @@ def summary(seen: dict[str, Any]) -> dict[str, Any]:
     p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))]
     return {
         "jobs": len(ms),
-        "p50_ms": round(statistics.median(ms), 3),
+        "p50_ms": round(median_of(ms), 3),
         "p99_ms": round(p99, 3),
         "max_ms": round(ms[-1], 3),
         "keys_failed": seen["keys_failed"],

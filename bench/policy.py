@@ -17,7 +17,6 @@ import argparse
 import gc
 import os
 import platform
-import statistics
 import sys
 import time
 import tracemalloc
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
+from bench.figures import median_of
 from tierd.keys import BlockKey, int_key
 from tierd.policy import policy_names
 from tierd.tier import Tier
@@ -144,9 +144,9 @@ def throughput(trace: Trace, capacity: int, reps: int) -> dict[str, Row]:
         raise SystemExit(f"the LRU replays disagree on the hit ratio: {ratios}")
     return {
         name: Row(
-            statistics.median(rates[name]),
+            median_of(rates[name]),
             ratios[name],
-            statistics.median(a / b for a, b in zip(rates[name], rates["bare"], strict=True)),
+            median_of(a / b for a, b in zip(rates[name], rates["bare"], strict=True)),
         )
         for name in contenders
     }

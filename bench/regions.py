@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from bench.figures import median_of
 
 if TYPE_CHECKING:
     from tierd.testing import DaemonProcess
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for kind in ("", " cpu"):
             for path in ("region", "lease"):
-                seconds = statistics.median(times[f"{path} {op}{kind}"])
+                seconds = median_of(times[f"{path} {op}{kind}"])
                 rate = f" ({mib / seconds / 1024:.1f} GiB/s)" if not kind else ""
                 cells.append(f"{seconds * 1e3:.2f} ms{rate}")
         print(f"| {op} | " + " | ".join(cells) + " |")

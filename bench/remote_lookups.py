@@ -9,15 +9,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import uvloop
 
+from bench.figures import Figure, median_of
 from bench.remote_servers import Daemon, RedisServer, daemons
-from bench.remote_stats import Figure, KiB, block_keys
+from bench.remote_stats import KiB, block_keys
 from tierd.client import Client
 from tierd.keys import BlockKey
 from tierd.library import open_chain
@@ -58,7 +58,7 @@ async def _chain_lookups(url: str, calls: int) -> dict[str, float]:
                 found = await target.find(keys)
                 times[name].append(time.perf_counter() - started)
                 assert found.count == expect, (name, found)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: median_of(values) for name, values in times.items()}
 
 
 async def _daemon_lookups(plain: Daemon, remote: Daemon, url: str, calls: int) -> dict[str, float]:
@@ -98,7 +98,7 @@ async def _daemon_lookups(plain: Daemon, remote: Daemon, url: str, calls: int) -
                 found = await client.lookup(keys)
                 times[name].append(time.perf_counter() - started)
                 assert found.count == expect, (name, found)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: median_of(values) for name, values in times.items()}
 
 
 def part_b(

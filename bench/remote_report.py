@@ -11,15 +11,15 @@ import contextlib
 import math
 import os
 import platform
-import statistics
 from pathlib import Path
 from typing import Any
 
 import redis
 import uvloop
 
+from bench.figures import Figure, median_of
 from bench.remote_lookups import LOOKUP_CASES, REMOTE_CASES
-from bench.remote_stats import Figure, KiB
+from bench.remote_stats import KiB
 from bench.remote_trace import REPLAY_MODES, TRACE, Split, combined
 
 TARGET = 0.8
@@ -146,7 +146,7 @@ def _render_transfer(args: argparse.Namespace, transfer: dict[int, dict[str, Fig
 
 def _rate_text(figure: Figure, nbytes: int) -> str:
     rates = [_gb_s(seconds, nbytes) for seconds in figure.runs]
-    return f"{statistics.median(rates):.3f} ({min(rates):.3f}-{max(rates):.3f})"
+    return f"{median_of(rates):.3f} ({min(rates):.3f}-{max(rates):.3f})"
 
 
 def _render_lookups(
@@ -241,11 +241,11 @@ def _render_replays(
         ratio = Figure([r["hit_ratio"] for r in results])
         cpu = Figure([r["by_medium"].get("CPU", 0.0) for r in results])
         remote = Figure([r["by_medium"].get("REMOTE", 0.0) for r in results])
-        half_a = statistics.median(r["per_half"][0] for r in results)
-        half_b = statistics.median(r["per_half"][1] for r in results)
+        half_a = median_of(r["per_half"][0] for r in results)
+        half_b = median_of(r["per_half"][1] for r in results)
         rate = Figure([r["requests_per_s"] for r in results])
-        lookup_a = statistics.median(r["lookup_p50_ms"][0] for r in results)
-        lookup_b = statistics.median(r["lookup_p50_ms"][1] for r in results)
+        lookup_a = median_of(r["lookup_p50_ms"][0] for r in results)
+        lookup_b = median_of(r["lookup_p50_ms"][1] for r in results)
         wrong = sum(r["wrong_bytes"] for r in results)
         out.append(
             f"| {mode} | {ratio.text(1, 4)} | {cpu.text(1, 4)} | {remote.text(1, 4)} | "
@@ -254,13 +254,13 @@ def _render_replays(
         )
     medians = {
         mode: {
-            key: statistics.median(combined(r)[key] for r in replays[mode])
+            key: median_of(combined(r)[key] for r in replays[mode])
             for key in ("hit_ratio", "requests_per_s")
         }
         for mode in REPLAY_MODES
     }
     lookup_p50 = {
-        mode: statistics.median(p for r in replays[mode] for p in combined(r)["lookup_p50_ms"])
+        mode: median_of(p for r in replays[mode] for p in combined(r)["lookup_p50_ms"])
         for mode in REPLAY_MODES
     }
     off, shared, private = (medians[m] for m in REPLAY_MODES)

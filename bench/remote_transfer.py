@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from collections.abc import Awaitable, Sequence
@@ -16,8 +15,9 @@ from collections.abc import Awaitable, Sequence
 import uvloop
 from redis.asyncio import Redis
 
+from bench.figures import Figure, median_of
 from bench.remote_servers import RedisServer
-from bench.remote_stats import Figure, block_keys
+from bench.remote_stats import block_keys
 from tierd.keys import BlockKey
 from tierd.remote.calls import RemoteSettings
 from tierd.remote.redis_level import RedisLevel
@@ -121,6 +121,6 @@ def part_a(server: RedisServer, args: argparse.Namespace) -> dict[int, dict[str,
         for size in args.sizes:
             times = uvloop.run(_transfer_run(server.url, size, args.batch, args.reps, 6))
             for name, values in times.items():
-                results.setdefault(size, {}).setdefault(name, []).append(statistics.median(values))
+                results.setdefault(size, {}).setdefault(name, []).append(median_of(values))
         print(f"(a) run {run + 1}/{args.runs} done", file=sys.stderr)
     return {size: {k: Figure(v) for k, v in by.items()} for size, by in results.items()}

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -44,7 +43,8 @@ import obstore  # noqa: E402
 import uvloop  # noqa: E402
 from s3_kit import SeaweedServer  # noqa: E402
 
-from bench.remote_stats import Figure, block_keys  # noqa: E402
+from bench.figures import Figure, median_of  # noqa: E402
+from bench.remote_stats import block_keys  # noqa: E402
 from tierd.config import ChainConfig  # noqa: E402
 from tierd.keys import BlockKey  # noqa: E402
 from tierd.library import open_chain  # noqa: E402
@@ -119,7 +119,7 @@ async def part_a(server: SeaweedServer, block: int, count: int, reps: int) -> di
         # Not timed: the server's volumes stay small.
         await obstore.delete_async(raw, [level.path(k) for k in keys] + paths)
     await level.close()
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: median_of(values) for name, values in times.items()}
 
 
 async def part_b(server: SeaweedServer, reps: int) -> dict[str, float]:
@@ -136,7 +136,7 @@ async def part_b(server: SeaweedServer, reps: int) -> dict[str, float]:
         times["one_put"].append(await timed(raw_puts, raw, [f"{tag}/all"], [packed]))
         times["one_get"].append(await timed(raw_gets, raw, [f"{tag}/all"]))
         await obstore.delete_async(raw, [*paths, f"{tag}/all"])
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: median_of(values) for name, values in times.items()}
 
 
 def chain_config(server: SeaweedServer, blocks: int, prefix: str) -> ChainConfig:

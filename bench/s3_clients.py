@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.figures import median_of
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -106,9 +107,7 @@ async def measure(server: SeaweedServer) -> None:
                         gets.append(time.perf_counter() - t)
                         if any(len(g) != size for g in got):
                             raise RuntimeError(f"{name} read back a short object")
-                    cells.append(
-                        f"{statistics.median(puts) * 1e3:.1f} / {statistics.median(gets) * 1e3:.1f}"
-                    )
+                    cells.append(f"{median_of(puts) * 1e3:.1f} / {median_of(gets) * 1e3:.1f}")
                 print(f"| {name} | {size // KiB} KiB | {cells[0]} | {cells[1]} |")
     ob_ms, boto_ms = OBSTORE_IMPORT_S * 1e3, BOTO_IMPORT_S * 1e3
     print(f"\nimport: obstore {ob_ms:.0f} ms, aiobotocore {boto_ms:.0f} ms")

@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ from typing import Any
 
 import structlog
 
+from bench.figures import median_of
 from tierd.keys import int_key
 from tierd.stores.disk import DiskStore
 
@@ -94,7 +94,7 @@ async def run(
         "blocks": n, "checkpoints": limit_records is not None, "writes": writes,
         "o_direct": direct,
         "seconds": round(elapsed, 2), "snapshots_seen": changes,
-        "write_p50_ms": round(statistics.median(latencies) * ms, 2),
+        "write_p50_ms": round(median_of(latencies) * ms, 2),
         "write_p99_ms": round(_pct(latencies, 0.99) * ms, 2),
         "write_max_ms": round(max(latencies) * ms, 2),
         "loop_late_p99_ms": round(_pct(lateness, 0.99) * ms, 2),

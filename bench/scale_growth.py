@@ -20,13 +20,13 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.figures import median_of
 from bench.scale_restart import START_TIMEOUT_S, proc_costs
 from tierd.client import Client
 from tierd.testing import DaemonProcess, start_daemon
@@ -160,7 +160,7 @@ async def _keys_per_lookup(sock: Path, counts: list[int], reps: int) -> list[dic
                 lats.append(time.perf_counter() - t)
             if found.count != k:
                 raise RuntimeError(f"lookup of {k} found {found.count}")
-            p50 = statistics.median(lats) * 1e6
+            p50 = median_of(lats) * 1e6
             rows.append({"keys": k, "p50_us": round(p50, 1), "us_per_key": round(p50 / k, 2)})
     return rows
 

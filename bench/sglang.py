@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -27,6 +26,8 @@ import time
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from bench.figures import median_of
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -241,7 +242,7 @@ def measure(case: Case | None, pool: Any, n: int, reps: int, tag: str) -> dict[s
     nbytes = n * pool.get_size_per_token() * GEOMETRY["page"]
     row = {"case": tag, "ok": ok}
     for op, times in (("set", sets), ("get", gets)):
-        median = statistics.median(times)
+        median = median_of(times)
         row[f"{op}_pages_s"] = n / median
         row[f"{op}_gb_s"] = nbytes / median / 1e9
     return row

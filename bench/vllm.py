@@ -45,13 +45,14 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from bench.figures import median_of
 
 if TYPE_CHECKING:
     from tierd.testing import DaemonProcess
@@ -301,7 +302,7 @@ def summarize(samples: list[dict[tuple[str, str, str], tuple[float, list[int]]]]
         for key, (seconds, tokens) in sample.items():
             collected.setdefault(key, []).append(seconds)
             cached.setdefault(key, []).extend(tokens)
-    medians = {k: statistics.median(v) for k, v in collected.items()}
+    medians = {k: median_of(v) for k, v in collected.items()}
     result: dict[str, Any] = {}
     for shape in SHAPES:
         rows: dict[str, Any] = {}

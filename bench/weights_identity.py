@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from bench.figures import median_of
 from tierd.integrations.naming import weights_identity
 
 
@@ -55,7 +55,7 @@ def timed(call, runs: int, before=None) -> float:
         start = time.perf_counter()
         call()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return median_of(samples)
 
 
 def measure(directory: Path, runs: int, cold: bool) -> tuple[float, float]:
