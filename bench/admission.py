@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.fragment import default_out, write_fragment
 from tierd.chain import Admission, Level, TierChain
 from tierd.chain.remote import RemoteSide
 from tierd.keys import BlockKey, Medium
@@ -331,7 +332,7 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=SHARED_TRACE)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "admission.md")
+    parser.add_argument("--out", type=Path, default=default_out("admission"))
     parser.add_argument("--png", type=Path, default=ROOT / "docs" / "bench" / "admission.png")
     parser.add_argument("--rules", nargs="+", default=RULES, help="rules to run (and always)")
     parser.add_argument("--no-synthetic", action="store_true", help="the shared trace only")
@@ -377,9 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for work, points in results:
         lines += [*table(work, points), ""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_fragment("\n".join(lines), args.out)
     try:
         print(f"wrote {write_png(results, args.png)}", file=sys.stderr)
     except ImportError:

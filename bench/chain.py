@@ -32,6 +32,7 @@ import structlog
 
 import tierd
 from bench.figures import median_of
+from bench.fragment import default_out, write_fragment
 from tierd.chain import TierChain
 from tierd.keys import BlockKey, int_key
 from tierd.stores.cpu import CpuStore
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="blocks per store/load call")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "chain.md"))
+    parser.add_argument("--out", default=str(default_out("chain")))
     args = parser.parse_args(argv)
     if args.quick:
         args.mib, args.repeat = 32, 1
@@ -202,10 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     results = [asyncio.run(measure(args, size)) for size in (2 * MiB, 256 * 1024)]
     text = report(results, args)
-    print(text)
-    if not args.quick:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    write_fragment(text, None if args.quick else args.out)
     return 0
 
 

@@ -52,6 +52,7 @@ from bench.daemon_report import markdown
 from bench.daemon_servers import Servers, daemon_yaml, profile_daemon, serve_launcher
 from bench.daemon_wire import ClientPlan, Phase, echo_main, run_clients
 from bench.figures import Figures
+from bench.fragment import default_out, write_fragment
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="blocks per store/load call")
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--profile-top", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "daemon.md")
+    parser.add_argument("--out", type=Path, default=default_out("daemon"))
     parser.add_argument("--echo-server", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.echo_server:
@@ -163,10 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             leftover.unlink()
         workdir.rmdir()
     text = markdown(result, args)
-    print(text)
-    if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    write_fragment(text, None if args.quick else args.out)
     return 0
 
 

@@ -39,6 +39,7 @@ import structlog
 import torch
 
 from bench.figures import median_of, side_by_side_async
+from bench.fragment import default_out, write_fragment
 from tierd.keys import BlockKey, int_key
 from tierd.stores.base import BlockStore
 from tierd.stores.cpu import CpuStore
@@ -407,10 +408,7 @@ async def main_async(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
     }
     text = _markdown(rows, machine, plan, gpu_note)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    write_fragment(text, args.out or None)
     return 0
 
 
@@ -420,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=256, help="MiB moved per repetition")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--dir", type=Path, default=None, help="where the disk files go")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "io.md")
+    parser.add_argument("--out", type=Path, default=default_out("io"))
     parser.add_argument("--fsync-only", action="store_true", help="only (d): the fsync modes")
     parser.add_argument(
         "--block-kib",

@@ -27,6 +27,7 @@ from itertools import islice
 from pathlib import Path
 
 from bench.figures import median_of
+from bench.fragment import write_fragment
 from tierd.keys import BlockKey, int_key
 from tierd.policy import policy_names
 from tierd.tier import Tier
@@ -250,10 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     results = throughput(trace, capacity, args.reps)
     memory = (args.memory_blocks, *bytes_per_block(args.memory_blocks))
     text = report(trace, capacity, args.reps, results, memory)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    write_fragment(text, args.out)
     return 0
 
 

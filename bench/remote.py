@@ -43,6 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.fragment import default_out, write_fragment
 from bench.remote_lookups import part_b
 from bench.remote_report import render
 from bench.remote_servers import RedisServer
@@ -51,7 +52,7 @@ from bench.remote_trace import TRACE, part_c, split_trace
 from bench.remote_transfer import part_a
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "docs" / "bench" / "remote.md"
+OUT = default_out("remote")
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -110,10 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         replays,
         args.maxmemory,
     )
-    print(text)
-    if not args.quick:
-        args.out.write_text(text)
-        print(f"wrote {args.out}", file=sys.stderr)
+    write_fragment(text, None if args.quick else args.out)
     return 0
 
 

@@ -30,6 +30,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.fragment import write_fragment
+
 if TYPE_CHECKING:
     from tierd.testing import DaemonProcess
 
@@ -143,7 +145,8 @@ def write_report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -
         "occupancy.png).",
         "",
     ]
-    (args.out / "replay.md").write_text("\n".join(lines))
+    write_fragment("\n".join(lines), args.out / "replay.md")
+    return 0
 
 
 if __name__ == "__main__":
