@@ -29,13 +29,19 @@ from tierd.keys import BlockKey
 from tierd.testing import daemon_config
 
 
+async def store_in_twos(chain: TierChain, keys: list[BlockKey]) -> None:
+    """Stores ``keys`` two at a time (a small CPU tier demotes the older ones to disk),
+    then flushes what is dirty."""
+    for start in range(0, len(keys), 2):
+        await store_all(chain, keys[start : start + 2])
+    await chain.flush()
+
+
 async def test_delete_removes_every_copy_and_keeps_busy_keys_whole(tmp_path: Path) -> None:
     config = cpu_over_disk(tmp_path, 4, 16)
     keys = keys_of(*range(8))
     async with tierd.open(config) as chain:
-        for start in range(0, len(keys), 2):
-            await store_all(chain, keys[start : start + 2])
-        await chain.flush()  # the last four are in both tiers now (clean), the rest on disk
+        await store_in_twos(chain, keys)  # the last four in both tiers (clean), the rest on disk
         events = chain.bus.subscribe()
         pinned_low = keys[0]  # only on the disk tier
         async with chain.loading([pinned_low, keys[1]], into=None):
@@ -127,9 +133,7 @@ async def test_cleared_disk_blocks_do_not_come_back_after_a_reopen(tmp_path: Pat
     config = cpu_over_disk(tmp_path, 2, 8)
     keys = keys_of(*range(4))
     async with tierd.open(config) as chain:
-        for start in range(0, len(keys), 2):
-            await store_all(chain, keys[start : start + 2])
-        await chain.flush()
+        await store_in_twos(chain, keys)
         assert chain.clear(1) == 4
     async with tierd.open(config) as chain:
         assert chain.levels[1].tier.stats().used == 0
