@@ -21,7 +21,7 @@ that the trace uses again later (it knows the future: the most any rule could sa
 within the last disk-tier's size of refusals (a ghost of refused keys). Deterministic:
 one run per point. Writes a markdown table (``--out``) and a PNG (``--png``).
 
-    .venv/bin/python scripts/bench_admission.py [--out docs/bench/admission.md]
+    scripts/bench admission [--out docs/bench/admission.md]
 """
 
 from __future__ import annotations
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stores = "a CPU pool and a disk slab" if args.real else "in-memory stores marked CPU and DISK"
     lines = [
-        "## Admission to the disk tier: disk hits against disk writes (scripts/bench_admission.py)",
+        "## Admission to the disk tier: disk hits against disk writes (scripts/bench admission)",
         "",
         f"Machine: {host}, Python {platform.python_version()}. CPU tier 5 % of "
         "each trace's unique blocks over a disk tier of 25 %, both LRU, "

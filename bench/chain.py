@@ -169,7 +169,7 @@ def machine(directory: str) -> str:
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
-        "## Chain: demotion and promotion vs the raw disk store (scripts/bench_chain.py)",
+        "## Chain: demotion and promotion vs the raw disk store (scripts/bench chain)",
         "",
         f"Machine: {machine(args.dir)}.",
         f"Medians of {args.repeat} runs, {args.batch} blocks per call.",

@@ -1,4 +1,4 @@
-"""What ``scripts/bench_daemon.py`` measures through ``tierd.client`` itself: its lookups
+"""What ``scripts/bench daemon`` measures through ``tierd.client`` itself: its lookups
 (round trip and pipelined, information only) and the zero-copy data path (stores and
 loads through the mapped pool against two plain copies of the same bytes)."""
 

@@ -1,4 +1,4 @@
-"""The figures of ``scripts/bench_daemon.py`` and their report: :class:`Figures` (every
+"""The figures of ``scripts/bench daemon`` and their report: :class:`Figures` (every
 run's value per figure: median and spread), the table of tierd against each baseline
 with its targets, and the markdown of docs/bench/daemon.md (machine, method, table,
 server-side profile)."""
@@ -94,7 +94,7 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
     conns = args.clients // args.client_procs
     (b1, _, _), (a1, _, _) = result["load"]
     lines = [
-        "## Daemon: control path and zero-copy data path (`scripts/bench_daemon.py`)",
+        "## Daemon: control path and zero-copy data path (`scripts/bench daemon`)",
         "",
         f"Machine: {_cpu_model()}, {os.cpu_count()} cores, {_versions()}. "
         f"1-minute load average {b1:.2f} at the start, {a1:.2f} at the end.",

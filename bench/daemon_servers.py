@@ -1,4 +1,4 @@
-"""The server processes of ``scripts/bench_daemon.py``: the echo server and tierd as
+"""The server processes of ``scripts/bench daemon``: the echo server and tierd as
 children (:class:`Servers`: started until ready, stopped with SIGTERM, then SIGKILL), the
 daemon's config, and tierd run under cProfile with its summary."""
 

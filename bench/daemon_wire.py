@@ -1,4 +1,4 @@
-"""The control-path half of ``scripts/bench_daemon.py``: the framing (a 4-byte big-endian
+"""The control-path half of ``scripts/bench daemon``: the framing (a 4-byte big-endian
 length, then a msgpack map, as ``tierd.control.protocol``), the baseline echo server, the
 raw asyncio.Protocol client that drives both servers alike, and the spawned client
 processes that run a :class:`ClientPlan`'s phases together and pool their figures.

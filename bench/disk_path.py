@@ -17,7 +17,7 @@ and as many requests in flight (``fio``, ``psync``, one job per request in fligh
 file in the same directory), measured in the same run. Prints a Markdown table of GB/s
 and the ratio tierd / device; ``--out`` writes JSON. Medians of ``--reps``.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_disk_path.py --block-kib 1024 --in-flight 1
+    scripts/bench disk_path --block-kib 1024 --in-flight 1
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
   threads scraping the metrics endpoint of a daemon with 1,000 tenants' worth of series.
 
 Each part starts its own daemon (``tierd serve`` in a child process) and stops it by PID.
-Usage: ``scripts/bench_hostile.py stall|pool|partial|scrape``.
+Usage: ``scripts/bench hostile stall|pool|partial|scrape``.
 """
 
 from __future__ import annotations

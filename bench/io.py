@@ -341,7 +341,7 @@ def _cpu_model() -> str:
 
 def _markdown(rows: list[Row], machine: dict[str, str], plan: Plan, gpu_note: str) -> str:
     lines = [
-        "## I/O: transfer engine vs raw baselines (`scripts/bench_io.py`)",
+        "## I/O: transfer engine vs raw baselines (`scripts/bench io`)",
         "",
         "Machine: " + ", ".join(f"{k}: {v}" for k, v in machine.items()) + ".",
         f"{plan.volume // MiB} MiB per repetition, median of {plan.reps} repetitions after a "

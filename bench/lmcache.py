@@ -3,7 +3,7 @@ and its RESP adapter on a real redis-server, in one run.
 
 Runs under .venv's python; LMCache runs in .venv-lmcache (scripts/setup_lmcache)::
 
-    .venv/bin/python scripts/bench_lmcache.py [--rounds 5] [--num-keys 32] [--data-size-kb 256]
+    scripts/bench lmcache [--rounds 5] [--num-keys 32] [--data-size-kb 256]
 
 Every case is LMCache's own ``lmcache bench l2`` (store, lookup-and-lock, load, with
 ``--no-skip-verify``: the last round's loaded bytes are compared with the stored ones), on

@@ -15,7 +15,7 @@ process, so that its client work does not share the bystander's loop) loops one 
 
 Every phase lasts ``--seconds`` or ``--trips`` bystander round trips, whichever ends
 first; the neighbour's rounds are bounded too. The daemon and the neighbour are stopped
-by PID. Usage: ``scripts/bench_neighbours_loop.py [--blocks 240000] [--trips 50000]
+by PID. Usage: ``scripts/bench neighbours_loop [--blocks 240000] [--trips 50000]
 [--seconds 10] [--json] [--probe]``. With ``--probe`` the daemon runs in this process
 instead, and what is reported is the loop's longest turns in CPU time while each
 neighbour attacks (a machine shared with other work stretches wall-clock round trips

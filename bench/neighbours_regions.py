@@ -22,7 +22,7 @@ and alone again at the end. The daemon's RSS high-water mark (``VmHWM`` of
 counted (done, keys failed, errors by code). Prints a Markdown table and, with ``--out``,
 writes the figures as JSON with the commit (``git rev-parse HEAD``) they were measured on.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_neighbours_regions.py --out /tmp/n.json
+    scripts/bench neighbours_regions --out /tmp/n.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from the project's generator when it is absent, or ``--trace FILE``) through a
 LRU doing the same work (lookup, touch tail to head, insert misses with eviction),
 several times, and reports medians. Writes a markdown fragment (``--out``).
 
-    .venv/bin/python scripts/bench_policy.py [--trace FILE] [--reps 5] [--out docs/bench/policy.md]
+    scripts/bench policy [--trace FILE] [--reps 5] [--out docs/bench/policy.md]
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def report(
         f"Trace: `{Path(trace.source).name}` ({len(trace):,} requests, "
         f"{trace.block_accesses:,} block accesses, {trace.unique_blocks:,} unique blocks); "
         f"capacity {capacity:,} blocks; median of {reps} runs "
-        "(`scripts/bench_policy.py`).",
+        "(`scripts/bench policy`).",
         "",
         "| replay | hit ratio | block accesses/s | vs bare LRU |",
         "|---|---:|---:|---:|",

@@ -8,7 +8,7 @@ each load and each piece, the request's blocks up to there are touched, head mos
 (the backend's touch of SGLang's prefix keys plus the call's pages). A hit is a block of
 the leading run a lookup finds, so a kept block whose prefix head is gone is never one.
 
-    .venv/bin/python scripts/bench_prefix_order.py [--requests 12031] [--capacity 0.05,0.10]
+    scripts/bench prefix_order [--requests 12031] [--capacity 0.05,0.10]
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ the time one job takes in the client (``time.perf_counter`` around the awaited c
 of the CPU time this process's thread spent on it (``time.thread_time``: the work that,
 in an engine, holds its GIL). Prints a Markdown table.
 
-    PYTHONPATH=. python scripts/bench_regions.py [--busy] [--rounds 30] [--blocks 32]
+    scripts/bench regions [--busy] [--rounds 30] [--blocks 32]
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ redis-server and the daemons are started here, on 127.0.0.1 and Unix sockets, an
 by their PIDs. A benchmark, not a test.
 
 This script owns the command line and the order of the parts; the rest sits beside it:
-``bench_remote_transfer.py`` (a), ``bench_remote_lookups.py`` (b), ``bench_remote_trace.py``
-(c), ``bench_remote_servers.py`` (redis-server and the daemons), ``bench_remote_stats.py``
-(the figures) and ``bench_remote_report.py`` (the markdown).
+``bench/remote_transfer.py`` (a), ``bench/remote_lookups.py`` (b), ``bench/remote_trace.py``
+(c), ``bench/remote_servers.py`` (redis-server and the daemons), ``bench/remote_stats.py``
+(the figures) and ``bench/remote_report.py`` (the markdown).
 """
 
 from __future__ import annotations

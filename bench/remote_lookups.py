@@ -1,4 +1,4 @@
-"""Part (b) of ``scripts/bench_remote.py``: what the remote existence check adds to a
+"""Part (b) of ``scripts/bench remote``: what the remote existence check adds to a
 lookup of 32 keys, in-process (``TierChain.find``) and through a daemon
 (``Client.lookup``), each without a remote level and with one (local hits; local misses
 the server holds; local misses it does not hold), the cases interleaved call by call.

@@ -1,4 +1,4 @@
-"""The markdown report of ``scripts/bench_remote.py`` (docs/bench/remote.md): the machine
+"""The markdown report of ``scripts/bench remote`` (docs/bench/remote.md): the machine
 and versions, then one section per part that ran: (a) the tier's GB/s against raw
 redis-py with the target, (b) the lookup latencies and what the remote check adds, (c)
 the replays' hit ratios, throughput, the remote level's counters and the server's
@@ -57,13 +57,13 @@ def render(
     maxmemory: str,
 ) -> str:
     out = [
-        "# The remote level on Redis (`scripts/bench_remote.py`)",
+        "# The remote level on Redis (`scripts/bench remote`)",
         "",
         f"Machine: {_cpu()}, {os.cpu_count()} cores, {_versions()}, redis-server "
         f"{server_version} on 127.0.0.1 (TCP loopback), no persistence. The machine was "
         f"shared with other work: 1-minute load average {load[0]:.2f} at the start, "
         f"{load[1]:.2f} at the end. Every timing is the median of {args.runs} runs "
-        "(min-max in brackets) unless said otherwise. Re-run: `scripts/bench_remote.py` "
+        "(min-max in brackets) unless said otherwise. Re-run: `scripts/bench remote` "
         "(about 12 minutes here; `--parts`, `--limit`, `--quick` for less).",
     ]
     if transfer is not None:

@@ -1,4 +1,4 @@
-"""The processes of ``scripts/bench_remote.py``: a redis-server on 127.0.0.1 without
+"""The processes of ``scripts/bench remote``: a redis-server on 127.0.0.1 without
 persistence (:class:`RedisServer`, with its memory figures) and ``tierd serve`` daemons
 (:class:`Daemon`, :func:`daemons`), each in a directory of its own, each waited on until it
 answers (a daemon: its READY=1) and stopped by its PID (SIGTERM, then SIGKILL past a

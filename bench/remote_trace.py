@@ -1,4 +1,4 @@
-"""Part (c) of ``scripts/bench_remote.py``: the shared Mooncake trace split across two
+"""Part (c) of ``scripts/bench remote``: the shared Mooncake trace split across two
 daemons. Deriving the conversations (:func:`conversations`) and splitting the trace by
 them (:func:`split_trace`, :class:`Split`, with the bounds of an infinite prefix cache),
 then, per run and remote mode (:data:`REPLAY_MODES`), two fresh daemons and two ``tierd

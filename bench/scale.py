@@ -1,4 +1,4 @@
-"""How tierd's costs grow with scale: ``python scripts/bench_scale.py PART [options]``.
+"""How tierd's costs grow with scale: ``scripts/bench scale PART [options]``.
 
 Parts (each prints a markdown table and writes its figures as JSON under ``--out``):
 

@@ -1,4 +1,4 @@
-"""The growth parts of ``scripts/bench_scale.py``: how each cost grows with its size.
+"""The growth parts of ``scripts/bench scale``: how each cost grows with its size.
 
 - ``disk``: a disk tier's index at N blocks, measured in a fresh process per size: memory
   per block (RSS growth), clean open and crash open (CPU seconds, index recovery plus

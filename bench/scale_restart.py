@@ -1,4 +1,4 @@
-"""The restart part of ``scripts/bench_scale.py``: a real daemon over a disk tier of N
+"""The restart part of ``scripts/bench scale``: a real daemon over a disk tier of N
 blocks, restarted after a clean stop and after a SIGKILL.
 
 The slab is filled through the library (a :class:`~tierd.stores.disk.DiskStore` of the

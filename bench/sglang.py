@@ -3,7 +3,7 @@ vs a plain memcpy of the same pages, in one run (medians of ``--reps``).
 
 Runs under .venv-sglang's python (scripts/setup_sglang)::
 
-    .venv-sglang/bin/python scripts/bench_sglang.py [--pages-per-call 64] [--reps 5]
+    PYTHON=.venv-sglang/bin/python scripts/bench sglang [--pages-per-call 64] [--reps 5]
 
 SGLang's real host pool (``MHATokenToKVPoolHost``, page_first, on CPU) and its own factory
 (``StorageBackendFactory``) build the backends; each call is what SGLang's storage threads

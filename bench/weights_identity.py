@@ -10,7 +10,7 @@ safetensors-shaped file per size asked (sparse: a header, then holes), and, with
 timed against a ``stat`` of the same files (the old identity) in the same run; medians
 of ``--runs`` runs. Nothing is left behind.
 
-    .venv/bin/python scripts/bench_weights_identity.py [--sizes-gib 1 8 64] [--written-gib 1]
+    scripts/bench weights_identity [--sizes-gib 1 8 64] [--written-gib 1]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A shared mapping starts with no page-table entries: the first touch of each 4 Ki
 in each process is a fault, even when the pages exist (the daemon allocates its pool at
 start). Copies into fresh pool slots paid that on the copying thread: under SGLang, a
 64-page store (1 MiB pages) through leases into never-touched slots moved 0.16x of a
-memcpy, 0.73x into slots touched before (``scripts/bench_sglang.py``). So a client's
+memcpy, 0.73x into slots touched before (``scripts/bench sglang``). So a client's
 mapping of the pool is populated in the background once mapped (``MADV_POPULATE_WRITE``,
 Linux 5.14, in 64 MiB steps: the thread waits in the kernel without the GIL), and the
 daemon maps its own pool with ``MAP_POPULATE``.
