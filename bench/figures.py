@@ -1,7 +1,7 @@
 """The figures every bench reports, in one place: :class:`Figure` (one figure's samples,
 their median and spread min-max), :class:`Figures` (named figures filled sample by
 sample), :func:`median_of`, :func:`ratio`, and the one side-by-side runner
-(:func:`side_by_side`, :func:`side_by_side_async`) that interleaves a candidate with its
+(:func:`side_by_side_async`) that interleaves a candidate with its
 baselines after a warm-up, so that drift on a shared machine hits them alike."""
 
 from __future__ import annotations
@@ -69,26 +69,12 @@ def _order(count: int, rep: int) -> list[int]:
     return [(k + rep) % count for k in range(count)]
 
 
-def side_by_side(reps: int, *fns: Callable[[], object], warmups: int = 1) -> list[Figure]:
-    """Seconds per call of each of ``fns`` (the candidate first, then its baselines) over
-    ``reps`` repetitions after ``warmups`` untimed calls each; the calls interleave and
-    rotate their order every repetition."""
-    for fn in fns:
-        for _ in range(warmups):
-            fn()
-    seconds: list[list[float]] = [[] for _ in fns]
-    for rep in range(reps):
-        for i in _order(len(fns), rep):
-            start = time.perf_counter()
-            fns[i]()
-            seconds[i].append(time.perf_counter() - start)
-    return [Figure(s) for s in seconds]
-
-
 async def side_by_side_async(
     reps: int, *fns: Callable[[], Awaitable[object]], warmups: int = 1
 ) -> list[Figure]:
-    """:func:`side_by_side` for coroutine functions, awaited one at a time."""
+    """Seconds per call of each of ``fns`` (the candidate first, then its baselines) over
+    ``reps`` repetitions after ``warmups`` untimed calls each, awaited one at a time; the
+    calls interleave and rotate their order every repetition."""
     for fn in fns:
         for _ in range(warmups):
             await fn()

@@ -38,7 +38,7 @@ from typing import Any
 import structlog
 import torch
 
-from bench.figures import median_of, side_by_side_async
+from bench.figures import median_of, ratio, side_by_side_async
 from bench.fragment import default_out, write_fragment
 from tierd.keys import BlockKey, int_key
 from tierd.stores.base import BlockStore
@@ -65,7 +65,7 @@ class Row:
 
     @property
     def ratio(self) -> float:
-        return self.engine_gbps / self.base_gbps if self.base_gbps else 0.0
+        return ratio(self.engine_gbps, self.base_gbps)
 
 
 @dataclass(frozen=True, slots=True)
