@@ -8,10 +8,6 @@ interval, however many fail) and in the tier's figures.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any
-
 import numpy as np
 import pytest
 
@@ -19,10 +15,9 @@ pytest.importorskip(
     "vllm.v1.kv_offload.tiering.base", reason="vLLM is not installed: run scripts/setup_vllm"
 )
 
-import structlog
 import test_daemon_lifecycle
 from vllm.v1.kv_offload.base import LookupResult
-from vllm_kit import ROW, ask, fill, keys, make_tier, primary_rows, run_job
+from vllm_kit import ROW, ask, captured_logs, fill, keys, make_tier, primary_rows, run_job
 
 from tierd.testing import daemon_config
 
@@ -31,18 +26,6 @@ spawn = test_daemon_lifecycle.spawn
 # The daemon's own default bounds (the test config lifts them to the whole tier).
 DEFAULT_LEASES = {"lease_blocks_per_connection": "50%", "lease_blocks_per_tenant": "75%"}
 CHUNKS = 16  # a 12-block CPU tier: 6 per request, and 4 of them come from the disk tier
-
-
-@contextlib.contextmanager
-def lines_logged() -> Iterator[list[dict[str, Any]]]:
-    """Every log line (with its level), whatever an earlier test's in-process daemon
-    configured: capture_logs swaps structlog's processors but keeps its level filter."""
-    structlog.reset_defaults()
-    try:
-        with structlog.testing.capture_logs() as logs:
-            yield logs
-    finally:
-        structlog.reset_defaults()
 
 
 @pytest.mark.parametrize(
@@ -82,7 +65,7 @@ async def test_a_failed_load_is_a_warning_and_a_figure(tmp_path, spawn) -> None:
     tier = make_tier(daemon.socket_path, rows)
     try:
         ks = keys("gone", 2)
-        with lines_logged() as logs:
+        with captured_logs() as logs:
             for job_id in (1, 2, 3):  # never stored: the daemon cannot serve them
                 assert not run_job(tier, job_id, ks, [0, 1], load=True).success
         failed = [line for line in logs if line["event"] == "tierd load failed"]

@@ -8,16 +8,13 @@ a failed job or a miss, never as an exception in vLLM's scheduler.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 from unittest.mock import MagicMock
 
 import numpy as np
@@ -27,7 +24,6 @@ pytest.importorskip(
     "vllm.v1.kv_offload.tiering.base", reason="vLLM is not installed: run scripts/setup_vllm"
 )
 
-import structlog
 import test_daemon_lifecycle
 import test_squatting
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
@@ -37,6 +33,7 @@ from vllm_kit import (
     DEADLINE_S,
     ROW,
     ask,
+    captured_logs,
     fill,
     keys,
     make_tier,
@@ -59,18 +56,6 @@ impostor = test_squatting.impostor  # a socket bound first by user nobody
 def config(tmp_path, **kw):
     kw.setdefault("block_bytes", ROW)
     return daemon_config(tmp_path, **kw)
-
-
-@contextlib.contextmanager
-def captured_logs() -> Iterator[list[dict[str, Any]]]:
-    """Every log line, whatever level an earlier test's in-process daemon configured:
-    capture_logs swaps structlog's processors but keeps its level filter."""
-    structlog.reset_defaults()
-    try:
-        with structlog.testing.capture_logs() as logs:
-            yield logs
-    finally:
-        structlog.reset_defaults()
 
 
 def staged(tier: TierdSecondaryTier) -> bool:

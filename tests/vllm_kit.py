@@ -6,14 +6,17 @@ so, when it is missing.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import random
 import threading
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import structlog
+import structlog.testing
 from vllm.v1.kv_offload.base import (
     LookupResult,
     OffloadingKVEventsConfig,
@@ -173,3 +176,15 @@ def ask(tier: TierdSecondaryTier, key_list: Sequence[OffloadKey], req_id: str) -
         return resolve(tier, key_list, ctx)
     finally:
         tier.on_request_finished(ctx)
+
+
+@contextlib.contextmanager
+def captured_logs() -> Iterator[list[dict[str, Any]]]:
+    """Every log line (with its level), whatever an earlier test's in-process daemon
+    configured: capture_logs swaps structlog's processors but keeps its level filter."""
+    structlog.reset_defaults()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            yield logs
+    finally:
+        structlog.reset_defaults()
