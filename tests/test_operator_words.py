@@ -182,15 +182,38 @@ async def test_a_replay_whose_daemon_stops_prints_what_it_has_cut_short(
 # -- top: the daemon restarts under it ------------------------------------------------------
 
 
-async def read_until(stream: asyncio.StreamReader, text: str, seen: list[str]) -> None:
-    async with asyncio.timeout(WAIT_S):
-        while True:
-            line = (await stream.readline()).decode()
-            if not line:
-                raise AssertionError(f"top ended before {text!r}:\n{''.join(seen)}")
-            seen.append(line)
-            if text in line:
-                return
+class Output:
+    """A child's output, read line by line as it comes for as long as the child writes
+    (so a child printing every 0.1 s never blocks on a full pipe, and a Ctrl-C reaches it
+    in the loop rather than in a blocked write); :meth:`until` waits for a line after the
+    last one it matched."""
+
+    def __init__(self, stream: asyncio.StreamReader) -> None:
+        self.lines: list[str] = []
+        self._read = 0
+        self._more = asyncio.Event()
+        self.task = asyncio.create_task(self._pump(stream))
+
+    async def _pump(self, stream: asyncio.StreamReader) -> None:
+        while line := (await stream.readline()).decode():
+            self.lines.append(line)
+            self._more.set()
+        self._more.set()
+
+    async def until(self, text: str) -> None:
+        async with asyncio.timeout(WAIT_S):
+            while True:
+                while self._read < len(self.lines):
+                    self._read += 1
+                    if text in self.lines[self._read - 1]:
+                        return
+                if self.task.done():
+                    raise AssertionError(f"top ended before {text!r}:\n{self.text()}")
+                self._more.clear()
+                await self._more.wait()
+
+    def text(self) -> str:
+        return "".join(self.lines)
 
 
 async def test_top_waits_for_a_restarted_daemon_and_goes_on(tmp_path: Path, spawn: Spawn) -> None:
@@ -204,22 +227,25 @@ async def test_top_waits_for_a_restarted_daemon_and_goes_on(tmp_path: Path, spaw
         env=child_env(),
     )
     assert top.stdout is not None
-    seen: list[str] = []
+    out = Output(top.stdout)
     try:
-        await read_until(top.stdout, "tierd top at", seen)
+        await out.until("tierd top at")
         assert await daemon.stop() == 0
-        await read_until(top.stdout, f"the daemon at {daemon.socket_path} went away", seen)
+        await out.until(f"the daemon at {daemon.socket_path} went away")
         again = await spawn(cfg)
-        await read_until(top.stdout, "the daemon is back", seen)
-        await read_until(top.stdout, "tierd top at", seen)
+        await out.until("the daemon is back")
+        await out.until("tierd top at")
         assert await again.stop() == 0
         top.send_signal(signal.SIGINT)
         async with asyncio.timeout(WAIT_S):
-            assert await top.wait() == 0, "".join(seen)
+            assert await top.wait() == 0, out.text()
+            await out.task
     finally:
         if top.returncode is None:
             top.kill()
             await top.wait()
+        out.task.cancel()
+    seen = out.lines
     assert any("waiting for it to come back" in line for line in seen), "".join(seen)
 
 
