@@ -216,6 +216,10 @@ class Output:
         return "".join(self.lines)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 async def test_top_waits_for_a_restarted_daemon_and_goes_on(tmp_path: Path, spawn: Spawn) -> None:
     cfg = daemon_config(tmp_path)
     daemon = await spawn(cfg)
@@ -225,6 +229,9 @@ async def test_top_waits_for_a_restarted_daemon_and_goes_on(tmp_path: Path, spaw
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=child_env(),
+        # Ctrl-C as a terminal's foreground job gets it: a suite started in the background
+        # by a shell runs with SIGINT ignored, which its children would inherit.
+        preexec_fn=_default_sigint,
     )
     assert top.stdout is not None
     out = Output(top.stdout)
