@@ -310,9 +310,9 @@ class GpuStore(BlockStore):
         lane = self._h2d
         with self._on(lane, caller):
             if isinstance(src, list) and src and isinstance(src[0], torch.Tensor):
-                rows, pool = src, self._pool
+                rows = src
                 for slot, row in zip(slots, rows, strict=True):  # one DMA per block
-                    pool[slot].copy_(row, non_blocking=True)
+                    self._pool[slot].copy_(row, non_blocking=True)
                 return _Pending(_record(lane), tuple(rows))
             host = pack(src, len(slots), self.block_bytes, self.device)
             start = slot_run_start(slots)
@@ -330,9 +330,9 @@ class GpuStore(BlockStore):
         lane = self._d2h
         with self._on(lane, caller):
             if isinstance(dst, list) and dst and isinstance(dst[0], torch.Tensor):
-                targets, pool = dst, self._pool
+                targets = dst
                 for slot, target in zip(slots, targets, strict=True):  # one DMA per block
-                    target.copy_(pool[slot], non_blocking=True)
+                    target.copy_(self._pool[slot], non_blocking=True)
                 return _Pending(_record(lane), tuple(targets))
             start = slot_run_start(slots)
             if start is not None:
