@@ -113,8 +113,7 @@ class HostPoolStore(BlockStore):
 
     def tensor_view(self, slot: int) -> torch.Tensor:
         """The slot's ``block_bytes`` as a zero-copy uint8 tensor (needs torch)."""
-        self._check((slot,), None)
-        return self.pool_tensor()[slot, : self.block_bytes]
+        return self.slot_tensors((slot,))[0]
 
     def slot_tensors(self, slots: Sequence[int]) -> PoolRows:
         """The ``block_bytes`` of each of ``slots`` as zero-copy uint8 tensors, checked
