@@ -113,7 +113,8 @@ class HostPoolStore(BlockStore):
 
     def tensor_view(self, slot: int) -> torch.Tensor:
         """The slot's ``block_bytes`` as a zero-copy uint8 tensor (needs torch)."""
-        return self.slot_tensors((slot,))[0]
+        row: torch.Tensor = self.slot_tensors((slot,))[0]
+        return row
 
     def slot_tensors(self, slots: Sequence[int]) -> PoolRows:
         """The ``block_bytes`` of each of ``slots`` as zero-copy uint8 tensors, checked
