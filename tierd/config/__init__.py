@@ -41,6 +41,7 @@ from tierd.config.daemon import (
     ShutdownConfig,
     SocketConfig,
     default_socket_path,
+    size_class_chain,
     tenant_chain,
 )
 from tierd.config.remote import RemoteConfig, S3Config
@@ -71,6 +72,7 @@ __all__ = [
     "parse_seconds",
     "parse_size",
     "read_config_file",
+    "size_class_chain",
     "tenant_chain",
 ]
 

@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -22,6 +22,7 @@ from tierd.config.base import Mode, Seconds, Size, StrictModel, error_at, errors
 from tierd.config.chain import ChainConfig, TierConfig, TierKind
 from tierd.config.kv_events import KvEventsConfig
 from tierd.control.socketfile import bind_path_bytes, default_socket_path
+from tierd.errors import ConfigError
 from tierd.tenancy import DEFAULT_TENANT, QuotaProblem, TenantConfig, quota_blocks
 from tierd.units import share_parts
 
@@ -35,7 +36,9 @@ __all__ = [
     "NamespaceConfig",
     "ShutdownConfig",
     "SocketConfig",
+    "MAX_SIZE_CLASSES",
     "default_socket_path",
+    "size_class_chain",
     "tenant_chain",
 ]
 
@@ -213,6 +216,9 @@ class TraceConfig(StrictModel):
         return self
 
 
+MAX_SIZE_CLASSES = 16  # block sizes one daemon serves at once, at most
+
+
 def _default_tiers() -> list[TierConfig]:
     return [TierConfig(name="cpu", kind=TierKind.CPU, capacity="1GiB", policy="lru")]
 
@@ -232,6 +238,9 @@ class DaemonConfig(ChainConfig):
     tenants: list[TenantConfig] = Field(default_factory=list)  # see tierd.tenancy
     trace: TraceConfig = Field(default_factory=TraceConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
+    # Size classes: how many block sizes each tenant's tiers serve at once, each an equal
+    # share of every tier (see size_class_chain). 1: only ``block_bytes``.
+    block_sizes: int = Field(default=1, ge=1, le=MAX_SIZE_CLASSES)
 
     @model_validator(mode="after")
     def _tenants(self) -> DaemonConfig:
@@ -314,6 +323,36 @@ def _tenant_problems(tenants: list[TenantConfig]) -> list[tuple[str, str]]:
                     message = f"{value} is also in tenant {other!r}: a peer has one tenant"
                     problems.append((f"tenants.{index}.{field}", message))
     return problems
+
+
+def size_class_chain(cfg: ChainConfig, block_bytes: int, classes: int) -> ChainConfig:
+    """``cfg`` (a tenant's chain at the configured ``block_bytes``) cut to one of
+    ``classes`` equal shares of every tier's bytes, holding blocks of ``block_bytes``.
+
+    The configured size keeps the tenant's own disk slabs and pool name; any other size
+    gets a slab in ``<directory>/blocks-<bytes>``, a pool named after it, and remote keys
+    under ``b<bytes>:``, so that two sizes never meet in one store. A share that holds no
+    block of the size raises :class:`ConfigError` naming the tier."""
+    own = block_bytes == cfg.block_bytes
+    tiers = []
+    for tier in cfg.tiers:
+        share = tier.num_blocks(cfg.block_bytes) * cfg.block_bytes // classes
+        blocks = share // block_bytes
+        if blocks < 1:
+            raise ConfigError(
+                f"tier {tier.name!r}: its share of {share} bytes (one of {classes} block sizes)"
+                f" holds no block of {block_bytes} bytes",
+                path=f"tiers.{tier.name}.capacity",
+            )
+        update: dict[str, Any] = {"capacity": blocks}
+        if not own:
+            update["directories"] = [d / f"blocks-{block_bytes}" for d in tier.directories]
+            update["shm_name"] = f"{tier.shm_name or 'tierd'}-{block_bytes}"
+        tiers.append(tier.model_copy(update=update))
+    remote = cfg.remote
+    if remote is not None and not own:
+        remote = remote.with_prefix(f"b{block_bytes}:")
+    return cfg.model_copy(update={"block_bytes": block_bytes, "tiers": tiers, "remote": remote})
 
 
 def tenant_chain(cfg: ChainConfig, tenant: str, blocks: Mapping[str, int]) -> ChainConfig:

@@ -157,8 +157,9 @@ class BlockRequests:
 
     async def put(self, msg: dict[str, Any]) -> Reply:
         keys = distinct(self.session.keys(msg))
-        data = bytes_list_field(msg, "data", count=len(keys), size=self.ctx.block_bytes)
-        return {"stored": self._stored(await self.session.chain().store(keys, data))}
+        chain = self.session.chain()
+        data = bytes_list_field(msg, "data", count=len(keys), size=chain.block_bytes)
+        return {"stored": self._stored(await chain.store(keys, data))}
 
     def _stored(self, keys: list[BlockKey]) -> int:
         figures = self.session.figures
@@ -169,7 +170,7 @@ class BlockRequests:
     async def get(self, msg: dict[str, Any]) -> Reply:
         keys = self.session.keys(msg)
         chain = self.session.chain()
-        room = (self.ctx.limits.max_frame_bytes - 4096) // (self.ctx.block_bytes + 16)
+        room = (self.ctx.limits.max_frame_bytes - 4096) // (chain.block_bytes + 16)
         if len(keys) > room:
             raise ProtocolError(
                 f"a get of {len(keys)} blocks would not fit in one frame: at most {room}",
@@ -183,7 +184,7 @@ class BlockRequests:
             if handle.store.has_views and handle.store.medium is not Medium.GPU:
                 data = [bytes(memoryview(v).cast("B")) for v in handle.views()]
             else:
-                out = [bytearray(self.ctx.block_bytes) for _ in handle.keys]
+                out = [bytearray(chain.block_bytes) for _ in handle.keys]
                 ok = await handle.read_into(out)
                 data = [bytes(b) for b in out[: _leading(ok)]]
         finally:

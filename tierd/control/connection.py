@@ -275,7 +275,9 @@ class Connection(asyncio.Protocol):
             task.add_done_callback(self._job_ended)
         if type(message) is dict and message.get("op") == "get":
             keys = message.get("keys")
-            cost = len(keys) * self.ctx.block_bytes if isinstance(keys, list) else 0
+            tenant = self.session.tenant
+            block = tenant.block_bytes if tenant is not None else self.ctx.default_block_bytes
+            cost = len(keys) * block if isinstance(keys, list) else 0
             self._reserved += cost
             task.add_done_callback(lambda _: self._release(cost))
         task.add_done_callback(self._work)

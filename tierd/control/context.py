@@ -76,7 +76,8 @@ class ServerContext:
     _open_leases: Callable[[], int] = lambda: 0
 
     @property
-    def block_bytes(self) -> int:
+    def default_block_bytes(self) -> int:
+        """The configured block size (what a connection of no tenant is told)."""
         return self.tenants.tenants[0].chain.block_bytes
 
     @property
@@ -108,8 +109,11 @@ class ServerContext:
         return {
             "server": f"tierd {__version__}",
             "protocol": PROTOCOL_VERSION,
-            "block_bytes": self.block_bytes,
+            "block_bytes": chain.block_bytes if chain is not None else self.default_block_bytes,
             "tenant": tenant.name if tenant is not None else None,
+            # Block sizes the tenant may serve at once (block_sizes): above 1, a hello
+            # naming its own size is served at it.
+            "block_sizes": tenant.sizes.limit if tenant is not None and tenant.sizes else 1,
             "tiers": [
                 {
                     "name": level.tier.name,
@@ -166,10 +170,17 @@ class ServerContext:
 
     @staticmethod
     def _tenant_stats(tenant: Tenant, namespaces: bool) -> dict[str, Any]:
-        own = {**collect_stats(tenant.chain), "leases": tenant.counters()}
+        """A tenant's figures; one that serves several block sizes has them added up,
+        and each size's own under ``block_sizes`` (by size)."""
+        sizes = tenant.each_size()
+        each = {sized.block_bytes: _sized_stats(sized, namespaces) for sized in sizes}
+        if len(each) == 1:
+            return each[tenant.block_bytes]
+        merged = merge_stats(list(each.values()))
+        merged["block_sizes"] = {str(size): part for size, part in each.items()}
         if namespaces:
-            own["namespaces"] = namespace_rows(tenant.book, tenant.chain)
-        return own
+            merged["namespaces"] = namespace_rows(tenant.book, *(s.chain for s in sizes))
+        return merged
 
     def metrics(self) -> str:
         return render_prometheus(
@@ -183,3 +194,10 @@ class ServerContext:
             "uptime_s": round(time.monotonic() - self.started, 3),
             "connections": self.connections,
         }
+
+
+def _sized_stats(tenant: Tenant, namespaces: bool) -> dict[str, Any]:
+    own = {**collect_stats(tenant.chain), "leases": tenant.counters()}
+    if namespaces:
+        own["namespaces"] = namespace_rows(tenant.book, tenant.chain)
+    return own

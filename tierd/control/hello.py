@@ -1,9 +1,11 @@
 """The daemon's side of ``hello``: what it checks, and what it answers.
 
-``hello`` must speak this daemon's protocol version and, when it names one, its block
-size. The namespace it names must be one of the tenant's patterns (a user of no tenant
-may name none: it may run operator commands and keeps no blocks), and a name the
-tenant has not used before only while its book has room for it
+``hello`` must speak this daemon's protocol version and, when it names one, a block
+size the tenant serves: one of its size classes (``block_sizes``), a new one opened
+first when the tenant has room for it (:func:`size_to_open`; the session awaits it), or
+the one size of a tenant without classes. The namespace it names must be one of the
+tenant's patterns (a user of no tenant may name none: it may run operator commands and
+keeps no blocks), and a name the tenant has not used before only while its book has room for it
 (``limits.namespaces_per_tenant``); its 8-byte id then prefixes every key of the
 connection. The reply describes the daemon and the tenant's
 tiers and pool; a ``pool_fd: true`` hello gets the pool's descriptor passed beside it
@@ -21,7 +23,7 @@ from tierd.control.protocol import PASS_FDS, PROTOCOL_VERSION, ErrorCode, int_fi
 from tierd.control.tenants import Tenant
 from tierd.errors import ProtocolError
 
-__all__ = ["Greeted", "answer_hello"]
+__all__ = ["Greeted", "answer_hello", "size_to_open"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +34,25 @@ class Greeted:
     namespace: str | None
     prefix: bytes
     reply: dict[str, Any]
+    tenant: Tenant | None  # the tenant at the connection's block size
+
+
+# An inline put carries one block and its frame's header in one frame.
+_FRAME_ROOM = 64 << 10
+
+
+def size_to_open(ctx: ServerContext, tenant: Tenant | None, msg: dict[str, Any]) -> int | None:
+    """The block size ``msg`` names that ``tenant`` may serve but has not opened yet."""
+    wanted = msg.get("block_bytes")
+    if tenant is None or tenant.sizes is None or type(wanted) is not int:
+        return None
+    if wanted in tenant.sizes.by_size or not 0 < wanted <= _largest(ctx):
+        return None
+    return wanted if tenant.sizes.refusal(wanted) is None else None
+
+
+def _largest(ctx: ServerContext) -> int:
+    return ctx.limits.max_frame_bytes - _FRAME_ROOM
 
 
 def answer_hello(ctx: ServerContext, tenant: Tenant | None, msg: dict[str, Any]) -> Greeted:
@@ -42,19 +63,40 @@ def answer_hello(ctx: ServerContext, tenant: Tenant | None, msg: dict[str, Any])
             f"protocol version {version} is not supported (this daemon speaks {PROTOCOL_VERSION})",
             code=ErrorCode.VERSION_MISMATCH,
         )
-    block_bytes = msg.get("block_bytes")
-    if block_bytes is not None and int_field(msg, "block_bytes") != ctx.block_bytes:
-        raise ProtocolError(
-            f"block size {block_bytes} does not match the daemon's {ctx.block_bytes}",
-            code=ErrorCode.BLOCK_SIZE_MISMATCH,
-        )
+    if msg.get("block_bytes") is not None:
+        tenant = _at_size(ctx, tenant, int_field(msg, "block_bytes"))
     namespace = opt_str_field(msg, "namespace", max_len=1024)
     prefix = b"" if namespace is None else _namespace_prefix(ctx, tenant, namespace)
     reply = ctx.hello_fields(prefix, tenant)
     pool = tenant.pool if tenant is not None else None
     if msg.get("pool_fd") is True and pool is not None:
         reply[PASS_FDS] = [pool.fd]  # the connection sends it beside this reply
-    return Greeted(namespace, prefix, reply)
+    return Greeted(namespace, prefix, reply, tenant)
+
+
+def _at_size(ctx: ServerContext, tenant: Tenant | None, block_bytes: int) -> Tenant | None:
+    """``tenant`` at ``block_bytes``; refused when it does not serve that size."""
+    served = ctx.default_block_bytes if tenant is None else tenant.block_bytes
+    if block_bytes == served:
+        return tenant
+    sizes = None if tenant is None else tenant.sizes
+    if sizes is None:
+        raise ProtocolError(
+            f"block size {block_bytes} does not match the daemon's {served}; a daemon"
+            " serves several sizes with block_sizes: 2 (or more) in its config",
+            code=ErrorCode.BLOCK_SIZE_MISMATCH,
+        )
+    if not 0 < block_bytes <= _largest(ctx):
+        raise ProtocolError(
+            f"block size {block_bytes} is not served: a block must be 1 to {_largest(ctx)}"
+            " bytes (limits.max_frame_bytes less 64KiB)",
+            code=ErrorCode.BLOCK_SIZE_MISMATCH,
+        )
+    sized = sizes.by_size.get(block_bytes)
+    if sized is None:
+        problem = sizes.refusal(block_bytes) or f"block size {block_bytes} is not open"
+        raise ProtocolError(problem, code=ErrorCode.BLOCK_SIZE_MISMATCH)
+    return sized
 
 
 def _namespace_prefix(ctx: ServerContext, tenant: Tenant | None, namespace: str) -> bytes:

@@ -134,7 +134,11 @@ class NamespaceRequests:
 
     def namespaces(self, msg: dict[str, Any]) -> Reply:
         tenants = self._tenants(msg)
-        return {"tenants": {t.name: namespace_rows(t.book, t.chain) for t in tenants}}
+        return {
+            "tenants": {
+                t.name: namespace_rows(t.book, *(s.chain for s in t.each_size())) for t in tenants
+            }
+        }
 
     def inspect(self, msg: dict[str, Any]) -> Reply:
         tenants = self._tenants(msg)
@@ -146,7 +150,7 @@ class NamespaceRequests:
             )
         full = BlockKey(namespace_id + key)
         found = []
-        for tenant in tenants:
+        for tenant in (sized for t in tenants for sized in t.each_size()):
             for tier, medium, state, slot in tenant.chain.holders(full):
                 found.append(
                     {
@@ -155,13 +159,14 @@ class NamespaceRequests:
                         "medium": medium,
                         "state": state,
                         "slot": slot,
+                        "block_bytes": tenant.block_bytes,
                     }
                 )
         figures = tenants[0].book.figures.get(namespace_id) if len(tenants) == 1 else None
         return {
             "namespace": _label(tenants, namespace_id),
             "namespace_id": namespace_id.hex(),
-            "bytes": self.ctx.block_bytes if found else 0,
+            "bytes": found[0]["block_bytes"] if found else 0,
             "tiers": found,
             "namespace_last_used": figures.last_used if figures and figures.last_used else None,
         }
@@ -180,12 +185,13 @@ class NamespaceRequests:
             keys = keys_field(
                 msg, max_keys=self.ctx.max_keys, max_key_bytes=_key_room(), name="keys"
             )
-            for tenant in tenants:  # at most max_keys_per_request keys: one bounded step
-                done = tenant.chain.delete([BlockKey(namespace_id + key) for key in keys])
+            full = [BlockKey(namespace_id + key) for key in keys]
+            for tenant in (sized for t in tenants for sized in t.each_size()):
+                done = tenant.chain.delete(full)  # at most max_keys_per_request: bounded
                 removed, busy = removed + done.removed, busy + done.busy
         else:
             start = namespace_id + self._prefix(msg, chosen[0])
-            for tenant in tenants:
+            for tenant in (sized for t in tenants for sized in t.each_size()):
                 # One walk of a tenant's index at a time: a second waits for the first.
                 async with tenant.book.walking:
                     done = await _delete_starting(tenant, start)

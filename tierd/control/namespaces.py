@@ -180,19 +180,29 @@ def _read_names(path: Path) -> dict[bytes, str]:
         return {}
 
 
-def namespace_rows(book: NamespaceBook, chain: TierChain) -> list[dict[str, Any]]:
+def namespace_rows(book: NamespaceBook, *chains: TierChain) -> list[dict[str, Any]]:
     """One row per namespace that holds blocks or was used: its name (``None`` when no
     client named it since the names were last saved), id, blocks per tier, bytes held in
     all tiers, and its request figures; most bytes first. Costs the number of
-    namespaces, not of blocks: the chain's census keeps the blocks per namespace."""
-    census = chain.prefix_census(NAMESPACE_ID_BYTES)
-    tiers = [level.tier.name for level in chain.levels]
-    counts = [census.counts(i) for i in range(len(tiers))]
-    names, every, block_bytes = book.names, book.figures, chain.block_bytes
+    namespaces, not of blocks: each chain's census keeps the blocks per namespace. The
+    chains of one tenant's block sizes (same tiers) add up."""
+    tiers = [level.tier.name for level in chains[0].levels]
+    parts = []
+    for chain in chains:
+        census = chain.prefix_census(NAMESPACE_ID_BYTES)
+        parts.append(([census.counts(i) for i in range(len(tiers))], chain.block_bytes))
+    names, every = book.names, book.figures
     unused = NamespaceFigures()
     rows: list[dict[str, Any]] = []
-    for namespace_id in set(every).union(*counts):
-        held = [count.get(namespace_id, 0) for count in counts]
+    ids = set(every).union(*(count for counts, _ in parts for count in counts))
+    for namespace_id in ids:
+        held = [0] * len(tiers)
+        held_bytes = 0
+        for counts, block_bytes in parts:
+            for i, count in enumerate(counts):
+                n = count.get(namespace_id, 0)
+                held[i] += n
+                held_bytes += n * block_bytes
         figures = every.get(namespace_id, unused)
         last = figures.last_used
         rows.append(
@@ -200,7 +210,7 @@ def namespace_rows(book: NamespaceBook, chain: TierChain) -> list[dict[str, Any]
                 "namespace": names.get(namespace_id),
                 "id": namespace_id.hex(),
                 "blocks": dict(zip(tiers, held, strict=True)),
-                "bytes": sum(held) * block_bytes,
+                "bytes": held_bytes,
                 "lookups": figures.lookups,
                 "hit_blocks": figures.hit_blocks,
                 "miss_blocks": figures.miss_blocks,

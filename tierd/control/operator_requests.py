@@ -60,15 +60,15 @@ class OperatorRequests:
             )
 
     def _tenants_asked(self, msg: dict[str, Any]) -> list[Tenant]:
-        """Every tenant, or the one the ``tenant`` field names."""
+        """Every tenant, or the one the ``tenant`` field names, at each block size."""
         name = opt_str_field(msg, "tenant")
         if name is None:
-            return list(self.ctx.tenants.tenants)
+            return list(self.ctx.tenants.every())
         tenant = self.ctx.tenants.named(name)
         if tenant is None:
             names = ", ".join(t.name for t in self.ctx.tenants.tenants)
             raise ProtocolError(f"no tenant named {name!r} ({names})", code=ErrorCode.BAD_REQUEST)
-        return [tenant]
+        return tenant.each_size()
 
     def config(self, msg: dict[str, Any]) -> Reply:
         self._require_operator("config")

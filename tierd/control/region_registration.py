@@ -78,7 +78,7 @@ class Registrations:
         size = self._checked(msg)
         fd = await self._receive(int_field(msg, "id"))
         try:
-            pools = (t.pool for t in self.ctx.tenants.tenants)
+            pools = (t.pool for t in self.ctx.tenants.every())
             own = {file_id(pool.fd) for pool in pools if pool is not None}
             problem = region_problem(fd, size, own)
             if problem is not None:

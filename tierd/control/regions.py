@@ -84,7 +84,7 @@ class RegionRequests:
         keys = self.session.keys(msg)
         if store:
             distinct(keys)
-        block_bytes = self.ctx.block_bytes
+        block_bytes = self.session.chain().block_bytes
         pieces = msg.get("pieces", [block_bytes])
         if not isinstance(pieces, list):
             raise ProtocolError(
@@ -151,7 +151,7 @@ class RegionRequests:
         views = host_views(handle.store, handle.slots)
         if views is not None:
             return await self._copy(read_region, fd, rows, views, (layout, until))
-        staged = [memoryview(bytearray(self.ctx.block_bytes)) for _ in handle.keys]
+        staged = [memoryview(bytearray(handle.store.block_bytes)) for _ in handle.keys]
         read = await self._copy(read_region, fd, rows, staged, (layout, until))
         written = await handle.store.write(handle.slots, handle.keys, staged)
         return [a and b for a, b in zip(read, written, strict=True)]
@@ -172,7 +172,7 @@ class RegionRequests:
         tenant = leases.tenant.name if leases.tenant is not None else ""
         conn = leases.conn
         ok: list[bool] = []
-        for part in slices(len(rows), self.ctx.block_bytes):
+        for part in slices(len(rows), self.session.chain().block_bytes):
             rows_part, blocks_part = rows[part.start : part.stop], blocks[part.start : part.stop]
             job = functools.partial(_in_rows, move, fd, rows_part, blocks_part, layout, until)
             ok += await self.ctx.copy_threads.run(tenant, conn, job)
@@ -244,7 +244,7 @@ class RegionRequests:
         for handle in handles:
             views = host_views(handle.store, handle.slots)
             if views is None:  # staged: read the blocks out first
-                staged = [memoryview(bytearray(self.ctx.block_bytes)) for _ in handle.keys]
+                staged = [memoryview(bytearray(handle.store.block_bytes)) for _ in handle.keys]
                 read = await handle.read_into(staged)
                 source.update(
                     (k, v) for k, v, f in zip(handle.keys, staged, read, strict=True) if f

@@ -44,7 +44,7 @@ from tierd.chain import LookupResult, TierChain
 from tierd.control.block_requests import LOADED_FROM, BlockRequests
 from tierd.control.context import ServerContext
 from tierd.control.event_stream import EventStream
-from tierd.control.hello import answer_hello
+from tierd.control.hello import answer_hello, size_to_open
 from tierd.control.kv_requests import KvRequests
 from tierd.control.leases import Leases
 from tierd.control.namespace_requests import NamespaceRequests
@@ -61,7 +61,7 @@ from tierd.control.protocol import (
 from tierd.control.region_registration import FdLine
 from tierd.control.regions import RegionRequests
 from tierd.control.tenants import Grant, Tenant
-from tierd.errors import ProtocolError
+from tierd.errors import ProtocolError, TierdError
 from tierd.keys import MAX_KEY_BYTES, BlockKey
 
 __all__ = ["Session"]
@@ -97,6 +97,7 @@ class Session:
         self.grant = Grant(None, False)  # no rights until admitted
         self.tenant: Tenant | None = None
         self.greeted = False
+        self._greeting = False  # a hello waits for its block size's chain to open
         self.namespace: str | None = None
         self.prefix = b""
         self.figures = NamespaceFigures()  # its namespace's, once hello names one
@@ -215,6 +216,10 @@ class Session:
                 )
             if self.ctx.shutting_down and op in _STARTS_WORK:
                 raise ProtocolError("the daemon is shutting down", code=ErrorCode.SHUTTING_DOWN)
+            opening = size_to_open(self.ctx, self.tenant, msg) if op == "hello" else None
+            if opening is not None:  # a block size the tenant serves from now on
+                self._spawn(request_id, self._hello_at_new_size(msg, opening), op, msg, started)
+                return
             sync = self._sync.get(op)
             if sync is not None:
                 self._reply(request_id, sync(msg))
@@ -267,14 +272,35 @@ class Session:
     # -- handshake and namespace ------------------------------------------------------
 
     def _hello(self, msg: dict[str, Any]) -> Reply:
-        if self.greeted:
+        if self.greeted or self._greeting:
             raise ProtocolError("hello was already done", code=ErrorCode.BAD_REQUEST)
         greeted = answer_hello(self.ctx, self.tenant, msg)
+        self.tenant = self.leases.tenant = greeted.tenant  # the tenant at its block size
         self.namespace, self.prefix = greeted.namespace, greeted.prefix
         if greeted.namespace is not None and self.tenant is not None:
             self.figures = self.tenant.book.learn(greeted.namespace, greeted.prefix)
         self.greeted = True
         return greeted.reply
+
+    async def _hello_at_new_size(self, msg: dict[str, Any], block_bytes: int) -> Reply:
+        """Hello naming a block size its tenant has room for but has not opened: the
+        size's chain opens first (once, whoever asks), then hello is answered as ever."""
+        if self.greeted or self._greeting:
+            raise ProtocolError("hello was already sent", code=ErrorCode.BAD_REQUEST)
+        assert self.tenant is not None and self.tenant.sizes is not None  # size_to_open
+        self._greeting = True
+        try:
+            await self.tenant.sizes.open(block_bytes)
+        except LookupError as exc:  # its room was taken meanwhile
+            raise ProtocolError(str(exc), code=ErrorCode.BLOCK_SIZE_MISMATCH) from exc
+        except (TierdError, OSError) as exc:
+            raise ProtocolError(
+                f"block size {block_bytes} cannot be served: {exc}",
+                code=ErrorCode.BLOCK_SIZE_MISMATCH,
+            ) from exc
+        finally:
+            self._greeting = False
+        return self._hello(msg)
 
     def chain(self) -> TierChain:
         """The chain of this connection's tenant."""
@@ -365,7 +391,7 @@ class Session:
             if self.tenant is not None and not (self.grant.operator and self.namespace is None):
                 chains = [(self.tenant.name, self.tenant.chain)]
             else:  # an operator without a namespace follows every tenant
-                chains = [(t.name, t.chain) for t in self.ctx.tenants.tenants]
+                chains = [(t.name, t.chain) for t in self.ctx.tenants.every()]
             self._stream = EventStream(
                 chains,
                 prefix=self.prefix,

@@ -9,6 +9,11 @@ chain and pool its session uses, and nothing else) and whether it is an operator
 A grant may name no tenant: the daemon's own user, when the ``tenants:`` section does not
 list it, may run operator commands (stats, flush, stop, ...) but holds no blocks.
 
+A tenant may serve several block sizes (``block_sizes``): each size has a chain and pool
+of its own, an equal share of the tenant's tiers, kept in the tenant's
+:class:`SizeClasses`; a connection's hello names its size and the session then uses that
+size's :class:`Tenant` (they share the tenant's name, patterns and namespace book).
+
 Lease accounting lives here too: every tenant counts the blocks its connections hold in
 open leases (reserved for a store or pinned by a load), against its own bound and each
 connection's, so that one client cannot take its tenant's whole entry tier.
@@ -16,8 +21,9 @@ connection's, so that one client cannot take its tenant's whole entry tier.
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +32,7 @@ from tierd.control.namespaces import NamespaceBook
 if TYPE_CHECKING:
     from tierd.chain import TierChain
 
-__all__ = ["Grant", "PoolInfo", "Tenant", "TenantTable"]
+__all__ = ["Grant", "PoolInfo", "SizeClasses", "Tenant", "TenantTable"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,15 @@ class Tenant:
     leases_expired: int = 0  # store leases aborted for not being committed in time
     lease_refusals: int = 0  # requests refused for a lease bound
     book: NamespaceBook = field(default_factory=NamespaceBook)  # its namespaces' names, figures
+    sizes: SizeClasses | None = None  # its block sizes, when it serves more than one
+
+    @property
+    def block_bytes(self) -> int:
+        return self.chain.block_bytes
+
+    def each_size(self) -> list[Tenant]:
+        """This tenant at each block size it serves (itself alone without size classes)."""
+        return [self] if self.sizes is None else list(self.sizes.by_size.values())
 
     def namespace_problem(self, name: str) -> str | None:
         """Why ``name`` is not one of this tenant's namespaces, or ``None``."""
@@ -93,6 +108,59 @@ class Tenant:
             "leases_expired": self.leases_expired,
             "lease_refusals": self.lease_refusals,
         }
+
+
+@dataclass(slots=True)
+class SizeClasses:
+    """One tenant's block sizes: at most ``limit``, the configured one first, the others
+    opened (by ``open_size``, which also records them for the next start) when a hello
+    first names them. Each size's :class:`Tenant` is in ``by_size``."""
+
+    limit: int
+    by_size: dict[int, Tenant]
+    open_size: Callable[[int], Awaitable[Tenant]] | None = None
+    _opening: dict[int, asyncio.Future[Tenant]] = field(default_factory=dict)
+
+    def refusal(self, block_bytes: int) -> str | None:
+        """Why a new size cannot be opened now, or ``None``."""
+        if block_bytes in self.by_size or block_bytes in self._opening:
+            return None
+        if len(self.by_size) + len(self._opening) >= self.limit or self.open_size is None:
+            served = ", ".join(str(size) for size in self.by_size)
+            return (
+                f"this daemon serves {self.limit} block sizes at most (block_sizes) and has"
+                f" them all ({served}): raise block_sizes in its config and restart it"
+            )
+        return None
+
+    async def open(self, block_bytes: int) -> Tenant:
+        """The tenant at ``block_bytes``, opened now if it is new (once, however many
+        connections ask for it at the same time)."""
+        known = self.by_size.get(block_bytes)
+        if known is not None:
+            return known
+        waiting = self._opening.get(block_bytes)
+        if waiting is not None:
+            return await asyncio.shield(waiting)
+        problem = self.refusal(block_bytes)
+        if problem is not None or self.open_size is None:
+            raise LookupError(problem)
+        future: asyncio.Future[Tenant] = asyncio.get_running_loop().create_future()
+        self._opening[block_bytes] = future
+        try:
+            tenant = await self.open_size(block_bytes)
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: a failure is raised to whoever waited
+            raise
+        finally:
+            del self._opening[block_bytes]
+        self.by_size[block_bytes] = tenant
+        future.set_result(tenant)
+        return tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +196,13 @@ class TenantTable:
                 return grant
         return None
 
+    def every(self) -> Iterator[Tenant]:
+        """Every tenant at every block size it serves."""
+        for tenant in self.tenants:
+            yield from tenant.each_size()
+
     def chains(self) -> Iterator[TierChain]:
-        return (tenant.chain for tenant in self.tenants)
+        return (tenant.chain for tenant in self.every())
 
     def named(self, name: str) -> Tenant | None:
         return next((t for t in self.tenants if t.name == name), None)

@@ -263,7 +263,7 @@ class Daemon:
         ctx.limits = _limits(cfg)
         ctx.check_namespace = cfg.namespaces.check
         ctx.namespaces_top = cfg.metrics.namespaces_top
-        for tenant in ctx.tenants.tenants:
+        for tenant in ctx.tenants.every():  # at every block size
             tenant.chain.set_admissions(plan.admissions, plan.remote_admission)
             for level, tier in zip(tenant.chain.levels, cfg.tiers, strict=True):
                 level.write_through = tier.write_through

@@ -7,10 +7,18 @@ to reap after a crash and nothing another daemon, in another PID namespace or no
 remove) and its own disk slab under ``<directory>/<tenant>``. Without a ``tenants:``
 section there is one tenant, ``default``, with whole tiers and the disk directories
 themselves.
+
+With ``block_sizes: N`` (N > 1) each tenant serves up to N block sizes, each in an equal
+share of its tiers (:func:`tierd.config.size_class_chain`): the configured
+``block_bytes`` opens at start; another size opens when a hello first names it, and is
+recorded in ``block_sizes.json`` beside the tenant's namespace names, so the next start
+opens it again with its disk slab (``<directory>/blocks-<bytes>``) and its blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -18,11 +26,11 @@ from pathlib import Path
 import structlog
 
 from tierd.chain import TierChain
-from tierd.config import ChainConfig, DaemonConfig, TierKind
+from tierd.config import ChainConfig, DaemonConfig, TierKind, size_class_chain
 from tierd.control.namespaces import NAMES_FILE, NamespaceBook
 from tierd.control.protocol import NAMESPACE_ID_BYTES
-from tierd.control.tenants import Grant, PoolInfo, Tenant, TenantTable
-from tierd.errors import TierdError
+from tierd.control.tenants import Grant, PoolInfo, SizeClasses, Tenant, TenantTable
+from tierd.errors import ConfigError, TierdError
 from tierd.library import open_chain
 from tierd.stores.cpu import CpuStore, StartProgress
 from tierd.stores.disk_slab import SLAB_FILE
@@ -30,6 +38,7 @@ from tierd.tenancy import TenantConfig
 from tierd.units import share_parts
 
 __all__ = [
+    "SIZES_FILE",
     "apply_tenant_rules",
     "grants_for",
     "lease_bound",
@@ -40,6 +49,8 @@ __all__ = [
 ]
 
 log = structlog.get_logger("tierd")
+
+SIZES_FILE = "block_sizes.json"  # a tenant's block sizes besides the configured one
 
 
 async def open_tenants(
@@ -55,14 +66,10 @@ async def open_tenants(
     warn_of_untenanted_slabs(cfg)
     warn_of_tiers_above_the_entry(cfg)
     for spec, chain_cfg in cfg.tenant_chains():
-        try:
-            # Every line the chain logs while it opens (``tier opened``) names the tenant.
-            with structlog.contextvars.bound_contextvars(tenant=spec.name):
-                chain = await stack.enter_async_context(open_chain(chain_cfg, progress=progress))
-        except TierdError as exc:
-            if cfg.tenants:  # name the tenant: each has tiers of the same names
-                exc.args = (f"tenant {spec.name!r}: {exc}", *exc.args[1:])
-            raise
+        own_cfg = chain_cfg
+        if cfg.block_sizes > 1:
+            own_cfg = size_class_chain(chain_cfg, cfg.block_bytes, cfg.block_sizes)
+        chain = await _open_chain(cfg, spec, own_cfg, stack, progress)
         chains[spec.name] = chain
         tenant = _tenant(cfg, spec, chain)
         tenant.book = NamespaceBook(
@@ -71,6 +78,8 @@ async def open_tenants(
         stack.push_async_callback(tenant.book.close)  # before the chain closes: names kept
         chain.prefix_census(NAMESPACE_ID_BYTES)  # blocks per namespace, counted from now on
         table.tenants.append(tenant)
+        if cfg.block_sizes > 1:
+            await _size_classes(cfg, spec, chain_cfg, tenant, stack, chains)
     table.grants = grants_for(cfg, table)
     if cfg.tenants:
         log.info(
@@ -78,6 +87,109 @@ async def open_tenants(
             tenants={t.name: [lv.tier.num_blocks for lv in t.chain.levels] for t in table.tenants},
         )
     return table
+
+
+async def _open_chain(
+    cfg: DaemonConfig,
+    spec: TenantConfig,
+    chain_cfg: ChainConfig,
+    stack: AsyncExitStack,
+    progress: StartProgress | None = None,
+) -> TierChain:
+    """Open one of a tenant's chains into ``stack``; an error names the tenant."""
+    try:
+        # Every line the chain logs while it opens (``tier opened``) names the tenant.
+        with structlog.contextvars.bound_contextvars(tenant=spec.name):
+            return await stack.enter_async_context(open_chain(chain_cfg, progress=progress))
+    except TierdError as exc:
+        if cfg.tenants:  # name the tenant: each has tiers of the same names
+            exc.args = (f"tenant {spec.name!r}: {exc}", *exc.args[1:])
+        raise
+
+
+async def _size_classes(
+    cfg: DaemonConfig,
+    spec: TenantConfig,
+    chain_cfg: ChainConfig,
+    tenant: Tenant,
+    stack: AsyncExitStack,
+    chains: dict[str, TierChain],
+) -> None:
+    """Give ``tenant`` its size classes, and open again the sizes it served before."""
+    record = sizes_file(chain_cfg)
+
+    async def open_size(block_bytes: int) -> Tenant:
+        sized_cfg = size_class_chain(chain_cfg, block_bytes, cfg.block_sizes)
+        for tier in sized_cfg.tiers:
+            for directory in tier.directories:
+                directory.mkdir(mode=0o700, exist_ok=True)
+        chain = await _open_chain(cfg, spec, sized_cfg, stack)
+        chains[f"{spec.name}@{block_bytes}"] = chain
+        sized = _tenant(cfg, spec, chain)
+        sized.book, sized.sizes = tenant.book, tenant.sizes
+        chain.prefix_census(NAMESPACE_ID_BYTES)
+        if record is not None and sizes is not None:
+            learned = [size for size in sizes.by_size if size != cfg.block_bytes]
+            await asyncio.to_thread(_record_sizes, record, [*learned, block_bytes])
+        log.info(
+            "block size opened",
+            tenant=spec.name,
+            block_bytes=block_bytes,
+            tiers={lv.tier.name: lv.tier.num_blocks for lv in chain.levels},
+        )
+        return sized
+
+    sizes = tenant.sizes = SizeClasses(cfg.block_sizes, {cfg.block_bytes: tenant}, open_size)
+    for block_bytes in _recorded_sizes(record):
+        problem = sizes.refusal(block_bytes)
+        if problem is not None:
+            log.warning(
+                "a block size served before is not opened",
+                tenant=spec.name,
+                block_bytes=block_bytes,
+                reason=problem,
+            )
+            continue
+        try:
+            await sizes.open(block_bytes)
+        except ConfigError as exc:  # its share holds no block of it any more
+            log.warning(
+                "a block size served before is not opened",
+                tenant=spec.name,
+                block_bytes=block_bytes,
+                reason=str(exc),
+            )
+
+
+def sizes_file(chain_cfg: ChainConfig) -> Path | None:
+    """Where a tenant's block sizes are kept: beside its namespace names."""
+    names = names_file(chain_cfg)
+    return None if names is None else names.parent / SIZES_FILE
+
+
+def _recorded_sizes(path: Path | None) -> list[int]:
+    """The block sizes a tenant served before (none when the file is missing or bad)."""
+    if path is None:
+        return []
+    try:
+        sizes = json.loads(path.read_text())["block_sizes"]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("the block sizes served before cannot be read", path=str(path), error=str(exc))
+        return []
+    if not isinstance(sizes, list) or not all(type(s) is int and s > 0 for s in sizes):
+        log.warning("the block sizes served before cannot be read", path=str(path))
+        return []
+    return list(dict.fromkeys(sizes))
+
+
+def _record_sizes(path: Path, sizes: list[int]) -> None:
+    """Write ``sizes`` to ``path`` whole (a crash leaves the old file or the new one)."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps({"block_sizes": sizes}) + "\n")
+    part.chmod(0o600)
+    os.replace(part, path)
 
 
 def names_file(chain_cfg: ChainConfig) -> Path | None:
@@ -91,14 +203,17 @@ def names_file(chain_cfg: ChainConfig) -> Path | None:
 
 
 def apply_tenant_rules(cfg: DaemonConfig, table: TenantTable) -> None:
-    """What a reload changes of the running tenants: their namespace patterns, lease
-    bounds, and who is which (for connections from then on)."""
+    """What a reload changes of the running tenants (at every block size): their
+    namespace patterns, lease bounds, and who is which (for connections from then on)."""
     for tenant, (spec, _) in zip(table.tenants, cfg.tenant_chains(), strict=True):
-        entry = tenant.chain.levels[tenant.chain.entry].store.num_blocks
-        tenant.namespaces = tuple(spec.namespaces)
         tenant.book.max_names = cfg.limits.namespaces_per_tenant
-        tenant.max_held = lease_bound(cfg.limits.lease_blocks_per_tenant, entry)
-        tenant.max_held_per_connection = lease_bound(cfg.limits.lease_blocks_per_connection, entry)
+        for sized in tenant.each_size():
+            entry = sized.chain.levels[sized.chain.entry].store.num_blocks
+            sized.namespaces = tuple(spec.namespaces)
+            sized.max_held = lease_bound(cfg.limits.lease_blocks_per_tenant, entry)
+            sized.max_held_per_connection = lease_bound(
+                cfg.limits.lease_blocks_per_connection, entry
+            )
     table.grants = grants_for(cfg, table)
 
 

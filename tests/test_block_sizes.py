@@ -1,0 +1,149 @@
+"""One daemon, several block sizes (``block_sizes``): each size in its own share of every
+tier, chosen by the block size a client's hello names, opened when first named, kept
+through a restart, and reported by size in ``stats``. Real daemon processes and sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
+
+from tierd.client import Client, DaemonError
+from tierd.config import DaemonConfig, size_class_chain
+from tierd.errors import ConfigError
+from tierd.testing import daemon_config
+
+NAMESPACE = "sizes"
+SMALL, LARGE = 4096, 16384  # a vLLM-like row and an SGLang-like page, say
+
+
+def payload(key: bytes, size: int) -> bytes:
+    """Bytes that name their key and size: a block served at the wrong size or from the
+    other size's store could not match."""
+    stamp = key + b"@" + str(size).encode() + b";"
+    return (stamp * (size // len(stamp) + 1))[:size]
+
+
+def sized_config(tmp_path: Path, **extra: object) -> dict[str, object]:
+    # Base size 4096: cpu 16 blocks, disk 64 blocks; two classes: each half of each tier.
+    return daemon_config(tmp_path, cpu_blocks=16, disk_blocks=64, block_sizes=2, **extra)
+
+
+async def connect(path: str, size: int) -> Client:
+    return await Client.connect(path, namespace=NAMESPACE, block_bytes=size)
+
+
+async def test_two_sizes_share_one_daemon_each_at_its_own_size_through_a_restart(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+) -> None:
+    config = sized_config(tmp_path)
+    daemon = await spawn(config)
+    names = [f"k{i}".encode() for i in range(6)]  # the same keys at both sizes
+    small = await connect(daemon.socket_path, SMALL)
+    large = await connect(daemon.socket_path, LARGE)
+    async with small, large:
+        assert (small.block_bytes, large.block_bytes) == (SMALL, LARGE)
+        assert small.pool is not None and large.pool is not None
+        assert await small.store(names, [payload(k, SMALL) for k in names]) == 6
+        assert await large.store(names[:2], [payload(k, LARGE) for k in names[:2]]) == 2
+        # Each size sees its own blocks only, whole, at its own size.
+        assert await small.load(names) == [payload(k, SMALL) for k in names]
+        assert await large.load(names[:2]) == [payload(k, LARGE) for k in names[:2]]
+        assert (await large.lookup(names)).count == 2
+        stats = await small.stats()
+    by_size = stats["tenants"]["default"]["block_sizes"]
+    assert set(by_size) == {str(SMALL), str(LARGE)}
+    # Equal byte shares of each tier: 8 of 16 cpu blocks at 4096, 32 KiB / 16 KiB = 2.
+    caps = {size: [t["capacity"] for t in part["tiers"]] for size, part in by_size.items()}
+    assert caps == {str(SMALL): [8, 32], str(LARGE): [2, 8]}
+    stored = {size: part["tiers"][0]["stores"] for size, part in by_size.items()}
+    assert stored == {str(SMALL): 6, str(LARGE): 2}
+    assert [t["capacity"] for t in stats["tiers"]] == [10, 40]  # added up
+    assert stats["tenants"]["default"]["block_bytes"] == SMALL  # the configured size
+    recorded = json.loads((tmp_path / "disk" / "block_sizes.json").read_text())
+    assert recorded == {"block_sizes": [LARGE]}
+    assert (tmp_path / "disk" / f"blocks-{LARGE}").is_dir()
+    assert await daemon.stop() == 0
+
+    again = await spawn(config)  # the large size opens at start, with its blocks
+    async with await connect(again.socket_path, LARGE) as large:
+        assert await large.load(names[:2]) == [payload(k, LARGE) for k in names[:2]]
+        async with await connect(again.socket_path, SMALL) as small:
+            assert await small.load(names) == [payload(k, SMALL) for k in names]
+            stats = await small.stats()
+    assert set(stats["tenants"]["default"]["block_sizes"]) == {str(SMALL), str(LARGE)}
+    assert "block size opened" in again.stderr()
+    assert await again.stop() == 0
+
+
+async def test_a_size_past_the_limit_is_refused_with_what_to_change(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+) -> None:
+    daemon = await spawn(sized_config(tmp_path))
+    async with await connect(daemon.socket_path, LARGE):
+        with pytest.raises(DaemonError, match=r"2 block sizes at most \(block_sizes\)") as third:
+            await connect(daemon.socket_path, 8192)
+    assert third.value.code == "block_size_mismatch"
+    # A size no share of a tier can hold one block of: refused, naming the tier.
+    (tmp_path / "tight").mkdir()
+    tight = sized_config(tmp_path / "tight")
+    tight["tiers"][0]["capacity"] = 4  # type: ignore[index]
+    other = await spawn(tight)
+    with pytest.raises(DaemonError, match=r"tier 'cpu'.* holds no block of 16384") as large:
+        await connect(other.socket_path, LARGE)
+    assert large.value.code == "block_size_mismatch"
+    async with await connect(other.socket_path, SMALL) as small:  # still serving
+        assert await small.store([b"x"], [payload(b"x", SMALL)]) == 1
+    assert await other.stop() == 0
+    assert await daemon.stop() == 0
+
+
+async def test_one_size_refuses_another_and_says_how_to_serve_several(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+) -> None:
+    daemon = await spawn(daemon_config(tmp_path))
+    with pytest.raises(DaemonError, match=r"does not match the daemon's 4096.*block_sizes: 2"):
+        await connect(daemon.socket_path, LARGE)
+    assert not (tmp_path / "disk" / "block_sizes.json").exists()
+    assert await daemon.stop() == 0
+
+
+async def test_clients_naming_a_new_size_at_once_get_one_chain(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+) -> None:
+    daemon = await spawn(sized_config(tmp_path))
+    clients = await asyncio.gather(*(connect(daemon.socket_path, LARGE) for _ in range(4)))
+    try:
+        key = b"shared"
+        assert await clients[0].store([key], [payload(key, LARGE)]) == 1
+        for client in clients:  # one chain: every connection sees the one block
+            assert await client.load([key]) == [payload(key, LARGE)]
+        stats = await clients[0].stats()
+    finally:
+        for client in clients:
+            await client.close()
+    assert set(stats["tenants"]["default"]["block_sizes"]) == {str(SMALL), str(LARGE)}
+    assert daemon.stderr().count("block size opened") == 1
+    assert await daemon.stop() == 0
+
+
+def test_a_size_class_is_an_equal_share_of_every_tier_in_its_own_place(tmp_path: Path) -> None:
+    cfg = DaemonConfig.model_validate(sized_config(tmp_path))
+    own = size_class_chain(cfg, SMALL, 2)
+    assert [t.capacity for t in own.tiers] == [8, 32]
+    assert own.tiers[1].directories == [tmp_path / "disk"]  # the configured size's slab
+    other = size_class_chain(cfg, LARGE, 2)
+    assert other.block_bytes == LARGE
+    assert [t.capacity for t in other.tiers] == [2, 8]
+    assert other.tiers[1].directories == [tmp_path / "disk" / f"blocks-{LARGE}"]
+    assert other.tiers[0].shm_name != own.tiers[0].shm_name
+    with pytest.raises(ConfigError, match="holds no block of 65536"):
+        size_class_chain(cfg, 65536, 2)
