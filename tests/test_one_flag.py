@@ -88,6 +88,16 @@ async def test_engine_config_vllm_names_the_daemons_socket_and_block_size(
     assert json.loads(cpu.stdout) == vllm_transfer_config(sock, cpu_build=True)
 
 
+async def test_engine_config_says_nothing_is_to_set_for_a_daemon_of_several_sizes(
+    tmp_path: Path, spawn: Any
+) -> None:
+    daemon = await spawn(daemon_config(tmp_path, block_bytes=BLOCK, block_sizes=3))
+    done = await engine_config("sglang", "--socket", daemon.socket_path)
+    assert done.returncode == 0, done.stderr
+    assert "serves up to 3 block sizes (block_sizes)" in done.stderr
+    assert "nothing to set" in done.stderr and "must be that size" not in done.stderr
+
+
 async def test_engine_config_finds_the_socket_as_client_commands_do(
     tmp_path: Path, spawn: Any
 ) -> None:

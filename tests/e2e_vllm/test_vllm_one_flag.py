@@ -33,6 +33,7 @@ from test_vllm_generate import (
     vllm_env,
 )
 
+from tierd.client import Client
 from tierd.testing import daemon_config
 
 pytestmark = [
@@ -129,3 +130,57 @@ async def test_tierd_on_with_only_the_environment_variable(
     off = await run(tmp_path, "off", model, prompt_file, "cold")
     assert off["config"]["kv_transfer_config"] is None
     assert (await tier_stats(daemon))["cpu"]["stores"] == PREFIX_BLOCKS
+
+
+# An SGLang-shaped neighbour: one page of a 2-layer, 2-KV-head model with 64-token pages
+# (layers x kv_heads x (K, V) x 64 tokens x head_dim 64 x 2 bytes), stored through its pool.
+PAGE_BYTES = 2 * 2 * 2 * 64 * 64 * 2
+
+
+def page(key: bytes) -> bytes:
+    stamp = b"page:" + key + b";"
+    return (stamp * (PAGE_BYTES // len(stamp) + 1))[:PAGE_BYTES]
+
+
+async def test_vllm_and_an_sglang_shaped_client_share_one_daemon_at_their_own_sizes(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+    model: Path,
+    prompt_file: Path,  # noqa: F811
+) -> None:
+    """Neither engine's size is configured: the daemon's ``block_bytes`` is 4096, and
+    ``block_sizes: 3`` lets each client's hello open its own. Through a restart, vLLM
+    (a fresh engine process, its own caches empty) is served its prefix from tierd's
+    disk tier, and the neighbour its pages, each at its size."""
+    config = daemon_config(
+        tmp_path, cpu_blocks=256, disk_blocks=1024, block_bytes=4096, block_sizes=3
+    )
+    daemon = await spawn(config)
+    out = await run(tmp_path, "sized", model, prompt_file, "cold", TIERD=daemon.socket_path)
+    assert out["cold"]["num_cached_tokens"] == 0
+    names = [f"page-{i}".encode() for i in range(4)]
+    async with await Client.connect(
+        daemon.socket_path, namespace="sglang-shaped", block_bytes=PAGE_BYTES
+    ) as neighbour:
+        assert neighbour.block_bytes == PAGE_BYTES
+        assert await neighbour.store(names, [page(k) for k in names]) == len(names)
+        stats = await neighbour.stats()
+    sizes = stats["tenants"]["default"]["block_sizes"]
+    assert set(sizes) == {"4096", str(ROW_BYTES), str(PAGE_BYTES)}
+    assert sizes[str(ROW_BYTES)]["tiers"][0]["stores"] == PREFIX_BLOCKS
+    assert sizes[str(PAGE_BYTES)]["tiers"][0]["stores"] == len(names)
+    assert await daemon.stop() == 0  # write-back: the CPU tiers' blocks go to disk
+
+    again = await spawn(config)
+    warm = await run(tmp_path, "sized-again", model, prompt_file, "warm", TIERD=again.socket_path)
+    assert warm["warm"]["num_cached_tokens"] == PREFIX_TOKENS  # a fresh engine: from tierd
+    assert warm["warm"]["token_ids"] == out["cold"]["token_ids"]
+    async with await Client.connect(
+        again.socket_path, namespace="sglang-shaped", block_bytes=PAGE_BYTES
+    ) as neighbour:
+        assert list((await neighbour.lookup(names)).media) == ["DISK"] * len(names)
+        assert await neighbour.load(names) == [page(k) for k in names]
+        stats = await neighbour.stats()
+    sizes = stats["tenants"]["default"]["block_sizes"]
+    assert sizes[str(ROW_BYTES)]["tiers"][1]["hits"] == PREFIX_BLOCKS  # vLLM's, from disk
+    assert await again.stop() == 0

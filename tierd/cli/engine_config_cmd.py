@@ -4,9 +4,9 @@ The socket is found as every client command finds it (:mod:`tierd.cli.connection
 ``--socket``, ``TIERD_SOCKET``, the config's ``socket.path``, the default path), so the
 printed flags name the socket the daemon really serves. The daemon is then asked for its
 block size: the engine's row (vLLM) or page (SGLang) must be that many bytes, which the
-engine checks at start-up. A daemon that does not answer is a warning on stderr, with the
-path tried and how to start one; the flags are printed all the same (exit status 0), for
-a daemon started later.
+engine checks at start-up, unless the daemon serves several sizes (``block_sizes``). A
+daemon that does not answer is a warning on stderr, with the path tried and how to start
+one; the flags are printed all the same (exit status 0), for a daemon started later.
 
 The configs are :mod:`tierd.integrations.plugin`'s, the very ones ``TIERD=1`` turns on
 inside vLLM. ``--json`` prints only the JSON value to paste (vLLM's
@@ -108,11 +108,11 @@ def command_lines(args: argparse.Namespace, socket: str, value: dict[str, Any]) 
 def _check(args: argparse.Namespace, socket: str) -> None:
     """Say on stderr what the daemon at ``socket`` serves, or that none answers there."""
 
-    async def ask(client: Client) -> int:
-        return client.block_bytes
+    async def ask(client: Client) -> tuple[int, int]:
+        return client.block_bytes, int(client.info.get("block_sizes") or 1)
 
     try:
-        block_bytes = with_client(args, ask)
+        block_bytes, sizes = with_client(args, ask)
     except CannotReach as exc:
         print(
             f"tierd: warning: {exc}. The flags name this socket all the same, for a daemon"
@@ -122,6 +122,13 @@ def _check(args: argparse.Namespace, socket: str) -> None:
         return
     except DaemonError as exc:
         print(f"tierd: warning: the daemon at {socket} answered: {exc}", file=sys.stderr)
+        return
+    if sizes > 1:
+        print(
+            f"tierd: the daemon at {socket} answers; it serves up to {sizes} block sizes"
+            f" (block_sizes): {_ROW[args.engine]} is served at its own size, nothing to set",
+            file=sys.stderr,
+        )
         return
     print(
         f"tierd: the daemon at {socket} answers; its block_bytes is {block_bytes}: "

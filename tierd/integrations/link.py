@@ -64,16 +64,18 @@ class BreakerOpen(Unreachable):
 
 
 class BlockSizeMismatch(TierdError):
-    """The daemon's ``block_bytes`` is not the size the engine needs."""
+    """The daemon does not serve blocks of the size the engine needs (``reason``: the
+    daemon's own words)."""
 
-    def __init__(self, daemon_bytes: int, wanted_bytes: int, socket_path: str) -> None:
+    def __init__(self, wanted_bytes: int, socket_path: str, reason: str) -> None:
         super().__init__(
-            f"the tierd daemon at {socket_path} stores blocks of {daemon_bytes} bytes, but "
-            f"one row of vLLM's CPU tier is {wanted_bytes} bytes: set `block_bytes: "
-            f"{wanted_bytes}` in tierd's config and restart the daemon"
+            f"the tierd daemon at {socket_path} does not serve this engine's blocks of"
+            f" {wanted_bytes} bytes ({reason}): set `block_bytes: {wanted_bytes}` in tierd's"
+            " config and restart the daemon, or `block_sizes: 2` (or more) so that it serves"
+            " several sizes"
         )
-        self.daemon_bytes = daemon_bytes
         self.wanted_bytes = wanted_bytes
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,13 +211,22 @@ class DaemonLink:
 
     async def _connect(self) -> Client:
         s = self.settings
-        client = await Client.connect(
-            s.socket_path, namespace=s.namespace, server_uids=s.server_uids
-        )
-        if client.block_bytes != s.block_bytes:
-            daemon_bytes = client.block_bytes
+        try:
+            client = await Client.connect(
+                s.socket_path,
+                namespace=s.namespace,
+                block_bytes=s.block_bytes,  # a daemon of several sizes serves it at its own
+                server_uids=s.server_uids,
+            )
+        except DaemonError as exc:
+            if exc.code == "block_size_mismatch":
+                raise BlockSizeMismatch(s.block_bytes, s.socket_path, str(exc)) from exc
+            raise
+        if client.block_bytes != s.block_bytes:  # a daemon must serve the size named
+            answered = client.block_bytes
             await client.close()
-            raise BlockSizeMismatch(daemon_bytes, s.block_bytes, s.socket_path)
+            reason = f"its hello answered blocks of {answered} bytes"
+            raise BlockSizeMismatch(s.block_bytes, s.socket_path, reason)
         return client
 
     def _schedule_retry(self, exc: BaseException, *, at_once: bool = False) -> None:

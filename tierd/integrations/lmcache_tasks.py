@@ -109,7 +109,10 @@ class Tasks:
         async def hello() -> int:
             async with asyncio.timeout(max(expires - time.monotonic(), 0.001)):
                 client = await Client.connect(
-                    self.socket_path, map_pool=False, server_uids=self.settings.server_uids
+                    self.socket_path,
+                    map_pool=False,
+                    block_bytes=wanted,  # a daemon of several sizes opens it
+                    server_uids=self.settings.server_uids,
                 )
             await client.close()
             return client.block_bytes
@@ -124,6 +127,11 @@ class Tasks:
             if exc.code in _PASSING:  # starting or stopping: asked again a moment later
                 raise Unreachable(f"tierd at {self.socket_path} is {exc.code}") from exc
             self.refusal = f"tierd at {self.socket_path} refused LMCache: {exc}"
+            if exc.code == "block_size_mismatch" and wanted is not None:
+                self.refusal += (
+                    f": set `block_bytes: {wanted}` in tierd's config and restart it, or"
+                    " `block_sizes: 2` (or more) so that it serves several sizes"
+                )
             raise Refused(self.refusal) from exc
         except UntrustedDaemon as exc:
             self.refusal = f"tierd at {self.socket_path} refused LMCache: {exc}"
@@ -328,5 +336,7 @@ def _size_advice(lmcache_bytes: int, daemon_bytes: int, socket_path: str) -> str
     return (
         f"the tierd daemon at {socket_path} stores blocks of {daemon_bytes} bytes, but "
         f"LMCache's objects (one chunk of KV, after serde) are {lmcache_bytes} bytes: set "
-        f"`block_bytes: {lmcache_bytes}` in tierd's config and restart it"
+        f"`block_bytes: {lmcache_bytes}` in tierd's config and restart it (or, with"
+        f" `block_sizes: 2` or more, name `block_bytes: {lmcache_bytes}` in the adapter's"
+        " parameters so that the daemon serves that size too)"
     )

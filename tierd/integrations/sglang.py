@@ -171,10 +171,11 @@ class TierdHiCache(HiCacheStorage):
         except BlockSizeMismatch as exc:
             link.close()
             raise ValueError(
-                f"the tierd daemon at {self.socket_path} stores blocks of {exc.daemon_bytes} "
-                f"bytes, but one page of SGLang's host pool ({geometry.layout}, "
-                f"{geometry.page_tokens} tokens, this rank) is {geometry.page_bytes} bytes: "
-                f"set `block_bytes: {geometry.page_bytes}` in tierd's config and restart it"
+                f"the tierd daemon at {self.socket_path} does not serve blocks of "
+                f"{geometry.page_bytes} bytes, one page of SGLang's host pool ({geometry.layout},"
+                f" {geometry.page_tokens} tokens, this rank) ({exc.reason}): set"
+                f" `block_bytes: {geometry.page_bytes}` in tierd's config and restart it, or"
+                " `block_sizes: 2` (or more) so that it serves several sizes"
             ) from exc
         except UntrustedDaemon as exc:
             link.close()
