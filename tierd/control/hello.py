@@ -21,9 +21,9 @@ from typing import Any
 from tierd.control.context import ServerContext
 from tierd.control.protocol import PASS_FDS, PROTOCOL_VERSION, ErrorCode, int_field, opt_str_field
 from tierd.control.tenants import Tenant
-from tierd.errors import ProtocolError
+from tierd.errors import ProtocolError, TierdError
 
-__all__ = ["Greeted", "answer_hello", "size_to_open"]
+__all__ = ["Greeted", "answer_hello", "open_size", "size_to_open"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,22 @@ def size_to_open(ctx: ServerContext, tenant: Tenant | None, msg: dict[str, Any])
     if wanted in tenant.sizes.by_size or not 0 < wanted <= _largest(ctx):
         return None
     return wanted if tenant.sizes.refusal(wanted) is None else None
+
+
+async def open_size(tenant: Tenant | None, block_bytes: int) -> None:
+    """Open ``tenant``'s chain at ``block_bytes`` (a size :func:`size_to_open` named);
+    refused with a :class:`ProtocolError` saying why."""
+    if tenant is None or tenant.sizes is None:
+        raise ProtocolError(f"block size {block_bytes} is not served", code=ErrorCode.BAD_REQUEST)
+    try:
+        await tenant.sizes.open(block_bytes)
+    except LookupError as exc:  # its room was taken meanwhile
+        raise ProtocolError(str(exc), code=ErrorCode.BLOCK_SIZE_MISMATCH) from exc
+    except (TierdError, OSError) as exc:
+        raise ProtocolError(
+            f"block size {block_bytes} cannot be served: {exc}",
+            code=ErrorCode.BLOCK_SIZE_MISMATCH,
+        ) from exc
 
 
 def _largest(ctx: ServerContext) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,13 @@ class NamespaceFigures:
     miss_blocks: int = 0
     stored_blocks: int = 0
     last_used: float = 0.0  # wall-clock time of its last lookup or store (0: none yet)
+
+    def count_lookup(self, asked: int, hits: int) -> None:
+        """One lookup of ``asked`` blocks, ``hits`` of them found (a few adds)."""
+        self.lookups += 1
+        self.hit_blocks += hits
+        self.miss_blocks += asked - hits
+        self.last_used = time.time()
 
 
 class NamespaceBook:

@@ -44,7 +44,7 @@ from tierd.chain import LookupResult, TierChain
 from tierd.control.block_requests import LOADED_FROM, BlockRequests
 from tierd.control.context import ServerContext
 from tierd.control.event_stream import EventStream
-from tierd.control.hello import answer_hello, size_to_open
+from tierd.control.hello import answer_hello, open_size, size_to_open
 from tierd.control.kv_requests import KvRequests
 from tierd.control.leases import Leases
 from tierd.control.namespace_requests import NamespaceRequests
@@ -56,13 +56,13 @@ from tierd.control.protocol import (
     error_code_of,
     error_reply,
     int_field,
-    keys_field,
+    prefixed_keys,
 )
 from tierd.control.region_registration import FdLine
 from tierd.control.regions import RegionRequests
 from tierd.control.tenants import Grant, Tenant
-from tierd.errors import ProtocolError, TierdError
-from tierd.keys import MAX_KEY_BYTES, BlockKey
+from tierd.errors import ProtocolError
+from tierd.keys import BlockKey
 
 __all__ = ["Session"]
 
@@ -272,8 +272,7 @@ class Session:
     # -- handshake and namespace ------------------------------------------------------
 
     def _hello(self, msg: dict[str, Any]) -> Reply:
-        if self.greeted or self._greeting:
-            raise ProtocolError("hello was already done", code=ErrorCode.BAD_REQUEST)
+        self._hello_not_yet()
         greeted = answer_hello(self.ctx, self.tenant, msg)
         self.tenant = self.leases.tenant = greeted.tenant  # the tenant at its block size
         self.namespace, self.prefix = greeted.namespace, greeted.prefix
@@ -285,22 +284,17 @@ class Session:
     async def _hello_at_new_size(self, msg: dict[str, Any], block_bytes: int) -> Reply:
         """Hello naming a block size its tenant has room for but has not opened: the
         size's chain opens first (once, whoever asks), then hello is answered as ever."""
-        if self.greeted or self._greeting:
-            raise ProtocolError("hello was already sent", code=ErrorCode.BAD_REQUEST)
-        assert self.tenant is not None and self.tenant.sizes is not None  # size_to_open
+        self._hello_not_yet()
         self._greeting = True
         try:
-            await self.tenant.sizes.open(block_bytes)
-        except LookupError as exc:  # its room was taken meanwhile
-            raise ProtocolError(str(exc), code=ErrorCode.BLOCK_SIZE_MISMATCH) from exc
-        except (TierdError, OSError) as exc:
-            raise ProtocolError(
-                f"block size {block_bytes} cannot be served: {exc}",
-                code=ErrorCode.BLOCK_SIZE_MISMATCH,
-            ) from exc
+            await open_size(self.tenant, block_bytes)
         finally:
             self._greeting = False
         return self._hello(msg)
+
+    def _hello_not_yet(self) -> None:
+        if self.greeted or self._greeting:
+            raise ProtocolError("hello was already sent", code=ErrorCode.BAD_REQUEST)
 
     def chain(self) -> TierChain:
         """The chain of this connection's tenant."""
@@ -319,19 +313,7 @@ class Session:
                 "data operations need a namespace: name one in hello",
                 code=ErrorCode.NAMESPACE_REQUIRED,
             )
-        keys = msg.get(name)
-        if type(keys) is list and 0 < len(keys) <= self.ctx.max_keys:
-            # The hot path, at C speed: prefixing fails for anything but bin, then lengths.
-            try:
-                out: list[BlockKey] = list(map(self.prefix.__add__, keys))  # type: ignore[arg-type]
-            except TypeError:
-                pass
-            else:
-                if min(map(len, keys)) > 0 and max(map(len, out)) <= MAX_KEY_BYTES:
-                    return out
-        # Something is wrong: let the field check name it.
-        keys_field(msg, name=name, max_keys=self.ctx.max_keys, max_key_bytes=self.ctx.max_key_bytes)
-        raise ProtocolError(f"field {name!r} is not a list of keys", code=ErrorCode.BAD_KEY)
+        return prefixed_keys(self.prefix, msg, name, self.ctx.max_keys, self.ctx.max_key_bytes)
 
     # -- queries (the fast path) ------------------------------------------------------
 
@@ -361,19 +343,12 @@ class Session:
         self._record(msg)
         return self._each_reply(await self.chain().find_each(keys))
 
-    def _count_lookup(self, asked: int, hits: int) -> None:
-        figures = self.figures  # the namespace's figures: a few adds per request
-        figures.lookups += 1
-        figures.hit_blocks += hits
-        figures.miss_blocks += asked - hits
-        figures.last_used = time.time()
-
     def _each_reply(self, present: list[bool]) -> Reply:
-        self._count_lookup(len(present), present.count(True))
+        self.figures.count_lookup(len(present), present.count(True))
         return {"present": present}
 
     def _lookup_reply(self, result: LookupResult, asked: int) -> Reply:
-        self._count_lookup(asked, result.count)
+        self.figures.count_lookup(asked, result.count)
         return {
             "count": result.count,
             "media": list(result.media),  # StrEnum values pack as msgpack str

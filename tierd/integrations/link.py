@@ -64,8 +64,7 @@ class BreakerOpen(Unreachable):
 
 
 class BlockSizeMismatch(TierdError):
-    """The daemon does not serve blocks of the size the engine needs (``reason``: the
-    daemon's own words)."""
+    """The daemon does not serve the engine's block size (``reason``: the daemon's words)."""
 
     def __init__(self, wanted_bytes: int, socket_path: str, reason: str) -> None:
         super().__init__(
@@ -211,21 +210,18 @@ class DaemonLink:
 
     async def _connect(self) -> Client:
         s = self.settings
-        try:
+        try:  # the hello names the engine's size: a daemon of several sizes serves it so
             client = await Client.connect(
-                s.socket_path,
-                namespace=s.namespace,
-                block_bytes=s.block_bytes,  # a daemon of several sizes serves it at its own
+                s.socket_path, namespace=s.namespace, block_bytes=s.block_bytes,
                 server_uids=s.server_uids,
-            )
+            )  # fmt: skip
         except DaemonError as exc:
-            if exc.code == "block_size_mismatch":
-                raise BlockSizeMismatch(s.block_bytes, s.socket_path, str(exc)) from exc
-            raise
+            if exc.code != "block_size_mismatch":
+                raise
+            raise BlockSizeMismatch(s.block_bytes, s.socket_path, str(exc)) from exc
         if client.block_bytes != s.block_bytes:  # a daemon must serve the size named
-            answered = client.block_bytes
             await client.close()
-            reason = f"its hello answered blocks of {answered} bytes"
+            reason = f"its hello answered blocks of {client.block_bytes} bytes"
             raise BlockSizeMismatch(s.block_bytes, s.socket_path, reason)
         return client
 
