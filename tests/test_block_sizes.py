@@ -88,6 +88,9 @@ async def test_a_size_past_the_limit_is_refused_with_what_to_change(
     daemon = await spawn(sized_config(tmp_path))
     async with await connect(daemon.socket_path, LARGE):
         with pytest.raises(DaemonError, match=r"2 block sizes at most \(block_sizes\)") as third:
+            await connect(daemon.socket_path, 32768)
+        # A tiny size would cost the daemon a block's bookkeeping per few bytes of share.
+        with pytest.raises(DaemonError, match=r"below the smallest .* \(limits.min_block_bytes"):
             await connect(daemon.socket_path, 8192)
     assert third.value.code == "block_size_mismatch"
     # A size no share of a tier can hold one block of: refused, naming the tier.
@@ -147,3 +150,6 @@ def test_a_size_class_is_an_equal_share_of_every_tier_in_its_own_place(tmp_path:
     assert other.tiers[0].shm_name != own.tiers[0].shm_name
     with pytest.raises(ConfigError, match="holds no block of 65536"):
         size_class_chain(cfg, 65536, 2)
+    # A size that is not a whole number of pages takes whole pages in every store: its
+    # share of memory is never overrun (8 x 4 KiB share: 2 slots of 12 KiB, not 2.67).
+    assert [t.capacity for t in size_class_chain(cfg, 8192 + 1, 2).tiers] == [2, 10]

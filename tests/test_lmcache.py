@@ -318,15 +318,15 @@ async def test_a_daemon_of_several_sizes_serves_lmcache_at_the_size_it_names(
     tmp_path: Path, spawn: Any, lmcache: Any
 ) -> None:
     daemon = await spawn(config(tmp_path, block_sizes=2))
-    half = BLOCK // 2
-    server = lmcache(adapter_json(daemon.socket_path, block_bytes=half), block=half)
+    other = BLOCK * 2  # another size than the daemon's block_bytes
+    server = lmcache(adapter_json(daemon.socket_path, block_bytes=other), block=other)
     assert server.ask("status")["refusal"] is None, server.log()
     stored = server.store(seed=1, count=4)
-    assert stored["ok"] and stored["bytes"] == 4 * half, (stored, server.log())
+    assert stored["ok"] and stored["bytes"] == 4 * other, (stored, server.log())
     assert all_identical(server.load(seed=1, count=4), 4)
     async with await Client.connect(daemon.socket_path) as operator:
         sizes = (await operator.stats())["tenants"]["default"]["block_sizes"]
-    assert sizes[str(half)]["tiers"][0]["stores"] == 4
+    assert sizes[str(other)]["tiers"][0]["stores"] == 4
 
 
 # -- 4a. LMCache's per-adapter serde (fp8) on top of the adapter -----------------------------

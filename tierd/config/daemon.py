@@ -101,6 +101,10 @@ class LimitsConfig(StrictModel):
     # Namespace names a tenant may have (kept across restarts): a hello naming a new one
     # past this is refused (too_many_namespaces); names already used keep working.
     namespaces_per_tenant: int = Field(default=256, ge=1, le=1 << 20)
+    # The smallest block size a hello may open (block_sizes above 1): every block costs
+    # the daemon a few hundred bytes of bookkeeping, so a tiny size in a large share
+    # would cost it far more memory than the operator's block_bytes does.
+    min_block_bytes: Size = Field(default=16 << 10, ge=4096, le=1 << 30)
 
     @field_validator("lease_blocks_per_connection", "lease_blocks_per_tenant")
     @classmethod
@@ -217,6 +221,7 @@ class TraceConfig(StrictModel):
 
 
 MAX_SIZE_CLASSES = 16  # block sizes one daemon serves at once, at most
+_PAGE = 4096
 
 
 def _default_tiers() -> list[TierConfig]:
@@ -335,9 +340,10 @@ def size_class_chain(cfg: ChainConfig, block_bytes: int, classes: int) -> ChainC
     block of the size raises :class:`ConfigError` naming the tier."""
     own = block_bytes == cfg.block_bytes
     tiers = []
+    footprint = -(-block_bytes // _PAGE) * _PAGE  # a slot is page-aligned in every store
     for tier in cfg.tiers:
         share = tier.num_blocks(cfg.block_bytes) * cfg.block_bytes // classes
-        blocks = share // block_bytes
+        blocks = tier.num_blocks(cfg.block_bytes) // classes if own else share // footprint
         if blocks < 1:
             raise ConfigError(
                 f"tier {tier.name!r}: its share of {share} bytes (one of {classes} block sizes)"

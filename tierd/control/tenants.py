@@ -119,12 +119,18 @@ class SizeClasses:
     limit: int
     by_size: dict[int, Tenant]
     open_size: Callable[[int], Awaitable[Tenant]] | None = None
+    smallest: int = 1  # the smallest size that may be opened (limits.min_block_bytes)
     _opening: dict[int, asyncio.Future[Tenant]] = field(default_factory=dict)
 
     def refusal(self, block_bytes: int) -> str | None:
         """Why a new size cannot be opened now, or ``None``."""
         if block_bytes in self.by_size or block_bytes in self._opening:
             return None
+        if block_bytes < self.smallest:
+            return (
+                f"block size {block_bytes} is below the smallest this daemon opens,"
+                f" {self.smallest} (limits.min_block_bytes: each block costs it bookkeeping)"
+            )
         if len(self.by_size) + len(self._opening) >= self.limit or self.open_size is None:
             served = ", ".join(str(size) for size in self.by_size)
             return (

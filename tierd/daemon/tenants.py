@@ -139,7 +139,9 @@ async def _size_classes(
         )
         return sized
 
-    sizes = tenant.sizes = SizeClasses(cfg.block_sizes, {cfg.block_bytes: tenant}, open_size)
+    sizes = tenant.sizes = SizeClasses(
+        cfg.block_sizes, {cfg.block_bytes: tenant}, open_size, cfg.limits.min_block_bytes
+    )
     for block_bytes in _recorded_sizes(record):
         problem = sizes.refusal(block_bytes)
         if problem is not None:
@@ -207,6 +209,8 @@ def apply_tenant_rules(cfg: DaemonConfig, table: TenantTable) -> None:
     namespace patterns, lease bounds, and who is which (for connections from then on)."""
     for tenant, (spec, _) in zip(table.tenants, cfg.tenant_chains(), strict=True):
         tenant.book.max_names = cfg.limits.namespaces_per_tenant
+        if tenant.sizes is not None:
+            tenant.sizes.smallest = cfg.limits.min_block_bytes
         for sized in tenant.each_size():
             entry = sized.chain.levels[sized.chain.entry].store.num_blocks
             sized.namespaces = tuple(spec.namespaces)
