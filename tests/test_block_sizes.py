@@ -153,3 +153,27 @@ def test_a_size_class_is_an_equal_share_of_every_tier_in_its_own_place(tmp_path:
     # A size that is not a whole number of pages takes whole pages in every store: its
     # share of memory is never overrun (8 x 4 KiB share: 2 slots of 12 KiB, not 2.67).
     assert [t.capacity for t in size_class_chain(cfg, 8192 + 1, 2).tiers] == [2, 10]
+
+
+async def test_a_new_sizes_pool_is_allocated_while_the_daemon_answers_others(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+) -> None:
+    """Opening a size allocates and populates its share of the CPU tier (256 MiB here):
+    on the loop, every other client waited for it. A bystander's health requests, one
+    after the other, must be answered while the new size's hello is under way."""
+    config = daemon_config(tmp_path, cpu_blocks=512, disk_blocks=None, block_sizes=2)
+    config["block_bytes"] = 1 << 20  # a CPU tier of 512 MiB: 256 MiB a size
+    daemon = await spawn(config)
+    async with await Client.connect(daemon.socket_path) as bystander:
+        hello = asyncio.create_task(connect(daemon.socket_path, 256 << 10))
+        answered_meanwhile = 0
+        for _ in range(100_000):  # bounded; ends with the hello
+            await bystander.health()
+            if hello.done():
+                break
+            answered_meanwhile += 1
+        async with await hello as large:
+            assert large.block_bytes == 256 << 10
+    assert answered_meanwhile >= 5, answered_meanwhile
+    assert await daemon.stop() == 0

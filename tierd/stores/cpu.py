@@ -133,11 +133,23 @@ class CpuStore(HostPoolStore):
         self._mmap: mmap.mmap | None = None
         self._pinned_chunks: list[int] = []
         self._pin_details: dict[str, Any] = {"pinned": False, "reason": "not opened"}
+        self._stop_allocating = threading.Event()
 
     # -- lifecycle -------------------------------------------------------------------
 
     async def _open(self) -> None:
-        self._mmap = self._map()
+        # Allocating and populating many GiB takes seconds: off the loop, so that a pool
+        # opened while the daemon serves (a new block size) stalls no other client. A
+        # cancellation stops the allocation after the chunk under way.
+        self._stop_allocating = threading.Event()
+        mapped = asyncio.get_running_loop().run_in_executor(None, self._map)
+        try:
+            self._mmap = await settle(mapped, self._stop_allocating.set)
+        except asyncio.CancelledError:
+            if mapped.done() and not mapped.cancelled() and mapped.exception() is None:
+                self._mmap = mapped.result()  # made just as the stop came: undone now
+                self._release()
+            raise
         try:
             self._attach(self._mmap)
             if self.pin:
@@ -225,6 +237,8 @@ class CpuStore(HostPoolStore):
             # about a minute), and the progress keeps a service manager waiting.
             chunk = self.register_chunk_bytes
             for offset in range(0, self.size, chunk):
+                if self._stop_allocating.is_set():
+                    raise OSError(errno.ECANCELED, "the pool's allocation was stopped")
                 os.posix_fallocate(fd, offset, min(chunk, self.size - offset))
                 if self._progress is not None:
                     self._progress("allocating", min(offset + chunk, self.size), self.size)
