@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,14 @@ async def test_two_sizes_share_one_daemon_each_at_its_own_size_through_a_restart
     assert stored == {str(SMALL): 6, str(LARGE): 2}
     assert [t["capacity"] for t in stats["tiers"]] == [10, 40]  # added up
     assert stats["tenants"]["default"]["block_bytes"] == SMALL  # the configured size
+    command = [sys.executable, "-m", "tierd", "stats", "--socket", daemon.socket_path]
+    done = await asyncio.to_thread(
+        subprocess.run, command, capture_output=True, text=True, timeout=60, check=True
+    )
+    shown = done.stdout
+    size_rows = [line.split() for line in shown.splitlines() if line.startswith("default ")]
+    assert [row[:3] for row in size_rows] == [["default", "4", "KiB"], ["default", "16", "KiB"]]
+    assert size_rows[1][3:5] == ["2/2", "0/8"]  # the large size: cpu full, disk not yet
     recorded = json.loads((tmp_path / "disk" / "block_sizes.json").read_text())
     assert recorded == {"block_sizes": [LARGE]}
     assert (tmp_path / "disk" / f"blocks-{LARGE}").is_dir()
@@ -79,6 +89,14 @@ async def test_two_sizes_share_one_daemon_each_at_its_own_size_through_a_restart
     assert set(stats["tenants"]["default"]["block_sizes"]) == {str(SMALL), str(LARGE)}
     assert "block size opened" in again.stderr()
     assert await again.stop() == 0
+
+    # Back to one size: the other is not opened, and the log says where its slab is.
+    single = await spawn({**config, "block_sizes": 1})
+    with pytest.raises(DaemonError, match="block_sizes: 2"):
+        await connect(single.socket_path, LARGE)
+    assert await single.stop() == 0
+    assert "block sizes served before are not opened" in single.stderr()
+    assert any((tmp_path / "disk" / f"blocks-{LARGE}").iterdir())  # its slab, kept
 
 
 async def test_a_size_past_the_limit_is_refused_with_what_to_change(

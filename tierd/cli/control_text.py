@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierd.control.protocol import NAMESPACE_ID_BYTES
+from tierd.units import format_bytes
 
 __all__ = ["duration", "event_text", "last_error_text", "namespace_table", "stats_text"]
 
@@ -29,6 +30,11 @@ def stats_text(stats: dict[str, Any], as_json: bool) -> str:
     tenants = stats.get("tenants") or {}
     if len(tenants) > 1:
         parts.insert(1, _tenant_table(tenants))
+    sized = {name: t["block_sizes"] for name, t in tenants.items() if "block_sizes" in t}
+    if stats.get("tenant") and "block_sizes" in stats:  # a member's own tenant
+        sized = {stats["tenant"]: stats["block_sizes"]}
+    if sized:  # the tier table adds up blocks of every size: each size's own
+        parts.insert(1, _size_table(sized))
     by_tenant = {name: t["namespaces"] for name, t in tenants.items() if "namespaces" in t}
     if "namespaces" in stats and stats.get("tenant"):  # a member's own tenant
         by_tenant = {stats["tenant"]: stats["namespaces"]}
@@ -114,6 +120,26 @@ def _tenant_table(tenants: dict[str, dict[str, Any]]) -> str:
         for name, snapshot in tenants.items()
     ]
     return _table(["tenant", *names, "leased", "expired"], rows, left=1)
+
+
+def _size_table(sized: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Each tenant's block sizes (``block_sizes``): each one's tiers and hit ratio."""
+    first = next(iter(next(iter(sized.values())).values()))
+    names = [tier["name"] for tier in first["tiers"]]
+    rows = [
+        [
+            tenant,
+            format_bytes(int(size)),
+            *(f"{t['used']:,}/{t['capacity']:,}" for t in part["tiers"]),
+            _ratio(
+                part["chain"]["hit_blocks"],
+                part["chain"]["hit_blocks"] + part["chain"]["miss_blocks"],
+            ),
+        ]
+        for tenant, sizes in sized.items()
+        for size, part in sizes.items()
+    ]
+    return _table(["tenant", "block size", *names, "hit ratio"], rows, left=2)
 
 
 def namespace_table(by_tenant: dict[str, list[dict[str, Any]]], now: float | None = None) -> str:

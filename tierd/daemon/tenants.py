@@ -80,6 +80,13 @@ async def open_tenants(
         table.tenants.append(tenant)
         if cfg.block_sizes > 1:
             await _size_classes(cfg, spec, chain_cfg, tenant, stack, chains)
+        elif unserved := _recorded_sizes(sizes_file(chain_cfg)):
+            log.warning(
+                "block sizes served before are not opened (block_sizes: 1); their slabs"
+                " stay on disk, in blocks-<bytes> beside this one, until removed",
+                tenant=spec.name,
+                block_sizes=unserved,
+            )
     table.grants = grants_for(cfg, table)
     if cfg.tenants:
         log.info(
