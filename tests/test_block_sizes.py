@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -194,4 +195,20 @@ async def test_a_new_sizes_pool_is_allocated_while_the_daemon_answers_others(
         async with await hello as large:
             assert large.block_bytes == 256 << 10
     assert answered_meanwhile >= 5, answered_meanwhile
+    assert await daemon.stop() == 0
+
+
+async def test_a_tenants_sizes_live_in_its_own_directory(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+) -> None:
+    tenants = [{"name": "team-a", "uids": [os.getuid()], "operator": True}]
+    daemon = await spawn(sized_config(tmp_path, tenants=tenants))
+    async with await connect(daemon.socket_path, LARGE) as large:
+        assert large.info["tenant"] == "team-a" and large.info["block_sizes"] == 2
+        assert await large.store([b"t"], [payload(b"t", LARGE)]) == 1
+    own = tmp_path / "disk" / "team-a"
+    assert json.loads((own / "block_sizes.json").read_text()) == {"block_sizes": [LARGE]}
+    assert (own / f"blocks-{LARGE}").is_dir()
+    assert not (tmp_path / "disk" / f"blocks-{LARGE}").exists()
     assert await daemon.stop() == 0
