@@ -359,3 +359,34 @@ async def test_sequences_that_fill_the_tiers_keep_their_heads(
     served = [a.read("tierd", seed=seed, pages=10)["hit_pages"] for seed in range(59, 49, -1)]
     assert sum(served) >= 36, (held, served)  # 30 before (38 now: promoted copies take room)
     a.ask("close", "tierd")
+
+
+async def test_sglang_at_its_own_page_size_beside_another_on_a_daemon_of_several_sizes(
+    tmp_path: Path, spawn: Any, pair: Any
+) -> None:
+    """SGLang's own code, two shapes on one daemon (``block_sizes: 2``): the configured
+    page and a wider one nobody configured, each served at its size, byte for byte."""
+    a, b = pair
+    wide = {"heads": 16}
+    limits = {"min_block_bytes": 4096}
+    daemon = await spawn(
+        config(tmp_path, cpu_blocks=1024, disk_blocks=1024, block_sizes=2, limits=limits)
+    )
+    sock = daemon.socket_path
+    opened = a.open("wide", tierd_spec(sock, **wide))
+    assert "refused" not in opened and opened["page_bytes"] == page_bytes(wide) != BLOCK
+    b.open("wide", tierd_spec(sock, **wide))
+    a.open("narrow", tierd_spec(sock))
+    assert a.write("wide", seed=31, pages=8)["stored_pages"] == 8
+    assert a.write("narrow", seed=32, pages=8)["stored_pages"] == 8
+    assert loaded_all(b.read("wide", seed=31, pages=8), 8)
+    stats = await daemon_stats(sock)
+    sizes = stats["tenants"]["default"]["block_sizes"]
+    assert {size: part["tiers"][0]["stores"] for size, part in sizes.items()} == {
+        str(BLOCK): 8,
+        str(page_bytes(wide)): 8,
+    }
+    for engines in (a, b):
+        assert engines.stats("wide")["sglang_errors"] == 0
+        engines.ask("close", "wide")
+    a.ask("close", "narrow")
