@@ -59,6 +59,10 @@ async def test_two_sizes_share_one_daemon_each_at_its_own_size_through_a_restart
         assert await large.load(names[:2]) == [payload(k, LARGE) for k in names[:2]]
         assert (await large.lookup(names)).count == 2
         stats = await small.stats()
+        metrics = await small.metrics()
+    labels = f'block_bytes="{LARGE}",tenant="default",tier="cpu"'
+    assert f"tierd_block_size_used_blocks{{{labels}}} 2.0" in metrics
+    assert f"tierd_block_size_capacity_blocks{{{labels}}} 2.0" in metrics
     by_size = stats["tenants"]["default"]["block_sizes"]
     assert set(by_size) == {str(SMALL), str(LARGE)}
     # Equal byte shares of each tier: 8 of 16 cpu blocks at 4096, 32 KiB / 16 KiB = 2.

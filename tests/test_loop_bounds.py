@@ -37,8 +37,8 @@ import pytest
 from tierd.client import Client, DaemonError
 from tierd.control import context
 from tierd.control.namespaces import NAMES_FILE
+from tierd.control.prometheus import render_prometheus as render
 from tierd.control.protocol import NAMESPACE_ID_BYTES
-from tierd.control.stats import render_prometheus as render
 from tierd.control.tenants import Tenant
 from tierd.daemon import Daemon, metrics_http
 from tierd.keys import BlockKey

@@ -20,8 +20,8 @@ from tests.test_chain import chain_config, content, cpu_over_disk, keys_of, stor
 from tierd.chain import TierChain
 from tierd.config import DaemonConfig
 from tierd.control.namespaces import NAMES_FILE, NamespaceBook
+from tierd.control.prometheus import OTHER, top_namespaces
 from tierd.control.protocol import NAMESPACE_ID_BYTES
-from tierd.control.stats import OTHER, top_namespaces
 from tierd.daemon.reload import plan_reload
 from tierd.errors import ConfigError
 from tierd.events import EventKind

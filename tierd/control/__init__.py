@@ -7,7 +7,8 @@
   :mod:`~tierd.control.operator_requests` and :mod:`~tierd.control.leases` beside it;
 - :mod:`~tierd.control.server`: the listening socket and the connections, each a
   :mod:`~tierd.control.connection`;
-- :mod:`~tierd.control.stats`: the stats snapshot and its Prometheus rendering;
+- :mod:`~tierd.control.stats`: the stats snapshot; :mod:`~tierd.control.prometheus`: its
+  Prometheus rendering;
 - :mod:`~tierd.control.client`: the async client engines and the CLI use, with
   :mod:`~tierd.control.handshake` (connecting, hello) and :mod:`~tierd.control.client_pool`
   (the pool mapping, the leases).

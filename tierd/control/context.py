@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from tierd.control.namespaces import namespace_rows
+from tierd.control.prometheus import render_prometheus
 from tierd.control.protocol import NAMESPACE_ID_BYTES, PROTOCOL_VERSION, ErrorCode
 from tierd.control.recorder import TraceRecorder
 from tierd.control.region_threads import FairThreads
-from tierd.control.stats import collect_stats, merge_stats, render_prometheus
+from tierd.control.stats import collect_stats, merge_stats
 from tierd.control.tenants import Grant, PoolInfo, Tenant, TenantTable
 from tierd.control.timing import RequestTiming
 from tierd.keys import MAX_KEY_BYTES

@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 
 from tierd.config import MetricsConfig
 from tierd.control.context import ServerContext
-from tierd.control.stats import render_prometheus
+from tierd.control.prometheus import render_prometheus
 from tierd.daemon import status_page
 from tierd.daemon.status_page import Peer, StatusFigures
 from tierd.share import shipped

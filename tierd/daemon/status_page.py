@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tierd.control.context import ServerContext
-from tierd.control.stats import top_namespaces
+from tierd.control.prometheus import top_namespaces
 
 __all__ = ["CLIENTS_SHOWN", "RECENT_ERRORS", "TENANTS_SHOWN", "Peer", "StatusFigures"]
 
