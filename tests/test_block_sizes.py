@@ -216,3 +216,18 @@ async def test_a_tenants_sizes_live_in_its_own_directory(
     assert (own / f"blocks-{LARGE}").is_dir()
     assert not (tmp_path / "disk" / f"blocks-{LARGE}").exists()
     assert await daemon.stop() == 0
+
+
+async def test_a_size_that_cannot_be_recorded_is_served_all_the_same(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+) -> None:
+    daemon = await spawn(sized_config(tmp_path))
+    (tmp_path / "disk" / "block_sizes.json").mkdir()  # the record cannot replace it
+    async with await connect(daemon.socket_path, LARGE) as large:
+        assert await large.store([b"r"], [payload(b"r", LARGE)]) == 1
+    async with await connect(daemon.socket_path, LARGE) as again:  # one chain, still
+        assert await again.load([b"r"]) == [payload(b"r", LARGE)]
+    assert "cannot record the block sizes served" in daemon.stderr()
+    assert daemon.stderr().count("block size opened") == 1
+    assert await daemon.stop() == 0

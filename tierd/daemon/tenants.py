@@ -137,7 +137,15 @@ async def _size_classes(
         chain.prefix_census(NAMESPACE_ID_BYTES)
         if record is not None and sizes is not None:
             learned = [size for size in sizes.by_size if size != cfg.block_bytes]
-            await asyncio.to_thread(_record_sizes, record, [*learned, block_bytes])
+            try:
+                await asyncio.to_thread(_record_sizes, record, [*learned, block_bytes])
+            except OSError as exc:  # served now all the same; the next start learns it again
+                log.warning(
+                    "cannot record the block sizes served: a restart opens this one only"
+                    " when a hello names it again",
+                    path=str(record),
+                    error=exc.strerror or str(exc),
+                )
         log.info(
             "block size opened",
             tenant=spec.name,
