@@ -6,6 +6,7 @@ through a restart, and reported by size in ``stats``. Real daemon processes and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -229,5 +230,23 @@ async def test_a_size_that_cannot_be_recorded_is_served_all_the_same(
     async with await connect(daemon.socket_path, LARGE) as again:  # one chain, still
         assert await again.load([b"r"]) == [payload(b"r", LARGE)]
     assert "cannot record the block sizes served" in daemon.stderr()
+    assert daemon.stderr().count("block size opened") == 1
+    assert await daemon.stop() == 0
+
+
+async def test_a_size_opens_to_its_end_when_the_client_that_named_it_is_gone(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+) -> None:
+    config = daemon_config(tmp_path, cpu_blocks=512, disk_blocks=None, block_sizes=2)
+    config["block_bytes"] = 1 << 20  # 256 MiB a size: its pool takes a while to make
+    daemon = await spawn(config)
+    first = asyncio.create_task(connect(daemon.socket_path, 256 << 10))
+    await asyncio.sleep(0.01)
+    first.cancel()  # the client gives up, its socket closed, while the pool is made
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+    async with await connect(daemon.socket_path, 256 << 10) as again:
+        assert again.block_bytes == 256 << 10
     assert daemon.stderr().count("block size opened") == 1
     assert await daemon.stop() == 0

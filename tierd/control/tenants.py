@@ -140,32 +140,33 @@ class SizeClasses:
         return None
 
     async def open(self, block_bytes: int) -> Tenant:
-        """The tenant at ``block_bytes``, opened now if it is new (once, however many
-        connections ask for it at the same time)."""
+        """The tenant at ``block_bytes``, opened now if it is new: once, however many
+        connections ask for it at the same time, and to its end even when the one that
+        asked first goes away (a client whose hello timed out finds it open, or opening,
+        when it asks again: an open cut short would be started again, and cut short again,
+        by every retry)."""
         known = self.by_size.get(block_bytes)
         if known is not None:
             return known
-        waiting = self._opening.get(block_bytes)
-        if waiting is not None:
-            return await asyncio.shield(waiting)
-        problem = self.refusal(block_bytes)
-        if problem is not None or self.open_size is None:
-            raise LookupError(problem)
-        future: asyncio.Future[Tenant] = asyncio.get_running_loop().create_future()
-        self._opening[block_bytes] = future
+        opening = self._opening.get(block_bytes)
+        if opening is None:
+            problem = self.refusal(block_bytes)
+            if problem is not None or self.open_size is None:
+                raise LookupError(problem)
+            opening = asyncio.ensure_future(self._open_now(block_bytes, self.open_size))
+            # Retrieved even when nobody waits any more (open_size logs its failures).
+            opening.add_done_callback(lambda done: done.cancelled() or done.exception())
+            self._opening[block_bytes] = opening
+        return await asyncio.shield(opening)
+
+    async def _open_now(
+        self, block_bytes: int, open_size: Callable[[int], Awaitable[Tenant]]
+    ) -> Tenant:
         try:
-            tenant = await self.open_size(block_bytes)
-        except asyncio.CancelledError:
-            future.cancel()
-            raise
-        except Exception as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: a failure is raised to whoever waited
-            raise
+            tenant = await open_size(block_bytes)
         finally:
             del self._opening[block_bytes]
         self.by_size[block_bytes] = tenant
-        future.set_result(tenant)
         return tenant
 
 

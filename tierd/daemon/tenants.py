@@ -130,7 +130,12 @@ async def _size_classes(
         for tier in sized_cfg.tiers:
             for directory in tier.directories:
                 directory.mkdir(mode=0o700, exist_ok=True)
-        chain = await _open_chain(cfg, spec, sized_cfg, stack)
+        try:
+            chain = await _open_chain(cfg, spec, sized_cfg, stack)
+        except (TierdError, OSError) as exc:
+            log.error("a block size cannot be opened", tenant=spec.name, block_bytes=block_bytes,
+                      error=str(exc))  # fmt: skip
+            raise
         chains[f"{spec.name}@{block_bytes}"] = chain
         sized = _tenant(cfg, spec, chain)
         sized.book, sized.sizes = tenant.book, tenant.sizes
