@@ -61,6 +61,12 @@ async def test_two_sizes_share_one_daemon_each_at_its_own_size_through_a_restart
         assert (await large.lookup(names)).count == 2
         stats = await small.stats()
         metrics = await small.metrics()
+        rows = (await small.namespaces())["default"]
+        in_stats = (await small.stats(namespaces=True))["tenants"]["default"]["namespaces"]
+    # A namespace's blocks and bytes add up over its sizes, in both requests.
+    for found in (rows, in_stats):
+        (row,) = [r for r in found if r["namespace"] == NAMESPACE]
+        assert row["blocks"]["cpu"] == 8 and row["bytes"] == 6 * SMALL + 2 * LARGE
     labels = f'block_bytes="{LARGE}",tenant="default",tier="cpu"'
     assert f"tierd_block_size_used_blocks{{{labels}}} 2.0" in metrics
     assert f"tierd_block_size_capacity_blocks{{{labels}}} 2.0" in metrics

@@ -174,9 +174,9 @@ class ServerContext:
         """A tenant's figures; one that serves several block sizes has them added up,
         and each size's own under ``block_sizes`` (by size)."""
         sizes = tenant.each_size()
-        each = {sized.block_bytes: _sized_stats(sized, namespaces) for sized in sizes}
-        if len(each) == 1:
-            return each[tenant.block_bytes]
+        if len(sizes) == 1:
+            return _sized_stats(tenant, namespaces)
+        each = {sized.block_bytes: _sized_stats(sized, False) for sized in sizes}
         merged = merge_stats(list(each.values()))
         merged["block_sizes"] = {str(size): part for size, part in each.items()}
         if namespaces:
