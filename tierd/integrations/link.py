@@ -34,6 +34,7 @@ from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
 from tierd.control.handshake import DaemonSilent
 from tierd.errors import TierdError
 from tierd.integrations.breaker import Breaker
+from tierd.integrations.params import size_advice
 from tierd.logs import get_logger
 
 __all__ = [
@@ -69,9 +70,7 @@ class BlockSizeMismatch(TierdError):
     def __init__(self, wanted_bytes: int, socket_path: str, reason: str) -> None:
         super().__init__(
             f"the tierd daemon at {socket_path} does not serve this engine's blocks of"
-            f" {wanted_bytes} bytes ({reason}): set `block_bytes: {wanted_bytes}` in tierd's"
-            " config and restart the daemon, or `block_sizes: 2` (or more) so that it serves"
-            " several sizes"
+            f" {wanted_bytes} bytes ({reason}): {size_advice(wanted_bytes)}"
         )
         self.wanted_bytes = wanted_bytes
         self.reason = reason

@@ -28,6 +28,7 @@ from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
 from tierd.errors import TierdError
 from tierd.integrations.lmcache_keys import SpaceFacts, block_key, namespace_of
 from tierd.integrations.lmcache_space import Pin, Space, SpaceSettings, log
+from tierd.integrations.params import size_advice
 
 __all__ = ["Tasks"]
 
@@ -128,10 +129,7 @@ class Tasks:
                 raise Unreachable(f"tierd at {self.socket_path} is {exc.code}") from exc
             self.refusal = f"tierd at {self.socket_path} refused LMCache: {exc}"
             if exc.code == "block_size_mismatch" and wanted is not None:
-                self.refusal += (
-                    f": set `block_bytes: {wanted}` in tierd's config and restart it, or"
-                    " `block_sizes: 2` (or more) so that it serves several sizes"
-                )
+                self.refusal += f": {size_advice(wanted)}"
             raise Refused(self.refusal) from exc
         except UntrustedDaemon as exc:
             self.refusal = f"tierd at {self.socket_path} refused LMCache: {exc}"

@@ -1,13 +1,15 @@
 """The checks every engine integration makes of the settings an engine hands it (an
 LMCache ``adapter_params``, an SGLang ``extra_config``): no unknown key, the uids as a
-tuple, the deadlines positive. Each integration adds its own checks after these."""
+tuple, the deadlines positive. Each integration adds its own checks after these. And
+what to tell a user whose engine's block size the daemon does not serve
+(:func:`size_advice`)."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 from typing import Any
 
-__all__ = ["checked_params"]
+__all__ = ["checked_params", "size_advice"]
 
 
 def checked_params(
@@ -26,3 +28,11 @@ def checked_params(
         if name in given and not float(given[name]) > 0:
             raise ValueError(f"{owner}: {name} must be > 0")
     return given
+
+
+def size_advice(block_bytes: int) -> str:
+    """What to change in tierd's config for an engine whose blocks are ``block_bytes``."""
+    return (
+        f"set `block_bytes: {block_bytes}` in tierd's config and restart it, or"
+        " `block_sizes: 2` (or more) so that it serves several sizes"
+    )

@@ -37,7 +37,7 @@ from tierd.client import DaemonError, UntrustedDaemon
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
-from tierd.integrations.params import checked_params
+from tierd.integrations.params import checked_params, size_advice
 from tierd.integrations.plugin import missing_daemon
 from tierd.integrations.sglang_jobs import PageJobs
 from tierd.integrations.sglang_log import SglangLog
@@ -173,9 +173,8 @@ class TierdHiCache(HiCacheStorage):
             raise ValueError(
                 f"the tierd daemon at {self.socket_path} does not serve blocks of "
                 f"{geometry.page_bytes} bytes, one page of SGLang's host pool ({geometry.layout},"
-                f" {geometry.page_tokens} tokens, this rank) ({exc.reason}): set"
-                f" `block_bytes: {geometry.page_bytes}` in tierd's config and restart it, or"
-                " `block_sizes: 2` (or more) so that it serves several sizes"
+                f" {geometry.page_tokens} tokens, this rank) ({exc.reason}):"
+                f" {size_advice(geometry.page_bytes)}"
             ) from exc
         except UntrustedDaemon as exc:
             link.close()
