@@ -14,9 +14,11 @@ A call that fails for want of an answer (:class:`DaemonSilent`) or a lost connec
 next one. An error reply (:class:`DaemonError`) leaves it usable, unless the daemon hangs
 up after it.
 
-One call at a time, from one thread; the connection names one namespace and maps no
-pool (region requests move the bytes). The daemon is checked as :func:`check_server`
-does before a byte is sent.
+One call at a time, from one thread; the connection names one namespace and maps the
+tenant's pool only when asked (``map_pool``: leases; else region requests move the
+bytes). The daemon is checked as :func:`check_server` does before a byte is sent. A
+request whose answer nobody waits for (a lease's release, a touch: :meth:`post`) goes out
+at once, and its reply is read and dropped with a later call's.
 
 Requests sent together (a lookup split at the daemon's per-request key limit) are
 answered in whatever order the daemon finishes them: each reply is matched to its
@@ -28,12 +30,14 @@ first and fail their keys. A load within one request, the common case, is one ro
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from array import array
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tierd.control.client_pool import PoolMap
 from tierd.control.client_regions import region_requests
 from tierd.control.handshake import (
     HELLO_ID,
@@ -50,10 +54,11 @@ from tierd.errors import ProtocolError
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-__all__ = ["BlockingClient"]
+__all__ = ["MAX_REPLY_BYTES", "BlockingClient"]
 
-_MAX_REPLY_BYTES = 16 << 20  # replies of this client are flags and counts
+MAX_REPLY_BYTES = 16 << 20  # mostly flags and counts; an inline get stays under it
 _HANGS_UP = frozenset({"not_allowed", "busy", "shutting_down", "frame_too_large"})
+_MAX_FDS = 4
 
 
 class BlockingClient:
@@ -65,6 +70,8 @@ class BlockingClient:
         self._decoder = decoder
         self._ready: list[Any] = []  # decoded, not yet read
         self._next_id = HELLO_ID
+        self._unawaited: set[int] = set()  # posted: their replies are dropped
+        self.pool: PoolMap | None = None
         self.closed = False
 
     @classmethod
@@ -76,8 +83,10 @@ class BlockingClient:
         block_bytes: int | None,
         deadline: float,
         server_uids: Collection[int] = (),
+        map_pool: bool = False,
     ) -> BlockingClient:
-        """Connect, check who serves ``path``, and say hello, all before ``deadline``."""
+        """Connect, check who serves ``path``, and say hello, all before ``deadline``;
+        with ``map_pool``, map the tenant's pool the daemon passes (for leases)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(_left(deadline))
@@ -88,14 +97,24 @@ class BlockingClient:
         except OSError as exc:
             sock.close()
             raise Unreachable(f"cannot connect to {path}: {exc.strerror or exc}") from exc
-        client = cls(sock, {}, FrameDecoder(_MAX_REPLY_BYTES))
+        client = cls(sock, {}, FrameDecoder(MAX_REPLY_BYTES))
+        fds: list[int] = []
         try:
             check_server(sock, path, server_uids)
-            client._send([encode(hello_request(namespace, block_bytes, pool_fd=False))], deadline)
-            client.info = hello_reply(client._next_message(deadline))
+            hello = hello_request(namespace, block_bytes, pool_fd=map_pool)
+            client._send([encode(hello)], deadline)
+            client.info = hello_reply(client._next_message(deadline, fds))
+            named = client.info.get("pool")
+            if map_pool and named is not None:
+                if not fds:
+                    raise ProtocolError("the daemon named a pool but did not pass it")
+                client.pool = PoolMap(fds[0], block_bytes=client.block_bytes, **named)
         except BaseException:
             client.close()
             raise
+        finally:
+            for fd in fds:
+                os.close(fd)  # mapped (the mapping keeps the memory) or not wanted
         return client
 
     @property
@@ -106,6 +125,8 @@ class BlockingClient:
         if not self.closed:
             self.closed = True
             self._sock.close()
+            if self.pool is not None:
+                self.pool.close()
 
     # -- requests ---------------------------------------------------------------------
 
@@ -136,6 +157,49 @@ class BlockingClient:
             raise refused
         return replies
 
+    def request(self, op: str, deadline: float, **fields: Any) -> dict[str, Any]:
+        """One ``op`` request and its reply."""
+        (reply,) = self.requests(op, [fields], deadline)
+        return dict(reply)
+
+    def post(self, op: str, deadline: float, **fields: Any) -> None:
+        """Send one ``op`` request and go on: nobody waits for its reply (dropped when a
+        later call reads past it; an error in it changes nothing of this connection's)."""
+        if self.closed:
+            raise Unreachable("the connection is closed")
+        self._read_waiting()
+        self._next_id += 1
+        self._unawaited.add(self._next_id)
+        self._send([encode({"id": self._next_id, "op": op, **fields})], deadline)
+
+    def lookup(self, keys: Sequence[bytes], deadline: float) -> int:
+        """How many leading keys the daemon holds ready (as :meth:`Client.lookup`); more
+        keys than one request takes go as several, sent together."""
+        if not keys:
+            return 0
+        step = int(self.info.get("max_keys_per_request") or len(keys))
+        parts = [list(keys[i : i + step]) for i in range(0, len(keys), step)]
+        replies = self.requests("lookup", [{"keys": part} for part in parts], deadline)
+        found = 0
+        for part, reply in zip(parts, replies, strict=True):
+            found += int(reply["count"])
+            if int(reply["count"]) < len(part):
+                break
+        return found
+
+    def touch(self, keys: Sequence[bytes], deadline: float, *, uses: bool = True) -> None:
+        """Mark ``keys`` used (as :meth:`Client.touch`: ``keys[0]`` ends up the most
+        recent, the tail's request first), without waiting for the answers."""
+        step = int(self.info.get("max_keys_per_request") or len(keys) or 1)
+        extra = {} if uses else {"uses": False}
+        for end in range(len(keys), 0, -step):
+            self.post("touch", deadline, keys=list(keys[max(0, end - step) : end]), **extra)
+
+    def require_pool(self) -> PoolMap:
+        if self.pool is None:
+            raise ProtocolError("the pool is not mapped: connect with map_pool", code="no_pool")
+        return self.pool
+
     def lookup_each(self, keys: Sequence[bytes], deadline: float) -> list[bool]:
         """Per key, whether the daemon holds it ready (as :meth:`Client.lookup_each`)."""
         if not keys:
@@ -152,10 +216,25 @@ class BlockingClient:
         was copied. The daemon starts no copy past ``deadline`` (its ``expires``). A job
         past one request's bounds goes as several requests, each sent once the one
         before is answered (each holds up to the connection's lease bound)."""
-        each = region_requests(self.info, self.block_bytes, region, keys, offsets, None, deadline)
+        return self.move("region_load", region, keys, offsets, None, deadline)
+
+    def move(
+        self,
+        op: str,
+        region: int,
+        keys: Sequence[bytes],
+        offsets: npt.ArrayLike,
+        piece_bytes: Sequence[int] | None,
+        deadline: float,
+    ) -> list[bool]:
+        """``region_load`` or ``region_store`` (as :meth:`Client.region_store`), the
+        daemon told ``deadline`` as the job's ``expires``."""
+        each = region_requests(
+            self.info, self.block_bytes, region, keys, offsets, piece_bytes, deadline
+        )
         done: list[bool] = []
         for fields in each:
-            (reply,) = self.requests("region_load", [fields], deadline)
+            (reply,) = self.requests(op, [fields], deadline)
             done.extend(bool(flag) for flag in reply["done"])
         return done
 
@@ -166,11 +245,11 @@ class BlockingClient:
         self._next_id += 1
         request_id = self._next_id
         self._send([encode({"id": request_id, "op": "register_region", "size": size})], deadline)
-        message = self._next_message(deadline)
+        message = self._next_reply(deadline)
         if isinstance(message, dict) and message.get("push") == "send_fd":
             rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array("i", [fd]))]
             self._io(lambda: self._sock.sendmsg([b"\0"], rights), deadline)
-            message = self._next_message(deadline)
+            message = self._next_reply(deadline)
         return int(self._answer(request_id, message)["region"])
 
     # -- the wire ---------------------------------------------------------------------
@@ -179,7 +258,7 @@ class BlockingClient:
         """The replies to the requests ``wanted`` (by id), in whatever order they come."""
         got: dict[int, Any] = {}
         while len(got) < len(wanted):
-            message = self._next_message(deadline)
+            message = self._next_reply(deadline)
             if isinstance(message, dict) and "push" in message:
                 continue  # not subscribed: nothing else is pushed to this connection
             request_id = message.get("id") if isinstance(message, dict) else None
@@ -203,9 +282,33 @@ class BlockingClient:
             self.close()
         raise DaemonError(code, str(message.get("message")))
 
-    def _next_message(self, deadline: float) -> Any:
+    def _next_reply(self, deadline: float) -> Any:
+        """The next message that is not the reply to a posted request."""
+        while True:
+            message = self._next_message(deadline)
+            if not self._posted(message):
+                return message
+
+    def _posted(self, message: Any) -> bool:
+        """Whether ``message`` answers a posted request (then it is dropped; one the
+        daemon hangs up after still closes the connection)."""
+        request_id = message.get("id") if isinstance(message, dict) else None
+        if request_id not in self._unawaited:
+            return False
+        self._unawaited.discard(request_id)
+        if message.get("error") in _HANGS_UP:
+            self.close()
+            raise DaemonError(str(message["error"]), str(message.get("message")))
+        return True
+
+    def _next_message(self, deadline: float, fds: list[int] | None = None) -> Any:
+        """The next message; ``fds`` collects the descriptors passed with it (the
+        hello's pool)."""
         while not self._ready:
-            data = self._io(lambda: self._sock.recv(1 << 16), deadline)
+            if fds is None:
+                data = self._io(lambda: self._sock.recv(1 << 16), deadline)
+            else:
+                data = self._io(lambda: self._received(fds), deadline)
             if not data:
                 self.close()
                 raise Unreachable("the daemon closed the connection")
@@ -215,6 +318,31 @@ class BlockingClient:
                 self.close()
                 raise
         return self._ready.pop(0)
+
+    def _read_waiting(self) -> None:
+        """Read what has come (without waiting) and drop the replies to posted requests:
+        a thread that only posts for a while does not leave them piling up."""
+        self._sock.settimeout(0.0)  # non-blocking: each call sets its own timeout again
+        while True:
+            try:
+                data = self._sock.recv(1 << 16)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                self.close()
+                raise Unreachable(f"the connection was lost: {exc.strerror or exc}") from exc
+            if not data:
+                self.close()
+                raise Unreachable("the daemon closed the connection")
+            self._ready.extend(self._decoder.feed(data))
+        self._ready = [message for message in self._ready if not self._posted(message)]
+
+    def _received(self, fds: list[int]) -> bytes:
+        data, ancillary, _, _ = self._sock.recvmsg(1 << 16, socket.CMSG_SPACE(_MAX_FDS * 4))
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
+        return data
 
     def _send(self, frames: list[bytes], deadline: float) -> None:
         data = b"".join(frames)
