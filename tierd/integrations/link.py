@@ -1,22 +1,26 @@
-"""A daemon connection for code that is called synchronously, from threads of its own.
+"""A daemon connection on a thread and event loop of its own, for synchronous callers.
 
-An engine's scheduler calls an integration synchronously and must never wait on the
-daemon. :class:`DaemonLink` runs a :class:`~tierd.client.Client` on its own thread with
-its own event loop; callers hand it coroutines (:meth:`DaemonLink.submit`) and get a
-``concurrent.futures.Future`` back at once.
+:class:`DaemonLink` runs a :class:`~tierd.client.Client` on its own thread and loop;
+callers hand it coroutines (:meth:`DaemonLink.submit`) and get a
+``concurrent.futures.Future`` back at once. vLLM's tier and SGLang's backend make their
+calls elsewhere (:mod:`tierd.integrations.engine_calls`, blocking, on their own
+threads): for them the link watches the daemon (its :class:`Breaker`'s probe, the lines
+logged when the daemon goes and comes back) and follows its events. LMCache's adapter
+makes its calls here.
 
 The connection is made on demand. When it is lost (the daemon stopped, was killed or
 restarted), :meth:`DaemonLink.client` raises :class:`~tierd.client.Unreachable` at once
 until the next attempt is due; attempts back off exponentially up to ``reconnect_max_s``.
 The loss is logged once as a warning, the return once as info.
 
-Engine-facing calls go through :meth:`DaemonLink.bounded` (on the link's loop),
-:meth:`DaemonLink.start` (a future, from any thread) or :meth:`DaemonLink.ask` (blocking,
-from any thread): each waits at most its deadline, then fails with :class:`DaemonSilent`
-and drops the connection (whatever it held in the daemon, leases included, is released
-when the daemon reads the close). A :class:`~tierd.integrations.breaker.Breaker` counts
-the failures; while it is open every call fails at once with :class:`BreakerOpen`,
-unsent, and one probe at a time asks the daemon for ``health`` until it answers.
+Calls go through :meth:`DaemonLink.bounded` (on the link's loop), :meth:`DaemonLink.start`
+(a future, from any thread) or :meth:`DaemonLink.ask` (blocking, from any thread): each
+waits at most its deadline, then fails with :class:`DaemonSilent` and drops the
+connection (whatever it held in the daemon, leases included, is released when the
+daemon reads the close). The :class:`~tierd.integrations.breaker.Breaker` counts the
+failures (the engines' calls too); while it is open every call fails at once with
+:class:`BreakerOpen`, unsent, and one probe at a time asks the daemon for ``health``
+until it answers.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
 from tierd.control.handshake import DaemonSilent
 from tierd.errors import TierdError
 from tierd.integrations.breaker import Breaker
-from tierd.integrations.params import size_advice
+from tierd.integrations.params import BlockSizeMismatch
 from tierd.logs import get_logger
 
 __all__ = [
@@ -64,18 +68,6 @@ class BreakerOpen(Unreachable):
     """The breaker is open: the call was not sent (the daemon failed recently)."""
 
 
-class BlockSizeMismatch(TierdError):
-    """The daemon does not serve the engine's block size (``reason``: the daemon's words)."""
-
-    def __init__(self, wanted_bytes: int, socket_path: str, reason: str) -> None:
-        super().__init__(
-            f"the tierd daemon at {socket_path} does not serve this engine's blocks of"
-            f" {wanted_bytes} bytes ({reason}): {size_advice(wanted_bytes)}"
-        )
-        self.wanted_bytes = wanted_bytes
-        self.reason = reason
-
-
 @dataclass(frozen=True, slots=True)
 class LinkSettings:
     """Where the daemon is and how long an engine may wait on it (docs/vllm.md says why
@@ -98,9 +90,15 @@ class DaemonLink:
     """One client connection, owned by a private thread and event loop."""
 
     def __init__(
-        self, settings: LinkSettings, *, name: str = "tierd-link", logger: Any = None
+        self,
+        settings: LinkSettings,
+        *,
+        name: str = "tierd-link",
+        logger: Any = None,
+        map_pool: bool = True,
     ) -> None:
         self.settings = settings
+        self._map_pool = map_pool
         # The engine's way to log, if not structlog's (SGLang shows only its standard
         # logging: tierd.integrations.sglang_log); called as log.warning("event", k=v).
         self.log = logger if logger is not None else log
@@ -212,7 +210,7 @@ class DaemonLink:
         try:  # the hello names the engine's size: a daemon of several sizes serves it so
             client = await Client.connect(
                 s.socket_path, namespace=s.namespace, block_bytes=s.block_bytes,
-                server_uids=s.server_uids,
+                server_uids=s.server_uids, map_pool=self._map_pool,
             )  # fmt: skip
         except DaemonError as exc:
             if exc.code != "block_size_mismatch":

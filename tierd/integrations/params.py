@@ -2,14 +2,16 @@
 LMCache ``adapter_params``, an SGLang ``extra_config``): no unknown key, the uids as a
 tuple, the deadlines positive. Each integration adds its own checks after these. And
 what to tell a user whose engine's block size the daemon does not serve
-(:func:`size_advice`)."""
+(:func:`size_advice`, :class:`BlockSizeMismatch`)."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 from typing import Any
 
-__all__ = ["checked_params", "size_advice"]
+from tierd.errors import TierdError
+
+__all__ = ["BlockSizeMismatch", "checked_params", "size_advice"]
 
 
 def checked_params(
@@ -36,3 +38,15 @@ def size_advice(block_bytes: int) -> str:
         f"set `block_bytes: {block_bytes}` in tierd's config and restart it, or"
         " `block_sizes: 2` (or more) so that it serves several sizes"
     )
+
+
+class BlockSizeMismatch(TierdError):
+    """The daemon does not serve the engine's block size (``reason``: the daemon's words)."""
+
+    def __init__(self, wanted_bytes: int, socket_path: str, reason: str) -> None:
+        super().__init__(
+            f"the tierd daemon at {socket_path} does not serve this engine's blocks of"
+            f" {wanted_bytes} bytes ({reason}): {size_advice(wanted_bytes)}"
+        )
+        self.wanted_bytes = wanted_bytes
+        self.reason = reason

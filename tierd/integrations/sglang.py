@@ -140,6 +140,7 @@ class TierdHiCache(HiCacheStorage):
             ),
             name="tierd-sglang",
             logger=log,  # SGLang shows its standard logging only
+            map_pool=False,  # the link watches the daemon; calls map the pool themselves
         )
         fd = getattr(mem_pool_host, "fd", None) if s.zero_copy else None
         jobs = PageJobs(
@@ -166,8 +167,7 @@ class TierdHiCache(HiCacheStorage):
         """First contact: a wrong block size or an untrusted daemon refuses the start;
         a daemon not up yet only warns (its pages miss until it is)."""
         try:
-            client = link.call(link.client(), self.settings.connect_timeout_s)
-            jobs.learn(client.info)
+            link.call(link.client(), self.settings.connect_timeout_s)
         except BlockSizeMismatch as exc:
             link.close()
             raise ValueError(
@@ -236,13 +236,9 @@ class TierdHiCache(HiCacheStorage):
         def run() -> list[bool]:
             pointers, _ = self.mem_pool_host.get_page_buffer_meta(host_indices)
             offsets = jobs.geometry.offsets(pointers, len(keys))
-            if not store:
-                # Loads copy on this thread, from the daemon's pool: nothing of the
-                # daemon's can land in SGLang's pages once this call has given up.
-                return jobs.lease_load(raw, offsets)
-            if jobs.zero_copy:
-                return jobs.region_store(raw, offsets)
-            return jobs.lease_store(raw, offsets)
+            # The way each takes is the route's (sglang_jobs): nothing of the daemon's
+            # lands in SGLang's pages once this call has given up.
+            return jobs.store(raw, offsets) if store else jobs.load(raw, offsets)
 
         done = self._guarded(run, [False] * len(keys))
         pages = done.index(False) if False in done else len(done)

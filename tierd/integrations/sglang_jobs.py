@@ -1,24 +1,19 @@
 """Moving SGLang's host pages to and from the daemon, each call under a deadline.
 
-Two paths:
+Every call goes through the backend's :class:`~tierd.integrations.engine_calls.EngineCalls`:
+on the calling SGLang thread's own blocking connection (SGLang's prefetch and backup
+threads never wait on each other, nor on an event loop's thread), down the way
+:mod:`tierd.integrations.route` picks for SGLang:
 
-- **memfd hand-off, for stores** (SGLang's host pool allocated with ``"allocator":
-  "shm"``): the pool's file descriptor is registered with the daemon once per connection
-  (``Client.register_region``); a store is then one request of keys and byte offsets
-  (``region_store``) and the daemon reads the pages with positional syscalls. A read
-  still under way when the call gives up is harmless to SGLang, and the daemon keeps
-  nothing it read past the job's ``expires``.
-- **leases, for every load** (and for stores with any other allocator): the daemon's
-  pool slots are mapped into this process; a load pins slots (``prepare_load``) and a
-  store reserves them (``prepare_store``), and the page bytes are copied between those
-  slots and SGLang's host pool on the **caller's thread**, after the daemon's part has
-  answered and before the call returns.
-
-So nothing writes into SGLang's host pool but SGLang's own thread, inside the call:
-once a deadline has expired, no byte of ours lands in pages SGLang may reuse at once.
-(A ``region_load`` into SGLang's pool could not promise that: a daemon copy call that
-started before the deadline may end after it, 8 MiB pieces landed up to 61 ms late.) Everything that
-waits on the daemon goes through :meth:`DaemonLink.ask` (a deadline, a breaker).
+- **loads** copy out of the daemon's pool (leases, mapped into this process) on the
+  caller's thread, inside the call. Nothing of the daemon's lands in SGLang's pages once
+  the call has given up. (A ``region_load`` into SGLang's pool could not promise that: a
+  daemon copy call that started before the deadline may end after it; 8 MiB pieces
+  landed up to 61 ms late.)
+- **stores** hand the daemon the host pool's memfd when SGLang allocated it so
+  (``"allocator": "shm"``), registered once per connection; the daemon reads the pages
+  itself, and keeps nothing it read past the call's deadline (the job's ``expires``).
+  Else they copy into the daemon's pool (leases).
 
 Every method raises only :class:`~tierd.errors.TierdError` and ``OSError``; the backend
 turns them into misses and failed sets.
@@ -26,20 +21,17 @@ turns them into misses and failed sets.
 
 from __future__ import annotations
 
-import asyncio
-import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from tierd.client import Client, DaemonError, LoadLease, StoreLease
 from tierd.errors import TierdError
+from tierd.integrations.engine_calls import EngineCalls, memfd_of
 from tierd.integrations.link import DaemonLink
 from tierd.integrations.sglang_log import SglangLog
-from tierd.integrations.sglang_pages import PageGeometry, gather_page, page_key, scatter_page
+from tierd.integrations.sglang_pages import FlatBlock, PageBlocks, PageGeometry, page_key
 
 __all__ = ["PageJobs"]
 
@@ -49,10 +41,11 @@ Offsets = npt.NDArray[np.uint64]
 # most this many times, pausing a little longer each time.
 _CLEAR_TRIES = 5
 _CLEAR_PAUSE_S = 0.05
+_STAGING_BYTES = 64 << 20
 
 
 class PageJobs:
-    """Stores, loads and lookups of pages of one host pool through one link."""
+    """Stores, loads and lookups of pages of one host pool, from SGLang's threads."""
 
     def __init__(
         self,
@@ -68,225 +61,86 @@ class PageJobs:
         self.memory = geometry.memory()
         self.lookup_deadline_s = lookup_deadline_s
         self.job_deadline_s = job_deadline_s
-        self._fd = fd
-        self._region_size = os.fstat(fd).st_size if fd is not None else 0
-        self._region: tuple[Client, int] | None = None
-        self.zero_copy = fd is not None
-        self.lease_bound = 0  # the daemon's max_lease_blocks, from its hello (0: unknown)
+        # Staging is the way of a daemon without a pool: 64 MiB of pages a round.
+        self.calls = EngineCalls(
+            link,
+            "sglang",
+            staging_rows=_STAGING_BYTES // geometry.page_bytes,
+            map_pool=True,
+            memfd=memfd_of(fd),
+        )
 
-    def learn(self, info: dict[str, Any]) -> None:
-        """Take the bounds of the daemon's hello (called once connected)."""
-        self.lease_bound = int(info.get("max_lease_blocks") or 0)
+    @property
+    def zero_copy(self) -> bool:
+        """Whether stores hand the daemon the host pool's memfd."""
+        return self.calls.zero_copy
 
     # -- lookups --------------------------------------------------------------------
 
     def leading(self, keys: Sequence[bytes]) -> int:
         """How many leading keys the daemon holds ready."""
-        if not keys:
-            return 0
-
-        async def op(client: Client) -> int:
-            return int((await client.lookup(keys)).count)
-
-        return self.link.ask(op, self.lookup_deadline_s)
+        return self.calls.leading(keys, self.lookup_deadline_s) if keys else 0
 
     def touch_sequence(self, prefix: Sequence[str], pages: Sequence[bytes]) -> None:
         """Mark SGLang's page sequence (the hashes ``prefix``, then the keys ``pages``;
         head first) used, without waiting for the answer: its head ends up the most
         recent at every level of the daemon that holds it, so the daemon drops the
         sequence's tail before its head (a kept tail whose head is gone is never
-        served). One conversion per prefix hash."""
+        served). The order only: a call is not a request, so no use is counted for
+        admission rules (a prefix would count once per call)."""
         keys = [page_key(k) for k in prefix]
         keys += pages
-
-        async def touch(client: Client) -> None:
-            # The order only: a call is not a request, so no use is counted for admission
-            # rules (a prefix would count once per call).
-            await client.touch(keys, uses=False)
-
-        self.link.start(touch, self.lookup_deadline_s).add_done_callback(_ignore_outcome)
-
-    # -- the memfd hand-off -----------------------------------------------------------
-
-    async def _region_of(self, client: Client) -> int:
-        """This connection's id of the host pool's region (registered on first use: a
-        region dies with the connection that registered it)."""
-        if self._region is not None and self._region[0] is client:
-            return self._region[1]
-        if self._fd is None:
-            raise TierdError("the host pool has no file descriptor to hand over")
         try:
-            region = await client.register_region(self._fd, self._region_size)
-        except DaemonError as exc:  # refused, not lost: copy through leases from now on
-            self.zero_copy = False
-            log.warning(
-                "tierd refused SGLang's host pool memfd; pages are copied through its pool",
-                error=str(exc),
-            )
-            raise
-        self._region = (client, region)
-        return region
+            self.calls.touch(keys, self.lookup_deadline_s, uses=False)
+        except (TierdError, OSError) as exc:  # a hint: its loss changes nothing for SGLang
+            log.debug("tierd touch not sent", error=str(exc))
 
-    def region_store(self, keys: Sequence[bytes], offsets: Offsets) -> list[bool]:
-        """``region_store`` of ``keys`` at ``offsets``. There is no region load: a load
-        into SGLang's own pages must not be written by the daemon (see the module's
-        docstring)."""
-        pieces = list(self.geometry.pieces)
-        # SGLang may reuse these pages once the call gives up: the daemon starts no copy
-        # past then, and keeps nothing it read after it.
-        expires = time.monotonic() + self.job_deadline_s
+    # -- pages ------------------------------------------------------------------------
 
-        async def op(client: Client) -> list[bool]:
-            region = await self._region_of(client)
-            return await client.region_store(region, keys, offsets, pieces, expires)
-
-        return self.link.ask(op, self.job_deadline_s)
-
-    # -- leases -----------------------------------------------------------------------
-
-    def _chunk(self, total: int) -> int:
-        """Keys per lease: half of what one connection may hold (a store and a load of
-        the same link may both hold leases)."""
-        return max(1, min(total, self.lease_bound // 2 or total))
-
-    def lease_load(self, keys: Sequence[bytes], offsets: Offsets) -> list[bool]:
-        """Load the leading keys the daemon holds into their pages, chunk by chunk."""
+    def load(self, keys: Sequence[bytes], offsets: Offsets) -> list[bool]:
+        """Load the leading keys the daemon holds into their pages."""
+        blocks = PageBlocks(self.memory, offsets, self.geometry.pieces)
+        outcome = self.calls.load(keys, blocks, self.job_deadline_s, leading=True)
         done = [False] * len(keys)
-        start = 0
-        while start < len(keys):
-            chunk = list(keys[start : start + self._chunk(len(keys) - start)])
-            count = self._load_chunk(chunk, offsets[start : start + len(chunk)])
-            done[start : start + count] = [True] * count
-            if count < len(chunk):
-                break  # SGLang uses the leading pages only
-            start += count
+        for i in outcome.loaded:
+            done[i] = True
+        if outcome.error is not None and not outcome.loaded:
+            raise _Failed(outcome.error)
         return done
 
-    def _load_chunk(self, keys: list[bytes], offsets: Offsets) -> int:
-        async def pin(client: Client) -> LoadLease:
-            return await client.prepare_load(keys)
-
-        lease = self.link.ask(pin, self.job_deadline_s)
-        try:
-            if lease.keys != keys[: lease.count]:  # a repeated key: nothing is guessed
-                return 0
-            for i, view in enumerate(lease.views()):
-                scatter_page(self.memory, offsets[i], self.geometry.pieces, view)
-            return lease.count
-        finally:
-            self._release(lease)
-
-    def _release(self, lease: LoadLease) -> None:
-        """Unpin without waiting (a lost release is undone when the connection ends)."""
-
-        async def release(client: Client) -> None:
-            await lease.release()
-
-        future = self.link.start(release, self.job_deadline_s)
-        future.add_done_callback(_ignore_outcome)
-
-    def lease_store(self, keys: Sequence[bytes], offsets: Offsets) -> list[bool]:
-        """Store the pages of ``keys``, chunk by chunk; per key whether the daemon holds
-        it now (a failed chunk fails its keys and every later one)."""
-        done = [False] * len(keys)
-        start = 0
-        while start < len(keys):
-            chunk = list(keys[start : start + self._chunk(len(keys) - start)])
-            self._store_chunk(chunk, offsets[start : start + len(chunk)])
-            done[start : start + len(chunk)] = [True] * len(chunk)
-            start += len(chunk)
-        return done
-
-    def _store_chunk(self, keys: list[bytes], offsets: Offsets) -> None:
-        def fill(lease: StoreLease) -> None:
-            for view, i in zip(lease.views(), lease.to_write, strict=True):
-                gather_page(self.memory, offsets[i], self.geometry.pieces, view)
-
-        self._store(keys, fill)
-
-    def _store(self, keys: list[bytes], fill: Callable[[StoreLease], None]) -> None:
-        """Reserve ``keys``, let ``fill`` write the views the daemon wants (none when it
-        holds every key already) and commit; a fill that raises aborts the lease."""
-
-        async def reserve(client: Client) -> StoreLease:
-            return await client.prepare_store(keys)
-
-        lease = self.link.ask(reserve, self.job_deadline_s)
-        if lease.finished:
-            return  # the daemon holds (or is being given) every key already
-        try:
-            fill(lease)
-        except BaseException:
-            self._abort(lease)
-            raise
-
-        async def commit(client: Client) -> int:
-            return await lease.commit()
-
-        self.link.ask(commit, self.job_deadline_s)
-
-    def _abort(self, lease: StoreLease) -> None:
-        async def abort(client: Client) -> None:
-            await lease.abort()
-
-        self.link.start(abort, self.job_deadline_s).add_done_callback(_ignore_outcome)
+    def store(self, keys: Sequence[bytes], offsets: Offsets) -> list[bool]:
+        """Store the pages of ``keys``; per key whether the daemon holds it now."""
+        blocks = PageBlocks(self.memory, offsets, self.geometry.pieces)
+        return self.calls.store(keys, blocks, self.job_deadline_s)
 
     # -- whole blocks (SGLang's generic get/set) -------------------------------------
 
     def get_block(self, key: bytes, out: Any) -> bool:
         """Copy the block of ``key`` into ``out`` (a writable buffer of a block)."""
-
-        async def pin(client: Client) -> LoadLease:
-            return await client.prepare_load([key])
-
-        lease = self.link.ask(pin, self.job_deadline_s)
-        try:
-            if lease.count != 1:
-                return False
-            np.frombuffer(out, dtype=np.uint8)[:] = np.frombuffer(lease.views()[0], np.uint8)
-            return True
-        finally:
-            self._release(lease)
+        target = FlatBlock(np.frombuffer(out, dtype=np.uint8))
+        outcome = self.calls.load([key], target, self.job_deadline_s, leading=True)
+        if outcome.error is not None and not outcome.loaded:
+            raise _Failed(outcome.error)
+        return bool(outcome.loaded)
 
     def put_block(self, key: bytes, data: Any) -> bool:
         """Store ``data`` (a buffer of a block) under ``key``."""
-
-        def fill(lease: StoreLease) -> None:
-            lease.views()[0][:] = data
-
-        self._store([key], fill)
-        return True
+        source = FlatBlock(np.frombuffer(data, dtype=np.uint8))
+        return all(self.calls.store([key], source, self.job_deadline_s))
 
     # -- the whole namespace (SGLang's clear) ----------------------------------------
 
     def clear(self, deadline_s: float) -> tuple[int, int]:
-        """Delete every block of the link's namespace from the daemon's tiers (the
-        daemon's ``delete`` of ``all``, which a member may send for its own namespace),
-        asking again while some are in use; ``(removed, still in use)``. Raises what
-        the link raises (:class:`~tierd.client.Unreachable` past ``deadline_s``)."""
-
-        async def delete(client: Client) -> tuple[int, int]:
-            removed = busy = 0
-            for attempt in range(_CLEAR_TRIES):
-                if attempt:
-                    await asyncio.sleep(_CLEAR_PAUSE_S * attempt)
-                done = await client.delete(everything=True)
-                removed += int(done["removed"])
-                busy = int(done["busy"])
-                if not busy:
-                    break
-            return removed, busy
-
-        return self.link.call(self.link.run(delete), deadline_s)
+        """Delete every block of the namespace from the daemon's tiers (the daemon's
+        ``delete`` of ``all``, which a member may send for its own namespace), asking
+        again while some are in use; ``(removed, still in use)``. Raises what the
+        connection raises (:class:`~tierd.client.Unreachable` past ``deadline_s``)."""
+        return self.calls.delete_all(deadline_s, tries=_CLEAR_TRIES, pause_s=_CLEAR_PAUSE_S)
 
     def close(self) -> None:
-        """Forget the region (the daemon drops it with the connection)."""
-        self._region = None
+        """Close every thread's connection (the daemon drops their regions and leases)."""
+        self.calls.close()
 
 
-def _ignore_outcome(future: Any) -> None:
-    """A fire-and-forget release, abort or touch: its failure changes nothing for SGLang
-    (the daemon releases a lost connection's leases itself; a touch is a hint), so it is
-    only logged."""
-    if not future.cancelled() and future.exception() is not None:
-        log.debug("tierd request not answered in time", error=str(future.exception()))
+class _Failed(TierdError):
+    """A load that copied nothing, and why."""

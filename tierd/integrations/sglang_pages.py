@@ -34,6 +34,8 @@ import numpy.typing as npt
 from tierd.errors import TierdError
 
 __all__ = [
+    "FlatBlock",
+    "PageBlocks",
     "PageGeometry",
     "UnsupportedPool",
     "derive_namespace",
@@ -177,6 +179,49 @@ def scatter_page(
     source = np.frombuffer(block, dtype=np.uint8)
     for in_pool, in_block in _piece_spans(offsets, pieces):
         memory[in_pool] = source[in_block]
+
+
+@dataclass(frozen=True, slots=True)
+class PageBlocks:
+    """One call's pages as blocks (:class:`~tierd.integrations.moves.Blocks`): page ``i``
+    is the pieces at ``offsets[i]`` of the host pool's ``memory``."""
+
+    memory: npt.NDArray[np.uint8]
+    offsets: npt.NDArray[np.uint64]
+    pieces: tuple[int, ...]
+
+    def fill(self, positions: npt.NDArray[np.intp], source: npt.NDArray[np.uint8]) -> None:
+        for position, row in zip(positions.tolist(), source, strict=True):
+            scatter_page(self.memory, self.offsets[position], self.pieces, row)
+
+    def gather(self, positions: npt.NDArray[np.intp], out: npt.NDArray[np.uint8]) -> None:
+        for position, row in zip(positions.tolist(), out, strict=True):
+            gather_page(self.memory, self.offsets[position], self.pieces, row)
+
+    def fill_one(self, position: int, block: memoryview) -> None:
+        scatter_page(self.memory, self.offsets[position], self.pieces, block)
+
+    def gather_one(self, position: int, out: memoryview) -> None:
+        gather_page(self.memory, self.offsets[position], self.pieces, out)
+
+
+@dataclass(frozen=True, slots=True)
+class FlatBlock:
+    """One whole block of a buffer (SGLang's generic get and set)."""
+
+    buffer: npt.NDArray[np.uint8]
+
+    def fill(self, positions: npt.NDArray[np.intp], source: npt.NDArray[np.uint8]) -> None:
+        self.buffer[:] = source[0]
+
+    def gather(self, positions: npt.NDArray[np.intp], out: npt.NDArray[np.uint8]) -> None:
+        out[0] = self.buffer
+
+    def fill_one(self, position: int, block: memoryview) -> None:
+        self.buffer[:] = np.frombuffer(block, dtype=np.uint8)
+
+    def gather_one(self, position: int, out: memoryview) -> None:
+        out[:] = self.buffer.data
 
 
 def _piece_spans(

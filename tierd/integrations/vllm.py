@@ -7,15 +7,16 @@ vLLM loads the class by module path (``docs/vllm.md`` has the config to paste)::
 
 (or none of it: ``TIERD=1`` in vLLM's environment, :mod:`tierd.integrations.vllm_plugin`).
 
-vLLM's scheduler calls every method synchronously. What a request waits for is done on
-the scheduler's thread, on a blocking connection of its own
-(:class:`~tierd.integrations.direct.DirectChannel`), each call bounded by a short
-deadline: the lookups of a scheduler step go to the daemon as one request when the step
-ends (vLLM's ``AsyncLookupManager``: RETRY until the answer, then HIT or MISS), and a load
-is one region request, the daemon copying the blocks, the thread waiting in ``recv``.
-Stores, which nobody waits for, run as coroutines on a
-:class:`~tierd.integrations.link.DaemonLink` (its own thread and event loop); where each
-job runs and how it ends is :mod:`tierd.integrations.vllm_jobs`'. Jobs are reported by
+vLLM's scheduler calls every method synchronously. Every call to the daemon goes through
+the tier's :class:`~tierd.integrations.engine_calls.EngineCalls`: on the calling thread's
+own blocking connection, bounded by a short deadline. What a request waits for is done on
+the scheduler's thread: the lookups of a scheduler step go to the daemon as one request
+when the step ends (vLLM's ``AsyncLookupManager``: RETRY until the answer, then HIT or
+MISS), and a load is one region request, the daemon copying the blocks, the thread
+waiting in ``recv``. Stores, which nobody waits for, run on the tier's store thread;
+where each job runs and how it ends is :mod:`tierd.integrations.vllm_jobs`'. The
+:class:`~tierd.integrations.link.DaemonLink` carries no job: it watches the daemon (the
+breaker's probe) and follows its events. Jobs are reported by
 ``get_finished_jobs``. Any failure (daemon down, stopped, killed, restarted,
 ``capacity``, a block evicted or failing its checksum) is a failed job or a miss, never an
 exception in vLLM; past a few failures a breaker answers at once until the daemon is back.
@@ -53,11 +54,10 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
-from tierd.integrations.direct import DirectChannel
+from tierd.integrations.engine_calls import EngineCalls
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
 from tierd.integrations.naming import derive_namespace
 from tierd.integrations.plugin import missing_daemon
-from tierd.integrations.staging import StagedCopies
 from tierd.integrations.vllm_describe import describer_for
 from tierd.integrations.vllm_jobs import Done, Jobs
 from tierd.integrations.vllm_report import TierReport, event_config
@@ -181,12 +181,15 @@ class TierdSecondaryTier(SecondaryTierManager):
             breaker_failures=breaker_failures,
             probe_interval_s=probe_interval_s,
         )
-        self._link = DaemonLink(self.settings, name=f"tierd-vllm-{tier_type}")
-        # Half of staging_bytes for the link's stores, half for the scheduler's loads.
-        self._staged = StagedCopies(self._rows, staging_bytes // 2) if regions else None
-        self._direct = DirectChannel(self._link, self._rows, staging_bytes // 2, regions=regions)
+        self._link = DaemonLink(self.settings, name=f"tierd-vllm-{tier_type}", map_pool=False)
+        # Half of staging_bytes for the store thread's connection, half for the scheduler's.
+        per_round = max(1, min(len(self._rows), staging_bytes // 2 // row_bytes))
+        self._calls = EngineCalls(
+            self._link, "vllm", staging_rows=per_round, map_pool=not regions, regions=regions
+        )
         self._describer = describer_for(offloading_spec, describe_blocks, kv_events_endpoint)
-        self._jobs = Jobs(self._link, self._direct, self._staged, self._describer, self._rows)
+        self._jobs = Jobs(self._calls, self._describer, self._rows, self._following)
+        self._subscription: asyncio.Future[Any] | None = None  # the link's loop's only
         self.report = TierReport(
             Medium(medium) if medium is not None else self.medium,
             self.locality,
@@ -223,8 +226,10 @@ class TierdSecondaryTier(SecondaryTierManager):
     def _present(self, keys: Sequence[OffloadKey]) -> list[bool]:
         """Ask the daemon, waiting at most the lookup deadline (nothing at all while the
         breaker is open); no answer is a miss."""
-        found = self._direct.present([bytes(k) for k in keys])
-        return [False] * len(keys) if found is None else found
+        try:
+            return self._calls.present([bytes(k) for k in keys], self.settings.lookup_deadline_s)
+        except (TierdError, OSError):
+            return [False] * len(keys)
 
     def _lookup_step(
         self, batch: list[tuple[OffloadKey, ReqContext, int]], results: _Results
@@ -249,13 +254,11 @@ class TierdSecondaryTier(SecondaryTierManager):
         self._lookups.cleanup(req_context.req_id)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Forward to the daemon's touch (one admission use per key); fire and forget."""
-        if keys and not self._link.breaker.is_open:
-            self._link.submit(self._touch([bytes(k) for k in keys]))
-
-    async def _touch(self, keys: list[bytes]) -> None:
-        with contextlib.suppress(TierdError, OSError):  # unreachable: nothing to touch
-            await self._link.bounded(lambda c: c.touch(keys), self.settings.lookup_deadline_s)
+        """Forward to the daemon's touch (one admission use per key); sent, not waited
+        for (nothing at all while the breaker is open)."""
+        if keys:
+            with contextlib.suppress(TierdError, OSError):  # unreachable: nothing to touch
+                self._calls.touch([bytes(k) for k in keys], self.settings.lookup_deadline_s)
 
     # -- jobs -------------------------------------------------------------------------
 
@@ -304,8 +307,23 @@ class TierdSecondaryTier(SecondaryTierManager):
         subscription goes out now, ahead of any job on the connection, so that no event
         of this engine's blocks is missed (a removal of a block whose storing went
         unseen would be taken for its last)."""
-        client.send("subscribe")
+        self._subscription = client.send("subscribe")
         self._event_reader = asyncio.ensure_future(self._read_events(client))
+
+    def _following(self, deadline_s: float) -> None:
+        """Before a store (on the store thread): the link follows the daemon's events,
+        its subscription answered, so no event of the store's blocks is missed. A link
+        found lost reconnects (and subscribes) now. Never fails the store."""
+        if self.report.residency is None:
+            return
+
+        async def following() -> None:
+            await self._link.run(lambda c: c.health())
+            if self._subscription is not None:
+                await asyncio.shield(self._subscription)
+
+        with contextlib.suppress(TierdError, OSError):
+            self._link.call(following(), deadline_s)
 
     async def _read_events(self, client: Client) -> None:
         residency = self.report.residency
@@ -322,14 +340,12 @@ class TierdSecondaryTier(SecondaryTierManager):
         _LIVE.discard(self)
         self.drain_jobs()
         self._lookups.shutdown()
-        self._direct.close()
+        self._calls.close()
         self._link.close()
         self._describer.close()
-        # Let go of every view of vLLM's rows (ours, the channel's, the staged copies', the
-        # base class's): an array over them keeps vLLM's mapping exported, unclosable.
+        # Let go of every view of vLLM's rows (ours, the jobs', the base class's): an
+        # array over them keeps vLLM's mapping exported, unclosable.
         self._jobs.release()
-        if self._staged is not None:
-            self._staged.release()
         self._rows = np.empty((0, self._rows.shape[1]), dtype=np.uint8)
         self._primary_kv_view = memoryview(b"")
 
@@ -342,7 +358,7 @@ class TierdSecondaryTier(SecondaryTierManager):
         return TierReport.definitions()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        connected = self._link.connected or self._direct.connected
+        connected = self._link.connected or self._calls.channel.connected
         return self.report.stats(connected=connected, breaker_open=self._link.breaker.is_open)
 
     def config_info(self) -> dict[str, str | int | float | bool]:

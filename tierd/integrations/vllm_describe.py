@@ -14,12 +14,11 @@ the others are found by walking parents back. A chunk not fully known is not des
 from __future__ import annotations
 
 import array
-import asyncio
 import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -27,7 +26,6 @@ from typing import Any
 import msgpack
 import zmq
 
-from tierd.client import Client
 from tierd.errors import TierdError
 from tierd.logs import get_logger
 
@@ -221,8 +219,13 @@ class Describer:
             return int.from_bytes(raw, "big") & ((1 << 64) - 1), group
         return raw, group
 
-    async def describe(self, client: Client, keys: Sequence[bytes]) -> None:
-        """Send ``describe`` for every key whose chunk is fully known (others counted)."""
+    def describe(
+        self, send: Callable[[list[bytes], list[bytes]], Any], keys: Sequence[bytes]
+    ) -> None:
+        """Send ``describe`` for every key whose chunk is fully known (others counted),
+        through ``send(keys, packed descriptions)``: the store's own connection, so the
+        daemon has the descriptions before the blocks. Waits a little (on this thread)
+        for events still on their way."""
         book = self.book
         if book is None or not keys:
             return
@@ -233,16 +236,16 @@ class Describer:
             chain = book.chain(last, group, self.blocks_per_chunk)
             left = deadline - time.monotonic()
             if chain is None and left > 0:
-                await asyncio.to_thread(book.wait_for, last, group, self.blocks_per_chunk, left)
+                book.wait_for(last, group, self.blocks_per_chunk, left)
                 chain = book.chain(last, group, self.blocks_per_chunk)
             if chain is None:
                 self.unknown += 1
                 continue
             described.append(key)
-            blocks.append(description(chain, group))
+            blocks.append(msgpack.packb(description(chain, group), use_bin_type=True))
         if described:
             try:
-                await client.describe(described, blocks)
+                send(described, blocks)
                 self.described += len(described)
             except TierdError as exc:  # the store goes on undescribed; said once per kind
                 self.refused += len(described)

@@ -1,0 +1,200 @@
+"""The one transport of an engine's calls: a blocking connection per calling thread.
+
+An engine calls its integration synchronously, from threads of its own (vLLM's
+scheduler, SGLang's prefetch and backup threads), and a call that waits on the daemon
+gains nothing from hopping to an event loop on another thread: every hand-over waits for
+the interpreter lock, which a busy engine holds for its whole switch interval (5 ms).
+:class:`EngineChannel` makes each call on the calling thread, over a
+:class:`~tierd.control.blocking_client.BlockingClient` of that thread's own: the thread
+sends, waits in ``recv`` (the lock released) and goes on. Threads never share a
+connection, so no call waits behind another's, and what a connection holds (its leases,
+its regions, a staging memfd) is one thread's.
+
+Every call is bounded by its deadline (:meth:`EngineChannel.call`). One that gets no
+answer in time closes its connection (a late answer, or a late copy into the old
+connection's staging memfd, is never read: the next connection brings fresh ones) and
+counts for the link's :class:`~tierd.integrations.breaker.Breaker`; while the breaker is
+open every call fails at once, unsent (:class:`~tierd.integrations.link.BreakerOpen`),
+and the link probes the daemon until it is back. A lost connection (the daemon
+restarted since the last call) is tried once more on a fresh one. Connecting backs off
+exponentially after a failure, for every thread at once.
+
+Which data path a call takes is :mod:`tierd.integrations.route`'s to say.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from tierd.control.blocking_client import BlockingClient
+from tierd.control.handshake import DaemonError, DaemonSilent, Unreachable
+from tierd.errors import TierdError
+from tierd.integrations.link import BreakerOpen, DaemonLink
+
+__all__ = ["Connection", "EngineChannel"]
+
+T = TypeVar("T")
+_FIRST_BACKOFF_S = 0.05
+
+
+@dataclass(slots=True)
+class Connection:
+    """One thread's connection and what it holds in the daemon (``held``: an engine's
+    regions, a staging memfd, by the name the caller gives them; they die with it)."""
+
+    client: BlockingClient
+    used: bool = False  # a call has gone through it (a new one was not lost between calls)
+    held: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineChannel:
+    """Blocking calls to the daemon, each thread on a connection of its own."""
+
+    def __init__(self, link: DaemonLink, *, map_pool: bool = False) -> None:
+        self._link = link
+        self.settings = link.settings
+        self._map_pool = map_pool
+        self._local = threading.local()
+        self._lock = threading.Lock()  # the connections, the backoff
+        self._connections: list[Connection] = []
+        self._next_attempt = 0.0
+        self._backoff = _FIRST_BACKOFF_S
+        self._closed = False
+
+    @property
+    def breaker_open(self) -> bool:
+        return self._link.breaker.is_open
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.snapshot())
+
+    def here(self) -> Connection | None:
+        """The calling thread's connection, if it has one open."""
+        conn: Connection | None = getattr(self._local, "conn", None)
+        return conn if conn is not None and not conn.client.closed else None
+
+    def snapshot(self) -> list[Connection]:
+        """Every thread's open connection."""
+        with self._lock:
+            return [c for c in self._connections if not c.client.closed]
+
+    def call(
+        self, deadline_s: float, body: Callable[[Connection, float], T], *, answered: bool = True
+    ) -> T:
+        """``body(connection, deadline)`` on this thread's connection, ``deadline`` a
+        ``time.monotonic()`` second ``deadline_s`` from now; raises what the daemon or
+        the connection raised (:class:`BreakerOpen` at once while the breaker is open),
+        each counted for the breaker. ``answered=False``: the body only sends (a post),
+        so its return is no sign of a daemon that answers."""
+        breaker = self._link.breaker
+        if breaker.is_open:
+            breaker.refused()
+            raise BreakerOpen("the tierd breaker is open")
+        sent = time.monotonic()
+        deadline = sent + deadline_s
+        try:
+            result = self._attempts(deadline, body)
+        except DaemonError as exc:
+            self._answered(exc, sent)
+            raise
+        except (TierdError, OSError) as exc:
+            self._failed(exc, sent)
+            raise
+        if answered:
+            breaker.answered()
+        return result
+
+    def close(self) -> None:
+        """Close every thread's connection; a call after this fails at once."""
+        with self._lock:
+            self._closed = True
+            connections, self._connections = self._connections, []
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.client.close()
+
+    # -- inside a call ----------------------------------------------------------------
+
+    def _attempts(self, deadline: float, body: Callable[[Connection, float], T]) -> T:
+        """``body`` once more on a fresh connection if the one it used was found lost
+        (the daemon restarted since the last call), the link told to look."""
+        for attempt in range(2):
+            conn = self._connected(deadline)
+            reused, conn.used = conn.used, True
+            try:
+                return body(conn, deadline)
+            except DaemonSilent:
+                raise
+            except (Unreachable, OSError):
+                if attempt or not reused:
+                    raise
+                self._drop()
+                self._link.check_soon()  # its own connection is likely gone too: say so
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def _connected(self, deadline: float) -> Connection:
+        conn: Connection | None = getattr(self._local, "conn", None)
+        if conn is not None and not conn.client.closed:
+            return conn
+        self._drop()
+        with self._lock:
+            if self._closed:
+                raise Unreachable("the tierd channel is closed")
+            if time.monotonic() < self._next_attempt:
+                raise Unreachable("the daemon is unreachable; reconnecting with backoff")
+        s = self.settings
+        try:
+            client = BlockingClient.connect(
+                s.socket_path,
+                namespace=s.namespace,
+                block_bytes=s.block_bytes,
+                deadline=deadline,
+                server_uids=s.server_uids,
+                map_pool=self._map_pool,
+            )
+        except (TierdError, OSError):
+            with self._lock:
+                self._next_attempt = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, s.reconnect_max_s)
+            raise
+        conn = Connection(client)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._backoff = _FIRST_BACKOFF_S
+                self._connections.append(conn)
+        if closed:
+            client.close()
+            raise Unreachable("the tierd channel is closed")
+        self._local.conn = conn
+        return conn
+
+    def _answered(self, exc: DaemonError, sent: float) -> None:
+        """An error answer: the daemon is there (unless it is shutting down)."""
+        conn: Connection | None = getattr(self._local, "conn", None)
+        if exc.code == "shutting_down" or (conn is not None and conn.client.closed):
+            self._failed(exc, sent)
+        else:
+            self._link.breaker.answered()
+
+    def _failed(self, exc: BaseException, sent: float) -> None:
+        self._drop()
+        silent = isinstance(exc, DaemonSilent)
+        self._link.report_failure(silent_since=sent if silent else None)
+
+    def _drop(self) -> None:
+        """Close this thread's connection (whatever it held in the daemon goes with it)."""
+        conn: Connection | None = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is None:
+            return
+        with self._lock, contextlib.suppress(ValueError):
+            self._connections.remove(conn)
+        with contextlib.suppress(OSError):
+            conn.client.close()
