@@ -5,9 +5,9 @@ engine's KV memory is a memfd of rows; a job stores or loads 32 rows:
 
 - **regions**: ``region_store`` / ``region_load`` of (key, offset) descriptors; the daemon
   copies between the memfd and its pool with ``preadv``/``pwritev`` in its own threads;
-- **leases**: ``tierd.integrations.copies.store_rows`` / ``load_rows``, the path the vLLM
-  tier uses today: a lease per batch, and this process copies each row into or out of the
-  mapped pool slots.
+- **leases**: ``Client.storing`` / ``Client.loading``, the way SGLang's loads take
+  (``tierd.integrations.route``): a lease per job, and this process copies each row into
+  or out of the mapped pool slots.
 
 With ``--busy``, a thread of this process runs Python without pause meanwhile, as an
 engine's scheduler loop does: every step the client takes must then win the GIL from it
@@ -91,8 +91,6 @@ async def one_round(
 ) -> dict[str, float]:
     """Store 32 fresh keys with each path, then load them back with each (into the
     second half of the rows); which path goes first alternates between rounds."""
-    from tierd.integrations.copies import load_rows, store_rows
-
     region_keys = [f"region-{r}-{i}".encode() for i in range(n)]
     lease_keys = [f"lease-{r}-{i}".encode() for i in range(n)]
     front = np.arange(n, dtype=np.uint64).reshape(n, 1) * np.uint64(block)
@@ -100,11 +98,11 @@ async def one_round(
     jobs: list[dict[str, Callable[[], Awaitable[object]]]] = [
         {
             "region store": lambda: client.region_store(region, region_keys, front),
-            "lease store": lambda: store_rows(client, lease_keys, rows, range(n)),
+            "lease store": lambda: lease_store(client, lease_keys, rows[:n]),
         },
         {
             "region load": lambda: client.region_load(region, region_keys, back),
-            "lease load": lambda: load_rows(client, lease_keys, rows, range(n, 2 * n)),
+            "lease load": lambda: lease_load(client, lease_keys, rows[n:]),
         },
     ]
     took: dict[str, float] = {}
@@ -115,6 +113,18 @@ async def one_round(
             took[name] = time.perf_counter() - started
             took[f"{name} cpu"] = time.thread_time() - cpu
     return took
+
+
+async def lease_store(client: Any, keys: list[bytes], rows: np.ndarray) -> None:
+    async with client.storing(keys) as lease:
+        for view, i in zip(lease.views(), lease.to_write, strict=True):
+            view[:] = rows[i].data
+
+
+async def lease_load(client: Any, keys: list[bytes], rows: np.ndarray) -> None:
+    async with client.loading(keys) as lease:
+        for i, view in enumerate(lease.views()):
+            rows[i] = np.frombuffer(view, dtype=np.uint8)
 
 
 def spin(stop: threading.Event) -> None:

@@ -76,9 +76,11 @@ async def test_a_stopped_daemon_costs_a_deadline_then_nothing(tmp_path, spawn) -
         assert ask(tier, ks, "warm") == [HIT, HIT, HIT]
         assert run_job(tier, 9, ks, [3, 4, 5], load=True).success
 
-        assert tier._staged._staging is not None  # the store went through a region
-        silent = tier._direct._conn  # the load through the scheduler's own connection
-        assert silent is not None and silent.staging is not None
+        channel = tier._calls.channel
+        # The store went through a region, on the store thread's connection.
+        assert [c for c in channel.snapshot() if c is not channel.here() and "staging" in c.held]
+        silent = channel.here()  # the load went through this (the scheduler's) connection
+        assert silent is not None and "staging" in silent.held
         daemon.signal(signal.SIGSTOP)
         stopped = True
         # A lookup waits at most its deadline, then misses; the daemon said nothing for
@@ -107,10 +109,10 @@ async def test_a_stopped_daemon_costs_a_deadline_then_nothing(tmp_path, spawn) -
         assert np.array_equal(rows[5:8], expected)
         # The silent connection was dropped with its staging region: a copy the daemon
         # owed it can only land in memory nobody reads again.
-        now = tier._direct._conn
+        now = channel.here()
         assert now is not None and now is not silent and silent.client.closed
-        assert now.staging is not None
-        assert not np.shares_memory(now.staging.array, silent.staging.array)
+        assert "staging" in now.held
+        assert not np.shares_memory(now.held["staging"].array, silent.held["staging"].array)
     finally:
         if stopped:
             daemon.signal(signal.SIGCONT)

@@ -6,7 +6,8 @@ descriptions. A chunk is described only when every block of it is known."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import zmq
 from test_vllm_describe import replay, stored
 
 from tierd.client import Client
+from tierd.control.blocking_client import BlockingClient
 from tierd.integrations.vllm_describe import BlockBook, Describer, loopback_endpoint
 from tierd.testing import daemon_config, running_daemon
 
@@ -113,7 +115,8 @@ async def test_describer_describes_known_chunks_only_and_the_daemon_publishes_th
         async with running_daemon(config) as daemon:
             path = str(daemon.config.socket.path)
             async with await Client.connect(path, namespace="m") as client:
-                await describer.describe(client, [_key(12), _key(99)])
+                send = await asyncio.to_thread(_sender, path)  # the daemon is this loop's
+                await asyncio.to_thread(describer.describe, send, [_key(12), _key(99)])
                 assert (describer.described, describer.unknown) == (1, 1)
                 await client.put([_key(12), _key(99)], [b"x" * 4096] * 2)
                 stats = (await client.stats())["kv_events"]
@@ -121,6 +124,16 @@ async def test_describer_describes_known_chunks_only_and_the_daemon_publishes_th
     assert stats["undescribed"] == 1
     assert [e["block_hashes"] for e in ours] == [[11, 12]]
     assert ours[0]["token_ids"] == list(range(2 * BS)) and ours[0]["parent_block_hash"] is None
+
+
+def _sender(path: str) -> Callable[[list[bytes], list[bytes]], Any]:
+    """``describe`` requests on a blocking connection of namespace ``m`` (as a store's)."""
+    client = BlockingClient.connect(
+        path, namespace="m", block_bytes=None, deadline=time.monotonic() + 10.0
+    )
+    return lambda keys, blocks: client.request(
+        "describe", time.monotonic() + 10.0, keys=keys, blocks=blocks
+    )
 
 
 async def _published(endpoint: str) -> list[dict[str, Any]]:
