@@ -215,3 +215,37 @@ async def test_a_thread_that_only_posts_never_stalls_its_connection(
     finally:
         calls.close()
         link.close()
+
+
+async def test_every_threads_connection_shares_one_mapping_of_the_pool(
+    tmp_path: Path, spawn: Any
+) -> None:
+    """Leases on two threads' connections: one mapping of the daemon's pool (its page
+    tables filled once), and a restarted daemon's new pool replaces it."""
+    config = daemon_config(tmp_path, cpu_blocks=64, block_bytes=BLOCK)
+    daemon = await spawn(config)
+    link = link_to(daemon.socket_path)
+    calls = EngineCalls(link, "sglang", staging_rows=2, map_pool=True)
+    pools: list[Any] = []
+
+    def engine_thread(seed: int) -> None:
+        source = rows_of(2, seed)
+        calls.store(keys(f"s{seed}", 2), RowBlocks(source, np.arange(2, dtype=np.intp)), 5.0)
+        conn = calls.channel.here()
+        pools.append(conn.client.pool if conn is not None else None)
+
+    try:
+        for seed in (1, 2):
+            thread = threading.Thread(target=engine_thread, args=(seed,))
+            thread.start()
+            thread.join(4 * DEADLINE_S)
+        assert pools[0] is not None and pools[0] is pools[1]
+        assert len(calls.channel.snapshot()) == 2
+        daemon.proc.kill()
+        await daemon.wait()
+        await spawn(config)  # the same socket, a new pool
+        engine_thread(3)  # this thread connects to the new daemon
+        assert pools[2] is not None and pools[2] is not pools[0]
+    finally:
+        calls.close()
+        link.close()

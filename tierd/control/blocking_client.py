@@ -37,7 +37,7 @@ from array import array
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tierd.control.client_pool import PoolMap
+from tierd.control.client_pool import PoolMap, PoolShare
 from tierd.control.client_regions import region_requests
 from tierd.control.handshake import (
     HELLO_ID,
@@ -72,6 +72,7 @@ class BlockingClient:
         self._next_id = HELLO_ID
         self._unawaited: set[int] = set()  # posted: their replies are dropped
         self.pool: PoolMap | None = None
+        self._owns_pool = True
         self.closed = False
 
     @classmethod
@@ -84,9 +85,11 @@ class BlockingClient:
         deadline: float,
         server_uids: Collection[int] = (),
         map_pool: bool = False,
+        pools: PoolShare | None = None,
     ) -> BlockingClient:
         """Connect, check who serves ``path``, and say hello, all before ``deadline``;
-        with ``map_pool``, map the tenant's pool the daemon passes (for leases)."""
+        with ``map_pool``, map the tenant's pool the daemon passes (for leases), or take
+        the mapping ``pools`` already has of it (the pool is then ``pools``' to close)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(_left(deadline))
@@ -108,7 +111,11 @@ class BlockingClient:
             if map_pool and named is not None:
                 if not fds:
                     raise ProtocolError("the daemon named a pool but did not pass it")
-                client.pool = PoolMap(fds[0], block_bytes=client.block_bytes, **named)
+                if pools is None:
+                    client.pool = PoolMap(fds[0], block_bytes=client.block_bytes, **named)
+                else:
+                    client.pool = pools.mapping(fds[0], client.block_bytes, named)
+                    client._owns_pool = False
         except BaseException:
             client.close()
             raise
@@ -125,7 +132,7 @@ class BlockingClient:
         if not self.closed:
             self.closed = True
             self._sock.close()
-            if self.pool is not None:
+            if self.pool is not None and self._owns_pool:
                 self.pool.close()
 
     # -- requests ---------------------------------------------------------------------

@@ -3,6 +3,8 @@
 - :class:`PoolMap` maps the tenant's pool into this process from the descriptor the
   daemon passed with its hello reply, and hands out views (or torch tensors) of one slot
   at a time, bounds checked.
+- :class:`PoolShare` keeps one mapping of the pool for every blocking connection of an
+  engine's threads that passes it.
 - :class:`StoreLease` and :class:`LoadLease` are the replies of ``prepare_store`` and
   ``prepare_load``: slots to write, or pinned slots to read, until the lease is finished
   (``commit``/``abort``, ``release``). A lease knows its client only through
@@ -14,13 +16,14 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 from tierd.errors import ProtocolError
 from tierd.prefault import Prefault
 
-__all__ = ["LoadLease", "PoolMap", "PoolUser", "StoreLease"]
+__all__ = ["LoadLease", "PoolMap", "PoolShare", "PoolUser", "StoreLease"]
 
 
 class PoolMap:
@@ -64,6 +67,35 @@ class PoolMap:
         # A caller may still hold a view: the mapping then goes when the last one does.
         with contextlib.suppress(BufferError):
             self._mm.close()
+
+
+class PoolShare:
+    """One mapping of a tenant's pool for every connection that passes it (their page
+    tables filled once, not once per connection): the newest pool only, the one before
+    closed when another comes (a restarted daemon's), and :meth:`close` for the last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: tuple[tuple[Any, ...], PoolMap] | None = None
+
+    def mapping(self, fd: int, block_bytes: int, named: dict[str, Any]) -> PoolMap:
+        """The mapping of the pool ``fd`` is (as the hello reply ``named`` it)."""
+        found = os.fstat(fd)
+        key = (found.st_dev, found.st_ino, block_bytes, *sorted(named.items()))
+        with self._lock:
+            if self._held is not None and self._held[0] == key:
+                return self._held[1]
+            pool = PoolMap(fd, block_bytes=block_bytes, **named)
+            old, self._held = self._held, (key, pool)
+        if old is not None:
+            old[1].close()  # a view still in use keeps the mapping until it goes
+        return pool
+
+    def close(self) -> None:
+        with self._lock:
+            held, self._held = self._held, None
+        if held is not None:
+            held[1].close()
 
 
 class PoolUser(Protocol):

@@ -12,7 +12,7 @@ treated as gone without trying at all:
   but silent: stopped, frozen, swapped out), calls fail at once, unsent. The owner
   probes the daemon in the background; the first answer closes the breaker.
 
-The state is read from the engine's threads and changed from the link's loop, so every
+The state is read and changed from the engine's threads and the link's loop, so every
 change holds a lock; reading :attr:`Breaker.is_open` takes none (one attribute load).
 """
 

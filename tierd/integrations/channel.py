@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tierd.control.blocking_client import BlockingClient
+from tierd.control.client_pool import PoolShare
 from tierd.control.handshake import DaemonError, DaemonSilent, Unreachable
 from tierd.errors import TierdError
 from tierd.integrations.link import BreakerOpen, DaemonLink
@@ -59,6 +60,7 @@ class EngineChannel:
         self._link = link
         self.settings = link.settings
         self._map_pool = map_pool
+        self._pools = PoolShare()  # one mapping of the pool for every thread's connection
         self._local = threading.local()
         self._lock = threading.Lock()  # the connections, the backoff
         self._connections: list[Connection] = []
@@ -118,6 +120,7 @@ class EngineChannel:
         for conn in connections:
             with contextlib.suppress(OSError):
                 conn.client.close()
+        self._pools.close()
 
     # -- inside a call ----------------------------------------------------------------
 
@@ -157,6 +160,7 @@ class EngineChannel:
                 deadline=deadline,
                 server_uids=s.server_uids,
                 map_pool=self._map_pool,
+                pools=self._pools,
             )
         except (TierdError, OSError):
             with self._lock:

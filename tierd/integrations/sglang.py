@@ -8,10 +8,12 @@ SGLang loads the class by module path (``docs/sglang.md`` has the flags to paste
         "interface_v1": 1, "socket": "/run/user/1000/tierd/tierd.sock"}'
 
 SGLang calls a backend synchronously from its storage threads (prefetch and backup).
-Every call here waits on the daemon at most a short deadline (``lookup_deadline_s`` for
-``batch_exists``, ``job_deadline_s`` for the rest), then answers a miss or a failed set;
-after repeated failures a breaker answers at once until the daemon is back
-(:class:`~tierd.integrations.link.DaemonLink`). No call raises into SGLang (after
+Every call runs on the calling thread's own blocking connection, down the data path
+:mod:`tierd.integrations.route` picks (:mod:`tierd.integrations.sglang_jobs`), and waits
+on the daemon at most a short deadline (``lookup_deadline_s`` for ``batch_exists``,
+``job_deadline_s`` for the rest), then answers a miss or a failed set; after repeated
+failures a breaker answers at once until the daemon is back (the
+:class:`~tierd.integrations.link.DaemonLink` probes it). No call raises into SGLang (after
 ``close()`` too), and a page is only reported loaded when its bytes are the daemon's
 bytes for that key. ``clear()`` deletes the namespace's blocks from the daemon. The
 backend logs through the standard logging SGLang configures (``sglang_log``).
@@ -263,7 +265,7 @@ class TierdHiCache(HiCacheStorage):
         except RuntimeError:
             if not self._closed:
                 raise
-            return failed  # close() stopped the link's loop under this call
+            return failed  # close() stopped the link or a connection under this call
 
     # -- the generic interface --------------------------------------------------------
 
