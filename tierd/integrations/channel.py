@@ -59,7 +59,7 @@ class EngineChannel:
     def __init__(self, link: DaemonLink, *, map_pool: bool = False) -> None:
         self._link = link
         self.settings = link.settings
-        self._map_pool = map_pool
+        self.map_pool = map_pool  # for connections made from now on
         self._pools = PoolShare()  # one mapping of the pool for every thread's connection
         self._local = threading.local()
         self._lock = threading.Lock()  # the connections, the backoff
@@ -159,7 +159,7 @@ class EngineChannel:
                 block_bytes=s.block_bytes,
                 deadline=deadline,
                 server_uids=s.server_uids,
-                map_pool=self._map_pool,
+                map_pool=self.map_pool,
                 pools=self._pools,
             )
         except (TierdError, OSError):

@@ -168,6 +168,7 @@ class EngineCalls:
             )
         else:
             self.regions = False
+            self.channel.map_pool = True  # leases on the connections made from now on
             self.link.log.warning(
                 "tierd daemon has no engine regions; copying through its pool", error=str(exc)
             )
