@@ -152,7 +152,7 @@ class TierdHiCache(HiCacheStorage):
             lookup_deadline_s=s.lookup_deadline_s,
             job_deadline_s=s.job_deadline_s,
         )
-        self._connect(link, jobs, geometry)
+        self._connect(link, geometry)
         self._link, self._jobs = link, jobs
         log.info(
             "tierd HiCache backend ready",
@@ -165,7 +165,7 @@ class TierdHiCache(HiCacheStorage):
             connected=link.connected,
         )
 
-    def _connect(self, link: DaemonLink, jobs: PageJobs, geometry: PageGeometry) -> None:
+    def _connect(self, link: DaemonLink, geometry: PageGeometry) -> None:
         """First contact: a wrong block size or an untrusted daemon refuses the start;
         a daemon not up yet only warns (its pages miss until it is)."""
         try:

@@ -56,7 +56,6 @@ class PageJobs:
         lookup_deadline_s: float,
         job_deadline_s: float,
     ) -> None:
-        self.link = link
         self.geometry = geometry
         self.memory = geometry.memory()
         self.lookup_deadline_s = lookup_deadline_s
