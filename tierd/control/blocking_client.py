@@ -47,6 +47,8 @@ from tierd.control.handshake import (
     check_server,
     hello_reply,
     hello_request,
+    recv_with_fds,
+    touch_requests,
 )
 from tierd.control.protocol import FrameDecoder, encode
 from tierd.errors import ProtocolError
@@ -58,7 +60,6 @@ __all__ = ["MAX_REPLY_BYTES", "BlockingClient"]
 
 MAX_REPLY_BYTES = 16 << 20  # mostly flags and counts; an inline get stays under it
 _HANGS_UP = frozenset({"not_allowed", "busy", "shutting_down", "frame_too_large"})
-_MAX_FDS = 4
 
 
 class BlockingClient:
@@ -197,10 +198,8 @@ class BlockingClient:
     def touch(self, keys: Sequence[bytes], deadline: float, *, uses: bool = True) -> None:
         """Mark ``keys`` used (as :meth:`Client.touch`: ``keys[0]`` ends up the most
         recent, the tail's request first), without waiting for the answers."""
-        step = int(self.info.get("max_keys_per_request") or len(keys) or 1)
-        extra = {} if uses else {"uses": False}
-        for end in range(len(keys), 0, -step):
-            self.post("touch", deadline, keys=list(keys[max(0, end - step) : end]), **extra)
+        for fields in touch_requests(self.info, keys, uses):
+            self.post("touch", deadline, **fields)
 
     def require_pool(self) -> PoolMap:
         if self.pool is None:
@@ -315,7 +314,7 @@ class BlockingClient:
             if fds is None:
                 data = self._io(lambda: self._sock.recv(1 << 16), deadline)
             else:
-                data = self._io(lambda: self._received(fds), deadline)
+                data = self._io(lambda: recv_with_fds(self._sock, fds), deadline)
             if not data:
                 self.close()
                 raise Unreachable("the daemon closed the connection")
@@ -343,13 +342,6 @@ class BlockingClient:
                 raise Unreachable("the daemon closed the connection")
             self._ready.extend(self._decoder.feed(data))
         self._ready = [message for message in self._ready if not self._posted(message)]
-
-    def _received(self, fds: list[int]) -> bytes:
-        data, ancillary, _, _ = self._sock.recvmsg(1 << 16, socket.CMSG_SPACE(_MAX_FDS * 4))
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
-        return data
 
     def _send(self, frames: list[bytes], deadline: float) -> None:
         data = b"".join(frames)

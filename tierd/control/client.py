@@ -48,6 +48,7 @@ from tierd.control.handshake import (
     check_server,
     greet,
     open_socket,
+    touch_requests,
 )
 from tierd.control.protocol import encode
 from tierd.errors import ProtocolError, TierdError
@@ -230,10 +231,8 @@ class Client(ControlRequests):
         than the daemon's ``max_keys_per_request`` go as several requests, the tail's
         first, so the order holds across them. ``uses=False``: the order only, no use
         counted for admission rules."""
-        step = int(self.info.get("max_keys_per_request") or len(keys) or 1)
-        extra = {} if uses else {"uses": False}
-        for end in range(len(keys), 0, -step):
-            await self.request("touch", keys=list(keys[max(0, end - step) : end]), **extra)
+        for fields in touch_requests(self.info, keys, uses):
+            await self.request("touch", **fields)
 
     async def prepare_store(self, keys: Sequence[bytes]) -> StoreLease:
         return StoreLease(self, keys, await self.request("prepare_store", keys=list(keys)))

@@ -18,7 +18,7 @@ import contextlib
 import os
 import socket
 from array import array
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,8 @@ __all__ = [
     "hello_reply",
     "hello_request",
     "open_socket",
+    "recv_with_fds",
+    "touch_requests",
 ]
 
 HELLO_ID = 1  # the request id of hello; a client's later requests count on from it
@@ -142,20 +144,40 @@ async def _first_replies(
     with it into ``fds``; the messages decoded so far."""
     while True:
         try:
-            data, ancillary, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(_MAX_FDS * 4))
+            data = recv_with_fds(sock, fds)
         except BlockingIOError:
             await _readable(loop, sock)
             continue
         except OSError as exc:
             raise Unreachable(f"the connection was lost: {exc.strerror or exc}") from exc
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
         if not data:
             raise Unreachable("the daemon closed the connection before its hello reply")
         messages = decoder.feed(data)
         if messages:
             return messages
+
+
+def recv_with_fds(sock: socket.socket, fds: list[int]) -> bytes:
+    """One ``recvmsg`` on ``sock``: the bytes, the descriptors passed with them added to
+    ``fds`` (the caller's to close)."""
+    data, ancillary, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(_MAX_FDS * 4))
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
+    return data
+
+
+def touch_requests(info: dict[str, Any], keys: Sequence[bytes], uses: bool) -> list[dict[str, Any]]:
+    """The fields of the ``touch`` requests that mark ``keys`` used, ``keys[0]`` the most
+    recent: more keys than one request takes (the hello's ``max_keys_per_request``) go
+    as several, the tail's first, so the order holds across them. ``uses=False``: the
+    order only, no use counted for admission rules."""
+    step = int(info.get("max_keys_per_request") or len(keys) or 1)
+    extra = {} if uses else {"uses": False}
+    return [
+        {"keys": list(keys[max(0, end - step) : end]), **extra}
+        for end in range(len(keys), 0, -step)
+    ]
 
 
 async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:

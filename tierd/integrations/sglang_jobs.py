@@ -30,6 +30,7 @@ import numpy.typing as npt
 from tierd.errors import TierdError
 from tierd.integrations.engine_calls import EngineCalls, memfd_of
 from tierd.integrations.link import DaemonLink
+from tierd.integrations.moves import Blocks
 from tierd.integrations.sglang_log import SglangLog
 from tierd.integrations.sglang_pages import FlatBlock, PageBlocks, PageGeometry, page_key
 
@@ -99,28 +100,28 @@ class PageJobs:
     def load(self, keys: Sequence[bytes], offsets: Offsets) -> list[bool]:
         """Load the leading keys the daemon holds into their pages."""
         blocks = PageBlocks(self.memory, offsets, self.geometry.pieces)
-        outcome = self.calls.load(keys, blocks, self.job_deadline_s, leading=True)
-        done = [False] * len(keys)
-        for i in outcome.loaded:
-            done[i] = True
-        if outcome.error is not None and not outcome.loaded:
-            raise _Failed(outcome.error)
-        return done
+        loaded = self._leading(keys, blocks)
+        return [i < loaded for i in range(len(keys))]
 
     def store(self, keys: Sequence[bytes], offsets: Offsets) -> list[bool]:
         """Store the pages of ``keys``; per key whether the daemon holds it now."""
         blocks = PageBlocks(self.memory, offsets, self.geometry.pieces)
         return self.calls.store(keys, blocks, self.job_deadline_s)
 
+    def _leading(self, keys: Sequence[bytes], blocks: Blocks) -> int:
+        """How many leading blocks of ``keys`` were loaded into ``blocks``; a load that
+        copied nothing for another reason than misses raises it (a failed call)."""
+        outcome = self.calls.load(keys, blocks, self.job_deadline_s, leading=True)
+        if outcome.error is not None and not outcome.loaded:
+            raise _Failed(outcome.error)
+        return len(outcome.loaded)
+
     # -- whole blocks (SGLang's generic get/set) -------------------------------------
 
     def get_block(self, key: bytes, out: Any) -> bool:
         """Copy the block of ``key`` into ``out`` (a writable buffer of a block)."""
         target = FlatBlock(np.frombuffer(out, dtype=np.uint8))
-        outcome = self.calls.load([key], target, self.job_deadline_s, leading=True)
-        if outcome.error is not None and not outcome.loaded:
-            raise _Failed(outcome.error)
-        return bool(outcome.loaded)
+        return self._leading([key], target) == 1
 
     def put_block(self, key: bytes, data: Any) -> bool:
         """Store ``data`` (a buffer of a block) under ``key``."""

@@ -190,6 +190,7 @@ class TierdSecondaryTier(SecondaryTierManager):
         self._describer = describer_for(offloading_spec, describe_blocks, kv_events_endpoint)
         self._jobs = Jobs(self._calls, self._describer, self._rows, self._following)
         self._subscription: asyncio.Future[Any] | None = None  # the link's loop's only
+        self._followed: Client | None = None  # the connection whose events are read
         self.report = TierReport(
             Medium(medium) if medium is not None else self.medium,
             self.locality,
@@ -308,14 +309,18 @@ class TierdSecondaryTier(SecondaryTierManager):
         of this engine's blocks is missed (a removal of a block whose storing went
         unseen would be taken for its last)."""
         self._subscription = client.send("subscribe")
+        self._followed = client
         self._event_reader = asyncio.ensure_future(self._read_events(client))
 
     def _following(self, deadline_s: float) -> None:
         """Before a store (on the store thread): the link follows the daemon's events,
         its subscription answered, so no event of the store's blocks is missed. A link
         found lost reconnects (and subscribes) now. Never fails the store."""
+        subscription = self._subscription
         if self.report.residency is None:
             return
+        if self._followed is not None and subscription is not None and subscription.done():
+            return  # followed: its reader runs (it forgets the client when the stream ends)
 
         async def following() -> None:
             await self._link.run(lambda c: c.health())
@@ -329,12 +334,16 @@ class TierdSecondaryTier(SecondaryTierManager):
         residency = self.report.residency
         if residency is None:
             return
-        with contextlib.suppress(TierdError, OSError):  # the connection ended: so do we
-            tiers = (await client.stats()).get("tiers", [])
-            if tiers:
-                residency.bottom = str(tiers[-1].get("name"))
-            async for push in client.events():
-                residency.on_push(push)
+        try:
+            with contextlib.suppress(TierdError, OSError):  # the connection ended: so do we
+                tiers = (await client.stats()).get("tiers", [])
+                if tiers:
+                    residency.bottom = str(tiers[-1].get("name"))
+                async for push in client.events():
+                    residency.on_push(push)
+        finally:
+            if self._followed is client:
+                self._followed = None
 
     def shutdown(self) -> None:
         _LIVE.discard(self)
