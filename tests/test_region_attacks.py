@@ -38,6 +38,7 @@ from tests.test_regions import memfd, open_descriptors, pattern, read, rows
 from tierd.client import DaemonError, Unreachable
 from tierd.control.protocol import HEADER, PROTOCOL_VERSION, encode
 from tierd.daemon import Daemon
+from tierd.stores.disk import DiskStore
 
 __all__ = ["_watch_connections"]  # the fixture: the daemon's connections, watched
 
@@ -449,6 +450,60 @@ async def test_a_job_cancelled_mid_copy_releases_after_the_copy(
             assert tier.stats().pinned == 0
             assert not pending.done()  # a cancelled request gets no reply
             assert read(fd, BLOCK) == pattern(b"cancel", BLOCK)
+            await client.close()
+            with pytest.raises(Unreachable):
+                await pending
+
+
+async def test_a_load_in_pieces_cancelled_ends_after_every_piece_has(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load from the disk tier goes in pieces at once; cancelled while one piece copies
+    into the region and another is still being read, it ends only after both have, and
+    then holds no pin."""
+    MiB = 1 << 20
+    entered, gate = threading.Event(), threading.Event()
+    reading, read_gate = asyncio.Event(), asyncio.Event()
+    real_write, real_read = regions_module.write_region, DiskStore._read
+
+    def held_write(*args: Any) -> Any:
+        entered.set()
+        gate.wait(30)
+        return real_write(*args)
+
+    async def held_read(store: DiskStore, slots: Any, keys: Any, out: Any) -> list[bool]:
+        if any(key.endswith(b"p7") for key in keys):
+            reading.set()
+            await read_gate.wait()
+        return await real_read(store, slots, keys, out)
+
+    monkeypatch.setattr(regions_module, "write_region", held_write)
+    monkeypatch.setattr(DiskStore, "_read", held_read)
+    async with serve(tmp_path, block_bytes=MiB, cpu_blocks=16, disk_blocks=64) as daemon:
+        client, conn = await connect_watched(daemon)
+        keys = [b"p%d" % i for i in range(24)]  # the first 8 go down to the disk tier
+        await client.store(keys, [pattern(b"%s-" % key, MiB) for key in keys])
+        with memfd(8 * MiB, "attack-pieces") as fd:
+            region = await client.register_region(fd, 8 * MiB)
+            offsets = rows(*range(8), size=MiB).tobytes()
+            pending = client.send("region_load", region=region, keys=keys[:8], offsets=offsets)
+            tier = tenants_of(daemon)[0].chain.levels[0].tier
+            try:
+                await asyncio.wait_for(reading.wait(), 30)
+                assert await asyncio.to_thread(entered.wait, 30)
+                (task,) = conn.session.tasks
+                task.cancel()
+                for _ in range(3):  # passes of the loop: the pieces take the cancellation
+                    await asyncio.sleep(0)
+                assert not task.done()
+                assert tier.stats().pinned > 0  # a copy still reads its slots
+            finally:
+                gate.set()
+                read_gate.set()
+            async with asyncio.timeout(30):
+                await asyncio.wait([task])
+            assert task.cancelled()
+            assert tier.stats().pinned == 0
             await client.close()
             with pytest.raises(Unreachable):
                 await pending

@@ -31,6 +31,7 @@ from tests.test_regions import connect, memfd, pattern, rows
 from tierd.control.connection import MAX_REGION_JOBS
 from tierd.control.region_copy import CALL_BYTES, Layout, write_region
 from tierd.control.region_threads import FairThreads, slices
+from tierd.stores.disk import DiskStore
 
 __all__ = ["_watch_connections"]  # the fixture: the daemon's connections, watched
 
@@ -350,6 +351,52 @@ async def test_a_load_of_many_groups_is_byte_exact_with_repeats_and_misses(
                 if key != b"missing":
                     want = pattern(key + b"-", MiB)
                     assert os.pread(fd, MiB, row * MiB) == want, row
+
+
+async def test_a_load_from_disk_copies_its_first_pieces_while_the_last_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 keys of 1 MiB on the disk tier, loaded in one job while the disk read of the
+    last key is held: the first keys' bytes are in the engine's memory before that read
+    ends (the job goes in pieces, each copied once it is read), and the job is whole and
+    byte-exact once the read goes on. Before, nothing was copied until every key was."""
+    gate, reading = asyncio.Event(), asyncio.Event()
+    real = DiskStore._read
+
+    async def held(store: DiskStore, slots: Any, keys: Any, out: Any) -> list[bool]:
+        if any(key.endswith(b"d7") for key in keys):
+            reading.set()
+            await gate.wait()
+        return await real(store, slots, keys, out)
+
+    monkeypatch.setattr(DiskStore, "_read", held)
+    async with (
+        serve(tmp_path, block_bytes=MiB, cpu_blocks=16, disk_blocks=64) as daemon,
+        await connect(daemon) as client,
+    ):
+        keys = [b"d%d" % i for i in range(24)]  # the first 8 go down to the disk tier
+        await client.store(keys, [pattern(b"%s-" % key, MiB) for key in keys])
+        assert set((await client.lookup(keys[:8])).media) == {"DISK"}
+        with memfd(8 * MiB, "pieces") as fd:
+            region = await client.register_region(fd, 8 * MiB)
+            job = asyncio.ensure_future(
+                client.region_load(region, keys[:8], rows(*range(8), size=MiB))
+            )
+            try:
+                await asyncio.wait_for(reading.wait(), 30)
+                first = pattern(b"d0-", MiB)
+                for _ in range(300):  # bounded: 30 s at most
+                    if os.pread(fd, MiB, 0) == first:
+                        break
+                    await asyncio.sleep(0.1)
+                copied_early = os.pread(fd, MiB, 0) == first
+                assert not job.done()
+            finally:
+                gate.set()
+            assert await job == [True] * 8
+            assert copied_early
+            for i in range(8):
+                assert os.pread(fd, MiB, i * MiB) == pattern(b"d%d-" % i, MiB), i
 
 
 async def test_closed_threads_end_after_their_work_and_start_again_for_more() -> None:

@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,8 +49,12 @@ from tierd.control.region_threads import slices
 from tierd.errors import CapacityError, ProtocolError
 from tierd.keys import BlockKey
 from tierd.stores import BlockStore
+from tierd.stores.base import settle
 
 __all__ = ["MAX_REGION_BYTES", "MAX_REGIONS", "Region", "RegionTable", "RegionRequests"]
+
+PIECES = 4  # pieces a load from a lower level is cut into, at most (_pieces)
+PIECE_BYTES = 2 << 20  # bytes of blocks in one of those pieces, at least
 
 
 class RegionRequests:
@@ -137,6 +141,15 @@ class RegionRequests:
         failed = {k for k, flag in zip(handle.keys, ok, strict=True) if not flag}
         return {"done": [k not in failed for k in keys]}
 
+    def _pieces(self, count: int, *, whole: bool) -> list[range]:
+        """``range(count)`` whole, or cut into at most :data:`PIECES` pieces of
+        :data:`PIECE_BYTES` or more (a piece's reads all go at once: a smaller piece
+        would leave the disk's threads idle)."""
+        if whole or not count:
+            return [range(count)]
+        size = max(-(-count // PIECES), -(-PIECE_BYTES // self.session.chain().block_bytes))
+        return [range(i, min(count, i + size)) for i in range(0, count, size)]
+
     async def _fill(
         self,
         handle: StoreHandle,
@@ -180,26 +193,40 @@ class RegionRequests:
 
     async def load(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Write each key the chain holds into the region; per key, whether it was. No
-        write starts past the job's ``expires``."""
+        write starts past the job's ``expires``. Where blocks come from a lower level,
+        the job goes in pieces at once: one piece's copy into the region runs while the
+        next one is still being read."""
         region, keys, layout, offsets = self.job(msg, store=False)
-        until = expires_field(msg)
+        how = (layout, expires_field(msg))
+        done = [False] * len(keys)
         with contextlib.ExitStack() as held:
             # A repeated key is pinned once but written as often as it is named: each
             # copy counts against the lease bounds like a block of its own.
             held.enter_context(self.blocks.leases.hold(len(keys) - len(set(keys))))
             fd = held.enter_context(region.job())
-            handles = await self._pin_each(keys, held)
-            return {"done": await self._drain(handles, fd, keys, offsets, (layout, until))}
+            wanted = await self._worth_loading(list(dict.fromkeys(keys)))
+            deadline = asyncio.get_running_loop().time() + self.ctx.limits.load_wait_s
 
-    async def _pin_each(self, keys: list[BlockKey], held: contextlib.ExitStack) -> list[LoadHandle]:
-        """Pin every key the chain can load, each run of them with one load, their pins
-        and holds released when ``held`` closes; a key that cannot be loaded is skipped
-        (keys are independent), and past a bound on held blocks the rest are. Waits at
-        most ``load_wait_s`` in all on blocks being written."""
+            async def piece(part: list[BlockKey]) -> None:
+                handles = await self._pin_each(part, held, deadline)
+                for i, flag in (await self._drain(handles, fd, keys, offsets, how)).items():
+                    done[i] = flag
+
+            chain = self.session.chain()
+            ready = chain.levels[chain.entry].tier.ready_run(wanted) == len(wanted)
+            parts = self._pieces(len(wanted), whole=ready)
+            await together([piece(wanted[part.start : part.stop]) for part in parts])
+        return {"done": done}
+
+    async def _pin_each(
+        self, wanted: list[BlockKey], held: contextlib.ExitStack, deadline: float
+    ) -> list[LoadHandle]:
+        """Pin every key of ``wanted`` the chain can load, each run of them with one
+        load, their pins and holds released when ``held`` closes; a key that cannot be
+        loaded is skipped (keys are independent), and past a bound on held blocks the
+        rest are. Waits until ``deadline`` (loop time) at most on blocks being written."""
         handles: list[LoadHandle] = []
-        wanted = await self._worth_loading(list(dict.fromkeys(keys)))
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.ctx.limits.load_wait_s
         while wanted:
             try:
                 pinned = await self.blocks.pin(wanted, max(0.0, deadline - loop.time()))
@@ -236,10 +263,10 @@ class RegionRequests:
         keys: list[BlockKey],
         offsets: Offsets,
         how: tuple[Layout, float | None],
-    ) -> list[bool]:
+    ) -> dict[int, bool]:
         """Write the pinned blocks into the region at each of their keys' offsets (cut
-        by ``how``'s layout, no write starting past its time)."""
-        layout, until = how
+        by ``how``'s layout, no write starting past its time); by position in ``keys``,
+        whether each of theirs was written."""
         source: dict[BlockKey, memoryview] = {}
         for handle in handles:
             views = host_views(handle.store, handle.slots)
@@ -252,15 +279,26 @@ class RegionRequests:
             else:
                 source.update(zip(handle.keys, views, strict=True))
         found = [i for i, key in enumerate(keys) if key in source]
-        ok = [False] * len(keys)
         if not found:
-            return ok
-        rows = offsets[found]
+            return {}
         blocks = [source[keys[i]] for i in found]
-        wrote = await self._copy(write_region, fd, rows, blocks, (layout, until))
-        for i, flag in zip(found, wrote, strict=True):
-            ok[i] = flag
-        return ok
+        wrote = await self._copy(write_region, fd, offsets[found], blocks, how)
+        return dict(zip(found, wrote, strict=True))
+
+
+async def together(coros: list[Coroutine[Any, Any, None]]) -> None:
+    """Run ``coros`` at once. The first to fail cancels the others, and nothing returns
+    or raises before every one has ended (their copies into a region included)."""
+    if len(coros) == 1:
+        return await coros[0]
+    tasks = [asyncio.ensure_future(coro) for coro in coros]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await settle(asyncio.gather(*tasks, return_exceptions=True))
+        raise
 
 
 def _in_rows(
