@@ -333,9 +333,9 @@ async def test_a_connection_runs_a_few_region_jobs_at_once(
 async def test_a_load_of_many_groups_is_byte_exact_with_repeats_and_misses(
     tmp_path: Path,
 ) -> None:
-    """A load is pinned and copied a group at a time (2 MiB), each group's copy beside
-    the next group's reads from disk: 12 keys of 1 MiB, a miss and two repeats among
-    them, blocks on the disk tier and on the CPU tier, every row right."""
+    """A load from below goes in pieces (2 MiB at least), each piece's copy beside the
+    other pieces' reads from disk: 12 keys of 1 MiB, a miss and two repeats among them,
+    blocks on the disk tier and on the CPU tier, every row right."""
     async with (
         serve(tmp_path, block_bytes=MiB, cpu_blocks=4, disk_blocks=32) as daemon,
         await connect(daemon) as client,
