@@ -463,22 +463,15 @@ async def test_a_load_in_pieces_cancelled_ends_after_every_piece_has(
     then holds no pin."""
     MiB = 1 << 20
     entered, gate = threading.Event(), threading.Event()
-    reading, read_gate = asyncio.Event(), asyncio.Event()
-    real_write, real_read = regions_module.write_region, DiskStore._read
+    real_write = regions_module.write_region
 
     def held_write(*args: Any) -> Any:
         entered.set()
         gate.wait(30)
         return real_write(*args)
 
-    async def held_read(store: DiskStore, slots: Any, keys: Any, out: Any) -> list[bool]:
-        if any(key.endswith(b"p7") for key in keys):
-            reading.set()
-            await read_gate.wait()
-        return await real_read(store, slots, keys, out)
-
     monkeypatch.setattr(regions_module, "write_region", held_write)
-    monkeypatch.setattr(DiskStore, "_read", held_read)
+    reading, read_gate = held_disk_reads(monkeypatch, b"p7")
     async with serve(tmp_path, block_bytes=MiB, cpu_blocks=16, disk_blocks=64) as daemon:
         client, conn = await connect_watched(daemon)
         keys = [b"p%d" % i for i in range(24)]  # the first 8 go down to the disk tier
@@ -507,3 +500,21 @@ async def test_a_load_in_pieces_cancelled_ends_after_every_piece_has(
             await client.close()
             with pytest.raises(Unreachable):
                 await pending
+
+
+def held_disk_reads(
+    monkeypatch: pytest.MonkeyPatch, suffix: bytes
+) -> tuple[asyncio.Event, asyncio.Event]:
+    """Hold every disk-tier read of a batch with a key ending in ``suffix`` until the
+    second event is set; the first is set when one starts."""
+    reading, gate = asyncio.Event(), asyncio.Event()
+    real = DiskStore._read
+
+    async def held(store: DiskStore, slots: Any, keys: Any, out: Any) -> list[bool]:
+        if any(key.endswith(suffix) for key in keys):
+            reading.set()
+            await gate.wait()
+        return await real(store, slots, keys, out)
+
+    monkeypatch.setattr(DiskStore, "_read", held)
+    return reading, gate

@@ -26,12 +26,11 @@ import pytest
 
 import tierd.control.region_copy as region_copy
 from tests.test_daemon_api import _watch_connections, connect_watched, serve
-from tests.test_region_attacks import refused
+from tests.test_region_attacks import held_disk_reads, refused
 from tests.test_regions import connect, memfd, pattern, rows
 from tierd.control.connection import MAX_REGION_JOBS
 from tierd.control.region_copy import CALL_BYTES, Layout, write_region
 from tierd.control.region_threads import FairThreads, slices
-from tierd.stores.disk import DiskStore
 
 __all__ = ["_watch_connections"]  # the fixture: the daemon's connections, watched
 
@@ -360,16 +359,7 @@ async def test_a_load_from_disk_copies_its_first_pieces_while_the_last_is_read(
     last key is held: the first keys' bytes are in the engine's memory before that read
     ends (the job goes in pieces, each copied once it is read), and the job is whole and
     byte-exact once the read goes on. Before, nothing was copied until every key was."""
-    gate, reading = asyncio.Event(), asyncio.Event()
-    real = DiskStore._read
-
-    async def held(store: DiskStore, slots: Any, keys: Any, out: Any) -> list[bool]:
-        if any(key.endswith(b"d7") for key in keys):
-            reading.set()
-            await gate.wait()
-        return await real(store, slots, keys, out)
-
-    monkeypatch.setattr(DiskStore, "_read", held)
+    reading, gate = held_disk_reads(monkeypatch, b"d7")
     async with (
         serve(tmp_path, block_bytes=MiB, cpu_blocks=16, disk_blocks=64) as daemon,
         await connect(daemon) as client,
