@@ -55,7 +55,12 @@ def start_daemon(workdir: Path, args: argparse.Namespace) -> DaemonProcess:
     config = {
         "block_bytes": block,
         "tiers": [
-            {"name": "cpu", "kind": "cpu", "capacity": f"{args.cpu_mib}MiB"},
+            {
+                "name": "cpu",
+                "kind": "cpu",
+                "capacity": f"{args.cpu_mib}MiB",
+                "write_behind": args.write_behind,
+            },
             {
                 "name": "disk",
                 "kind": "disk",
@@ -158,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         "--fsync", choices=["always", "batch", "none"], default="always",
         help="the disk tier's durability mode (fio syncs once at the end unless none)",
     )  # fmt: skip
+    parser.add_argument(
+        "--write-behind", action="store_true",
+        help="the CPU tier copies stored blocks down behind the stores (write_behind)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     figures: dict[str, list[float]] = {}
@@ -179,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     med = {name: median_of(values) for name, values in figures.items()}
     print(
         f"blocks of {args.block_kib} KiB, jobs of {args.job_mib} MiB, {args.in_flight} in"
-        f" flight, {args.total_mib} MiB moved, fsync {args.fsync}, median of {args.reps}"
+        f" flight, {args.total_mib} MiB moved, fsync {args.fsync},"
+        f" write_behind {args.write_behind}, median of {args.reps}"
     )
     print("| | tierd GB/s | O_DIRECT GB/s | tierd / device |")
     print("|---|---:|---:|---:|")

@@ -197,7 +197,7 @@ async def open_chain(
                 adopting=tier.adopting,
             )
             admission = Admission.parse(spec.admission)
-            levels.append(Level(tier, store, spec.write_through, admission))
+            levels.append(Level(tier, store, spec.write_through, admission, spec.write_behind))
         engine = await stack.enter_async_context(
             TransferEngine(budget_bytes=max(cfg.transfer.budget_per_route, cfg.block_bytes))
         )
@@ -206,7 +206,9 @@ async def open_chain(
             remote = RemoteSide(await open_remote(cfg.remote, cfg.block_bytes))
             remote.admission = Admission.parse(cfg.remote.admission)
             stack.push_async_callback(remote.level.close)
-        yield TierChain(levels, engine, entry=cfg.entry_index, remote=remote)
+        chain = TierChain(levels, engine, entry=cfg.entry_index, remote=remote)
+        stack.push_async_callback(chain.close)  # before the stores close: copies end first
+        yield chain
 
 
 async def open_remote(spec: RemoteConfig | S3Config, block_bytes: int) -> RemoteLevel:

@@ -30,6 +30,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from tierd.chain.admit import Admissions
+from tierd.chain.behind import WriteBehind
 from tierd.chain.census import PrefixCensus
 from tierd.chain.handles import LoadHandle, StoreHandle
 from tierd.chain.invariants import check_levels
@@ -78,6 +79,13 @@ class TierChain:
         self._moves = Movement(chain_levels, transfer, self._writes, self._admissions)
         self._loads = Loading(chain_levels, transfer, self._writes, self._moves)
         self._lookups = Lookups(chain_levels)
+        self._behind = WriteBehind(chain_levels, self._moves)
+        self._moves.after_store = self._behind.stored
+
+    async def close(self) -> None:
+        """Stop copying behind stores (waiting for the copies under way); the stores are
+        the opener's to close, after this."""
+        await self._behind.close()
 
     @property
     def census(self) -> PrefixCensus | None:
@@ -182,6 +190,10 @@ class TierChain:
     async def flush(self) -> FlushResult:
         """Copy every dirty block down, level by level, so that the last level ends up
         holding everything it can; says what was copied and what stayed dirty, and why."""
+        async with self._behind.paused():  # no copy behind stores beside this one
+            return await self._flush()
+
+    async def _flush(self) -> FlushResult:
         copied = 0
         errors = [level.io_errors for level in self.levels]
         upper = range(len(self.levels) - 1)

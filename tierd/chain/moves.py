@@ -45,6 +45,8 @@ class Movement:
         self._transfer = transfer
         self._writes = writes
         self._admissions = admissions
+        # Told of the keys each client store made ready (the chain's write-behind).
+        self.after_store: Callable[[int, list[BlockKey]], None] | None = None
 
     async def commit_store(
         self,
@@ -57,6 +59,8 @@ class Movement:
         copy what became ready down where the chain writes through."""
         stored = self._writes.end_store(index, keys, ok, futures, io_failed=False)
         await self.write_through(index, stored)
+        if self.after_store is not None:
+            self.after_store(index, stored)
         return stored
 
     def abort_store(

@@ -20,7 +20,9 @@ class Level:
     store: BlockStore
     write_through: bool = False
     admission: Admission = field(default_factory=Admission)
+    write_behind: bool = False  # stored blocks copied down in the background (chain.behind)
     demotions: int = 0  # blocks copied down from this level on eviction
+    written_behind: int = 0  # blocks copied down from this level behind stores
     promotions: int = 0  # blocks copied up into this level
     dropped: int = 0  # dirty blocks lost at eviction (no level below, refused, or failed)
     refused: int = 0  # demotions into this level refused by admission or capacity

@@ -64,6 +64,9 @@ class TierConfig(StrictModel):
     capacity: int | str = Field(description="blocks (4096, '4096 blocks') or bytes ('64GiB')")
     policy: str = "lru"
     write_through: bool = False
+    # copy each block a client stores here down to the next tier in the background, so
+    # that its eviction later is a drop, not a demotion the next store waits for
+    write_behind: bool = False
     admission: AdmissionRule = "always"
     device: str | None = None  # gpu: "cuda:0" (or "cpu" for development)
     # disk: one slab file each; "~", "$VAR" and "${VAR:-default}" are expanded
@@ -136,6 +139,8 @@ class TierConfig(StrictModel):
             raise error_at(what, f"only applies to disk tiers, not {self.kind}")
         if self.kind is TierKind.GPU and self.device is None:
             raise error_at("device", "a gpu tier needs a device ('cuda:0', or 'cpu' to test)")
+        if self.write_behind and self.write_through:
+            raise error_at("write_behind", "write_through copies every block down at once already")
         return self
 
     def num_blocks(self, block_bytes: int) -> int:
@@ -173,6 +178,9 @@ class ChainConfig(StrictModel):
         tiers = [(index, t.name, t.capacity) for index, t in enumerate(self.tiers)]
         remote = [] if self.remote is None else [level.name for level in self.remote.levels()]
         problems = chain_rules(self.block_bytes, tiers, self.entry, remote)
+        if self.tiers and self.tiers[-1].write_behind:
+            path = f"tiers.{len(self.tiers) - 1}.write_behind"
+            problems.append((path, "the last tier has no tier below to copy its blocks to"))
         if problems:
             raise errors_at(problems)
         return self

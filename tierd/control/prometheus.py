@@ -30,6 +30,7 @@ _TIER_METRICS = [
     ("stores", "stores", "Blocks stored", True),
     ("evictions", "evictions", "Blocks evicted", True),
     ("demotions", "demotions", "Blocks copied down on eviction", True),
+    ("written_behind", "written_behind", "Blocks copied down behind stores (write_behind)", True),
     ("promotions", "promotions", "Blocks copied up into this tier", True),
     ("dropped", "dropped", "Dirty blocks lost at eviction", True),
     ("refused", "refused", "Demotions into this tier refused (admission or room)", True),

@@ -42,6 +42,7 @@ def collect_stats(chain: TierChain) -> dict[str, Any]:
                 "stores": tier.stores,
                 "evictions": tier.evictions,
                 "demotions": level.demotions,
+                "written_behind": level.written_behind,
                 "promotions": level.promotions,
                 "dropped": level.dropped,
                 "refused": level.refused,

@@ -267,6 +267,7 @@ class Daemon:
             tenant.chain.set_admissions(plan.admissions, plan.remote_admission)
             for level, tier in zip(tenant.chain.levels, cfg.tiers, strict=True):
                 level.write_through = tier.write_through
+                level.write_behind = tier.write_behind
         apply_tenant_rules(cfg, ctx.tenants)
         ctx.config = effective_config_dict(cfg)
         self.config = cfg

@@ -3,8 +3,8 @@
 What changes live (:data:`LIVE`): ``logging``; ``limits`` (deadlines and bounds; a frame
 size and the connection bounds for connections opened from then on; lease bounds at
 once); ``namespaces`` (for hellos from then on); ``events`` (new subscribers);
-``shutdown``; ``metrics.namespaces_top``; each tier's ``admission`` and
-``write_through`` and the remote level's ``admission``; who is which tenant
+``shutdown``; ``metrics.namespaces_top``; each tier's ``admission``, ``write_through``
+and ``write_behind`` and the remote level's ``admission``; who is which tenant
 (``tenants.N.uids``/``gids``/``operator``, ``socket.allow_uids``/``allow_gids``: for
 connections from then on) and each tenant's ``namespaces`` patterns (for hellos from
 then on). Everything else (the tiers themselves and their sizes, tenants' quotas,
@@ -43,6 +43,7 @@ LIVE: tuple[Path, ...] = (
     ("metrics", "namespaces_top"),
     ("tiers", _ANY, "admission"),
     ("tiers", _ANY, "write_through"),
+    ("tiers", _ANY, "write_behind"),
     ("remote", "admission"),
     ("socket", "allow_uids"),
     ("socket", "allow_gids"),

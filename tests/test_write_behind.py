@@ -1,0 +1,198 @@
+"""Write-behind (``write_behind: true`` on a tier): blocks a client stores are copied down
+in the background, so that a later store into the full tier evicts clean blocks (drops)
+instead of waiting for a demotion to the disk.
+
+Real chains over a real disk tier in ``tmp_path``; the daemon case is a real ``tierd
+serve`` process on a real socket. A held disk write (the disk store's own ``_write``
+waiting at a gate) is how a slow disk is made: the store beside it must not wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from tierd.chain import TierChain
+from tierd.client import Client
+from tierd.config.chain import ChainConfig
+from tierd.library import open_chain
+from tierd.stores.disk import DiskStore
+from tierd.testing import daemon_config, start_daemon
+
+BLOCK = 4096
+
+
+def block(key: bytes) -> bytes:
+    return (key * (BLOCK // len(key) + 1))[:BLOCK]
+
+
+def chain_config(tmp_path: Path, *, behind: bool = True, admission: str = "always") -> dict:
+    directory = tmp_path / "disk"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    return {
+        "block_bytes": BLOCK,
+        "tiers": [
+            {"name": "cpu", "kind": "cpu", "capacity": 8, "write_behind": behind},
+            {
+                "name": "disk",
+                "kind": "disk",
+                "capacity": 64,
+                "directories": [str(directory)],
+                "admission": admission,
+            },
+        ],
+    }
+
+
+@asynccontextmanager
+async def chain_at(tmp_path: Path, **options: Any) -> AsyncIterator[TierChain]:
+    async with asyncio.timeout(60), open_chain(chain_config(tmp_path, **options)) as chain:
+        yield chain
+
+
+async def until(check: Callable[[], bool], seconds: float = 10.0) -> bool:
+    """Whether ``check`` came true within ``seconds`` (polled; bounded)."""
+    for _ in range(int(seconds / 0.01)):
+        if check():
+            return True
+        await asyncio.sleep(0.01)
+    return check()
+
+
+def held_disk_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, asyncio.Event]:
+    """Every disk-tier write waits for the second event; the first is set when one does."""
+    writing, gate = asyncio.Event(), asyncio.Event()
+    real = DiskStore._write
+
+    async def held(store: DiskStore, slots: Any, keys: Any, data: Any) -> list[bool]:
+        writing.set()
+        await gate.wait()
+        return await real(store, slots, keys, data)
+
+    monkeypatch.setattr(DiskStore, "_write", held)
+    return writing, gate
+
+
+async def test_stored_blocks_go_down_behind_and_leave_as_drops(tmp_path: Path) -> None:
+    async with chain_at(tmp_path) as chain:
+        cpu, disk = chain.levels
+        first = [b"a%d" % i for i in range(8)]
+        await chain.store(first, [block(k) for k in first])
+        assert await until(lambda: cpu.written_behind == 8)
+        assert all(k in disk.tier for k in first)
+        later = [b"b%d" % i for i in range(8)]
+        await chain.store(later, [block(k) for k in later])  # evicts all of the first
+        assert cpu.demotions == 0 and cpu.dropped == 0  # each was clean: a drop
+        assert await until(lambda: cpu.written_behind == 16)
+        for key in first + later:  # every block, from whichever tier holds it
+            async with chain.loading([key]) as handle:
+                out = [bytearray(BLOCK)]
+                assert await handle.read_into([memoryview(out[0])]) == [True]
+                assert bytes(out[0]) == block(key)
+        chain.check_invariants(idle=True)
+
+
+@pytest.mark.parametrize("behind", [True, False])
+async def test_a_store_into_the_full_tier_waits_for_no_disk_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, behind: bool
+) -> None:
+    """The tier is full of blocks already copied down; the disk then stops writing. With
+    write-behind a store evicts them at once; without it, it waits on the disk."""
+    async with chain_at(tmp_path, behind=behind) as chain:
+        cpu, disk = chain.levels
+        first = [b"a%d" % i for i in range(8)]
+        await chain.store(first, [block(k) for k in first])
+        if behind:
+            assert await until(lambda: cpu.written_behind == 8)
+        writing, gate = held_disk_writes(monkeypatch)
+        later = [b"b%d" % i for i in range(4)]
+        store = asyncio.ensure_future(chain.store(later, [block(k) for k in later]))
+        try:
+            done, _ = await asyncio.wait([store], timeout=2)
+            assert bool(done) is behind
+        finally:
+            gate.set()
+        assert await store == later
+        if behind:
+            assert await until(lambda: cpu.written_behind == 12)  # the disk went on
+
+
+async def test_a_flush_waits_for_the_copy_behind_and_leaves_nothing_dirty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with chain_at(tmp_path) as chain:
+        cpu, disk = chain.levels
+        writing, gate = held_disk_writes(monkeypatch)
+        keys = [b"f%d" % i for i in range(6)]
+        await chain.store(keys, [block(k) for k in keys])
+        await asyncio.wait_for(writing.wait(), 10)  # a copy behind is under way, held
+        flush = asyncio.ensure_future(chain.flush())
+        await asyncio.sleep(0.2)
+        assert not flush.done()  # it waits for the copy under way
+        gate.set()
+        result = await asyncio.wait_for(flush, 30)
+        assert result.dirty == {} and all(k in disk.tier for k in keys)
+        chain.check_invariants(idle=True)
+
+
+async def test_nothing_goes_behind_where_the_tier_below_has_an_admission_rule(
+    tmp_path: Path,
+) -> None:
+    """A rule decides at eviction, when a block's uses are known."""
+    async with chain_at(tmp_path, admission="reuse>=2") as chain:
+        cpu, disk = chain.levels
+        keys = [b"r%d" % i for i in range(4)]
+        await chain.store(keys, [block(k) for k in keys])
+        assert not await until(lambda: cpu.written_behind > 0, seconds=0.3)
+        assert len(disk.tier) == 0
+
+
+def test_write_behind_needs_a_tier_below_and_not_write_through(tmp_path: Path) -> None:
+    last = chain_config(tmp_path)
+    last["tiers"][1]["write_behind"] = True
+    with pytest.raises(ValidationError, match="no tier below"):
+        ChainConfig.model_validate(last)
+    both = chain_config(tmp_path)
+    both["tiers"][0]["write_through"] = True
+    with pytest.raises(ValidationError, match="write_through copies every block"):
+        ChainConfig.model_validate(both)
+
+
+async def test_the_daemon_copies_behind_and_says_so(tmp_path: Path) -> None:
+    """A real ``tierd serve``: stores over its socket are copied down behind them,
+    counted in ``stats`` and on the metrics' text."""
+    config = daemon_config(tmp_path, cpu_blocks=8, disk_blocks=64)
+    config["tiers"][0]["write_behind"] = True
+    child = start_daemon(config, env=dict(os.environ), log=tmp_path / "tierd.log", timeout_s=60)
+    try:
+        async with await Client.connect(str(child.socket), namespace="wb") as client:
+            keys = [b"d%d" % i for i in range(16)]
+
+            async def behind(count: int) -> bool:
+                for _ in range(1000):  # bounded: 10 s
+                    tiers = (await client.stats())["tiers"]
+                    if tiers[0]["written_behind"] >= count:
+                        break
+                    await asyncio.sleep(0.01)
+                return bool(tiers[0]["written_behind"] == count)
+
+            for start in (0, 4):
+                part = keys[start : start + 4]
+                await client.store(part, [block(k) for k in part])
+                assert await behind(start + 4)
+            await client.store(keys[8:], [block(k) for k in keys[8:]])  # evicts the first 8
+            assert await behind(16)
+            cpu, disk = (await client.stats())["tiers"]
+            assert cpu["demotions"] == 0 and disk["stores"] == 16  # each written down once
+            assert "tierd_tier_written_behind" in await client.metrics()
+            for part in (keys[:8], keys[8:]):  # from the disk tier, then the CPU tier
+                assert await client.load(part) == [block(k) for k in part]
+    finally:
+        child.stop()

@@ -1,0 +1,140 @@
+"""Write-behind: blocks stored into a level copied down soon after, off the store's path.
+
+A store into a full level waits for its victims' demotion: their bytes are copied to the
+level below before their slots are reused, so with a disk tier below, every store into a
+full CPU tier waits for a disk write and its syncs. A level with ``write_behind`` copies
+each block a client stores into it down in the background, soon after the store ends:
+by the time the block is evicted, the level below holds it, and its eviction is a drop.
+The store path never waits for this copy; the disk's time moves off it whenever the disk
+keeps up.
+
+- Per level, one queue of keys stored and not yet copied (keys only: no bytes are held),
+  at most the level's size (older ones are the first to be evicted, demoted then as
+  ever), and one task at a time draining it, a batch at a time, oldest first.
+- A batch's blocks are pinned above while they are copied (:meth:`Movement.copy_down`),
+  so no eviction reuses a slot being read; a batch is at most a quarter of the level,
+  so a store still finds victims beside it.
+- A block the level no longer holds ready, or that the level below holds or is writing
+  already, is skipped. Nothing is copied while the level below has an admission rule
+  other than ``always``: a rule decides at eviction, when the block's uses are known.
+- :meth:`WriteBehind.pause` ends the tasks after their batch (a flush copies everything
+  itself, and nothing may be copying when the stores close); :meth:`resume` starts them
+  again on what is still queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+
+import structlog
+
+from tierd.chain.levels import ChainLevels
+from tierd.chain.moves import Movement
+from tierd.errors import TierdError
+from tierd.keys import BlockKey
+
+__all__ = ["BATCH_BYTES", "WriteBehind"]
+
+log = structlog.get_logger("tierd.chain")
+
+BATCH_BYTES = 32 << 20  # bytes of blocks one copy down moves at most
+
+
+class WriteBehind:
+    """The write-behind queues and tasks of one chain's levels."""
+
+    def __init__(self, levels: ChainLevels, moves: Movement) -> None:
+        self._levels = levels
+        self._moves = moves
+        self._queues: dict[int, deque[BlockKey]] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._paused = 0
+
+    def stored(self, index: int, keys: Sequence[BlockKey]) -> None:
+        """``keys`` became ready at level ``index`` through a client's store."""
+        levels = self._levels.levels
+        if not keys or not levels[index].write_behind or index + 1 >= len(levels):
+            return
+        queue = self._queues.get(index)
+        if queue is None:
+            queue = self._queues[index] = deque(maxlen=levels[index].tier.num_blocks)
+        queue.extend(keys)
+        self._start(index)
+
+    def _start(self, index: int) -> None:
+        if self._paused or index in self._tasks or not self._queues.get(index):
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._drain(index), name=f"write-behind-{index}"
+        )
+        self._tasks[index] = task
+        task.add_done_callback(functools.partial(self._ended, index))
+
+    def _ended(self, index: int, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(index) is task:  # cancelled before it ran: its finally did not
+            del self._tasks[index]
+
+    async def _drain(self, index: int) -> None:
+        try:
+            await self._copy_queued(index)
+        finally:  # at once, not in a callback: a store right after starts a new task
+            del self._tasks[index]
+
+    async def _copy_queued(self, index: int) -> None:
+        level = self._levels.levels[index]
+        lower = self._levels.levels[index + 1]
+        queue = self._queues[index]
+        most = max(1, min(level.tier.num_blocks // 4, BATCH_BYTES // level.store.block_bytes))
+        while queue and not self._paused and level.write_behind and lower.admission.always:
+            batch: list[BlockKey] = []
+            for _ in range(min(len(queue), 4 * most)):  # bounded work per turn of the loop
+                key = queue.popleft()
+                if key in level.tier and key not in lower.tier and not lower.tier.is_writing(key):
+                    batch.append(key)
+                    if len(batch) == most:
+                        break
+            batch = list(dict.fromkeys(batch))
+            if not batch:  # a run of keys gone or copied already
+                await asyncio.sleep(0)
+                continue
+            try:
+                moved = await self._moves.copy_down(index, batch)
+            except TierdError as exc:  # the blocks stay dirty: their eviction demotes them
+                log.warning("write-behind stopped", tier=level.tier.name, error=str(exc))
+                return
+            except Exception:  # logged whole: the stores go on without it
+                log.exception("write-behind failed", tier=level.tier.name)
+                return
+            level.written_behind += len(moved)
+
+    async def pause(self) -> None:
+        """Take no new batch, and wait for the batches being copied (until :meth:`resume`;
+        pauses nest)."""
+        self._paused += 1
+        tasks = list(self._tasks.values())
+        if tasks:
+            await asyncio.wait(tasks)
+
+    def resume(self) -> None:
+        """Start again on what is still queued."""
+        self._paused = max(0, self._paused - 1)
+        for index in list(self._queues):
+            self._start(index)
+
+    async def close(self) -> None:
+        """End for good: wait for the batches being copied; drop what is queued."""
+        await self.pause()
+        self._queues.clear()
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """:meth:`pause` for the ``async with`` block, then :meth:`resume`."""
+        await self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
