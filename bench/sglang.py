@@ -96,12 +96,13 @@ def storage_config(extra: dict[str, Any]) -> Any:
 
 
 def serve(
-    workdir: Path, block: int, cpu: int, disk: int | None, write_through: bool = False
+    workdir: Path, block: int, cpu: int, disk: int | None, down: str = ""
 ) -> tuple[DaemonProcess, str]:
+    """A daemon; ``down``: "", or the CPU tier's "write_through" or "write_behind"."""
     sock = tempfile.mkdtemp(prefix="tierd-bench-", dir="/tmp") + "/tierd.sock"
-    through = ", write_through: true" if write_through else ""
+    through = f", {down}: true" if down else ""
     tiers = [f"  - {{name: cpu, kind: cpu, capacity: {cpu}{through}}}"]
-    name = f"{cpu}-{int(write_through)}"
+    name = f"{cpu}-{down or 'plain'}"
     if disk:
         directory = workdir / f"disk-{name}"
         directory.mkdir(mode=0o700)
@@ -300,11 +301,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         under = 2 * reps * n + 2 * n  # a disk tier under a CPU tier of one call
         daemons = [
-            ("cpu tier", reps * n + n, None, False, False),
-            ("disk tier", 4, reps * n + n, False, False),
-            ("disk tier under a CPU tier of one call", n + 4, under, True, False),
-            ("disk tier under a write-through CPU tier of one call", n + 4, under, True, True),
-        ]
+            ("cpu tier", reps * n + n, None, False, ""),
+            ("disk tier", 4, reps * n + n, False, ""),
+            ("disk tier under a CPU tier of one call", n + 4, under, True, ""),
+            ("disk tier under a write-through CPU tier of one call", n + 4, under, True,
+             "write_through"),
+            ("disk tier under a write-behind CPU tier of one call", n + 4, under, True,
+             "write_behind"),
+        ]  # fmt: skip
         for label, cpu, disk, push, through in daemons:
             proc, sock = serve(work, block, cpu, disk, through)
             try:

@@ -124,6 +124,27 @@ async def test_a_store_into_the_full_tier_waits_for_no_disk_write(
             assert await until(lambda: cpu.written_behind == 12)  # the disk went on
 
 
+async def test_a_store_that_needs_the_pinned_batch_waits_for_it_not_a_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch being copied behind is pinned; a store that needs every slot of the tier
+    waits for the batch to end and then goes in (it was refused with ``capacity``)."""
+    async with chain_at(tmp_path) as chain:
+        cpu, disk = chain.levels
+        writing, gate = held_disk_writes(monkeypatch)
+        first = [b"p0", b"p1"]
+        await chain.store(first, [block(k) for k in first])
+        await asyncio.wait_for(writing.wait(), 10)  # the batch is pinned, its write held
+        assert cpu.tier.stats().pinned == 2
+        whole = [b"w%d" % i for i in range(8)]
+        store = asyncio.ensure_future(chain.store(whole, [block(k) for k in whole]))
+        await asyncio.sleep(0.2)
+        assert not store.done()  # waiting for the batch, not refused
+        gate.set()
+        assert await asyncio.wait_for(store, 30) == whole
+        assert cpu.demotions == 0 and all(k in disk.tier for k in first)
+
+
 async def test_a_flush_waits_for_the_copy_behind_and_leaves_nothing_dirty(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,8 +12,9 @@ keeps up.
   at most the level's size (older ones are the first to be evicted, demoted then as
   ever), and one task at a time draining it, a batch at a time, oldest first.
 - A batch's blocks are pinned above while they are copied (:meth:`Movement.copy_down`),
-  so no eviction reuses a slot being read; a batch is at most a quarter of the level,
-  so a store still finds victims beside it.
+  so no eviction reuses a slot being read; a batch is at most a quarter of the level. A
+  reservation that finds no room while a batch is pinned waits for it and tries again
+  (:meth:`WriteBehind.unpin`): the background never makes a store fail.
 - A block the level no longer holds ready, or that the level below holds or is writing
   already, is skipped. Nothing is copied while the level below has an admission rule
   other than ``always``: a rule decides at eviction, when the block's uses are known.
@@ -110,6 +111,15 @@ class WriteBehind:
                 log.exception("write-behind failed", tier=level.tier.name)
                 return
             level.written_behind += len(moved)
+
+    async def unpin(self, index: int) -> bool:
+        """Wait for the batch of level ``index`` being copied (and so pinned) to end, for a
+        reservation there that found no room; whether one was. Its next batch starts
+        after the caller's next step."""
+        if index not in self._tasks:
+            return False
+        async with self.paused():
+            return True
 
     async def pause(self) -> None:
         """Take no new batch, and wait for the batches being copied (until :meth:`resume`;

@@ -81,6 +81,7 @@ class TierChain:
         self._lookups = Lookups(chain_levels)
         self._behind = WriteBehind(chain_levels, self._moves)
         self._moves.after_store = self._behind.stored
+        self._moves.unpin_behind = self._behind.unpin
 
     async def close(self) -> None:
         """Stop copying behind stores (waiting for the copies under way); the stores are

@@ -45,8 +45,10 @@ class Movement:
         self._transfer = transfer
         self._writes = writes
         self._admissions = admissions
-        # Told of the keys each client store made ready (the chain's write-behind).
+        # Told of the keys each client store made ready (the chain's write-behind), and
+        # asked to end its pins at a level where a reservation found no room.
         self.after_store: Callable[[int, list[BlockKey]], None] | None = None
+        self.unpin_behind: Callable[[int], Awaitable[bool]] | None = None
 
     async def commit_store(
         self,
@@ -75,7 +77,10 @@ class Movement:
         """prepare_store at one level and demote its victims; ``None`` if there is no
         room. The keys stay in flight until the write is ended
         (:meth:`PendingWrites.end_store`)."""
-        plan = self.levels.levels[index].tier.prepare_store(keys)
+        tier = self.levels.levels[index].tier
+        plan = tier.prepare_store(keys)
+        if plan is None and self.unpin_behind is not None and await self.unpin_behind(index):
+            plan = tier.prepare_store(keys)  # at once: no new batch pinned meanwhile
         if plan is None:
             self.levels.publish()
             return None
