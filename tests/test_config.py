@@ -461,6 +461,9 @@ def test_file_problems_name_the_file(tmp_path: Path) -> None:
         load_settings(write(tmp_path, "- a\n", name="list.yaml"), environ={})
     with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML"):
         load_settings(write(tmp_path, "a: [\n", name="bad.yaml"), environ={})
+    twice = "tiers:\n  - name: cpu\n    kind: cpu\n    capacity: 8\n    capacity: 16\n"
+    with pytest.raises(ConfigError, match=r"'capacity' is given twice \(lines 4 and 5\)"):
+        load_settings(write(tmp_path, twice, name="twice.yaml"), environ={})
     empty = load_settings(write(tmp_path, "# all defaults\n", name="empty.yaml"), environ={})
     assert empty.tiers == DaemonConfig().tiers
 

@@ -106,12 +106,12 @@ async def test_a_store_into_the_full_tier_waits_for_no_disk_write(
     """The tier is full of blocks already copied down; the disk then stops writing. With
     write-behind a store evicts them at once; without it, it waits on the disk."""
     async with chain_at(tmp_path, behind=behind) as chain:
-        cpu, disk = chain.levels
+        cpu, _disk = chain.levels
         first = [b"a%d" % i for i in range(8)]
         await chain.store(first, [block(k) for k in first])
         if behind:
             assert await until(lambda: cpu.written_behind == 8)
-        writing, gate = held_disk_writes(monkeypatch)
+        _writing, gate = held_disk_writes(monkeypatch)
         later = [b"b%d" % i for i in range(4)]
         store = asyncio.ensure_future(chain.store(later, [block(k) for k in later]))
         try:
@@ -149,7 +149,7 @@ async def test_a_flush_waits_for_the_copy_behind_and_leaves_nothing_dirty(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with chain_at(tmp_path) as chain:
-        cpu, disk = chain.levels
+        _cpu, disk = chain.levels
         writing, gate = held_disk_writes(monkeypatch)
         keys = [b"f%d" % i for i in range(6)]
         await chain.store(keys, [block(k) for k in keys])

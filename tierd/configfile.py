@@ -236,7 +236,7 @@ def read_config_file(path: Path | str) -> dict[str, Any]:
     path = Path(path)
     raw = _read_bounded(path)
     try:
-        data = yaml.safe_load(raw.decode("utf-8"))
+        data = yaml.load(raw.decode("utf-8"), Loader=_UniqueKeys)  # a SafeLoader
     except UnicodeDecodeError as exc:
         message = f"not a text file: byte {exc.start} is not UTF-8 (is this the right file?)"
         raise ConfigError(message, path=str(path)) from exc
@@ -250,6 +250,32 @@ def read_config_file(path: Path | str) -> dict[str, Any]:
         raise ConfigError("the config must be a mapping at the top level", path=str(path))
     _check_expansion(data, path)
     return data
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """The safe loader, refusing a key given twice in one mapping. YAML wants keys
+    unique, but PyYAML keeps the last one silently: a key repeated further down a long
+    file undid the first without a word."""
+
+
+def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        line = key_node.start_mark.line + 1
+        try:
+            first = seen.setdefault(key, line)
+        except TypeError:  # not hashable: the loader's own error says so below
+            continue
+        if first != line:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice (lines {first} and {line})",
+                key_node.start_mark,
+            )  # fmt: skip
+    return loader.construct_mapping(node)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
 def _read_bounded(path: Path) -> bytes:
