@@ -217,3 +217,30 @@ async def test_the_daemon_copies_behind_and_says_so(tmp_path: Path) -> None:
                 assert await client.load(part) == [block(k) for k in part]
     finally:
         child.stop()
+
+
+async def test_three_levels_copy_behind_and_demote_below_without_losing_a_block(
+    tmp_path: Path,
+) -> None:
+    """A write-behind top level over a small middle one: the copies behind fill the
+    middle level, whose evictions demote to the disk while the top keeps storing."""
+    config = chain_config(tmp_path)
+    config["tiers"].insert(
+        0, {"name": "top", "kind": "memory", "capacity": 8, "write_behind": True}
+    )
+    config["tiers"][1]["write_behind"] = False
+    async with asyncio.timeout(60), open_chain(config) as chain:
+        top, _middle, disk = chain.levels
+        keys = [b"t%d" % i for i in range(32)]
+        for start in range(0, 32, 4):
+            part = keys[start : start + 4]
+            await chain.store(part, [block(k) for k in part])
+        assert await until(lambda: top.written_behind + top.demotions >= 32 - 8)
+        await chain.flush()
+        assert all(k in disk.tier for k in keys)
+        for key in keys:
+            async with chain.loading([key]) as handle:
+                out = bytearray(BLOCK)
+                assert await handle.read_into([memoryview(out)]) == [True]
+                assert bytes(out) == block(key)
+        chain.check_invariants(idle=True)

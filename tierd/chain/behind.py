@@ -115,19 +115,30 @@ class WriteBehind:
     async def unpin(self, index: int) -> bool:
         """Wait for the batch of level ``index`` being copied (and so pinned) to end, for a
         reservation there that found no room; whether one was. Its next batch starts
-        after the caller's next step."""
-        if index not in self._tasks:
+        after the caller's next step. (A batch reserves only at levels below its own,
+        so no two batches ever wait for each other.)"""
+        task = self._tasks.get(index)
+        if task is None or task is asyncio.current_task():
             return False
-        async with self.paused():
-            return True
+        self._paused += 1  # it takes no next batch meanwhile
+        try:
+            await asyncio.wait([task])
+        finally:
+            self.resume()
+        return True
 
     async def pause(self) -> None:
-        """Take no new batch, and wait for the batches being copied (until :meth:`resume`;
-        pauses nest)."""
+        """Take no new batch, and wait for the batches being copied but the caller's own
+        (until :meth:`resume`; pauses nest)."""
         self._paused += 1
-        tasks = list(self._tasks.values())
-        if tasks:
-            await asyncio.wait(tasks)
+        me = asyncio.current_task()
+        tasks = [task for task in self._tasks.values() if task is not me]
+        try:
+            if tasks:
+                await asyncio.wait(tasks)
+        except BaseException:
+            self.resume()
+            raise
 
     def resume(self) -> None:
         """Start again on what is still queued."""
