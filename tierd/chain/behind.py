@@ -12,9 +12,10 @@ keeps up.
   at most the level's size (older ones are the first to be evicted, demoted then as
   ever), and one task at a time draining it, a batch at a time, oldest first.
 - A batch's blocks are pinned above while they are copied (:meth:`Movement.copy_down`),
-  so no eviction reuses a slot being read; a batch is at most a quarter of the level. A
-  reservation that finds no room while a batch is pinned waits for it and tries again
-  (:meth:`WriteBehind.unpin`): the background never makes a store fail.
+  so no eviction reuses a slot being read; a batch is at most a quarter of the level
+  (and :data:`BATCH_BYTES`, :data:`BATCH_BLOCKS`). A reservation that finds no room
+  while a batch is pinned waits for it and tries again (:meth:`WriteBehind.unpin`): the
+  background never makes a store fail.
 - A block the level no longer holds ready, or that the level below holds or is writing
   already, is skipped. Nothing is copied while the level below has an admission rule
   other than ``always``: a rule decides at eviction, when the block's uses are known.
@@ -38,11 +39,12 @@ from tierd.chain.moves import Movement
 from tierd.errors import TierdError
 from tierd.keys import BlockKey
 
-__all__ = ["BATCH_BYTES", "WriteBehind"]
+__all__ = ["BATCH_BLOCKS", "BATCH_BYTES", "WriteBehind"]
 
 log = structlog.get_logger("tierd.chain")
 
 BATCH_BYTES = 32 << 20  # bytes of blocks one copy down moves at most
+BATCH_BLOCKS = 512  # and blocks: the loop's share of a batch stays a short turn
 
 
 class WriteBehind:
@@ -89,7 +91,8 @@ class WriteBehind:
         level = self._levels.levels[index]
         lower = self._levels.levels[index + 1]
         queue = self._queues[index]
-        most = max(1, min(level.tier.num_blocks // 4, BATCH_BYTES // level.store.block_bytes))
+        bounds = (level.tier.num_blocks // 4, BATCH_BYTES // level.store.block_bytes, BATCH_BLOCKS)
+        most = max(1, min(bounds))
         while queue and not self._paused and level.write_behind and lower.admission.always:
             batch: list[BlockKey] = []
             for _ in range(min(len(queue), 4 * most)):  # bounded work per turn of the loop
