@@ -47,9 +47,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def start_daemon(workdir: Path, args: argparse.Namespace) -> DaemonProcess:
+    disk_mib = 2 * args.total_mib + args.cpu_mib
+    return cpu_over_disk(
+        workdir, args.block_kib << 10, args.cpu_mib, disk_mib, args.fsync, args.write_behind
+    )
+
+
+def cpu_over_disk(
+    workdir: Path, block: int, cpu_mib: int, disk_mib: int, fsync: str, write_behind: bool
+) -> DaemonProcess:
+    """A ``tierd serve`` of a CPU tier over a disk tier in ``workdir``, its socket there
+    (``tierd.sock``), once ready."""
     from tierd.testing import start_daemon as serve
 
-    block = args.block_kib << 10
     disk = workdir / "disk"
     disk.mkdir(mode=0o700)
     config = {
@@ -58,15 +68,15 @@ def start_daemon(workdir: Path, args: argparse.Namespace) -> DaemonProcess:
             {
                 "name": "cpu",
                 "kind": "cpu",
-                "capacity": f"{args.cpu_mib}MiB",
-                "write_behind": args.write_behind,
+                "capacity": f"{cpu_mib}MiB",
+                "write_behind": write_behind,
             },
             {
                 "name": "disk",
                 "kind": "disk",
-                "capacity": f"{2 * args.total_mib + args.cpu_mib}MiB",
+                "capacity": f"{disk_mib}MiB",
                 "directories": [str(disk)],
-                "fsync": args.fsync,
+                "fsync": fsync,
             },
         ],
         "socket": {"path": str(workdir / "tierd.sock")},

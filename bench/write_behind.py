@@ -22,9 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.disk_path import cpu_over_disk
 from bench.figures import median_of
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def neighbour(
@@ -64,33 +63,10 @@ async def bystander(socket: str, block: int, seconds: float) -> list[float]:
 
 
 def one_round(args: argparse.Namespace, behind: bool) -> dict[str, float]:
-    from tierd.testing import start_daemon
-
     block = args.block_kib << 10
     with tempfile.TemporaryDirectory(prefix="tierd-write-behind-", dir=args.dir) as tmp:
         work = Path(tmp)
-        (work / "disk").mkdir(mode=0o700)
-        config = {
-            "block_bytes": block,
-            "tiers": [
-                {
-                    "name": "cpu",
-                    "kind": "cpu",
-                    "capacity": f"{args.cpu_mib}MiB",
-                    "write_behind": behind,
-                },
-                {
-                    "name": "disk",
-                    "kind": "disk",
-                    "capacity": f"{args.disk_mib}MiB",
-                    "directories": [str(work / "disk")],
-                },
-            ],
-            "socket": {"path": str(work / "tierd.sock")},
-            "logging": {"level": "warning"},
-        }
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        child = start_daemon(config, env=env, log=work / "tierd.log", timeout_s=120)
+        child = cpu_over_disk(work, block, args.cpu_mib, args.disk_mib, "always", behind)
         socket = str(work / "tierd.sock")
         try:
             out: multiprocessing.Queue = multiprocessing.Queue()
