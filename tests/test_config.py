@@ -464,6 +464,8 @@ def test_file_problems_name_the_file(tmp_path: Path) -> None:
     twice = "tiers:\n  - name: cpu\n    kind: cpu\n    capacity: 8\n    capacity: 16\n"
     with pytest.raises(ConfigError, match=r"'capacity' is given twice \(lines 4 and 5\)"):
         load_settings(write(tmp_path, twice, name="twice.yaml"), environ={})
+    with pytest.raises(ConfigError, match=r"'level' is given twice \(lines 1 and 1\)"):
+        load_settings(write(tmp_path, "logging: {level: info, level: debug}\n"), environ={})
     empty = load_settings(write(tmp_path, "# all defaults\n", name="empty.yaml"), environ={})
     assert empty.tiers == DaemonConfig().tiers
 

@@ -264,10 +264,11 @@ def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode) -> dict[Any, An
         key = loader.construct_object(key_node)
         line = key_node.start_mark.line + 1
         try:
-            first = seen.setdefault(key, line)
+            first = seen.get(key)
         except TypeError:  # not hashable: the loader's own error says so below
             continue
-        if first != line:
+        seen.setdefault(key, line)
+        if first is not None:  # on another line, or on the same one ({a: 1, a: 2})
             raise yaml.constructor.ConstructorError(
                 None, None, f"key {key!r} is given twice (lines {first} and {line})",
                 key_node.start_mark,
