@@ -12,7 +12,9 @@ controller's generic path (``get_data_page`` + ``batch_set``; ``batch_get`` +
 ``set_from_flat_data_page``). tierd runs as a real ``tierd serve`` twice: a CPU tier that
 holds every page, and a small CPU tier over a disk tier (so loads come from disk); each
 with and without the memfd hand-off (``"allocator": "shm"``). Every load is checked byte
-for byte. Figures go to docs/BENCHMARKS.md by hand.
+for byte. Each rep of a backend is paired with a memcpy rep of the same pool, the two in
+turn, and each row gives the median of its reps' own ratios ("x memcpy"): drift on a
+shared machine hits both alike. Figures go to docs/BENCHMARKS.md by hand.
 """
 
 from __future__ import annotations
@@ -226,27 +228,59 @@ def fill(pool: Any) -> None:
     )
 
 
-def measure(case: Case | None, pool: Any, n: int, reps: int, tag: str) -> dict[str, Any]:
+def measure(
+    case: Case, pool: Any, n: int, reps: int, tag: str, baseline: list[dict[str, float]]
+) -> dict[str, Any]:
+    """GB/s of ``case`` over ``reps`` after one untimed rep, each rep paired with a memcpy
+    rep of the same pool, the two in turn (which goes first alternating), and the median
+    of the reps' own ratios to their memcpy: drift on a shared machine hits both alike.
+    The memcpy reps are appended to ``baseline`` (the pool's memcpy row)."""
     indices = pool.alloc(n * GEOMETRY["page"])
-    sets, gets, ok = [], [], True
-    for _rep in range(reps):
+    samples: dict[str, list[float]] = {"set": [], "get": [], "set_x": [], "get_x": []}
+    ok = True
+
+    def one(which: Case | None) -> tuple[float, float, bool]:
         fill(pool)
-        if case is None:
-            set_s, get_s = memcpy_case(pool, indices, n)
+        if which is None:
+            return (*memcpy_case(pool, indices, n), True)
+        keys = [os.urandom(32).hex() for _ in range(n)]
+        return which.run(keys, indices)
+
+    one(case)  # untimed: the first call connects and maps (the pool fills in behind)
+    for rep in range(reps):
+        if rep % 2:
+            (set_s, get_s, good), (base_set, base_get, _) = one(case), one(None)
         else:
-            keys = [os.urandom(32).hex() for _ in range(n)]
-            set_s, get_s, good = case.run(keys, indices)
-            ok = ok and good
-        sets.append(set_s)
-        gets.append(get_s)
+            (base_set, base_get, _), (set_s, get_s, good) = one(None), one(case)
+        ok = ok and good
+        samples["set"].append(set_s)
+        samples["get"].append(get_s)
+        samples["set_x"].append(base_set / set_s)
+        samples["get_x"].append(base_get / get_s)
+        baseline.append({"set": base_set, "get": base_get})
     pool.free(indices)
+    row = rate_row(tag, ok, samples, n, pool)
+    row |= {f"{op}_x": median_of(samples[f"{op}_x"]) for op in ("set", "get")}
+    return row
+
+
+def rate_row(
+    tag: str, ok: bool, samples: dict[str, list[float]], n: int, pool: Any
+) -> dict[str, Any]:
+    """A row of pages/s and GB/s from the seconds per set and per get of ``n`` pages."""
     nbytes = n * pool.get_size_per_token() * GEOMETRY["page"]
-    row = {"case": tag, "ok": ok}
-    for op, times in (("set", sets), ("get", gets)):
-        median = median_of(times)
+    row: dict[str, Any] = {"case": tag, "ok": ok}
+    for op in ("set", "get"):
+        median = median_of(samples[op])
         row[f"{op}_pages_s"] = n / median
         row[f"{op}_gb_s"] = nbytes / median / 1e9
     return row
+
+
+def memcpy_row(paired: list[dict[str, float]], n: int, pool: Any, tag: str) -> dict[str, Any]:
+    """The memcpy reps paired with the backends' reps of one pool, as one row."""
+    samples = {op: [p[op] for p in paired] for op in ("set", "get")}
+    return rate_row(tag, True, samples, n, pool)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,9 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory(dir=os.environ.get("TIERD_BENCH_DIR")) as tmp:
         work = Path(tmp)
-        rows.append(measure(None, pools["default"], n, reps, "memcpy (numpy, same pages)"))
-        # SGLang's shm pool is a memfd (tmpfs, shared): its own baseline for the shm rows.
-        rows.append(measure(None, pools["shm"], n, reps, "memcpy (numpy), shm pool"))
+        # Each backend's reps alternate with memcpy reps of its pool (SGLang's shm pool is
+        # a memfd, tmpfs and shared: its own baseline for the shm rows).
+        paired: dict[str, list[dict[str, float]]] = {"default": [], "shm": []}
         file_backend = StorageBackendFactory.create_backend(
             "file", storage_config({"file_storage_path": str(work / "file")}), pools["default"]
         )
@@ -282,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 n,
                 reps,
                 "SGLang file backend (reads from the page cache)",
+                paired["default"],
             )
         )
         rows.append(
@@ -297,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                 n,
                 reps,
                 "SGLang file backend, its files dropped from the page cache before get",
+                paired["default"],
             )
         )
         under = 2 * reps * n + 2 * n  # a disk tier under a CPU tier of one call
@@ -328,22 +364,33 @@ def main(argv: list[str] | None = None) -> int:
                             n,
                             reps,
                             f"tierd {label}, {how}",
+                            paired[alloc],
                         )
                     )
                     backend.close()
             finally:
                 proc.stop()
+    memcpy = [
+        memcpy_row(paired["default"], n, pools["default"], "memcpy (numpy, same pages)"),
+        memcpy_row(paired["shm"], n, pools["shm"], "memcpy (numpy), shm pool"),
+    ]
+    rows = memcpy + rows
     mib = block / 2**20
     print(
         f"pages of {mib:g} MiB, {n} pages per call, median of {reps}; set = batch_set_v1, "
         "get = batch_get_v1 (file: the generic batch_set/batch_get path)\n"
     )
-    print("| case | set pages/s | set GB/s | get pages/s | get GB/s | bytes checked |")
-    print("|---|---:|---:|---:|---:|---|")
+    print("x memcpy: the median of each rep's ratio to the memcpy rep of the same pool beside it\n")
+    columns = ["set pages/s", "set GB/s", "set x memcpy", "get pages/s", "get GB/s"]
+    print("| case | " + " | ".join(columns) + " | get x memcpy | bytes checked |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
+        set_x = f"{r['set_x']:.2f}x" if "set_x" in r else "-"
+        get_x = f"{r['get_x']:.2f}x" if "get_x" in r else "-"
         print(
-            f"| {r['case']} | {r['set_pages_s']:.0f} | {r['set_gb_s']:.2f} | "
-            f"{r['get_pages_s']:.0f} | {r['get_gb_s']:.2f} | {'yes' if r['ok'] else 'NO'} |"
+            f"| {r['case']} | {r['set_pages_s']:.0f} | {r['set_gb_s']:.2f} | {set_x} | "
+            f"{r['get_pages_s']:.0f} | {r['get_gb_s']:.2f} | {get_x} | "
+            f"{'yes' if r['ok'] else 'NO'} |"
         )
     return 0
 
