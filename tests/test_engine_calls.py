@@ -48,8 +48,9 @@ def test_the_route_is_the_documented_table() -> None:
     assert way("vllm", "load", **offered) is Way.STAGED
     assert way("vllm", "store", **offered) is Way.STAGED
     assert way("sglang", "load", **offered) is Way.LEASE
-    assert way("sglang", "store", **offered) is Way.ENGINE_REGION
-    assert way("sglang", "store", regions=True, engine_region=False, pool=True) is Way.LEASE
+    assert way("sglang", "store", **offered) is Way.LEASE
+    assert way("sglang", "store", regions=True, engine_region=True, pool=False) is Way.ENGINE_REGION
+    assert way("sglang", "store", regions=True, engine_region=False, pool=False) is Way.STAGED
     assert way("vllm", "load", regions=False, engine_region=False, pool=True) is Way.LEASE
     assert way("sglang", "load", regions=True, engine_region=True, pool=False) is Way.STAGED
     for (_, op), ways in PREFERENCES.items():
@@ -158,15 +159,20 @@ def _page_blocks(memory: np.ndarray, count: int) -> PageBlocks:
     return PageBlocks(memory, offsets, (half, half))
 
 
-@pytest.mark.parametrize("memfd", [True, False], ids=["memfd", "file-on-disk"])
-async def test_sglang_stores_hand_the_memfd_over_and_a_refusal_copies_at_once(
-    tmp_path: Path, spawn: Any, memfd: bool
+@pytest.mark.parametrize("case", ["pool", "memfd", "file-on-disk"])
+async def test_sglang_stores_copy_through_the_pool_and_hand_the_memfd_to_a_daemon_without_one(
+    tmp_path: Path, spawn: Any, case: str
 ) -> None:
-    """SGLang's store reads its memfd in the daemon (no copy here); the daemon refuses a
-    file that is not memory (a file on disk): the same call then copies through the
-    pool, and so does every later one (said once)."""
-    daemon = await spawn(daemon_config(tmp_path, cpu_blocks=64, block_bytes=BLOCK))
-    fd, memory = _pages(None if memfd else tmp_path / "pages", 6)
+    """SGLang's store copies into the daemon's pool on the calling thread when the daemon
+    offers one, even with the engine's memfd at hand (``pool``: nothing registered); a
+    daemon whose entry tier has no pool (a disk tier) is handed the memfd and reads it
+    itself (``memfd``); a file that is not memory (``file-on-disk``) is refused and the
+    same call goes through the connection's staging memfd, and so does every later one."""
+    config = daemon_config(tmp_path, cpu_blocks=64, block_bytes=BLOCK)
+    if case != "pool":
+        config["tiers"] = [t for t in config["tiers"] if t["kind"] == "disk"]
+    daemon = await spawn(config)
+    fd, memory = _pages(tmp_path / "pages" if case == "file-on-disk" else None, 6)
     link = link_to(daemon.socket_path, "sglang-like")
     calls = EngineCalls(
         link, "sglang", staging_rows=4, map_pool=True, memfd=EngineMemfd(fd, 6 * BLOCK)
@@ -177,13 +183,16 @@ async def test_sglang_stores_hand_the_memfd_over_and_a_refusal_copies_at_once(
         assert calls.store(ks, blocks, DEADLINE_S) == [True] * 6
         conn = calls.channel.here()
         assert conn is not None
-        assert ("engine" in conn.held) is memfd and calls.zero_copy is memfd
+        assert (conn.client.pool is not None) is (case == "pool")
+        assert ("engine" in conn.held) is (case == "memfd")
+        assert calls.zero_copy is (case != "file-on-disk")
         expected = memory.copy()
         memory[:] = 0
         outcome = calls.load(ks, blocks, DEADLINE_S, leading=True)
         assert outcome.loaded == tuple(range(6)) and outcome.error is None
         assert np.array_equal(memory, expected)
-        assert conn.client.pool is not None and "staging" not in conn.held  # loads: leases
+        # Loads copy on this thread: out of the pool, else out of the staging memfd.
+        assert ("staging" in conn.held) is (case != "pool")
         assert calls.store(keys("q", 2), _page_blocks(memory, 2), DEADLINE_S) == [True, True]
     finally:
         calls.close()

@@ -16,10 +16,20 @@ vLLM store            staged, lease, inline                       vLLM's rows ar
                                                                   daemon reads a copy
 SGLang load           lease, staged, inline                       one copy, on SGLang's own
                                                                   thread
-SGLang store          engine region, lease, staged, inline        no copy: the daemon reads
-                                                                  the host pool's memfd
-                                                                  (``"allocator": "shm"``)
+SGLang store          lease, engine region, staged, inline        one copy, on SGLang's own
+                                                                  thread (numpy, the GIL let
+                                                                  go), its own CPU's; engine
+                                                                  region where the daemon
+                                                                  has no pool: the daemon
+                                                                  reads the host pool's
+                                                                  memfd (``"allocator":
+                                                                  "shm"``)
 ====================  ==========================================  =========================
+
+SGLang's stores went the engine-region way first until the paired bench showed the
+daemon's reads of the memfd at 0.43x of a memcpy of the same pages against 0.88x for
+the lease copy (``scripts/bench sglang``, docs/BENCHMARKS.md); the lease copy also
+spends the tenant's own thread, not the daemon's copy threads that every tenant shares.
 
 A way is offered when the connection has what it needs: the daemon's regions (staged,
 engine region: not refused yet), the engine's memfd (engine region), the daemon's pool
@@ -51,7 +61,7 @@ PREFERENCES: dict[tuple[Engine, Op], tuple[Way, ...]] = {
     ("vllm", "load"): (Way.STAGED, Way.LEASE, Way.INLINE),
     ("vllm", "store"): (Way.STAGED, Way.LEASE, Way.INLINE),
     ("sglang", "load"): (Way.LEASE, Way.STAGED, Way.INLINE),
-    ("sglang", "store"): (Way.ENGINE_REGION, Way.LEASE, Way.STAGED, Way.INLINE),
+    ("sglang", "store"): (Way.LEASE, Way.ENGINE_REGION, Way.STAGED, Way.INLINE),
 }
 
 

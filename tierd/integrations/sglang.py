@@ -84,7 +84,7 @@ class SglangSettings:
     connect_timeout_s: float = 5.0
     reconnect_max_s: float = 10.0
     server_uids: tuple[int, ...] = ()
-    zero_copy: bool = True  # hand the host pool's memfd to the daemon when there is one
+    zero_copy: bool = True  # may hand the host pool's memfd to a daemon without a pool
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> SglangSettings:
@@ -160,7 +160,7 @@ class TierdHiCache(HiCacheStorage):
             namespace=self.namespace,
             page_bytes=geometry.page_bytes,
             layout=geometry.layout,
-            memfd_hand_off=jobs.zero_copy,
+            memfd_offered=jobs.zero_copy,  # used for stores when the daemon has no pool
             writer=self.is_writer,
             connected=link.connected,
         )

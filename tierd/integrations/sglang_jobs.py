@@ -10,10 +10,11 @@ threads never wait on each other, nor on an event loop's thread), down the way
   the call has given up. (A ``region_load`` into SGLang's pool could not promise that: a
   daemon copy call that started before the deadline may end after it; 8 MiB pieces
   landed up to 61 ms late.)
-- **stores** hand the daemon the host pool's memfd when SGLang allocated it so
-  (``"allocator": "shm"``), registered once per connection; the daemon reads the pages
-  itself, and keeps nothing it read past the call's deadline (the job's ``expires``).
-  Else they copy into the daemon's pool (leases).
+- **stores** copy into the daemon's pool (leases) on the caller's thread, the same one
+  copy. Only a daemon whose entry tier has no pool (not a CPU tier) is handed the host
+  pool's memfd when SGLang allocated it so (``"allocator": "shm"``), registered once per
+  connection; the daemon then reads the pages itself, and keeps nothing it read past the
+  call's deadline (the job's ``expires``).
 
 Every method raises only :class:`~tierd.errors.TierdError` and ``OSError``; the backend
 turns them into misses and failed sets.
