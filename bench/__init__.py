@@ -17,6 +17,7 @@ HELPERS = frozenset(
         "daemon_wire",
         "figures",
         "fragment",
+        "pagecache",
         "remote_lookups",
         "remote_report",
         "remote_servers",

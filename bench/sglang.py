@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.figures import median_of
+from bench.pagecache import drop_cached
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -203,20 +204,6 @@ def push_out(backend: Any, pool: Any, n: int) -> None:
             raise RuntimeError("the push-out store failed")
     finally:
         pool.free(indices)
-
-
-def drop_cached(directory: Path) -> None:
-    """Write back and drop from the page cache every file under ``directory`` (these
-    files only, untimed), so the next reads come from the drive, as tierd's O_DIRECT
-    reads of its disk tier do."""
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def fill(pool: Any) -> None:

@@ -17,12 +17,18 @@ Each run takes fresh prompts of ``--prompt-tokens`` (2064) and, engine by engine
 order rotates run by run: the machine is shared and noisy), times ``generate`` with one
 output token (TTFT):
 
-- ``cold``: one prompt, nothing cached anywhere; ``burst8``: eight prompts in one generate;
+- ``cold``: one prompt, nothing cached anywhere; ``burst8``: eight prompts in one generate,
+  then (untimed) a few steps of a tiny prompt, so that the burst's last stores reach the
+  secondary tier before it is read (``settle`` in ``bench/vllm_worker.py``);
 - ``served``: after ``reset_prefix_cache(reset_connector=True)`` (vLLM's prefix cache and
   CPU tier empty) the cold prompt again, its prefix from the secondary tier (fs, tierd's CPU
   tier); ``served_disk``: the same after tierd's ``flush`` and ``clear --tier cpu``;
   ``served8`` / ``served8_disk``: the same for the burst's eight prompts in one generate
-  (eight prefixes from the tier together; ratios against plain's ``burst8``).
+  (eight prefixes from the tier together; ratios against plain's ``burst8``). For the fs
+  tier, ``served_disk`` / ``served8_disk`` are the same after its files are written back
+  and dropped from the page cache (``bench/pagecache.py``): read from the drive, as
+  tierd's disk tier reads them (O_DIRECT). tierd's ``served*`` rows also give their ratio
+  to fs's same row ("x fs").
 
 Then ``--hung-runs`` rounds with the daemon stopped (SIGSTOP): three fresh prompts in one
 generate (``hung3``, against plain's ``burst3``) and a ``reset_prefix_cache`` (``reset``).
@@ -53,6 +59,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.figures import median_of
+from bench.pagecache import drop_cached
 
 if TYPE_CHECKING:
     from tierd.testing import DaemonProcess
@@ -229,6 +236,7 @@ def one_run(
     socket_path: str,
     rng: random.Random,
     run: int,
+    directory: Path,
 ) -> dict[tuple[str, str, str], tuple[float, list[int]]]:
     """Every engine's figures for one run: (shape, kind, measure) -> (seconds, cached)."""
     print(f"bench_vllm: run {run}", file=sys.stderr, flush=True)
@@ -253,14 +261,18 @@ def one_run(
 
             gen("cold", [cold])
             gen("burst8", burst)
+            w.ask(op="settle")  # every prompt's stores in the secondary tier (untimed)
             if kind != "plain":
                 w.ask(op="reset")
                 gen("served", [cold])
                 w.ask(op="reset")
                 gen("served8", burst)  # eight prefixes served together
+            if kind == "fs":  # from the drive, as tierd's disk tier reads (O_DIRECT)
+                drop_cached(directory / f"fs-{shape.name}")
             if kind.startswith("tierd"):
                 asyncio.run(control(socket_path, "flush"))
                 asyncio.run(control(socket_path, "clear-cpu"))
+            if kind == "fs" or kind.startswith("tierd"):
                 w.ask(op="reset")
                 gen("served_disk", [cold])
                 w.ask(op="reset")
@@ -318,6 +330,12 @@ def summarize(samples: list[dict[tuple[str, str, str], tuple[float, list[int]]]]
                 "ratio_to_plain": round(value / plain, 3) if plain else None,
                 "cached_tokens": sorted(set(cached[s, kind, measure])),
             }
+            # tierd's tier against vLLM's fs tier, the same measure: served from
+            # tierd's CPU tier against fs from the page cache, from tierd's disk tier
+            # against fs with its files dropped from the cache (``_disk``).
+            fs_tier = medians.get((s, "fs", measure))
+            if kind == "tierd" and measure.startswith("served") and fs_tier:
+                rows[f"{kind}.{measure}"]["ratio_to_fs"] = round(value / fs_tier, 3)
             events_only = medians.get((s, "tierd-ev", measure))
             if kind == "tierd-desc" and events_only:
                 rows[f"{kind}.{measure}"]["ratio_to_tierd_ev"] = round(value / events_only, 3)
@@ -331,8 +349,9 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"\n{shape}:")
         for name, row in rows.items():
             ratio = row["ratio_to_plain"]
-            to_ev = row.get("ratio_to_tierd_ev")
+            to_ev, to_fs = row.get("ratio_to_tierd_ev"), row.get("ratio_to_fs")
             beside = f"  {to_ev:5.2f}x tierd-ev" if to_ev is not None else ""
+            beside += f"  {to_fs:5.2f}x fs" if to_fs is not None else ""
             print(
                 f"  {name:<24} {row['median_ms']:9.1f} ms  {ratio:6.2f}x{beside}  "
                 f"cached {row['cached_tokens']}"
@@ -355,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             kinds = kinds_of(args)
             workers = start_workers(directory, models, socket_path, args.prompt_tokens, kinds)
             runs = range(args.runs + 1)
-            samples = [one_run(args, workers, socket_path, rng, run) for run in runs]
+            samples = [one_run(args, workers, socket_path, rng, run, directory) for run in runs]
             samples = samples[1:]  # the first run warms every engine up
             hung = 0 if args.describe else args.hung_runs
             samples += [hung_run(args, workers, daemon, rng) for _ in range(hung)]

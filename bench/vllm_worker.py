@@ -17,6 +17,13 @@ one JSON line:
   output token (the prefill: TTFT); ``{"seconds", "cached": [num_cached_tokens, ...]}``;
 - ``{"op": "reset"}``: ``reset_prefix_cache(reset_connector=True)`` (vLLM's prefix cache
   and its CPU tier emptied; secondary tiers kept); ``{"seconds", "ok"}``;
+- ``{"op": "settle"}``: three steps of a 4-token prompt (under a block: nothing stored),
+  0.2 s apart, so that the stores of the last generate reach the secondary tiers. An
+  idle offline engine takes no step: the copies of a generate's last request to vLLM's
+  CPU tier finish after it, and their cascade to the secondary tiers is only submitted
+  at the engine's next step. Without this, the next generate's first step looked those
+  chunks up before they were written (one prompt of a burst served 320 of 2,048 tokens,
+  from vLLM's fs tier and tierd alike); ``{"seconds"}``;
 - ``{"op": "quit"}``.
 """
 
@@ -82,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [TokensPrompt(prompt_token_ids=ids) for ids in command["prompts"]]
             results = llm.generate(prompts, params, use_tqdm=False)
             answer: dict[str, Any] = {"cached": [r.num_cached_tokens for r in results]}
+        elif op == "settle":
+            for _ in range(3):
+                llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7, 8])], params, use_tqdm=False)
+                time.sleep(0.2)
+            answer = {}
         elif op == "reset":
             answer = {"ok": bool(llm.reset_prefix_cache(reset_connector=True))}
         else:
