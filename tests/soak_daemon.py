@@ -22,7 +22,7 @@ Imported (by the soak kit, ``tests/soak_*.py``, and the tests): :func:`content`,
 :class:`FaultPlan`, :class:`FaultControl`, :class:`FaultFileIO`.
 
 The fault layer fails or slows only the block transfers of the slab (a ``pwritev`` or
-``preadv`` of a header page plus the block's data: exactly two buffers); the superblock,
+``preadv`` of a header page plus the block's data, two buffers per block); the superblock,
 the O_DIRECT probe and the header scan at recovery go through untouched, so a fault plan
 never stops a daemon from starting. ``disk_full`` mode also fails the journal's and the
 snapshot's ``write`` calls with ENOSPC, as a file system with no room left would.
@@ -183,7 +183,7 @@ class FaultFileIO(FileIO):
         return super().pwritev(fd, buffers, offset)
 
     def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-        if len(buffers) != 2:  # the superblock, the probe, the header scan of a recovery
+        if len(buffers) < 2:  # the superblock, the probe, the header scan of a recovery
             return super().preadv(fd, buffers, offset)
         plan = self.control.plan()
         self._slow(plan)

@@ -64,8 +64,8 @@ async def read_back(chain: TierChain, keys: list[BlockKey]) -> None:
 
 
 class FaultyIO(FileIO):
-    """Fails block writes and/or block reads (the two-buffer ``pwritev``/``preadv`` of a
-    header page plus data) with ``errno`` while armed; superblock, probe and journal I/O
+    """Fails block writes and/or block reads (a ``pwritev``/``preadv`` of a header page
+    plus data, per block) with ``errno`` while armed; superblock, probe and journal I/O
     pass through, so the store opens and closes normally."""
 
     def __init__(self, code: int = errno.EIO) -> None:
@@ -82,7 +82,7 @@ class FaultyIO(FileIO):
         return super().pwritev(fd, buffers, offset)
 
     def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-        if self.fail_reads and len(buffers) == 2:
+        if self.fail_reads and len(buffers) >= 2:  # a block read (one or adjacent ones)
             self.failed_reads += 1
             raise OSError(self.code, os.strerror(self.code))
         return super().preadv(fd, buffers, offset)

@@ -62,10 +62,11 @@ class FaultyIO(FileIO):
         return super().pwritev(fd, buffers, offset)
 
     def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-        if self.read_fault and len(buffers) == 2:
+        # Block reads: a header page and a body per block (blocks of adjacent slots in one).
+        if self.read_fault and len(buffers) >= 2:
             raise OSError(self.read_fault, os.strerror(self.read_fault))
-        if len(buffers) == 2:
-            self.data_addresses.append(address_of(buffers[1]))
+        if len(buffers) >= 2:
+            self.data_addresses += [address_of(body) for body in buffers[1::2]]
         return super().preadv(fd, buffers, offset)
 
 
@@ -361,6 +362,49 @@ async def test_flipped_bytes_read_as_failed(tmp_path: Path, where: int) -> None:
         assert await get(store, 2, 2) is None
         assert store.stats().details["checksum_failures"] == 1
         assert [await get(store, s, s) for s in (0, 1, 3)] == [block(0), block(1), block(3)]
+
+
+class RunIO(FileIO):
+    """Counts block reads (a header page and a body per block) by blocks per call; with
+    ``short_runs``, a read of several blocks comes back one byte short."""
+
+    def __init__(self, short_runs: bool = False) -> None:
+        self.blocks_per_read: list[int] = []
+        self.short_runs = short_runs
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if len(buffers) >= 2:
+            self.blocks_per_read.append(len(buffers) // 2)
+            if self.short_runs and len(buffers) > 2:
+                return super().preadv(fd, buffers, offset) - 1
+        return super().preadv(fd, buffers, offset)
+
+
+@pytest.mark.parametrize("short", [False, True], ids=["whole", "short-read"])
+async def test_adjacent_slots_are_read_at_once_and_each_block_checked(
+    tmp_path: Path, short: bool
+) -> None:
+    """Eight blocks of adjacent slots come back in one ``preadv`` (a header page and a
+    body each); a flipped byte in the middle one fails that block only. A read of
+    several blocks that comes back short is made again a block at a time."""
+    async with store_at(tmp_path) as store:
+        await put(store, range(8))
+    with (tmp_path / "tierd-slab.bin").open("r+b") as f:
+        f.seek(ALIGN + 5 * SLOT + ALIGN + 99)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    io = RunIO(short_runs=short)
+    async with store_at(tmp_path, fileio=io, read_threads=1) as store:
+        outs = [aligned_buffer(BB) for _ in range(8)]
+        io.blocks_per_read.clear()
+        got = await store.read(list(range(8)), [int_key(i) for i in range(8)], outs)
+        assert got == [i != 5 for i in range(8)]
+        assert [bytes(outs[i]) for i in range(8) if i != 5] == [
+            block(i) for i in range(8) if i != 5
+        ]
+        assert io.blocks_per_read == ([8] + [1] * 8 if short else [8])
+        assert store.stats().details["checksum_failures"] == 1
 
 
 @pytest.mark.parametrize("fault", [errno.ENOSPC, errno.EIO, "short"])

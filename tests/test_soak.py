@@ -359,7 +359,8 @@ async def test_failed_promotion_reads_are_a_miss(tmp_path: Path, faults: FaultCo
         faults.set(FaultPlan(read_rate=1.0))
         assert await client.load(keys[:8]) == []
         assert tier(await client.stats(), "disk")["io_errors"] - before == 8
-        assert faults.counters()["read_eio"] == 8
+        # Every block's own read failed (adjacent blocks are tried together first).
+        assert faults.counters()["read_eio"] >= 8
         faults.set(FaultPlan())
         assert (await client.lookup(keys[:8])).count == 0
         # The promotion made room first: the other 8 went down to DISK and read back fine.

@@ -4,7 +4,9 @@ A block is written as one ``pwritev`` of a 4096-byte header page (slot, generati
 length, xxh3 of the data, xxh3 of the header; :mod:`tierd.stores.disk_index`) and the
 data, and read back as one ``preadv`` whose header must name the expected slot, key,
 generation and length and whose data must match its checksum: a torn, stale or corrupted
-block reads as :data:`BAD_BLOCK`, never as wrong bytes.
+block reads as :data:`BAD_BLOCK`, never as wrong bytes. Blocks of adjacent slots are read
+in one ``preadv`` (each header page, each block's data; :func:`read_run`) and each
+checked the same way: at 128 KiB blocks a load from disk was one system call per block.
 
 This module owns that per-block routine and the per-thread, page-aligned staging page it
 goes through when O_DIRECT is on and the caller's buffer is not page-aligned and a
@@ -27,6 +29,8 @@ __all__ = [
     "ReadJob",
     "WriteJob",
     "read_block",
+    "read_run",
+    "runs_with",
     "staging",
     "write_block",
 ]
@@ -78,9 +82,8 @@ def read_block(io: FileIO, fd: int, offset: int, job: ReadJob, data_io: int, o_d
     """Read the block at ``offset`` into ``job``'s buffer and check it against the job's
     slot, key and generation; :data:`OK`, :data:`BAD_BLOCK` or an errno (the buffer then
     holds unspecified bytes)."""
-    local, key, gen, out = job
+    out = job[3]
     page = staging(ALIGN + data_io)
-    bb = len(out)
     direct = not o_direct or _direct_ok(out, data_io)
     body = out if direct else page[ALIGN : ALIGN + data_io]
     try:
@@ -89,11 +92,79 @@ def read_block(io: FileIO, fd: int, offset: int, job: ReadJob, data_io: int, o_d
         return exc.errno or errno.EIO
     if done != ALIGN + len(body):
         return errno.EIO
-    hdr = di.BlockHeader.unpack(page[:ALIGN])
-    if hdr is None or (hdr.slot, hdr.key, hdr.gen, hdr.data_len) != (local, key, gen, bb):
+    code = _checked(page[:ALIGN], job, body[: len(out)])
+    if code == OK and not direct:
+        out[:] = body[: len(out)]
+    return code
+
+
+def read_run(
+    io: FileIO, fd: int, offset: int, jobs: list[ReadJob], data_io: int, o_direct: bool
+) -> list[int]:
+    """Read blocks of adjacent slots, the first at ``offset``, with one ``preadv`` (each
+    header page, then each job's buffer, which must be ``data_io`` bytes and, under
+    O_DIRECT, page-aligned: :func:`runs_with`), and check each as :func:`read_block`
+    does. A read that fails or comes back short is made again a block at a time, so each
+    block gets its own code."""
+    heads = _heads(len(jobs))
+    buffers: list[memoryview] = []
+    for i, job in enumerate(jobs):
+        buffers += [heads[i * ALIGN : (i + 1) * ALIGN], job[3]]
+    try:
+        done = io.preadv(fd, buffers, offset)
+    except OSError:
+        done = -1
+    if done != len(jobs) * (ALIGN + data_io):
+        at = [offset + i * (ALIGN + data_io) for i in range(len(jobs))]
+        return [read_block(io, fd, a, j, data_io, o_direct) for a, j in zip(at, jobs, strict=True)]
+    return [_checked(heads[i * ALIGN : (i + 1) * ALIGN], j, j[3]) for i, j in enumerate(jobs)]
+
+
+def runs_with(jobs: list[ReadJob], data_io: int, o_direct: bool) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of ``jobs`` that :func:`read_run` can read at once:
+    consecutive jobs of consecutive slots whose buffers are ``data_io`` bytes (and
+    page-aligned under O_DIRECT), at most :data:`RUN_BLOCKS`; every other job is a run
+    of one."""
+    fits = [_runnable(job[3], data_io, o_direct) for job in jobs]
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(jobs) + 1):
+        joins = (
+            i < len(jobs)
+            and i - start < RUN_BLOCKS
+            and jobs[i][0] == jobs[i - 1][0] + 1
+            and fits[i]
+            and fits[start]
+        )
+        if not joins:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+RUN_BLOCKS = 64  # blocks per preadv at most (two buffers each, well under IOV_MAX)
+
+
+def _runnable(view: memoryview, data_io: int, o_direct: bool) -> bool:
+    return _direct_ok(view, data_io) if o_direct else len(view) == data_io
+
+
+def _checked(head: memoryview, job: ReadJob, body: memoryview) -> int:
+    """Whether the header page and the data read match ``job``'s slot, key,
+    generation, length and checksum: :data:`OK` or :data:`BAD_BLOCK`."""
+    local, key, gen, out = job
+    hdr = di.BlockHeader.unpack(head)
+    if hdr is None or (hdr.slot, hdr.key, hdr.gen, hdr.data_len) != (local, key, gen, len(out)):
         return BAD_BLOCK
-    if di.data_checksum(body[:bb]) != hdr.data_xxh3:
+    if di.data_checksum(body) != hdr.data_xxh3:
         return BAD_BLOCK
-    if not direct:
-        out[:] = body[:bb]
     return OK
+
+
+def _heads(count: int) -> memoryview:
+    """This thread's page-aligned buffer of ``count`` header pages."""
+    buf: memoryview | None = getattr(_tls, "heads", None)
+    if buf is None or len(buf) < count * ALIGN:
+        buf = aligned_buffer(count * ALIGN)
+        _tls.heads = buf
+    return buf[: count * ALIGN]

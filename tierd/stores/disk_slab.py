@@ -34,6 +34,8 @@ from tierd.stores.disk_block import (
     ReadJob,
     WriteJob,
     read_block,
+    read_run,
+    runs_with,
     staging,
     write_block,
 )
@@ -222,8 +224,17 @@ class Slab:
         return codes
 
     def read_chunk(self, jobs: list[ReadJob]) -> list[int]:
+        """Per job, its code; blocks of adjacent slots are read together (one
+        ``preadv`` per run: fewer, larger reads)."""
         fd, size, direct = self._fd, self.data_io, self.o_direct
-        return [read_block(self.io, fd, self.offset(j[0]), j, size, direct) for j in jobs]
+        codes: list[int] = []
+        for start, end in runs_with(jobs, size, direct):
+            at = self.offset(jobs[start][0])
+            if end - start == 1:
+                codes.append(read_block(self.io, fd, at, jobs[start], size, direct))
+            else:
+                codes += read_run(self.io, fd, at, jobs[start:end], size, direct)
+        return codes
 
     # -- open / close (I/O thread) -----------------------------------------------------
 
