@@ -106,7 +106,7 @@ def read_run(
     O_DIRECT, page-aligned: :func:`runs_with`), and check each as :func:`read_block`
     does. A read that fails or comes back short is made again a block at a time, so each
     block gets its own code."""
-    heads = _heads(len(jobs))
+    heads = staging(len(jobs) * ALIGN)  # read_block's page, if it runs, comes after
     buffers: list[memoryview] = []
     for i, job in enumerate(jobs):
         buffers += [heads[i * ALIGN : (i + 1) * ALIGN], job[3]]
@@ -159,12 +159,3 @@ def _checked(head: memoryview, job: ReadJob, body: memoryview) -> int:
     if di.data_checksum(body) != hdr.data_xxh3:
         return BAD_BLOCK
     return OK
-
-
-def _heads(count: int) -> memoryview:
-    """This thread's page-aligned buffer of ``count`` header pages."""
-    buf: memoryview | None = getattr(_tls, "heads", None)
-    if buf is None or len(buf) < count * ALIGN:
-        buf = aligned_buffer(count * ALIGN)
-        _tls.heads = buf
-    return buf[: count * ALIGN]
