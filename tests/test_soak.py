@@ -301,7 +301,8 @@ async def test_failed_demotion_writes_drop_the_blocks(
         assert tier(stats, "disk")["io_errors"] == 16
         assert tier(stats, "cpu")["dropped"] == 16
         assert tier(stats, "disk")["used"] == 0
-        assert faults.counters()[f"write_{mode}"] == 16
+        # Every block's own write failed (adjacent blocks are tried together first).
+        assert faults.counters()[f"write_{mode}"] >= 16
         assert [(await client.lookup([k])).count for k in keys[:16]] == [0] * 16
         assert await client.load(keys[16:24]) == blocks(keys[16:24])
 

@@ -33,6 +33,7 @@ __all__ = [
     "runs_with",
     "staging",
     "write_block",
+    "write_run",
 ]
 
 OK = 0  # a chunk routine's per-block result; a positive value is an errno
@@ -62,11 +63,11 @@ def write_block(
 ) -> int:
     """Write ``job``'s header page and data at ``offset`` (``data_io``: the data's size
     rounded up to a page); :data:`OK` or an errno."""
-    local, key, gen, data = job
+    data = job[3]
     page = staging(ALIGN + data_io)
     hdr = page[:ALIGN]
     bb = len(data)
-    di.BlockHeader(local, gen, key, bb, di.data_checksum(data)).pack_into(hdr)
+    _header(job).pack_into(hdr)
     body = data
     if o_direct and not _direct_ok(data, data_io):
         body = page[ALIGN : ALIGN + data_io]
@@ -76,6 +77,36 @@ def write_block(
     except OSError as exc:
         return exc.errno or errno.EIO
     return OK if done == ALIGN + len(body) else errno.ENOSPC
+
+
+def write_run(
+    io: FileIO, fd: int, offset: int, jobs: list[WriteJob], data_io: int, o_direct: bool
+) -> list[int]:
+    """Write blocks of adjacent slots, the first at ``offset``, with one ``pwritev``
+    (each header page, then each job's data, which must be ``data_io`` bytes and, under
+    O_DIRECT, page-aligned: :func:`runs_with`). A write that fails or comes back short
+    is made again a block at a time (each block rewritten whole, with the same header),
+    so each block gets its own code. Crash-wise it is those writes in a row: each block
+    is judged at recovery by its own header and checksum."""
+    heads = staging(len(jobs) * ALIGN)  # write_block's page, if it runs, comes after
+    buffers: list[memoryview] = []
+    for i, job in enumerate(jobs):
+        head = heads[i * ALIGN : (i + 1) * ALIGN]
+        _header(job).pack_into(head)
+        buffers += [head, job[3]]
+    try:
+        done = io.pwritev(fd, buffers, offset)
+    except OSError:
+        done = -1
+    if done == len(jobs) * (ALIGN + data_io):
+        return [OK] * len(jobs)
+    at = [offset + i * (ALIGN + data_io) for i in range(len(jobs))]
+    return [write_block(io, fd, a, j, data_io, o_direct) for a, j in zip(at, jobs, strict=True)]
+
+
+def _header(job: WriteJob) -> di.BlockHeader:
+    local, key, gen, data = job
+    return di.BlockHeader(local, gen, key, len(data), di.data_checksum(data))
 
 
 def read_block(io: FileIO, fd: int, offset: int, job: ReadJob, data_io: int, o_direct: bool) -> int:
@@ -120,11 +151,13 @@ def read_run(
     return [_checked(heads[i * ALIGN : (i + 1) * ALIGN], j, j[3]) for i, j in enumerate(jobs)]
 
 
-def runs_with(jobs: list[ReadJob], data_io: int, o_direct: bool) -> list[tuple[int, int]]:
-    """``(start, end)`` of each run of ``jobs`` that :func:`read_run` can read at once:
-    consecutive jobs of consecutive slots whose buffers are ``data_io`` bytes (and
-    page-aligned under O_DIRECT), at most :data:`RUN_BLOCKS`; every other job is a run
-    of one."""
+def runs_with(
+    jobs: list[ReadJob] | list[WriteJob], data_io: int, o_direct: bool
+) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of ``jobs`` that :func:`read_run` or
+    :func:`write_run` can move at once: consecutive jobs of consecutive slots whose
+    buffers are ``data_io`` bytes (and page-aligned under O_DIRECT), at most
+    :data:`RUN_BLOCKS`; every other job is a run of one."""
     fits = [_runnable(job[3], data_io, o_direct) for job in jobs]
     runs: list[tuple[int, int]] = []
     start = 0

@@ -2,11 +2,11 @@
 
 A :class:`Slab` owns the file descriptors and their lock, the in-memory slot index with
 its journal, the blocking per-chunk I/O routines that the store runs on its thread pools
-(each block's own write and checked read are :mod:`tierd.stores.disk_block`'s), and the
-order of opening and closing. Everything here except the ``*_chunk``, ``*_sync``
-and ``flush_journal`` methods runs on the event loop's thread and never blocks. What
-opening finds out (the superblock, the O_DIRECT probe, the index recovered after a crash)
-is :mod:`tierd.stores.disk_open`.
+(each block's own write and checked read, alone or in a run of adjacent slots, are
+:mod:`tierd.stores.disk_block`'s), and the order of opening and closing. Everything here
+but the ``*_chunk``, ``*_sync`` and ``flush_journal`` methods runs on the event loop's
+thread and never blocks. What opening finds out (the superblock, the O_DIRECT probe, the
+index recovered after a crash) is :mod:`tierd.stores.disk_open`.
 
 Slab layout: a 4096-byte superblock (magic ``TIERDSLB``, geometry, slab uuid, xxh3), then
 ``local_slots`` slots of ``slot_size`` bytes: one 4096-byte header page (see
@@ -20,6 +20,7 @@ import fcntl
 import os
 import time
 import uuid as uuidlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -38,6 +39,7 @@ from tierd.stores.disk_block import (
     runs_with,
     staging,
     write_block,
+    write_run,
 )
 from tierd.stores.disk_open import (
     Resume,
@@ -60,6 +62,7 @@ _LOCKED = frozenset({errno.EAGAIN, errno.EWOULDBLOCK})
 _log = get_logger("tierd.disk")
 _NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
 _WARN_EVERY_S = 5.0  # at most one journal warning per slab this often
+_Run = Callable[..., list[int]]  # read_run or write_run
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,8 +217,7 @@ class Slab:
         failed = self.flush_journal(self.cfg.sync)
         if failed:
             return [failed] * len(jobs)
-        fd, size, direct = self._fd, self.data_io, self.o_direct
-        codes = [write_block(self.io, fd, self.offset(j[0]), j, size, direct) for j in jobs]
+        codes = self._by_runs(jobs, write_block, write_run)
         if self.cfg.sync and OK in codes:
             try:
                 self.io.fdatasync(self._fd)
@@ -224,16 +226,20 @@ class Slab:
         return codes
 
     def read_chunk(self, jobs: list[ReadJob]) -> list[int]:
-        """Per job, its code; blocks of adjacent slots are read together (one
-        ``preadv`` per run: fewer, larger reads)."""
+        """Per job, its code (blocks of adjacent slots read together)."""
+        return self._by_runs(jobs, read_block, read_run)
+
+    def _by_runs(self, jobs: list[Any], one: Callable[..., int], run: _Run) -> list[int]:
+        """Per job, its code: a run of adjacent slots (:func:`runs_with`) moved by ``run``
+        in one system call, a lone block by ``one``."""
         fd, size, direct = self._fd, self.data_io, self.o_direct
         codes: list[int] = []
         for start, end in runs_with(jobs, size, direct):
             at = self.offset(jobs[start][0])
             if end - start == 1:
-                codes.append(read_block(self.io, fd, at, jobs[start], size, direct))
+                codes.append(one(self.io, fd, at, jobs[start], size, direct))
             else:
-                codes += read_run(self.io, fd, at, jobs[start:end], size, direct)
+                codes += run(self.io, fd, at, jobs[start:end], size, direct)
         return codes
 
     # -- open / close (I/O thread) -----------------------------------------------------
