@@ -278,11 +278,15 @@ class RegionRequests:
                 )
             else:
                 source.update(zip(handle.keys, views, strict=True))
-        found = [i for i, key in enumerate(keys) if key in source]
-        if not found:
-            return {}
-        blocks = [source[keys[i]] for i in found]
-        wrote = await self._copy(write_region, fd, offsets[found], blocks, how)
+        if all(map(source.__contains__, keys)):  # the common case, at C speed
+            found: Sequence[int] = range(len(keys))
+            rows, blocks = offsets, list(map(source.__getitem__, keys))
+        else:
+            found = [i for i, key in enumerate(keys) if key in source]
+            if not found:
+                return {}
+            rows, blocks = offsets[found], [source[keys[i]] for i in found]
+        wrote = await self._copy(write_region, fd, rows, blocks, how)
         return dict(zip(found, wrote, strict=True))
 
 
