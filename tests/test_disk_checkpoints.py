@@ -294,3 +294,32 @@ async def test_a_crash_after_the_opening_snapshot_never_replays_a_stale_journal(
     async with store_at(dead, num_blocks=slots) as store:
         assert store.stats().details["recovery"] == ["crash"]
         assert store.index() == expected
+
+
+async def test_a_write_goes_through_while_a_checkpoint_walks_a_big_index(tmp_path: Path) -> None:
+    """A checkpoint walks the index a slice per loop turn. A block write made meanwhile
+    runs on the store's writer thread, which needs the GIL: between two slices the loop
+    hands it over (``tierd.stores.base.next_turn``), so the write ends while the walk
+    still goes on. With ``asyncio.sleep(0)`` between slices the thread never got the GIL
+    until the walk had ended (a write waited 200-300 ms at a million blocks)."""
+    n = 400_000
+    store = DiskStore(
+        num_blocks=n, block_bytes=4096, directories=[tmp_path], fsync="none",
+        journal_limit_bytes=4 * 88,  # a few journal records: a checkpoint is due at once
+    )  # fmt: skip
+    await store.open()
+    try:
+        slab = store._slabs[0]  # an index as a long-running store fills it (no data)
+        slab.entries.update((i, (int_key(i + 1_000_000_000), i + 1)) for i in range(n))
+        slab.next_gen = n + 1
+        data = [bytes(4096)]
+        for i in range(64):
+            await store.write([i % 8], [int_key(i)], data)
+            if slab.walk is not None:
+                break
+        assert slab.walk is not None, "no checkpoint started"
+        walk = slab.walk
+        assert await store.write([9], [int_key(10**6)], data) == [True]
+        assert slab.walk is walk and walk.cursor < walk.end  # the walk is still under way
+    finally:
+        await store.close()

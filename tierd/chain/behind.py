@@ -38,6 +38,7 @@ from tierd.chain.levels import ChainLevels
 from tierd.chain.moves import Movement
 from tierd.errors import TierdError
 from tierd.keys import BlockKey
+from tierd.stores.base import next_turn
 
 __all__ = ["BATCH_BLOCKS", "BATCH_BYTES", "WriteBehind"]
 
@@ -103,7 +104,7 @@ class WriteBehind:
                         break
             batch = list(dict.fromkeys(batch))
             if not batch:  # a run of keys gone or copied already
-                await asyncio.sleep(0)
+                await next_turn()
                 continue
             try:
                 moved = await self._moves.copy_down(index, batch)

@@ -25,6 +25,7 @@ from tierd.chain.pending import PendingWrites
 from tierd.errors import BlockMissing
 from tierd.keys import BlockKey, Medium
 from tierd.stores import BlockStore
+from tierd.stores.base import next_turn
 from tierd.tier import StorePlan, Tier
 from tierd.transfer import TransferEngine
 
@@ -110,7 +111,7 @@ class Loading:
         deepest = target
         for start in range(0, len(keys), LOAD_PIECE):
             if start:
-                await asyncio.sleep(0)  # let other clients' requests in between pieces
+                await next_turn()  # other clients' requests, and threads, between pieces
             piece = keys[start : start + LOAD_PIECE]
             deepest = max(deepest, await self._gather(target, piece, pinned, deadline))
             if _leading_run(piece, pinned) != len(piece):

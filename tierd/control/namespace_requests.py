@@ -22,7 +22,6 @@ time. ``namespaces`` costs the number of namespaces, not of blocks (the chain's 
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Protocol
 
 from tierd.chain import Deleted
@@ -32,6 +31,7 @@ from tierd.control.protocol import NAMESPACE_ID_BYTES, ErrorCode, keys_field, op
 from tierd.control.tenants import Grant, Tenant
 from tierd.errors import ProtocolError
 from tierd.keys import MAX_KEY_BYTES, BlockKey
+from tierd.stores.base import next_turn
 
 __all__ = ["WALK_SLICE", "NamespaceRequests"]
 
@@ -243,7 +243,7 @@ async def _delete_starting(tenant: Tenant, start: bytes) -> Deleted:
                 done = chain.delete(found)
                 removed, busy = removed + done.removed, busy + done.busy
                 handled.update(found)
-            await asyncio.sleep(0)  # a large namespace goes without stalling others
+            await next_turn()  # a large namespace goes without stalling others (nor threads)
     return Deleted(removed, busy)
 
 

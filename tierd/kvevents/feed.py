@@ -31,6 +31,7 @@ from tierd.kvevents import wire
 from tierd.kvevents.book import DescriptorBook, Entry
 from tierd.kvevents.book_file import BookFile
 from tierd.logs import get_logger
+from tierd.stores.base import next_turn
 
 if TYPE_CHECKING:
     from tierd.chain import TierChain
@@ -218,7 +219,7 @@ class EventFeed:
                 if entry.mask == 0:
                     tenant.book.drop(key)
             self._sent_soon()
-            await asyncio.sleep(0)
+            await next_turn()
         log.info(
             "kv events: restored descriptions settled", tenant=tenant.name, kept=len(tenant.book)
         )

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierd.logs import get_logger
+from tierd.stores.base import next_turn
 from tierd.stores.disk_walk import IndexWalk
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class Checkpoints:
                     if slab.walk_step():  # whole: rotated by the next flush
                         await asyncio.wrap_future(self._flush(slab))
                         self._write(slab)
-                await asyncio.sleep(0)
+                await next_turn()  # slices of the walk, the disk threads between them
         finally:
             self._walker = None
 
