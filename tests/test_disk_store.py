@@ -464,6 +464,15 @@ async def test_a_large_write_goes_in_few_chunks_and_few_syncs(tmp_path: Path) ->
         assert [await get(store, i, i) for i in range(16)] == [block(i) for i in range(16)]
 
 
+@pytest.mark.parametrize("bad", [{"blocks_per_task": 0}, {"read_threads": 0}, {"write_threads": 0}])
+def test_a_store_of_no_blocks_per_task_or_no_threads_is_refused(
+    tmp_path: Path, bad: dict[str, int]
+) -> None:
+    """``blocks_per_task=0`` is an error, not the default (``None`` is the default)."""
+    with pytest.raises(ValueError, match="must be positive"):
+        store_at(tmp_path, **bad)
+
+
 async def write_aligned(store: DiskStore, ids: Sequence[int], slots: Sequence[int]) -> list:
     """:func:`put` from page-aligned buffers (what a run of adjacent slots needs under
     O_DIRECT)."""

@@ -104,15 +104,18 @@ class DiskStore(BlockStore):
             raise ValueError(f"o_direct must be 'auto', True or False, got {o_direct!r}")
         if fsync not in _MODES:
             raise ValueError(f"fsync must be 'always', 'batch' or 'none', got {fsync!r}")
-        if min(read_threads, write_threads, blocks_per_task or 1) < 1:
+        per_read, per_write = (
+            READ_TASK_BLOCKS,
+            max(READ_TASK_BLOCKS, WRITE_TASK_BYTES // block_bytes),
+        )
+        if blocks_per_task is not None:
+            per_read = per_write = blocks_per_task
+        if min(read_threads, write_threads, per_read) < 1:
             raise ValueError("thread counts and blocks_per_task must be positive")
         self.directories = [str(d) for d in directories]
         self._n = len(self.directories)
-        self._reading = Chunking(read_threads, blocks_per_task or READ_TASK_BLOCKS)
-        self._writing = Chunking(
-            write_threads,
-            blocks_per_task or max(READ_TASK_BLOCKS, WRITE_TASK_BYTES // block_bytes),
-        )
+        self._reading = Chunking(read_threads, per_read)
+        self._writing = Chunking(write_threads, per_write)
         self._fsync = _MODES[fsync]
         self._periodic: PeriodicSync | None = None
         if self._fsync is Fsync.BATCH:
