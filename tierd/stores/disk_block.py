@@ -4,9 +4,10 @@ A block is written as one ``pwritev`` of a 4096-byte header page (slot, generati
 length, xxh3 of the data, xxh3 of the header; :mod:`tierd.stores.disk_index`) and the
 data, and read back as one ``preadv`` whose header must name the expected slot, key,
 generation and length and whose data must match its checksum: a torn, stale or corrupted
-block reads as :data:`BAD_BLOCK`, never as wrong bytes. Blocks of adjacent slots are read
-in one ``preadv`` (each header page, each block's data; :func:`read_run`) and each
-checked the same way: at 128 KiB blocks a load from disk was one system call per block.
+block reads as :data:`BAD_BLOCK`, never as wrong bytes. Blocks of adjacent slots are
+written in one ``pwritev`` and read in one ``preadv`` (each header page, then each block's
+data; :func:`write_run`, :func:`read_run`), each block still headed and checked on its
+own: at 128 KiB blocks a load or a store was one system call per block.
 
 This module owns that per-block routine and the per-thread, page-aligned staging page it
 goes through when O_DIRECT is on and the caller's buffer is not page-aligned and a
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import errno
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from tierd.stores import disk_index as di
 from tierd.stores.fileio import ALIGN, FileIO, address_of, aligned_buffer
@@ -88,20 +91,16 @@ def write_run(
     is made again a block at a time (each block rewritten whole, with the same header),
     so each block gets its own code. Crash-wise it is those writes in a row: each block
     is judged at recovery by its own header and checksum."""
-    heads = staging(len(jobs) * ALIGN)  # write_block's page, if it runs, comes after
-    buffers: list[memoryview] = []
+    heads, buffers = _interleaved(jobs)
     for i, job in enumerate(jobs):
-        head = heads[i * ALIGN : (i + 1) * ALIGN]
-        _header(job).pack_into(head)
-        buffers += [head, job[3]]
+        _header(job).pack_into(heads[i])
     try:
         done = io.pwritev(fd, buffers, offset)
     except OSError:
         done = -1
     if done == len(jobs) * (ALIGN + data_io):
         return [OK] * len(jobs)
-    at = [offset + i * (ALIGN + data_io) for i in range(len(jobs))]
-    return [write_block(io, fd, a, j, data_io, o_direct) for a, j in zip(at, jobs, strict=True)]
+    return _one_by_one(write_block, io, fd, offset, jobs, data_io, o_direct)
 
 
 def _header(job: WriteJob) -> di.BlockHeader:
@@ -137,18 +136,43 @@ def read_run(
     O_DIRECT, page-aligned: :func:`runs_with`), and check each as :func:`read_block`
     does. A read that fails or comes back short is made again a block at a time, so each
     block gets its own code."""
-    heads = staging(len(jobs) * ALIGN)  # read_block's page, if it runs, comes after
-    buffers: list[memoryview] = []
-    for i, job in enumerate(jobs):
-        buffers += [heads[i * ALIGN : (i + 1) * ALIGN], job[3]]
+    heads, buffers = _interleaved(jobs)
     try:
         done = io.preadv(fd, buffers, offset)
     except OSError:
         done = -1
     if done != len(jobs) * (ALIGN + data_io):
-        at = [offset + i * (ALIGN + data_io) for i in range(len(jobs))]
-        return [read_block(io, fd, a, j, data_io, o_direct) for a, j in zip(at, jobs, strict=True)]
-    return [_checked(heads[i * ALIGN : (i + 1) * ALIGN], j, j[3]) for i, j in enumerate(jobs)]
+        return _one_by_one(read_block, io, fd, offset, jobs, data_io, o_direct)
+    return [_checked(head, job, job[3]) for head, job in zip(heads, jobs, strict=True)]
+
+
+def _interleaved(
+    jobs: list[ReadJob] | list[WriteJob],
+) -> tuple[list[memoryview], list[memoryview]]:
+    """A header page per job (this thread's staging buffer: the single-block routines'
+    page, if they run after, comes after the run's) and the run's buffers, each header
+    page followed by its job's data."""
+    pages = staging(len(jobs) * ALIGN)
+    heads = [pages[i * ALIGN : (i + 1) * ALIGN] for i in range(len(jobs))]
+    buffers: list[memoryview] = []
+    for head, job in zip(heads, jobs, strict=True):
+        buffers += [head, job[3]]
+    return heads, buffers
+
+
+def _one_by_one(
+    one: Callable[..., int],
+    io: FileIO,
+    fd: int,
+    offset: int,
+    jobs: list[Any],
+    data_io: int,
+    o_direct: bool,
+) -> list[int]:
+    """A run made again a block at a time (after a failed or short call), so each block
+    gets its own code."""
+    slot = ALIGN + data_io
+    return [one(io, fd, offset + i * slot, job, data_io, o_direct) for i, job in enumerate(jobs)]
 
 
 def runs_with(
