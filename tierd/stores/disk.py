@@ -40,7 +40,6 @@ import asyncio
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from operator import itemgetter
 from typing import Any, Literal
 
 import numpy as np
@@ -203,11 +202,10 @@ class DiskStore(BlockStore):
         """Slot -> key of every block that is readable now (after open: what survived)."""
         n = self._n
         if n == 1:  # at C speed: a restart adopts millions of blocks
-            entries = self._slabs[0].entries
-            return dict(zip(entries, map(itemgetter(0), entries.values()), strict=True))
+            return dict(self._slabs[0].entries.keys_of)  # type: ignore[arg-type]
         out: dict[int, bytes] = {}
         for d, slab in enumerate(self._slabs):
-            out.update((local * n + d, entry[0]) for local, entry in slab.entries.items())
+            out.update((local * n + d, key) for local, key in slab.entries.keys_of.items())
         return out  # type: ignore[return-value]  # BlockKey is bytes at run time
 
     def invalidate(self, slots: Sequence[int]) -> None:

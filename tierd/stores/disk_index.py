@@ -24,12 +24,14 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tierd.stores.disk_snapshot import Entry, Snapshot, load_snapshot, save_snapshot
+from tierd.stores.disk_entries import Entry, SlotIndex
+from tierd.stores.disk_snapshot import Snapshot, load_snapshot, save_snapshot
 
 __all__ = [
     "HEADER_BYTES",
     "BlockHeader",
     "Entry",
+    "SlotIndex",
     "Op",
     "Record",
     "Snapshot",

@@ -145,7 +145,7 @@ Resume = tuple[int | None, list[tuple[di.Op, int, int, bytes]]]
 class Recovered:
     """A reused slab's index as :func:`recover_index` found it."""
 
-    entries: dict[int, di.Entry]
+    entries: di.SlotIndex
     next_gen: int
     epoch: int
     recovery: str  # "clean" (the snapshot of a clean close) or "crash" (rebuilt)
@@ -330,7 +330,8 @@ def _rebuild(
         "rebuilt disk index after an unclean shutdown",
         path=path, source="scan", blocks=len(trusted), verified=len(unsure), dropped=dropped,
     )  # fmt: skip
-    return Recovered(trusted, max(gens, default=0) + 1, epoch, "crash", dropped, len(unsure), True)
+    index, next_gen = di.SlotIndex(trusted), max(gens, default=0) + 1
+    return Recovered(index, next_gen, epoch, "crash", dropped, len(unsure), True)
 
 
 def check_block(

@@ -91,7 +91,7 @@ class Slab:
         self.data_io = round_up(cfg.block_bytes)  # bytes moved per block under O_DIRECT
         self.slot_size = ALIGN + self.data_io
         self.file_bytes = slab_file_bytes(cfg.local_slots, cfg.block_bytes)
-        self.entries: dict[int, di.Entry] = {}
+        self.entries = di.SlotIndex()  # never tracked by the garbage collector
         self.pending: dict[int, int] = {}  # local slot -> generation of the write in flight
         self.next_gen = 1
         self.epoch = 0

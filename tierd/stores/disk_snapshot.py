@@ -34,7 +34,6 @@ from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate, compress, pairwise
-from operator import itemgetter
 from typing import Any
 
 import msgpack
@@ -42,6 +41,7 @@ import numpy as np
 import xxhash
 
 from tierd.logs import get_logger
+from tierd.stores.disk_entries import Entry, SlotIndex
 from tierd.stores.fileio import FileIO
 
 __all__ = [
@@ -56,11 +56,6 @@ __all__ = [
     "take",
 ]
 
-# A readable block: (key, generation its header must carry). A plain tuple, not a
-# dataclass: the index holds one per block (millions), and building a frozen dataclass
-# costs four times as long as a tuple, which is most of a restart's time.
-Entry = tuple[bytes, int]
-
 VERSION = 2
 _U64 = struct.Struct("<Q")
 _PENDING = struct.Struct("<IQ")
@@ -71,7 +66,7 @@ _log = get_logger("tierd.disk")
 class Snapshot:
     epoch: int
     next_gen: int
-    entries: dict[int, Entry]
+    entries: SlotIndex
     clean: bool = False  # written by a clean close, as its last act
     # Slot -> generation of writes in flight when it was taken; None for a version-1
     # snapshot, which did not record them (the caller must then scan).
@@ -103,16 +98,16 @@ class IndexPart:
 
 
 def take(entries: Mapping[int, Entry], slots: Iterable[int]) -> IndexPart:
-    """The entries of ``slots`` that ``entries`` holds, packed at C speed (no Python step
-    per entry)."""
+    """The entries of ``slots`` that ``entries`` (the slab's :class:`SlotIndex`) holds,
+    packed at C speed (no Python step per entry)."""
+    index = SlotIndex.of(entries)
     wanted = list(slots)
-    got = list(map(entries.get, wanted))
-    found: list[Entry] = list(filter(None, got))
-    keys = list(map(itemgetter(0), found))
-    n = len(found)
+    got = list(map(index.keys_of.get, wanted))  # None where none (a key is never empty)
+    where = list(compress(wanted, got))
+    keys = list(filter(None, got))
     return IndexPart(
-        np.fromiter(compress(wanted, got), dtype=np.uint32, count=n),
-        np.fromiter(map(itemgetter(1), found), dtype=np.uint64, count=n),
+        np.fromiter(where, dtype=np.uint32, count=len(where)),
+        np.fromiter(map(index.gens_of.__getitem__, where), dtype=np.uint64, count=len(where)),
         np.frombuffer(bytes(map(len, keys)), dtype=np.uint8),  # keys are at most 64 bytes
         b"".join(keys),
     )
@@ -300,10 +295,10 @@ def _parse(doc: object, uuid: bytes) -> Snapshot | None:
     return Snapshot(int(doc["epoch"]), int(doc["next_gen"]), entries, clean, pending)
 
 
-def _parse_v1(flat: object) -> dict[int, Entry]:
+def _parse_v1(flat: object) -> SlotIndex:
     if not isinstance(flat, list) or len(flat) % 3:
         raise ValueError("the slot list is not a list of (slot, key, gen) triples")
-    entries: dict[int, Entry] = {}
+    entries = SlotIndex()
     for i in range(0, len(flat), 3):
         slot, key, gen = flat[i : i + 3]
         if type(slot) is not int or type(key) is not bytes or type(gen) is not int:
@@ -312,7 +307,7 @@ def _parse_v1(flat: object) -> dict[int, Entry]:
     return entries
 
 
-def _parse_v2(doc: dict[str, object]) -> tuple[dict[int, Entry], dict[int, int]]:
+def _parse_v2(doc: dict[str, object]) -> tuple[SlotIndex, dict[int, int]]:
     slots, gens = _unpacked("I", doc["slots"]), _unpacked("Q", doc["gens"])
     blob, width = doc["keys"], doc["key_bytes"]
     if type(blob) is not bytes or type(width) is not int or len(slots) != len(gens):
@@ -327,7 +322,7 @@ def _parse_v2(doc: dict[str, object]) -> tuple[dict[int, Entry], dict[int, int]]
     if type(raw_pending) is not bytes or len(raw_pending) % _PENDING.size:
         raise ValueError("the pending list is not (slot, gen) pairs")
     pending = dict(_PENDING.iter_unpack(raw_pending))
-    return dict(zip(slots, zip(keys, gens, strict=True), strict=True)), pending
+    return SlotIndex.packed(slots, keys, gens), pending
 
 
 def _split(blob: bytes, lens: object, count: int) -> list[bytes]:
