@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.disk_crash_child import content
+from tests.gc_walk import references_walked
 from tests.test_disk_store import BB, block, crash_copy, get, put, run_child_until_killed
 from tierd.keys import int_key
 from tierd.stores.disk import DiskStore
@@ -321,21 +322,8 @@ async def test_a_daemon_serves_while_it_adopts_kept_blocks(tmp_path: Path) -> No
 
 
 def followed(store: DiskStore) -> int:
-    """How many references a garbage collection follows to walk the store's indexes:
-    those of every tracked object reachable from them (an index held as one dict of
-    tuples: two per block, walked by every collection of its generation)."""
-    seen: set[int] = set()
-    todo: list[object] = [slab.entries for slab in store._slabs]
-    count = 0
-    while todo:
-        obj = todo.pop()
-        if not gc.is_tracked(obj) or isinstance(obj, type) or id(obj) in seen:
-            continue  # (a class is walked once, whatever the number of its instances)
-        seen.add(id(obj))
-        referents = gc.get_referents(obj)
-        count += len(referents)
-        todo += referents
-    return count
+    """The references a collection follows for the store's indexes."""
+    return references_walked(*(slab.entries for slab in store._slabs))
 
 
 async def test_a_collection_never_walks_the_disk_index(tmp_path: Path) -> None:

@@ -15,22 +15,34 @@ held is kept ``unheld_s`` for the store it comes ahead of. The book is bounded: 
 ``budget_bytes`` the oldest descriptions go first (counted in ``evicted``); a block
 without one is not announced. Each tenant has its own book: one tenant's descriptions
 never push out another's. Persistence is :mod:`tierd.kvevents.book_file`'s.
+
+The book holds no Python object per description that the garbage collector tracks: each
+one is kept as its file record's bytes (a *row*: msgpack of ``[fields, count, hashes,
+group_idx]``), the levels holding it as an int, and the hash index maps a hash to the
+key's bytes (a tuple of keys, rarely, when keys share a hash). A full book held as
+objects (an :class:`Entry`, its :class:`~tierd.kvevents.wire.Described` and a list per
+hash) was 1.7 million tracked objects at the default 256 MiB: every full collection, which
+a tenant describing blocks brings about, held the loop 250-280 ms for every tenant.
+:class:`Entry` objects are made on the way out, for the caller of the moment.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+
+import msgpack
 
 from tierd.keys import BlockKey
 from tierd.kvevents.wire import Described
 
-__all__ = ["ENTRY_OVERHEAD", "HASH_OVERHEAD", "DescriptorBook", "Entry"]
+__all__ = ["ENTRY_OVERHEAD", "HASH_OVERHEAD", "DescriptorBook", "Entry", "record_of", "row_of"]
 
-# What an entry costs beyond its encoded bytes (the entry, its dict slot, the key), and
-# each hash in the index (the int, its dict slot, the list): measured with tracemalloc on
-# CPython 3.11, rounded up; docs/events.md quotes them.
+# What an entry is counted beyond its encoded bytes, and each hash in the index: measured
+# with tracemalloc on CPython 3.11 when entries were objects (620 B in all for a 16-token
+# block). Kept as rows they take 360 B in all, so the budget counts more than is used;
+# docs/events.md quotes them.
 ENTRY_OVERHEAD = 240
 HASH_OVERHEAD = 120
 
@@ -48,6 +60,31 @@ class Entry:
         return self.described.size + ENTRY_OVERHEAD + HASH_OVERHEAD * len(self.hashes)
 
 
+def row_of(entry: Entry) -> bytes:
+    """How the book keeps ``entry``'s description: its file record less the key."""
+    d = entry.described
+    return bytes(msgpack.packb([d.fields, d.pairs, d.hashes, d.group_idx]))
+
+
+def record_of(key: BlockKey, row: bytes) -> bytes:
+    """The file record of ``key``'s description (msgpack ``[key, fields, count, hashes,
+    group_idx]``): the row's four items after the key, under a header of five."""
+    return b"\x95" + bytes(msgpack.packb(key)) + row[1:]  # a row opens with 0x94
+
+
+def _described(row: bytes) -> Described:
+    fields, count, hashes, group_idx = msgpack.unpackb(row)
+    return Described(fields, count, hashes, group_idx, len(fields) + len(hashes))
+
+
+def _entry(row: bytes, mask: int) -> Entry:
+    described = _described(row)
+    return Entry(described, tuple(msgpack.unpackb(described.hashes)), mask)
+
+
+_Keys = BlockKey | tuple[BlockKey, ...]  # the keys of one hash: one key, or a tuple
+
+
 @dataclass(slots=True)
 class DescriptorBook:
     """A tenant's block descriptions (see the module's docstring)."""
@@ -57,29 +94,43 @@ class DescriptorBook:
     unheld_s: float = 60.0
     clock: Callable[[], float] = time.monotonic
     on_change: Callable[[BlockKey, Entry | None], None] | None = None  # the book's file
-    entries: dict[BlockKey, Entry] = field(default_factory=dict)  # oldest first
     bytes_used: int = 0
     evicted: int = 0  # descriptions pushed out by the budget
-    _by_hash: dict[Hashable, list[BlockKey]] = field(default_factory=dict)
+    _rows: dict[BlockKey, bytes] = field(default_factory=dict)  # oldest first
+    _masks: dict[BlockKey, int] = field(default_factory=dict)  # the same keys
+    _by_hash: dict[Hashable, _Keys] = field(default_factory=dict)
     _pending: dict[BlockKey, float] = field(default_factory=dict)  # held nowhere: until
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self._rows)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._rows
+
+    def __iter__(self) -> Iterator[BlockKey]:
+        """The described keys, oldest first."""
+        return iter(self._rows)
+
+    def rows(self) -> list[tuple[BlockKey, bytes]]:
+        """Every (key, row), oldest first (:func:`record_of` makes a file record of one)."""
+        return list(self._rows.items())
 
     def get(self, key: BlockKey) -> Entry | None:
-        return self.entries.get(key)
+        row = self._rows.get(key)
+        return None if row is None else _entry(row, self._masks[key])
+
+    def mask_of(self, key: BlockKey) -> int:
+        """The levels holding ``key``'s block (0: none, or not described)."""
+        return self._masks.get(key, 0)
 
     def put(self, key: BlockKey, entry: Entry) -> None:
         """Keep ``entry`` for ``key`` (a new description replaces the old one; the levels
         holding the block stay as they were)."""
-        old = self.entries.pop(key, None)
+        old = self._rows.pop(key, None)
         if old is not None:
-            entry.mask = old.mask
+            entry.mask = self._masks.pop(key)
             self._unindex(key, old)
-        self.entries[key] = entry
-        self.bytes_used += entry.cost
-        for h in entry.hashes:
-            self._by_hash.setdefault(h, []).append(key)
+        self._keep(key, entry)
         if entry.mask == 0:
             self._pending[key] = self.clock() + self.unheld_s
         if self.on_change is not None:
@@ -90,41 +141,48 @@ class DescriptorBook:
         """Take the descriptions a restart read back (held nowhere yet: the feed settles
         them once the chain has adopted its kept blocks); nothing is written for them."""
         for key, entry in entries.items():
-            self.entries[key] = entry
-            self.bytes_used += entry.cost
-            for h in entry.hashes:
-                self._by_hash.setdefault(h, []).append(key)
+            self._keep(key, entry)
 
     def drop(self, key: BlockKey) -> None:
-        entry = self.entries.pop(key, None)
+        row = self._rows.pop(key, None)
         self._pending.pop(key, None)
-        if entry is not None:
-            self._unindex(key, entry)
+        if row is not None:
+            del self._masks[key]
+            self._unindex(key, row)
             if self.on_change is not None:
                 self.on_change(key, None)
 
-    def stored(self, key: BlockKey, bit: int) -> Entry | None:
-        """The block of ``key`` became ready at the level of ``bit``."""
-        entry = self.entries.get(key)
-        if entry is not None:
-            entry.mask |= bit
-            self._pending.pop(key, None)
-        return entry
-
-    def removed(self, key: BlockKey, bit: int, *, last: bool) -> Entry | None:
-        """The block of ``key`` left the level of ``bit`` (``last``: the chain's last level,
-        where nothing goes further down): held nowhere now, it goes at once from the last
-        level, after ``grace_s`` from another."""
-        entry = self.entries.get(key)
-        if entry is None:
+    def stored(self, key: BlockKey, bit: int) -> Described | None:
+        """The block of ``key`` became ready at the level of ``bit``: its description."""
+        mask = self._masks.get(key)
+        if mask is None:
             return None
-        entry.mask &= ~bit
-        if entry.mask == 0:
+        self._masks[key] = mask | bit
+        self._pending.pop(key, None)
+        return _described(self._rows[key])
+
+    def mark(self, key: BlockKey, bit: int) -> Described | None:
+        """:meth:`stored`, only where the level of ``bit`` was not counted yet: the
+        description when it was not (to announce), else None."""
+        if self._masks.get(key, bit) & bit:
+            return None
+        return self.stored(key, bit)
+
+    def removed(self, key: BlockKey, bit: int, *, last: bool) -> Described | None:
+        """The block of ``key`` left the level of ``bit`` (``last``: the chain's last level,
+        where nothing goes further down): its description. Held nowhere now, it goes at
+        once from the last level, after ``grace_s`` from another."""
+        row = self._rows.get(key)
+        if row is None:
+            return None
+        mask = self._masks[key] & ~bit
+        self._masks[key] = mask
+        if mask == 0:
             if last:
                 self.drop(key)
             else:
                 self._pending[key] = self.clock() + self.grace_s
-        return entry
+        return _described(row)
 
     def sweep(self) -> int:
         """Drop the descriptions of blocks held nowhere past their time; returns how many."""
@@ -133,8 +191,7 @@ class DescriptorBook:
         now = self.clock()
         due = [key for key, until in self._pending.items() if until <= now]
         for key in due:
-            entry = self.entries.get(key)
-            if entry is None or entry.mask == 0:
+            if self._masks.get(key, 0) == 0:
                 self.drop(key)
             else:
                 self._pending.pop(key, None)
@@ -150,32 +207,44 @@ class DescriptorBook:
         media: list[str] = []
         for h in hashes:
             mask = 0
-            for key in self._by_hash.get(h, ()):
-                mask |= self.entries[key].mask
+            for key in _listed(self._by_hash.get(h, ())):
+                mask |= self._masks[key]
             if mask == 0:
                 break
             media.append(medium_of(mask))
         return media
 
     def clear(self) -> None:
-        for key in list(self.entries):
+        for key in list(self._rows):
             self.drop(key)
 
-    def _unindex(self, key: BlockKey, entry: Entry) -> None:
+    def _keep(self, key: BlockKey, entry: Entry) -> None:
+        self._rows[key] = row_of(entry)
+        self._masks[key] = entry.mask
+        self.bytes_used += entry.cost
+        for h in entry.hashes:
+            had = self._by_hash.get(h)
+            self._by_hash[h] = key if had is None else (*_listed(had), key)
+
+    def _unindex(self, key: BlockKey, row: bytes) -> None:
+        entry = _entry(row, 0)
         self.bytes_used -= entry.cost
         for h in entry.hashes:
-            keys = self._by_hash.get(h)
-            if keys is None:
-                continue
-            if key in keys:
-                keys.remove(key)
+            keys = [k for k in _listed(self._by_hash.get(h, ())) if k != key]
             if not keys:
-                del self._by_hash[h]
+                self._by_hash.pop(h, None)
+            else:
+                self._by_hash[h] = keys[0] if len(keys) == 1 else tuple(keys)
 
     def _enforce_budget(self, keep: BlockKey) -> None:
-        while self.bytes_used > self.budget_bytes and len(self.entries) > 1:
-            oldest = next(iter(self.entries))
+        while self.bytes_used > self.budget_bytes and len(self._rows) > 1:
+            oldest = next(iter(self._rows))
             if oldest == keep:
                 break
             self.drop(oldest)
             self.evicted += 1
+
+
+def _listed(keys: _Keys | tuple[()]) -> tuple[BlockKey, ...]:
+    """The keys of one hash as a tuple."""
+    return (keys,) if isinstance(keys, bytes) else keys

@@ -28,7 +28,7 @@ from typing import Any
 import msgpack
 
 from tierd.keys import BlockKey
-from tierd.kvevents.book import Entry
+from tierd.kvevents.book import Entry, record_of, row_of
 from tierd.kvevents.wire import Described
 from tierd.logs import get_logger
 
@@ -40,9 +40,7 @@ log = get_logger("tierd.kvevents")
 
 
 def _record(key: BlockKey, entry: Entry | None) -> bytes:
-    d = None if entry is None else entry.described
-    record = [key] if d is None else [key, d.fields, d.count, d.hashes, d.group_idx]
-    return bytes(msgpack.packb(record))
+    return bytes(msgpack.packb([key])) if entry is None else record_of(key, row_of(entry))
 
 
 def _entry(record: Any) -> Entry:
@@ -77,9 +75,9 @@ def read_book(path: Path) -> dict[BlockKey, Entry]:
 class BookFile:
     """Appends a book's changes to its file, in a thread of its own."""
 
-    def __init__(self, path: Path, live: Callable[[], Iterable[tuple[BlockKey, Entry]]]) -> None:
+    def __init__(self, path: Path, live: Callable[[], Iterable[tuple[BlockKey, bytes]]]) -> None:
         self.path = path
-        self._live = live  # the book's entries, read on the loop for a rewrite
+        self._live = live  # the book's rows (DescriptorBook.rows), read on the loop
         self.size = 0
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -124,12 +122,12 @@ class BookFile:
                 if self._queue.empty():
                     f.flush()
 
-    def _rewrite(self, live: list[tuple[BlockKey, Entry]]) -> None:
+    def _rewrite(self, live: list[tuple[BlockKey, bytes]]) -> None:
         tmp = self.path.with_suffix(".tmp")
         try:
             with open(tmp, "wb") as f:
-                for key, entry in live:
-                    f.write(_record(key, entry))
+                for key, row in live:
+                    f.write(record_of(key, row))
                 self.size = f.tell()
             os.replace(tmp, self.path)
         except OSError as exc:

@@ -170,17 +170,17 @@ class EventFeed:
             medium = tenant.media[bit]
             if event.kind is EventKind.STORED:
                 for key in event.keys:
-                    entry = book.stored(key, bit)
-                    if entry is None:
+                    described = book.stored(key, bit)
+                    if described is None:
                         self.undescribed += 1
                         continue
-                    out.append(wire.stored(entry.described, medium, **self._who))
+                    out.append(wire.stored(described, medium, **self._who))
             else:
                 last = bool(bit & tenant.last)
                 for key in event.keys:
-                    entry = book.removed(key, bit, last=last)
-                    if entry is not None:
-                        out.append(wire.removed(entry.described, medium, **self._who))
+                    described = book.removed(key, bit, last=last)
+                    if described is not None:
+                        out.append(wire.removed(described, medium, **self._who))
         self._sent_soon()
 
     @property
@@ -191,15 +191,14 @@ class EventFeed:
         """A description came for ``key``: announce the block where the chain holds it
         already (it was stored before it was described)."""
         tenant.book.put(key, entry)
-        self._announce_held(tenant, key, entry)
+        self._announce_held(tenant, key)
         self._sent_soon()
 
-    def _announce_held(self, tenant: KvTenant, key: BlockKey, entry: Entry) -> None:
+    def _announce_held(self, tenant: KvTenant, key: BlockKey) -> None:
         for i, level in enumerate(tenant.chain.levels):
             bit = 1 << i
-            if key in level.tier and not entry.mask & bit:
-                entry.mask |= bit
-                self._out.append(wire.stored(entry.described, tenant.media[bit], **self._who))
+            if key in level.tier and (described := tenant.book.mark(key, bit)) is not None:
+                self._out.append(wire.stored(described, tenant.media[bit], **self._who))
 
     async def _settle_restored(self, tenant: KvTenant) -> None:
         """Once every level has adopted its kept blocks: announce the restored
@@ -212,11 +211,10 @@ class EventFeed:
         keys, tenant.restored = tenant.restored, []
         for start in range(0, len(keys), SETTLE_SLICE):  # the loop's turn between slices
             for key in keys[start : start + SETTLE_SLICE]:
-                entry = tenant.book.get(key)
-                if entry is None:
+                if key not in tenant.book:
                     continue
-                self._announce_held(tenant, key, entry)
-                if entry.mask == 0:
+                self._announce_held(tenant, key)
+                if tenant.book.mask_of(key) == 0:
                     tenant.book.drop(key)
             self._sent_soon()
             await next_turn()
