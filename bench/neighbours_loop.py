@@ -11,7 +11,11 @@ process, so that its client work does not share the bystander's loop) loops one 
 - ``loads``: ``prepare_load`` of 4,096 keys, then ``complete_load``;
 - ``hellos``: a new connection per hello, each naming a fresh namespace;
 - ``namespaces``: ``namespaces`` then ``stats`` with namespaces, on its tenant;
-- ``delete``: ``delete --prefix`` of a prefix none of its keys has (a walk of the index).
+- ``delete``: ``delete --prefix`` of a prefix none of its keys has (a walk of the index);
+- ``describe``: descriptions of its blocks for the KV events (``describe``, 256 blocks a
+  request, each with hashes of its own, over and over: its book fills, then churns).
+
+The daemon publishes KV events (to an ipc endpoint nobody reads) in every phase.
 
 Every phase lasts ``--seconds`` or ``--trips`` bystander round trips, whichever ends
 first; the neighbour's rounds are bounded too. The daemon and the neighbour are stopped
@@ -41,9 +45,10 @@ from tierd.client import Client, DaemonError
 from tierd.testing import DaemonProcess, daemon_config, running_daemon, start_daemon_async
 
 BLOCK = 4096
-ATTACKS = ("loads", "hellos", "namespaces", "delete")
+ATTACKS = ("loads", "hellos", "namespaces", "delete", "describe")
 CROWD, MINE = "crowd", "bystander"
 BURST = 4096  # keys of one load
+DESCRIBED = 256  # blocks of one description request
 
 
 def keys(prefix: str, count: int) -> list[bytes]:
@@ -57,6 +62,12 @@ async def connect(socket: str, namespace: str | None) -> Client:
 async def start(config: dict[str, Any], home: Path) -> DaemonProcess:
     """``tierd serve`` of ``config`` (YAML and log in ``home``), once it sent READY=1."""
     return await start_daemon_async(config, log=home / "tierd.log")
+
+
+def loop_config(home: Path, blocks: int) -> dict[str, Any]:
+    """The daemon: a CPU tier of ``blocks`` and room for loads, KV events published."""
+    events = {"enabled": True, "endpoint": f"ipc://{home}/kv.pub", "replay_endpoint": None}
+    return daemon_config(home, cpu_blocks=blocks + 4 * BURST, disk_blocks=None, kv_events=events)
 
 
 async def fill(socket: str, blocks: int) -> None:
@@ -123,10 +134,26 @@ async def neighbour(attack: str, socket: str, seconds: float) -> int:
             elif attack == "namespaces":
                 await client.namespaces()
                 await client.stats(namespaces=True)
+            elif attack == "describe":
+                await describe_round(client, rounds)
             else:
                 await client.delete(prefix=b"no-key-starts-so")
             rounds += 1
     return rounds
+
+
+async def describe_round(client: Client, round_no: int) -> None:
+    """Describe the next :data:`DESCRIBED` of the neighbour's blocks (round robin over
+    the first 240,000), 16 tokens each, with hashes no earlier round used."""
+    first = round_no * DESCRIBED % 240_000
+    names = [f"crowd-{i}".encode() for i in range(first, first + DESCRIBED)]
+    base = round_no * DESCRIBED + 1
+    blocks = [
+        {"hashes": [base + i], "parent": base + i - 1, "tokens": [i % 50_000] * 16,
+         "block_size": 16}
+        for i in range(DESCRIBED)
+    ]  # fmt: skip
+    await client.describe(names, blocks)
 
 
 # -- the phases -----------------------------------------------------------------------
@@ -165,7 +192,7 @@ async def phase(attack: str | None, socket: str, args: argparse.Namespace) -> di
 async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="tierd-loop-") as name:
         home = Path(name)
-        config = daemon_config(home, cpu_blocks=args.blocks + 4 * BURST, disk_blocks=None)
+        config = loop_config(home, args.blocks)
         proc = await start(config, home)
         try:
             socket = config["socket"]["path"]
@@ -173,7 +200,7 @@ async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             await fill(socket, args.blocks)
             print(f"filled {args.blocks} blocks in {time.monotonic() - began:.1f} s", flush=True)
             rows = []
-            for attack in (None, *ATTACKS):
+            for attack in (None, *args.attacks):
                 rows.append(await phase(attack, socket, args))
                 print(json.dumps(rows[-1]), flush=True)
             return rows
@@ -188,12 +215,12 @@ async def probe(args: argparse.Namespace) -> list[dict[str, Any]]:
     attacks. No bystander: the figure is the loop's own work, not the machine's load."""
     with tempfile.TemporaryDirectory(prefix="tierd-loop-") as name:
         home = Path(name)
-        config = daemon_config(home, cpu_blocks=args.blocks + 4 * BURST, disk_blocks=None)
+        config = loop_config(home, args.blocks)
         async with running_daemon(config):
             socket = config["socket"]["path"]
             await fill(socket, args.blocks)
             rows = []
-            for attack in ATTACKS:
+            for attack in args.attacks:
                 rows.append(await probed(attack, socket, args))
                 print(json.dumps(rows[-1]), flush=True)
             return rows
@@ -242,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--probe", action="store_true", help="time the loop's turns instead")
+    parser.add_argument(
+        "--attacks", nargs="+", choices=ATTACKS, default=list(ATTACKS), help="the phases to run"
+    )
     parser.add_argument("--neighbour", choices=ATTACKS, help=argparse.SUPPRESS)
     parser.add_argument("--socket", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
