@@ -93,6 +93,19 @@ def loop_turns() -> Iterator[list[int]]:
         task.cancel()
 
 
+async def answered_first(
+    big: asyncio.Future[dict[str, Any]], small: asyncio.Future[dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The replies to ``big`` and to ``small`` (sent after it), once both came; checks
+    that ``small``'s came first."""
+    order: list[str] = []
+    big.add_done_callback(lambda _: order.append("big"))
+    small.add_done_callback(lambda _: order.append("bystander"))
+    replies = await big, await small
+    assert order == ["bystander", "big"]
+    return replies
+
+
 # -- finding 5: a load of many keys ------------------------------------------------------
 
 
@@ -108,14 +121,11 @@ async def test_a_bystanders_request_is_answered_before_a_4096_key_load_sent_ahea
         assert await hostile.store(keys, rows_of(keys)) == len(keys)
         assert await bystander.store([b"mine"], rows_of([b"mine"])) == 1
         for _ in range(3):  # bounded: three rounds, each checked
-            order: list[str] = []
-            big = hostile.send("prepare_load", keys=keys)
-            small = bystander.send("prepare_load", keys=[b"mine"])  # sent after the big one
-            big.add_done_callback(lambda _, order=order: order.append("big"))
-            small.add_done_callback(lambda _, order=order: order.append("bystander"))
-            loaded, mine = await big, await small
+            loaded, mine = await answered_first(
+                hostile.send("prepare_load", keys=keys),
+                bystander.send("prepare_load", keys=[b"mine"]),
+            )
             assert loaded["count"] == len(keys) and mine["count"] == 1
-            assert order == ["bystander", "big"]
             await hostile.request("complete_load", lease=loaded["lease"])
             await bystander.request("complete_load", lease=mine["lease"])
 
@@ -138,14 +148,11 @@ async def test_a_bystanders_request_is_answered_before_a_long_describe_sent_ahea
     ):
         assert await bystander.store([b"mine"], rows_of([b"mine"])) == 1
         for _ in range(3):  # bounded: three rounds, each checked
-            order: list[str] = []
-            big = hostile.send("describe", keys=keys, blocks=blocks)
-            small = bystander.send("lookup", keys=[b"mine"])  # sent after the big one
-            big.add_done_callback(lambda _, order=order: order.append("big"))
-            small.add_done_callback(lambda _, order=order: order.append("bystander"))
-            described, mine = await big, await small
+            described, mine = await answered_first(
+                hostile.send("describe", keys=keys, blocks=blocks),
+                bystander.send("lookup", keys=[b"mine"]),
+            )
             assert described["kept"] == len(keys) and mine["count"] == 1
-            assert order == ["bystander", "big"]
 
 
 async def test_a_load_in_pieces_still_pins_exactly_its_leading_run(tmp_path: Path) -> None:
