@@ -13,7 +13,9 @@ process, so that its client work does not share the bystander's loop) loops one 
 - ``namespaces``: ``namespaces`` then ``stats`` with namespaces, on its tenant;
 - ``delete``: ``delete --prefix`` of a prefix none of its keys has (a walk of the index);
 - ``describe``: descriptions of its blocks for the KV events (``describe``, 256 blocks a
-  request, each with hashes of its own, over and over: its book fills, then churns).
+  request, each with hashes of its own, over and over: its book fills, then churns);
+- ``unstored``: descriptions of 256 blocks it never stores (they wait 60 s for their
+  store in its book), and a store of one block, each round (its events follow).
 
 The daemon publishes KV events (to an ipc endpoint nobody reads) in every phase.
 
@@ -45,7 +47,7 @@ from tierd.client import Client, DaemonError
 from tierd.testing import DaemonProcess, daemon_config, running_daemon, start_daemon_async
 
 BLOCK = 4096
-ATTACKS = ("loads", "hellos", "namespaces", "delete", "describe")
+ATTACKS = ("loads", "hellos", "namespaces", "delete", "describe", "unstored")
 CROWD, MINE = "crowd", "bystander"
 BURST = 4096  # keys of one load
 DESCRIBED = 256  # blocks of one description request
@@ -136,6 +138,8 @@ async def neighbour(attack: str, socket: str, seconds: float) -> int:
                 await client.stats(namespaces=True)
             elif attack == "describe":
                 await describe_round(client, rounds)
+            elif attack == "unstored":
+                await unstored_round(client, rounds)
             else:
                 await client.delete(prefix=b"no-key-starts-so")
             rounds += 1
@@ -154,6 +158,18 @@ async def describe_round(client: Client, round_no: int) -> None:
         for i in range(DESCRIBED)
     ]  # fmt: skip
     await client.describe(names, blocks)
+
+
+async def unstored_round(client: Client, round_no: int) -> None:
+    """Describe :data:`DESCRIBED` keys that are never stored, then store one block."""
+    names = [f"ahead-{round_no}-{i}".encode() for i in range(DESCRIBED)]
+    base = (1 << 40) + round_no * DESCRIBED
+    blocks = [
+        {"hashes": [base + i], "parent": None, "tokens": [1] * 16, "block_size": 16}
+        for i in range(DESCRIBED)
+    ]
+    await client.describe(names, blocks)
+    await client.store([f"one-{round_no}".encode()], [b"\x01" * BLOCK])
 
 
 # -- the phases -----------------------------------------------------------------------

@@ -99,7 +99,11 @@ class DescriptorBook:
     _rows: dict[BlockKey, bytes] = field(default_factory=dict)  # oldest first
     _masks: dict[BlockKey, int] = field(default_factory=dict)  # the same keys
     _by_hash: dict[Hashable, _Keys] = field(default_factory=dict)
-    _pending: dict[BlockKey, float] = field(default_factory=dict)  # held nowhere: until
+    # Held nowhere, until when: one dict per wait, so each is in the order of its
+    # deadlines (a key is taken out before it is put back) and a sweep looks at the due
+    # ones only (it looked at every pending one: 47-68 ms at 500,000, after every batch).
+    _unheld: dict[BlockKey, float] = field(default_factory=dict)
+    _grace: dict[BlockKey, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -132,7 +136,7 @@ class DescriptorBook:
             self._unindex(key, old)
         self._keep(key, entry)
         if entry.mask == 0:
-            self._pending[key] = self.clock() + self.unheld_s
+            self._pend(self._unheld, key, self.unheld_s)
         if self.on_change is not None:
             self.on_change(key, entry)
         self._enforce_budget(key)
@@ -145,7 +149,7 @@ class DescriptorBook:
 
     def drop(self, key: BlockKey) -> None:
         row = self._rows.pop(key, None)
-        self._pending.pop(key, None)
+        self._unpend(key)
         if row is not None:
             del self._masks[key]
             self._unindex(key, row)
@@ -158,7 +162,7 @@ class DescriptorBook:
         if mask is None:
             return None
         self._masks[key] = mask | bit
-        self._pending.pop(key, None)
+        self._unpend(key)
         return _described(self._rows[key])
 
     def mark(self, key: BlockKey, bit: int) -> Described | None:
@@ -181,25 +185,31 @@ class DescriptorBook:
             if last:
                 self.drop(key)
             else:
-                self._pending[key] = self.clock() + self.grace_s
+                self._pend(self._grace, key, self.grace_s)
         return _described(row)
 
     def sweep(self) -> int:
         """Drop the descriptions of blocks held nowhere past their time; returns how many."""
-        if not self._pending:
+        if not self._unheld and not self._grace:
             return 0
         now = self.clock()
-        due = [key for key, until in self._pending.items() if until <= now]
+        due: list[BlockKey] = []
+        for pending in (self._unheld, self._grace):
+            for key, until in pending.items():  # in the order of their deadlines
+                if until > now:
+                    break
+                due.append(key)
         for key in due:
             if self._masks.get(key, 0) == 0:
                 self.drop(key)
             else:
-                self._pending.pop(key, None)
+                self._unpend(key)
         return len(due)
 
     def next_due(self) -> float | None:
         """When the first pending description is due (None: none is pending)."""
-        return min(self._pending.values(), default=None)
+        firsts = [next(iter(p.values())) for p in (self._unheld, self._grace) if p]
+        return min(firsts, default=None)
 
     def held(self, hashes: Sequence[Hashable], medium_of: Callable[[int], str]) -> list[str]:
         """The medium of each of the leading ``hashes`` whose block the chain holds, up to
@@ -217,6 +227,14 @@ class DescriptorBook:
     def clear(self) -> None:
         for key in list(self._rows):
             self.drop(key)
+
+    def _pend(self, pending: dict[BlockKey, float], key: BlockKey, wait: float) -> None:
+        self._unpend(key)
+        pending[key] = self.clock() + wait
+
+    def _unpend(self, key: BlockKey) -> None:
+        self._unheld.pop(key, None)
+        self._grace.pop(key, None)
 
     def _keep(self, key: BlockKey, entry: Entry) -> None:
         self._rows[key] = row_of(entry)
