@@ -31,13 +31,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 
 from tierd.keys import BlockKey
 from tierd.kvevents.wire import Described
 
-__all__ = ["ENTRY_OVERHEAD", "HASH_OVERHEAD", "DescriptorBook", "Entry", "record_of", "row_of"]
+__all__ = [
+    "ENTRY_OVERHEAD",
+    "HASH_OVERHEAD",
+    "DescriptorBook",
+    "Entry",
+    "entry_of",
+    "record_of",
+    "row_of",
+]
 
 # What an entry is counted beyond its encoded bytes, and each hash in the index: measured
 # with tracemalloc on CPython 3.11 when entries were objects (620 B in all for a 16-token
@@ -72,14 +81,24 @@ def record_of(key: BlockKey, row: bytes) -> bytes:
     return b"\x95" + bytes(msgpack.packb(key)) + row[1:]  # a row opens with 0x94
 
 
+def described_of(items: Sequence[Any]) -> Described:
+    """The description of a row's (or a file record's, after its key) four items."""
+    fields, pairs, hashes, group_idx = items
+    return Described(fields, pairs, hashes, group_idx, len(fields) + len(hashes))
+
+
+def entry_of(items: Sequence[Any], mask: int = 0) -> Entry:
+    """:func:`described_of`, with the hashes it lists and the levels of ``mask``."""
+    described = described_of(items)
+    return Entry(described, tuple(msgpack.unpackb(described.hashes)), mask)
+
+
 def _described(row: bytes) -> Described:
-    fields, count, hashes, group_idx = msgpack.unpackb(row)
-    return Described(fields, count, hashes, group_idx, len(fields) + len(hashes))
+    return described_of(msgpack.unpackb(row))
 
 
 def _entry(row: bytes, mask: int) -> Entry:
-    described = _described(row)
-    return Entry(described, tuple(msgpack.unpackb(described.hashes)), mask)
+    return entry_of(msgpack.unpackb(row), mask)
 
 
 _Keys = BlockKey | tuple[BlockKey, ...]  # the keys of one hash: one key, or a tuple

@@ -28,8 +28,7 @@ from typing import Any
 import msgpack
 
 from tierd.keys import BlockKey
-from tierd.kvevents.book import Entry, record_of, row_of
-from tierd.kvevents.wire import Described
+from tierd.kvevents.book import Entry, entry_of, record_of, row_of
 from tierd.logs import get_logger
 
 __all__ = ["FILE_NAME", "BookFile", "read_book"]
@@ -44,9 +43,7 @@ def _record(key: BlockKey, entry: Entry | None) -> bytes:
 
 
 def _entry(record: Any) -> Entry:
-    _key, fields, count, hashes, group_idx = record
-    described = Described(fields, count, hashes, group_idx, len(fields) + len(hashes))
-    return Entry(described, tuple(msgpack.unpackb(hashes)))
+    return entry_of(record[1:])  # [key, fields, pairs, hashes, group_idx]
 
 
 def read_book(path: Path) -> dict[BlockKey, Entry]:
