@@ -22,8 +22,9 @@ The daemon publishes KV events (to an ipc endpoint nobody reads) in every phase.
 Every phase lasts ``--seconds`` or ``--trips`` bystander round trips, whichever ends
 first; the neighbour's rounds are bounded too. The daemon and the neighbour are stopped
 by PID. Usage: ``scripts/bench neighbours_loop [--blocks 240000] [--trips 50000]
-[--seconds 10] [--json] [--probe]``. With ``--probe`` the daemon runs in this process
-instead, and what is reported is the loop's longest turns in CPU time while each
+[--seconds 10] [--json] [--probe] [--book-mib N]`` (``--book-mib``: each tenant's book of
+descriptions, to churn at its budget within a phase). With ``--probe`` the daemon runs in
+this process instead, and what is reported is the loop's longest turns in CPU time while each
 neighbour attacks (a machine shared with other work stretches wall-clock round trips
 by however long the kernel runs something else). To measure another checkout, run it
 with that checkout on ``PYTHONPATH``.
@@ -66,9 +67,16 @@ async def start(config: dict[str, Any], home: Path) -> DaemonProcess:
     return await start_daemon_async(config, log=home / "tierd.log")
 
 
-def loop_config(home: Path, blocks: int) -> dict[str, Any]:
-    """The daemon: a CPU tier of ``blocks`` and room for loads, KV events published."""
-    events = {"enabled": True, "endpoint": f"ipc://{home}/kv.pub", "replay_endpoint": None}
+def loop_config(home: Path, blocks: int, book_mib: int | None = None) -> dict[str, Any]:
+    """The daemon: a CPU tier of ``blocks`` and room for loads, KV events published (each
+    tenant's book of descriptions ``book_mib``, or the default)."""
+    events: dict[str, Any] = {
+        "enabled": True,
+        "endpoint": f"ipc://{home}/kv.pub",
+        "replay_endpoint": None,
+    }
+    if book_mib is not None:
+        events["descriptor_bytes"] = book_mib << 20
     return daemon_config(home, cpu_blocks=blocks + 4 * BURST, disk_blocks=None, kv_events=events)
 
 
@@ -208,7 +216,7 @@ async def phase(attack: str | None, socket: str, args: argparse.Namespace) -> di
 async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="tierd-loop-") as name:
         home = Path(name)
-        config = loop_config(home, args.blocks)
+        config = loop_config(home, args.blocks, args.book_mib)
         proc = await start(config, home)
         try:
             socket = config["socket"]["path"]
@@ -231,7 +239,7 @@ async def probe(args: argparse.Namespace) -> list[dict[str, Any]]:
     attacks. No bystander: the figure is the loop's own work, not the machine's load."""
     with tempfile.TemporaryDirectory(prefix="tierd-loop-") as name:
         home = Path(name)
-        config = loop_config(home, args.blocks)
+        config = loop_config(home, args.blocks, args.book_mib)
         async with running_daemon(config):
             socket = config["socket"]["path"]
             await fill(socket, args.blocks)
@@ -284,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trips", type=int, default=50_000)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--book-mib", type=int, help="each tenant's book of descriptions (at its budget sooner)"
+    )
     parser.add_argument("--probe", action="store_true", help="time the loop's turns instead")
     parser.add_argument(
         "--attacks", nargs="+", choices=ATTACKS, default=list(ATTACKS), help="the phases to run"

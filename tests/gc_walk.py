@@ -24,3 +24,22 @@ def references_walked(*roots: object) -> int:
         count += len(referents)
         todo += referents
     return count
+
+
+def largest_dict(*roots: object) -> int:
+    """The most keys of any one dict reachable from ``roots``, tracked or not: what a
+    put that makes that dict resize copies in one go."""
+    seen: set[int] = set()
+    todo = list(roots)
+    largest = 0
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, _SHARED) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            largest = max(largest, len(obj))
+            continue  # its keys and values are the structure's data
+        if isinstance(obj, (tuple, list)) or type(obj).__module__.startswith("tierd."):
+            todo += gc.get_referents(obj)
+    return largest

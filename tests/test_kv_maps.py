@@ -1,0 +1,96 @@
+"""The ordered map under the KV events' book (tierd.kvevents.maps): it behaves as an
+insertion-ordered dict whose front is taken out and put back, across many buckets."""
+
+from __future__ import annotations
+
+import gc
+from collections import OrderedDict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.gc_walk import references_walked
+from tierd.kvevents.maps import Fifo, Shards
+
+_OPS = st.lists(
+    st.tuples(st.sampled_from(["put", "pop", "evict", "clear"]), st.integers(0, 40)),
+    max_size=300,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_OPS, spread=st.integers(1, 3000))
+def test_a_fifo_behaves_as_an_ordered_dict_whose_front_is_taken_out(
+    ops: list[tuple[str, int]], spread: int
+) -> None:
+    fifo: Fifo[bytes, int] = Fifo()
+    model: OrderedDict[bytes, int] = OrderedDict()
+    for _ in range(spread):  # numbers run past a bucket or more before the test's keys
+        fifo.put(b"warm", 0)
+    fifo.pop(b"warm")
+    for n, (op, i) in enumerate(ops):
+        key = b"k%d" % i
+        if op == "put":
+            fifo.put(key, n)
+            model.pop(key, None)
+            model[key] = n
+        elif op == "pop":
+            assert fifo.pop(key, -1) == model.pop(key, -1)
+        elif op == "evict":
+            oldest = fifo.oldest()
+            assert oldest == next(iter(model), None)
+            if oldest is not None:
+                assert fifo.pop(oldest) == model.pop(oldest)
+        elif n % 7 == 0:
+            fifo.clear()
+            model.clear()
+        assert (key in fifo) == (key in model) and fifo.get(key) == model.get(key)
+        assert len(fifo) == len(model) and bool(fifo) == bool(model)
+    assert list(fifo) == list(model) and fifo.items() == list(model.items())
+    assert [fifo[k] for k in model] == list(model.values())
+
+
+def test_a_long_queue_evicted_from_its_front_keeps_its_order_and_is_not_walked() -> None:
+    fifo: Fifo[bytes, bytes] = Fifo()
+    for i in range(5000):
+        fifo.put(b"k%d" % i, b"v%d" % i)
+    for i in range(5000, 20000):  # at its budget: each new key evicts the oldest
+        fifo.put(b"k%d" % i, b"v%d" % i)
+        if i % 3 == 0:
+            fifo.put(b"k%d" % (i - 100), b"again")  # back to the back
+        oldest = fifo.oldest()
+        assert oldest is not None
+        fifo.pop(oldest)
+    keys = list(fifo)
+    assert len(keys) == len(set(keys)) == len(fifo) == 5000
+    assert keys[-1] in (b"k19900", b"k19999")
+    gc.collect()
+    # 5,000 entries: the 64 parts of the keys' numbers and a few references per 1,024
+    # entries, none per entry.
+    assert references_walked(fifo) <= 128
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["set", "pop", "del", "get"]), st.integers(0, 300))))
+def test_shards_behave_as_a_dict(ops: list[tuple[str, int]]) -> None:
+    shards: Shards[bytes, int] = Shards()
+    model: dict[bytes, int] = {}
+    for n, (op, i) in enumerate(ops):
+        key = b"k%d" % i
+        if op == "set":
+            shards[key] = model[key] = n
+        elif op == "pop" and n % 2:
+            assert shards.pop(key, -1) == model.pop(key, -1)
+        elif op in ("pop", "del") and key not in model:
+            with pytest.raises(KeyError):
+                shards.pop(key) if op == "pop" else shards.__delitem__(key)
+        elif op == "pop":
+            assert shards.pop(key) == model.pop(key)
+        elif op == "del":
+            del shards[key], model[key]
+        assert shards.get(key) == model.get(key) and shards.get(key, -2) == model.get(key, -2)
+        assert (key in shards) == (key in model) and len(shards) == len(model)
+    assert all(shards[k] == v for k, v in model.items())
+    shards.clear()
+    assert len(shards) == 0 and all(k not in shards for k in model)
