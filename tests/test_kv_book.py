@@ -3,13 +3,15 @@ budget, and its file across restarts (tierd.kvevents.book, book_file)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import gc
+from collections.abc import Iterator
 from pathlib import Path
 
 from tests.gc_walk import largest_dict, references_walked
 from tierd.keys import BlockKey
-from tierd.kvevents.book import DescriptorBook, Entry
+from tierd.kvevents.book import ROW_PART_BUCKETS, DescriptorBook, Entry
 from tierd.kvevents.book_file import BookFile, read_book
 from tierd.kvevents.describe import parse_description
 
@@ -91,7 +93,7 @@ def test_a_shared_hash_stays_held_while_any_key_holds_it() -> None:
 def _kept_in(path: Path, budget_bytes: int) -> tuple[DescriptorBook, BookFile]:
     """A book of ``budget_bytes`` whose every change goes to its file at ``path`` (started)."""
     book = DescriptorBook(budget_bytes)
-    file = BookFile(path, book.rows)
+    file = BookFile(path, book.row_parts)
     file.start()
     book.on_change = lambda key, entry: file.changed(key, entry, book.bytes_used)
     return book, file
@@ -124,6 +126,55 @@ def test_the_file_is_rewritten_when_it_has_grown_past_the_live_entries(tmp_path:
     file.close()
     assert path.stat().st_size < 9 << 20
     assert list(read_book(path)) == [_key(1)]
+
+
+async def test_a_rewrite_takes_the_descriptions_from_the_loop_a_part_a_turn(
+    tmp_path: Path,
+) -> None:
+    # Taken at once, a full book's rows (560,000) held the loop 75-90 ms in the put that
+    # found the file grown past its live descriptions. Now the writer starts a fresh file
+    # and the loop hands it a part a turn, while the book goes on changing; the file
+    # still ends with the last word on every key.
+    path = tmp_path / "kv-descriptors.log"
+    book = DescriptorBook(1 << 30)
+    turns = 0
+    drawn: list[tuple[int, int]] = []  # (turn, rows) of each part handed over
+
+    def parts() -> Iterator[list[tuple[BlockKey, bytes]]]:
+        for part in book.row_parts():
+            drawn.append((turns, len(part)))
+            yield part
+
+    file = BookFile(path, parts)
+    file.start()
+    book.on_change = lambda key, entry: file.changed(key, entry, book.bytes_used)
+    live = 17_000
+    for i in range(live):
+        book.put(_key(i), _entry(i))
+    drawn.clear()
+    i = 0
+    while not drawn and i < 4000:  # bounded: grows the file past four times the live
+        book.put(_key(live + i % 2), _entry(i, tokens=16384))
+        book.drop(_key(live + i % 2))
+        i += 1
+        if i % 64 == 0:
+            await asyncio.sleep(0)
+            turns += 1
+    assert drawn, "no rewrite began"
+    for turn in range(turns + 1, turns + 40):  # the book changes between the parts
+        await asyncio.sleep(0)
+        turns = turn
+        book.put(_key(turn % 50), _entry(10_000 + turn))
+        book.drop(_key(100 + turn))
+        book.put(_key(live + 10 + turn), _entry(turn))
+    file.settle()
+    file.close()
+    assert len(drawn) >= 2 and all(rows <= ROW_PART_BUCKETS * 1024 for _, rows in drawn)
+    assert len({turn for turn, _ in drawn}) == len(drawn)  # one part a turn
+    back = read_book(path)
+    assert sorted(back) == sorted(book)
+    assert all(back[k].described == book.get(k).described for k in book)  # type: ignore[union-attr]
+    assert path.stat().st_size < 6 * book.bytes_used
 
 
 def test_a_collection_never_walks_the_descriptions() -> None:

@@ -71,7 +71,7 @@ async def _keep(tenant: KvTenant, where: Path) -> None:
     restored = await asyncio.to_thread(read_book, where)
     book.restore(restored)
     tenant.restored = list(restored)
-    file = BookFile(where, book.rows)
+    file = BookFile(where, book.row_parts)
     await asyncio.to_thread(file.start)
     book.on_change = lambda key, entry: file.changed(key, entry, book.bytes_used)
     tenant.file = file

@@ -135,6 +135,7 @@ class EventFeed:
         self._send()
         for tenant in self.tenants.values():
             if tenant.file is not None:
+                tenant.file.settle()  # a rewrite's parts left, at once: the book is still
                 await asyncio.to_thread(tenant.file.close)
 
     async def _follow(self, tenant: KvTenant, subscription: Subscription) -> None:

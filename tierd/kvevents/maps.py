@@ -28,6 +28,7 @@ and nothing per key.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
+from itertools import chain
 from typing import Any, Generic, TypeVar, overload
 
 __all__ = ["Fifo", "Shards"]
@@ -114,13 +115,26 @@ class Fifo(Generic[K, V]):
         return self._buckets[seq >> _SHIFT][1][seq]
 
     def __iter__(self) -> Iterator[K]:
-        """The keys, oldest first."""
-        for keys, _ in list(self._buckets.values()):
-            yield from list(keys.values())
+        """The keys, oldest first (of a copy)."""
+        return iter(list(chain.from_iterable(keys.values() for keys, _ in self._buckets.values())))
 
     def items(self) -> list[tuple[K, V]]:
         """(key, value) pairs, oldest first."""
-        return [(keys[seq], values[seq]) for keys, values in self._buckets.values() for seq in keys]
+        return list(chain.from_iterable(self.item_parts(len(self._buckets) or 1)))
+
+    def item_parts(self, buckets: int) -> Iterator[list[tuple[K, V]]]:
+        """The (key, value) pairs, oldest first, in parts of ``buckets`` buckets' worth,
+        each part read as it is asked for: a pair put, moved or taken out meanwhile may
+        be in a later part than its place, or in none. (A bucket's two dicts are in the
+        same order, so a part is zips at C speed.)"""
+        numbers = list(self._buckets)
+        for start in range(0, len(numbers), buckets):
+            part: list[tuple[K, V]] = []
+            for number in numbers[start : start + buckets]:
+                bucket = self._buckets.get(number)
+                if bucket is not None:
+                    part += zip(bucket[0].values(), bucket[1].values(), strict=True)
+            yield part
 
     def get(self, key: K, default: V | None = None) -> V | None:
         seq = self._seq._parts[hash(key) & _LOW].get(key)
