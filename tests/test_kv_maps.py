@@ -94,3 +94,17 @@ def test_shards_behave_as_a_dict(ops: list[tuple[str, int]]) -> None:
     assert all(shards[k] == v for k, v in model.items())
     shards.clear()
     assert len(shards) == 0 and all(k not in shards for k in model)
+
+
+def test_consecutive_int_keys_do_not_fill_the_parts_in_step() -> None:
+    # Ints hash to themselves: 64 parts picked by the low bits would each take every
+    # 64th of consecutive keys (engine hashes a tenant chooses), grow in step and resize
+    # within the same 64 puts (10.6 ms at 600,000). Mixed with a salt, the parts fill
+    # at their own rates, as they do for bytes keys.
+    ints: Shards[int, int] = Shards()
+    keys: Shards[bytes, int] = Shards()
+    for i in range(64 * 100):
+        ints[i] = keys[b"k%d" % i] = i
+    for shards in (ints, keys):
+        sizes = [len(part) for part in shards._parts]
+        assert sum(sizes) == 6400 and max(sizes) - min(sizes) >= 8
