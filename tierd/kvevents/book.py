@@ -57,8 +57,8 @@ __all__ = [
 
 # What an entry is counted beyond its encoded bytes, and each hash in the index: measured
 # with tracemalloc on CPython 3.11 when entries were objects (620 B in all for a 16-token
-# block). Kept as rows they take 360 B in all, so the budget counts more than is used;
-# docs/events.md quotes them.
+# block). Kept as rows, in the maps of tierd.kvevents.maps, they take 414 B in all, so the
+# budget counts more than is used; docs/events.md quotes them.
 ENTRY_OVERHEAD = 240
 HASH_OVERHEAD = 120
 ROW_PART_BUCKETS = 16  # of 1,024 rows: a part of row_parts
@@ -142,13 +142,10 @@ class DescriptorBook:
         """The described keys, oldest first."""
         return iter(self._rows)
 
-    def rows(self) -> list[tuple[BlockKey, bytes]]:
-        """Every (key, row), oldest first (:func:`record_of` makes a file record of one)."""
-        return self._rows.items()
-
     def row_parts(self) -> Iterator[list[tuple[BlockKey, bytes]]]:
-        """:meth:`rows` in parts of some 16,000, each read as it is asked for (on the
-        loop, a part a turn: all at once, 560,000 rows took 75-90 ms)."""
+        """Every (key, row), oldest first (:func:`record_of` makes a file record of one),
+        in parts of some 16,000, each read as it is asked for (on the loop, a part a turn:
+        all at once, 560,000 rows took 75-90 ms)."""
         return self._rows.item_parts(ROW_PART_BUCKETS)
 
     def get(self, key: BlockKey) -> Entry | None:
