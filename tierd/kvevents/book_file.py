@@ -4,8 +4,8 @@ The file (``kv-descriptors.log`` beside the tenant's first disk tier's slab: onl
 tier outlives the daemon) is a stream of msgpack records, one per change of the book:
 ``[key, fields, count, hashes, group_idx]`` for a description, ``[key]`` for one dropped.
 Appends go through one writer thread (the loop only queues them); a start reads the file
-in a thread, keeps the last record of each key, and writes the survivors to a fresh file
-(then renamed over the old one). While running, when the file has grown past four times
+in a thread, keeps the last record of each key, and the writer writes the survivors to a
+fresh file (then renamed over the old one). While running, when the file has grown past four times
 the live descriptions plus 8 MiB, it is rewritten the same way behind the appends: the
 thread starts a fresh file, the loop hands it the live descriptions a part a turn (some
 16,000: taken at once, 560,000 took the loop 75-90 ms), and the thread renames it over
@@ -87,16 +87,10 @@ class BookFile:
         self.failed: str | None = None  # why writing stopped, if it did
 
     def start(self) -> None:
-        """Write the live entries as the whole file, then take appends."""
-        tmp = self.path.with_suffix(".tmp")
-        try:
-            with open(tmp, "wb") as f:
-                for part in self._parts():
-                    _write_rows(f, part)
-                self.size = f.tell()
-            os.replace(tmp, self.path)
-        except OSError as exc:
-            self._failed(exc)
+        """Write the live entries as the whole file (a rewrite, its parts handed over at
+        once), then take appends."""
+        self._begin_rewrite()
+        self.settle()
         self._thread = threading.Thread(target=self._run, name="tierd-kv-book", daemon=True)
         self._thread.start()
 
@@ -106,9 +100,7 @@ class BookFile:
         self.size += len(record)
         self._queue.put(record)
         if self.size > 4 * live_bytes + _SLACK and self._pending is None:
-            self.size = 0  # counted again by the rewrite
-            self._queue.put(_BEGIN)
-            self._pending = iter(self._parts())
+            self._begin_rewrite()
             try:
                 asyncio.get_running_loop().call_soon(self._part_a_turn)
             except RuntimeError:  # no loop (the book used in-process): all at once
@@ -124,6 +116,11 @@ class BookFile:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+
+    def _begin_rewrite(self) -> None:
+        self.size = 0  # counted again by the rewrite
+        self._queue.put(_BEGIN)
+        self._pending = iter(self._parts())
 
     def _part_a_turn(self) -> None:
         self._hand_part()

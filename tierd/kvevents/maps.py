@@ -128,7 +128,7 @@ class Fifo(Generic[K, V]):
 
     def __iter__(self) -> Iterator[K]:
         """The keys, oldest first (of a copy)."""
-        return iter(list(chain.from_iterable(keys.values() for keys, _ in self._buckets.values())))
+        return iter([key for key, _ in self.items()])
 
     def items(self) -> list[tuple[K, V]]:
         """(key, value) pairs, oldest first."""
