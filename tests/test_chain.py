@@ -371,3 +371,23 @@ async def test_a_level_is_named_by_its_medium_in_either_case(tmp_path: Path) -> 
         with pytest.raises(ValueError, match="no level on medium 'disk'"):
             await chain.load(keys, into="disk")
         chain.check_invariants(idle=True)
+
+
+async def test_a_release_in_pieces_unpins_every_key_even_when_cancelled(tmp_path: Path) -> None:
+    config = chain_config(tmp_path, {"kind": "memory", "capacity": 16})
+    async with tierd.open(config) as chain:
+        keys = keys_of(*range(10))
+        await store_all(chain, keys)
+        whole = await chain.load(keys)
+        await whole.release_in_pieces(3)  # four pieces, a turn of the loop between them
+        assert chain.levels[0].tier.stats().pinned == 0
+        handle = await chain.load(keys)
+        task = asyncio.get_running_loop().create_task(handle.release_in_pieces(3))
+        await asyncio.sleep(0)  # the first piece is unpinned, then the task waits a turn
+        assert 0 < chain.levels[0].tier.stats().pinned < len(keys)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert chain.levels[0].tier.stats().pinned == 0  # the rest, at once
+        handle.release()  # a no-op now
+        chain.check_invariants(idle=True)

@@ -1,4 +1,4 @@
-"""The ordered map under the KV events' book (tierd.kvevents.maps): it behaves as an
+"""The maps under the KV events' book (tierd.maps): the ordered one behaves as an
 insertion-ordered dict whose front is taken out and put back, across many buckets."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.gc_walk import references_walked
-from tierd.kvevents.maps import Fifo, Shards
+from tierd.maps import Fifo, Shards
 
 _OPS = st.lists(
     st.tuples(st.sampled_from(["put", "pop", "evict", "clear"]), st.integers(0, 40)),
@@ -106,5 +106,5 @@ def test_consecutive_int_keys_do_not_fill_the_parts_in_step() -> None:
     for i in range(64 * 100):
         ints[i] = keys[b"k%d" % i] = i
     for shards in (ints, keys):
-        sizes = [len(part) for part in shards._parts]
+        sizes = [len(part) for part in shards.parts]
         assert sum(sizes) == 6400 and max(sizes) - min(sizes) >= 8

@@ -130,6 +130,33 @@ async def test_a_bystanders_request_is_answered_before_a_4096_key_load_sent_ahea
             await bystander.request("complete_load", lease=mine["lease"])
 
 
+async def test_a_bystanders_request_is_answered_before_a_4096_key_unpin_sent_ahead_of_it(
+    tmp_path: Path,
+) -> None:
+    """A big load's unpin (each key to its policy's recent end, a Python step a key) is
+    done in pieces, the loop's turn between them; its reply comes once all are unpinned."""
+    keys = names("big", 4096)
+    async with (
+        serve(tmp_path, cpu_blocks=8192, disk_blocks=None) as daemon,
+        await connect(daemon, "hostile") as hostile,
+        await connect(daemon, "bystander") as bystander,
+    ):
+        assert await hostile.store(keys, rows_of(keys)) == len(keys)
+        assert await bystander.store([b"mine"], rows_of([b"mine"])) == 1
+        for _ in range(3):  # bounded: three rounds, each checked
+            loaded = await hostile.request("prepare_load", keys=keys)
+            assert loaded["count"] == len(keys)
+            assert (await hostile.stats())["tiers"][0]["pinned"] == len(keys)
+            await answered_first(
+                hostile.send("complete_load", lease=loaded["lease"]),
+                bystander.send("lookup", keys=[b"mine"]),
+            )
+            assert (await hostile.stats())["tiers"][0]["pinned"] == 0
+        # Every key is evictable again: a store of as many new blocks fits.
+        fresh = names("fresh", 8191)
+        assert await hostile.store(fresh, rows_of(fresh)) == len(fresh)
+
+
 async def test_a_bystanders_request_is_answered_before_a_long_describe_sent_ahead_of_it(
     tmp_path: Path,
 ) -> None:

@@ -17,7 +17,7 @@ from tierd.errors import (
 )
 from tierd.events import EventKind, TierEvent
 from tierd.keys import BlockKey, Medium, int_key
-from tierd.policy import LRUPolicy, policy_names
+from tierd.policy import CachePolicy, LRUPolicy, policy_names
 from tierd.tier import StorePlan, Tier, one_slot_per_key
 
 NAME = "cpu0"
@@ -30,10 +30,17 @@ MakeTier = Callable[..., Tier]
 Refusal = TypeVar("Refusal", bound=BlockStateError)
 
 
-@pytest.fixture
-def make_tier() -> MakeTier:
+@pytest.fixture(params=[None, 4], ids=["one-dict", "in-parts"])
+def make_tier(request: pytest.FixtureRequest) -> MakeTier:
+    """Tiers as small ones are (one dict each), and as big ones are: the index in parts,
+    and an LRU order in generations over parts."""
+    parts: int | None = request.param
+
     def make(capacity: int, policy: str = "lru") -> Tier:
-        return Tier(capacity, policy, name=NAME, medium=MEDIUM)
+        chosen: str | CachePolicy = policy
+        if parts and policy == "lru":
+            chosen = LRUPolicy(capacity, part_keys=1, one_dict=0)
+        return Tier(capacity, chosen, name=NAME, medium=MEDIUM, parts=parts)
 
     return make
 

@@ -27,7 +27,7 @@ from hypothesis.stateful import (
 from tierd.errors import BlockBusy, BlockMissing, BlockNotPinned, BlockNotReady
 from tierd.events import EventKind, TierEvent
 from tierd.keys import BlockKey, Medium, int_key
-from tierd.policy import ARCPolicy, policy_names
+from tierd.policy import ARCPolicy, CachePolicy, LRUPolicy, policy_names
 from tierd.tier import Tier
 
 WRITING, READY = "writing", "ready"
@@ -41,6 +41,7 @@ class TierModel(RuleBasedStateMachine):
     """Drives one Tier; ``policy_name`` is set by the factory below."""
 
     policy_name = "lru"
+    parts: int | None = None  # a big tier's index and LRU order: in parts (set below)
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,7 +59,10 @@ class TierModel(RuleBasedStateMachine):
     @initialize(capacity=st.integers(1, 6))
     def start(self, capacity: int) -> None:
         self.capacity = capacity
-        self.tier = Tier(capacity, self.policy_name, name=NAME, medium=MEDIUM)
+        policy: str | CachePolicy = self.policy_name
+        if self.parts and policy == "lru":  # the order of a big LRU: generations, parts
+            policy = LRUPolicy(capacity, part_keys=1, one_dict=0)
+        self.tier = Tier(capacity, policy, name=NAME, medium=MEDIUM, parts=self.parts)
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -332,7 +336,9 @@ class TierModel(RuleBasedStateMachine):
         assert sorted(slots + self.freed) == list(range(self.next_unused))
 
 
+@pytest.mark.parametrize("parts", [None, 4])
 @pytest.mark.parametrize("policy", policy_names())
-def test_tier_state_machine(policy: str) -> None:
-    machine = type(f"TierModel_{policy}", (TierModel,), {"policy_name": policy})
+def test_tier_state_machine(policy: str, parts: int | None) -> None:
+    fields = {"policy_name": policy, "parts": parts}
+    machine = type(f"TierModel_{policy}_{parts}", (TierModel,), fields)
     run_state_machine_as_test(machine, settings=settings(stateful_step_count=60))

@@ -1,13 +1,11 @@
 """One tier: a fixed number of slots on one medium, with a cache policy, pins and events.
 
 The tier only keeps books; it never touches bytes and never awaits, so it needs no locks.
-Its operations mirror vLLM's ``OffloadingManager``:
-
-- ``lookup(keys)``: how many leading keys are present and ready.
-- ``prepare_load(keys)`` / ``complete_load(keys)``: pin and unpin ready blocks.
-- ``touch(keys)``: mark used, tail to head.
-- ``prepare_store(keys)`` / ``complete_store(keys, success)``: allocate slots (evicting
-  if needed, all or nothing) and later make the blocks ready, or drop them on failure.
+Its operations mirror vLLM's ``OffloadingManager``: ``lookup(keys)`` (how many leading
+keys are present and ready), ``prepare_load``/``complete_load`` (pin and unpin ready
+blocks), ``touch`` (mark used, tail to head), and ``prepare_store``/``complete_store``
+(allocate slots, evicting if needed, all or nothing; later make the blocks ready, or
+drop them on failure).
 
 Block states: *writing* (slot allocated, not readable, not evictable), *ready*
 (evictable), *pinned* (ready, ``ref > 0``, not evictable). The tier owns the slot index;
@@ -33,6 +31,7 @@ from tierd.errors import (
 )
 from tierd.events import EventKind, TierEvent
 from tierd.keys import BlockKey, Medium
+from tierd.maps import Shards, part_count
 from tierd.policy import CachePolicy, make_policy
 from tierd.tier_slots import FreeSlots, KeptBlocks, one_slot_per_key, reserved, restored
 
@@ -80,6 +79,7 @@ class Tier:
         *,
         name: str = "tier",
         medium: Medium = Medium.MEMORY,
+        parts: int | None = None,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"a tier needs at least one block, got {num_blocks}")
@@ -87,15 +87,13 @@ class Tier:
         self.medium = medium
         self.num_blocks = num_blocks
         self.policy = make_policy(policy, num_blocks) if isinstance(policy, str) else policy
-        self._slots: dict[BlockKey, int] = {}  # every present block, whatever its state
+        # Every present block, whatever its state, in parts (hot paths: parts[hash(k) & low])
+        self._slots: Shards[BlockKey, int] = Shards(parts or part_count(num_blocks))
         self._writing: set[BlockKey] = set()
         self._pins: dict[BlockKey, int] = {}  # ready blocks with ref > 0
         self._free = FreeSlots(num_blocks)  # which slots a store may be given
         self._events: list[TierEvent] = []
-        self.hits = 0
-        self.misses = 0
-        self.stores = 0
-        self.evictions = 0
+        self.hits = self.misses = self.stores = self.evictions = 0
         self._kept = KeptBlocks()  # kept across a restart, not adopted yet (:meth:`reserve`)
 
     # -- queries ---------------------------------------------------------------------
@@ -117,13 +115,13 @@ class Tier:
         return self.num_blocks - len(self._slots) - self.adopting
 
     def ready_run(self, keys: Sequence[BlockKey], start: int = 0) -> int:
-        """How many consecutive ``keys`` from ``keys[start]`` on are present and ready.
-        Counts no hits; with no write in flight the scan runs at C speed."""
+        """How many consecutive ``keys`` from ``keys[start]`` on are ready (no hits)."""
         slots, writing = self._slots, self._writing
-        rest = islice(keys, start, None)
-        if writing:
-            return len(list(takewhile(lambda k: k in slots and k not in writing, rest)))
-        return len(list(takewhile(slots.__contains__, rest)))
+        rest = islice(keys, start, None) if start else keys
+        if not writing:
+            return slots.leading(rest)
+        parts, low = slots.parts, slots.low
+        return len(list(takewhile(lambda k: k in parts[hash(k) & low] and k not in writing, rest)))
 
     def is_writing(self, key: BlockKey) -> bool:
         return key in self._writing
@@ -158,9 +156,9 @@ class Tier:
         walking them reaches those too; a key stored again since the restart is listed
         twice), copied at C speed (about 15 ns a key): a snapshot that a pass can walk in
         slices, yielding between them, while the tier changes."""
-        if self._kept.slots:
-            return [*self._slots, *self._kept.slots]
-        return list(self._slots)
+        keys = self._slots.key_list()
+        keys += self._kept.slots
+        return keys
 
     def writing_keys(self) -> list[BlockKey]:
         """The keys being written, copied at C speed (as many as the writes in flight)."""
@@ -178,18 +176,7 @@ class Tier:
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         """How many leading ``keys`` are present and ready; counts hits and misses."""
-        slots, writing = self._slots, self._writing
-        n = 0
-        if writing:
-            for key in keys:
-                if key not in slots or key in writing:
-                    break
-                n += 1
-        else:
-            for key in keys:
-                if key not in slots:
-                    break
-                n += 1
+        n = self.ready_run(keys)
         self.hits += n
         self.misses += len(keys) - n
         return n
@@ -202,18 +189,21 @@ class Tier:
         Raises :class:`BlockMissing` or :class:`BlockNotReady` (and pins nothing) if any
         key is not ready."""
         slots, writing = self._slots, self._writing
-        for key in keys:
-            if key not in slots:
-                raise self._error(BlockMissing, "cannot load a missing block", key)
-            if key in writing:
-                raise self._error(BlockNotReady, "cannot load a block being written", key)
+        if slots.absent(keys) or not writing.isdisjoint(keys):
+            for key in keys:  # the first key that cannot be loaded, in order
+                if key not in slots:
+                    raise self._error(BlockMissing, "cannot load a missing block", key)
+                if key in writing:
+                    raise self._error(BlockNotReady, "cannot load a block being written", key)
         pins = self._pins
+        held = []
         for key in keys:
             count = pins.get(key, 0)
             if count == 0:
-                self.policy.hold(key)
+                held.append(key)
             pins[key] = count + 1
-        return [slots[key] for key in keys]
+        self.policy.hold_all(held)
+        return slots.values_of(keys)
 
     def complete_load(self, keys: Sequence[BlockKey]) -> None:
         """Unpin blocks pinned by ``prepare_load``; raises :class:`BlockNotPinned` (and
@@ -222,13 +212,15 @@ class Tier:
         for key, count in Counter(keys).items():
             if pins.get(key, 0) < count:
                 raise self._error(BlockNotPinned, "complete_load without prepare_load", key)
+        released = []
         for key in keys:
             count = pins[key] - 1
             if count:
                 pins[key] = count
             else:
                 del pins[key]
-                self.policy.release(key)
+                released.append(key)
+        self.policy.release_all(released)
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark ``keys`` used, tail to head, so ``keys[0]`` ends up the most recent."""
@@ -241,7 +233,7 @@ class Tier:
         that are not among ``keys`` if needed. All or nothing: ``None`` if not enough
         blocks can be evicted, and then nothing changed."""
         slots = self._slots
-        todo = [key for key in keys if key not in slots]
+        todo = slots.absent(keys)
         if not todo:
             return _EMPTY_PLAN
         writing = self._writing
@@ -262,12 +254,12 @@ class Tier:
                 writing.difference_update(todo)
                 return None
             evicted = tuple(victims)
-            evicted_slots = tuple(map(slots.pop, victims))
+            evicted_slots = tuple(slots.pop_all(victims))
             self._free.release(evicted_slots)
             self.evictions += len(evicted)
             self._events.append(TierEvent(_REMOVED, evicted, self.medium, self.name))
         new_slots = self._free.allocate(len(todo))
-        slots.update(zip(todo, new_slots, strict=True))
+        slots.put_all(todo, new_slots)
         return StorePlan(tuple(todo), new_slots, evicted, evicted_slots)
 
     def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
@@ -337,7 +329,7 @@ class Tier:
             raise ValueError(f"tier {self.name} is not empty; restore needs a fresh tier")
         adopted, free = restored(entries, self.num_blocks)
         self._free.rebuild(free)
-        self._slots.update(adopted)
+        self._slots.update(adopted.items())
         self.policy.insert(list(adopted))
 
     def reserve(
@@ -360,7 +352,7 @@ class Tier:
         (:meth:`~tierd.tier_slots.KeptBlocks.take`)."""
         slots = self._slots
         taken, stale = self._kept.take(count, slots)
-        slots.update(taken)
+        slots.update(taken.items())
         self.policy.insert(list(taken))
         self._free.release(stale)
         return len(taken)

@@ -26,6 +26,7 @@ from tierd.chain.levels import ChainLevels
 from tierd.chain.moves import Movement
 from tierd.keys import BlockKey, Medium
 from tierd.stores import BlockStore, Buffer
+from tierd.stores.base import next_turn
 from tierd.tier import StorePlan
 
 __all__ = ["LoadHandle", "StoreHandle"]
@@ -81,6 +82,23 @@ class LoadHandle(_SlotHandle):
         if not self.released:
             self.released = True
             self._levels.unpin(self.level, self.keys)
+
+    async def release_in_pieces(self, piece: int) -> None:
+        """:meth:`release`, ``piece`` keys a turn of the loop (a big load's unpin is a
+        Python step a key); what is left is unpinned at once if this is cancelled."""
+        if self.released:
+            return
+        self.released = True
+        keys, start = self.keys, 0
+        try:
+            while start < len(keys):
+                if start:
+                    await next_turn()
+                self._levels.unpin(self.level, keys[start : start + piece])
+                start += piece
+        finally:
+            if start < len(keys):
+                self._levels.unpin(self.level, keys[start:])
 
     async def __aenter__(self) -> LoadHandle:
         return self

@@ -17,9 +17,11 @@ A :class:`BlockRequests` knows its session only through :class:`Requester`.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar
 
 from tierd.chain import LoadHandle, StoreHandle, TierChain
+from tierd.chain.loads import LOAD_PIECE
 from tierd.control.context import ServerContext
 from tierd.control.leases import Hold, Leases
 from tierd.control.namespaces import NamespaceFigures
@@ -149,8 +151,18 @@ class BlockRequests:
             LOADED_FROM: str(handle.source_medium),
         }
 
-    def complete_load(self, msg: dict[str, Any]) -> Reply:
-        self._take(msg, LoadHandle).release()
+    def complete_load(self, msg: dict[str, Any]) -> Reply | Awaitable[Reply]:
+        """Unpin at once; a load of more than :data:`LOAD_PIECE` keys is unpinned in
+        pieces, a turn of the loop each (its keys move to the policy's recent end, a
+        Python step a key), and answered when done."""
+        handle = self._take(msg, LoadHandle)
+        if len(handle.keys) <= LOAD_PIECE:
+            handle.release()
+            return {}
+        return self._release_in_pieces(handle)
+
+    async def _release_in_pieces(self, handle: LoadHandle) -> Reply:
+        await handle.release_in_pieces(LOAD_PIECE)
         return {}
 
     # -- inline, in the messages ------------------------------------------------------

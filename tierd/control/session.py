@@ -3,32 +3,29 @@
 A :class:`Session` turns decoded requests into chain calls and replies; it owns no
 socket (the connection hands it messages and a ``send`` callback), so every rule of the
 protocol can be exercised without one. It owns the dispatch, the namespace, ``lookup``
-and ``touch`` (the fast path) and the event stream; what hello checks is in
-:mod:`~tierd.control.hello`, the requests that move blocks in
-:mod:`~tierd.control.block_requests`, the operator's (``clear``, ``flush``, ``stop``,
-``config``, ``metrics``, ``reload``) in :mod:`~tierd.control.operator_requests`, those by
-namespace (``namespaces``, ``inspect``, ``delete``) in
-:mod:`~tierd.control.namespace_requests`, KV events' (``describe``, ``blocks_held``) in
-:mod:`~tierd.control.kv_requests`.
+and ``touch`` (the fast path) and the event stream; hello's checks are in ``hello``,
+the requests that move blocks in ``block_requests``, the operator's (``clear``,
+``flush``, ``stop``, ``config``, ``metrics``, ``reload``) in ``operator_requests``, by
+namespace (``namespaces``, ``inspect``, ``delete``) in ``namespace_requests``, and KV
+events' (``describe``, ``blocks_held``) in ``kv_requests`` (all in ``tierd.control``).
 
 - **Tenants.** The connection's :class:`~tierd.control.tenants.Grant` (decided by the
   server from the peer's kernel credentials, never from what the client says) names its
   tenant: every data operation goes to that tenant's chain and no other.
-- **Namespaces.** ``hello`` names the client's namespace, which must be one of its
-  tenant's patterns; every key the client sends is prefixed with the namespace's 8-byte
-  id before it reaches the chain, and stripped from the events it receives, so blocks of
-  different namespaces never collide.
-- **Pool.** A ``hello`` with ``pool_fd: true`` gets the tenant's pool descriptor passed
-  with its reply (SCM_RIGHTS, by the connection); no pool has a path to open.
+- **Namespaces.** ``hello`` names the client's namespace, one of its tenant's patterns;
+  every key the client sends is prefixed with the namespace's 8-byte id, and stripped
+  from the events it receives, so blocks of different namespaces never collide.
+- **Pool.** ``hello`` with ``pool_fd: true`` gets the tenant's pool descriptor with its
+  reply (SCM_RIGHTS); no pool has a path to open.
 - **Leases.** ``prepare_store`` and ``prepare_load`` hand out lease ids only this
   session can finish, bounded and expired by its :class:`~tierd.control.leases.Leases`.
-  :meth:`close` aborts and releases every lease left, and a request still running when
-  the session closes gives its lease back as soon as it ends. A client that dies
-  therefore never leaks a pin or a slot.
-- **Errors.** A bad request gets an error reply and changes nothing; an unexpected
-  exception is logged with its traceback and answered ``internal``.
+  :meth:`close` aborts and releases every lease left, and a request still running gives
+  its lease back when it ends: a client that dies never leaks a pin or a slot.
+- **Errors.** A bad request gets an error reply and changes nothing; an unexpected one
+  is logged with its traceback and answered ``internal``.
 - **Timing.** Every answered request of a known operation is timed from its arrival to
-  its reply into ``ctx.timing`` (latency histograms, per-request debug lines).
+  its reply into ``ctx.timing`` (latency histograms, per-request debug lines); work an
+  answer hands back (a big load's unpin, in pieces) is a task, timed when it replies.
 """
 
 from __future__ import annotations
@@ -69,7 +66,7 @@ __all__ = ["Session"]
 log = structlog.get_logger("tierd.control")
 
 Reply = dict[str, Any]
-_Answer = Callable[[dict[str, Any]], Reply]  # an operation answered at once
+_Answer = Callable[[dict[str, Any]], Reply | Awaitable[Reply]]  # at once, or work for a task
 _Start = Callable[[dict[str, Any]], Awaitable[Reply]]  # one run as a task
 _MAX_ID = (1 << 64) - 1
 # Refused while the daemon drains; finishing a lease (complete_store) is still allowed.
@@ -126,7 +123,7 @@ class Session:
             "lookup": self._lookup,
             "lookup_each": self._lookup_each,
             "touch": self._touch,
-            "complete_load": blocks.complete_load,
+            "complete_load": blocks.complete_load,  # a big load's unpin: a task, in pieces
             "abort_store": blocks.abort_store,
             "subscribe": self._subscribe,
             "unsubscribe": self._unsubscribe,
@@ -187,6 +184,9 @@ class Session:
                     except Exception as exc:  # cancellation propagates
                         result = self._fail(request_id, exc)
                     else:
+                        if not isinstance(fields, dict):
+                            self._spawn(request_id, fields, op, msg, started)
+                            return  # timed when it replies
                         self._reply(request_id, fields)
                         result = "ok"
                     self.ctx.timing.observe(self.conn, op, msg, started, result)
@@ -222,7 +222,11 @@ class Session:
                 return
             sync = self._sync.get(op)
             if sync is not None:
-                self._reply(request_id, sync(msg))
+                fields = sync(msg)
+                if not isinstance(fields, dict):
+                    self._spawn(request_id, fields, op, msg, started)
+                    return  # timed when it replies
+                self._reply(request_id, fields)
             elif op in self._async:
                 self._spawn(request_id, self._async[op](msg), op, msg, started)
                 return  # timed when it replies

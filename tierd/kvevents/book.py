@@ -42,8 +42,8 @@ from typing import Any
 import msgpack
 
 from tierd.keys import BlockKey
-from tierd.kvevents.maps import Fifo, Shards
 from tierd.kvevents.wire import Described
+from tierd.maps import Fifo, Shards
 
 __all__ = [
     "ENTRY_OVERHEAD",

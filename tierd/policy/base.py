@@ -78,6 +78,16 @@ class CachePolicy(ABC):
     def release(self, key: BlockKey) -> None:
         """Undo ``hold``: the key is evictable again, as the most recently used."""
 
+    def hold_all(self, keys: Sequence[BlockKey]) -> None:
+        """``hold`` each of ``keys``, in order (one call for a load's keys)."""
+        for key in keys:
+            self.hold(key)
+
+    def release_all(self, keys: Sequence[BlockKey]) -> None:
+        """``release`` each of ``keys``, in order (one call for a load's keys)."""
+        for key in keys:
+            self.release(key)
+
     @abstractmethod
     def evict(self, n: int, protected: Collection[BlockKey] = ()) -> list[BlockKey] | None:
         """Choose and remove ``n`` victims, or return ``None`` and change nothing."""

@@ -1,21 +1,25 @@
-"""Least-recently-used: one ordered dict of the tracked keys, least recent first.
+"""Least-recently-used: the tracked keys least recent first, in one ``OrderedDict`` for a
+small tier, and for a big one in a :class:`~tierd.policy.order.PartedOrder`, whose parts
+each resize on their own (one dict was copied whole, 250 ms at 1,400,000 keys, in the
+put that outgrew it).
 
-Pinned keys stay in the order, marked in a set: a pin and its release move a key to the
-recent end without deleting it from the dict. Deleting leaves a dead entry that the dict
-reclaims by rebuilding itself whole, an O(keys) pause on the event loop (33-48 ms at
-240,000 keys) that a load of a few thousand keys used to bring about every few dozen
-loads. Eviction skips held keys; those it had to step over go to the recent end, so
-each is stepped over once until the whole order has turned over again.
+Pinned keys stay where they are, marked in a set; a release moves its key to the recent
+end. (Deleting a key from a dict leaves a dead entry that the dict reclaims by rebuilding
+itself whole: 33-48 ms at 240,000 keys in one dict, which loads of a few thousand keys
+used to bring about every few dozen loads.) Eviction skips held keys; those it had to
+step over go to the recent end, so each is stepped over once until the whole order has
+turned over again: a pin costs a set insert, and the move a pin needs is paid only if
+eviction reaches its key while it is held.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from itertools import islice, repeat
 
 from tierd.keys import BlockKey
+from tierd.maps import PART_KEYS
 from tierd.policy.base import CachePolicy
+from tierd.policy.order import ONE_DICT_KEYS, DictOrder, PartedOrder, recency_order
 from tierd.policy.registry import register_policy
 
 __all__ = ["LRUPolicy"]
@@ -27,9 +31,13 @@ class LRUPolicy(CachePolicy):
 
     name = "lru"
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(
+        self, capacity: int, part_keys: int = PART_KEYS, one_dict: int = ONE_DICT_KEYS
+    ) -> None:
         super().__init__(capacity)
-        self._order: OrderedDict[BlockKey, None] = OrderedDict()
+        self._order: DictOrder[BlockKey] | PartedOrder[BlockKey] = recency_order(
+            capacity, part_keys, one_dict
+        )
         self._held: set[BlockKey] = set()
 
     def __contains__(self, key: object) -> bool:
@@ -40,31 +48,34 @@ class LRUPolicy(CachePolicy):
 
     def insert(self, keys: Sequence[BlockKey]) -> None:
         # Keys are new to the policy (the tier inserts a key once, when it becomes ready).
-        self._order.update(zip(keys, repeat(None)))
+        self._order.append(keys)
 
     def remove(self, key: BlockKey) -> bool:
-        if key in self._order:
-            del self._order[key]
+        if self._order.discard(key):
             self._held.discard(key)
             return True
         return False
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        order = self._order
-        move = order.move_to_end
-        for key in reversed(keys):
-            if key in order:
-                move(key)
+        self._order.to_end(reversed(keys))
 
     def hold(self, key: BlockKey) -> None:
-        if key in self._order:
+        if key in self._order:  # marked, not moved: its release moves it (see evict)
             self._held.add(key)
-            self._order.move_to_end(key)  # out of eviction's way while it is read
 
     def release(self, key: BlockKey) -> None:
         if key in self._held:
             self._held.discard(key)
-            self._order.move_to_end(key)
+            self._order.move(key)
+
+    def hold_all(self, keys: Sequence[BlockKey]) -> None:
+        self._held.update(self._order.present(keys))
+
+    def release_all(self, keys: Sequence[BlockKey]) -> None:
+        held = self._held
+        released = [key for key in keys if key in held]
+        held.difference_update(released)
+        self._order.to_end(released)
 
     def evict(self, n: int, protected: Collection[BlockKey] = ()) -> list[BlockKey] | None:
         if n <= 0:
@@ -72,7 +83,7 @@ class LRUPolicy(CachePolicy):
         order, held = self._order, self._held
         if n > len(order) - len(held):
             return None
-        victims = list(islice(order, n))
+        victims = order.oldest(n)
         # Held and protected keys are usually recent, so the least recent n rarely include
         # one: check that in C-level passes, and only then scan past them.
         if (held and not held.isdisjoint(victims)) or (
@@ -81,9 +92,9 @@ class LRUPolicy(CachePolicy):
             found = self._scan(n, protected)
             if found is None:
                 return None
-            victims = found
-        for key in victims:
-            del order[key]
+            order.take(found)
+            return found
+        order.take_oldest(n)
         return victims
 
     def _scan(self, n: int, protected: Collection[BlockKey]) -> list[BlockKey] | None:
@@ -101,9 +112,7 @@ class LRUPolicy(CachePolicy):
                 victims.append(key)
                 if len(victims) == n:
                     break
-        move = order.move_to_end
-        for key in stepped:
-            move(key)
+        order.to_end(stepped)
         return victims if len(victims) == n else None
 
     def clear(self) -> None:
