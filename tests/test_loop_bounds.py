@@ -233,12 +233,12 @@ async def test_a_delete_walks_no_index_where_the_namespace_has_no_blocks_beside_
     # are walked where the census says the namespace holds no ready block.
     big = names("big", 16 * WALK_SLICE)
     walked: list[int] = []
-    copy = Tier.keys
+    copy = Tier.key_parts
 
-    def keys(tier: Tier) -> list[BlockKey]:
-        found = copy(tier)
-        walked.append(len(found))
-        return found
+    def key_parts(tier: Tier) -> Iterator[list[BlockKey]]:
+        for found in copy(tier):
+            walked.append(len(found))
+            yield found
 
     async with (
         serve(tmp_path, cpu_blocks=len(big) + 64, disk_blocks=None) as daemon,
@@ -251,7 +251,7 @@ async def test_a_delete_walks_no_index_where_the_namespace_has_no_blocks_beside_
         crowds = BlockKey(daemon.server.ctx.namespace_id("crowd") + b"in flight")
         idles = BlockKey(daemon.server.ctx.namespace_id("idle") + b"in flight")
         assert tier.prepare_store([crowds, idles]) is not None  # two writes in flight
-        monkeypatch.setattr(Tier, "keys", keys)
+        monkeypatch.setattr(Tier, "key_parts", key_parts)
         try:
             deleted = await idle.delete(everything=True)
         finally:

@@ -17,7 +17,7 @@ they are given out, and what a restart brings back (kept blocks not adopted yet)
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice, takewhile
 from operator import itemgetter
@@ -151,14 +151,16 @@ class Tier:
         request path)."""
         return Counter(map(itemgetter(slice(0, length)), self._slots))
 
-    def keys(self) -> list[BlockKey]:
-        """Present keys (every state), then kept keys not adopted yet (so that a delete
-        walking them reaches those too; a key stored again since the restart is listed
-        twice), copied at C speed (about 15 ns a key): a snapshot that a pass can walk in
-        slices, yielding between them, while the tier changes."""
-        keys = self._slots.key_list()
-        keys += self._kept.slots
-        return keys
+    def key_parts(self) -> Iterator[list[BlockKey]]:
+        """Present keys (every state), a part of the index at a time, then kept keys not
+        adopted yet (so that a delete walking them reaches those too; a key stored again
+        since the restart is listed twice). Each part is copied at C speed (about 15 ns
+        a key) when it is asked for: a pass can walk them in slices, yielding between
+        them, while the tier changes, and no turn copies more than a part."""
+        for part in self._slots.parts:
+            yield list(part)
+        if self._kept.slots:
+            yield list(self._kept.slots)
 
     def writing_keys(self) -> list[BlockKey]:
         """The keys being written, copied at C speed (as many as the writes in flight)."""

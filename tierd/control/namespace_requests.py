@@ -22,6 +22,7 @@ time. ``namespaces`` costs the number of namespaces, not of blocks (the chain's 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from tierd.chain import Deleted
@@ -231,19 +232,20 @@ async def _delete_starting(tenant: Tenant, start: bytes) -> Deleted:
     for index, level in enumerate(chain.levels):
         tier = level.tier
         if census.held(index, namespace_id) or tier.adopting:
-            # A copy at C speed (kept blocks not adopted yet included: they are in no
-            # census, nor are the ones adopted so far); the walk below is what is sliced.
-            keys = tier.keys()
+            # Copies at C speed, a part of the index at a time (kept blocks not adopted
+            # yet included: they are in no census, nor are the ones adopted so far).
+            key_parts: Iterable[list[BlockKey]] = tier.key_parts()
         else:  # no ready block of the namespace there: only its writes in flight can be
-            keys = tier.writing_keys()
-        for first in range(0, len(keys), WALK_SLICE):
-            part = keys[first : first + WALK_SLICE]
-            found = [k for k in part if k[:size] == start and k not in handled]
-            if found:
-                done = chain.delete(found)
-                removed, busy = removed + done.removed, busy + done.busy
-                handled.update(found)
-            await next_turn()  # a large namespace goes without stalling others (nor threads)
+            key_parts = [tier.writing_keys()]
+        for keys in key_parts:
+            for first in range(0, len(keys), WALK_SLICE):
+                part = keys[first : first + WALK_SLICE]
+                found = [k for k in part if k[:size] == start and k not in handled]
+                if found:
+                    done = chain.delete(found)
+                    removed, busy = removed + done.removed, busy + done.busy
+                    handled.update(found)
+                await next_turn()  # a large namespace goes without stalling others
     return Deleted(removed, busy)
 
 
