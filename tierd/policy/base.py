@@ -6,8 +6,9 @@ ready (``insert``/``remove``), which are in use and so must not be evicted
 
 Held keys are never scanned past call after call (a scan over many pinned blocks per
 call is quadratic): ARC keeps them apart from the evictable ones; LRU keeps them in
-place, marked, and moves each one eviction steps over to the recent end (so a pin and
-its release never delete from its dict: see ``tierd/policy/lru.py``). The ``protected`` keys that
+place, marked, and moves each one eviction steps over to the recent end (a pin moves
+nothing; see ``tierd/policy/lru.py``). ``hold_all``/``release_all`` take a load's keys in
+one call. The ``protected`` keys that
 ``evict`` receives are only the few keys a single call must keep (the keys being stored);
 a container rather than a predicate keeps the victim scan free of Python calls.
 """
