@@ -109,10 +109,12 @@ async def answered_first(
 # -- finding 5: a load of many keys ------------------------------------------------------
 
 
-async def test_a_bystanders_request_is_answered_before_a_4096_key_load_sent_ahead_of_it(
-    tmp_path: Path,
-) -> None:
-    keys = names("big", 4096)
+@asynccontextmanager
+async def hostile_and_bystander(
+    tmp_path: Path, keys: list[bytes]
+) -> AsyncIterator[tuple[Client, Client]]:
+    """A daemon of 8,192 CPU blocks, a hostile tenant holding ``keys`` and a bystander
+    holding ``mine``: their clients."""
     async with (
         serve(tmp_path, cpu_blocks=8192, disk_blocks=None) as daemon,
         await connect(daemon, "hostile") as hostile,
@@ -120,6 +122,14 @@ async def test_a_bystanders_request_is_answered_before_a_4096_key_load_sent_ahea
     ):
         assert await hostile.store(keys, rows_of(keys)) == len(keys)
         assert await bystander.store([b"mine"], rows_of([b"mine"])) == 1
+        yield hostile, bystander
+
+
+async def test_a_bystanders_request_is_answered_before_a_4096_key_load_sent_ahead_of_it(
+    tmp_path: Path,
+) -> None:
+    keys = names("big", 4096)
+    async with hostile_and_bystander(tmp_path, keys) as (hostile, bystander):
         for _ in range(3):  # bounded: three rounds, each checked
             loaded, mine = await answered_first(
                 hostile.send("prepare_load", keys=keys),
@@ -136,13 +146,7 @@ async def test_a_bystanders_request_is_answered_before_a_4096_key_unpin_sent_ahe
     """A big load's unpin (each key to its policy's recent end, a Python step a key) is
     done in pieces, the loop's turn between them; its reply comes once all are unpinned."""
     keys = names("big", 4096)
-    async with (
-        serve(tmp_path, cpu_blocks=8192, disk_blocks=None) as daemon,
-        await connect(daemon, "hostile") as hostile,
-        await connect(daemon, "bystander") as bystander,
-    ):
-        assert await hostile.store(keys, rows_of(keys)) == len(keys)
-        assert await bystander.store([b"mine"], rows_of([b"mine"])) == 1
+    async with hostile_and_bystander(tmp_path, keys) as (hostile, bystander):
         for _ in range(3):  # bounded: three rounds, each checked
             loaded = await hostile.request("prepare_load", keys=keys)
             assert loaded["count"] == len(keys)
