@@ -173,10 +173,6 @@ class Shards(Generic[K, V]):
         part = self._part(key)
         return part.pop(key) if default is _ABSENT else part.pop(key, default)
 
-    def update(self, pairs: Iterable[tuple[K, V]]) -> None:
-        for key, value in pairs:
-            self._part(key)[key] = value
-
     def clear(self) -> None:
         for part in self.parts:
             part.clear()

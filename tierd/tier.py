@@ -331,7 +331,7 @@ class Tier:
             raise ValueError(f"tier {self.name} is not empty; restore needs a fresh tier")
         adopted, free = restored(entries, self.num_blocks)
         self._free.rebuild(free)
-        self._slots.update(adopted.items())
+        self._slots.put_all(adopted, adopted.values())
         self.policy.insert(list(adopted))
 
     def reserve(
@@ -354,7 +354,7 @@ class Tier:
         (:meth:`~tierd.tier_slots.KeptBlocks.take`)."""
         slots = self._slots
         taken, stale = self._kept.take(count, slots)
-        slots.update(taken.items())
+        slots.put_all(taken, taken.values())
         self.policy.insert(list(taken))
         self._free.release(stale)
         return len(taken)

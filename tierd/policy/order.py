@@ -170,14 +170,9 @@ class PartedOrder(Generic[K]):
 
     def take(self, keys: Iterable[K]) -> None:
         """Forget ``keys``, every one of them present."""
-        shards, gens, newest = self._gen_of, self._gens, self._newest
-        parts, low = shards.parts, shards.low
+        parts, low, leave = self._gen_of.parts, self._gen_of.low, self._leave
         for key in keys:
-            number = parts[hash(key) & low].pop(key)
-            gen = gens[number]
-            del gen[key]
-            if len(gen) in self._thin and number != newest:
-                self._thin_out(number, gen)
+            leave(key, parts[hash(key) & low].pop(key))
 
     def _put(self, keys: Iterable[K], new: bool) -> None:
         """Put ``keys`` at the recent end, in order: every one (``new``) or the present
