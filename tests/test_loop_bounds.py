@@ -161,6 +161,37 @@ async def test_a_bystanders_request_is_answered_before_a_4096_key_unpin_sent_ahe
         assert await hostile.store(fresh, rows_of(fresh)) == len(fresh)
 
 
+async def test_a_bystanders_requests_are_answered_before_a_4096_key_store_sent_ahead_of_them(
+    tmp_path: Path,
+) -> None:
+    """A big store reserves its slots (evicting as it goes) and ends its write a piece a
+    turn of the loop: a bystander's lookup sent behind either step is answered first,
+    and the store still ends whole (every block ready, its bytes the client's)."""
+    keys = names("big", 4096)
+    async with hostile_and_bystander(tmp_path, keys) as (hostile, bystander):
+        for round_ in range(3):  # bounded: three rounds, each checked; 2 and 3 evict
+            fresh = names(f"fresh{round_}", 4096)
+            reserved, mine = await answered_first(
+                hostile.send("prepare_store", keys=fresh),
+                bystander.send("prepare_load", keys=[b"mine"]),  # a task, as the store
+            )
+            await bystander.request("complete_load", lease=mine["lease"])
+            assert reserved["lease"] is not None and None not in reserved["slots"]
+            assert hostile.pool is not None
+            for slot, row in zip(reserved["slots"], rows_of(fresh), strict=True):
+                hostile.pool.view(slot)[:] = row
+            stored, mine = await answered_first(
+                hostile.send("complete_store", lease=reserved["lease"], ok=True),
+                bystander.send("prepare_load", keys=[b"mine"]),
+            )
+            await bystander.request("complete_load", lease=mine["lease"])
+            assert stored["stored"] == len(fresh)
+            assert (await hostile.lookup(fresh)).count == len(fresh)
+            assert await hostile.load(fresh[::511]) == rows_of(fresh[::511])
+        stats = (await hostile.stats())["tiers"][0]
+        assert stats["writing"] == 0 and stats["pinned"] == 0
+
+
 async def test_a_bystanders_request_is_answered_before_a_long_describe_sent_ahead_of_it(
     tmp_path: Path,
 ) -> None:

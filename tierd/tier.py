@@ -230,10 +230,13 @@ class Tier:
 
     # -- stores ----------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[BlockKey]) -> StorePlan | None:
+    def prepare_store(
+        self, keys: Sequence[BlockKey], keep: Collection[BlockKey] | None = None
+    ) -> StorePlan | None:
         """Allocate slots for the keys not yet present, evicting ready unpinned blocks
-        that are not among ``keys`` if needed. All or nothing: ``None`` if not enough
-        blocks can be evicted, and then nothing changed."""
+        that are not among ``keep`` if needed (by default ``keys``; a store made in
+        pieces keeps all of its keys). All or nothing: ``None`` if not enough blocks can
+        be evicted, and then nothing changed."""
         slots = self._slots
         todo = slots.absent(keys)
         if not todo:
@@ -251,7 +254,9 @@ class Tier:
         if need > 0:
             # Only keys already present can be victims: when every key is new, the policy
             # has none of them, and nothing needs protecting.
-            victims = self.policy.evict(need, set(keys) if len(todo) != len(keys) else ())
+            if keep is None:
+                keep = set(keys) if len(todo) != len(keys) else ()
+            victims = self.policy.evict(need, keep)
             if victims is None:
                 writing.difference_update(todo)
                 return None

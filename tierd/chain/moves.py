@@ -17,7 +17,8 @@ admission answers, and is what loads (promotion) and the chain's stores and flus
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from itertools import chain
 
 from tierd.chain.admit import Admissions
 from tierd.chain.levels import ChainLevels
@@ -25,10 +26,13 @@ from tierd.chain.pending import PendingWrites
 from tierd.chain.values import Level
 from tierd.keys import BlockKey
 from tierd.stores import BlockStore
+from tierd.stores.base import next_turn
 from tierd.tier import StorePlan
 from tierd.transfer import TransferEngine
 
-__all__ = ["Movement"]
+__all__ = ["STORE_PIECE", "Movement"]
+
+STORE_PIECE = 512  # keys a store reserves, and ends, per turn of the event loop
 
 
 class Movement:
@@ -59,10 +63,39 @@ class Movement:
     ) -> list[BlockKey]:
         """End a client's write (a failed block is not an I/O error of the level), then
         copy what became ready down where the chain writes through."""
-        stored = self._writes.end_store(index, keys, ok, futures, io_failed=False)
+        if len(keys) <= STORE_PIECE:
+            stored = self._writes.end_store(index, keys, ok, futures, io_failed=False)
+        else:
+            stored = await self._end_in_pieces(index, keys, ok, futures)
         await self.write_through(index, stored)
         if self.after_store is not None:
             self.after_store(index, stored)
+        return stored
+
+    async def _end_in_pieces(
+        self,
+        index: int,
+        keys: Sequence[BlockKey],
+        ok: Sequence[bool],
+        futures: list[asyncio.Future[bool]],
+    ) -> list[BlockKey]:
+        """:meth:`PendingWrites.end_store` of a client's write, :data:`STORE_PIECE` keys a
+        turn of the loop. The write's futures are resolved with its last piece (a waiter
+        woken sooner could find its key still being written); what is left is ended at
+        once if this is cancelled."""
+        stored: list[BlockKey] = []
+        end, start = self._writes.end_store, 0
+        try:
+            while start < len(keys):
+                if start:
+                    await next_turn()
+                stop = start + STORE_PIECE
+                last = futures if stop >= len(keys) else []
+                stored += end(index, keys[start:stop], ok[start:stop], last, io_failed=False)
+                start = stop
+        finally:
+            if start < len(keys):
+                end(index, keys[start:], ok[start:], futures, io_failed=False)
         return stored
 
     def abort_store(
@@ -76,11 +109,39 @@ class Movement:
     ) -> tuple[StorePlan, list[asyncio.Future[bool]]] | None:
         """prepare_store at one level and demote its victims; ``None`` if there is no
         room. The keys stay in flight until the write is ended
-        (:meth:`PendingWrites.end_store`)."""
+        (:meth:`PendingWrites.end_store`). More than :data:`STORE_PIECE` keys are
+        reserved a piece a turn of the loop (a big tier's maps cost a Python step a key),
+        all or nothing still: the pieces reserved are ended unwritten if a later one
+        finds no room, or the reservation fails or is cancelled."""
+        if len(keys) <= STORE_PIECE:
+            return await self._reserve(index, keys, None)
+        keep = set(keys)  # no piece evicts a key of another
+        plans: list[StorePlan] = []
+        futures: list[asyncio.Future[bool]] = []
+        done = False
+        try:
+            for start in range(0, len(keys), STORE_PIECE):
+                if start:
+                    await next_turn()
+                reserved = await self._reserve(index, keys[start : start + STORE_PIECE], keep)
+                if reserved is None:
+                    return None
+                plans.append(reserved[0])
+                futures += reserved[1]
+            done = True
+        finally:
+            if not done and plans:
+                written = [key for plan in plans for key in plan.keys]
+                self._writes.abort(index, written, futures)
+        return _joined(plans), futures
+
+    async def _reserve(
+        self, index: int, keys: Sequence[BlockKey], keep: Collection[BlockKey] | None
+    ) -> tuple[StorePlan, list[asyncio.Future[bool]]] | None:
         tier = self.levels.levels[index].tier
-        plan = tier.prepare_store(keys)
+        plan = tier.prepare_store(keys, keep)
         if plan is None and self.unpin_behind is not None and await self.unpin_behind(index):
-            plan = tier.prepare_store(keys)  # at once: no new batch pinned meanwhile
+            plan = tier.prepare_store(keys, keep)  # at once: no new batch pinned meanwhile
         if plan is None:
             self.levels.publish()
             return None
@@ -198,3 +259,14 @@ class Movement:
             return await self.store_into(index + 1, keys, fill)
         finally:
             self.levels.unpin(index, keys)
+
+
+def _joined(plans: Sequence[StorePlan]) -> StorePlan:
+    """The plans of a store's pieces as one, in order."""
+    flat = chain.from_iterable
+    return StorePlan(
+        tuple(flat(p.keys for p in plans)),
+        tuple(flat(p.slots for p in plans)),
+        tuple(flat(p.evicted for p in plans)),
+        tuple(flat(p.evicted_slots for p in plans)),
+    )
