@@ -16,7 +16,8 @@ A dict that outgrows its table is copied whole in the put that overflowed it: as
 tier first fills, its index and its policy's order do so at about 175,000, 350,000 and
 700,000 blocks (docs/BENCHMARKS.md). The neighbour's rounds and the run are bounded; the
 daemon and the neighbour are stopped by PID. Usage: ``scripts/bench neighbours_fill
-[--capacity 1000000] [--total 1000000] [--block-bytes 1024] [--over 20] [--json]``.
+[--capacity 1000000] [--total 1000000] [--block-bytes 1024] [--policy lru] [--over 20]
+[--json]``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         config = daemon_config(
             home, cpu_blocks=args.capacity, disk_blocks=None, block_bytes=args.block_bytes
         )
+        config["tiers"][0]["policy"] = args.policy
         proc = await start_daemon_async(config, log=home / "tierd.log")
         child: subprocess.Popen[str] | None = None
         try:
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity", type=int, default=1_000_000)
     parser.add_argument("--total", type=int, default=1_000_000)
     parser.add_argument("--block-bytes", type=int, default=1024)
+    parser.add_argument("--policy", default="lru", help="the CPU tier's policy")
     parser.add_argument("--over", type=float, default=20.0, help="list round trips over this")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--neighbour", action="store_true", help=argparse.SUPPRESS)

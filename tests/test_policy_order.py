@@ -8,12 +8,13 @@ import sys
 from collections import OrderedDict
 from collections.abc import Collection
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.gc_walk import largest_dict
 from tierd.keys import BlockKey, int_key
-from tierd.policy import LRUPolicy
+from tierd.policy import LRUPolicy, policy_class
 from tierd.policy.order import DictOrder, PartedOrder
 from tierd.tier import Tier
 
@@ -165,17 +166,74 @@ def test_a_generation_that_lost_most_of_its_keys_is_copied_small() -> None:
     assert max(thinned) * 8 < min(sizes[:-1])  # not the tables of 256 keys
 
 
-def test_no_dict_of_a_big_tier_holds_all_its_blocks() -> None:
-    """A tier of 200,000 blocks holding 100,000: its slots and its LRU order are in parts
-    and generations, so no put copies a dict of all of them (each was one dict, of
-    100,000 keys, before)."""
-    tier = Tier(200_000, "lru", name="cpu")
-    keys = [int_key(i) for i in range(100_000)]
+@pytest.mark.parametrize("policy", ["lru", "arc", "duel"])
+def test_no_dict_of_a_big_tier_holds_all_its_blocks(policy: str) -> None:
+    """A tier of 200,000 blocks that stored 300,000 (so 100,000 evicted, which ARC's
+    ghosts remember): its slots and its policy's lists are in parts and generations, so
+    no put copies a dict of all of them (each was one dict of 100,000 to 200,000 keys)."""
+    tier = Tier(200_000, policy, name="cpu")
+    keys = [int_key(i) for i in range(300_000)]
     for start in range(0, len(keys), 4_096):
         piece = keys[start : start + 4_096]
         plan = tier.prepare_store(piece)
         assert plan is not None
         tier.complete_store(piece)
-    tier.touch(keys[::3])
-    assert len(tier) == 100_000 and tier.lookup(keys) == 100_000
+        tier.touch(piece[::3])  # seen twice: ARC's T2
+    assert len(tier) == 200_000 and tier.lookup(keys[-1000:]) == 1000
     assert largest_dict(tier) <= 16_384
+
+
+_POLICY_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "touch", "hold", "release", "remove", "evict"]),
+        st.lists(st.integers(0, 60), min_size=1, max_size=8),
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=_POLICY_OPS, part_keys=st.integers(1, 8), name=st.sampled_from(["arc", "duel"]))
+def test_arc_and_duel_in_parts_answer_as_with_one_dict_a_list(
+    ops: list[tuple[str, list[int]]], part_keys: int, name: str
+) -> None:
+    """ARC's four lists (and the duel's stamps) in parts and generations, as a big tier
+    has them, against the same policy with one dict a list: every answer the same."""
+    cls = policy_class(name)
+    parted = cls(20, part_keys=part_keys, one_dict=0)
+    whole = cls(20)
+    held: set[BlockKey] = set()
+    for op, ids in ops:
+        keys = [int_key(i) for i in ids]
+        if op == "insert":
+            new = [k for k in dict.fromkeys(keys) if k not in whole]
+            room = len(whole) + len(new) - whole.capacity
+            if room > 0 and parted.evict(room) != whole.evict(room):
+                raise AssertionError("the eviction that made room differs")
+            if len(whole) + len(new) <= whole.capacity:
+                parted.insert(new)
+                whole.insert(new)
+        elif op == "touch":
+            parted.touch(keys)
+            whole.touch(keys)
+        elif op == "hold" and keys[0] in whole and keys[0] not in held:
+            parted.hold(keys[0])
+            whole.hold(keys[0])
+            held.add(keys[0])
+        elif op == "release" and keys[0] in held:
+            parted.release(keys[0])
+            whole.release(keys[0])
+            held.discard(keys[0])
+        elif op == "remove":
+            assert parted.remove(keys[0]) == whole.remove(keys[0])
+            held.discard(keys[0])
+        elif op == "evict":
+            protect = set(keys[1:])
+            assert parted.evict(len(keys), protect) == whole.evict(len(keys), protect)
+        assert len(parted) == len(whole)
+        assert all((k in parted) == (k in whole) for k in map(int_key, range(61)))
+        assert parted.p == whole.p and parted.in_ghost(keys[0]) == whole.in_ghost(keys[0])
+    for key in held:
+        parted.release(key)
+        whole.release(key)
+    assert parted.evict(len(whole)) == whole.evict(len(whole))

@@ -28,9 +28,11 @@ from itertools import filterfalse
 from xxhash import xxh3_64_intdigest
 
 from tierd.keys import BlockKey
+from tierd.maps import PART_KEYS, Shards, part_count
 from tierd.policy.arc import ARCPolicy
 from tierd.policy.base import CachePolicy
 from tierd.policy.lru import LRUPolicy
+from tierd.policy.order import ONE_DICT_KEYS
 from tierd.policy.registry import register_policy
 
 __all__ = ["DuelPolicy"]
@@ -80,8 +82,10 @@ class DuelPolicy(ARCPolicy):
 
     name = "duel"
 
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
+    def __init__(
+        self, capacity: int, part_keys: int = PART_KEYS, one_dict: int = ONE_DICT_KEYS
+    ) -> None:
+        super().__init__(capacity, part_keys, one_dict)
         rate = max(MIN_RATE, min(1.0, MIN_SHADOW / capacity))
         self._threshold = int(rate * 2**64)
         size = max(1, round(capacity * rate))
@@ -89,7 +93,9 @@ class DuelPolicy(ARCPolicy):
         self._arc = Shadow(ARCPolicy(size))
         self._window = WINDOW * size
         self._samples = 0
-        self._stamps: dict[BlockKey, int] = {}
+        # A stamp per tracked key, in parts for a big tier (as ARC's lists: no put copies
+        # a dict of all its keys); hot loops reach the parts directly.
+        self._stamps: Shards[BlockKey, int] = Shards(part_count(capacity, part_keys, one_dict))
         self._clock = 0
         self.arc_mode = False
 
@@ -104,10 +110,10 @@ class DuelPolicy(ARCPolicy):
 
     def insert(self, keys: Sequence[BlockKey]) -> None:
         super().insert(keys)
-        stamps, clock = self._stamps, self._clock
+        parts, low, clock = self._stamps.parts, self._stamps.low, self._clock
         for key in keys:
             clock += 1
-            stamps[key] = clock
+            parts[hash(key) & low][key] = clock
         self._clock = clock
         sampled = self._sample(keys)
         if sampled:
@@ -122,11 +128,12 @@ class DuelPolicy(ARCPolicy):
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         super().touch(keys)
-        stamps, clock = self._stamps, self._clock
+        parts, low, clock = self._stamps.parts, self._stamps.low, self._clock
         for key in reversed(keys):
-            if key in stamps:
+            part = parts[hash(key) & low]
+            if key in part:
                 clock += 1
-                stamps[key] = clock
+                part[key] = clock
         self._clock = clock
         sampled = self._sample(keys)
         if not sampled:
@@ -150,9 +157,7 @@ class DuelPolicy(ARCPolicy):
     def evict(self, n: int, protected: Collection[BlockKey] = ()) -> list[BlockKey] | None:
         victims = super().evict(n, protected)
         if victims:
-            stamps = self._stamps
-            for key in victims:
-                del stamps[key]
+            self._stamps.pop_all(victims)
         return victims
 
     def _choose(
@@ -162,13 +167,14 @@ class DuelPolicy(ARCPolicy):
             return super()._choose(n, protected)
         # LRU: merge the two lists (each least recent first) by stamp.
         stamps = self._stamps
+        stamp = stamps.parts[0].__getitem__ if not stamps.low else stamps.__getitem__
         candidates1: Iterator[BlockKey] = filterfalse(protected.__contains__, self._t1)
         candidates2: Iterator[BlockKey] = filterfalse(protected.__contains__, self._t2)
         next1, next2 = next(candidates1, None), next(candidates2, None)
         from_t1: list[BlockKey] = []
         from_t2: list[BlockKey] = []
         while len(from_t1) + len(from_t2) < n:
-            if next1 is not None and (next2 is None or stamps[next1] < stamps[next2]):
+            if next1 is not None and (next2 is None or stamp(next1) < stamp(next2)):
                 from_t1.append(next1)
                 next1 = next(candidates1, None)
             elif next2 is not None:
