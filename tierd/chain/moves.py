@@ -63,10 +63,7 @@ class Movement:
     ) -> list[BlockKey]:
         """End a client's write (a failed block is not an I/O error of the level), then
         copy what became ready down where the chain writes through."""
-        if len(keys) <= STORE_PIECE:
-            stored = self._writes.end_store(index, keys, ok, futures, io_failed=False)
-        else:
-            stored = await self._end_in_pieces(index, keys, ok, futures)
+        stored = await self._end_in_pieces(index, keys, ok, futures)
         await self.write_through(index, stored)
         if self.after_store is not None:
             self.after_store(index, stored)
@@ -80,9 +77,9 @@ class Movement:
         futures: list[asyncio.Future[bool]],
     ) -> list[BlockKey]:
         """:meth:`PendingWrites.end_store` of a client's write, :data:`STORE_PIECE` keys a
-        turn of the loop. The write's futures are resolved with its last piece (a waiter
-        woken sooner could find its key still being written); what is left is ended at
-        once if this is cancelled."""
+        turn of the loop (a write of that many or fewer, at once). The write's futures
+        are resolved with its last piece (a waiter woken sooner could find its key still
+        being written); what is left is ended at once if this is cancelled."""
         stored: list[BlockKey] = []
         end, start = self._writes.end_store, 0
         try:
