@@ -38,13 +38,9 @@ class _Group(Protocol):
     def __delitem__(self, key: BlockKey) -> None: ...
 
 
-class _List(_Group, Protocol):
-    """A list of ARC's, least recent first: an OrderedDict or a PartedOrder."""
-
-    def __len__(self) -> int: ...
-    def __iter__(self) -> Iterator[BlockKey]: ...
-    def move_to_end(self, key: BlockKey) -> None: ...
-    def clear(self) -> None: ...
+# A list of ARC's, least recent first: an OrderedDict for a small tier, a PartedOrder
+# for a big one (the helpers below take either, and nothing else).
+_List = OrderedDict[BlockKey, None] | PartedOrder[BlockKey]
 
 
 @register_policy
@@ -208,10 +204,10 @@ def _shift(key: BlockKey, moves: Sequence[tuple[_Group, _Group]]) -> None:
 
 def _append(order: _List, keys: list[BlockKey]) -> None:
     """Put ``keys``, none of them in ``order``, at its recent end, in order."""
-    if isinstance(order, OrderedDict):
-        order.update(zip(keys, repeat(None)))
-    elif isinstance(order, PartedOrder):
+    if isinstance(order, PartedOrder):
         order.append(keys)
+    else:
+        order.update(zip(keys, repeat(None)))
 
 
 def _take(order: _List, keys: list[BlockKey]) -> None:
@@ -228,5 +224,5 @@ def _forget_oldest(order: _List, n: int) -> None:
         return
     if isinstance(order, PartedOrder):
         order.take_oldest(n)
-    elif isinstance(order, OrderedDict):
+    else:
         deque(map(order.popitem, repeat(False, n)), maxlen=0)  # last=False
