@@ -45,11 +45,14 @@ from tierd.errors import CapacityError
 from tierd.events import EventBus
 from tierd.keys import BlockKey, Medium
 from tierd.stores import Buffer
+from tierd.stores.base import next_turn
 from tierd.transfer import TransferEngine
 
-__all__ = ["TierChain"]
+__all__ = ["DELETE_PIECE", "TOUCH_PIECE", "TierChain"]
 
 _IN_USE = ("writing", "pinned")
+DELETE_PIECE = 256  # keys deleted per turn of the event loop (about 5 us a key)
+TOUCH_PIECE = 512  # keys touched per turn of the event loop (about 1 us a key)
 _REMOTE_BATCH = 256  # blocks per round trip when a flush sends the last level's blocks
 
 
@@ -153,6 +156,17 @@ class TierChain:
             self._admissions.count_uses(keys)
         for level in self.levels:
             level.tier.touch(keys)
+
+    async def touch_in_pieces(self, keys: Sequence[BlockKey], *, uses: bool = True) -> None:
+        """:meth:`touch`, :data:`TOUCH_PIECE` keys a turn of the event loop, the tail's
+        first (so ``keys[0]`` still ends up the most recent); uses counted once, first (a
+        key in two pieces is still one use)."""
+        if uses and self._admissions.tracks_uses:
+            self._admissions.count_uses(keys)
+        for end in range(len(keys), 0, -TOUCH_PIECE):
+            if end < len(keys):
+                await next_turn()
+            self.touch(keys[max(0, end - TOUCH_PIECE) : end], uses=False)
 
     async def store(self, keys: Sequence[BlockKey], data: Sequence[Buffer] | Any) -> list[BlockKey]:
         """Write blocks at the entry level; ``data`` is co-indexed with ``keys`` (buffers or
@@ -266,6 +280,18 @@ class TierChain:
                 level.store.invalidate(slots)
         self._publish()
         return Deleted(len(removed), len(busy))
+
+    async def delete_in_pieces(self, keys: Sequence[BlockKey]) -> Deleted:
+        """:meth:`delete`, :data:`DELETE_PIECE` keys a turn of the event loop (a key is
+        a Python step at every level: 4,096 at once held the loop 15-20 ms)."""
+        asked = list(dict.fromkeys(keys))
+        removed = busy = 0
+        for start in range(0, len(asked), DELETE_PIECE):
+            if start:
+                await next_turn()
+            done = self.delete(asked[start : start + DELETE_PIECE])
+            removed, busy = removed + done.removed, busy + done.busy
+        return Deleted(removed, busy)
 
     def prefix_census(self, length: int) -> PrefixCensus:
         """Ready blocks per level by the first ``length`` bytes of their keys, kept up to

@@ -145,6 +145,13 @@ class StoreHandle(_SlotHandle):
             self.finished = True
             self._moves.abort_store(self.level, self.keys, self._futures)
 
+    async def abort_in_pieces(self) -> None:
+        """:meth:`abort`, a piece of the keys a turn of the loop (a big reservation's
+        abort is a Python step a key); what is left is freed at once if cancelled."""
+        if not self.finished:
+            self.finished = True
+            await self._moves.abort_in_pieces(self.level, self.keys, self._futures)
+
     async def __aenter__(self) -> StoreHandle:
         return self
 

@@ -101,6 +101,13 @@ class Movement:
         """End a client's write with nothing written."""
         self._writes.abort(index, keys, futures)
 
+    async def abort_in_pieces(
+        self, index: int, keys: Sequence[BlockKey], futures: list[asyncio.Future[bool]]
+    ) -> None:
+        """:meth:`abort_store`, :data:`STORE_PIECE` keys a turn of the loop (each freed
+        slot is a Python step); what is left is ended at once if this is cancelled."""
+        await self._end_in_pieces(index, keys, [False] * len(keys), futures)
+
     async def reserve(
         self, index: int, keys: Sequence[BlockKey]
     ) -> tuple[StorePlan, list[asyncio.Future[bool]]] | None:

@@ -21,16 +21,24 @@ from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar
 
 from tierd.chain import LoadHandle, StoreHandle, TierChain
+from tierd.chain.core import TOUCH_PIECE
 from tierd.chain.loads import LOAD_PIECE
+from tierd.chain.moves import STORE_PIECE
 from tierd.control.context import ServerContext
 from tierd.control.leases import Hold, Leases
 from tierd.control.namespaces import NamespaceFigures
-from tierd.control.protocol import ErrorCode, bool_list_field, bytes_list_field, int_field
+from tierd.control.protocol import (
+    ErrorCode,
+    bool_field,
+    bool_list_field,
+    bytes_list_field,
+    int_field,
+)
 from tierd.control.tenants import Tenant
 from tierd.errors import BlockMissing, ProtocolError
 from tierd.keys import BlockKey, Medium
 
-__all__ = ["LOADED_FROM", "BlockRequests", "Requester", "distinct"]
+__all__ = ["LOADED_FROM", "BlockRequests", "Requester", "answered_after", "distinct"]
 
 Reply = dict[str, Any]
 _Handle = TypeVar("_Handle", StoreHandle, LoadHandle)
@@ -112,9 +120,14 @@ class BlockRequests:
         self.leases.end(lease)
         return {"stored": self._stored(await handle.commit(ok))}
 
-    def abort_store(self, msg: dict[str, Any]) -> Reply:
-        self._take(msg, StoreHandle).abort()
-        return {}
+    def abort_store(self, msg: dict[str, Any]) -> Reply | Awaitable[Reply]:
+        """Free the slots at once; a store of more than :data:`STORE_PIECE` keys frees
+        them in pieces, a turn of the loop each, and is answered when done."""
+        handle = self._take(msg, StoreHandle)
+        if len(handle.keys) <= STORE_PIECE:
+            handle.abort()
+            return {}
+        return answered_after(handle.abort_in_pieces())
 
     def _take(self, msg: dict[str, Any], kind: type[_Handle]) -> _Handle:
         """The handle of the request's ``lease``, which must be of ``kind``; the lease ends
@@ -159,11 +172,17 @@ class BlockRequests:
         if len(handle.keys) <= LOAD_PIECE:
             handle.release()
             return {}
-        return self._release_in_pieces(handle)
+        return answered_after(handle.release_in_pieces(LOAD_PIECE))
 
-    async def _release_in_pieces(self, handle: LoadHandle) -> Reply:
-        await handle.release_in_pieces(LOAD_PIECE)
-        return {}
+    def touch(self, msg: dict[str, Any]) -> Reply | Awaitable[Reply]:
+        """Mark the keys used at once; more than :data:`TOUCH_PIECE` keys, a piece a turn
+        of the loop (the tail's first), answered when done."""
+        chain = self.session.chain()
+        keys, uses = self.session.keys(msg), bool_field(msg, "uses", True)
+        if len(keys) <= TOUCH_PIECE:
+            chain.touch(keys, uses=uses)
+            return {}
+        return answered_after(chain.touch_in_pieces(keys, uses=uses))
 
     # -- inline, in the messages ------------------------------------------------------
 
@@ -215,3 +234,10 @@ def _leading(flags: list[bool]) -> int:
         if not flag:
             return i
     return len(flags)
+
+
+async def answered_after(work: Awaitable[object]) -> Reply:
+    """An empty reply once ``work`` is done: an op whose pieces run a turn of the loop
+    each is answered when the last one has."""
+    await work
+    return {}

@@ -12,8 +12,11 @@ connection that opened it can finish. :class:`Leases` keeps those ids for one se
   idempotent. A registered lease keeps its hold until the lease ends.
 - **Expiry.** A store lease not finished within ``store_lease_ttl_s`` is aborted and its
   id remembered (the last ``_EXPIRED_MEMORY``), so finishing it later gets a clear error.
-- **End of life.** :meth:`Leases.close` finishes every lease left; a handle registered
-  after that (its request outlived the client) is finished at once.
+- **End of life.** :meth:`Leases.close` hands every lease left to the tenant's
+  :class:`~tierd.control.lease_ends.LeaseEnds`, which ends them a piece a turn of the
+  loop, as it does an expired lease's and that of a handle registered after the close
+  (its request outlived the client). Their blocks count against the tenant's bound until
+  they are ended.
 """
 
 from __future__ import annotations
@@ -26,15 +29,15 @@ import structlog
 
 from tierd.chain import LoadHandle, StoreHandle
 from tierd.control.context import ServerContext
+from tierd.control.lease_ends import Lease, finish
 from tierd.control.protocol import ErrorCode
 from tierd.control.tenants import Tenant
 from tierd.errors import ProtocolError
 
-__all__ = ["Hold", "Lease", "Leases", "finish"]
+__all__ = ["Hold", "Lease", "Leases"]
 
 log = structlog.get_logger("tierd.control")
 
-Lease = StoreHandle | LoadHandle
 _H = TypeVar("_H", StoreHandle, LoadHandle)
 _EXPIRED_MEMORY = 1024  # lease ids remembered as expired, for a clear error
 
@@ -84,8 +87,7 @@ class Leases:
         connection closed meanwhile (the request outlived its client), give the blocks
         back at once. A store lease is aborted if not finished within ``store_lease_ttl_s``."""
         if self.closed:
-            held.release()
-            finish(handle)
+            self._end_later(handle, held)
             raise ProtocolError("the connection closed", code=ErrorCode.SHUTTING_DOWN)
         lease = self.ctx.new_lease_id()
         self.open[lease] = handle
@@ -98,14 +100,28 @@ class Leases:
 
     def end(self, lease: int) -> Lease:
         """Forget ``lease`` (the caller finishes its handle): its blocks are free."""
-        handle = self.open.pop(lease)
-        held = self._held_by_lease.pop(lease, None)
+        handle, held = self._forget(lease)
         if held is not None:
             held.release()
+        return handle
+
+    def _forget(self, lease: int) -> tuple[Lease, Hold | None]:
+        """Take ``lease`` out of the book: its handle, and the hold of its blocks."""
         timer = self._expiry.pop(lease, None)
         if timer is not None:
             timer.cancel()
-        return handle
+        return self.open.pop(lease), self._held_by_lease.pop(lease, None)
+
+    def _end_later(self, handle: Lease, held: Hold | None) -> None:
+        """Hand ``handle`` to the tenant's lease ends (a piece a turn); its blocks stay
+        counted until it is ended."""
+        release = held.release if held is not None else None
+        if self.tenant is not None:
+            self.tenant.lease_ends.add(handle, release)
+            return
+        finish(handle)  # no tenant holds no lease: never the case
+        if release is not None:
+            release()
 
     def named(self, lease: int, kind: type[_H]) -> _H:
         """The handle of ``lease``, which must be of ``kind`` and held here."""
@@ -128,8 +144,8 @@ class Leases:
         self._expiry.pop(lease, None)
         if lease not in self.open:
             return
-        handle = self.end(lease)
-        finish(handle)
+        handle, held = self._forget(lease)
+        self._end_later(handle, held)
         self._expired[lease] = None
         if len(self._expired) > _EXPIRED_MEMORY:
             del self._expired[next(iter(self._expired))]
@@ -144,10 +160,10 @@ class Leases:
         )
 
     def close(self) -> None:
-        """The connection is gone: finish every lease left; refuse new ones."""
+        """The connection is gone: end every lease left (a piece a turn); refuse new ones."""
         self.closed = True
         for lease in list(self.open):
-            finish(self.end(lease))
+            self._end_later(*self._forget(lease))
 
 
 class Hold:
@@ -178,11 +194,3 @@ class Hold:
 
     def __exit__(self, *_: object) -> None:
         self.release()
-
-
-def finish(handle: Lease) -> None:
-    """Give ``handle``'s blocks back to the chain: abort a store, release a load."""
-    if isinstance(handle, StoreHandle):
-        handle.abort()
-    else:
-        handle.release()

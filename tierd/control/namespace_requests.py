@@ -37,7 +37,7 @@ from tierd.stores.base import next_turn
 __all__ = ["WALK_SLICE", "NamespaceRequests"]
 
 Reply = dict[str, Any]
-WALK_SLICE = 4096  # keys of an index looked at (and deleted) per turn of the event loop
+WALK_SLICE = 4096  # keys of an index looked at per turn of the event loop (deleted: 512)
 
 
 class Asker(Protocol):
@@ -188,7 +188,7 @@ class NamespaceRequests:
             )
             full = [BlockKey(namespace_id + key) for key in keys]
             for tenant in (sized for t in tenants for sized in t.each_size()):
-                done = tenant.chain.delete(full)  # at most max_keys_per_request: bounded
+                done = await tenant.chain.delete_in_pieces(full)
                 removed, busy = removed + done.removed, busy + done.busy
         else:
             start = namespace_id + self._prefix(msg, chosen[0])
@@ -242,7 +242,7 @@ async def _delete_starting(tenant: Tenant, start: bytes) -> Deleted:
                 part = keys[first : first + WALK_SLICE]
                 found = [k for k in part if k[:size] == start and k not in handled]
                 if found:
-                    done = chain.delete(found)
+                    done = await chain.delete_in_pieces(found)
                     removed, busy = removed + done.removed, busy + done.busy
                     handled.update(found)
                 await next_turn()  # a large namespace goes without stalling others

@@ -91,24 +91,33 @@ class Server:
 
     async def drain(self, deadline_s: float) -> bool:
         """Wait up to ``deadline_s`` seconds for running requests; cancel what is left.
-        Returns whether everything finished in time."""
+        Returns whether everything finished in time. The leases that closed connections
+        left are ended now, at once (before the chains close)."""
         tasks = self.running_tasks()
-        if not tasks:
-            return True
-        _, pending = await asyncio.wait(tasks, timeout=deadline_s)
+        pending: set[asyncio.Task[None]] = set()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=deadline_s)
         for task in pending:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
+        await self._end_leases()
         return not pending
 
+    async def _end_leases(self) -> None:
+        """End at once every lease each tenant's closed connections left to the daemon."""
+        for tenant in self.ctx.tenants.tenants:
+            for each in tenant.each_size():
+                await each.lease_ends.close()
+
     async def close(self) -> None:
-        """Close every connection (releasing its leases), stop the region copy threads
+        """Close every connection (ending its leases at once), stop the region copy threads
         (once what they run has ended) and remove the socket file."""
         self.stop_accepting()
         for conn in list(self.connections):
             conn.close()
             conn.session.close()
+        await self._end_leases()
         self.ctx.copy_threads.close()
         if self._server is not None:
             await self._server.wait_closed()

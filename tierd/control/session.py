@@ -49,7 +49,6 @@ from tierd.control.namespaces import NamespaceFigures
 from tierd.control.operator_requests import OperatorRequests
 from tierd.control.protocol import (
     ErrorCode,
-    bool_field,
     error_code_of,
     error_reply,
     int_field,
@@ -122,7 +121,7 @@ class Session:
             "hello": self._hello,
             "lookup": self._lookup,
             "lookup_each": self._lookup_each,
-            "touch": self._touch,
+            "touch": blocks.touch,
             "complete_load": blocks.complete_load,  # a big load's unpin: a task, in pieces
             "abort_store": blocks.abort_store,
             "subscribe": self._subscribe,
@@ -358,10 +357,6 @@ class Session:
             "media": list(result.media),  # StrEnum values pack as msgpack str
             "in_flight": result.in_flight,
         }
-
-    def _touch(self, msg: dict[str, Any]) -> Reply:
-        self.chain().touch(self.keys(msg), uses=bool_field(msg, "uses", True))
-        return {}
 
     # -- events -----------------------------------------------------------------------
 

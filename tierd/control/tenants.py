@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tierd.control.lease_ends import LeaseEnds
 from tierd.control.namespaces import NamespaceBook
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ class Tenant:
     lease_refusals: int = 0  # requests refused for a lease bound
     book: NamespaceBook = field(default_factory=NamespaceBook)  # its namespaces' names, figures
     sizes: SizeClasses | None = None  # its block sizes, when it serves more than one
+    # Leases its connections left (closed) or let expire, ended a piece a turn.
+    lease_ends: LeaseEnds = field(default_factory=LeaseEnds)
 
     @property
     def block_bytes(self) -> int:
