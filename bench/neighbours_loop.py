@@ -15,7 +15,13 @@ process, so that its client work does not share the bystander's loop) loops one 
 - ``describe``: descriptions of its blocks for the KV events (``describe``, 256 blocks a
   request, each with hashes of its own, over and over: its book fills, then churns);
 - ``unstored``: descriptions of 256 blocks it never stores (they wait 60 s for their
-  store in its book), and a store of one block, each round (its events follow).
+  store in its book), and a store of one block, each round (its events follow);
+- ``closes``: a new connection per round that pins eight loads of 4,096 of its blocks
+  and reserves four stores of 4,096 fresh keys, and closes with all twelve leases open
+  (the daemon ends them);
+- ``aborts``: a store of 4,096 fresh keys reserved (``prepare_store``), then aborted;
+- ``deletes``: a store of 4,096 fresh keys, then a ``delete`` of them by name;
+- ``touches``: a ``touch`` of 4,096 of its blocks.
 
 The daemon publishes KV events (to an ipc endpoint nobody reads) in every phase.
 
@@ -48,7 +54,18 @@ from tierd.client import Client, DaemonError
 from tierd.testing import DaemonProcess, daemon_config, running_daemon, start_daemon_async
 
 BLOCK = 4096
-ATTACKS = ("loads", "hellos", "namespaces", "delete", "describe", "unstored")
+ATTACKS = (
+    "loads",
+    "hellos",
+    "namespaces",
+    "delete",
+    "describe",
+    "unstored",
+    "closes",
+    "aborts",
+    "deletes",
+    "touches",
+)
 CROWD, MINE = "crowd", "bystander"
 BURST = 4096  # keys of one load
 DESCRIBED = 256  # blocks of one description request
@@ -148,10 +165,36 @@ async def neighbour(attack: str, socket: str, seconds: float) -> int:
                 await describe_round(client, rounds)
             elif attack == "unstored":
                 await unstored_round(client, rounds)
+            elif attack == "closes":
+                await closed_round(socket, rounds)
+            elif attack == "aborts":
+                reply = await client.request("prepare_store", keys=keys(f"a{rounds}-", BURST))
+                if reply.get("lease") is not None:
+                    await client.request("abort_store", lease=reply["lease"])
+            elif attack == "deletes":
+                fresh = keys(f"d{rounds}-", BURST)
+                await client.store(fresh, [b"\x07" * BLOCK] * BURST)
+                await client.delete(fresh)
+            elif attack == "touches":
+                await client.request("touch", keys=wanted)
             else:
                 await client.delete(prefix=b"no-key-starts-so")
             rounds += 1
     return rounds
+
+
+async def closed_round(socket: str, round_no: int) -> None:
+    """A connection that opens twelve leases of :data:`BURST` keys (eight loads of the
+    neighbour's first blocks, four stores of fresh keys) and closes with them open."""
+    client = await connect(socket, CROWD)
+    try:
+        crowd = keys("crowd", 8 * BURST)
+        for start in range(0, len(crowd), BURST):
+            await client.request("prepare_load", keys=crowd[start : start + BURST])
+        for part in range(4):
+            await client.request("prepare_store", keys=keys(f"c{round_no}-{part}-", BURST))
+    finally:
+        await client.close()
 
 
 async def describe_round(client: Client, round_no: int) -> None:
