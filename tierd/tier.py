@@ -10,8 +10,7 @@ drop them on failure).
 Block states: *writing* (slot allocated, not readable, not evictable), *ready*
 (evictable), *pinned* (ready, ``ref > 0``, not evictable). The tier owns the slot index;
 the policy orders the ready keys and chooses victims. Which slots are free, in what order
-they are given out, and what a restart brings back (kept blocks not adopted yet) is
-:mod:`tierd.tier_slots`'s.
+they are given out, and what a restart brings back is :mod:`tierd.tier_slots`'s.
 """
 
 from __future__ import annotations
@@ -133,6 +132,10 @@ class Tier:
         """The slot of a present block (ready or writing), else ``None``."""
         return self._slots.get(key)
 
+    def slots_of(self, keys: Sequence[BlockKey]) -> list[int]:
+        """The slots of present blocks, co-indexed (``KeyError`` if one is not present)."""
+        return self._slots.values_of(keys)
+
     def ready_keys(self) -> list[BlockKey]:
         """The ready keys, in no particular order."""
         return [k for k in self._slots if k not in self._writing]
@@ -197,8 +200,7 @@ class Tier:
                     raise self._error(BlockMissing, "cannot load a missing block", key)
                 if key in writing:
                     raise self._error(BlockNotReady, "cannot load a block being written", key)
-        pins = self._pins
-        held = []
+        pins, held = self._pins, []
         for key in keys:
             count = pins.get(key, 0)
             if count == 0:
@@ -214,7 +216,7 @@ class Tier:
         for key, count in Counter(keys).items():
             if pins.get(key, 0) < count:
                 raise self._error(BlockNotPinned, "complete_load without prepare_load", key)
-        released = []
+        released: list[BlockKey] = []
         for key in keys:
             count = pins[key] - 1
             if count:

@@ -98,8 +98,8 @@ class Loading:
                 medium=str(tier.medium),
                 key=wanted[0],
             )
-        slots = [tier.slot_of(k) for k in prefix]
-        return LoadHandle(levels, target, prefix, [s for s in slots if s is not None], deepest)
+        # Every key of the prefix is pinned at the target: present, each with its slot.
+        return LoadHandle(levels, target, prefix, tier.slots_of(prefix), deepest)
 
     async def _gather_pieces(
         self, target: int, keys: list[BlockKey], pinned: set[BlockKey], deadline: float | None
