@@ -37,7 +37,7 @@ from tierd.stores.base import next_turn
 __all__ = ["WALK_SLICE", "NamespaceRequests"]
 
 Reply = dict[str, Any]
-WALK_SLICE = 4096  # keys of an index looked at per turn of the event loop (deleted: 512)
+WALK_SLICE = 4096  # keys of an index looked at per turn of the event loop (deleted: 256)
 
 
 class Asker(Protocol):
