@@ -22,9 +22,8 @@ from typing import Any, Protocol, TypeVar
 
 from tierd.chain import LoadHandle, StoreHandle, TierChain
 from tierd.chain.core import TOUCH_PIECE
-from tierd.chain.loads import LOAD_PIECE
-from tierd.chain.moves import STORE_PIECE
 from tierd.control.context import ServerContext
+from tierd.control.lease_ends import Lease, finish, finish_in_pieces, small
 from tierd.control.leases import Hold, Leases
 from tierd.control.namespaces import NamespaceFigures
 from tierd.control.protocol import (
@@ -38,7 +37,7 @@ from tierd.control.tenants import Tenant
 from tierd.errors import BlockMissing, ProtocolError
 from tierd.keys import BlockKey, Medium
 
-__all__ = ["LOADED_FROM", "BlockRequests", "Requester", "answered_after", "distinct"]
+__all__ = ["LOADED_FROM", "BlockRequests", "Requester", "distinct"]
 
 Reply = dict[str, Any]
 _Handle = TypeVar("_Handle", StoreHandle, LoadHandle)
@@ -121,13 +120,8 @@ class BlockRequests:
         return {"stored": self._stored(await handle.commit(ok))}
 
     def abort_store(self, msg: dict[str, Any]) -> Reply | Awaitable[Reply]:
-        """Free the slots at once; a store of more than :data:`STORE_PIECE` keys frees
-        them in pieces, a turn of the loop each, and is answered when done."""
-        handle = self._take(msg, StoreHandle)
-        if len(handle.keys) <= STORE_PIECE:
-            handle.abort()
-            return {}
-        return answered_after(handle.abort_in_pieces())
+        """Free the slots (a big store's in pieces: :func:`_ended`)."""
+        return _ended(self._take(msg, StoreHandle))
 
     def _take(self, msg: dict[str, Any], kind: type[_Handle]) -> _Handle:
         """The handle of the request's ``lease``, which must be of ``kind``; the lease ends
@@ -165,14 +159,8 @@ class BlockRequests:
         }
 
     def complete_load(self, msg: dict[str, Any]) -> Reply | Awaitable[Reply]:
-        """Unpin at once; a load of more than :data:`LOAD_PIECE` keys is unpinned in
-        pieces, a turn of the loop each (its keys move to the policy's recent end, a
-        Python step a key), and answered when done."""
-        handle = self._take(msg, LoadHandle)
-        if len(handle.keys) <= LOAD_PIECE:
-            handle.release()
-            return {}
-        return answered_after(handle.release_in_pieces(LOAD_PIECE))
+        """Unpin (a big load's keys in pieces: :func:`_ended`)."""
+        return _ended(self._take(msg, LoadHandle))
 
     def touch(self, msg: dict[str, Any]) -> Reply | Awaitable[Reply]:
         """Mark the keys used at once; more than :data:`TOUCH_PIECE` keys, a piece a turn
@@ -182,7 +170,7 @@ class BlockRequests:
         if len(keys) <= TOUCH_PIECE:
             chain.touch(keys, uses=uses)
             return {}
-        return answered_after(chain.touch_in_pieces(keys, uses=uses))
+        return _answered_after(chain.touch_in_pieces(keys, uses=uses))
 
     # -- inline, in the messages ------------------------------------------------------
 
@@ -236,7 +224,17 @@ def _leading(flags: list[bool]) -> int:
     return len(flags)
 
 
-async def answered_after(work: Awaitable[object]) -> Reply:
+def _ended(handle: Lease) -> Reply | Awaitable[Reply]:
+    """End a lease the client finished: at once if it is small, else a piece a turn of
+    the loop (a key is a Python step: a slot freed, or a key moved to its policy's
+    recent end), answered when done."""
+    if small(handle):
+        finish(handle)
+        return {}
+    return _answered_after(finish_in_pieces(handle))
+
+
+async def _answered_after(work: Awaitable[object]) -> Reply:
     """An empty reply once ``work`` is done: an op whose pieces run a turn of the loop
     each is answered when the last one has."""
     await work

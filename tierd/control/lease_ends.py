@@ -7,7 +7,8 @@ step per key (a reserved slot freed, a pinned key moved to its policy's recent e
 a connection may hold half the entry tier in leases: ended at once, 40 leases of 4,096
 keys held the loop that every tenant shares for 200-270 ms on a 2-core machine.
 
-:func:`finish` ends a handle at once; :func:`finish_in_pieces` ends it 512 keys a turn.
+:func:`finish` ends a handle at once; :func:`finish_in_pieces` ends it 512 keys a turn
+(a client's own ``abort_store`` and ``complete_load`` too, when not :func:`small`).
 :class:`LeaseEnds` (one per tenant) takes what the daemon ends on its own and ends it
 with one task, a handle after the other and 512 keys a turn, so however many leases a
 tenant's connections leave or let expire together, the loop does at most one piece of
@@ -27,7 +28,7 @@ from tierd.chain.loads import LOAD_PIECE
 from tierd.chain.moves import STORE_PIECE
 from tierd.stores.base import next_turn
 
-__all__ = ["Lease", "LeaseEnds", "finish", "finish_in_pieces"]
+__all__ = ["Lease", "LeaseEnds", "finish", "finish_in_pieces", "small"]
 
 log = structlog.get_logger("tierd.control")
 
