@@ -130,3 +130,37 @@ async def test_a_load_waiting_on_a_big_store_gets_the_block_its_writer_wrote(
         assert await handle.commit(True) == big
         await asyncio.gather(*loading)
         chain.check_invariants(idle=True)
+
+
+async def test_a_withdrawn_store_keeps_its_slots_until_aborted_even_mid_withdrawal(
+    tmp_path: Path,
+) -> None:
+    """An expired lease's write is withdrawn a piece a turn: its keys leave flight (and
+    may be stored again) while its slots stay out of use; an abort that comes while the
+    pieces run frees them once the last is withdrawn, never before."""
+    config = chain_config(tmp_path, {"kind": "memory", "capacity": CAPACITY})
+    async with tierd.open(config) as chain:
+        tier = chain.levels[0].tier
+        big = keys_from(0, BIG)
+        handle = await chain.begin_store(big)
+        withdrawing = asyncio.get_running_loop().create_task(handle.withdraw_in_pieces())
+        await asyncio.sleep(0)  # the first piece
+        handle.abort()  # the client is done while the pieces still run
+        assert tier.stats().quarantined < BIG and tier.stats().writing > 0
+        await withdrawing
+        assert tier.stats().quarantined == 0 and tier.stats().writing == 0
+        assert tier.free == CAPACITY
+        handle.abort()  # a second end changes nothing
+        assert await handle.commit(True) == []
+        chain.check_invariants(idle=True)
+
+        again = await chain.begin_store(big)
+        again.withdraw()
+        assert tier.stats().quarantined == BIG
+        assert not any(chain.lookup([key]).count for key in big[:3])
+        stored = await chain.store(big[:STORE_PIECE], [content(k) for k in big[:STORE_PIECE]])
+        assert stored == big[:STORE_PIECE]  # the keys are free, the slots are not
+        assert not set(again.quarantined) & set(tier.slots_of(stored))
+        again.abort()
+        assert tier.stats().quarantined == 0
+        chain.check_invariants(idle=True)

@@ -158,7 +158,8 @@ async def test_a_closed_connections_leases_are_ended_a_piece_a_turn(tmp_path: Pa
 
 async def test_store_leases_expiring_together_are_ended_a_piece_a_turn(tmp_path: Path) -> None:
     """Four store leases of 4,096 keys left unfinished past ``store_lease_ttl_s`` expire
-    together: their slots are freed a piece a turn, and each lease is refused after."""
+    together: their writes are withdrawn a piece a turn (the slots stay quarantined while
+    the client may still write), and each lease is refused after, which frees its slots."""
     async with serve(tmp_path, cpu_blocks=5 * LEASE_KEYS, store_lease_ttl_s=0.5) as daemon:
         tier = entry_tier(daemon)
         async with await connect(daemon, "hostile") as hostile:
@@ -173,9 +174,15 @@ async def test_store_leases_expiring_together_are_ended_a_piece_a_turn(tmp_path:
                     await asyncio.sleep(0.01)
                 await settled(tier)
             assert_ended_in_pieces(seen, 4 * LEASE_KEYS)
+            assert tier.stats().quarantined == 4 * LEASE_KEYS
             for lease in leases:
                 with pytest.raises(DaemonError, match="expired"):
                     await hostile.request("complete_store", lease=lease, ok=True)
+            for _ in range(100_000):  # bounded: until the lease ends have run
+                if tier.stats().quarantined == 0:
+                    break
+                await asyncio.sleep(0)
+            assert tier.stats().quarantined == 0
 
 
 async def test_a_stop_ends_at_once_what_closed_connections_left(tmp_path: Path) -> None:

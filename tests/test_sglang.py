@@ -390,3 +390,119 @@ async def test_sglang_at_its_own_page_size_beside_another_on_a_daemon_of_several
         assert engines.stats("wide")["sglang_errors"] == 0
         engines.ask("close", "wide")
     a.ask("close", "narrow")
+
+
+FROZEN_PAGES = 256
+
+
+async def until(check: Any, what: str, within_s: float = LIVENESS_S) -> None:
+    """Until ``check()`` (sync or async) is true, looked at every 20 ms, at most ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        got = check()
+        if asyncio.iscoroutine(got):
+            got = await got
+        if got:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not within {within_s} s: {what}")
+
+
+async def lease_figures(socket_path: str) -> tuple[int, int]:
+    """The daemon's (store leases expired, CPU slots quarantined)."""
+    stats = await daemon_stats(socket_path)
+    return stats["leases"]["leases_expired"], stats["tiers"][0].get("quarantined", 0)
+
+
+def frozen_spec(socket_path: str, model: str) -> dict[str, Any]:
+    """An engine whose calls wait long (a stopped writer's call is not cut by its own
+    deadline: the lease's expiry is what the daemon sees)."""
+    slow = {"job_deadline_s": 60.0, "lookup_deadline_s": 5.0, "breaker_failures": 0}
+    return tierd_spec(socket_path, model=model, host_pages=FROZEN_PAGES + 64, extra=slow)
+
+
+async def test_a_writer_stopped_past_its_lease_never_writes_into_another_engines_pages(
+    tmp_path: Path, spawn: Any, pair: Any
+) -> None:
+    """Issue 57, item 0: SGLang's writer process is stopped (SIGSTOP) in the middle of a
+    256-page store through a lease until the lease expires; a second engine (another
+    namespace, same tenant) then stores 256 pages into a full CPU tier; the first
+    resumes and finishes its copy. The expired lease's slots used to be freed at expiry
+    and given to the second engine's pages, which the first then overwrote: a reader
+    was served hit 256, byte-equal about half. A slot a live client may still write into
+    is now given to no other block until that client is done or gone."""
+    a, b = pair
+    cfg = config(
+        tmp_path, cpu_blocks=3 * FROZEN_PAGES, disk_blocks=None, limits={"store_lease_ttl_s": 0.5}
+    )
+    daemon = await spawn(cfg)
+    a.open("frozen-w", frozen_spec(daemon.socket_path, "model-a"))
+    b.open("frozen-b", frozen_spec(daemon.socket_path, "model-b"))
+    for seed in (300, 301):  # the CPU tier's first two thirds, ready
+        assert b.write("frozen-b", seed=seed, pages=FROZEN_PAGES)["stored_pages"] == FROZEN_PAGES
+    writing = asyncio.create_task(
+        asyncio.to_thread(a.write, "frozen-w", seed=302, pages=FROZEN_PAGES, freeze_after=100)
+    )
+    try:
+        await until(a.stopped, "the writer stopped in the middle of its copy")
+        await until(
+            lambda: _expired(daemon.socket_path), "the writer's store lease expired", within_s=10
+        )
+        # The second engine's pages go into the last free slots the tier has.
+        assert b.write("frozen-b", seed=303, pages=FROZEN_PAGES)["stored_pages"] == FROZEN_PAGES
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+    late = await asyncio.wait_for(writing, LIVENESS_S)
+    assert late["stored_pages"] < FROZEN_PAGES  # its commit came after the expiry
+    b.open("frozen-r", frozen_spec(daemon.socket_path, "model-b"))
+    for _ in range(2):  # and again on a second read
+        answer = b.read("frozen-r", seed=303, pages=FROZEN_PAGES)
+        assert answer["hit_pages"] == FROZEN_PAGES
+        assert answer["identical"] == answer["loaded_pages"] == FROZEN_PAGES, answer
+    # The writer's commit told the daemon it was done: the slots are free again.
+    assert await lease_figures(daemon.socket_path) == (1, 0)
+    for name, engines in (("frozen-w", a), ("frozen-b", b), ("frozen-r", b)):
+        engines.ask("close", name)
+
+
+async def _expired(socket_path: str) -> bool:
+    return (await lease_figures(socket_path))[0] == 1
+
+
+async def test_a_reader_stopped_in_the_middle_of_a_load_keeps_its_pages_from_every_store(
+    tmp_path: Path, spawn: Any, pair: Any
+) -> None:
+    """Issue 57, item 0, for loads: SGLang's reader is stopped in the middle of copying
+    256 pages out of the daemon's pool; another engine stores three times the tier's
+    size meanwhile, each store into the part of the tier not pinned. The pages under the
+    reader's load lease stay pinned until it is done (a load lease ends by no timer): it
+    resumes and every page it copies is right."""
+    a, b = pair
+    cfg = config(
+        tmp_path, cpu_blocks=2 * FROZEN_PAGES, disk_blocks=None, limits={"store_lease_ttl_s": 0.5}
+    )
+    daemon = await spawn(cfg)
+    b.open("frozen-b", frozen_spec(daemon.socket_path, "model-b"))
+    assert b.write("frozen-b", seed=310, pages=FROZEN_PAGES)["stored_pages"] == FROZEN_PAGES
+    a.open("frozen-r", frozen_spec(daemon.socket_path, "model-b"))
+    reading = asyncio.create_task(
+        asyncio.to_thread(a.read, "frozen-r", seed=310, pages=FROZEN_PAGES, freeze_after=100)
+    )
+    try:
+        await until(a.stopped, "the reader stopped in the middle of its copy")
+        await asyncio.sleep(1.0)  # past store_lease_ttl_s: no timer ends a load lease
+        stored = sum(
+            b.write("frozen-b", seed=seed, pages=FROZEN_PAGES)["stored_pages"]
+            for seed in (311, 312, 313)
+        )
+        assert stored == 3 * FROZEN_PAGES  # each into the half of the tier not pinned
+        pinned = (await daemon_stats(daemon.socket_path))["tiers"][0]["pinned"]
+        assert pinned >= 100  # the reader's batch (SGLang's) under its load lease stays
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+    answer = await asyncio.wait_for(reading, LIVENESS_S)
+    # Every page of the batch it held is served right (the pages past it, not pinned,
+    # made room for the stores: the load ends before the first one gone).
+    assert answer["identical"] == answer["loaded_pages"] >= pinned, answer
+    for name, engines in (("frozen-r", a), ("frozen-b", b)):
+        engines.ask("close", name)

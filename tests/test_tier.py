@@ -743,3 +743,40 @@ def test_reserve_refuses_bad_slots() -> None:
     tier.restore([(int_key(1), 0)])
     with pytest.raises(ValueError, match="not empty"):
         tier.reserve([(int_key(2), 2)], list)
+
+
+# -- a withdrawn write's slots (quarantine) -------------------------------------------
+
+
+def test_a_quarantined_write_frees_its_keys_but_never_gives_its_slots_to_a_store(
+    make_tier: MakeTier,
+) -> None:
+    """A write withdrawn under a client that may still write its slots: its keys can be
+    stored again (elsewhere), and no store gets its slots, even one that must evict for
+    room, until they are released; then they are given out as freed slots."""
+    tier = make_tier(4)
+    store(tier, [a, b])  # slots 0 1
+    plan = tier.prepare_store([c, d])
+    assert plan is not None and plan.slots == (2, 3)
+    tier.take_events()
+    assert tier.quarantine([c, d, e]) == [2, 3]  # e: not being written, skipped
+    assert tier.take_events() == []  # nothing was stored, nothing announced
+    assert tier.stats().quarantined == 2 and tier.free == 0
+    assert not tier.is_writing(c) and tier.slot_of(c) is None
+    again = tier.prepare_store([c])  # the key itself is free: into an evicted slot
+    assert again is not None and again.slots[0] in (0, 1) and again.evicted
+    assert tier.prepare_store([e, f]) is None  # one ready block left: no room for two
+    tier.complete_store([c])
+    tier.release_quarantine([2, 3])
+    assert tier.stats().quarantined == 0 and tier.free == 2
+    plan = tier.prepare_store([e, f])
+    assert plan is not None and sorted(plan.slots) == [2, 3] and plan.evicted == ()
+
+
+def test_releasing_more_slots_than_quarantined_is_refused(make_tier: MakeTier) -> None:
+    tier = make_tier(2)
+    assert tier.prepare_store([a]) is not None
+    assert tier.quarantine([a]) == [0]
+    with pytest.raises(ValueError, match="quarantined"):
+        tier.release_quarantine([0, 1])
+    assert tier.stats().quarantined == 1

@@ -52,6 +52,7 @@ class TierModel(RuleBasedStateMachine):
         self.slot: dict[BlockKey, int] = {}
         self.next_unused = 0
         self.freed: list[int] = []
+        self.quarantined: list[int] = []  # slots of withdrawn writes, out of use
         # Unpinned ready keys, least recent first (checked exactly under LRU only).
         self.recency: OrderedDict[BlockKey, None] = OrderedDict()
         self.hits = self.misses = self.stores = self.evictions = 0
@@ -133,7 +134,7 @@ class TierModel(RuleBasedStateMachine):
 
     def check_prepare_store(self, keys: list[BlockKey]) -> tuple[BlockKey, ...]:
         todo = list(dict.fromkeys(k for k in keys if k not in self.state))
-        need = len(todo) - (self.capacity - len(self.state))
+        need = len(todo) - (self.capacity - len(self.state) - len(self.quarantined))
         evictable = [
             k for k in self.recency if self.state[k] == READY and not self.pins[k] and k not in keys
         ]
@@ -202,6 +203,31 @@ class TierModel(RuleBasedStateMachine):
     @rule()
     def finish_all_writes(self) -> None:
         self.check_complete_store(self.keys_in(WRITING), success=True)
+
+    @precondition(lambda self: WRITING in self.state.values())
+    @rule(data=st.data())
+    def quarantine(self, data: st.DataObject) -> None:
+        """A client's lease expired: its write withdrawn, its slots kept from any store."""
+        pool = self.keys_in(WRITING) * 2 + self.keys_in(READY) + KEYS[:1]
+        keys = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=5), label="keys")
+        withdrawn = [k for k in dict.fromkeys(keys) if self.state.get(k) == WRITING]
+        assert self.t.quarantine(keys) == [self.slot[k] for k in withdrawn]
+        for key in withdrawn:
+            del self.state[key]
+            self.quarantined.append(self.slot.pop(key))
+        event(f"quarantine {min(len(withdrawn), 2)}")
+        self.expect_events()
+
+    @precondition(lambda self: self.quarantined)
+    @rule(data=st.data())
+    def release_quarantine(self, data: st.DataObject) -> None:
+        slots = data.draw(st.permutations(self.quarantined), label="order")
+        slots = slots[: data.draw(st.integers(1, len(slots)), label="count")]
+        self.t.release_quarantine(slots)
+        for slot in slots:
+            self.quarantined.remove(slot)
+            self.free_slot(slot)
+        self.expect_events()
 
     @rule(keys=key_lists, success=st.booleans())
     def complete_store_unknown(self, keys: list[BlockKey], success: bool) -> None:
@@ -311,7 +337,8 @@ class TierModel(RuleBasedStateMachine):
         stats = t.stats()
         assert stats.capacity == self.capacity
         assert stats.used == len(self.state) == len(t) <= self.capacity
-        assert t.free == self.capacity - len(self.state)
+        assert t.free == self.capacity - len(self.state) - len(self.quarantined)
+        assert stats.quarantined == len(self.quarantined)
         assert stats.writing == len(self.keys_in(WRITING))
         assert stats.pinned == sum(1 for n in self.pins.values() if n)
         assert (stats.hits, stats.misses) == (self.hits, self.misses)
@@ -333,7 +360,8 @@ class TierModel(RuleBasedStateMachine):
         assert len(slots) == len(set(slots))
         assert all(0 <= s < self.capacity for s in slots)
         # The model's free list and the owned slots partition what has been handed out.
-        assert sorted(slots + self.freed) == list(range(self.next_unused))
+        # (and the quarantined ones, which are neither owned nor free).
+        assert sorted(slots + self.freed + self.quarantined) == list(range(self.next_unused))
 
 
 @pytest.mark.parametrize("parts", [None, 4])

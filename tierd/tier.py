@@ -8,7 +8,10 @@ blocks), ``touch`` (mark used, tail to head), and ``prepare_store``/``complete_s
 drop them on failure).
 
 Block states: *writing* (slot allocated, not readable, not evictable), *ready*
-(evictable), *pinned* (ready, ``ref > 0``, not evictable). The tier owns the slot index;
+(evictable), *pinned* (ready, ``ref > 0``, not evictable). A write can also be
+*quarantined* (:meth:`Tier.quarantine`): its keys are gone, so that others may store
+them, but its slots are given to no other block until :meth:`Tier.release_quarantine`
+(a client whose lease expired may still be writing into them). The tier owns the slot index;
 the policy orders the ready keys and chooses victims. Which slots are free, in what order
 they are given out, and what a restart brings back is :mod:`tierd.tier_slots`'s.
 """
@@ -66,6 +69,7 @@ class TierStats:
     pinned: int
     writing: int
     adopting: int = 0  # blocks a restart found that are not adopted yet (held, not served)
+    quarantined: int = 0  # slots of withdrawn writes a client may still touch
 
 
 class Tier:
@@ -94,6 +98,7 @@ class Tier:
         self._events: list[TierEvent] = []
         self.hits = self.misses = self.stores = self.evictions = 0
         self._kept = KeptBlocks()  # kept across a restart, not adopted yet (:meth:`reserve`)
+        self._quarantined = 0  # slots of withdrawn writes, given to no store (:meth:`quarantine`)
 
     # -- queries ---------------------------------------------------------------------
 
@@ -110,8 +115,13 @@ class Tier:
         return len(self._kept.slots)
 
     @property
+    def quarantined(self) -> int:
+        """Slots of withdrawn writes, out of use until released (see :meth:`quarantine`)."""
+        return self._quarantined
+
+    @property
     def free(self) -> int:
-        return self.num_blocks - len(self._slots) - self.adopting
+        return self.num_blocks - len(self._slots) - self.adopting - self._quarantined
 
     def ready_run(self, keys: Sequence[BlockKey], start: int = 0) -> int:
         """How many consecutive ``keys`` from ``keys[start]`` on are ready (no hits)."""
@@ -250,7 +260,7 @@ class Tier:
         writing.update(todo)
         if len(writing) - before != len(todo):
             todo = list(dict.fromkeys(todo))
-        need = len(todo) + len(slots) + self.adopting - self.num_blocks
+        need = len(todo) + len(slots) + self.adopting + self._quarantined - self.num_blocks
         evicted: tuple[BlockKey, ...] = ()
         evicted_slots: tuple[int, ...] = ()
         if need > 0:
@@ -300,6 +310,26 @@ class Tier:
             self._events.append(TierEvent(_STORED, tuple(done), self.medium, self.name))
         else:
             self._free.release(map(self._slots.pop, done))
+
+    def quarantine(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Withdraw blocks being written: their keys go (no event; another write may store
+        them) but their slots are given to no block until :meth:`release_quarantine`;
+        returns those slots. A key not being written (absent, or ready) is skipped."""
+        writing = self._writing
+        done = [key for key in dict.fromkeys(keys) if key in writing]
+        writing.difference_update(done)
+        held = list(map(self._slots.pop, done))
+        self._quarantined += len(held)
+        return held
+
+    def release_quarantine(self, slots: Sequence[int]) -> None:
+        """Give slots withdrawn by :meth:`quarantine` back to the free list."""
+        if len(slots) > self._quarantined:
+            raise ValueError(
+                f"tier {self.name}: {len(slots)} slots released, {self._quarantined} quarantined"
+            )
+        self._quarantined -= len(slots)
+        self._free.release(slots)
 
     def discard(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """Remove ready, unpinned blocks (a ``REMOVED`` event); absent keys are skipped.
@@ -394,6 +424,7 @@ class Tier:
             pinned=len(self._pins),
             writing=len(self._writing),
             adopting=self.adopting,
+            quarantined=self._quarantined,
         )
 
     def _error(self, kind: type[BlockStateError], message: str, key: BlockKey) -> BlockStateError:

@@ -16,6 +16,10 @@ the specs); the other commands name the engine they address:
   scheduler's step (host buffers for the hit), then SGLang's ``_page_transfer`` (the
   backend's ``batch_get_v1``); answers hit and loaded pages and compares every loaded
   page with the bytes of ``seed``.
+- ``"freeze_after": N`` in a ``write`` or ``read``: this process stops itself (SIGSTOP,
+  as a debugger, a cgroup freeze or a swap storm holds a process) after N page copies
+  into (write) or out of (read) the daemon's pool, in the middle of the call, until the
+  test sends SIGCONT. Only where it stops is chosen here; the stop is the kernel's.
 - ``{"op": "clear"}``: what SGLang's ``POST /hicache/storage-backend/clear`` runs
   (``clear_storage_backend``); answers what SGLang would tell the operator.
 - ``{"op": "close_and_call"}``: SGLang's detach (it closes the backend), then every
@@ -41,6 +45,7 @@ import logging
 import os
 import queue
 import random
+import signal
 import sys
 import threading
 import time
@@ -370,6 +375,25 @@ class Engine:
         return answers
 
 
+def freeze_after(copies: int, method: str) -> None:
+    """Stop this process after ``copies`` calls of ``PageBlocks.<method>`` (a page copied
+    into the daemon's pool: ``gather_one``; out of it: ``fill_one``), before the last."""
+    from tierd.integrations import sglang_pages
+
+    original = getattr(sglang_pages.PageBlocks, method)
+    count = 0
+
+    def counted(self: Any, position: int, view: memoryview) -> None:
+        nonlocal count
+        count += 1
+        if count == copies:
+            setattr(sglang_pages.PageBlocks, method, original)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        original(self, position, view)
+
+    setattr(sglang_pages.PageBlocks, method, counted)
+
+
 def serve(engines: dict[str, Engine], command: dict[str, Any]) -> dict[str, Any]:
     """One command; SGLang's own exceptions propagate (the caller reports them)."""
     op, name = command["op"], command.get("engine", "main")
@@ -388,6 +412,8 @@ def serve(engines: dict[str, Engine], command: dict[str, Any]) -> dict[str, Any]
     if op == "log":
         return {"tierd_logs": list(TIERD_LINES.lines)}
     engine = engines[name]
+    if command.get("freeze_after"):
+        freeze_after(command["freeze_after"], "gather_one" if op == "write" else "fill_one")
     if op == "write":
         return engine.write(command["seed"], command["pages"], command.get("start", 0))
     if op == "read":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -128,17 +129,27 @@ class Engines:
     def open(self, engine: str, spec: dict[str, Any]) -> dict[str, Any]:
         return self.ask("open", engine, spec=spec)
 
-    def write(self, engine: str, seed: int, pages: int, start: int = 0) -> dict[str, Any]:
-        return self.ask("write", engine, seed=seed, pages=pages, start=start)
+    def write(
+        self, engine: str, seed: int, pages: int, start: int = 0, **more: Any
+    ) -> dict[str, Any]:
+        return self.ask("write", engine, seed=seed, pages=pages, start=start, **more)
 
-    def read(self, engine: str, seed: int, pages: int, reuse_s: float = 0.0) -> dict[str, Any]:
-        return self.ask("read", engine, seed=seed, pages=pages, reuse_s=reuse_s)
+    def read(
+        self, engine: str, seed: int, pages: int, reuse_s: float = 0.0, **more: Any
+    ) -> dict[str, Any]:
+        return self.ask("read", engine, seed=seed, pages=pages, reuse_s=reuse_s, **more)
+
+    def stopped(self) -> bool:
+        """Whether the driver process is stopped (SIGSTOP: ``T`` in /proc)."""
+        stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
 
     def stats(self, engine: str) -> dict[str, Any]:
         return self.ask("stats", engine)
 
     def close(self) -> None:
         if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)  # a test that failed while it was stopped
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
             self.proc.stdin.flush()

@@ -23,7 +23,7 @@ import asyncio
 from collections.abc import Sequence
 
 from tierd.chain.levels import ChainLevels
-from tierd.chain.moves import Movement
+from tierd.chain.moves import Movement, in_pieces
 from tierd.keys import BlockKey, Medium
 from tierd.stores import BlockStore, Buffer
 from tierd.stores.base import next_turn
@@ -113,7 +113,12 @@ class StoreHandle(_SlotHandle):
     ``skipped`` are the requested keys that need no write (already held or in flight at
     the entry level). ``commit(ok)`` makes the written blocks ready (and copies them down
     from write-through levels); ``abort()`` frees the slots. Exactly one of them takes
-    effect; later calls are no-ops (``commit`` then returns ``[]``)."""
+    effect; later calls are no-ops (``commit`` then returns ``[]``).
+
+    ``withdraw()`` (a lease that expired under a client that may still be writing) ends
+    the write instead, nothing written: the keys go, so that other writes may store
+    them, but the slots stay out of use, given to no other block, until ``abort()``
+    (the client is done with them, or gone)."""
 
     def __init__(
         self,
@@ -126,6 +131,9 @@ class StoreHandle(_SlotHandle):
         self._moves = moves
         self._futures = futures
         self.finished = False
+        self.quarantined: list[int] = []  # slots withdrawn and not released yet
+        self._withdrawing = False
+        self._release_asked = False  # abort() came while the withdrawal was in pieces
 
     async def commit(self, ok: Sequence[bool] | bool = True) -> list[BlockKey]:
         """Mark the blocks written (``ok`` per key, or one flag for all); the failed ones
@@ -140,10 +148,15 @@ class StoreHandle(_SlotHandle):
         return await self._moves.commit_store(self.level, self.keys, flags, self._futures)
 
     def abort(self) -> None:
-        """Drop the reserved blocks and free their slots; a no-op once finished."""
+        """Drop the reserved blocks and free their slots (a withdrawn write's: the
+        slots it kept); a no-op once committed or aborted."""
         if not self.finished:
             self.finished = True
             self._moves.abort_store(self.level, self.keys, self._futures)
+        elif self._withdrawing:
+            self._release_asked = True
+        else:
+            self._release()
 
     async def abort_in_pieces(self) -> None:
         """:meth:`abort`, a piece of the keys a turn of the loop (a big reservation's
@@ -151,6 +164,38 @@ class StoreHandle(_SlotHandle):
         if not self.finished:
             self.finished = True
             await self._moves.abort_in_pieces(self.level, self.keys, self._futures)
+        else:
+            self.abort()  # a withdrawn write's slots: one call at C speed
+
+    def withdraw(self) -> None:
+        """End the write, nothing written, keeping its slots until :meth:`abort`."""
+        if not self.finished:
+            self.finished = True
+            self.quarantined += self._moves.withdraw(self.level, self.keys, self._futures)
+
+    async def withdraw_in_pieces(self) -> None:
+        """:meth:`withdraw`, a piece of the keys a turn of the loop; what is left is
+        withdrawn at once if cancelled. An :meth:`abort` meanwhile frees the slots once
+        all are withdrawn."""
+        if self.finished:
+            return
+        self.finished = self._withdrawing = True
+        moves, level, keys = self._moves, self.level, self.keys
+
+        def step(piece: slice, last: list[asyncio.Future[bool]]) -> None:
+            self.quarantined += moves.withdraw(level, keys[piece], last)
+
+        try:
+            await in_pieces(len(keys), self._futures, step)
+        finally:
+            self._withdrawing = False
+            if self._release_asked:
+                self._release()
+
+    def _release(self) -> None:
+        slots, self.quarantined = self.quarantined, []
+        if slots:
+            self._moves.release(self.level, slots)
 
     async def __aenter__(self) -> StoreHandle:
         return self

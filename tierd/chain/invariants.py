@@ -29,6 +29,7 @@ def check_levels(levels: Sequence[Level], *, idle: bool, pending: int) -> None:
         if idle:
             _require(stats.pinned == 0, f"{tier.name}: {stats.pinned} blocks still pinned")
             _require(stats.writing == 0, f"{tier.name}: {stats.writing} blocks in flight")
+            _require(stats.quarantined == 0, f"{tier.name}: {stats.quarantined} slots quarantined")
     if idle:
         _require(not pending, f"{pending} writes still pending")
 

@@ -30,7 +30,7 @@ from tierd.stores.base import next_turn
 from tierd.tier import StorePlan
 from tierd.transfer import TransferEngine
 
-__all__ = ["STORE_PIECE", "Movement"]
+__all__ = ["STORE_PIECE", "Movement", "in_pieces"]
 
 STORE_PIECE = 512  # keys a store reserves, and ends, per turn of the event loop
 
@@ -76,23 +76,14 @@ class Movement:
         ok: Sequence[bool],
         futures: list[asyncio.Future[bool]],
     ) -> list[BlockKey]:
-        """:meth:`PendingWrites.end_store` of a client's write, :data:`STORE_PIECE` keys a
-        turn of the loop (a write of that many or fewer, at once). The write's futures
-        are resolved with its last piece (a waiter woken sooner could find its key still
-        being written); what is left is ended at once if this is cancelled."""
+        """:meth:`PendingWrites.end_store` of a client's write, :func:`in_pieces`."""
         stored: list[BlockKey] = []
-        end, start = self._writes.end_store, 0
-        try:
-            while start < len(keys):
-                if start:
-                    await next_turn()
-                stop = start + STORE_PIECE
-                last = futures if stop >= len(keys) else []
-                stored += end(index, keys[start:stop], ok[start:stop], last, io_failed=False)
-                start = stop
-        finally:
-            if start < len(keys):
-                end(index, keys[start:], ok[start:], futures, io_failed=False)
+        end = self._writes.end_store
+
+        def step(piece: slice, last: list[asyncio.Future[bool]]) -> None:
+            stored.extend(end(index, keys[piece], ok[piece], last, io_failed=False))
+
+        await in_pieces(len(keys), futures, step)
         return stored
 
     def abort_store(
@@ -107,6 +98,17 @@ class Movement:
         """:meth:`abort_store`, :data:`STORE_PIECE` keys a turn of the loop (each freed
         slot is a Python step); what is left is ended at once if this is cancelled."""
         await self._end_in_pieces(index, keys, [False] * len(keys), futures)
+
+    def withdraw(
+        self, index: int, keys: Sequence[BlockKey], futures: list[asyncio.Future[bool]]
+    ) -> list[int]:
+        """End a client's write with nothing written, its slots kept out of use
+        (:meth:`PendingWrites.withdraw`); returns them, for :meth:`release`."""
+        return self._writes.withdraw(index, keys, futures)
+
+    def release(self, index: int, slots: Sequence[int]) -> None:
+        """Free the slots of a withdrawn write."""
+        self._writes.release(index, slots)
 
     async def reserve(
         self, index: int, keys: Sequence[BlockKey]
@@ -263,6 +265,29 @@ class Movement:
             return await self.store_into(index + 1, keys, fill)
         finally:
             self.levels.unpin(index, keys)
+
+
+async def in_pieces(
+    count: int,
+    futures: list[asyncio.Future[bool]],
+    step: Callable[[slice, list[asyncio.Future[bool]]], None],
+) -> None:
+    """Run ``step`` over ``count`` keys of a write, :data:`STORE_PIECE` keys a turn of
+    the loop (a write of that many or fewer, at once). ``step`` gets the piece's slice
+    and the futures to resolve with it: the write's, with its last piece only (a waiter
+    woken sooner could find its key still being written). What is left is done at once
+    if this is cancelled."""
+    start = 0
+    try:
+        while start < count:
+            if start:
+                await next_turn()
+            stop = start + STORE_PIECE
+            step(slice(start, stop), futures if stop >= count else [])
+            start = stop
+    finally:
+        if start < count:
+            step(slice(start, None), futures)
 
 
 def _joined(plans: Sequence[StorePlan]) -> StorePlan:

@@ -2,8 +2,10 @@
 
 :class:`PendingWrites` owns, per level and key, the future of the write the key is part
 of, so that a load that finds a block in flight can wait for it. A write is registered
-when its slots are reserved and ended exactly once (:meth:`PendingWrites.end_store`): the
-blocks written become ready, the rest are dropped and their slots freed.
+when its slots are reserved and ended exactly once: by :meth:`PendingWrites.end_store`
+(the blocks written become ready, the rest are dropped and their slots freed) or by
+:meth:`PendingWrites.withdraw` (nothing is written, and the slots stay out of use until
+:meth:`PendingWrites.release`: a client that may still write into them has them).
 """
 
 from __future__ import annotations
@@ -62,6 +64,27 @@ class PendingWrites:
         tier.complete_store(bad, success=False)
         if io_failed:
             level.io_errors += len(bad)
+        self._settle(index, keys, futures)
+        return good
+
+    def withdraw(
+        self, index: int, keys: Sequence[BlockKey], futures: list[asyncio.Future[bool]]
+    ) -> list[int]:
+        """End a client's write with nothing written, but keep its slots from every other
+        block (:meth:`~tierd.tier.Tier.quarantine`: the client may still be writing into
+        them); returns those slots, for :meth:`release` once the client is done."""
+        held = self._levels.levels[index].tier.quarantine(keys)
+        self._settle(index, keys, futures)
+        return held
+
+    def release(self, index: int, slots: Sequence[int]) -> None:
+        """Free the slots of a withdrawn write (:meth:`withdraw`)."""
+        self._levels.levels[index].tier.release_quarantine(slots)
+
+    def _settle(
+        self, index: int, keys: Sequence[BlockKey], futures: list[asyncio.Future[bool]]
+    ) -> None:
+        """The keys of an ended write are in flight no more: wake who waits on them."""
         pending = self._futures
         for key in keys:
             del pending[(index, key)]
@@ -69,7 +92,6 @@ class PendingWrites:
             if not future.done():
                 future.set_result(True)  # ended: a waiter looks at the tier, not the result
         self._levels.publish()
-        return good
 
     def abort(
         self, index: int, keys: Sequence[BlockKey], futures: list[asyncio.Future[bool]]

@@ -2,7 +2,9 @@
 
 A client's lease is ended by the client (``complete_store``, ``abort_store``,
 ``complete_load``) or by the daemon: when the client's connection closes with leases
-open, and when a store lease outlives ``store_lease_ttl_s``. Ending a lease is a Python
+open, and when a store lease outlives ``store_lease_ttl_s`` (then it is *withdrawn*: its
+keys go, and its slots stay out of use until the client is done with them or gone:
+:mod:`tierd.control.leases`). Ending a lease is a Python
 step per key (a reserved slot freed, a pinned key moved to its policy's recent end), and
 a connection may hold half the entry tier in leases: ended at once, 40 leases of 4,096
 keys held the loop that every tenant shares for 200-270 ms on a 2-core machine.
@@ -60,10 +62,12 @@ def small(handle: Lease) -> bool:
 class LeaseEnds:
     """The leases one tenant's connections left to the daemon to end, ended in order by
     one task, a piece a turn; a small one is ended at once. Each may come with what to
-    call once it is ended (its blocks are then given back to the lease bounds)."""
+    call once it is ended (its blocks are then given back to the lease bounds). An
+    expired store lease is *withdrawn* instead (:meth:`withdraw`): its keys go, its slots
+    stay out of use until it is ended too."""
 
     def __init__(self) -> None:
-        self._queue: deque[tuple[Lease, Callable[[], None] | None]] = deque()
+        self._queue: deque[_Entry] = deque()
         self._task: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
@@ -71,10 +75,18 @@ class LeaseEnds:
         return len(self._queue)
 
     def add(self, handle: Lease, then: Callable[[], None] | None = None) -> None:
-        if small(handle):
-            _end(handle, then)
+        self._put((handle, then, False))
+
+    def withdraw(self, handle: StoreHandle) -> None:
+        """Withdraw ``handle``'s write (:meth:`StoreHandle.withdraw`), a piece a turn:
+        ended later by :meth:`add`, queued behind this, which frees its slots."""
+        self._put((handle, None, True))
+
+    def _put(self, entry: _Entry) -> None:
+        if small(entry[0]):
+            _end(*entry)
             return
-        self._queue.append((handle, then))
+        self._queue.append(entry)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -83,9 +95,12 @@ class LeaseEnds:
         try:
             while queue:
                 await next_turn()  # a turn between two leases, as between two pieces
-                handle, then = queue[0]
+                handle, then, withdraw = queue[0]
                 try:
-                    await finish_in_pieces(handle)
+                    if withdraw and isinstance(handle, StoreHandle):
+                        await handle.withdraw_in_pieces()
+                    else:
+                        await finish_in_pieces(handle)
                 except Exception:  # the chain's fault, not the tenant's: go on
                     log.exception("ending a lease failed", blocks=len(handle.keys))
                 queue.popleft()
@@ -106,7 +121,13 @@ class LeaseEnds:
             _end(*self._queue.popleft())
 
 
-def _end(handle: Lease, then: Callable[[], None] | None) -> None:
-    finish(handle)
+_Entry = tuple[Lease, Callable[[], None] | None, bool]  # handle, then, withdraw
+
+
+def _end(handle: Lease, then: Callable[[], None] | None, withdraw: bool = False) -> None:
+    if withdraw and isinstance(handle, StoreHandle):
+        handle.withdraw()
+    else:
+        finish(handle)
     if then is not None:
         then()

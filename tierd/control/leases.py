@@ -10,8 +10,15 @@ connection that opened it can finish. :class:`Leases` keeps those ids for one se
   as a context manager it gives back on exit whatever was not moved out of it with
   :meth:`Hold.keep` (the blocks the chain did grant), and :meth:`Hold.release` is
   idempotent. A registered lease keeps its hold until the lease ends.
-- **Expiry.** A store lease not finished within ``store_lease_ttl_s`` is aborted and its
-  id remembered (the last ``_EXPIRED_MEMORY``), so finishing it later gets a clear error.
+- **Expiry.** A store lease not finished within ``store_lease_ttl_s`` loses its right to
+  commit: its write is *withdrawn* (its keys go, so that other writes may store them,
+  nothing of it is ever served), but its slots are *quarantined*: given to no other
+  block while the client may still be writing into them (a stalled process resumes and
+  finishes its copy). They are freed when the client says it is done with the lease
+  (its ``complete_store`` or ``abort_store``, answered with the expiry's error) or its
+  connection ends, and count against the connection's and the tenant's lease bounds
+  until then, so a stalled client holds only its own share. The id is remembered (the
+  last ``_EXPIRED_MEMORY``), so finishing it later gets a clear error.
 - **End of life.** :meth:`Leases.close` hands every lease left to the tenant's
   :class:`~tierd.control.lease_ends.LeaseEnds`, which ends them a piece a turn of the
   loop, as it does an expired lease's and that of a handle registered after the close
@@ -56,6 +63,8 @@ class Leases:
         self.held = 0  # blocks this connection holds in open leases
         self._held_by_lease: dict[int, Hold] = {}
         self._expiry: dict[int, asyncio.TimerHandle] = {}
+        # Expired store leases whose slots the client may still touch, with their holds.
+        self.quarantined: dict[int, tuple[StoreHandle, Hold | None]] = {}
         self._expired: dict[int, None] = {}  # recently expired lease ids, oldest first
 
     def __len__(self) -> int:
@@ -124,33 +133,43 @@ class Leases:
             release()
 
     def named(self, lease: int, kind: type[_H]) -> _H:
-        """The handle of ``lease``, which must be of ``kind`` and held here."""
+        """The handle of ``lease``, which must be of ``kind`` and held here. A store lease
+        that expired gets its error, and its quarantined slots are freed: a client that
+        finishes or aborts a lease is done writing into it."""
         handle = self.open.get(lease)
         if isinstance(handle, kind):
             return handle
         what = "store" if kind is StoreHandle else "load"
-        if lease in self._expired and kind is StoreHandle:
+        if kind is StoreHandle and (lease in self._expired or lease in self.quarantined):
+            ended = self.quarantined.pop(lease, None)
+            if ended is not None:
+                self._end_later(*ended)
             ttl = self.ctx.limits.store_lease_ttl_s
             message = (
                 f"store lease {lease} expired: it was not finished within {ttl} s"
-                " (limits.store_lease_ttl_s), and its slots were freed"
+                " (limits.store_lease_ttl_s); nothing of it was stored"
             )
         else:
             message = f"lease {lease} is not a {what} lease held by this connection"
         raise ProtocolError(message, code=ErrorCode.UNKNOWN_LEASE)
 
     def _expire(self, lease: int) -> None:
-        """A store lease outlived ``store_lease_ttl_s``: abort it, free its slots."""
+        """A store lease outlived ``store_lease_ttl_s``: withdraw its write, and keep its
+        slots (and their count against the bounds) until the client is done or gone."""
         self._expiry.pop(lease, None)
-        if lease not in self.open:
+        handle = self.open.pop(lease, None)
+        if not isinstance(handle, StoreHandle):
             return
-        handle, held = self._forget(lease)
-        self._end_later(handle, held)
+        held = self._held_by_lease.pop(lease, None)
+        self.quarantined[lease] = (handle, held)
+        if self.tenant is not None:
+            self.tenant.lease_ends.withdraw(handle)
+            self.tenant.leases_expired += 1
+        else:
+            handle.withdraw()  # no tenant holds no lease: never the case
         self._expired[lease] = None
         if len(self._expired) > _EXPIRED_MEMORY:
             del self._expired[next(iter(self._expired))]
-        if self.tenant is not None:
-            self.tenant.leases_expired += 1
         log.info(
             "store lease expired",
             conn=self.conn,
@@ -160,10 +179,14 @@ class Leases:
         )
 
     def close(self) -> None:
-        """The connection is gone: end every lease left (a piece a turn); refuse new ones."""
+        """The connection is gone: end every lease left (a piece a turn), free the slots
+        of those that expired; refuse new ones."""
         self.closed = True
         for lease in list(self.open):
             self._end_later(*self._forget(lease))
+        quarantined, self.quarantined = self.quarantined, {}
+        for handle, held in quarantined.values():
+            self._end_later(handle, held)
 
 
 class Hold:

@@ -25,6 +25,7 @@ _TIER_METRICS = [
     ("pinned", "pinned_blocks", "Blocks pinned by loads", False),
     ("writing", "writing_blocks", "Blocks being written", False),
     ("adopting", "adopting_blocks", "Blocks kept across a restart, not adopted yet", False),
+    ("quarantined", "quarantined_blocks", "Slots of expired store leases, kept from reuse", False),
     ("hits", "hits", "Block hits served by this tier", True),
     ("misses", "misses", "Looked-up blocks that reached this tier and were not there", True),
     ("stores", "stores", "Blocks stored", True),

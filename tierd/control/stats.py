@@ -37,6 +37,7 @@ def collect_stats(chain: TierChain) -> dict[str, Any]:
                 "pinned": tier.pinned,
                 "writing": tier.writing,
                 "adopting": tier.adopting,
+                "quarantined": tier.quarantined,
                 "hits": hits[index],
                 "misses": chain_stats.miss_blocks + sum(hits[index + 1 :]) + remote_hits,
                 "stores": tier.stores,
