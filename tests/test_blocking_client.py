@@ -172,3 +172,70 @@ async def test_a_load_past_the_lease_bound_is_served_whole(tmp_path, spawn, boun
     assert bound < len(keys)  # the load took several requests
     assert done == [True] * len(keys)
     assert memory == b"".join(block(k) for k in keys)
+
+
+async def test_started_requests_are_collected_later_and_a_wait_that_runs_out_breaks_nothing(
+    tmp_path, spawn
+) -> None:
+    """A scheduler step starts its requests and goes on; a later step collects what has
+    come. A collect whose deadline passes (the daemon stopped) leaves the connection
+    usable: the replies are matched by id when they come, a given-up one goes to its
+    handler (a late grant is still seen), and plain requests work again."""
+    daemon = await spawn(daemon_config(tmp_path, block_bytes=BLOCK))
+    keys = [f"s{i}".encode() for i in range(3)]
+    async with await Client.connect(daemon.socket_path, namespace=NS) as writer:
+        await writer.store(keys, [block(k) for k in keys])
+    client = connect(daemon.socket_path)
+    late: list[dict] = []
+    try:
+        first, second = client.start("lookup", [{"keys": keys}, {"keys": keys[:1]}], soon())
+        got: dict = {}
+        while len(got) < 2:  # bounded by the loop below's safety net
+            got.update(client.collect([first, second], soon(BOUND_S)))
+        assert got[first]["count"] == 3 and got[second]["count"] == 1
+        assert client.lookup(keys, soon()) == 3  # a plain request between two started ones
+        daemon.signal(signal.SIGSTOP)
+        try:
+            (pin,) = client.start("prepare_load", [{"keys": keys, "wait_s": 0}], soon())
+            assert client.collect([pin], time.monotonic() + DEADLINE_S) == {}
+            assert not client.closed  # the wait ran out: nothing broke
+            client.forget([pin], late.append)
+        finally:
+            daemon.signal(signal.SIGCONT)
+        assert client.lookup(keys, soon(BOUND_S)) == 3  # its reply is read on the way
+        assert len(late) == 1 and late[0]["ok"] and late[0]["count"] == 3
+        client.request("complete_load", soon(), lease=late[0]["lease"])
+    finally:
+        client.close()
+
+
+async def test_a_retained_connection_keeps_its_socket_when_it_breaks(tmp_path, spawn) -> None:
+    """``retain``: a connection that breaks (a wait past its deadline on a plain request)
+    can send nothing more, but its socket, and so its leases in the daemon, stay until
+    its owner closes it."""
+    daemon = await spawn(daemon_config(tmp_path, block_bytes=BLOCK))
+    keys = [f"r{i}".encode() for i in range(2)]
+    async with await Client.connect(daemon.socket_path, namespace=NS) as writer:
+        await writer.store(keys, [block(k) for k in keys])
+    client = BlockingClient.connect(
+        daemon.socket_path, namespace=NS, block_bytes=BLOCK, deadline=soon(), retain=True
+    )
+    pinned = client.request("prepare_load", soon(), keys=keys)
+    assert pinned["count"] == 2
+    daemon.signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(DaemonSilent):
+            client.lookup(keys, time.monotonic() + DEADLINE_S)
+    finally:
+        daemon.signal(signal.SIGCONT)
+    assert client.closed
+    with pytest.raises(Unreachable):
+        client.lookup(keys, soon())
+    async with await Client.connect(daemon.socket_path, namespace=NS) as watcher:
+        assert (await watcher.stats())["tiers"][0]["pinned"] == 2  # the lease holds
+        client.close()
+        for _ in range(200):  # bounded: until the daemon has read the close
+            if (await watcher.stats())["tiers"][0]["pinned"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert (await watcher.stats())["tiers"][0]["pinned"] == 0

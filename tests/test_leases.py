@@ -131,3 +131,27 @@ async def test_a_load_waiting_on_another_clients_store_has_a_deadline(tmp_path: 
             loaded = await reader.load(ready + names("slow", 1))
         assert loaded == data(ready)  # the prefix up to the block still being written
         await slow.abort()
+
+
+async def test_a_load_that_asks_not_to_wait_stops_at_once_before_a_block_being_written(
+    tmp_path: Path,
+) -> None:
+    """``wait_s: 0`` (an engine's scheduler that must not stall): the leading ready blocks
+    are pinned and the load stops before the first one another client is writing, at
+    once, however long ``load_wait_s`` is; a bad value is refused."""
+    async with (
+        serve(tmp_path, load_wait_s=600, store_lease_ttl_s=600) as daemon,
+        await connect(daemon) as writer,
+        await connect(daemon) as reader,
+    ):
+        ready = names("ready", 2)
+        assert await writer.store(ready, data(ready)) == 2
+        slow = await writer.prepare_store(names("slow", 1))
+        async with asyncio.timeout(WAIT_S):  # without wait_s: 600 s
+            reply = await reader.request("prepare_load", keys=ready + names("slow", 1), wait_s=0)
+        assert reply["count"] == 2
+        await reader.request("complete_load", lease=reply["lease"])
+        with pytest.raises(DaemonError) as bad:
+            await reader.request("prepare_load", keys=ready, wait_s=-1)
+        assert bad.value.code == "bad_request"
+        await slow.abort()

@@ -32,6 +32,7 @@ from tierd.control.protocol import (
     bool_list_field,
     bytes_list_field,
     int_field,
+    opt_seconds_field,
 )
 from tierd.control.tenants import Tenant
 from tierd.errors import BlockMissing, ProtocolError
@@ -147,7 +148,9 @@ class BlockRequests:
         keys = self.session.keys(msg)
         self.session.chain()
         self._require_pool()
-        pinned = await self.pin(keys, self.ctx.limits.load_wait_s)
+        wait_s = self.ctx.limits.load_wait_s  # a client may ask to wait less (0: not at all)
+        asked = opt_seconds_field(msg, "wait_s")
+        pinned = await self.pin(keys, wait_s if asked is None else min(asked, wait_s))
         if pinned is None:
             return {"lease": None, "count": 0, "slots": []}
         handle, held = pinned

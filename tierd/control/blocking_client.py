@@ -22,10 +22,22 @@ at once, and its reply is read and dropped with a later call's.
 
 Requests sent together (a lookup split at the daemon's per-request key limit) are
 answered in whatever order the daemon finishes them: each reply is matched to its
-request by id. A region load larger than one request (the per-request key limit, or the
-blocks one connection may hold in leases, ``max_lease_blocks``) sends its requests one
-after the other: sent together, the later ones would find the lease bound taken by the
-first and fail their keys. A load within one request, the common case, is one round trip.
+request by id. A caller that must not wait (an engine's scheduler step) *starts*
+requests (:meth:`BlockingClient.start`) and *collects* what has come later
+(:meth:`BlockingClient.collect`, waiting up to a deadline or not at all); replies it
+gives up on go to a handler of its own when they come (:meth:`BlockingClient.forget`),
+so a grant that came too late is still seen (and its lease ended). Such a wait that
+runs out leaves the connection usable.
+
+``retain``: a connection that holds leases whose memory its engine may still be
+copying keeps its socket when it breaks (a timeout, a lost frame): the daemon ends a
+connection's leases when its socket closes, so the owner closes it only once those
+copies are done (:meth:`BlockingClient.close`).
+
+A region load larger than one request (the per-request key limit, or the blocks one
+connection may hold in leases, ``max_lease_blocks``) sends its requests one after the
+other: sent together, the later ones would find the lease bound taken by the first and
+fail their keys. A load within one request, the common case, is one round trip.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ import os
 import socket
 import time
 from array import array
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tierd.control.client_pool import PoolMap, PoolShare
@@ -65,16 +77,29 @@ _HANGS_UP = frozenset({"not_allowed", "busy", "shutting_down", "frame_too_large"
 class BlockingClient:
     """One connection, used from one thread; build it with :meth:`connect`."""
 
-    def __init__(self, sock: socket.socket, info: dict[str, Any], decoder: FrameDecoder) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        info: dict[str, Any],
+        decoder: FrameDecoder,
+        *,
+        retain: bool = False,
+    ) -> None:
         self._sock = sock
         self.info = info
         self._decoder = decoder
         self._ready: list[Any] = []  # decoded, not yet read
         self._next_id = HELLO_ID
-        self._unawaited: set[int] = set()  # posted: their replies are dropped
+        # Requests whose replies nobody waits for: dropped (posted), or handed to a
+        # handler (given up by :meth:`forget`).
+        self._unawaited: dict[int, Callable[[Any], None] | None] = {}
+        self._started: set[int] = set()  # started, not yet collected (:meth:`start`)
+        self._arrived: dict[int, Any] = {}  # their replies, come and not collected
         self.pool: PoolMap | None = None
         self._owns_pool = True
-        self.closed = False
+        self.retain = retain  # broken, keep the socket until close() (the leases it holds)
+        self.closed = False  # no request can be sent (broken or closed)
+        self._sock_closed = False
 
     @classmethod
     def connect(
@@ -87,10 +112,12 @@ class BlockingClient:
         server_uids: Collection[int] = (),
         map_pool: bool = False,
         pools: PoolShare | None = None,
+        retain: bool = False,
     ) -> BlockingClient:
         """Connect, check who serves ``path``, and say hello, all before ``deadline``;
         with ``map_pool``, map the tenant's pool the daemon passes (for leases), or take
-        the mapping ``pools`` already has of it (the pool is then ``pools``' to close)."""
+        the mapping ``pools`` already has of it (the pool is then ``pools``' to close).
+        ``retain``: see the module's docstring."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(_left(deadline))
@@ -101,7 +128,7 @@ class BlockingClient:
         except OSError as exc:
             sock.close()
             raise Unreachable(f"cannot connect to {path}: {exc.strerror or exc}") from exc
-        client = cls(sock, {}, FrameDecoder(MAX_REPLY_BYTES))
+        client = cls(sock, {}, FrameDecoder(MAX_REPLY_BYTES), retain=retain)
         fds: list[int] = []
         try:
             check_server(sock, path, server_uids)
@@ -118,7 +145,7 @@ class BlockingClient:
                     client.pool = pools.mapping(fds[0], client.block_bytes, named)
                     client._owns_pool = False
         except BaseException:
-            client.close()
+            client.close()  # nothing is leased yet: the socket goes whatever ``retain`` says
             raise
         finally:
             for fd in fds:
@@ -130,11 +157,20 @@ class BlockingClient:
         return int(self.info["block_bytes"])
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
+        """Close the socket (the daemon then ends every lease of this connection)."""
+        self.closed = True
+        if not self._sock_closed:
+            self._sock_closed = True
             self._sock.close()
             if self.pool is not None and self._owns_pool:
                 self.pool.close()
+
+    def _broken(self) -> None:
+        """No request can be sent any more; the socket goes too, unless ``retain``."""
+        if self.retain:
+            self.closed = True
+        else:
+            self.close()
 
     # -- requests ---------------------------------------------------------------------
 
@@ -177,8 +213,49 @@ class BlockingClient:
             raise Unreachable("the connection is closed")
         self._read_waiting()
         self._next_id += 1
-        self._unawaited.add(self._next_id)
+        self._unawaited[self._next_id] = None
         self._send([encode({"id": self._next_id, "op": op, **fields})], deadline)
+
+    def start(self, op: str, each: Sequence[dict[str, Any]], deadline: float) -> list[int]:
+        """Send one ``op`` request per item of ``each`` and go on; their replies are for
+        :meth:`collect` (or, given up, :meth:`forget`'s handler). Their ids, in order."""
+        if self.closed:
+            raise Unreachable("the connection is closed")
+        self._read_waiting()
+        first = self._next_id + 1
+        self._next_id += len(each)
+        ids = list(range(first, first + len(each)))
+        self._started.update(ids)
+        frames = [encode({"id": i, "op": op, **f}) for i, f in zip(ids, each, strict=True)]
+        self._send(frames, deadline)
+        return ids
+
+    def collect(self, ids: Collection[int], deadline: float | None = None) -> dict[int, Any]:
+        """The replies come so far to the started requests ``ids``, by id (an error reply
+        as it came: ``ok`` false), each handed out once; with ``deadline``, after waiting
+        until every one has come or it passes (the connection stays usable either way).
+        Raises only for a broken connection (:class:`Unreachable`, a protocol error)."""
+        if not self.closed:
+            self._read_waiting()
+            while deadline is not None and any(i not in self._arrived for i in ids):
+                try:
+                    data = self._io(lambda: self._sock.recv(1 << 16), deadline, wait=True)
+                except DaemonSilent:
+                    break
+                self._take(data)
+        out = {i: self._arrived.pop(i) for i in ids if i in self._arrived}
+        self._started.difference_update(out)
+        return out
+
+    def forget(self, ids: Collection[int], handler: Callable[[Any], None]) -> None:
+        """Stop waiting for the started requests ``ids``: each reply goes to ``handler``
+        when it comes (at once for one come already), read along with later calls."""
+        for request_id in ids:
+            self._started.discard(request_id)
+            if request_id in self._arrived:
+                handler(self._arrived.pop(request_id))
+            else:
+                self._unawaited[request_id] = handler
 
     def lookup(self, keys: Sequence[bytes], deadline: float) -> int:
         """How many leading keys the daemon holds ready (as :meth:`Client.lookup`); more
@@ -269,23 +346,26 @@ class BlockingClient:
                 continue  # not subscribed: nothing else is pushed to this connection
             request_id = message.get("id") if isinstance(message, dict) else None
             if isinstance(message, dict) and message.get("error") in _HANGS_UP:
-                self.close()  # the daemon hangs up after this (id 0: a frame it refused)
+                self._broken()  # the daemon hangs up after this (id 0: a frame it refused)
                 raise DaemonError(str(message["error"]), str(message.get("message")))
+            if request_id in self._started:  # started by another call: kept for it
+                self._arrived[request_id] = message
+                continue
             if request_id not in wanted or request_id in got:
-                self.close()
+                self._broken()
                 raise ProtocolError(f"the daemon answered no request of ours: {message!r:.200}")
             got[request_id] = message
         return got
 
     def _answer(self, request_id: int, message: Any) -> dict[str, Any]:
         if not isinstance(message, dict) or message.get("id") != request_id:
-            self.close()
+            self._broken()
             raise ProtocolError(f"the daemon answered another request: {message!r:.200}")
         if message.get("ok"):
             return message
         code = str(message.get("error"))
         if code in _HANGS_UP:
-            self.close()
+            self._broken()
         raise DaemonError(code, str(message.get("message")))
 
     def _next_reply(self, deadline: float) -> Any:
@@ -296,14 +376,17 @@ class BlockingClient:
                 return message
 
     def _posted(self, message: Any) -> bool:
-        """Whether ``message`` answers a posted request (then it is dropped; one the
-        daemon hangs up after still closes the connection)."""
+        """Whether ``message`` answers a request nobody waits for (posted: dropped; given
+        up: handed to its handler). One the daemon hangs up after still breaks the
+        connection."""
         request_id = message.get("id") if isinstance(message, dict) else None
         if request_id not in self._unawaited:
             return False
-        self._unawaited.discard(request_id)
+        handler = self._unawaited.pop(request_id)
+        if handler is not None:
+            handler(message)
         if message.get("error") in _HANGS_UP:
-            self.close()
+            self._broken()
             raise DaemonError(str(message["error"]), str(message.get("message")))
         return True
 
@@ -315,19 +398,13 @@ class BlockingClient:
                 data = self._io(lambda: self._sock.recv(1 << 16), deadline)
             else:
                 data = self._io(lambda: recv_with_fds(self._sock, fds), deadline)
-            if not data:
-                self.close()
-                raise Unreachable("the daemon closed the connection")
-            try:
-                self._ready.extend(self._decoder.feed(data))
-            except ProtocolError:
-                self.close()
-                raise
+            self._take(data)
         return self._ready.pop(0)
 
     def _read_waiting(self) -> None:
-        """Read what has come (without waiting) and drop the replies to posted requests:
-        a thread that only posts for a while does not leave them piling up."""
+        """Read what has come (without waiting): replies to posted requests are dropped
+        (or handed to their handlers), those to started ones kept for :meth:`collect`; a
+        thread that only posts for a while does not leave them piling up."""
         self._sock.settimeout(0.0)  # non-blocking: each call sets its own timeout again
         while True:
             try:
@@ -335,29 +412,54 @@ class BlockingClient:
             except BlockingIOError:
                 break
             except OSError as exc:
-                self.close()
+                self._broken()
                 raise Unreachable(f"the connection was lost: {exc.strerror or exc}") from exc
-            if not data:
-                self.close()
-                raise Unreachable("the daemon closed the connection")
+            self._take(data)
+        if self._ready:
+            self._route()
+
+    def _take(self, data: bytes) -> None:
+        """Decode ``data`` read from the socket and route what it completes."""
+        if not data:
+            self._broken()
+            raise Unreachable("the daemon closed the connection")
+        try:
             self._ready.extend(self._decoder.feed(data))
-        self._ready = [message for message in self._ready if not self._posted(message)]
+        except ProtocolError:
+            self._broken()
+            raise
+        self._route()
+
+    def _route(self) -> None:
+        """Take the replies to posted and started requests out of the decoded messages."""
+        kept = []
+        for message in self._ready:
+            if self._posted(message):
+                continue
+            request_id = message.get("id") if isinstance(message, dict) else None
+            if request_id in self._started:
+                self._arrived[request_id] = message
+            else:
+                kept.append(message)
+        self._ready = kept
 
     def _send(self, frames: list[bytes], deadline: float) -> None:
         data = b"".join(frames)
         self._io(lambda: self._sock.sendall(data), deadline)
 
-    def _io(self, call: Any, deadline: float) -> Any:
+    def _io(self, call: Any, deadline: float, *, wait: bool = False) -> Any:
         """``call()`` on the socket with what is left of ``deadline`` as its timeout; a
-        timeout or a socket error closes the client."""
+        timeout or a socket error breaks the client, except a timeout of a ``wait``
+        (a read between whole frames, for :meth:`collect`: the connection stays usable)."""
         try:
             self._sock.settimeout(_left(deadline))
             return call()
         except TimeoutError:
-            self.close()
+            if not wait:
+                self._broken()
             raise DaemonSilent("no answer from the daemon within the deadline") from None
         except OSError as exc:
-            self.close()
+            self._broken()
             raise Unreachable(f"the connection was lost: {exc.strerror or exc}") from exc
 
 

@@ -61,6 +61,13 @@ class PoolMap:
             self._mm, dtype=torch.uint8, count=self.block_bytes, offset=slot * self.stride
         )
 
+    def as_tensor(self) -> Any:
+        """An int8 torch tensor over the whole mapping (no copy), for an engine whose own
+        copies move blocks in and out of the pool's rows (slot ``s`` at ``s * stride``)."""
+        import torch
+
+        return torch.frombuffer(self._mm, dtype=torch.int8)
+
     def close(self) -> None:
         self.prefault.stop()  # never populating a range after it is unmapped
         self._view.release()
@@ -71,31 +78,42 @@ class PoolMap:
 
 class PoolShare:
     """One mapping of a tenant's pool for every connection that passes it (their page
-    tables filled once, not once per connection): the newest pool only, the one before
-    closed when another comes (a restarted daemon's), and :meth:`close` for the last."""
+    tables filled once, not once per connection): the newest ``keep`` pools only, the
+    oldest closed when another comes (a restarted daemon's), and :meth:`close` for the
+    rest. :meth:`find` gives a mapping by the pool's name (an engine's workers find the
+    pool its scheduler's rows lie in)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 1) -> None:
         self._lock = threading.Lock()
-        self._held: tuple[tuple[Any, ...], PoolMap] | None = None
+        self._keep = keep
+        self._held: list[tuple[tuple[Any, ...], PoolMap]] = []  # oldest first
 
     def mapping(self, fd: int, block_bytes: int, named: dict[str, Any]) -> PoolMap:
         """The mapping of the pool ``fd`` is (as the hello reply ``named`` it)."""
         found = os.fstat(fd)
         key = (found.st_dev, found.st_ino, block_bytes, *sorted(named.items()))
         with self._lock:
-            if self._held is not None and self._held[0] == key:
-                return self._held[1]
+            for held_key, held in self._held:
+                if held_key == key:
+                    return held
             pool = PoolMap(fd, block_bytes=block_bytes, **named)
-            old, self._held = self._held, (key, pool)
-        if old is not None:
-            old[1].close()  # a view still in use keeps the mapping until it goes
+            self._held.append((key, pool))
+            old = self._held[: -self._keep]
+            del self._held[: -self._keep]
+        for _, gone in old:
+            gone.close()  # a view still in use keeps the mapping until it goes
         return pool
+
+    def find(self, name: str) -> PoolMap | None:
+        """The mapping of the pool named ``name``, if one is held."""
+        with self._lock:
+            return next((pool for _, pool in self._held if pool.name == name), None)
 
     def close(self) -> None:
         with self._lock:
-            held, self._held = self._held, None
-        if held is not None:
-            held[1].close()
+            held, self._held = self._held, []
+        for _, pool in held:
+            pool.close()
 
 
 class PoolUser(Protocol):

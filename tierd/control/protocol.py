@@ -281,6 +281,19 @@ def int_field(msg: Mapping[str, Any], name: str, *, default: int | None = None) 
     return value
 
 
+def opt_seconds_field(msg: Mapping[str, Any], name: str) -> float | None:
+    """An optional non-negative number of seconds (None: absent)."""
+    value = msg.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ProtocolError(
+            f"field {name!r} must be a non-negative number of seconds, got {value!r:.40}",
+            code=ErrorCode.BAD_REQUEST,
+        )
+    return float(value)
+
+
 def opt_str_field(msg: Mapping[str, Any], name: str, *, max_len: int = 256) -> str | None:
     value = msg.get(name)
     if value is None:

@@ -41,7 +41,7 @@ import numpy as np
 from tierd.chain import LoadHandle, StoreHandle
 from tierd.control.block_requests import BlockRequests, Requester, distinct
 from tierd.control.context import ServerContext
-from tierd.control.protocol import ErrorCode, int_field
+from tierd.control.protocol import ErrorCode, int_field, opt_seconds_field
 from tierd.control.region_copy import Layout, Offsets, bounds_problem, read_region, write_region
 from tierd.control.region_registration import MAX_REGION_BYTES, FdLine, Registrations
 from tierd.control.region_table import MAX_REGIONS, Region, RegionTable
@@ -321,15 +321,7 @@ def _in_rows(
 def expires_field(msg: dict[str, Any]) -> float | None:
     """A job's optional ``expires``: the ``time.monotonic()`` second (the machine's
     monotonic clock, which every process of it shares) at which its engine gives it up."""
-    value = msg.get("expires")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ProtocolError(
-            "field 'expires' must be a non-negative number of seconds (CLOCK_MONOTONIC)",
-            code=ErrorCode.BAD_REQUEST,
-        )
-    return float(value)
+    return opt_seconds_field(msg, "expires")
 
 
 def _past(until: float | None) -> bool:
