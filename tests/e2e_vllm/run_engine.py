@@ -57,16 +57,29 @@ def engine(args: argparse.Namespace) -> Any:
         tiers.append(tier)
     elif getattr(args, "fs_root", None):
         tiers.append({"type": "fs", "root_dir": args.fs_root})
+    extra: dict[str, Any] = {
+        "spec_name": "TierdCpuTieringSpec",
+        "spec_module_path": "tierd.integrations.vllm_cpu",
+        "cpu_bytes_to_use": args.cpu_bytes,
+        "block_size": offload_tokens,
+        "secondary_tiers": tiers,
+    }
+    if getattr(args, "pool", False):  # tierd's pool as vLLM's CPU tier: no tier of vLLM's
+        pool: dict[str, Any] = {"socket": args.socket}
+        if args.namespace:
+            pool["namespace"] = args.namespace
+        if getattr(args, "kv_events", False):
+            pool["enable_kv_events"] = True
+        extra = {
+            "spec_name": "TierdPoolSpec",
+            "spec_module_path": "tierd.integrations.vllm_pool",
+            "block_size": offload_tokens,
+            "tierd": pool,
+        }
     transfer = KVTransferConfig(
         kv_connector="OffloadingConnector",
         kv_role="kv_both",
-        kv_connector_extra_config={
-            "spec_name": "TierdCpuTieringSpec",
-            "spec_module_path": "tierd.integrations.vllm_cpu",
-            "cpu_bytes_to_use": args.cpu_bytes,
-            "block_size": offload_tokens,
-            "secondary_tiers": tiers,
-        },
+        kv_connector_extra_config=extra,
     )
     return LLM(
         model=args.model,
@@ -164,6 +177,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--staging-bytes", type=int, default=0)
     parser.add_argument("--kv-events", action="store_true")
     parser.add_argument("--kv-events-endpoint")
+    parser.add_argument("--pool", action="store_true", help="tierd's pool as vLLM's CPU tier")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

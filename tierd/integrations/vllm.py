@@ -26,7 +26,6 @@ This module needs vLLM (``scripts/setup_vllm``); nothing else in tierd imports i
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import weakref
@@ -51,7 +50,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
+from tierd.client import DaemonError, Unreachable, UntrustedDaemon
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
 from tierd.integrations.engine_calls import EngineCalls
@@ -60,7 +59,7 @@ from tierd.integrations.naming import derive_namespace
 from tierd.integrations.plugin import missing_daemon
 from tierd.integrations.vllm_describe import describer_for
 from tierd.integrations.vllm_jobs import Done, Jobs
-from tierd.integrations.vllm_report import TierReport, event_config
+from tierd.integrations.vllm_report import EventFollower, TierReport, event_config
 from tierd.logs import get_logger
 
 if TYPE_CHECKING:
@@ -188,17 +187,13 @@ class TierdSecondaryTier(SecondaryTierManager):
             self._link, "vllm", staging_rows=per_round, map_pool=not regions, regions=regions
         )
         self._describer = describer_for(offloading_spec, describe_blocks, kv_events_endpoint)
-        self._jobs = Jobs(self._calls, self._describer, self._rows, self._following)
-        self._subscription: asyncio.Future[Any] | None = None  # the link's loop's only
-        self._followed: Client | None = None  # the connection whose events are read
         self.report = TierReport(
             Medium(medium) if medium is not None else self.medium,
             self.locality,
             event_config(offloading_spec, enable_kv_events),
         )
-        self._event_reader: asyncio.Future[None] | None = None  # the link's loop's only
-        if self.report.residency is not None:
-            self._link.on_connect.append(self._watch_events)
+        self._events = EventFollower(self._link, self.report)
+        self._jobs = Jobs(self._calls, self._describer, self._rows, self._events.following)
         try:
             self._link.call(self._link.client(), connect_timeout_s)
         except BlockSizeMismatch:
@@ -302,48 +297,6 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         return self.report.take_events()
-
-    def _watch_events(self, client: Client) -> None:
-        """On each new connection (on the link's loop): follow the daemon's events. The
-        subscription goes out now, ahead of any job on the connection, so that no event
-        of this engine's blocks is missed (a removal of a block whose storing went
-        unseen would be taken for its last)."""
-        self._subscription = client.send("subscribe")
-        self._followed = client
-        self._event_reader = asyncio.ensure_future(self._read_events(client))
-
-    def _following(self, deadline_s: float) -> None:
-        """Before a store (on the store thread): the link follows the daemon's events,
-        its subscription answered, so no event of the store's blocks is missed. A link
-        found lost reconnects (and subscribes) now. Never fails the store."""
-        subscription = self._subscription
-        if self.report.residency is None:
-            return
-        if self._followed is not None and subscription is not None and subscription.done():
-            return  # followed: its reader runs (it forgets the client when the stream ends)
-
-        async def following() -> None:
-            await self._link.run(lambda c: c.health())
-            if self._subscription is not None:
-                await asyncio.shield(self._subscription)
-
-        with contextlib.suppress(TierdError, OSError):
-            self._link.call(following(), deadline_s)
-
-    async def _read_events(self, client: Client) -> None:
-        residency = self.report.residency
-        if residency is None:
-            return
-        try:
-            with contextlib.suppress(TierdError, OSError):  # the connection ended: so do we
-                tiers = (await client.stats()).get("tiers", [])
-                if tiers:
-                    residency.bottom = str(tiers[-1].get("name"))
-                async for push in client.events():
-                    residency.on_push(push)
-        finally:
-            if self._followed is client:
-                self._followed = None
 
     def shutdown(self) -> None:
         _LIVE.discard(self)

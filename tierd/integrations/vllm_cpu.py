@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, OffloadingWorker, Tra
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-__all__ = ["TierdCpuTieringSpec", "TorchCopyWorker"]
+__all__ = ["RowCopies", "TierdCpuTieringSpec", "TorchCopyWorker"]
 
 # Per KV group: (group, engine block ids, host chunk ids, block index inside the chunk),
 # the last three torch tensors. torch comes with vLLM; imported where used, as tierd
@@ -30,24 +30,23 @@ __all__ = ["TierdCpuTieringSpec", "TorchCopyWorker"]
 _Pairs = list[tuple[int, Any, Any, Any]]
 
 
-class TorchCopyWorker(OffloadingWorker):  # type: ignore[misc]
-    """Copies KV pages between vLLM's KV cache tensors and the CPU tier's shared region;
-    every job is done when ``submit_*`` returns."""
+class RowCopies:
+    """Copies KV pages between vLLM's KV cache tensors and host rows with plain torch:
+    ``hosts[t]`` is KV tensor ``t``'s part of every row, viewed ``(rows, bytes)`` (any
+    row stride), holding ``blocks_per_chunk`` consecutive pages of that tensor. Every
+    copy is done when :meth:`copy` returns."""
 
-    def __init__(self, kv_caches: Any, blocks_per_chunk: int, region: Any) -> None:
+    def __init__(self, kv_caches: Any, blocks_per_chunk: int, hosts: list[Any]) -> None:
         import torch
 
-        self._region = region
         self._per_chunk = blocks_per_chunk
         self._refs = kv_caches.group_data_refs
         self._engine: list[Any] = []
-        self._host: list[Any] = []  # (chunks, blocks_per_chunk, page) per tensor
-        for cache in kv_caches.tensors:
+        self._host: list[Any] = []  # (rows, blocks_per_chunk, page) per tensor
+        for cache, host in zip(kv_caches.tensors, hosts, strict=True):
             page = cache.page_size_bytes
             self._engine.append(cache.tensor.view(torch.int8).view(-1, page))
-            host = region.create_next_worker_view(page * blocks_per_chunk)
             self._host.append(host.unflatten(1, (blocks_per_chunk, page)))
-        self._finished: list[Any] = []
 
     def _pairs(self, engine_spec: Any, host_spec: Any) -> _Pairs:
         import torch
@@ -70,7 +69,8 @@ class TorchCopyWorker(OffloadingWorker):  # type: ignore[misc]
             host_at += n_chunks
         return out
 
-    def _copy(self, job_id: int, engine_spec: Any, host_spec: Any, *, store: bool) -> bool:
+    def copy(self, engine_spec: Any, host_spec: Any, *, store: bool) -> int:
+        """Copy the pages of one job (``store``: engine to host); the bytes moved."""
         if not isinstance(host_spec, BlockIDsLoadStoreSpec):
             raise TypeError(f"unexpected offload spec {type(host_spec).__name__}")
         moved = 0
@@ -84,13 +84,38 @@ class TorchCopyWorker(OffloadingWorker):  # type: ignore[misc]
                 else:
                     engine[blocks, :size] = host[chunks, subs, :size]
                 moved += size * len(blocks)
+        return moved
+
+    def release(self) -> None:
+        """Let go of every view (of the engine's tensors and of the host rows)."""
+        self._engine.clear()
+        self._host.clear()
+
+
+class TorchCopyWorker(OffloadingWorker):  # type: ignore[misc]
+    """Copies KV pages between vLLM's KV cache tensors and the CPU tier's shared region;
+    every job is done when ``submit_*`` returns."""
+
+    def __init__(self, kv_caches: Any, blocks_per_chunk: int, region: Any) -> None:
+        self._region = region
+        hosts = [
+            region.create_next_worker_view(cache.page_size_bytes * blocks_per_chunk)
+            for cache in kv_caches.tensors
+        ]
+        self._copies = RowCopies(kv_caches, blocks_per_chunk, hosts)
+        self._finished: list[Any] = []
+
+    def _copy(self, job_id: int, engine_spec: Any, host_spec: Any, *, store: bool) -> bool:
+        moved = self._copies.copy(engine_spec, host_spec, store=store)
         self._finished.append(TransferResult(job_id=job_id, success=True, transfer_size=moved))
         return True
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         return self._copy(job_id, src_spec, dst_spec, store=True)
 
-    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+    ) -> bool:
         return self._copy(job_id, dst_spec, src_spec, store=False)
 
     def get_finished(self) -> list[Any]:
@@ -101,8 +126,7 @@ class TorchCopyWorker(OffloadingWorker):  # type: ignore[misc]
         return  # every copy is done when submit_* returns
 
     def shutdown(self) -> None:
-        self._engine.clear()
-        self._host.clear()
+        self._copies.release()
         self._region.cleanup()
 
 

@@ -20,6 +20,8 @@ medium and locality.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -38,10 +40,14 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
 )
 
+from tierd.client import Client
+from tierd.errors import TierdError
+from tierd.integrations.link import DaemonLink
 from tierd.integrations.residency import Residency
 from tierd.logs import get_logger
 
 __all__ = [
+    "EventFollower",
     "METRIC_BREAKER_OPEN",
     "METRIC_CONNECTED",
     "METRIC_FAILED",
@@ -183,3 +189,60 @@ def event_config(spec: Any, enabled: bool) -> bool:
     """Events are emitted when the tier asks for them and vLLM's KV events are on."""
     events = getattr(spec, "kv_events_config", None)
     return enabled and getattr(events, "enable_kv_cache_events", False) is True
+
+
+class EventFollower:
+    """Follows the daemon's event stream into ``report``'s residency (which of this
+    engine's blocks the daemon still holds), on the link's connection: subscribed on
+    each new connection, before any job goes on it. Nothing when events are off."""
+
+    def __init__(self, link: DaemonLink, report: TierReport) -> None:
+        self._link = link
+        self._report = report
+        self._subscription: asyncio.Future[Any] | None = None  # the link's loop's only
+        self._followed: Client | None = None  # the connection whose events are read
+        self._reader: asyncio.Future[None] | None = None  # the link's loop's only
+        if report.residency is not None:
+            link.on_connect.append(self._watch)
+
+    def _watch(self, client: Client) -> None:
+        """On each new connection (on the link's loop): follow the daemon's events. The
+        subscription goes out now, ahead of any job on the connection, so that no event
+        of this engine's blocks is missed (a removal of a block whose storing went
+        unseen would be taken for its last)."""
+        self._subscription = client.send("subscribe")
+        self._followed = client
+        self._reader = asyncio.ensure_future(self._read(client))
+
+    def following(self, deadline_s: float) -> None:
+        """Before a store (on any thread): the link follows the daemon's events, its
+        subscription answered, so no event of the store's blocks is missed. A link found
+        lost reconnects (and subscribes) now. Never fails the store."""
+        subscription = self._subscription
+        if self._report.residency is None:
+            return
+        if self._followed is not None and subscription is not None and subscription.done():
+            return  # followed: its reader runs (it forgets the client when the stream ends)
+
+        async def follow() -> None:
+            await self._link.run(lambda c: c.health())
+            if self._subscription is not None:
+                await asyncio.shield(self._subscription)
+
+        with contextlib.suppress(TierdError, OSError):
+            self._link.call(follow(), deadline_s)
+
+    async def _read(self, client: Client) -> None:
+        residency = self._report.residency
+        if residency is None:
+            return
+        try:
+            with contextlib.suppress(TierdError, OSError):  # the connection ended: so do we
+                tiers = (await client.stats()).get("tiers", [])
+                if tiers:
+                    residency.bottom = str(tiers[-1].get("name"))
+                async for push in client.events():
+                    residency.on_push(push)
+        finally:
+            if self._followed is client:
+                self._followed = None
