@@ -138,7 +138,8 @@ async def test_a_load_that_asks_not_to_wait_stops_at_once_before_a_block_being_w
 ) -> None:
     """``wait_s: 0`` (an engine's scheduler that must not stall): the leading ready blocks
     are pinned and the load stops before the first one another client is writing, at
-    once, however long ``load_wait_s`` is; a bad value is refused."""
+    once, however long ``load_wait_s`` is; a bad value is refused. ``lookup: true``
+    counts the pin as a lookup (the hits of an engine whose lookups are its pins)."""
     async with (
         serve(tmp_path, load_wait_s=600, store_lease_ttl_s=600) as daemon,
         await connect(daemon) as writer,
@@ -151,6 +152,10 @@ async def test_a_load_that_asks_not_to_wait_stops_at_once_before_a_block_being_w
             reply = await reader.request("prepare_load", keys=ready + names("slow", 1), wait_s=0)
         assert reply["count"] == 2
         await reader.request("complete_load", lease=reply["lease"])
+        hits = (await reader.stats())["tiers"][0]["hits"]
+        counted = await reader.request("prepare_load", keys=ready, wait_s=0, lookup=True)
+        await reader.request("complete_load", lease=counted["lease"])
+        assert (await reader.stats())["tiers"][0]["hits"] == hits + 2  # a lookup, counted
         with pytest.raises(DaemonError) as bad:
             await reader.request("prepare_load", keys=ready, wait_s=-1)
         assert bad.value.code == "bad_request"

@@ -21,7 +21,6 @@ import time
 from collections import Counter
 from typing import Any
 
-TIERD_MEDIUM = "STORAGE"
 DRAIN_ROUNDS = 60  # bounded: each round waits at most a second for a push of the daemon
 DRAIN_BOUND_S = 60.0  # a safety net on a loaded machine, not a timing
 
@@ -44,8 +43,10 @@ class EventCounts:
     def shutdown(self) -> None:
         return
 
-    def removed_from_tierd(self) -> int:
-        return sum(n for (medium, _), n in self.removed.items() if medium == TIERD_MEDIUM)
+    def removed_in(self, medium: str) -> int:
+        """Blocks told removed from ``medium`` (tierd's: STORAGE as a secondary tier,
+        CPU as vLLM's CPU tier)."""
+        return sum(n for (told, _), n in self.removed.items() if told == medium)
 
     def summary(self) -> dict[str, Any]:
         """Per medium, per KV cache group (as strings, for JSON): stored and removed."""
@@ -79,23 +80,23 @@ async def _daemon_drops(socket_path: str) -> int:
 def drain(llm: Any, counts: EventCounts, socket_path: str) -> dict[str, Any]:
     """Step the engine until tierd's tier has no job left and its removed events reach
     the daemon's drops (bounded); the counts, the drops and how many rounds it took."""
+    from run_engine import tiers
     from vllm import SamplingParams, TokensPrompt
 
-    from tierd.integrations.vllm import live_tiers
-
-    (tier,) = live_tiers()
+    (tier,) = tiers()  # tierd's secondary tier (its medium STORAGE), or its pool's manager
     residency = tier.report.residency
+    medium = tier.report.medium.name  # the name vLLM's events carry (CPU, STORAGE)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     give_up = time.monotonic() + DRAIN_BOUND_S
     rounds = 0
     drops = asyncio.run(_daemon_drops(socket_path))
     # One round at least: a job that ended in the last step is taken at the next.
-    while rounds == 0 or tier.has_pending_work() or counts.removed_from_tierd() < drops:
+    while rounds == 0 or tier.has_pending_work() or counts.removed_in(medium) < drops:
         if rounds >= DRAIN_ROUNDS or time.monotonic() > give_up:
             break
         rounds += 1
         llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), params, use_tqdm=False)
-        if residency is not None and counts.removed_from_tierd() < drops:
+        if residency is not None and counts.removed_in(medium) < drops:
             residency.wait_pushes(residency.pushes + 1, min(1.0, residency.grace_s))
         drops = asyncio.run(_daemon_drops(socket_path))
     return {"drops": drops, "rounds": rounds, "jobs_left": tier.has_pending_work()} | (

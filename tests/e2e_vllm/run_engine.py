@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 BLOCK_TOKENS = 32  # vLLM's CPU attention wants a multiple of 32
+GATE_S = 300.0  # the longest a "gate" step waits for its file (a safety net)
 
 
 def engine(args: argparse.Namespace) -> Any:
@@ -66,6 +67,9 @@ def engine(args: argparse.Namespace) -> Any:
     }
     if getattr(args, "pool", False):  # tierd's pool as vLLM's CPU tier: no tier of vLLM's
         pool: dict[str, Any] = {"socket": args.socket}
+        for option in getattr(args, "tierd", None) or []:  # KEY=VALUE, a number or a word
+            key, _, value = option.partition("=")
+            pool[key] = json.loads(value) if value[:1].isdigit() else value
         if args.namespace:
             pool["namespace"] = args.namespace
         if getattr(args, "kv_events", False):
@@ -114,10 +118,28 @@ def events_config(args: argparse.Namespace) -> Any:
 
 
 def tiers() -> list[Any]:
-    """The live tierd tiers of this process."""
+    """The live tierd tiers of this process: secondary tiers, or the pool's managers."""
     from tierd.integrations.vllm import live_tiers
+    from tierd.integrations.vllm_pool import live_managers
 
-    return list(live_tiers())
+    return [*live_tiers(), *live_managers()]
+
+
+def freeze_before(kind: str) -> None:
+    """Stop this process (as a debugger, a cgroup freeze or a swap storm holds one) just
+    before the first copy of ``kind`` between vLLM's KV cache and its CPU tier's rows
+    (tierd's pool, or vLLM's own region): only where it stops is chosen here."""
+    from tierd.integrations.vllm_cpu import RowCopies
+
+    original = RowCopies.copy
+
+    def copy(self: Any, engine_spec: Any, host_spec: Any, *, store: bool) -> int:
+        if store == (kind == "store"):
+            RowCopies.copy = original  # type: ignore[method-assign]
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return original(self, engine_spec, host_spec, store=store)
+
+    RowCopies.copy = copy  # type: ignore[method-assign]
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -126,6 +148,8 @@ def emit(obj: dict[str, Any]) -> None:
 
 def control_step(step: str, llm: Any, args: argparse.Namespace, counts: Any) -> dict | None:
     """A step that generates nothing: its JSON fields; None for a generate step."""
+    if step.startswith("resetgpu"):  # vLLM's prefix cache only: its CPU tier keeps its blocks
+        return {"ok": bool(llm.reset_prefix_cache(reset_connector=False))}
     if step.startswith("reset"):
         return {"ok": bool(llm.reset_prefix_cache(reset_connector=True))}
     if step in ("sigstop", "sigcont"):  # the daemon, stopped or resumed (--daemon-pid)
@@ -134,6 +158,18 @@ def control_step(step: str, llm: Any, args: argparse.Namespace, counts: Any) -> 
     if step == "breaker":  # wait (bounded) until every tierd tier's breaker is closed
         found = tiers()
         return {"closed": all(t._link.breaker.wait_closed(60) for t in found), "tiers": len(found)}
+    if step == "maps":  # which CPU tier memory this process maps: vLLM's own, tierd's pool
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+        return {
+            "vllm_regions": sorted({ln.split()[-1] for ln in lines if "vllm_offload" in ln}),
+            "tierd_pools": sorted({ln.split()[-1] for ln in lines if "memfd:tierd" in ln}),
+        }
+    if step == "gate":  # wait (bounded) for the test to open the gate: a file appears
+        deadline = time.monotonic() + GATE_S
+        while not os.path.exists(args.gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"opened": os.path.exists(args.gate)}
     if step == "events":  # the KV events counted so far (--kv-events)
         return dict(counts.summary())
     if step == "drain":  # step until tierd's removals are all told (--kv-events)
@@ -178,6 +214,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kv-events", action="store_true")
     parser.add_argument("--kv-events-endpoint")
     parser.add_argument("--pool", action="store_true", help="tierd's pool as vLLM's CPU tier")
+    parser.add_argument("--plain", action="store_true", help="no KV offloading at all")
+    parser.add_argument("--tierd", action="append", help="KEY=VALUE of the pool's tierd config")
+    parser.add_argument("--gate", help="the file a 'gate' step waits for")
+    parser.add_argument(
+        "--freeze",
+        choices=("store", "load"),
+        help="stop this process (SIGSTOP) just before its first copy into (store) or out"
+        " of (load) the CPU tier's rows, until the test sends SIGCONT",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -186,6 +231,8 @@ def main(argv: list[str]) -> int:
     with open(args.prompt_file) as f:
         prompt_ids = [int(t) for t in f.read().split()]
     llm = engine(args)
+    if args.freeze:
+        freeze_before(args.freeze)
     counts = None
     if args.kv_events:
         import engine_events

@@ -112,7 +112,7 @@ class Session:
     def _operations(self) -> tuple[dict[str, _Answer], dict[str, _Start]]:
         """The handler of every operation: those answered at once, those run as tasks."""
         ctx = self.ctx
-        blocks = BlockRequests(ctx, self, self.leases)
+        blocks = self._blocks = BlockRequests(ctx, self, self.leases)
         operator = OperatorRequests(ctx, self)
         self.regions = RegionRequests(ctx, self, blocks, self._line)
         by_namespace = NamespaceRequests(ctx, self)
@@ -143,7 +143,7 @@ class Session:
         started: dict[str, _Start] = {
             "prepare_store": blocks.prepare_store,
             "complete_store": blocks.complete_store,
-            "prepare_load": blocks.prepare_load,
+            "prepare_load": self._prepare_load,
             "put": blocks.put,
             "get": blocks.get,
             "flush": operator.flush,
@@ -329,6 +329,14 @@ class Session:
         keys = self.keys(msg)
         self._record(msg)
         return self._lookup_reply(await self.chain().find(keys), len(keys))
+
+    async def _prepare_load(self, msg: dict[str, Any]) -> Reply:
+        """``prepare_load``; with ``lookup: true`` counted as a lookup of its keys first
+        (hits by level, the namespace's figures, the trace recorder): an engine whose
+        lookups are its pins (tierd's pool as vLLM's CPU tier) sends no other."""
+        if msg.get("lookup") is True:
+            self._lookup(msg)
+        return await self._blocks.prepare_load(msg)
 
     def _record(self, msg: dict[str, Any]) -> None:
         """Hand a (validated) lookup to the trace recorder: one lookup is one request."""

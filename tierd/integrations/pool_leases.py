@@ -9,7 +9,8 @@ until the engine reports the copy done, and that holds however the connection fa
 :class:`PoolLeases` keeps that promise on the engine's side:
 
 - **Pins without a wait.** :meth:`PoolLeases.ask` sends ``prepare_load`` requests (one
-  per batch of keys, ``wait_s: 0``) and returns at once; :meth:`PoolLeases.answers`
+  per batch of keys, ``wait_s: 0``, counted by the daemon as lookups: ``lookup: true``)
+  and returns at once; :meth:`PoolLeases.answers`
   hands out what has come since (never waiting), and gives up on an ask older than the
   lookup deadline (a miss; its grant, should it come later, is ended at once). A
   scheduler step never waits on the daemon for a lookup.
@@ -35,6 +36,7 @@ process: the scheduler's connections map each pool and keep it here). Needs no e
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -43,7 +45,7 @@ from typing import Any
 
 from tierd.control.blocking_client import BlockingClient
 from tierd.control.client_pool import PoolMap, PoolShare
-from tierd.control.handshake import DaemonError
+from tierd.control.handshake import DaemonError, Unreachable
 from tierd.errors import TierdError
 from tierd.integrations.link import DaemonLink
 from tierd.logs import get_logger
@@ -128,8 +130,13 @@ class PoolLeases:
     def line(self, deadline: float) -> _Line | None:
         """The usable connection, connecting when due (None: none now). Refuses with
         :class:`NoPool` a daemon that has no pool for this engine."""
-        self._settle()
         line = self._line
+        if line is not None and not line.client.closed:
+            # Read what has come: a late grant is ended before anything new is asked (a
+            # broken connection is retired below).
+            with contextlib.suppress(TierdError, OSError):
+                line.client.collect(())
+        self._settle()
         if line is not None and not line.client.closed:
             return line
         if line is not None:
@@ -192,6 +199,9 @@ class PoolLeases:
             return
         try:
             client.post(op, time.monotonic() + self.settings.lookup_deadline_s, **fields)
+        except Unreachable:  # lost (the daemon gone, or restarted): its leases went with it
+            self._link.check_soon()
+            self._retire(line)
         except (TierdError, OSError):
             self._link.report_failure()
             if client.closed:
@@ -207,16 +217,37 @@ class PoolLeases:
         if not batches:
             return []
         now = time.monotonic()
-        try:
-            line = self.line(now + self.settings.lookup_deadline_s)
-            if line is None:
-                return []
-            fields = [{"keys": keys, "wait_s": 0} for keys in batches]
-            ids = line.client.start("prepare_load", fields, now + self.settings.lookup_deadline_s)
-        except (TierdError, OSError):
-            self._link.report_failure()
+        fields = [{"keys": keys, "wait_s": 0, "lookup": True} for keys in batches]
+        deadline = now + self.settings.lookup_deadline_s
+        started = self._started("prepare_load", fields, deadline)
+        if started is None:
             return []
+        line, ids = started
         return [Asked(keys, line, i, now) for keys, i in zip(batches, ids, strict=True)]
+
+    def _started(
+        self, op: str, fields: list[dict[str, Any]], deadline: float
+    ) -> tuple[_Line, list[int]] | None:
+        """``op`` requests started on the usable connection (None: not sent); once more
+        on a fresh one when the one used is found lost (a restarted daemon costs no
+        miss), as every engine call does."""
+        for attempt in range(2):
+            line: _Line | None = None
+            try:
+                line = self.line(deadline)
+                if line is None:
+                    return None
+                return line, line.client.start(op, fields, deadline)
+            except Unreachable:
+                if attempt or line is None:
+                    self._link.report_failure()
+                    return None
+                self._retire(line)
+                self._link.check_soon()
+            except (TierdError, OSError):
+                self._link.report_failure()
+                return None
+        return None
 
     def answers(self, asked: Sequence[Asked]) -> dict[Asked, Rows | None]:
         """The asks among ``asked`` answered since (never waiting): the rows pinned (None:
@@ -230,6 +261,9 @@ class PoolLeases:
         for line, some in by_line.items():
             try:
                 got = line.client.collect([a.request for a in some])
+            except Unreachable:  # lost: the daemon gone or restarted, its pins with it
+                self._link.check_soon()
+                got = {}
             except (TierdError, OSError):
                 self._link.report_failure()
                 got = {}
@@ -280,11 +314,11 @@ class PoolLeases:
         sent = time.monotonic()
         deadline = sent + self.settings.job_deadline_s
         none = Rows([], [], "", None)
+        started = self._started("prepare_store", [{"keys": list(keys)}], deadline)
+        if started is None:
+            return none
+        line, (request,) = started
         try:
-            line = self.line(deadline)
-            if line is None:
-                return none
-            (request,) = line.client.start("prepare_store", [{"keys": list(keys)}], deadline)
             got = line.client.collect([request], deadline)
         except (TierdError, OSError):
             self._link.report_failure()

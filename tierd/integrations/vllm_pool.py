@@ -39,6 +39,7 @@ the rule and each fault are in ``docs/vllm.md`` ("tierd's pool as vLLM's CPU tie
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
         OffloadingConnectorStats,
     )
 
-__all__ = ["PoolOptions", "TierdPoolManager", "TierdPoolSpec", "TierdRowsSpec"]
+__all__ = ["PoolOptions", "TierdPoolManager", "TierdPoolSpec", "TierdRowsSpec", "live_managers"]
 
 log = get_logger("tierd.integrations.vllm")
 engine_log = logging.getLogger("vllm.tierd")  # vLLM's own format and level
@@ -80,6 +81,13 @@ engine_log = logging.getLogger("vllm.tierd")  # vLLM's own format and level
 ROW_ALIGNMENT = 4096  # vLLM's CPU tier rounds its rows up to a page: tierd's block is one
 _TRANSIENT = frozenset({"busy", "shutting_down"})
 _FENCE_STEPS = 2  # after a reset, steps until vLLM's workers are done with flushed jobs
+_LIVE: weakref.WeakSet[TierdPoolManager] = weakref.WeakSet()
+
+
+def live_managers() -> list[TierdPoolManager]:
+    """The managers of this process not yet shut down (for tools and tests: vLLM keeps
+    them deep inside its scheduler)."""
+    return list(_LIVE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +225,7 @@ class TierdPoolManager(OffloadingManager):  # type: ignore[misc]
         self._fences: list[list[Any]] = []  # [steps left, pins, reservations] after a reset
         self._polled = False  # the answers come so far are taken this step
         self._check_daemon()
+        _LIVE.add(self)
         log.info("tierd pool tier ready", socket=self.socket_path, namespace=self.namespace)
 
     def _check_daemon(self) -> None:
@@ -448,6 +457,7 @@ class TierdPoolManager(OffloadingManager):  # type: ignore[misc]
         self._close()
 
     def _close(self) -> None:
+        _LIVE.discard(self)
         self._leases.close()
         self._link.close()
 
