@@ -33,6 +33,7 @@ from tierd.integrations.plugin import (
     SwitchInvalid,
     read_switch,
     sglang_extra_config,
+    vllm_pool_config,
     vllm_transfer_config,
 )
 from tierd.testing import daemon_config
@@ -73,19 +74,30 @@ async def test_engine_config_vllm_names_the_daemons_socket_and_block_size(
     done = await engine_config("vllm", "--socket", sock, "--model", "/models/my llama")
     assert done.returncode == 0, done.stderr
     assert f"the daemon at {sock} answers; its block_bytes is {BLOCK}" in done.stderr
-    first, comment, switch = done.stdout.splitlines()
-    config = pasted_json(first, "--kv-transfer-config")
-    assert shlex.split(first)[:3] == ["vllm", "serve", "/models/my llama"]
+    pool_title, pool_line, second_title, second_line, comment, switch = done.stdout.splitlines()
+    assert "pool as vLLM's CPU tier" in pool_title and "secondary" in second_title
+    assert shlex.split(pool_line)[:3] == ["vllm", "serve", "/models/my llama"]
+    assert pasted_json(pool_line, "--kv-transfer-config") == vllm_pool_config(sock)
+    config = pasted_json(second_line, "--kv-transfer-config")
     assert config == vllm_transfer_config(sock)
     assert config["kv_connector_extra_config"]["secondary_tiers"][0]["socket"] == sock
-    assert comment.startswith("#")
+    assert comment.startswith("#") and "TIERD_VLLM_MODE" in comment
     assert shlex.split(switch) == [f"TIERD={sock}", "vllm", "serve", "/models/my llama"]
 
     as_json = await engine_config("vllm", "--socket", sock, "--json", "--namespace", "team-a")
     assert as_json.returncode == 0, as_json.stderr
-    assert json.loads(as_json.stdout) == vllm_transfer_config(sock, namespace="team-a")
-    cpu = await engine_config("vllm", "--socket", sock, "--json", "--cpu-build")
+    assert json.loads(as_json.stdout) == vllm_pool_config(sock, namespace="team-a")
+    second = await engine_config("vllm", "--socket", sock, "--json", "--mode", "secondary")
+    assert json.loads(second.stdout) == vllm_transfer_config(sock)
+    cpu = await engine_config(
+        "vllm", "--socket", sock, "--json", "--mode", "secondary", "--cpu-build"
+    )
     assert json.loads(cpu.stdout) == vllm_transfer_config(sock, cpu_build=True)
+    one = await engine_config("vllm", "--socket", sock, "--mode", "secondary")
+    assert shlex.split(one.stdout.splitlines()[-1])[:2] == [
+        "TIERD_VLLM_MODE=secondary",
+        f"TIERD={sock}",
+    ]
 
 
 async def test_engine_config_says_nothing_is_to_set_for_a_daemon_of_several_sizes(
@@ -127,7 +139,8 @@ async def test_engine_config_without_a_daemon_warns_with_the_path_and_prints_the
     assert f"cannot reach the daemon at {expected}" in done.stderr
     assert "`tierd serve`" in done.stderr
     lines = done.stdout.splitlines()
-    config = pasted_json(lines[0], "--kv-transfer-config")
+    assert pasted_json(lines[1], "--kv-transfer-config") == vllm_pool_config(expected)
+    config = pasted_json(lines[3], "--kv-transfer-config")
     assert config["kv_connector_extra_config"]["secondary_tiers"][0]["socket"] == expected
     assert lines[-1] == "TIERD=1 vllm serve MODEL"  # the default path: TIERD=1 finds it
 
@@ -154,13 +167,14 @@ def sockets_named(value: Any) -> list[str]:
 
 
 def test_docs_examples_parse_and_are_what_engine_config_prints() -> None:
-    (vllm,) = doc_examples("vllm.md")
+    pool, vllm = doc_examples("vllm.md")  # tierd's pool as vLLM's CPU tier, then behind it
     (sglang,) = doc_examples("sglang.md")
     # No socket (the integrations then use the daemon's own default path, for any user),
     # or the default path of the user the example is written for.
     default = str(default_socket_path({"XDG_RUNTIME_DIR": "/run/user/1000"}))
-    for example in (vllm, sglang):
+    for example in (pool, vllm, sglang):
         assert set(sockets_named(example)) <= {default}, example
+    assert pool == vllm_pool_config(default)
     printed = vllm_transfer_config(default)
     if "socket" not in vllm["kv_connector_extra_config"]["secondary_tiers"][0]:
         del printed["kv_connector_extra_config"]["secondary_tiers"][0]["socket"]
@@ -386,3 +400,40 @@ def test_missing_daemon_message_says_default_start_for_the_default_path() -> Non
     assert "the socket is there but no daemon listens on it" in text
     assert text.endswith("start it with `tierd serve`")
     assert os.fspath(default_socket_path()) in text
+
+
+async def test_tierd_picks_the_pool_mode_when_the_daemon_serves_a_pool_and_says_so(
+    tmp_path: Path, spawn: Any, engine_args_class: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 58, item 5: ``TIERD=1`` makes tierd's pool vLLM's CPU tier when the daemon
+    answers with one, and says so; ``TIERD_VLLM_MODE`` picks either; a daemon that does
+    not answer, or one whose entry tier is not a pool, or a ``--kv-offloading-size``
+    (vLLM's own CPU tier sized) keeps vLLM's own CPU tier with tierd behind it."""
+    from types import SimpleNamespace
+
+    from tierd.integrations import vllm_plugin
+    from tierd.integrations.plugin import choose_vllm_mode
+
+    daemon = await spawn(daemon_config(tmp_path, block_bytes=BLOCK))
+    sock = daemon.socket_path
+    monkeypatch.setenv("TIERD", sock)
+    assert choose_vllm_mode(sock, {}).name == "pool"
+    args = SimpleNamespace(kv_transfer_config=None, kv_offloading_size=None)
+    assert vllm_plugin.fill_in(args) is True
+    assert (
+        args.kv_transfer_config.kv_connector_extra_config
+        == (vllm_pool_config(sock)["kv_connector_extra_config"])
+    )
+    sized = SimpleNamespace(kv_transfer_config=None, kv_offloading_size=8)
+    assert vllm_plugin.fill_in(sized) is True
+    assert "secondary_tiers" in sized.kv_transfer_config.kv_connector_extra_config
+    assert choose_vllm_mode(sock, {"TIERD_VLLM_MODE": "secondary"}).name == "secondary"
+    gone = choose_vllm_mode(str(tmp_path / "nobody.sock"), {})
+    assert gone.name == "secondary" and "no daemon answers" in gone.why
+    with pytest.raises(SwitchInvalid, match="TIERD_VLLM_MODE"):
+        choose_vllm_mode(sock, {"TIERD_VLLM_MODE": "both"})
+    unpooled = daemon_config(tmp_path, block_bytes=BLOCK, disk_blocks=None)
+    unpooled["tiers"] = [{"name": "mem", "kind": "memory", "capacity": 8}]
+    other = await spawn(unpooled)
+    mode = choose_vllm_mode(other.socket_path, {})
+    assert mode.name == "secondary" and "not a shared-memory pool" in mode.why

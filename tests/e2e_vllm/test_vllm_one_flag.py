@@ -8,7 +8,10 @@ plugin fills in the config (on this CPU platform with tierd's plain-torch copy w
 ``tierd.integrations.vllm_cpu``). Proof that tierd served it: after vLLM's own prefix
 cache and CPU tier are emptied the prompt's six full blocks come back cached, and the
 daemon counts six stores and six hits. The same engine without ``TIERD`` gets no transfer
-config (the plugin changes nothing). About 90 s on 2 cores.
+config (the plugin changes nothing). With the daemon serving a pool, ``TIERD`` makes it
+vLLM's CPU tier; ``TIERD_VLLM_MODE=secondary`` keeps vLLM's own CPU tier with tierd
+behind it, and both modes share the node's blocks (one namespace, one block size).
+About two minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -113,23 +116,42 @@ async def test_tierd_on_with_only_the_environment_variable(
     daemon = await spawn(config)
     sock = daemon.socket_path
 
+    # The daemon serves a pool: it becomes vLLM's CPU tier (one copy on the node).
     out = await run(tmp_path, "one-flag", model, prompt_file, "cold,reset,warm", TIERD=sock)
     extra = out["config"]["kv_transfer_config"]["kv_connector_extra_config"]
-    assert extra["spec_module_path"] == "tierd.integrations.vllm_cpu"
-    assert extra["secondary_tiers"][0]["socket"] == sock
-    assert "tierd on (TIERD)" in out["log"]["text"]
+    assert extra["spec_module_path"] == "tierd.integrations.vllm_pool"
+    assert extra["tierd"]["socket"] == sock
+    assert "tierd on (TIERD): tierd's pool is vLLM's CPU tier" in out["log"]["text"]
     cold, warm = out["cold"], out["warm"]
     assert cold["num_cached_tokens"] == 0
     assert out["reset"]["ok"] is True
-    assert warm["num_cached_tokens"] == PREFIX_TOKENS  # from tierd: vLLM's own were emptied
+    assert warm["num_cached_tokens"] == PREFIX_TOKENS  # from the pool: vLLM has no tier
     assert warm["token_ids"] == cold["token_ids"]
     cpu = (await tier_stats(daemon))["cpu"]
     assert (cpu["stores"], cpu["hits"]) == (PREFIX_BLOCKS, PREFIX_BLOCKS)
 
+    # TIERD_VLLM_MODE=secondary keeps vLLM's own CPU tier, tierd behind it.
+    behind = await run(
+        tmp_path,
+        "secondary",
+        model,
+        prompt_file,
+        "cold,reset,warm",
+        TIERD=sock,
+        TIERD_VLLM_MODE="secondary",
+    )
+    extra = behind["config"]["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra["spec_module_path"] == "tierd.integrations.vllm_cpu"
+    assert extra["secondary_tiers"][0]["socket"] == sock
+    assert "tierd on (TIERD): secondary KV tier" in behind["log"]["text"]
+    assert behind["cold"]["num_cached_tokens"] == PREFIX_TOKENS  # the pool's blocks: shared
+    assert behind["warm"]["num_cached_tokens"] == PREFIX_TOKENS  # from tierd, behind vLLM's
+    assert behind["warm"]["token_ids"] == cold["token_ids"]
+
     # Without the variable the plugin changes nothing: no transfer config, no tierd.
     off = await run(tmp_path, "off", model, prompt_file, "cold")
     assert off["config"]["kv_transfer_config"] is None
-    assert (await tier_stats(daemon))["cpu"]["stores"] == PREFIX_BLOCKS
+    assert (await tier_stats(daemon))["cpu"]["stores"] == PREFIX_BLOCKS  # nothing new
 
 
 # An SGLang-shaped neighbour: one page of a 2-layer, 2-KV-head model with 64-token pages

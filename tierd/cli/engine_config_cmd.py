@@ -9,8 +9,11 @@ daemon that does not answer is a warning on stderr, with the path tried and how 
 one; the flags are printed all the same (exit status 0), for a daemon started later.
 
 The configs are :mod:`tierd.integrations.plugin`'s, the very ones ``TIERD=1`` turns on
-inside vLLM. ``--json`` prints only the JSON value to paste (vLLM's
-``--kv-transfer-config``, SGLang's ``--hicache-storage-backend-extra-config``).
+inside vLLM. For vLLM there are two: tierd's pool as vLLM's CPU tier (``pool``: one copy
+of each prefix on the node) and tierd behind vLLM's own CPU tier (``secondary``); both
+are printed, ``--mode`` picks one. ``--json`` prints only the JSON value to paste
+(vLLM's ``--kv-transfer-config``, the pool's unless ``--mode secondary``; SGLang's
+``--hicache-storage-backend-extra-config``).
 """
 
 from __future__ import annotations
@@ -34,13 +37,20 @@ from tierd.control.socketfile import default_socket_path
 from tierd.integrations.plugin import (
     SWITCH_ENV,
     VLLM_CPU_BYTES,
+    VLLM_MODE_ENV,
     sglang_extra_config,
+    vllm_pool_config,
     vllm_transfer_config,
 )
 
 __all__ = ["COMMANDS"]
 
 ENGINES = ("vllm", "sglang")
+MODES = ("pool", "secondary")
+_MODE_TITLE = {
+    "pool": "tierd's pool as vLLM's CPU tier (one copy of each prefix on the node)",
+    "secondary": "tierd behind vLLM's own CPU tier (a secondary tier)",
+}
 _ROW = {"vllm": "one row of vLLM's CPU tier", "sglang": "one page of SGLang's host pool"}
 
 
@@ -52,11 +62,18 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "--namespace", help="a prefix of the engine's derived namespace (a tenant's name, say)"
     )
     parser.add_argument(
+        "--mode",
+        choices=MODES,
+        help="vLLM only: tierd's pool as vLLM's CPU tier, or tierd behind vLLM's own (both"
+        " are printed without it; --json prints the pool's)",
+    )
+    parser.add_argument(
         "--cpu-bytes",
         type=int,
         default=VLLM_CPU_BYTES,
         metavar="BYTES",
-        help=f"vLLM only: its own CPU tier in front of tierd (default {VLLM_CPU_BYTES})",
+        help=f"vLLM's secondary mode only: its own CPU tier in front of tierd (default"
+        f" {VLLM_CPU_BYTES})",
     )
     parser.add_argument(
         "--cpu-build",
@@ -66,9 +83,14 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON to paste")
 
 
-def engine_json(args: argparse.Namespace, socket: str) -> dict[str, Any]:
-    """The JSON value the engine takes, for this daemon's socket."""
+def engine_json(args: argparse.Namespace, socket: str, mode: str = "pool") -> dict[str, Any]:
+    """The JSON value the engine takes, for this daemon's socket (vLLM: in ``mode``)."""
     uids = list(trusted_uids(args))
+    if args.engine == "vllm" and mode == "pool":
+        config = vllm_pool_config(socket, namespace=args.namespace)
+        if uids:
+            config["kv_connector_extra_config"]["tierd"]["server_uids"] = uids
+        return config
     if args.engine == "vllm":
         config = vllm_transfer_config(
             socket, namespace=args.namespace, cpu_bytes=args.cpu_bytes, cpu_build=args.cpu_build
@@ -82,25 +104,30 @@ def engine_json(args: argparse.Namespace, socket: str) -> dict[str, Any]:
     return extra
 
 
-def command_lines(args: argparse.Namespace, socket: str, value: dict[str, Any]) -> list[str]:
-    """The shell lines to paste: the command with its flags (and for vLLM, the one
-    variable that does the same once tierd is installed in vLLM's environment)."""
+def command_lines(args: argparse.Namespace, socket: str) -> list[str]:
+    """The shell lines to paste: the command with its flags (for vLLM, each mode's, and
+    the one variable that does the same once tierd is installed in vLLM's environment)."""
     model = shlex.quote(args.model)
-    text = shlex.quote(json.dumps(value))
     if args.engine == "sglang":
+        text = shlex.quote(json.dumps(engine_json(args, socket)))
         return [
             f"python -m sglang.launch_server --model-path {model} --page-size 64 \\",
             "  --enable-hierarchical-cache --hicache-mem-layout page_first \\",
             "  --hicache-storage-backend dynamic \\",
             f"  --hicache-storage-backend-extra-config {text}",
         ]
+    lines: list[str] = []
+    for mode in (args.mode,) if args.mode else MODES:
+        text = shlex.quote(json.dumps(engine_json(args, socket, mode)))
+        lines += [f"# {_MODE_TITLE[mode]}:", f"vllm serve {model} --kv-transfer-config {text}"]
     switch = "1" if socket == str(default_socket_path()) else shlex.quote(socket)
-    lines = [f"vllm serve {model} --kv-transfer-config {text}"]
     defaults = args.namespace is None and not trusted_uids(args)
     if defaults and args.cpu_bytes == VLLM_CPU_BYTES:
+        pick = f"{VLLM_MODE_ENV}={args.mode} " if args.mode else ""
         lines += [
-            "# the same, with tierd installed in vLLM's environment (docs/vllm.md):",
-            f"{SWITCH_ENV}={switch} vllm serve {model}",
+            "# the same, with tierd installed in vLLM's environment (docs/vllm.md): the pool"
+            f" when the daemon serves one; {VLLM_MODE_ENV}=pool|secondary picks one",
+            f"{pick}{SWITCH_ENV}={switch} vllm serve {model}",
         ]
     return lines
 
@@ -140,12 +167,11 @@ def _check(args: argparse.Namespace, socket: str) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     socket = socket_path(args)
-    value = engine_json(args, socket)
     _check(args, socket)
     if args.json:
-        print(json.dumps(value, indent=2))
+        print(json.dumps(engine_json(args, socket, args.mode or "pool"), indent=2))
     else:
-        print("\n".join(command_lines(args, socket, value)))
+        print("\n".join(command_lines(args, socket)))
     return EXIT_OK
 
 

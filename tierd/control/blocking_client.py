@@ -106,7 +106,7 @@ class BlockingClient:
         cls,
         path: str,
         *,
-        namespace: str,
+        namespace: str | None,
         block_bytes: int | None,
         deadline: float,
         server_uids: Collection[int] = (),

@@ -19,6 +19,7 @@ import errno
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,10 @@ from tierd.control.socketfile import CONFIG_ENV, default_socket_path
 __all__ = [
     "SWITCH_ENV",
     "VLLM_CPU_BYTES",
+    "VLLM_MODE_ENV",
+    "VllmMode",
+    "choose_vllm_mode",
+    "vllm_pool_config",
     "fill_in_sglang",
     "missing_daemon",
     "register_sglang",
@@ -42,6 +47,8 @@ __all__ = [
 
 SWITCH_ENV = "TIERD"
 SOCKET_ENV = "TIERD_SOCKET"
+VLLM_MODE_ENV = "TIERD_VLLM_MODE"  # pool, secondary, or auto (the default)
+_PROBE_S = 1.0  # how long the choice of mode waits for the daemon's hello
 # vLLM's own CPU tier under tierd when neither the variable's user nor vLLM's
 # --kv-offloading-size says: one staging level in front of the daemon, populated at start.
 VLLM_CPU_BYTES = 4 << 30
@@ -131,6 +138,62 @@ def vllm_transfer_config(
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }
+
+
+def vllm_pool_config(socket: str, *, namespace: str | None = None) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` with tierd's pool as vLLM's CPU tier (one copy of
+    each prefix on the node: :mod:`tierd.integrations.vllm_pool`); the same on vLLM's GPU
+    and CPU builds."""
+    tierd: dict[str, Any] = {"socket": socket}
+    if namespace:
+        tierd["namespace"] = namespace
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TierdPoolSpec",
+            "spec_module_path": "tierd.integrations.vllm_pool",
+            "tierd": tierd,
+        },
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class VllmMode:
+    """How tierd goes under vLLM: ``pool`` (tierd's pool is vLLM's CPU tier) or
+    ``secondary`` (behind vLLM's own CPU tier), and why that one."""
+
+    name: str
+    why: str
+
+
+def choose_vllm_mode(socket: str, environ: Mapping[str, str] | None = None) -> VllmMode:
+    """``TIERD_VLLM_MODE`` (``pool``, ``secondary``), else ``auto``: the pool when the
+    daemon at ``socket`` answers with a shared-memory pool for this user (its entry
+    tier is a CPU tier), else the secondary tier (vLLM keeps a CPU tier of its own: a
+    daemon that is down or has no pool costs it nothing). A wrong value is refused."""
+    env = os.environ if environ is None else environ
+    asked = env.get(VLLM_MODE_ENV, "").strip().lower() or "auto"
+    if asked in ("pool", "secondary"):
+        return VllmMode(asked, f"{VLLM_MODE_ENV}={asked}")
+    if asked != "auto":
+        raise SwitchInvalid(f"{VLLM_MODE_ENV}={asked!r}: expected pool, secondary or auto")
+    from tierd.control.blocking_client import BlockingClient  # the engine's start only
+    from tierd.errors import TierdError
+
+    try:
+        client = BlockingClient.connect(
+            socket, namespace=None, block_bytes=None, deadline=time.monotonic() + _PROBE_S
+        )
+    except (TierdError, OSError) as exc:
+        return VllmMode("secondary", f"no daemon answers at {socket} ({exc})")
+    try:
+        pooled = client.info.get("pool") is not None
+    finally:
+        client.close()
+    if pooled:
+        return VllmMode("pool", "the daemon serves a shared-memory pool")
+    return VllmMode("secondary", "the daemon's entry tier is not a shared-memory pool")
 
 
 def sglang_extra_config(socket: str, *, namespace: str | None = None) -> dict[str, Any]:

@@ -27,7 +27,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tierd.integrations.plugin import read_switch, vllm_transfer_config
+from tierd.integrations.plugin import (
+    VLLM_MODE_ENV,
+    VllmMode,
+    choose_vllm_mode,
+    read_switch,
+    vllm_pool_config,
+    vllm_transfer_config,
+)
 
 __all__ = ["fill_in", "register"]
 
@@ -60,7 +67,10 @@ def _wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def fill_in(engine_args: Any) -> bool:
     """Give ``engine_args`` tierd's transfer config if ``TIERD`` is on and the user chose
-    no other; whether it did. The switch is read again: a refused value stops here."""
+    no other; whether it did. The switch is read again: a refused value stops here. The
+    mode is :func:`~tierd.integrations.plugin.choose_vllm_mode`'s: tierd's pool as vLLM's
+    CPU tier when the daemon serves one, else tierd behind vLLM's own CPU tier; a
+    ``--kv-offloading-size`` sizes vLLM's own CPU tier, so it asks for the second."""
     switch = read_switch()
     if switch is None:
         return False
@@ -75,13 +85,28 @@ def fill_in(engine_args: Any) -> bool:
     from vllm.config import KVTransferConfig
     from vllm.platforms import current_platform
 
+    mode = choose_vllm_mode(switch.socket)
+    if mode.name == "pool" and size is not None and not mode.why.startswith(VLLM_MODE_ENV):
+        mode = VllmMode("secondary", "--kv-offloading-size sizes vLLM's own CPU tier")
+    if mode.name == "pool":
+        config = vllm_pool_config(switch.socket)
+        engine_args.kv_transfer_config = KVTransferConfig(**config)
+        log.info(
+            "tierd on (TIERD): tierd's pool is vLLM's CPU tier at %s (socket from %s; %s):"
+            " one copy of each prefix on the node, no CPU tier of vLLM's own",
+            switch.socket,
+            switch.source,
+            mode.why,
+        )
+        return True
     config = vllm_transfer_config(switch.socket, cpu_build=current_platform.is_cpu())
     engine_args.kv_transfer_config = KVTransferConfig(**config)
     extra = config["kv_connector_extra_config"]
     log.info(
-        "tierd on (TIERD): secondary KV tier at %s (socket from %s); vLLM's CPU tier %s",
+        "tierd on (TIERD): secondary KV tier at %s (socket from %s; %s); vLLM's CPU tier %s",
         switch.socket,
         switch.source,
+        mode.why,
         f"{size} GiB (--kv-offloading-size)"
         if size is not None
         else f"{extra['cpu_bytes_to_use']} bytes (--kv-offloading-size GiB to change)",
