@@ -217,6 +217,49 @@ async def test_a_bystanders_request_is_answered_before_a_long_describe_sent_ahea
             assert described["kept"] == len(keys) and mine["count"] == 1
 
 
+async def test_a_describe_of_big_descriptions_takes_a_bounded_share_of_each_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 57, item 2: descriptions of 16 KiB each (long token lists, within the
+    bounds), 64 in a request: the loop took 64 descriptions a turn whatever their size,
+    so the whole request was one turn (933 such a request gave another tenant's lookups
+    a p99 over a second). A turn now takes at most DESCRIBE_PIECE_BYTES of them: the
+    request gives the loop a turn between every two such pieces, and a bystander's
+    request is still answered first."""
+    from tierd.control import kv_requests
+
+    turns = 0
+    real_turn = kv_requests.next_turn
+
+    async def counted() -> None:
+        nonlocal turns
+        turns += 1
+        await real_turn()
+
+    monkeypatch.setattr(kv_requests, "next_turn", counted)
+    events = {"enabled": True, "endpoint": f"ipc://{tmp_path}/kv.pub", "replay_endpoint": None}
+    keys = names("big-described", 64)
+    size = 16384
+    blocks = [
+        msgpack.packb({"hashes": [i + 1], "parent": i, "tokens": [7] * size, "block_size": size})
+        for i in range(len(keys))
+    ]
+    pieces = -(-sum(map(len, blocks)) // (32 << 10))  # what the daemon promises a turn
+    async with (
+        serve(tmp_path, cpu_blocks=64, disk_blocks=None, kv_events=events) as daemon,
+        await connect(daemon, "hostile") as hostile,
+        await connect(daemon, "bystander") as bystander,
+    ):
+        assert await bystander.store([b"mine"], rows_of([b"mine"])) == 1
+        described, mine = await answered_first(
+            hostile.send("describe", keys=keys, blocks=blocks),
+            bystander.send("lookup", keys=[b"mine"]),
+        )
+        assert described["kept"] == len(keys) and mine["count"] == 1
+        # A turn between pieces, checked then kept: twice as many as the pieces, less one.
+        assert turns >= 2 * pieces - 1 >= 2 * 31
+
+
 async def test_a_load_in_pieces_still_pins_exactly_its_leading_run(tmp_path: Path) -> None:
     keys = names("k", 3000)
     async with (

@@ -4,9 +4,11 @@
   description per key, :mod:`tierd.kvevents.describe`), so that their events carry what a
   router indexes. A block already held is announced at once. Without a ``kv_events:``
   section publishing the tenant, the answer is ``kept: 0`` and nothing is kept. A
-  description costs the loop some 20 us to check and keep, so a request is handled
-  :data:`DESCRIBE_PIECE` descriptions a turn (256 of them in one go held every other
-  client 5-7 ms); all are checked before any is kept.
+  description costs the loop some 20 us to check and keep, more the bigger it is, so a
+  request is handled :data:`DESCRIBE_PIECE` descriptions a turn and at most
+  :data:`DESCRIBE_PIECE_BYTES` of them (256 small ones in one go held every other client
+  5-7 ms; 933 of 16,809 bytes a request, 64 a turn, gave another tenant's lookups a p99
+  over a second); all are checked before any is kept.
 - ``blocks_held``: the existence query of routers that ask instead of listen: lists of
   engine block hashes in (one list per request, prefix order), for each the number of
   leading blocks the node holds and the medium of each. A tenant's connection asks its own
@@ -30,9 +32,10 @@ from tierd.stores.base import next_turn
 if TYPE_CHECKING:
     from tierd.kvevents.feed import KvTenant
 
-__all__ = ["DESCRIBE_PIECE", "KvRequests"]
+__all__ = ["DESCRIBE_PIECE", "DESCRIBE_PIECE_BYTES", "KvRequests"]
 
-DESCRIBE_PIECE = 64  # descriptions checked, or kept, per turn of the loop
+DESCRIBE_PIECE = 64  # descriptions checked, or kept, per turn of the loop, at most
+DESCRIBE_PIECE_BYTES = 32 << 10  # and their bytes (a piece holds one description at least)
 
 Reply = dict[str, Any]
 
@@ -69,21 +72,18 @@ class KvRequests:
         published = None if feed is None or tenant is None else feed.tenants.get(tenant.name)
         if published is None:
             return {"kept": 0}
+        pieces = _pieces(blocks)
         entries = []
-        for start in range(0, len(blocks), DESCRIBE_PIECE):
-            if start:
+        for n, piece in enumerate(pieces):
+            if n:
                 await next_turn()
             try:
-                entries += [
-                    parse_description(unpack_description(raw))
-                    for raw in blocks[start : start + DESCRIBE_PIECE]
-                ]
+                entries += [parse_description(unpack_description(raw)) for raw in blocks[piece]]
             except BadDescription as exc:
                 raise _bad(f"a description: {exc}") from None
-        for start in range(0, len(entries), DESCRIBE_PIECE):
-            if len(entries) > DESCRIBE_PIECE:  # (a request of one piece is one turn)
+        for piece in pieces:
+            if len(pieces) > 1:  # (a request of one piece is one turn)
                 await next_turn()
-            piece = slice(start, start + DESCRIBE_PIECE)
             for key, entry in zip(keys[piece], entries[piece], strict=True):
                 feed.described(published, key, entry)  # type: ignore[union-attr]
         return {"kept": len(entries)}
@@ -143,6 +143,23 @@ def _requests(msg: dict[str, Any], max_keys: int) -> list[list[Any]]:
     if not all(type(h) in (int, bytes) for h in hashes):
         raise _bad("a block hash is an integer or bytes")
     return [hashes[start:end] for start, end in pairwise(accumulate(lengths, initial=0))]
+
+
+def _pieces(blocks: list[Any]) -> list[slice]:
+    """``blocks`` (packed descriptions) cut into the pieces of one turn each: at most
+    :data:`DESCRIBE_PIECE` of them and :data:`DESCRIBE_PIECE_BYTES` of their bytes, one at
+    least (a description that is not bytes fails its check in the first piece)."""
+    pieces: list[slice] = []
+    start = size = 0
+    for i, raw in enumerate(blocks):
+        grown = size + (len(raw) if isinstance(raw, bytes | bytearray) else 0)
+        if i > start and (i - start >= DESCRIBE_PIECE or grown > DESCRIBE_PIECE_BYTES):
+            pieces.append(slice(start, i))
+            start, grown = i, grown - size
+        size = grown
+    if start < len(blocks) or not blocks:
+        pieces.append(slice(start, len(blocks)))
+    return pieces
 
 
 def _bad(message: str) -> ProtocolError:
