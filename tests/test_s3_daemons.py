@@ -16,6 +16,7 @@ stopped (by PID) with the ``spawn`` fixture of the lifecycle tests; the server i
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import shutil
 from pathlib import Path
@@ -187,6 +188,42 @@ async def test_a_secret_file_readable_by_others_is_refused_at_start(
     assert status == 78, err
     assert "Traceback" not in err
     assert "remote.secret_access_key_file" in err and "chmod 600" in err, err
+
+
+@pytest.mark.parametrize("through", ["file", "root's link", "another user's link"])
+async def test_a_secret_file_of_another_user_or_behind_their_link_is_refused_at_start(
+    site: Site, spawn: Spawn, through: str
+) -> None:
+    """Issue 57, item 10: a root daemon accepted a secret file of mode 0600 that another
+    user owns (whoever owns it chooses what the daemon reads), and a link to it. The file
+    must be the daemon's user's; a link is followed only when that user or root owns
+    it, and then the file it names is checked."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user (chown) needs root")
+    other = 54321
+    theirs = site.root / "their-secret"
+    theirs.write_text(site.server.secret_key + "\n")
+    theirs.chmod(0o600)
+    named = site.secret
+    if through == "file":
+        os.chown(theirs, other, other)
+        named = theirs
+    elif through == "root's link":
+        os.chown(theirs, other, other)
+        named = site.root / "root-link"
+        named.symlink_to(theirs)
+    else:  # another user's link to the daemon's own, private file
+        named = site.root / "their-link"
+        named.symlink_to(site.secret)
+        os.chown(named, other, other, follow_symlinks=False)
+    config = site.config("a")
+    config["remote"]["secret_access_key_file"] = str(named)
+    daemon = await spawn(config, ready=False)
+    status = await daemon.wait()
+    err = daemon.stderr()
+    assert status == 78, err
+    assert "Traceback" not in err
+    assert "remote.secret_access_key_file" in err and f"uid {other}" in err, err
 
 
 async def test_credentials_from_the_daemons_environment(site: Site, spawn: Spawn) -> None:

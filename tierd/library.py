@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import stat
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -276,24 +277,45 @@ async def _open_s3(spec: S3Config, block_bytes: int) -> LevelBase:
 
 def s3_credentials(spec: S3Config) -> tuple[str | None, str | None]:
     """The access key and secret of ``spec``: from the config (the secret from its file,
-    which must not be readable by others), else from the environment, else none (the
-    client's own chain: a profile, an instance role)."""
+    :func:`private_secret`), else from the environment, else none (the client's own
+    chain: a profile, an instance role)."""
     if spec.access_key_id is not None and spec.secret_access_key_file is not None:
-        path = spec.secret_access_key_file
-        try:
-            if path.stat().st_mode & 0o077:
-                raise ConfigError(
-                    f"{path} is readable by others: chmod 600 it",
-                    path="remote.secret_access_key_file",
-                )
-            secret = path.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot read {path}: {exc.strerror}", path="remote.secret_access_key_file"
-            ) from exc
-        return spec.access_key_id, secret
+        return spec.access_key_id, private_secret(spec.secret_access_key_file)
     env_id = os.environ.get("AWS_ACCESS_KEY_ID")
     env_secret = os.environ.get("AWS_SECRET_ACCESS_KEY")
     if env_id and env_secret:
         return env_id, env_secret
     return None, None
+
+
+def private_secret(path: Path) -> str:
+    """The secret in ``path``, a regular file of the daemon's own user that nobody else
+    may read; a link is followed only when the daemon's user or root owns it (another
+    user's link could be pointed at any file, and a root daemon would read it), and the
+    file it names is checked, never the link."""
+    where = "remote.secret_access_key_file"
+    me = os.geteuid()
+    try:
+        link = path.lstat()
+        if stat.S_ISLNK(link.st_mode) and link.st_uid not in (0, me):
+            raise ConfigError(
+                f"{path} is a link that uid {link.st_uid} owns, not the daemon's user"
+                f" (uid {me}): name the file itself",
+                path=where,
+            )
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+        with os.fdopen(fd, encoding="utf-8") as f:
+            found = os.fstat(f.fileno())
+            if not stat.S_ISREG(found.st_mode):
+                raise ConfigError(f"{path} is not a regular file", path=where)
+            if found.st_uid != me:
+                raise ConfigError(
+                    f"{path} belongs to uid {found.st_uid}, not the daemon's user (uid {me}):"
+                    f" chown it to uid {me} and chmod 600 it",
+                    path=where,
+                )
+            if found.st_mode & 0o077:
+                raise ConfigError(f"{path} is readable by others: chmod 600 it", path=where)
+            return f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}", path=where) from exc
