@@ -2,9 +2,13 @@
 
 Run with the vLLM venv's python, ``tests/e2e_vllm`` and the repository on PYTHONPATH::
 
-    bench/vllm_worker.py MODEL --kind plain|fs|tierd|tierd-ev|tierd-desc [--socket S]
-                         [--fs-root D] [--events E] [--block-tokens N] [--cpu-bytes B]
-                         [--max-model-len L]
+    bench/vllm_worker.py MODEL --kind plain|fs|tierd|tierd-ev|tierd-desc|pool|own
+                         [--socket S] [--fs-root D] [--events E] [--block-tokens N]
+                         [--cpu-bytes B] [--max-model-len L] [--namespace N]
+                         [--gpu-blocks G]
+
+``pool`` is tierd's pool as vLLM's CPU tier (``TierdPoolSpec``), ``own`` vLLM's own CPU
+tier alone, ``tierd`` vLLM's own CPU tier with tierd behind it.
 
 ``tierd-ev`` publishes vLLM's KV events through its zmq publisher bound at ``--events``
 with tierd's tier not describing blocks; ``tierd-desc`` the same with the tier describing
@@ -17,6 +21,8 @@ one JSON line:
   output token (the prefill: TTFT); ``{"seconds", "cached": [num_cached_tokens, ...]}``;
 - ``{"op": "reset"}``: ``reset_prefix_cache(reset_connector=True)`` (vLLM's prefix cache
   and its CPU tier emptied; secondary tiers kept); ``{"seconds", "ok"}``;
+  ``{"op": "resetgpu"}`` the same with vLLM's CPU tier kept; ``{"op": "held"}``: the rows
+  of vLLM's own CPU tier that hold a block, ``{"rows"}``;
 - ``{"op": "settle"}``: three steps of a 4-token prompt (under a block: nothing stored),
   0.2 s apart, so that the stores of the last generate reach the secondary tiers. An
   idle offline engine takes no step: the copies of a generate's last request to vLLM's
@@ -40,8 +46,10 @@ from typing import Any
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
-    kinds = ("plain", "fs", "tierd", "tierd-ev", "tierd-desc")
+    kinds = ("plain", "fs", "tierd", "tierd-ev", "tierd-desc", "pool", "own")
     parser.add_argument("--kind", choices=kinds, required=True)
+    parser.add_argument("--namespace", help="a prefix of tierd's namespace (tierd, pool)")
+    parser.add_argument("--gpu-blocks", type=int, default=0, help="vLLM's own KV cache blocks")
     parser.add_argument("--events", help="vLLM's KV events endpoint (the -ev/-desc kinds)")
     parser.add_argument("--socket")
     parser.add_argument("--fs-root")
@@ -58,12 +66,15 @@ def main(argv: list[str] | None = None) -> int:
 
     options = argparse.Namespace(
         model=args.model,
-        socket=args.socket if args.kind.startswith("tierd") else None,
+        socket=args.socket if args.kind.startswith("tierd") or args.kind == "pool" else None,
+        pool=args.kind == "pool",
+        gpu_blocks=args.gpu_blocks,
         fs_root=args.fs_root if args.kind == "fs" else None,
         plain=args.kind == "plain",
         # The two describe-mode kinds share one daemon and one model: each its own
         # namespace, or the second would be served the first one's stores.
-        namespace=(
+        namespace=args.namespace
+        or (
             f"bench-{os.path.basename(args.model)}-{args.kind}"
             if args.kind in ("tierd-ev", "tierd-desc")
             else None
@@ -96,12 +107,28 @@ def main(argv: list[str] | None = None) -> int:
             answer = {}
         elif op == "reset":
             answer = {"ok": bool(llm.reset_prefix_cache(reset_connector=True))}
+        elif op == "resetgpu":  # vLLM's prefix cache only: its CPU tier (or tierd's) kept
+            answer = {"ok": bool(llm.reset_prefix_cache(reset_connector=False))}
+        elif op == "held":  # rows vLLM's own CPU tier holds a block in (0: it has none)
+            answer = {"rows": own_cpu_rows(llm)}
         else:
             answer = {"error": f"unknown op {op!r}"}
         answer["seconds"] = time.perf_counter() - start
         out.write(json.dumps(answer) + "\n")
         out.flush()
     return 0
+
+
+def own_cpu_rows(llm: Any) -> int:
+    """Rows of vLLM's own CPU tier that hold a block (its manager's books: vLLM's private
+    fields, read for this figure only); 0 for an engine with no CPU tier of its own."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    connector = getattr(scheduler, "connector", None)
+    manager = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
+    primary = getattr(manager, "primary_tier", None)
+    if primary is None:
+        return 0
+    return int(primary._num_allocated_chunks - len(primary._free_list))
 
 
 if __name__ == "__main__":

@@ -74,10 +74,10 @@ def page(seed: int) -> torch.Tensor:
 class Engine:
     """One engine: its spec, manager and worker, and KV blocks in host memory."""
 
-    def __init__(self, socket: str, kv_blocks: int = 64, **tierd: Any) -> None:
+    def __init__(self, socket: str, kv_blocks: int = 64, device: str = "cpu", **tierd: Any) -> None:
         self.spec = TierdPoolSpec(pool_config(socket, **tierd))
         self.manager: TierdPoolManager = self.spec.get_manager()  # type: ignore[assignment]
-        self.kv = torch.zeros((kv_blocks, PAGE), dtype=torch.int8)
+        self.kv = torch.zeros((kv_blocks, PAGE), dtype=torch.int8, device=device)
         caches = CanonicalKVCaches(
             [CanonicalKVCacheTensor(self.kv, PAGE)], [[CanonicalKVCacheRef(0, PAGE)]]
         )
@@ -135,6 +135,8 @@ class Engine:
         return spec
 
     def finish(self, job: int) -> None:
+        """Until the job's copy is done (a GPU's: its event), then its result."""
+        self.worker.wait({job})
         done = {r.job_id: r for r in self.worker.get_finished()}
         assert done[job].success
 

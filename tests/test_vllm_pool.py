@@ -43,19 +43,20 @@ async def cpu_tier(socket: str) -> dict[str, Any]:
 
 def fill(engine: Engine, blocks: list[int], seed: int) -> None:
     for i, block in enumerate(blocks):
-        engine.kv[block] = page(seed + i)
+        engine.kv[block] = page(seed + i).to(engine.kv.device)
 
 
 def same(engine: Engine, blocks: list[int], seed: int) -> bool:
-    return all(bool((engine.kv[b] == page(seed + i)).all()) for i, b in enumerate(blocks))
+    kv = engine.kv.cpu()
+    return all(bool((kv[b] == page(seed + i)).all()) for i, b in enumerate(blocks))
 
 
 @pytest.fixture
 def engines() -> Any:
     made: list[Engine] = []
 
-    def make(socket: str, **tierd: Any) -> Engine:
-        engine = Engine(socket, **tierd)
+    def make(socket: str, device: str = "cpu", **tierd: Any) -> Engine:
+        engine = Engine(socket, device=device, **tierd)
         made.append(engine)
         return engine
 
@@ -288,3 +289,24 @@ def _gpu(blocks: list[int]) -> Any:
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     return GPULoadStoreSpec(blocks, [len(blocks)], [0])
+
+
+@pytest.mark.cuda
+async def test_on_a_gpu_vllms_own_copies_move_the_rows_of_the_page_locked_pool(
+    tmp_path: Path, spawn: Any, engines: Any
+) -> None:
+    """The GPU path: each engine page-locks the pool mapping in its process and vLLM's
+    own copy handlers move KV pages between GPU memory and the pool's rows on their
+    streams (an event per job); A's blocks stored from its GPU are B's, loaded into B's
+    GPU, byte for byte."""
+    daemon = await spawn(config(tmp_path))
+    a = engines(daemon.socket_path, device="cuda")
+    b = engines(daemon.socket_path, device="cuda")
+    names = keys("gpu", 4)
+    fill(a, [0, 1, 2, 3], seed=200)
+    assert len(a.store(a.ctx("ra"), names, [0, 1, 2, 3])) == 4
+    rb = b.ctx("rb")
+    assert b.lookup(rb, names) == 4
+    b.load(rb, names, [20, 21, 22, 23])
+    assert same(b, [20, 21, 22, 23], seed=200)
+    b.manager.complete_load(names, rb)

@@ -99,6 +99,7 @@ def engine(args: argparse.Namespace) -> Any:
         # One process: the scheduler (and so tierd's tier) and the model run here.
         distributed_executor_backend="uni",
         kv_transfer_config=None if getattr(args, "plain", False) else transfer,
+        num_gpu_blocks_override=getattr(args, "gpu_blocks", 0) or None,
         kv_events_config=events_config(args),
     )
 

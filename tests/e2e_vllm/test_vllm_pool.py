@@ -378,3 +378,97 @@ async def test_a_stopped_daemon_costs_a_deadline_and_every_removal_is_a_cpu_even
     drained = out["drain"]
     assert drained["stored"]["CPU"]["0"] == 3 * PREFIX_BLOCKS
     assert drained["removed"]["CPU"]["0"] == 2 * PREFIX_BLOCKS == drained["drops"]
+
+
+DP_READY_S = 600.0  # an API server and two engine cores on a loaded 2-core machine
+
+
+async def test_two_data_parallel_replicas_of_one_server_share_the_pool(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+    model: Path,
+    prompt: Path,
+) -> None:
+    """vLLM's OpenAI server with ``--data-parallel-size 2`` (two engine cores, their
+    workers in processes of their own, which map the pool themselves): a prompt one
+    replica computed is a CPU-tier hit for the other, with the same text, held once."""
+    daemon = await spawn(rows(tmp_path, 64))
+    port = _free_port()
+    config = json.dumps(
+        {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "TierdPoolSpec",
+                "spec_module_path": "tierd.integrations.vllm_pool",
+                "tierd": {"socket": daemon.socket_path, "job_deadline_s": 2},
+            },
+        }
+    )
+    command = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
+    command += ["--model", str(model), "--data-parallel-size", "2", "--dtype", "bfloat16"]
+    command += ["--block-size", "32", "--max-model-len", "2048", "--enforce-eager"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--kv-transfer-config", config]
+    log = tmp_path / "vllm-dp.log"
+    server = await asyncio.to_thread(_start, command, log)
+    try:
+        await asyncio.to_thread(_until_serving, port, server, log)
+        ids = [int(t) for t in (await asyncio.to_thread(prompt.read_text)).split()]
+        texts, hits = [], 0
+        for _ in range(8):  # bounded: until a request lands on the replica that did not
+            texts.append(await asyncio.to_thread(_complete, port, str(model), ids))
+            hits = (await tier_stats(daemon))["cpu"]["hits"]
+            if hits:
+                break
+        assert hits == PREFIX_BLOCKS, texts  # the other replica's, from the pool
+        assert len(set(texts)) == 1, texts
+        cpu = (await tier_stats(daemon))["cpu"]
+        assert (cpu["used"], cpu["stores"]) == (PREFIX_BLOCKS, PREFIX_BLOCKS)  # held once
+    finally:
+        server.terminate()  # vLLM's server stops its engine cores and their workers
+        try:
+            await asyncio.to_thread(server.wait, 60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """vLLM's server, its own processes' multiprocessing on (its engine cores)."""
+    env = {k: v for k, v in vllm_env().items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    with log.open("w") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _until_serving(port: int, server: subprocess.Popen[bytes], log: Path) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + DP_READY_S
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"the server exited:\n{log.read_text()[-4000:]}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(1.0)
+    raise AssertionError(f"the server never served:\n{log.read_text()[-4000:]}")
+
+
+def _complete(port: int, model: str, ids: list[int]) -> str:
+    import urllib.request
+
+    body = {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=ENGINE_TIMEOUT_S) as answer:
+        return str(json.load(answer)["choices"][0]["text"])

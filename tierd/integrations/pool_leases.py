@@ -183,8 +183,8 @@ class PoolLeases:
             line.client.close()
 
     def _ended(self, line: _Line, lease: int) -> None:
-        """The engine is done with ``lease`` of ``line``: end it (posted, not waited for)
-        if the line is usable, else close a retired line with nothing left on it."""
+        """The engine is done with ``lease`` of ``line`` (its end posted, if the line is
+        usable): a retired line with nothing left on it is closed now."""
         line.leases.discard(lease)
         client = line.client
         if client.closed and not line.leases and line in self._retired:
@@ -211,19 +211,18 @@ class PoolLeases:
 
     def ask(self, batches: Sequence[list[bytes]]) -> list[Asked]:
         """Send a pin request (``prepare_load``, no wait on blocks being written) for each
-        batch of keys; answered by :meth:`answers`. Nothing is sent while the daemon is
-        unreachable or the breaker open: then no ask is returned."""
-        batches = [list(batch) for batch in batches if batch]
+        batch of keys (none empty); answered by :meth:`answers`. Nothing is sent while the
+        daemon is unreachable or the breaker open: then no ask is returned."""
         if not batches:
             return []
         now = time.monotonic()
-        fields = [{"keys": keys, "wait_s": 0, "lookup": True} for keys in batches]
+        fields = [{"keys": list(keys), "wait_s": 0, "lookup": True} for keys in batches]
         deadline = now + self.settings.lookup_deadline_s
         started = self._started("prepare_load", fields, deadline)
         if started is None:
             return []
         line, ids = started
-        return [Asked(keys, line, i, now) for keys, i in zip(batches, ids, strict=True)]
+        return [Asked(list(keys), line, i, now) for keys, i in zip(batches, ids, strict=True)]
 
     def _started(
         self, op: str, fields: list[dict[str, Any]], deadline: float
