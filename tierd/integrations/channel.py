@@ -153,15 +153,7 @@ class EngineChannel:
                 raise Unreachable("the daemon is unreachable; reconnecting with backoff")
         s = self.settings
         try:
-            client = BlockingClient.connect(
-                s.socket_path,
-                namespace=s.namespace,
-                block_bytes=s.block_bytes,
-                deadline=deadline,
-                server_uids=s.server_uids,
-                map_pool=self.map_pool,
-                pools=self._pools,
-            )
+            client = s.blocking(deadline, map_pool=self.map_pool, pools=self._pools)
         except (TierdError, OSError):
             with self._lock:
                 self._next_attempt = time.monotonic() + self._backoff

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
+from tierd.control.blocking_client import BlockingClient
+from tierd.control.client_pool import PoolShare
 from tierd.control.handshake import DaemonSilent
 from tierd.errors import TierdError
 from tierd.integrations.breaker import Breaker
@@ -84,6 +86,28 @@ class LinkSettings:
     load_deadline_s: float = 0.5
     breaker_failures: int = 3  # consecutive failures that open the breaker; 0: never
     probe_interval_s: float = 0.5  # between probes of a daemon that refused connections
+
+    def blocking(
+        self,
+        deadline: float,
+        *,
+        map_pool: bool = False,
+        pools: PoolShare | None = None,
+        retain: bool = False,
+    ) -> BlockingClient:
+        """A blocking connection of the engine's (this socket, namespace, block size and
+        trusted uids), said hello to before ``deadline``
+        (:meth:`~tierd.control.blocking_client.BlockingClient.connect`)."""
+        return BlockingClient.connect(
+            self.socket_path,
+            namespace=self.namespace,
+            block_bytes=self.block_bytes,
+            deadline=deadline,
+            server_uids=self.server_uids,
+            map_pool=map_pool,
+            pools=pools,
+            retain=retain,
+        )
 
 
 class DaemonLink:

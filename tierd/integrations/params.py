@@ -2,16 +2,21 @@
 LMCache ``adapter_params``, an SGLang ``extra_config``): no unknown key, the uids as a
 tuple, the deadlines positive. Each integration adds its own checks after these. And
 what to tell a user whose engine's block size the daemon does not serve
-(:func:`size_advice`, :class:`BlockSizeMismatch`)."""
+(:func:`size_advice`, :class:`BlockSizeMismatch`), and what an engine's start makes of
+the daemon's first answer (:func:`start_refusal`)."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 from typing import Any
 
+from tierd.control.handshake import DaemonError, UntrustedDaemon
 from tierd.errors import TierdError
 
-__all__ = ["BlockSizeMismatch", "checked_params", "size_advice"]
+__all__ = ["BlockSizeMismatch", "checked_params", "size_advice", "start_refusal"]
+
+# Answers a daemon gives only for now: the start goes on (blocks miss until it serves).
+_TRANSIENT = frozenset({"busy", "shutting_down"})
 
 
 def checked_params(
@@ -30,6 +35,21 @@ def checked_params(
         if name in given and not float(given[name]) > 0:
             raise ValueError(f"{owner}: {name} must be > 0")
     return given
+
+
+def start_refusal(
+    exc: BaseException, socket: str, *, config: str, engine: str
+) -> ValueError | None:
+    """What an engine's start makes of ``exc``, raised by its first hello to the daemon at
+    ``socket``: a refusal to raise (the socket served by another user; an error the
+    daemon will keep answering: a namespace or uid it does not admit), naming ``config``
+    (the engine's tierd settings) and ``engine``; or None, when the daemon is only absent,
+    busy or stopping (the engine starts, its blocks miss until the daemon serves)."""
+    if isinstance(exc, UntrustedDaemon):
+        return ValueError(f"{exc} ({config}: server_uids)")
+    if isinstance(exc, DaemonError) and exc.code not in _TRANSIENT:
+        return ValueError(f"tierd at {socket} refused {engine}: {exc}")
+    return None
 
 
 def size_advice(block_bytes: int) -> str:

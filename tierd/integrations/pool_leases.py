@@ -145,16 +145,7 @@ class PoolLeases:
             return None
         s = self.settings
         try:
-            client = BlockingClient.connect(
-                s.socket_path,
-                namespace=s.namespace,
-                block_bytes=s.block_bytes,
-                deadline=deadline,
-                server_uids=s.server_uids,
-                map_pool=True,
-                pools=_HERE,
-                retain=True,
-            )
+            client = s.blocking(deadline, map_pool=True, pools=_HERE, retain=True)
         except (TierdError, OSError) as exc:
             self._next_attempt = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, s.reconnect_max_s)

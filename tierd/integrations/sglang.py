@@ -35,11 +35,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from tierd.client import DaemonError, UntrustedDaemon
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
-from tierd.integrations.params import checked_params, size_advice
+from tierd.integrations.params import checked_params, size_advice, start_refusal
 from tierd.integrations.plugin import missing_daemon
 from tierd.integrations.sglang_jobs import PageJobs
 from tierd.integrations.sglang_log import SglangLog
@@ -69,7 +68,6 @@ _SGLANG_KEYS = frozenset(
     | {"prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token"}
     | {"hicache_storage_pass_prefix_keys"}
 )
-_TRANSIENT = frozenset({"busy", "shutting_down"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,14 +176,13 @@ class TierdHiCache(HiCacheStorage):
                 f" {geometry.page_tokens} tokens, this rank) ({exc.reason}):"
                 f" {size_advice(geometry.page_bytes)}"
             ) from exc
-        except UntrustedDaemon as exc:
-            link.close()
-            raise ValueError(f"{exc} (tierd HiCache extra config: server_uids)") from exc
-        except DaemonError as exc:
-            if exc.code not in _TRANSIENT:
-                link.close()
-                raise ValueError(f"tierd at {self.socket_path} refused SGLang: {exc}") from exc
         except (TierdError, OSError) as exc:
+            refusal = start_refusal(
+                exc, self.socket_path, config="tierd HiCache extra config", engine="SGLang"
+            )
+            if refusal is not None:
+                link.close()
+                raise refusal from exc
             log.warning(missing_daemon(self.socket_path, exc))
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:

@@ -50,12 +50,13 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tierd.client import DaemonError, Unreachable, UntrustedDaemon
+from tierd.client import Unreachable
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
 from tierd.integrations.engine_calls import EngineCalls
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
 from tierd.integrations.naming import derive_namespace
+from tierd.integrations.params import start_refusal
 from tierd.integrations.plugin import missing_daemon
 from tierd.integrations.vllm_describe import describer_for
 from tierd.integrations.vllm_jobs import Done, Jobs
@@ -73,8 +74,6 @@ log = get_logger("tierd.integrations.vllm")
 # starting vLLM must see.
 engine_log = logging.getLogger("vllm.tierd")
 
-# Hello errors that may pass (anything else refuses the tier's config at start-up).
-_TRANSIENT = frozenset({"busy", "shutting_down"})
 _Results = Any  # the lookup manager's result queue: put(list of (key, generation, found))
 _LIVE: weakref.WeakSet[TierdSecondaryTier] = weakref.WeakSet()
 
@@ -199,15 +198,14 @@ class TierdSecondaryTier(SecondaryTierManager):
         except BlockSizeMismatch:
             self._link.close()
             raise
-        except UntrustedDaemon as exc:  # another user serves the socket: never use it
-            self._link.close()
-            raise ValueError(f"{exc} (TierdSecondaryTier config: server_uids)") from exc
-        except DaemonError as exc:
-            if exc.code not in _TRANSIENT:  # the daemon refuses this config: say so now
+        except (TierdError, OSError) as exc:
+            refusal = start_refusal(
+                exc, self.socket_path, config="TierdSecondaryTier config", engine="the tier"
+            )
+            if refusal is not None:
                 self._link.close()
-                raise ValueError(f"tierd at {self.socket_path} refused the tier: {exc}") from exc
-        except (TierdError, OSError) as exc:  # blocks miss until it answers: say so, loudly
-            engine_log.warning(missing_daemon(self.socket_path, exc))
+                raise refusal from exc
+            engine_log.warning(missing_daemon(self.socket_path, exc))  # blocks miss till then
         self._lookups = _Lookups(self, tier_type)
         _LIVE.add(self)
         log.info(

@@ -58,11 +58,11 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from tierd.client import DaemonError, UntrustedDaemon
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
 from tierd.integrations.naming import derive_namespace
+from tierd.integrations.params import checked_params, start_refusal
 from tierd.integrations.plugin import missing_daemon
 from tierd.integrations.pool_leases import Asked, NoPool, PoolLeases, Rows
 from tierd.integrations.vllm_report import EventFollower, TierReport, event_config
@@ -79,7 +79,6 @@ log = get_logger("tierd.integrations.vllm")
 engine_log = logging.getLogger("vllm.tierd")  # vLLM's own format and level
 
 ROW_ALIGNMENT = 4096  # vLLM's CPU tier rounds its rows up to a page: tierd's block is one
-_TRANSIENT = frozenset({"busy", "shutting_down"})
 _FENCE_STEPS = 2  # after a reset, steps until vLLM's workers are done with flushed jobs
 _LIVE: weakref.WeakSet[TierdPoolManager] = weakref.WeakSet()
 
@@ -109,15 +108,17 @@ class PoolOptions:
     @classmethod
     def of(cls, extra: Any) -> PoolOptions:
         """The options in ``extra`` (vLLM's ``kv_connector_extra_config``), under the
-        key ``tierd``; an unknown option is refused, naming the docs."""
+        key ``tierd``; an unknown option or a deadline not above 0 is refused."""
         given = dict(extra.get("tierd") or {}) if extra is not None else {}
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(given) - known)
-        if unknown:
-            raise ValueError(f"unknown keys in the tierd pool config: {unknown} (docs/vllm.md)")
-        if "server_uids" in given:
-            given["server_uids"] = tuple(int(uid) for uid in given["server_uids"])
-        return cls(**given)
+        checked = checked_params(
+            cls,
+            given,
+            owner="the tierd pool config",
+            unknown_what="unknown keys in the tierd pool config",
+            doc="docs/vllm.md",
+            positive=("lookup_deadline_s", "load_deadline_s", "job_deadline_s"),
+        )
+        return cls(**checked)
 
 
 class TierdRowsSpec(CPULoadStoreSpec):  # type: ignore[misc]
@@ -240,14 +241,13 @@ class TierdPoolManager(OffloadingManager):  # type: ignore[misc]
             self._close()
             message = f"tierd at {self.socket_path} cannot be vLLM's CPU tier: {exc}"
             raise ValueError(message) from exc
-        except UntrustedDaemon as exc:
-            self._close()
-            raise ValueError(f"{exc} (tierd pool config: server_uids)") from exc
-        except DaemonError as exc:
-            if exc.code not in _TRANSIENT:
-                self._close()
-                raise ValueError(f"tierd at {self.socket_path} refused the engine: {exc}") from exc
         except (TierdError, OSError) as exc:
+            refusal = start_refusal(
+                exc, self.socket_path, config="tierd pool config", engine="the engine"
+            )
+            if refusal is not None:
+                self._close()
+                raise refusal from exc
             engine_log.warning(missing_daemon(self.socket_path, exc))
 
     # -- lookups ----------------------------------------------------------------------

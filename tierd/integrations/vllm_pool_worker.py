@@ -33,7 +33,6 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
-from tierd.control.blocking_client import BlockingClient
 from tierd.control.client_pool import PoolMap, PoolShare
 from tierd.errors import TierdError
 from tierd.integrations.pool_leases import mapped_pool
@@ -205,15 +204,7 @@ class TierdPoolWorker(OffloadingWorker):  # type: ignore[misc]
         s = self._settings
         deadline = time.monotonic() + max(s.load_deadline_s, 1.0)
         try:
-            client = BlockingClient.connect(
-                s.socket_path,
-                namespace=s.namespace,
-                block_bytes=s.block_bytes,
-                deadline=deadline,
-                server_uids=s.server_uids,
-                map_pool=True,
-                pools=self._share,
-            )
+            client = s.blocking(deadline, map_pool=True, pools=self._share)
         except (TierdError, OSError) as exc:
             log.warning("tierd's pool cannot be mapped", pool=name, error=str(exc))
             return None
