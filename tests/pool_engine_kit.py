@@ -31,7 +31,8 @@ from vllm.v1.kv_offload.config import (
     OffloadingParallelConfig,
 )
 
-from tierd.integrations.vllm_pool import TierdPoolManager, TierdPoolSpec
+from tierd.integrations.vllm_pool import TierdPoolSpec
+from tierd.integrations.vllm_pool_manager import TierdPoolManager
 
 PAGE = 4096  # one KV block of the engine, one row of the pool (blocks_per_chunk 1)
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())

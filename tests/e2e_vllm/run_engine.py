@@ -121,7 +121,7 @@ def events_config(args: argparse.Namespace) -> Any:
 def tiers() -> list[Any]:
     """The live tierd tiers of this process: secondary tiers, or the pool's managers."""
     from tierd.integrations.vllm import live_tiers
-    from tierd.integrations.vllm_pool import live_managers
+    from tierd.integrations.vllm_pool_manager import live_managers
 
     return [*live_tiers(), *live_managers()]
 

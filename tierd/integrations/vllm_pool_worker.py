@@ -17,7 +17,7 @@ rank), in it ``blocks_per_chunk`` pages of each KV tensor in turn.
   (:class:`~tierd.integrations.vllm_cpu.RowCopies`), done when ``submit_*`` returns.
 
 Every job names the pool its rows lie in
-(:class:`~tierd.integrations.vllm_pool.TierdRowsSpec`): a restarted daemon has a new
+(:class:`~tierd.integrations.vllm_pool_manager.TierdRowsSpec`): a restarted daemon has a new
 pool, which the worker maps when a job first names it; the old one stays mapped while
 jobs may use it (its rows, pinned or reserved before the daemon went, are never reused
 by anyone). A load whose pool this process cannot map (the daemon that pinned it gone
