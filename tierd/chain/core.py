@@ -25,12 +25,12 @@ and adds the whole-chain operations (store, flush, clear, delete, stats).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from tierd.chain.admit import Admissions
-from tierd.chain.behind import WriteBehind
+from tierd.chain.behind import BATCH_BLOCKS, BATCH_BYTES, WriteBehind
 from tierd.chain.census import PrefixCensus
 from tierd.chain.handles import LoadHandle, StoreHandle
 from tierd.chain.invariants import check_levels
@@ -48,12 +48,13 @@ from tierd.stores import Buffer
 from tierd.stores.base import next_turn
 from tierd.transfer import TransferEngine
 
-__all__ = ["DELETE_PIECE", "TOUCH_PIECE", "TierChain"]
+__all__ = ["DELETE_PIECE", "SCAN_PIECE", "TOUCH_PIECE", "TierChain"]
 
 _IN_USE = ("writing", "pinned")
 DELETE_PIECE = 256  # keys deleted per turn of the event loop (about 5 us a key)
 TOUCH_PIECE = 512  # keys touched per turn of the event loop (about 1 us a key)
 _REMOTE_BATCH = 256  # blocks per round trip when a flush sends the last level's blocks
+SCAN_PIECE = 4096  # keys of a level's index a flush or a clear looks at per turn
 
 
 class TierChain:
@@ -218,20 +219,24 @@ class TierChain:
         for _ in range(len(self.levels)):
             moved = 0
             for index in upper:
-                moved += len(await self._moves.copy_down(index, self._dirty(index)))
+                moved += await self._copy_down_dirty(index)
             copied += moved
             if not moved:
                 break
         if self.remote is not None:  # the server skips what it holds already
             last = len(self.levels) - 1
-            ready = self.levels[last].tier.ready_keys()
-            for start in range(0, len(ready), _REMOTE_BATCH):
-                copied += await self._moves.send_remote(
-                    last, ready[start : start + _REMOTE_BATCH], wait=True
-                )
+            tier = self._levels.tiers[last]
+            async for keys in self._walk(last):
+                ready = [k for k in keys if k in tier]
+                for start in range(0, len(ready), _REMOTE_BATCH):
+                    batch = ready[start : start + _REMOTE_BATCH]
+                    copied += await self._moves.send_remote(last, batch, wait=True)
             await self.remote.level.drain()
             self._publish()
-        dirty = {self.levels[i].tier.name: n for i in upper if (n := len(self._dirty(i)))}
+        dirty = {}
+        for index in upper:
+            if count := await self._count_dirty(index):
+                dirty[self.levels[index].tier.name] = count
         failed = {
             level.tier.name: level.io_errors - before
             for level, before in zip(self.levels, errors, strict=True)
@@ -239,26 +244,82 @@ class TierChain:
         }
         return FlushResult(copied, dirty, failed)
 
-    def _dirty(self, index: int) -> list[BlockKey]:
-        """Ready blocks at ``index`` that the level below neither holds nor is writing."""
+    async def _walk(self, index: int) -> AsyncIterator[list[BlockKey]]:
+        """The keys of level ``index`` (every state, kept ones not adopted yet last),
+        :data:`SCAN_PIECE` a turn of the loop: a pass over a big tier is never one turn
+        (a flush's scan of 300,000 blocks was 0.8 s of it, a clear's 1.4 s)."""
+        first = True
+        for part in self._levels.tiers[index].key_parts():
+            for start in range(0, len(part), SCAN_PIECE):
+                if not first:
+                    await next_turn()
+                first = False
+                yield part[start : start + SCAN_PIECE]
+
+    def _dirty_of(self, index: int, keys: list[BlockKey]) -> list[BlockKey]:
+        """The ``keys`` ready at ``index`` that the level below neither holds nor writes."""
         tiers = self._levels.tiers
-        lower = tiers[index + 1]
-        return [k for k in tiers[index].ready_keys() if k not in lower and not lower.is_writing(k)]
+        tier, lower = tiers[index], tiers[index + 1]
+        return [k for k in keys if k in tier and k not in lower and not lower.is_writing(k)]
+
+    async def _copy_down_dirty(self, index: int) -> int:
+        """Copy the dirty blocks of level ``index`` down, a batch at a time: a batch is
+        pinned while it is copied, so a batch is at most a quarter of the level (and
+        what a write-behind batch may be), and the stores beside a flush find room (a
+        flush of the whole level at once pinned it: 71 of 72 puts beside it refused)."""
+        tier = self._levels.tiers[index]
+        batch = max(1, min(BATCH_BLOCKS, BATCH_BYTES // self.block_bytes, tier.num_blocks // 4))
+        moved = 0
+        waiting: list[BlockKey] = []
+        async for keys in self._walk(index):
+            waiting += self._dirty_of(index, keys)
+            while len(waiting) >= batch:
+                chunk, waiting = waiting[:batch], waiting[batch:]
+                moved += len(await self._moves.copy_down(index, chunk))
+        if waiting:
+            moved += len(await self._moves.copy_down(index, self._dirty_of(index, waiting)))
+        return moved
+
+    async def _count_dirty(self, index: int) -> int:
+        count = 0
+        async for keys in self._walk(index):
+            count += len(self._dirty_of(index, keys))
+        return count
 
     def clear(self, index: int | None = None) -> int:
-        """Drop every idle block at one level (or all); returns how many were removed. A
-        persistent store forgets them too: a cleared disk tier stays empty after a restart."""
+        """Drop every idle block at one level (or all) at once; returns how many were
+        removed. A persistent store forgets them too: a cleared disk tier stays empty
+        after a restart. The daemon's clear is :meth:`clear_in_pieces`."""
         targets = range(len(self.levels)) if index is None else [index]
         removed = 0
         for i in targets:
-            level = self.levels[i]
-            slots = {key: level.tier.slot_of(key) for key in level.tier.ready_keys()}
-            gone = level.tier.clear()  # kept blocks not adopted yet too: the tier drops them
-            if gone:
-                level.store.invalidate([s for k in gone if (s := slots.get(k)) is not None])
-            removed += len(gone)
+            tier = self._levels.tiers[i]
+            removed += self._clear_keys(i, [k for part in tier.key_parts() for k in part])
         self._publish()
         return removed
+
+    async def clear_in_pieces(self, index: int | None = None) -> int:
+        """:meth:`clear`, :data:`SCAN_PIECE` keys of a level a turn of the loop; a block
+        pinned or written meanwhile stays."""
+        targets = range(len(self.levels)) if index is None else [index]
+        removed = 0
+        for i in targets:
+            async for keys in self._walk(i):
+                removed += self._clear_keys(i, keys)
+                self._publish()
+        return removed
+
+    def _clear_keys(self, index: int, keys: list[BlockKey]) -> int:
+        """Drop the idle blocks of ``keys`` at level ``index`` (kept ones not adopted yet
+        too), their slots forgotten by a persistent store; how many went."""
+        level = self.levels[index]
+        tier = level.tier
+        idle = [k for k in keys if not tier.is_pinned(k) and not tier.is_writing(k)]
+        slots = {k: s for k in idle if (s := tier.slot_of(k)) is not None}
+        gone = tier.discard(idle)  # kept blocks not adopted yet too: the tier drops them
+        if gone:
+            level.store.invalidate([s for k in gone if (s := slots.get(k)) is not None])
+        return len(gone)
 
     def delete(self, keys: Sequence[BlockKey]) -> Deleted:
         """Remove ``keys`` from every level (a ``Removed`` event per level; a persistent

@@ -78,7 +78,8 @@ class OperatorRequests:
         self._require_operator("metrics")
         return {"text": self.ctx.metrics()}
 
-    def clear(self, msg: dict[str, Any]) -> Reply:
+    async def clear(self, msg: dict[str, Any]) -> Reply:
+        """Drop every idle block (of one tier), a piece of each index a turn."""
         self._require_operator("clear", without_namespace=True)
         tenants = self._tenants_asked(msg)
         name = opt_str_field(msg, "tier")
@@ -89,7 +90,10 @@ class OperatorRequests:
                 code=ErrorCode.UNKNOWN_TIER,
             )
         index = None if name is None else names.index(name)
-        return {"removed": sum(tenant.chain.clear(index) for tenant in tenants)}
+        removed = 0
+        for tenant in tenants:
+            removed += await tenant.chain.clear_in_pieces(index)
+        return {"removed": removed}
 
     def stop(self, msg: dict[str, Any]) -> Reply:
         self._require_operator("stop", without_namespace=True)

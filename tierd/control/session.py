@@ -126,7 +126,6 @@ class Session:
             "abort_store": blocks.abort_store,
             "subscribe": self._subscribe,
             "unsubscribe": self._unsubscribe,
-            "clear": operator.clear,
             "stop": operator.stop,
             "stats": lambda msg: {
                 "stats": ctx.stats(self.grant, namespaces=msg.get("namespaces") is True)
@@ -147,6 +146,7 @@ class Session:
             "put": blocks.put,
             "get": blocks.get,
             "flush": operator.flush,
+            "clear": operator.clear,  # in pieces: a task
             "reload": operator.reload,  # reads a file: off the loop, so a task
             "register_region": self.regions.registrations.register,
             "region_store": self.regions.store,
