@@ -21,7 +21,11 @@ process, so that its client work does not share the bystander's loop) loops one 
   (the daemon ends them);
 - ``aborts``: a store of 4,096 fresh keys reserved (``prepare_store``), then aborted;
 - ``deletes``: a store of 4,096 fresh keys, then a ``delete`` of them by name;
-- ``touches``: a ``touch`` of 4,096 of its blocks.
+- ``touches``: a ``touch`` of 4,096 of its blocks;
+- ``flushes``: a store of 4,096 fresh keys, then a ``flush`` (it is the daemon's user: an
+  operator), which walks the whole CPU tier and copies what is dirty down to the disk
+  tier (``--attacks flushes`` gives the daemon a disk tier of twice the CPU tier's blocks;
+  the other attacks run without one).
 
 The daemon publishes KV events (to an ipc endpoint nobody reads) in every phase.
 
@@ -65,6 +69,7 @@ ATTACKS = (
     "aborts",
     "deletes",
     "touches",
+    "flushes",
 )
 CROWD, MINE = "crowd", "bystander"
 BURST = 4096  # keys of one load
@@ -84,9 +89,12 @@ async def start(config: dict[str, Any], home: Path) -> DaemonProcess:
     return await start_daemon_async(config, log=home / "tierd.log")
 
 
-def loop_config(home: Path, blocks: int, book_mib: int | None = None) -> dict[str, Any]:
+def loop_config(
+    home: Path, blocks: int, book_mib: int | None = None, disk: bool = False
+) -> dict[str, Any]:
     """The daemon: a CPU tier of ``blocks`` and room for loads, KV events published (each
-    tenant's book of descriptions ``book_mib``, or the default)."""
+    tenant's book of descriptions ``book_mib``, or the default); with ``disk``, a disk tier
+    of twice as many blocks below it."""
     events: dict[str, Any] = {
         "enabled": True,
         "endpoint": f"ipc://{home}/kv.pub",
@@ -94,7 +102,10 @@ def loop_config(home: Path, blocks: int, book_mib: int | None = None) -> dict[st
     }
     if book_mib is not None:
         events["descriptor_bytes"] = book_mib << 20
-    return daemon_config(home, cpu_blocks=blocks + 4 * BURST, disk_blocks=None, kv_events=events)
+    cpu = blocks + 4 * BURST
+    return daemon_config(
+        home, cpu_blocks=cpu, disk_blocks=2 * cpu if disk else None, kv_events=events
+    )
 
 
 async def fill(socket: str, blocks: int) -> None:
@@ -177,6 +188,10 @@ async def neighbour(attack: str, socket: str, seconds: float) -> int:
                 await client.delete(fresh)
             elif attack == "touches":
                 await client.request("touch", keys=wanted)
+            elif attack == "flushes":
+                fresh = keys(f"f{rounds}-", BURST)
+                await client.store(fresh, [b"\x07" * BLOCK] * BURST)
+                await client.flush()
             else:
                 await client.delete(prefix=b"no-key-starts-so")
             rounds += 1
@@ -259,7 +274,7 @@ async def phase(attack: str | None, socket: str, args: argparse.Namespace) -> di
 async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="tierd-loop-") as name:
         home = Path(name)
-        config = loop_config(home, args.blocks, args.book_mib)
+        config = loop_config(home, args.blocks, args.book_mib, "flushes" in args.attacks)
         proc = await start(config, home)
         try:
             socket = config["socket"]["path"]
@@ -282,7 +297,7 @@ async def probe(args: argparse.Namespace) -> list[dict[str, Any]]:
     attacks. No bystander: the figure is the loop's own work, not the machine's load."""
     with tempfile.TemporaryDirectory(prefix="tierd-loop-") as name:
         home = Path(name)
-        config = loop_config(home, args.blocks, args.book_mib)
+        config = loop_config(home, args.blocks, args.book_mib, "flushes" in args.attacks)
         async with running_daemon(config):
             socket = config["socket"]["path"]
             await fill(socket, args.blocks)
