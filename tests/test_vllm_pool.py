@@ -4,7 +4,8 @@ KV blocks in host memory, and a real ``tierd serve`` process.
 
 vLLM's connector is played by ``pool_engine_kit.Engine`` (lookups step after step until
 no RETRY, a job's copy, then its completion), as ``OffloadingConnector`` drives a
-manager. The real engine, vLLM's CPU build generating, is ``tests/e2e_vllm/test_vllm_pool_engines.py``.
+manager. The real engine, vLLM's CPU build generating, is
+``tests/e2e_vllm/test_vllm_pool_engines.py``.
 """
 
 from __future__ import annotations

@@ -281,7 +281,10 @@ class CpuStore(HostPoolStore):
 
     def _no_room(self, exc: OSError) -> StoreIOError:
         """The pool's pages cannot be had: how many bytes it needs, and where."""
-        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        number = exc.errno
+        if number == errno.EFAULT:  # MADV_POPULATE_WRITE: a page that a touch would SIGBUS
+            number = errno.ENOMEM if self.memfd else errno.ENOSPC
+        reason = os.strerror(number) if number else str(exc)
         need = f"it needs {self.size:,} bytes ({self.size / (1 << 20):.1f} MiB)"
         if self.memfd:
             message = (
