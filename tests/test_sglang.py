@@ -393,6 +393,9 @@ async def test_sglang_at_its_own_page_size_beside_another_on_a_daemon_of_several
 
 
 FROZEN_PAGES = 256
+# Long enough that no copy of a running engine outlives it on a loaded 2-core machine:
+# only the stopped one's lease expires.
+FROZEN_TTL_S = 2.0
 
 
 async def until(check: Any, what: str, within_s: float = LIVENESS_S) -> None:
@@ -433,7 +436,7 @@ async def test_a_writer_stopped_past_its_lease_never_writes_into_another_engines
     is now given to no other block until that client is done or gone."""
     a, b = pair
     cfg = config(
-        tmp_path, cpu_blocks=3 * FROZEN_PAGES, disk_blocks=None, limits={"store_lease_ttl_s": 0.5}
+        tmp_path, cpu_blocks=3 * FROZEN_PAGES, disk_blocks=None, limits={"store_lease_ttl_s": FROZEN_TTL_S}
     )
     daemon = await spawn(cfg)
     a.open("frozen-w", frozen_spec(daemon.socket_path, "model-a"))
@@ -445,9 +448,15 @@ async def test_a_writer_stopped_past_its_lease_never_writes_into_another_engines
     )
     try:
         await until(a.stopped, "the writer stopped in the middle of its copy")
-        await until(
-            lambda: _expired(daemon.socket_path), "the writer's store lease expired", within_s=10
-        )
+        try:
+            await until(
+                lambda: _expired(daemon.socket_path),
+                "the writer's store lease expired",
+                within_s=FROZEN_TTL_S + 10,
+            )
+        except AssertionError as exc:  # say what the daemon counted instead
+            figures = await lease_figures(daemon.socket_path)
+            raise AssertionError(f"{exc}: (expired, quarantined) = {figures}") from None
         # The second engine's pages go into the last free slots the tier has.
         assert b.write("frozen-b", seed=303, pages=FROZEN_PAGES)["stored_pages"] == FROZEN_PAGES
     finally:
@@ -479,7 +488,7 @@ async def test_a_reader_stopped_in_the_middle_of_a_load_keeps_its_pages_from_eve
     resumes and every page it copies is right."""
     a, b = pair
     cfg = config(
-        tmp_path, cpu_blocks=2 * FROZEN_PAGES, disk_blocks=None, limits={"store_lease_ttl_s": 0.5}
+        tmp_path, cpu_blocks=2 * FROZEN_PAGES, disk_blocks=None, limits={"store_lease_ttl_s": FROZEN_TTL_S}
     )
     daemon = await spawn(cfg)
     b.open("frozen-b", frozen_spec(daemon.socket_path, "model-b"))
@@ -490,7 +499,7 @@ async def test_a_reader_stopped_in_the_middle_of_a_load_keeps_its_pages_from_eve
     )
     try:
         await until(a.stopped, "the reader stopped in the middle of its copy")
-        await asyncio.sleep(1.0)  # past store_lease_ttl_s: no timer ends a load lease
+        await asyncio.sleep(FROZEN_TTL_S + 0.5)  # past store_lease_ttl_s: no timer ends a load lease
         stored = sum(
             b.write("frozen-b", seed=seed, pages=FROZEN_PAGES)["stored_pages"]
             for seed in (311, 312, 313)
