@@ -256,3 +256,139 @@ async def test_a_size_opens_to_its_end_when_the_client_that_named_it_is_gone(
         assert again.block_bytes == 256 << 10
     assert daemon.stderr().count("block size opened") == 1
     assert await daemon.stop() == 0
+
+
+# Issue 57, item 8: sizes a member opened were never given back, not even across a
+# restart, so three throw-away sizes locked the tenant's other engines out of new sizes.
+THROWAWAY = (16384, 20480)  # two sizes an engine tried once and left
+NEXT = 24576  # a size another engine of the tenant needs later
+
+
+def three_sizes(tmp_path: Path, idle_s: float) -> dict[str, object]:
+    # 48 x 4 KiB of CPU and 96 of disk, in three shares of 64 KiB and 128 KiB.
+    return daemon_config(
+        tmp_path,
+        cpu_blocks=48,
+        disk_blocks=96,
+        block_sizes=3,
+        limits={"block_size_idle_s": idle_s},
+    )
+
+
+async def sizes_open(path: str) -> dict[str, dict[str, object]]:
+    async with await Client.connect(path) as operator:
+        return dict((await operator.sizes())["default"]["open"])
+
+
+async def test_a_size_unused_for_a_while_makes_room_for_a_new_one_and_is_gone_after_a_restart(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+) -> None:
+    config = three_sizes(tmp_path, idle_s=0.3)
+    daemon = await spawn(config)
+    for size in THROWAWAY:  # opened one after the other, each used and left
+        async with await connect(daemon.socket_path, size) as client:
+            assert await client.store([b"t"], [payload(b"t", size)]) == 1
+        await asyncio.sleep(0.1)
+    assert set(await sizes_open(daemon.socket_path)) == {str(SMALL), *map(str, THROWAWAY)}
+    await asyncio.sleep(0.4)  # both unused past limits.block_size_idle_s
+    async with await connect(daemon.socket_path, NEXT) as client:  # refused before
+        assert client.block_bytes == NEXT
+        assert await client.store([b"n"], [payload(b"n", NEXT)]) == 1
+        shown = await sizes_open(daemon.socket_path)
+        stats = await client.stats()
+    # The longest unused made the room; the other stays (nothing else needed it).
+    assert set(shown) == {str(SMALL), str(THROWAWAY[1]), str(NEXT)}
+    assert shown[str(NEXT)]["connections"] == 1 and shown[str(NEXT)]["unused_s"] is None
+    assert shown[str(SMALL)]["configured"] is True
+    assert set(stats["tenants"]["default"]["sizes"]["open"]) == set(shown)
+    assert not (tmp_path / "disk" / f"blocks-{THROWAWAY[0]}").exists()  # its slab too
+    recorded = json.loads((tmp_path / "disk" / "block_sizes.json").read_text())
+    assert sorted(recorded["block_sizes"]) == [THROWAWAY[1], NEXT]
+    assert "block size given back" in daemon.stderr()
+    assert await daemon.stop() == 0
+
+    again = await spawn(config)  # the given-back size is not opened again
+    assert set(await sizes_open(again.socket_path)) == {str(SMALL), str(THROWAWAY[1]), str(NEXT)}
+    async with await connect(again.socket_path, NEXT) as client:
+        assert await client.load([b"n"]) == [payload(b"n", NEXT)]
+    assert await again.stop() == 0
+
+
+async def test_a_size_in_use_or_used_lately_is_never_given_back(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+) -> None:
+    daemon = await spawn(three_sizes(tmp_path, idle_s=60))
+    held = await connect(daemon.socket_path, THROWAWAY[0])
+    try:
+        async with await connect(daemon.socket_path, THROWAWAY[1]) as client:
+            assert await client.store([b"u"], [payload(b"u", THROWAWAY[1])]) == 1
+        # One size in use, the other unused for less than block_size_idle_s: no room.
+        with pytest.raises(DaemonError, match=r"block_size_idle_s \(60 s\).*--give-back"):
+            await connect(daemon.socket_path, NEXT)
+        async with await Client.connect(daemon.socket_path) as operator:
+            with pytest.raises(DaemonError, match="in use: 1 connection"):
+                await operator.sizes(give_back=THROWAWAY[0])
+            with pytest.raises(DaemonError, match="configured block_bytes"):
+                await operator.sizes(give_back=SMALL)
+            with pytest.raises(DaemonError, match="is not open"):
+                await operator.sizes(give_back=NEXT)
+        assert await held.store([b"h"], [payload(b"h", THROWAWAY[0])]) == 1
+        assert await held.load([b"h"]) == [payload(b"h", THROWAWAY[0])]
+    finally:
+        await held.close()
+    assert set(await sizes_open(daemon.socket_path)) == {str(SMALL), *map(str, THROWAWAY)}
+    assert await daemon.stop() == 0
+
+
+async def test_an_operator_gives_a_size_back_with_its_blocks(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+) -> None:
+    daemon = await spawn(three_sizes(tmp_path, idle_s=3600))
+    size = THROWAWAY[0]
+    async with await connect(daemon.socket_path, size) as client:
+        assert await client.store([b"g"], [payload(b"g", size)]) == 1
+    command = [sys.executable, "-m", "tierd", "sizes", "--socket", daemon.socket_path]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [*command, "--give-back", "16KiB"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "1 of 3 block sizes open" in done.stdout and "(configured)" in done.stdout
+    assert not (tmp_path / "disk" / f"blocks-{size}").exists()
+    async with await connect(daemon.socket_path, size) as client:  # opened anew: empty
+        assert (await client.lookup([b"g"])).count == 0
+    refused = await asyncio.to_thread(
+        subprocess.run,
+        [*command, "--give-back", str(SMALL)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 1 and "never given back" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert await daemon.stop() == 0
+
+
+async def test_a_member_sees_its_own_sizes_and_may_not_give_one_back(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+) -> None:
+    tenants = [{"name": "team-a", "uids": [os.getuid()], "operator": False}]
+    daemon = await spawn({**three_sizes(tmp_path, idle_s=0), "tenants": tenants})
+    async with await connect(daemon.socket_path, THROWAWAY[0]) as client:
+        assert await client.store([b"m"], [payload(b"m", THROWAWAY[0])]) == 1
+    async with await Client.connect(daemon.socket_path) as member:
+        shown = await member.sizes()
+        assert set(shown) == {"team-a"}
+        assert set(shown["team-a"]["open"]) == {str(SMALL), str(THROWAWAY[0])}
+        with pytest.raises(DaemonError, match="needs an operator"):
+            await member.sizes(give_back=THROWAWAY[0])
+    async with await connect(daemon.socket_path, THROWAWAY[0]) as client:  # still there
+        assert await client.load([b"m"]) == [payload(b"m", THROWAWAY[0])]
+    assert await daemon.stop() == 0

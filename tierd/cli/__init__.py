@@ -41,6 +41,7 @@ FAMILY_OF = {
     "flush": "control_cmd",
     "clear": "control_cmd",
     "health": "control_cmd",
+    "sizes": "control_cmd",
     "namespaces": "namespace_cmd",
     "inspect": "namespace_cmd",
     "delete": "namespace_cmd",

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierd.errors import ConfigError
+from tierd.units import parse_size
 
 __all__ = [
     "EXIT_BAD_INPUT",
@@ -68,3 +69,14 @@ class Command:
     help: str
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+
+
+def size_argument(text: str) -> int:
+    """A command-line size (bytes, or with a unit: ``64KiB``): argparse's error names why."""
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value

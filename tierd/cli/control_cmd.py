@@ -1,5 +1,5 @@
 """Commands that talk to a running daemon over its control socket: ``tierd stats``,
-``events``, ``flush``, ``clear`` and ``health``.
+``events``, ``flush``, ``clear``, ``health`` and ``sizes``.
 
 Every one finds the socket as :mod:`tierd.cli.connection` says (``--socket``,
 ``TIERD_SOCKET``, the config's ``socket.path``, the default path) and prints what
@@ -22,7 +22,14 @@ import json
 import sys
 import time
 
-from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE, Command, UsageError
+from tierd.cli.base import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    Command,
+    UsageError,
+    size_argument,
+)
 from tierd.cli.connection import (
     CannotReach,
     add_socket_options,
@@ -179,6 +186,41 @@ def _run_clear(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _configure_sizes(parser: argparse.ArgumentParser) -> None:
+    _add_common(parser)
+    parser.add_argument("--tenant", metavar="NAME", help="only this tenant (default: every one)")
+    parser.add_argument(
+        "--give-back",
+        metavar="BYTES",
+        type=size_argument,
+        help="give this block size back first: its blocks are dropped, its share freed"
+        " (not the configured block_bytes, not a size in use; --tenant when there are several)",
+    )
+
+
+@talks_to_daemon
+def _run_sizes(args: argparse.Namespace) -> int:
+    call = functools.partial(Client.sizes, tenant=args.tenant, give_back=args.give_back)
+    tenants = with_client(args, call)
+    if args.json:
+        _emit(json.dumps(tenants))
+        return EXIT_OK
+    lines = []
+    for name, report in tenants.items():
+        lines.append(f"tenant {name}: {len(report['open'])} of {report['limit']} block sizes open")
+        for size, figures in report["open"].items():
+            unused = figures["unused_s"]
+            use = (
+                f"{figures['connections']} connections"
+                if unused is None
+                else (f"unused for {duration(unused)}")
+            )
+            mark = " (configured)" if figures["configured"] else ""
+            lines.append(f"  {int(size):>12,} bytes{mark}: {use}")
+    _emit("\n".join(lines))
+    return EXIT_OK
+
+
 @talks_to_daemon
 def _run_health(args: argparse.Namespace) -> int:
     try:
@@ -215,5 +257,8 @@ COMMANDS: dict[str, Command] = {
     "clear": Command("remove the blocks of every tier, or of one", _configure_clear, _run_clear),
     "health": Command(
         "check that the daemon answers and is not stopping", _add_common, _run_health
+    ),
+    "sizes": Command(
+        "list each tenant's block sizes, or give one back", _configure_sizes, _run_sizes
     ),
 }

@@ -55,6 +55,7 @@ from tierd.cli.base import (
     Command,
     UsageError,
     require_config_file,
+    size_argument,
 )
 from tierd.cli.connection import CONNECT_TIMEOUT, SOCKET_ENV, unreachable_reason
 from tierd.cli.disk_notice import announce, chain_disks, daemon_disks
@@ -70,7 +71,6 @@ from tierd.cli.replay_report import (
 from tierd.cli.whatif import add_warm_option, what_if_config
 from tierd.client import DaemonError, Unreachable
 from tierd.config import ChainConfig, default_socket_path, load_config
-from tierd.units import parse_size
 from tierd.workload.backends import chain_backends, daemon_backends
 from tierd.workload.replayer import ReplayBackend, ReplayProgress, ReplaySummary, replay
 from tierd.workload.trace import Trace
@@ -121,7 +121,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "--max-rate", action="store_true", help="ignore timestamps (the default; kept for scripts)"
     )
     parser.add_argument(
-        "--block-bytes", type=_size, help="must match the daemon's (default: the daemon's)"
+        "--block-bytes", type=size_argument, help="must match the daemon's (default: the daemon's)"
     )
     parser.add_argument("--limit", type=_positive, help="replay only the first N requests")
     parser.add_argument(
@@ -144,16 +144,6 @@ def _positive(text: str) -> int:
 def _speed(text: str) -> float:
     value = float(text)
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _size(text: str) -> int:
-    try:
-        value = parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if value < 1:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
 

@@ -105,6 +105,10 @@ class LimitsConfig(StrictModel):
     # the daemon a few hundred bytes of bookkeeping, so a tiny size in a large share
     # would cost it far more memory than the operator's block_bytes does.
     min_block_bytes: Size = Field(default=16 << 10, ge=4096, le=1 << 30)
+    # A block size besides the configured one that no connection has used for this long
+    # is given back (its share, its blocks and its slab) when a hello names a new size
+    # and every size's room is taken (block_sizes above 1).
+    block_size_idle_s: Seconds = Field(default=300.0, ge=0, le=30 * 86400)
 
     @field_validator("lease_blocks_per_connection", "lease_blocks_per_tenant")
     @classmethod

@@ -81,6 +81,15 @@ class ControlRequests:
         )
         return [list(m) for m in reply["media"]]
 
+    async def sizes(
+        self, *, tenant: str | None = None, give_back: int | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Each tenant's block sizes (an operator's: every tenant, or ``tenant``); with
+        ``give_back``, that size of ``tenant`` is given back first (docs/config.md,
+        ``block_sizes``)."""
+        reply = await self.request("sizes", **_present(tenant=tenant, give_back=give_back))
+        return dict(reply["tenants"])
+
     async def clear(self, tier: str | None = None) -> int:
         fields = {} if tier is None else {"tier": tier}
         return int((await self.request("clear", **fields))["removed"])

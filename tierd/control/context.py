@@ -175,13 +175,16 @@ class ServerContext:
         and each size's own under ``block_sizes`` (by size)."""
         sizes = tenant.each_size()
         if len(sizes) == 1:
-            return _sized_stats(tenant, namespaces)
-        each = {sized.block_bytes: _sized_stats(sized, False) for sized in sizes}
-        merged = merge_stats(list(each.values()))
-        merged["block_sizes"] = {str(size): part for size, part in each.items()}
-        if namespaces:
-            merged["namespaces"] = namespace_rows(tenant.book, *(s.chain for s in sizes))
-        return merged
+            own = _sized_stats(tenant, namespaces)
+        else:
+            each = {sized.block_bytes: _sized_stats(sized, False) for sized in sizes}
+            own = merge_stats(list(each.values()))
+            own["block_sizes"] = {str(size): part for size, part in each.items()}
+            if namespaces:
+                own["namespaces"] = namespace_rows(tenant.book, *(s.chain for s in sizes))
+        if tenant.sizes is not None:  # which size holds a share, and how used
+            own["sizes"] = tenant.size_report()
+        return own
 
     def metrics(self) -> str:
         return render_prometheus(

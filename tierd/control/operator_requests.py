@@ -1,5 +1,5 @@
 """The operator's requests: ``clear``, ``stop``, ``flush``, ``config``, ``metrics``,
-``reload`` and ``trace``.
+``reload``, ``trace`` and ``sizes``.
 
 Each needs an operator grant (decided by the server from the peer's credentials); others
 get ``not_allowed``. ``clear``, ``stop`` and ``reload`` act for every client, so they also need a
@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from tierd.chain import FlushResult
 from tierd.control.context import ServerContext
-from tierd.control.protocol import ErrorCode, bool_field, opt_str_field
+from tierd.control.protocol import ErrorCode, bool_field, int_field, opt_str_field
 from tierd.control.tenants import Grant, Tenant
 from tierd.errors import ConfigError, ProtocolError
 
@@ -152,3 +152,40 @@ class OperatorRequests:
             "dirty_by_tier": done.dirty,
             "reason": done.reason,
         }
+
+    async def sizes(self, msg: dict[str, Any]) -> Reply:
+        """Each tenant's block sizes (or the ``tenant`` field's; a member's: its own):
+        whether configured, its connections, how long unused. ``give_back`` (bytes, with
+        ``tenant`` when there are several; an operator's): give that size back first (its
+        blocks dropped, its share and slab freed)."""
+        grant = self.caller.grant
+        if not grant.operator and grant.tenant is not None and "give_back" not in msg:
+            return {"tenants": {grant.tenant.name: grant.tenant.size_report()}}  # its own
+        self._require_operator("sizes" if "give_back" not in msg else "sizes give_back")
+        name = opt_str_field(msg, "tenant")
+        tenants = self.ctx.tenants.tenants
+        if name is not None:
+            tenants = [t for t in tenants if t.name == name]
+            if not tenants:
+                names = ", ".join(t.name for t in self.ctx.tenants.tenants)
+                raise ProtocolError(
+                    f"no tenant named {name!r} ({names})", code=ErrorCode.BAD_REQUEST
+                )
+        if "give_back" in msg:
+            size = int_field(msg, "give_back")
+            if len(tenants) > 1:
+                raise ProtocolError(
+                    "give_back needs the tenant whose size it is (the tenant field)",
+                    code=ErrorCode.BAD_REQUEST,
+                )
+            sizes = tenants[0].sizes
+            if sizes is None:
+                raise ProtocolError(
+                    "this daemon serves one block size (block_sizes: 1): nothing to give back",
+                    code=ErrorCode.BAD_REQUEST,
+                )
+            try:
+                await sizes.give_back(size)
+            except LookupError as exc:
+                raise ProtocolError(str(exc), code=ErrorCode.NOT_ALLOWED) from exc
+        return {"tenants": {t.name: t.size_report() for t in tenants}}

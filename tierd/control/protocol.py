@@ -91,6 +91,7 @@ OPERATIONS = (
     "trace",
     "describe",
     "blocks_held",
+    "sizes",
 )
 HEADER = struct.Struct(">I")
 # A namespaced key is an 8-byte namespace id followed by the client's key, so a client

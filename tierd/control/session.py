@@ -147,6 +147,7 @@ class Session:
             "get": blocks.get,
             "flush": operator.flush,
             "clear": operator.clear,  # in pieces: a task
+            "sizes": operator.sizes,  # a size given back is cleared in pieces: a task
             "reload": operator.reload,  # reads a file: off the loop, so a task
             "register_region": self.regions.registrations.register,
             "region_store": self.regions.store,
@@ -278,6 +279,8 @@ class Session:
         self._hello_not_yet()
         greeted = answer_hello(self.ctx, self.tenant, msg)
         self.tenant = self.leases.tenant = greeted.tenant  # the tenant at its block size
+        if self.tenant is not None:
+            self.tenant.greeted()  # a size in use is never given back
         self.namespace, self.prefix = greeted.namespace, greeted.prefix
         if greeted.namespace is not None and self.tenant is not None:
             self.figures = self.tenant.book.learn(greeted.namespace, greeted.prefix)
@@ -401,3 +404,5 @@ class Session:
         self._unsubscribe({})
         self.leases.close()
         self.regions.close()
+        if self.greeted and self.tenant is not None:
+            self.tenant.left()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -124,33 +125,47 @@ async def _size_classes(
 ) -> None:
     """Give ``tenant`` its size classes, and open again the sizes it served before."""
     record = sizes_file(chain_cfg)
+    recording = asyncio.Lock()
+    closers: dict[int, AsyncExitStack] = {}  # each size's chain, closed on its own
+
+    async def rerecord(sizes: SizeClasses, opened: int | None = None) -> None:
+        """Write the sizes open now (and ``opened``) for the next start, one write at a time."""
+        if record is None:
+            return
+        async with recording:
+            learned = [size for size in sizes.by_size if size != cfg.block_bytes]
+            if opened is not None and opened not in learned:
+                learned.append(opened)
+            try:
+                await asyncio.to_thread(_record_sizes, record, learned)
+            except OSError as exc:  # served now all the same; the next start learns it again
+                log.warning(
+                    "cannot record the block sizes served: a restart opens them only when"
+                    " a hello names them again",
+                    path=str(record),
+                    error=exc.strerror or str(exc),
+                )
 
     async def open_size(block_bytes: int) -> Tenant:
         sized_cfg = size_class_chain(chain_cfg, block_bytes, cfg.block_sizes)
         for tier in sized_cfg.tiers:
             for directory in tier.directories:
                 directory.mkdir(mode=0o700, exist_ok=True)
+        own = AsyncExitStack()
         try:
-            chain = await _open_chain(cfg, spec, sized_cfg, stack)
+            chain = await _open_chain(cfg, spec, sized_cfg, own)
         except (TierdError, OSError) as exc:
             log.error("a block size cannot be opened", tenant=spec.name, block_bytes=block_bytes,
                       error=str(exc))  # fmt: skip
             raise
+        closers[block_bytes] = own
+        stack.push_async_callback(own.aclose)  # at the stop, unless given back before
         chains[f"{spec.name}@{block_bytes}"] = chain
         sized = _tenant(cfg, spec, chain)
         sized.book, sized.sizes = tenant.book, tenant.sizes
         chain.prefix_census(NAMESPACE_ID_BYTES)
-        if record is not None and sizes is not None:
-            learned = [size for size in sizes.by_size if size != cfg.block_bytes]
-            try:
-                await asyncio.to_thread(_record_sizes, record, [*learned, block_bytes])
-            except OSError as exc:  # served now all the same; the next start learns it again
-                log.warning(
-                    "cannot record the block sizes served: a restart opens this one only"
-                    " when a hello names it again",
-                    path=str(record),
-                    error=exc.strerror or str(exc),
-                )
+        if sizes is not None:
+            await rerecord(sizes, block_bytes)
         log.info(
             "block size opened",
             tenant=spec.name,
@@ -159,8 +174,41 @@ async def _size_classes(
         )
         return sized
 
+    async def close_size(block_bytes: int, sized: Tenant) -> None:
+        """Give ``block_bytes`` back: drop its blocks (the chain's events say so), close
+        its chain (its pool's memory goes back), remove its slab and its record."""
+        removed = await sized.chain.clear_in_pieces(None)
+        await closers.pop(block_bytes).aclose()
+        chains.pop(f"{spec.name}@{block_bytes}", None)
+        sized_cfg = size_class_chain(chain_cfg, block_bytes, cfg.block_sizes)
+        slabs = [
+            directory
+            for tier in sized_cfg.tiers
+            for directory in tier.directories
+            if directory.name == f"blocks-{block_bytes}"  # a size's own: never the tenant's
+        ]
+        for directory in slabs:
+            try:
+                await asyncio.to_thread(shutil.rmtree, directory)
+            except OSError as exc:
+                log.warning("a given-back size's slab cannot be removed", path=str(directory),
+                            error=exc.strerror or str(exc))  # fmt: skip
+        if sizes is not None:
+            await rerecord(sizes)
+        log.info(
+            "block size given back",
+            tenant=spec.name,
+            block_bytes=block_bytes,
+            blocks_dropped=removed,
+        )
+
     sizes = tenant.sizes = SizeClasses(
-        cfg.block_sizes, {cfg.block_bytes: tenant}, open_size, cfg.limits.min_block_bytes
+        cfg.block_sizes,
+        {cfg.block_bytes: tenant},
+        open_size,
+        cfg.limits.min_block_bytes,
+        close_size,
+        cfg.limits.block_size_idle_s,
     )
     for block_bytes in _recorded_sizes(record):
         problem = sizes.refusal(block_bytes)
@@ -231,6 +279,7 @@ def apply_tenant_rules(cfg: DaemonConfig, table: TenantTable) -> None:
         tenant.book.max_names = cfg.limits.namespaces_per_tenant
         if tenant.sizes is not None:
             tenant.sizes.smallest = cfg.limits.min_block_bytes
+            tenant.sizes.idle_s = cfg.limits.block_size_idle_s
         for sized in tenant.each_size():
             entry = sized.chain.levels[sized.chain.entry].store.num_blocks
             sized.namespaces = tuple(spec.namespaces)
