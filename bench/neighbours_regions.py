@@ -6,8 +6,9 @@ that drops to its uid), or, when not root or with ``--same-user``, two namespace
 one tenant of this user. The bystander stores 4 keys once, then loads them back into its
 memfd with ``region_load`` every ``--interval-ms`` (4 keys, one job), ``--samples`` times
 at most and for ``--phase-s`` seconds at most, and reports the round trip of each job
-(p50, p99, max). It runs alone, then while the neighbour keeps ``--in-flight`` jobs in
-flight, each phase with a fresh neighbour:
+(p50, p99, max), and after each job the round trip of a ``lookup`` of its keys. It runs
+alone, then while the neighbour keeps ``--in-flight`` jobs in flight, each phase with a
+fresh neighbour:
 
 - **one key x 4,096**: ``region_load`` jobs of one stored key repeated 4,096 times, each
   copy to its own row of the neighbour's memfd;
@@ -16,6 +17,9 @@ flight, each phase with a fresh neighbour:
 - **own writes**: jobs of 1,024 stored keys while a thread of the neighbour writes into
   the same memfd without pause (``pwrite`` of 4 MiB at a time: the file's lock is then
   contended by the daemon's copies and the owner's writes);
+- **40 connections**: jobs of 256 stored keys (memory copies out of the CPU tier) from
+  40 connections of the neighbour's at once, ``--in-flight`` / 40 (rounded up) on each:
+  what one tenant's many engines cost another when fairness is per connection;
 
 and alone again at the end. The daemon's RSS high-water mark (``VmHWM`` of
 ``/proc/PID/status``) is read before and after each phase; the neighbour's jobs are
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import select
@@ -48,7 +53,15 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 BYSTANDER_UID, NEIGHBOUR_UID = 61001, 61002  # only as tenants' uids: no account needed
-PHASES = ("alone", "one key x 4096", "scattered pieces", "own writes", "alone again")
+PHASES = (
+    "alone",
+    "one key x 4096",
+    "scattered pieces",
+    "own writes",
+    "40 connections",
+    "alone again",
+)
+CONNECTIONS = 40  # the neighbour's, in the phase of that name
 JOB_KEYS = 4096
 PIECES = 64
 WRITES = 4 << 20
@@ -92,6 +105,7 @@ async def bystander(args: argparse.Namespace) -> dict[str, Any]:
     front = np.arange(4, dtype=np.uint64).reshape(4, 1) * np.uint64(block)
     back = front + np.uint64(4 * block)
     times: list[float] = []
+    lookups: list[float] = []
     failed = errors = 0
     async with await Client.connect(args.socket, namespace="bystander") as client:
         region = await client.register_region(fd, 8 * block)
@@ -108,11 +122,20 @@ async def bystander(args: argparse.Namespace) -> dict[str, Any]:
                 done = []
             times.append(time.perf_counter() - started)
             failed += done.count(False) if done else 4
+            started = time.perf_counter()
+            await client.lookup(keys)
+            lookups.append(time.perf_counter() - started)
             due = max(due + args.interval_ms / 1e3, time.perf_counter())
             await asyncio.sleep(due - time.perf_counter())
         exact = os.pread(fd, 4 * block, 4 * block) == os.pread(fd, 4 * block, 0)
     os.close(fd)
-    return {"seconds": times, "keys_failed": failed, "errors": errors, "byte_exact": exact}
+    return {
+        "seconds": times,
+        "lookup_seconds": lookups,
+        "keys_failed": failed,
+        "errors": errors,
+        "byte_exact": exact,
+    }
 
 
 def neighbour_job(kind: str, block: int) -> tuple[int, list[bytes], Any, list[int] | None]:
@@ -129,6 +152,10 @@ def neighbour_job(kind: str, block: int) -> tuple[int, list[bytes], Any, list[in
         slots = rng.integers(0, size // piece, size=(JOB_KEYS // PIECES, PIECES))
         keys = [f"neighbour-{i}".encode() for i in range(JOB_KEYS // PIECES)]
         return size, keys, slots.astype(np.uint64) * np.uint64(piece), [piece] * PIECES
+    if kind == "40 connections":
+        count = 256
+        offsets = np.arange(count, dtype=np.uint64).reshape(-1, 1) * np.uint64(block)
+        return count * block, [f"neighbour-{i}".encode() for i in range(count)], offsets, None
     count = 1024  # own writes
     offsets = np.arange(count, dtype=np.uint64).reshape(-1, 1) * np.uint64(block)
     return 4 * count * block, [f"neighbour-{i}".encode() for i in range(count)], offsets, None
@@ -152,17 +179,26 @@ async def neighbour(args: argparse.Namespace) -> dict[str, Any]:
     errors: dict[str, int] = {}
     first = asyncio.Event()
     halt = threading.Event()
-    async with await Client.connect(args.socket, namespace="neighbour") as client:
-        region = await client.register_region(fd, size)
+    many = args.kind == "40 connections"
+    clients = [
+        await Client.connect(args.socket, namespace="neighbour")
+        for _ in range(CONNECTIONS if many else 1)
+    ]
+    async with contextlib.AsyncExitStack() as opened:
+        for each in clients:
+            await opened.enter_async_context(each)
+        regions = [await each.register_region(fd, size) for each in clients]
+        client, region = clients[0], regions[0]
         distinct = list(dict.fromkeys(keys))
         rows = np.arange(len(distinct), dtype=np.uint64).reshape(-1, 1) * np.uint64(block)
         if not all(await client.region_store(region, distinct, rows)):
             raise RuntimeError("the neighbour could not store its keys")
 
-        async def work() -> None:
+        async def work(i: int) -> None:
+            mine, its = clients[i % len(clients)], regions[i % len(clients)]
             while not stop.is_set():
                 try:
-                    done = await client.region_load(region, keys, offsets, pieces)
+                    done = await mine.region_load(its, keys, offsets, pieces)
                     counts["keys_failed"] += done.count(False)
                 except DaemonError as exc:
                     errors[exc.code] = errors.get(exc.code, 0) + 1
@@ -173,7 +209,8 @@ async def neighbour(args: argparse.Namespace) -> dict[str, Any]:
         writer = threading.Thread(target=scribble, args=(fd, size, halt, counts))
         if args.kind == "own writes":
             writer.start()
-        workers = [asyncio.create_task(work()) for _ in range(args.in_flight)]
+        in_flight = -(-args.in_flight // len(clients)) * len(clients)  # each its share
+        workers = [asyncio.create_task(work(i)) for i in range(in_flight)]
         try:
             async with asyncio.timeout(START_S):
                 await first.wait()
@@ -304,11 +341,14 @@ def run_phase(args: argparse.Namespace, name: str, daemon_pid: int) -> dict[str,
 def summary(seen: dict[str, Any]) -> dict[str, Any]:
     ms = sorted(s * 1e3 for s in seen["seconds"])
     p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))]
+    looked = sorted(s * 1e3 for s in seen["lookup_seconds"]) or [0.0]
     return {
         "jobs": len(ms),
         "p50_ms": round(median_of(ms), 3),
         "p99_ms": round(p99, 3),
         "max_ms": round(ms[-1], 3),
+        "lookup_p99_ms": round(looked[min(len(looked) - 1, int(len(looked) * 0.99))], 3),
+        "lookup_max_ms": round(looked[-1], 3),
         "keys_failed": seen["keys_failed"],
         "errors": seen["errors"],
         "byte_exact": seen["byte_exact"],
@@ -318,9 +358,10 @@ def summary(seen: dict[str, Any]) -> dict[str, Any]:
 def table(phases: list[dict[str, Any]]) -> str:
     alone = phases[0]["bystander"]
     lines = [
-        "| phase | bystander p50 | p99 | max | p99 / alone | jobs (keys failed) |"
-        " neighbour jobs (keys failed, errors) | daemon VmHWM before -> after |",
-        "|---|---:|---:|---:|---:|---:|---|---|",
+        "| phase | bystander p50 | p99 | max | p99 / alone | lookup p99 | max |"
+        " jobs (keys failed) | neighbour jobs (keys failed, errors) |"
+        " daemon VmHWM before -> after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for phase in phases:
         b, n, mem = phase["bystander"], phase["neighbour"], phase["daemon_kib"]
@@ -332,6 +373,7 @@ def table(phases: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {phase['phase']} | {b['p50_ms']:.2f} ms | {b['p99_ms']:.2f} ms |"
             f" {b['max_ms']:.2f} ms | {b['p99_ms'] / alone['p99_ms']:.1f}x |"
+            f" {b['lookup_p99_ms']:.2f} ms | {b['lookup_max_ms']:.2f} ms |"
             f" {b['jobs']:,} ({b['keys_failed']}) | {theirs} |"
             f" {mem['vmhwm_before'] / 1024:.0f} -> {mem['vmhwm_after'] / 1024:.0f} MiB |"
         )
@@ -362,7 +404,7 @@ def orchestrate(args: argparse.Namespace) -> None:
         daemon = start_daemon(workdir, config)
         args.socket = config["socket"]["path"]
         try:
-            phases = [run_phase(args, name, daemon.pid) for name in PHASES]
+            phases = [run_phase(args, name, daemon.pid) for name in args.phases]
         finally:
             daemon.stop(timeout_s=STOP_S)
     report = {
@@ -399,6 +441,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-kib", type=int, default=16)
     parser.add_argument("--cpu-mib", type=int, default=512, help="the CPU tier, all tenants")
     parser.add_argument("--same-user", action="store_true", help="two namespaces, one user")
+    parser.add_argument(
+        "--phases", nargs="+", choices=PHASES, default=list(PHASES), help="the phases to run"
+    )
     parser.add_argument("--commit", default="", help="the commit measured (not a checkout)")
     parser.add_argument("--role", choices=["bystander", "neighbour"], help=argparse.SUPPRESS)
     parser.add_argument("--kind", default="", help=argparse.SUPPRESS)

@@ -98,6 +98,9 @@ class LimitsConfig(StrictModel):
     lease_blocks_per_tenant: int | str = "75%"
     store_lease_ttl_s: Seconds = Field(default=30.0, gt=0, le=86400)  # then it is aborted
     load_wait_s: Seconds = Field(default=5.0, gt=0, le=3600)  # on another client's store
+    # Region jobs (region_store, region_load) of one tenant, all its connections together,
+    # that run at once; the others wait their turn, costing the loop nothing meanwhile.
+    region_jobs_per_tenant: int = Field(default=8, ge=1, le=4096)
     # Namespace names a tenant may have (kept across restarts): a hello naming a new one
     # past this is refused (too_many_namespaces); names already used keep working.
     namespaces_per_tenant: int = Field(default=256, ge=1, le=1 << 20)

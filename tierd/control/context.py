@@ -19,7 +19,7 @@ from tierd.control.namespaces import namespace_rows
 from tierd.control.prometheus import render_prometheus
 from tierd.control.protocol import NAMESPACE_ID_BYTES, PROTOCOL_VERSION, ErrorCode
 from tierd.control.recorder import TraceRecorder
-from tierd.control.region_threads import FairThreads
+from tierd.control.region_threads import FairThreads, TenantJobs
 from tierd.control.stats import collect_stats, merge_stats
 from tierd.control.tenants import Grant, PoolInfo, Tenant, TenantTable
 from tierd.control.timing import RequestTiming
@@ -48,6 +48,7 @@ class Limits:
     output_stall_s: float = 60.0  # replies left unread this long close the connection
     store_lease_ttl_s: float = 30.0  # a store lease not finished by then is aborted
     load_wait_s: float = 5.0  # a load waits this long at most on another client's store
+    region_jobs_per_tenant: int = 8  # region jobs of one tenant run at once; others wait
 
 
 @dataclass(slots=True)
@@ -73,6 +74,10 @@ class ServerContext:
     started: float = field(default_factory=time.monotonic)
     timing: RequestTiming = field(default_factory=RequestTiming)
     copy_threads: FairThreads = field(default_factory=FairThreads)  # region jobs' copies
+    region_jobs: TenantJobs = field(init=False)  # their turns, per tenant
+
+    def __post_init__(self) -> None:
+        self.region_jobs = TenantJobs(lambda: self.limits.region_jobs_per_tenant)
     _next_lease: int = 0
     _open_leases: Callable[[], int] = lambda: 0
 

@@ -118,8 +118,23 @@ class RegionRequests:
         given the job up and may have reused the memory being read."""
         region, keys, layout, offsets = self.job(msg, store=True)
         until = expires_field(msg)
-        if _past(until):
-            return {"done": [False] * len(keys)}
+        async with self.ctx.region_jobs.turn(self._tenant_name()):
+            if _past(until):  # it waited its turn past the engine's deadline
+                return {"done": [False] * len(keys)}
+            return await self._store(region, keys, layout, offsets, until)
+
+    def _tenant_name(self) -> str:
+        tenant = self.blocks.leases.tenant
+        return tenant.name if tenant is not None else ""
+
+    async def _store(
+        self,
+        region: Region,
+        keys: list[BlockKey],
+        layout: Layout,
+        offsets: Offsets,
+        until: float | None,
+    ) -> dict[str, Any]:
         with region.job() as fd:
             try:
                 handle, held = await self.blocks.reserve(keys)
@@ -198,6 +213,16 @@ class RegionRequests:
         next one is still being read."""
         region, keys, layout, offsets = self.job(msg, store=False)
         how = (layout, expires_field(msg))
+        async with self.ctx.region_jobs.turn(self._tenant_name()):
+            return await self._load(region, keys, offsets, how)
+
+    async def _load(
+        self,
+        region: Region,
+        keys: list[BlockKey],
+        offsets: Offsets,
+        how: tuple[Layout, float | None],
+    ) -> dict[str, Any]:
         done = [False] * len(keys)
         with contextlib.ExitStack() as held:
             # A repeated key is pinned once but written as often as it is named: each

@@ -317,6 +317,7 @@ def _limits(cfg: DaemonConfig) -> Limits:
         output_stall_s=cfg.limits.output_stall_s,
         store_lease_ttl_s=cfg.limits.store_lease_ttl_s,
         load_wait_s=cfg.limits.load_wait_s,
+        region_jobs_per_tenant=cfg.limits.region_jobs_per_tenant,
     )
 
 
