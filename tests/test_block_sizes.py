@@ -392,3 +392,30 @@ async def test_a_member_sees_its_own_sizes_and_may_not_give_one_back(
     async with await connect(daemon.socket_path, THROWAWAY[0]) as client:  # still there
         assert await client.load([b"m"]) == [payload(b"m", THROWAWAY[0])]
     assert await daemon.stop() == 0
+
+
+async def test_a_hello_that_waits_past_the_hello_bound_for_its_size_is_told_so(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+) -> None:
+    """A hello whose block size takes longer to open than ``limits.hello_timeout_s`` was
+    answered "no hello within ..." though it had come: it is now told its size is still
+    opening, and finds it open when it asks again."""
+    config = daemon_config(
+        tmp_path, cpu_blocks=2048, disk_blocks=None, block_sizes=2, limits={"hello_timeout_s": 0.05}
+    )
+    config["block_bytes"] = 1 << 20  # a CPU tier of 2 GiB: 1 GiB a size, allocated at its hello
+    daemon = await spawn(config)
+    refusals: list[str] = []
+    for _ in range(200):  # bounded: the size opens within a few attempts
+        try:
+            client = await connect(daemon.socket_path, 256 << 10)
+        except DaemonError as exc:
+            refusals.append(str(exc))
+            continue
+        async with client:
+            assert client.block_bytes == 256 << 10
+        break
+    assert any(f"block size {256 << 10} is still opening" in r for r in refusals), refusals
+    assert daemon.stderr().count("block size opened") == 1
+    assert await daemon.stop() == 0

@@ -106,7 +106,7 @@ class Connection(asyncio.Protocol):
         self._reserved = 0  # bytes of replies promised by running get requests
         self._jobs = 0  # region jobs running (see MAX_REGION_JOBS)
         self._reading_paused = False
-        self._hello = Deadline(limits.hello_timeout_s, lambda: self.drop("hello_timeout"))
+        self._hello = Deadline(limits.hello_timeout_s, self._no_hello_in_time)
         self._frame = Deadline(limits.frame_deadline_s, lambda: self.drop("frame_deadline"))
         self._stall = Deadline(limits.output_stall_s, self._stalled)
         self._stall_mark = 0  # unsent bytes when the stall clock started
@@ -361,6 +361,18 @@ class Connection(asyncio.Protocol):
         elif unsent:
             self._stall_mark = unsent
             self._stall.arm()
+
+    def _no_hello_in_time(self) -> None:
+        opening = self.session.opening_size
+        if opening is None:
+            self.drop("hello_timeout")
+            return
+        self.drop(  # the hello came: its block size takes longer to open than the bound
+            "hello_timeout",
+            message=f"block size {opening} is still opening after"
+            f" {self.ctx.limits.hello_timeout_s} s (its share of every tier is being"
+            " allocated; it opens to its end meanwhile): send hello again",
+        )
 
     def drop(self, reason: str, code: ErrorCode | None = None, message: str | None = None) -> None:
         """Close the connection for breaking a guard: counted, logged at a bounded rate."""

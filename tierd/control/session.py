@@ -94,6 +94,7 @@ class Session:
         self.tenant: Tenant | None = None
         self.greeted = False
         self._greeting = False  # a hello waits for its block size's chain to open
+        self.opening_size: int | None = None  # that block size, meanwhile
         self.namespace: str | None = None
         self.prefix = b""
         self.figures = NamespaceFigures()  # its namespace's, once hello names one
@@ -291,11 +292,11 @@ class Session:
         """Hello naming a block size its tenant has room for but has not opened: the
         size's chain opens first (once, whoever asks), then hello is answered as ever."""
         self._hello_not_yet()
-        self._greeting = True
+        self._greeting, self.opening_size = True, block_bytes
         try:
             await open_size(self.tenant, block_bytes)
         finally:
-            self._greeting = False
+            self._greeting, self.opening_size = False, None
         return self._hello(msg)
 
     def _hello_not_yet(self) -> None:
