@@ -94,7 +94,7 @@ async def through_tierd(socket: str, args: argparse.Namespace, rep: int) -> dict
     per_job = max(1, (args.job_mib << 20) // block)
     blocks = (args.total_mib << 20) // block // per_job * per_job
     size = blocks * block
-    fd = os.memfd_create("bench-engine-kv")
+    fd = os.memfd_create("bench-engine-kv", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     memory = np.memmap(f"/proc/self/fd/{fd}", dtype=np.uint8, mode="r+", shape=(size,))
     memory[:] = np.frombuffer(os.urandom(1 << 20), np.uint8).repeat(size >> 20)

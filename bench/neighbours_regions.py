@@ -15,8 +15,9 @@ fresh neighbour:
 - **scattered pieces**: jobs of 64 stored keys cut into 64 pieces each (4,096 pieces a
   job), every piece at a random offset of the memfd;
 - **own writes**: jobs of 1,024 stored keys while a thread of the neighbour writes into
-  the same memfd without pause (``pwrite`` of 4 MiB at a time: the file's lock is then
-  contended by the daemon's copies and the owner's writes);
+  the same memfd without pause (4 MiB at a time through its mapping: the daemon seals a
+  region it loads into, so ``pwrite`` is refused; the pages are then contended by the
+  daemon's copies and the owner's writes);
 - **40 connections**: jobs of 256 stored keys (memory copies out of the CPU tier) from
   40 connections of the neighbour's at once, ``--in-flight`` / 40 (rounded up) on each:
   what one tenant's many engines cost another when fairness is per connection;
@@ -35,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import mmap
 import os
 import select
 import signal
@@ -86,7 +88,7 @@ def drop_to(uid: int | None) -> None:
 
 
 def memfd(size: int) -> int:
-    fd = os.memfd_create("bench-region")
+    fd = os.memfd_create("bench-region", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     for offset in range(0, size, WRITES):  # allocated now: no page is created by a copy
         os.pwrite(fd, os.urandom(min(WRITES, size - offset)), offset)
@@ -173,6 +175,7 @@ async def neighbour(args: argparse.Namespace) -> dict[str, Any]:
     block = args.block_kib << 10
     size, keys, offsets, pieces = neighbour_job(args.kind, block)
     fd = memfd(size)
+    own = mmap.mmap(fd, size)  # the neighbour's writes go through it once the file is sealed
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     counts: dict[str, int] = {"jobs": 0, "keys": 0, "keys_failed": 0, "writes": 0}
@@ -206,7 +209,7 @@ async def neighbour(args: argparse.Namespace) -> dict[str, Any]:
                 counts["keys"] += len(keys)
                 first.set()
 
-        writer = threading.Thread(target=scribble, args=(fd, size, halt, counts))
+        writer = threading.Thread(target=scribble, args=(own, size, halt, counts))
         if args.kind == "own writes":
             writer.start()
         in_flight = -(-args.in_flight // len(clients)) * len(clients)  # each its share
@@ -229,12 +232,13 @@ async def neighbour(args: argparse.Namespace) -> dict[str, Any]:
     return {**counts, "errors": errors}
 
 
-def scribble(fd: int, size: int, halt: threading.Event, counts: dict[str, int]) -> None:
-    """Write over the memfd, 4 MiB at a time, until ``halt``."""
+def scribble(own: mmap.mmap, size: int, halt: threading.Event, counts: dict[str, int]) -> None:
+    """Write over the memfd through its mapping (made before it was registered), 4 MiB
+    at a time, until ``halt``."""
     chunk = os.urandom(WRITES)
     offset = 0
     while not halt.is_set():
-        os.pwrite(fd, chunk, offset)
+        own[offset : offset + WRITES] = chunk[: size - offset]
         offset = (offset + WRITES) % size
         counts["writes"] += 1
 

@@ -61,7 +61,7 @@ async def measure(socket_path: str, args: argparse.Namespace) -> dict[str, list[
 
     block = args.block_kib << 10
     n = args.blocks
-    fd = os.memfd_create("bench-engine-kv")
+    fd = os.memfd_create("bench-engine-kv", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, 2 * n * block)
     os.pwrite(fd, os.urandom(2 * n * block), 0)
     rows = np.memmap(f"/proc/self/fd/{fd}", dtype=np.uint8, mode="r+").reshape(2 * n, block)

@@ -118,7 +118,7 @@ async def step(client: Client | None, socket_path: str, plan: dict[str, Any]) ->
 async def region_step(client: Client, plan: dict[str, Any]) -> Any:
     size = client.block_bytes
     if plan["do"] == "region":
-        fd = os.memfd_create("tenant-region")
+        fd = os.memfd_create("tenant-region", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, plan["blocks"] * size)
         os.pwrite(fd, bytes([plan["fill"]]) * plan["blocks"] * size, 0)
         region = await client.register_region(fd, plan["blocks"] * size)

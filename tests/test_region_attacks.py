@@ -34,7 +34,7 @@ from tests.test_daemon_api import (
     serve,
     socket_of,
 )
-from tests.test_regions import memfd, open_descriptors, pattern, read, rows
+from tests.test_regions import memfd, open_descriptors, pattern, put, read, rows
 from tierd.client import DaemonError, Unreachable
 from tierd.control.protocol import HEADER, PROTOCOL_VERSION, encode
 from tierd.daemon import Daemon
@@ -152,7 +152,7 @@ async def test_offsets_outside_the_region_are_refused_and_change_nothing(tmp_pat
     async with serve(tmp_path) as daemon, await connect(daemon) as client:
         # The file is larger than the region: only the registered size may be reached.
         with memfd(16 * BLOCK) as fd:
-            os.pwrite(fd, pattern(b"outside", BLOCK), 8 * BLOCK)
+            put(fd, pattern(b"outside", BLOCK), 8 * BLOCK)
             region = await client.register_region(fd, 8 * BLOCK)
             assert await client.region_store(region, [b"in"], rows(0)) == [True]
             bad = [
@@ -203,7 +203,7 @@ async def test_a_region_truncated_after_registering_fails_its_keys(tmp_path: Pat
     async with serve(tmp_path) as daemon, await connect(daemon) as client:
         with memfd(8 * BLOCK) as fd:
             for i in range(8):
-                os.pwrite(fd, pattern(b"t%d" % i, BLOCK), i * BLOCK)
+                put(fd, pattern(b"t%d" % i, BLOCK), i * BLOCK)
             region = await client.register_region(fd, 8 * BLOCK)
             assert await client.region_store(region, [b"early"], rows(6)) == [True]
             os.ftruncate(fd, 2 * BLOCK + 100)  # the engine shrinks its memory under us
@@ -212,19 +212,16 @@ async def test_a_region_truncated_after_registering_fails_its_keys(tmp_path: Pat
                 True, True, False, False,
             ]  # fmt: skip
             assert await client.lookup_each(keys) == [True, True, False, False]
-            # A load never grows the file its owner truncated.
-            done = await client.region_load(region, [b"k0", b"early", b"k1"], rows(1, 4, 2))
-            assert done == [True, False, False]
+            # A load into a file shrunk below its registered size is refused whole (the
+            # daemon seals the file first: it can neither shrink further nor grow), and
+            # never grows it.
+            with pytest.raises(DaemonError, match="less than the 32768 registered"):
+                await client.region_load(region, [b"k0", b"early", b"k1"], rows(1, 4, 2))
             assert os.fstat(fd).st_size == 2 * BLOCK + 100
-            assert read(fd, BLOCK) == pattern(b"t0", BLOCK)
-            # Grown again, its new end is a hole: the daemon does not fill it (those pages
-            # would be the daemon's); once the engine has written its memory, it works.
-            os.ftruncate(fd, 8 * BLOCK)
-            assert await client.region_load(region, [b"early"], rows(7)) == [False]
-            assert os.lseek(fd, 3 * BLOCK, os.SEEK_HOLE) == 3 * BLOCK  # still a hole
-            os.pwrite(fd, bytes(6 * BLOCK), 2 * BLOCK)
-            assert await client.region_load(region, [b"early"], rows(7)) == [True]
-            assert read(fd, 7 * BLOCK) == pattern(b"t6", BLOCK)
+            assert read(fd, BLOCK) == pattern(b"t1", BLOCK)  # untouched
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 8 * BLOCK)
+            assert await client.region_store(region, [b"k0"], rows(0)) == [True]
             await assert_idle(daemon, client)
 
 
@@ -247,7 +244,7 @@ async def test_a_client_that_dies_mid_job_costs_a_job(
     monkeypatch.setattr(regions_module, name, held)
     async with serve(tmp_path) as daemon:
         with memfd(8 * BLOCK, "attack-dies") as fd:
-            os.pwrite(fd, pattern(b"dies", BLOCK), 0)
+            put(fd, pattern(b"dies", BLOCK), 0)
             if op == "region_load":
                 async with await connect(daemon) as setup:
                     await setup.store([b"k"], [pattern(b"dies", BLOCK)])

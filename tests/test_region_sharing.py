@@ -16,6 +16,8 @@ daemon's memory and the other tenants' copies.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import mmap
 import os
 import threading
 import time
@@ -27,7 +29,7 @@ import pytest
 import tierd.control.region_copy as region_copy
 from tests.test_daemon_api import _watch_connections, connect_watched, serve
 from tests.test_region_attacks import held_disk_reads, refused
-from tests.test_regions import connect, memfd, pattern, rows
+from tests.test_regions import connect, memfd, pattern, put, read, rows
 from tierd.control.connection import MAX_REGION_JOBS
 from tierd.control.region_copy import CALL_BYTES, Layout, write_region
 from tierd.control.region_threads import FairThreads, slices
@@ -59,7 +61,11 @@ def test_no_call_starts_past_the_jobs_time_and_each_is_bounded(
         block = memoryview(pattern(b"daemon", size))
         layout = Layout.of([size], size)
         assert isinstance(layout, Layout)
-        ok = write_region(fd, [[0]], [block], layout, until=1002.5)
+        address = region_copy.map_for_loads(fd, size)
+        try:
+            ok = write_region(address, [[0]], [block], layout, until=1002.5)
+        finally:
+            region_copy.unmap(address, size)
         monkeypatch.undo()
         assert ok == [False]
         written = os.pread(fd, size, 0)
@@ -74,12 +80,12 @@ async def test_a_load_past_its_time_through_the_daemon_writes_nothing_after_it(
     thread is held (a preempted thread) until the engine's time has passed. Nothing is
     written after that, and the keys are answered as failed."""
     gate, entered = threading.Event(), threading.Event()
-    real = os.pwritev
+    real = region_copy._MappedWrites.__call__
 
-    def held(fd: int, buffers: Any, offset: int) -> int:
+    def held(self: Any, fd: int, buffers: Any, offset: int) -> int:
         entered.set()
         gate.wait(30)
-        return real(fd, buffers, offset)
+        return real(self, fd, buffers, offset)
 
     async with (
         serve(tmp_path, block_bytes=MiB, cpu_blocks=32, disk_blocks=None) as daemon,
@@ -90,15 +96,15 @@ async def test_a_load_past_its_time_through_the_daemon_writes_nothing_after_it(
         with memfd(16 * MiB, "late-daemon") as fd:
             region = await client.register_region(fd, 16 * MiB)
             expires = time.monotonic() + 2.0
-            monkeypatch.setattr(region_copy.os, "pwritev", held)
+            monkeypatch.setattr(region_copy._MappedWrites, "__call__", held)
             job = asyncio.ensure_future(
                 client.region_load(region, keys, rows(*range(16), size=MiB), expires=expires)
             )
             await asyncio.to_thread(entered.wait, 30)
-            monkeypatch.setattr(region_copy.os, "pwritev", real)
+            monkeypatch.setattr(region_copy._MappedWrites, "__call__", real)
             # The engine gives the job up at ``expires`` and reuses its memory.
             await asyncio.sleep(max(0.0, expires - time.monotonic()) + 0.05)
-            os.pwrite(fd, pattern(b"engine", 16 * MiB), 0)
+            put(fd, pattern(b"engine", 16 * MiB), 0)
             gate.set()
             done = await job
             # The one call that had started may complete (1 MiB at most); no more.
@@ -115,9 +121,10 @@ async def test_a_sparse_region_is_never_filled_by_the_daemon(tmp_path: Path) -> 
     page is created (st_blocks stays 0), every key fails, the daemon keeps serving."""
     async with serve(tmp_path, cpu_blocks=128) as daemon, await connect(daemon) as client:
         await client.store([b"k"], [pattern(b"stored", BLOCK)])
-        fd = os.memfd_create("sparse-attack")
+        fd = os.memfd_create("sparse-attack", os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, 1 << 30)
+            own = mmap.mmap(fd, 1 << 30)  # the engine's mapping, made before it registers
             region = await client.register_region(fd, 1 << 30)
             spread = rows(*range(0, 64 * 997, 997))
             done = await client.region_load(region, [b"k"] * 64, spread)
@@ -125,11 +132,72 @@ async def test_a_sparse_region_is_never_filled_by_the_daemon(tmp_path: Path) -> 
             assert os.fstat(fd).st_blocks == 0
             assert os.fstat(fd).st_size == 1 << 30
             # A page the engine wrote itself is written into.
-            os.pwrite(fd, bytes(BLOCK), 5 * BLOCK)
+            own[5 * BLOCK : 6 * BLOCK] = bytes(BLOCK)
             assert await client.region_load(region, [b"k"], rows(5)) == [True]
-            assert os.pread(fd, BLOCK, 5 * BLOCK) == pattern(b"stored", BLOCK)
+            assert own[5 * BLOCK : 6 * BLOCK] == pattern(b"stored", BLOCK)
+            own.close()
         finally:
             os.close(fd)
+
+
+class _PunchAfterCheck:
+    """The daemon's libc, with a client that punches its window the moment the daemon's
+    page check (``mincore``) has answered: the race of issue 57, item 1, won every time."""
+
+    def __init__(self, real: Any, fd: int, window: tuple[int, int]) -> None:
+        self.real, self.fd, self.window = real, fd, window
+        self.punched = 0
+        self.refused = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def mincore(self, *args: Any) -> int:
+        answer = int(self.real.mincore(*args))
+        start, length = self.window
+        if self.real.fallocate(self.fd, _PUNCH_HOLE, ctypes.c_long(start), ctypes.c_long(length)):
+            self.refused += 1
+        else:
+            self.punched += 1
+        return answer
+
+
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+async def test_a_hole_punched_between_the_page_check_and_the_write_costs_the_daemon_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 57, item 1: a client paid for a window of its memfd, asked for a load into
+    it, and punched the window just after the daemon's page check; the daemon's write
+    created the pages again, charged to the daemon (a new window each round: a daemon in
+    a 512 MiB cgroup was OOM-killed in 110 s). Here the punch comes right after every
+    check, 32 rounds of a fresh 1 MiB window: the daemon never creates a page (the file
+    is sealed on the first load: the punch is refused), and every load is whole."""
+    window = MiB
+    rounds = 32
+    async with serve(tmp_path, cpu_blocks=512) as daemon, await connect(daemon) as client:
+        keys = [b"p%d" % i for i in range(window // BLOCK)]
+        await client.store(keys, [pattern(k, BLOCK) for k in keys])
+        with memfd(rounds * window, "punch-race") as fd:
+            region = await client.register_region(fd, rounds * window)
+            libc = region_copy._libc()
+            created = 0
+            for r in range(rounds):
+                start = r * window
+                race = _PunchAfterCheck(libc, fd, (start, window))
+                monkeypatch.setattr(region_copy, "_libc", lambda race=race: race)
+                offsets = rows(*range(start // BLOCK, (start + window) // BLOCK))
+                done = await client.region_load(region, keys, offsets)
+                monkeypatch.setattr(region_copy, "_libc", lambda: libc)
+                # Pages of the window now that the client's punch did not leave: the
+                # daemon's, charged to it. None, and the punch never took.
+                there = os.lseek(fd, start, os.SEEK_DATA) if race.punched else None
+                created += window if race.punched and there == start and any(done) else 0
+                assert race.punched == 0 and race.refused >= 1
+                assert done == [True] * len(keys)
+                assert read(fd, start, window) == b"".join(pattern(k, BLOCK) for k in keys)
+            assert created == 0
 
 
 async def test_a_repeated_key_counts_against_the_lease_bound_each_time(tmp_path: Path) -> None:
@@ -223,14 +291,13 @@ async def test_a_connection_whose_copies_hang_leaves_threads_for_the_others(
     connection B's load is served meanwhile. (The first-come pool gave A every thread.)"""
     gate = threading.Event()
     real = region_copy.write_region
-    hung: set[int] = set()
     entered = threading.Semaphore(0)
 
-    def copy(fd: int, *args: Any) -> list[bool]:
-        if fd in hung:
+    def copy(address: int, *args: Any) -> list[bool]:
+        if _mapped_file(address) == "/memfd:hangs (deleted)":
             entered.release()
             gate.wait(30)
-        return real(fd, *args)
+        return real(address, *args)
 
     monkeypatch.setattr("tierd.control.regions.write_region", copy)
     async with serve(tmp_path, cpu_blocks=64) as daemon:
@@ -240,7 +307,6 @@ async def test_a_connection_whose_copies_hang_leaves_threads_for_the_others(
             with memfd(8 * BLOCK, "hangs") as fd_a, memfd(8 * BLOCK, "bystander") as fd_b:
                 region_a = await a.register_region(fd_a, 8 * BLOCK)
                 region_b = await b.register_region(fd_b, 8 * BLOCK)
-                hung.update(_daemon_fds(fd_a))
                 stuck = [
                     asyncio.ensure_future(a.region_load(region_a, [b"k"], rows(i)))
                     for i in range(8)
@@ -258,19 +324,16 @@ async def test_a_connection_whose_copies_hang_leaves_threads_for_the_others(
             await b.close()
 
 
-def _daemon_fds(fd: int) -> set[int]:
-    """The descriptors of this process open on ``fd``'s file (the in-loop daemon's copy
-    of a registered region among them)."""
-    target = os.fstat(fd)
-    found = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            st = os.fstat(int(name))
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino) and int(name) != fd:
-            found.add(int(name))
-    return found
+def _mapped_file(address: int) -> str:
+    """The file mapped at ``address`` in this process (the in-loop daemon's mapping of a
+    region it loads into), from ``/proc/self/maps``."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) > 5 else ""
+    return ""
 
 
 async def test_a_free_thread_serves_at_once_after_busy_times() -> None:

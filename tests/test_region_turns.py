@@ -58,7 +58,7 @@ async def test_a_tenants_region_jobs_run_a_few_at_a_time_and_each_ends_right(
         regions: list[int] = []
         try:
             for client in clients:
-                fd = os.memfd_create("turns")
+                fd = os.memfd_create("turns", os.MFD_ALLOW_SEALING)
                 os.ftruncate(fd, 8 * BLOCK)
                 memories.append(mmap.mmap(fd, 8 * BLOCK))
                 memories[-1][:] = bytes(8 * BLOCK)  # paid for: the daemon fills no hole
@@ -95,7 +95,10 @@ async def test_a_tenants_region_jobs_run_a_few_at_a_time_and_each_ends_right(
             done = await asyncio.gather(*jobs)
             assert done == [[True] * 4] * total
             assert len(copying) == total
-            assert (ctx.region_jobs.running("default"), ctx.region_jobs.waiting("default")) == (0, 0)
+            assert (ctx.region_jobs.running("default"), ctx.region_jobs.waiting("default")) == (
+                0,
+                0,
+            )
             for memory in memories:
                 assert memory[:] == b"".join(row(k) for k in keys) * 2
         finally:

@@ -75,11 +75,11 @@ class ServerContext:
     timing: RequestTiming = field(default_factory=RequestTiming)
     copy_threads: FairThreads = field(default_factory=FairThreads)  # region jobs' copies
     region_jobs: TenantJobs = field(init=False)  # their turns, per tenant
+    _next_lease: int = 0
+    _open_leases: Callable[[], int] = lambda: 0
 
     def __post_init__(self) -> None:
         self.region_jobs = TenantJobs(lambda: self.limits.region_jobs_per_tenant)
-    _next_lease: int = 0
-    _open_leases: Callable[[], int] = lambda: 0
 
     @property
     def default_block_bytes(self) -> int:

@@ -1,12 +1,23 @@
-"""Byte movement between an engine's registered region and block buffers, by syscalls only.
+"""Byte movement between an engine's registered region and block buffers.
 
 A region is a file descriptor of the engine's own host memory (a memfd, a ``/dev/shm``
-file). The daemon never reads or writes it through a mapping: a client may truncate its
-file at any time, and a load or store through a mapping of a truncated file is a SIGBUS
-that kills the daemon. Every byte
-therefore moves with ``os.preadv`` (region -> block buffers, a store) or ``os.pwritev``
-(block buffers -> region, a load) on the descriptor, where a truncated file is a short
-read (those keys fail), never a signal.
+file). A client may truncate its file or punch holes in it at any time, so:
+
+- **Reads** (a store: region -> block buffers) are ``os.preadv`` calls on the
+  descriptor, never through a mapping: a truncated file is a short read (those keys
+  fail), never a SIGBUS, and a hole reads as zeros without creating a page.
+- **Writes** (a load: block buffers -> region) go only into a region the daemon has
+  sealed (:func:`map_for_loads`, on its first load): ``F_SEAL_SHRINK``,
+  ``F_SEAL_GROW`` and ``F_SEAL_FUTURE_WRITE``, so that its file can neither shrink (no
+  SIGBUS through the daemon's mapping) nor grow, and no page of it can go (the kernel
+  refuses a hole punched, ``fallocate`` or ``MADV_REMOVE``); its owner writes it through
+  the mappings it made before. Each write is a ``memmove`` into the daemon's own mapping
+  of the region, made only where every page of its range exists (``mincore`` right
+  before it): a load never fills a hole of a sparse file, and since no page can vanish
+  between that check and the write, the daemon never creates a page in a client's file
+  (it would be charged to the daemon's memory: a client that punched its window between
+  a check and a ``pwritev``, a new window each round, had the daemon pay 12 MiB a round
+  until a 512 MiB cgroup killed it).
 
 A block is cut into *pieces* (:class:`Layout`): one piece per block for an engine whose
 block is one row of its region, two (K and V) for a page-first layout. ``offsets[i][j]``
@@ -16,11 +27,7 @@ as one function in one thread (:func:`read_region`, :func:`write_region`): the c
 hands it to an executor once per job, never once per block.
 
 Bounds: :func:`bounds_problem` checks every (offset, length) against the registered size
-before anything moves. At copy time a read past the file's end is a short read; a write
-is made only where every page of its range exists (``mincore`` right before the call):
-a load never grows a file its owner truncated, nor fills a hole of a sparse file (the
-pages a write creates are charged to the writer, the daemon; a client pays for its own
-memory by touching it first).
+before anything moves.
 
 Deadlines: a call moves at most :data:`CALL_BYTES` (larger pieces are cut), and no call
 starts at or past the job's ``until``. So the last byte of a job lands at most one
@@ -32,6 +39,8 @@ it reuses after the daemon has answered (``docs/protocol.md``, 5.19).
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import functools
 import mmap
 import os
@@ -42,11 +51,26 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["CALL_BYTES", "MAX_PIECES", "Layout", "bounds_problem", "read_region", "write_region"]
+__all__ = [
+    "CALL_BYTES",
+    "LOAD_SEALS",
+    "MAX_PIECES",
+    "Layout",
+    "bounds_problem",
+    "map_for_loads",
+    "read_region",
+    "unmap",
+    "write_region",
+]
 
 CALL_BYTES = 1 << 20  # bytes per call at most: the deadline is checked between calls
 MAX_PIECES = 64  # pieces per block: two for K and V, one per layer at most in practice
 _IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
+
+# fcntl's memfd seals (<linux/fcntl.h>): what a region loaded into is sealed with.
+F_ADD_SEALS, F_GET_SEALS = 1033, 1034
+F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_FUTURE_WRITE = 0x2, 0x4, 0x10
+LOAD_SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE
 
 Offsets = npt.NDArray[np.uint64]
 _Call = Callable[[int, Sequence[memoryview], int], int]
@@ -105,18 +129,82 @@ def read_region(
 
 
 def write_region(
-    fd: int,
+    address: int,
     offsets: list[list[int]],
     blocks: Sequence[memoryview],
     layout: Layout,
     until: float | None = None,
 ) -> list[bool]:
-    """Write ``blocks[i]``'s pieces into the region; per block, whether all were written.
-    No call starts past ``until`` (the engine has given the job up by then, and may have
-    reused the memory), and no call writes where the file has no page (a hole, or past
-    its end): those pieces fail their block unwritten, so the daemon never creates a
-    page in a client's file (it would be charged to the daemon's memory)."""
-    return _move(os.pwritev, fd, offsets, blocks, layout, until)
+    """Write ``blocks[i]``'s pieces into the region mapped at ``address`` (by
+    :func:`map_for_loads`, sealed); per block, whether all were written. No call starts
+    past ``until`` (the engine has given the job up by then, and may have reused the
+    memory), and no call writes where the file has no page (a hole): those pieces fail
+    their block unwritten, so the daemon never creates a page in a client's file."""
+    return _move(_MappedWrites(address), address, offsets, blocks, layout, until)
+
+
+class _MappedWrites:
+    """A write call into a region mapped at ``address``: ``memmove`` of each buffer (a
+    foreign call: the GIL is let go), where every page of the range exists."""
+
+    def __init__(self, address: int) -> None:
+        self.address = address
+
+    def __call__(self, _: int, buffers: Sequence[memoryview], offset: int) -> int:
+        total = sum(len(b) for b in buffers)
+        if _absent(self.address + offset, total):
+            return 0
+        at = self.address + offset
+        for buffer in buffers:
+            source = np.frombuffer(buffer, dtype=np.uint8)
+            ctypes.memmove(at, source.ctypes.data, len(source))
+            at += len(source)
+        return total
+
+
+class RegionNotSealable(OSError):
+    """A region a load cannot be written into: its file cannot be sealed."""
+
+
+def map_for_loads(fd: int, size: int) -> int:
+    """Map the region's ``size`` bytes here, read-write, and seal its file with
+    :data:`LOAD_SEALS` (once for all its loads); the mapping's address. Raises
+    :class:`RegionNotSealable`, saying why, for a file that cannot be sealed (not a memfd
+    made with ``MFD_ALLOW_SEALING``, or sealed against writes already)."""
+    libc = _libc()
+    address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address in (None, _MAP_FAILED):
+        number = ctypes.get_errno()
+        raise RegionNotSealable(
+            number,
+            "the region cannot be mapped for writing (is it sealed against writes"
+            f" already?): {os.strerror(number)}",
+        )
+    try:
+        fcntl.fcntl(fd, F_ADD_SEALS, LOAD_SEALS)
+        if fcntl.fcntl(fd, F_GET_SEALS) & LOAD_SEALS != LOAD_SEALS:
+            raise OSError(errno.EPERM, "the seals did not hold")
+    except OSError as exc:
+        unmap(address, size)
+        raise RegionNotSealable(
+            exc.errno or errno.EPERM,
+            "a load writes only into a region it can seal against shrinking, growing and"
+            " losing pages (a memfd made with MFD_ALLOW_SEALING, not sealed yet against"
+            f" writes; mapped by its owner before it is registered): {exc.strerror or exc}",
+        ) from None
+    held = os.fstat(fd).st_size  # sealed: it cannot change from here on
+    if held < size:  # its owner shrank it after registering: the mapping's end is gone
+        unmap(address, size)
+        raise RegionNotSealable(
+            errno.EINVAL,
+            f"the region's file holds {held} bytes, less than the {size} registered"
+            " (it was shrunk): no load is written into it",
+        )
+    return int(address)
+
+
+def unmap(address: int, size: int) -> None:
+    _libc().munmap(ctypes.c_void_p(address), size)
 
 
 def _move(
@@ -144,7 +232,6 @@ class _Run:
 
     def __init__(self, call: _Call, fd: int, ok: list[bool], until: float | None) -> None:
         self.call, self.fd, self.ok, self.until = call, fd, ok, until
-        self.writes = call is os.pwritev
         self.start = self.next = 0
         self.buffers: list[memoryview] = []
         self.owners: list[int] = []
@@ -174,8 +261,6 @@ class _Run:
         try:
             if self.until is not None and time.monotonic() >= self.until:
                 done = 0  # the engine may have reused this memory by now
-            elif self.writes and _not_all_pages(self.fd, self.start, want):
-                done = 0
             else:
                 done = self.call(self.fd, self.buffers, self.start)
         except OSError:
@@ -189,29 +274,18 @@ class _Run:
         self.buffers, self.owners = [], []
 
 
-def _not_all_pages(fd: int, start: int, length: int) -> bool:
-    """Whether ``[start, start + length)`` of the file lacks a page (a hole, or past its
-    end): a write there would create pages. Asked of the kernel with ``mincore`` on a
-    read-only window mapped for the question and never touched (so a truncated file is
-    an answer, not a SIGBUS); work in proportion to the range. (``SEEK_HOLE`` scans from
-    the offset to the first hole: to the end of a fully written file, per call.)
-    A page swapped out counts as missing: that load fails, safely."""
-    if os.fstat(fd).st_size < start + length:
-        return True  # a write would grow the file (its last page may exist: partly)
+def _absent(address: int, length: int) -> bool:
+    """Whether some page of ``[address, address + length)`` (in a region mapped by
+    :func:`map_for_loads`) has no page in the file: a write there would create it. Asked
+    of the kernel with ``mincore``; work in proportion to the range. A page swapped out
+    counts as missing: that load fails, safely."""
     libc = _libc()
-    first = start - start % _PAGE
-    span = start + length - first
-    pages = -(-span // _PAGE)
-    address = libc.mmap(None, span, mmap.PROT_READ, mmap.MAP_SHARED, fd, first)
-    if address in (None, _MAP_FAILED):
+    first = address - address % _PAGE
+    span = address + length - first
+    present = (ctypes.c_ubyte * -(-span // _PAGE))()
+    if libc.mincore(ctypes.c_void_p(first), span, present) != 0:
         return True
-    try:
-        present = (ctypes.c_ubyte * pages)()
-        if libc.mincore(ctypes.c_void_p(address), span, present) != 0:
-            return True
-        return b"\x00" in bytes(present)  # the kernel writes 1 for a page there, else 0
-    finally:
-        libc.munmap(ctypes.c_void_p(address), span)
+    return b"\x00" in bytes(present)  # the kernel writes 1 for a page there, else 0
 
 
 _PAGE = mmap.PAGESIZE

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tierd.control.protocol import ErrorCode
+from tierd.control.region_copy import RegionNotSealable, map_for_loads, unmap
 from tierd.errors import ProtocolError
 
 __all__ = ["MAX_REGIONS", "Region", "RegionTable"]
@@ -27,6 +28,21 @@ class Region:
         self.size = size
         self.jobs = 0
         self.closing = False
+        self._mapped: int | None = None  # its address here, sealed, once a load came
+
+    def for_loads(self) -> int:
+        """The region mapped here and sealed for loads (on the first one): its address.
+        Refused ``bad_request``, saying why, for a file that cannot be sealed."""
+        if self.closing:
+            raise ProtocolError(f"region {self.id} is closed", code=ErrorCode.UNKNOWN_REGION)
+        if self._mapped is None:
+            try:
+                self._mapped = map_for_loads(self.fd, self.size)
+            except RegionNotSealable as exc:
+                raise ProtocolError(
+                    f"region {self.id}: {exc.strerror}", code=ErrorCode.BAD_REQUEST
+                ) from None
+        return self._mapped
 
     @contextmanager
     def job(self) -> Iterator[int]:
@@ -48,6 +64,9 @@ class Region:
         if self.closing and not self.jobs and self.fd >= 0:
             fd, self.fd = self.fd, -1
             os.close(fd)
+            if self._mapped is not None:
+                address, self._mapped = self._mapped, None
+                unmap(address, self.size)
 
 
 class RegionTable:

@@ -228,13 +228,14 @@ class RegionRequests:
             # A repeated key is pinned once but written as often as it is named: each
             # copy counts against the lease bounds like a block of its own.
             held.enter_context(self.blocks.leases.hold(len(keys) - len(set(keys))))
-            fd = held.enter_context(region.job())
+            held.enter_context(region.job())
+            target = region.for_loads()  # sealed: no page of it can go under a write
             wanted = await self._worth_loading(list(dict.fromkeys(keys)))
             deadline = asyncio.get_running_loop().time() + self.ctx.limits.load_wait_s
 
             async def piece(part: list[BlockKey]) -> None:
                 handles = await self._pin_each(part, held, deadline)
-                for i, flag in (await self._drain(handles, fd, keys, offsets, how)).items():
+                for i, flag in (await self._drain(handles, target, keys, offsets, how)).items():
                     done[i] = flag
 
             chain = self.session.chain()
@@ -284,14 +285,14 @@ class RegionRequests:
     async def _drain(
         self,
         handles: list[LoadHandle],
-        fd: int,
+        target: int,
         keys: list[BlockKey],
         offsets: Offsets,
         how: tuple[Layout, float | None],
     ) -> dict[int, bool]:
-        """Write the pinned blocks into the region at each of their keys' offsets (cut
-        by ``how``'s layout, no write starting past its time); by position in ``keys``,
-        whether each of theirs was written."""
+        """Write the pinned blocks into the region (mapped here at ``target``) at each of
+        their keys' offsets (cut by ``how``'s layout, no write starting past its time); by
+        position in ``keys``, whether each of theirs was written."""
         source: dict[BlockKey, memoryview] = {}
         for handle in handles:
             views = host_views(handle.store, handle.slots)
@@ -311,7 +312,7 @@ class RegionRequests:
             if not found:
                 return {}
             rows, blocks = offsets[found], [source[keys[i]] for i in found]
-        wrote = await self._copy(write_region, fd, rows, blocks, how)
+        wrote = await self._copy(write_region, target, rows, blocks, how)
         return dict(zip(found, wrote, strict=True))
 
 

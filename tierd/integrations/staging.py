@@ -28,7 +28,8 @@ def staging_memory(rows: int, row_bytes: int) -> tuple[int, Rows]:
     (not in the first job): its descriptor (the caller closes it once the daemon has it;
     the mapping keeps the memory) and the rows."""
     size = rows * row_bytes
-    fd = os.memfd_create("tierd-engine-staging", os.MFD_CLOEXEC)
+    # Sealable: the daemon seals a region it loads into (its pages cannot go meanwhile).
+    fd = os.memfd_create("tierd-engine-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
