@@ -56,7 +56,7 @@ async def test_lookups_and_region_loads_are_byte_exact(tmp_path, spawn) -> None:
         client = connect(daemon.socket_path)
         try:
             present = client.lookup_each([keys[0], keys[3], keys[2], keys[1]], soon())
-            fd = os.memfd_create("test-region", os.MFD_CLOEXEC)
+            fd = os.memfd_create("test-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             try:
                 os.ftruncate(fd, 4 * BLOCK)
                 memory = mmap.mmap(fd, 4 * BLOCK)
@@ -154,7 +154,7 @@ async def test_a_load_past_the_lease_bound_is_served_whole(tmp_path, spawn, boun
     def blocking_side() -> tuple[int, list[bool], bytes]:
         client = connect(daemon.socket_path)
         try:
-            fd = os.memfd_create("test-region", os.MFD_CLOEXEC)
+            fd = os.memfd_create("test-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             try:
                 os.ftruncate(fd, len(keys) * BLOCK)
                 memory = mmap.mmap(fd, len(keys) * BLOCK)
@@ -208,7 +208,7 @@ async def test_started_requests_are_collected_later_and_a_wait_that_runs_out_bre
             assert client.lookup(keys, soon(BOUND_S)) == 3
             if late:
                 break
-            time.sleep(0.02)
+            await asyncio.sleep(0.02)
         assert len(late) == 1 and late[0]["ok"] and late[0]["count"] == 3
         client.request("complete_load", soon(), lease=late[0]["lease"])
     finally:

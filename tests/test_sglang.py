@@ -436,7 +436,10 @@ async def test_a_writer_stopped_past_its_lease_never_writes_into_another_engines
     is now given to no other block until that client is done or gone."""
     a, b = pair
     cfg = config(
-        tmp_path, cpu_blocks=3 * FROZEN_PAGES, disk_blocks=None, limits={"store_lease_ttl_s": FROZEN_TTL_S}
+        tmp_path,
+        cpu_blocks=3 * FROZEN_PAGES,
+        disk_blocks=None,
+        limits={"store_lease_ttl_s": FROZEN_TTL_S},
     )
     daemon = await spawn(cfg)
     a.open("frozen-w", frozen_spec(daemon.socket_path, "model-a"))
@@ -488,7 +491,10 @@ async def test_a_reader_stopped_in_the_middle_of_a_load_keeps_its_pages_from_eve
     resumes and every page it copies is right."""
     a, b = pair
     cfg = config(
-        tmp_path, cpu_blocks=2 * FROZEN_PAGES, disk_blocks=None, limits={"store_lease_ttl_s": FROZEN_TTL_S}
+        tmp_path,
+        cpu_blocks=2 * FROZEN_PAGES,
+        disk_blocks=None,
+        limits={"store_lease_ttl_s": FROZEN_TTL_S},
     )
     daemon = await spawn(cfg)
     b.open("frozen-b", frozen_spec(daemon.socket_path, "model-b"))
@@ -499,7 +505,9 @@ async def test_a_reader_stopped_in_the_middle_of_a_load_keeps_its_pages_from_eve
     )
     try:
         await until(a.stopped, "the reader stopped in the middle of its copy")
-        await asyncio.sleep(FROZEN_TTL_S + 0.5)  # past store_lease_ttl_s: no timer ends a load lease
+        await asyncio.sleep(
+            FROZEN_TTL_S + 0.5
+        )  # past store_lease_ttl_s: no timer ends a load lease
         stored = sum(
             b.write("frozen-b", seed=seed, pages=FROZEN_PAGES)["stored_pages"]
             for seed in (311, 312, 313)
