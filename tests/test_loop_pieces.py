@@ -10,7 +10,11 @@ long. Now an abort of more than 512 keys ends 512 a turn of the loop, and what a
 connection or an expiry leaves is ended by one task per tenant, 512 keys a turn. A
 delete is a Python step per key at every level too: 4,096 named keys, or a namespace's
 slice of 4,096, held the loop 15-20 ms at once; they now go 256 a turn, and a touch of
-4,096 keys (4-5 ms) 512 a turn.
+4,096 keys (4-5 ms) 512 a turn. A get of 4,096 blocks of 16 KiB (64 MiB in its reply)
+copied, packed and wrote its reply in one turn (up to 300 ms): it now copies the blocks
+out (encoded for the reply as they are copied) 256 KiB a turn while they are pinned,
+unpins them 512 a turn, and writes its reply a piece a turn as the client's socket takes
+it, the frame's bytes those of one message as before.
 
 Each test runs the daemon in the test's event loop on a real socket and checks by order
 or by watching the tier between turns of the loop, never by time.
@@ -25,10 +29,12 @@ from contextlib import AbstractContextManager, asynccontextmanager, contextmanag
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgpack
 import pytest
 
 from tests.test_loop_bounds import BLOCK, answered_first, connect, names, rows_of
-from tierd.client import DaemonError
+from tierd.client import Client, DaemonError
+from tierd.control.protocol import PIECE_BYTES, EncodedBins, encode, encode_bins, frame_in_pieces
 from tierd.daemon import Daemon
 from tierd.testing import daemon_config, running_daemon
 from tierd.tier import Tier
@@ -349,3 +355,100 @@ async def test_a_flush_and_a_clear_walk_a_big_tier_a_piece_a_turn(
             turns = 0
             assert (await operator.clear(tier="cpu")) == blocks
             assert turns >= blocks // 4096 - 1
+
+
+# -- gets: a 64 MiB reply -----------------------------------------------------------------
+
+GET_BLOCK = 16 << 10  # 4,096 of them: 64 MiB in one get's reply
+
+
+async def test_a_bystanders_lookup_is_answered_while_a_4096_key_get_sent_ahead_of_it_copies(
+    tmp_path: Path,
+) -> None:
+    """Issue 57, item 3: a get of 4,096 blocks of 16 KiB copied them out, packed its 64 MiB
+    reply and handed it to the socket in one turn of the loop (other tenants waited up to
+    310 ms). A bystander's lookup sent once the get's blocks are pinned is now answered
+    while they still are (they are copied out a piece a turn, then unpinned 512 a turn),
+    and the get's socket never holds more than a piece or two of its reply unsent."""
+    cfg = daemon_config(
+        tmp_path,
+        block_bytes=GET_BLOCK,
+        cpu_blocks=LEASE_KEYS + 1,
+        disk_blocks=None,
+        limits={"max_frame_bytes": 65 << 20},  # room for 4,096 blocks of 16 KiB
+    )
+    keys = names("g", LEASE_KEYS)
+    rows = [bytes([i % 251]) * GET_BLOCK for i in range(LEASE_KEYS)]
+    socket = str(cfg["socket"]["path"])
+    async with asyncio.timeout(120), running_daemon(cfg) as daemon:
+        hostile = await Client.connect(socket, namespace="hostile", block_bytes=GET_BLOCK)
+        bystander = await Client.connect(socket, namespace="bystander", block_bytes=GET_BLOCK)
+        async with hostile, bystander:
+            assert await hostile.store(keys, rows) == LEASE_KEYS
+            assert await bystander.store([b"mine"], [rows[0]]) == 1
+            assert daemon.server is not None
+            (line,) = [c for c in daemon.server.connections if c.session.namespace == "hostile"]
+            transport = line.transport
+            assert transport is not None
+            tier = entry_tier(daemon)
+            for _ in range(2):  # bounded: two rounds, each checked
+                state = lambda: (tier.stats().pinned, transport.get_write_buffer_size())  # noqa: E731
+                with _watch(state) as seen:
+                    got = hostile.send("get", keys=keys)
+                    for _ in range(100_000):  # bounded: until the get's blocks are pinned
+                        if tier.stats().pinned == LEASE_KEYS or got.done():
+                            break
+                        await asyncio.sleep(0)
+                    mine = await bystander.send("lookup", keys=[b"mine"])
+                    pinned = tier.stats().pinned
+                    reply = await got
+                    await settled(tier)
+                assert mine["count"] == 1
+                assert pinned == LEASE_KEYS, "the get's blocks were copied out before the lookup"
+                assert reply["count"] == LEASE_KEYS and reply["data"] == rows
+                held = [pins for pins, _ in seen]
+                drops = [before - after for before, after in itertools.pairwise(held)]
+                assert max(drops) <= PIECE, f"{max(drops)} blocks unpinned in one turn"
+                unsent = max(size for _, size in seen)
+                assert unsent <= 2 * PIECE_BYTES, f"{unsent} bytes of the reply queued at once"
+
+
+async def test_replies_answered_while_a_get_is_written_in_pieces_follow_its_frame(
+    tmp_path: Path,
+) -> None:
+    """Two gets of 4 MiB and lookups pipelined on one connection (room for one get's reply
+    at a time): the lookups behind the second get are answered when the first ends, while
+    the second's reply goes out a piece a turn. Their replies follow its frame, never
+    inside it: every reply decodes, each with its own fields."""
+    keys = names("p", LEASE_KEYS)
+    async with (
+        serve(tmp_path, cpu_blocks=LEASE_KEYS, output_buffer_bytes=6 << 20) as daemon,
+        await connect(daemon, "ns") as client,
+    ):
+        assert await client.store(keys, rows_of(keys)) == LEASE_KEYS
+        for _ in range(2):  # bounded: two rounds, each checked
+            first = [client.send("get", keys=keys)]
+            first += [client.send("lookup", keys=keys[:3]) for _ in range(8)]
+            second = [client.send("get", keys=keys[::-1])]
+            second += [client.send("lookup", keys=keys[:2]) for _ in range(8)]
+            async with asyncio.timeout(15):  # a frame cut into would leave the client waiting
+                got, *found = await asyncio.gather(*first)
+                got_back, *found_after = await asyncio.gather(*second)
+            assert got["data"] == rows_of(keys) and got_back["data"] == rows_of(keys[::-1])
+            assert [each["count"] for each in found + found_after] == [3] * 8 + [2] * 8
+
+
+@pytest.mark.parametrize(
+    ("count", "size"), [(0, 8), (1, 0), (15, 255), (16, 256), (70, 65535), (3, 65536)]
+)
+def test_a_reply_encoded_in_pieces_is_the_frame_of_the_whole_message(count: int, size: int) -> None:
+    """A get's reply goes out in pieces (its blocks encoded a few at a time): joined, they
+    are the very bytes of the one message clients decode, whatever the sizes' headers."""
+    blocks = [bytes([i % 251]) * size for i in range(count)]
+    whole = encode({"id": 7, "ok": True, "count": count, "data": blocks})
+    pieces = [encode_bins(blocks[start : start + 4]) for start in range(0, count, 4)]
+    bins = EncodedBins(count, list(pieces))
+    frame = frame_in_pieces({"id": 7, "ok": True, "count": count, "data": bins})
+    assert b"".join(frame) == whole
+    assert len(frame) == max(1, len(pieces)) and not bins.pieces  # taken: each freed when sent
+    assert msgpack.unpackb(b"".join(frame)[4:])["data"] == blocks

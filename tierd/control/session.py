@@ -23,6 +23,9 @@ events' (``describe``, ``blocks_held``) in ``kv_requests`` (all in ``tierd.contr
   its lease back when it ends: a client that dies never leaks a pin or a slot.
 - **Errors.** A bad request gets an error reply and changes nothing; an unexpected one
   is logged with its traceback and answered ``internal``.
+- **Replies in pieces.** A get's reply (up to a frame of blocks) is written a piece a
+  turn of the loop as the client's socket takes it; the session's other messages wait
+  behind it, so no frame is cut into.
 - **Timing.** Every answered request of a known operation is timed from its arrival to
   its reply into ``ctx.timing`` (latency histograms, per-request debug lines); work an
   answer hands back (a big load's unpin, in pieces) is a task, timed when it replies.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -48,9 +52,12 @@ from tierd.control.namespace_requests import NamespaceRequests
 from tierd.control.namespaces import NamespaceFigures
 from tierd.control.operator_requests import OperatorRequests
 from tierd.control.protocol import (
+    FRAME_PIECE,
+    EncodedBins,
     ErrorCode,
     error_code_of,
     error_reply,
+    frame_in_pieces,
     int_field,
     prefixed_keys,
 )
@@ -59,6 +66,7 @@ from tierd.control.regions import RegionRequests
 from tierd.control.tenants import Grant, Tenant
 from tierd.errors import ProtocolError
 from tierd.keys import BlockKey
+from tierd.stores.base import next_turn
 
 __all__ = ["Session"]
 
@@ -88,7 +96,9 @@ class Session:
         line: FdLine | None = None,
     ) -> None:
         self.ctx = ctx
-        self.send = send
+        self._write = send  # the connection's: one message, or a piece of a frame
+        self._held: list[dict[str, Any]] | None = None  # sent while a reply is in pieces
+        self._in_pieces = asyncio.Lock()  # one reply in pieces at a time
         self.conn = conn  # the connection's id, in debug lines
         self.grant = Grant(None, False)  # no rights until admitted
         self.tenant: Tenant | None = None
@@ -251,7 +261,10 @@ class Session:
                 result = self._fail(request_id, exc)
             else:
                 medium = reply.pop(LOADED_FROM, None)
-                self._reply(request_id, reply)
+                if isinstance(reply.get("data"), EncodedBins):
+                    await self._reply_in_pieces(request_id, reply)
+                else:
+                    self._reply(request_id, reply)
                 result = "ok"
             self.ctx.timing.observe(self.conn, op, msg, started, result, medium)
 
@@ -259,6 +272,39 @@ class Session:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         self.spawned = task
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Write ``message`` to the client; while a reply goes out in pieces, after it."""
+        if self._held is None:
+            self._write(message)
+        else:
+            self._held.append(message)
+
+    async def _reply_in_pieces(self, request_id: int, fields: Reply) -> None:
+        """A reply whose ``data`` is encoded already, in pieces (a get's blocks), written a
+        piece a turn of the loop, each once the client's socket has room (so it never
+        holds much more than a piece unsent); the session's other messages wait until the
+        frame is whole. Cancelled, the rest of the frame goes at once."""
+        async with self._in_pieces:
+            pieces = deque(frame_in_pieces({"id": request_id, "ok": True, **fields}))
+            held: list[dict[str, Any]] = []
+            self._held, first = held, True
+            try:
+                while pieces and not self.closed:
+                    if not first:
+                        await next_turn()
+                        await self.writable.wait()
+                        if self.closed:
+                            break
+                    self._write({FRAME_PIECE: pieces.popleft()})  # each freed once written
+                    first = False
+            finally:
+                self._held = None
+                if not self.closed:
+                    while pieces:
+                        self._write({FRAME_PIECE: pieces.popleft()})
+                    for message in held:
+                        self._write(message)
 
     def _reply(self, request_id: int, fields: Reply) -> None:
         if not self.closed:
