@@ -41,7 +41,8 @@ from tests.test_daemon_lifecycle import (
 )
 from tests.test_daemon_lifecycle import spawn as spawn_fixture
 from tierd.client import Client, DaemonError
-from tierd.daemon import status_page
+from tierd.daemon import metrics_http, status_page
+from tierd.daemon.http_peer import View
 from tierd.testing import daemon_config, running_daemon
 
 spawn = spawn_fixture
@@ -175,9 +176,9 @@ async def test_the_figures_are_built_once_per_interval_in_a_thread(
     threads: list[str] = []
     real = status_page.render
 
-    def watched(snapshot: dict[str, Any]) -> bytes:
+    def watched(snapshot: dict[str, Any], view: View) -> bytes:
         threads.append(threading.current_thread().name)
-        return real(snapshot)
+        return real(snapshot, view)
 
     monkeypatch.setattr(status_page, "render", watched)
     port = free_port()
@@ -347,7 +348,16 @@ async def test_chromium_shows_a_live_daemons_figures(tmp_path: Path, spawn: Spaw
             row = f"!!document.querySelector('[data-pid=\"{os.getpid()}\"]')"
             assert await asyncio.to_thread(page.wait_for, row)  # this process, connected
         text = await asyncio.to_thread(page.evaluate, "document.body.innerText")
-        for shown in ("cpu", "disk", "CPU → DISK", NAMESPACE, "default", "none configured"):
+        shown_all = "shown: every tenant (operator)"  # this test runs as the daemon's user
+        for shown in (
+            "cpu",
+            "disk",
+            "CPU → DISK",
+            NAMESPACE,
+            "default",
+            "none configured",
+            shown_all,
+        ):
             assert shown in text, shown
         assert await asyncio.to_thread(page.evaluate, "document.getElementById('banner').hidden")
         await asyncio.to_thread(page.screenshot, tmp_path / "status.png")
@@ -363,6 +373,40 @@ async def test_chromium_shows_a_live_daemons_figures(tmp_path: Path, spawn: Spaw
         # The last figures stay, greyed out.
         assert await asyncio.to_thread(page.evaluate, cell("cpu", "hits")) == f"{hits:,}"
         assert await asyncio.to_thread(page.evaluate, "document.body.className") == "stale"
+
+
+async def test_chromium_shows_a_user_of_no_tenant_the_totals_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The page as a user of no tenant gets it (the in-loop daemon, told that the kernel
+    names nobody; tests/test_status_privacy.py asks as real users): the figures, the
+    tenant as ``#1``, its namespace added up as ``other``, the process counted only."""
+
+    async def nobody(peer: Any, ours: Any) -> None:
+        return None
+
+    monkeypatch.setattr(metrics_http, "asker", nobody)
+    port = free_port()
+    config = daemon_config(tmp_path, metrics={"http_port": port})
+    async with (
+        asyncio.timeout(120),
+        running_daemon(config) as daemon,
+        await Client.connect(
+            str(daemon.config.socket.path), namespace=NAMESPACE, block_bytes=BLOCK
+        ) as client,
+        browser(tmp_path) as page,
+    ):
+        assert await client.store([b"k"], [block(b"k")]) == 1
+        await asyncio.to_thread(page.open, f"http://127.0.0.1:{port}/")
+        hidden = "and 1 process of other tenants (an operator sees them)"
+        text = "document.body.innerText"
+        assert await asyncio.to_thread(page.wait_for, f"{text}.includes({hidden!r})")
+        shown = await asyncio.to_thread(page.wait_for, f"{cell('cpu', 'hits')} && {text}")
+        rows = "document.querySelectorAll('[data-pid]').length"
+        assert await asyncio.to_thread(page.evaluate, rows) == 0
+    assert "shown: totals only (no tenant of yours)" in shown
+    assert "#1" in shown and "other" in shown
+    assert NAMESPACE not in shown and "default" not in shown
 
 
 async def test_names_reach_the_page_as_text_never_as_markup(tmp_path: Path, spawn: Spawn) -> None:

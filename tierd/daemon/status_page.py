@@ -8,6 +8,13 @@ per tenant, as in the metrics); the :data:`TENANTS_SHOWN` tenants holding most b
 the processes connected to the control socket (from each connection's peer credentials,
 its hello and ``/proc/PID/comm``); and the recent errors.
 
+Who sees which of them is the asker's :class:`~tierd.daemon.http_peer.View`: an operator
+all of them; a tenant's member its own tenant's namespaces and processes, the other
+tenants as totals under a name of no meaning (``#N``); anyone else the totals only (the
+tiers, routes, chain, remote level, server counters and recent errors, which are the
+daemon's, and each tenant's totals so renamed). One snapshot (:meth:`StatusFigures.take`)
+serves every view's build: :func:`render` makes one view's JSON of it.
+
 The daemon keeps no log of errors, only counters (error replies by code, connections
 refused and dropped, a tier's I/O errors, failed copies, expired leases, the remote
 level's faults) and the remote level's last error. :class:`StatusFigures` compares the
@@ -30,6 +37,7 @@ from typing import Any, Protocol
 
 from tierd.control.context import ServerContext
 from tierd.control.prometheus import top_namespaces
+from tierd.daemon.http_peer import View, shown_stats
 
 __all__ = ["CLIENTS_SHOWN", "RECENT_ERRORS", "TENANTS_SHOWN", "Peer", "StatusFigures"]
 
@@ -57,8 +65,9 @@ class Peer(Protocol):
 class StatusFigures:
     """Builds ``/status.json`` for one daemon, keeping the recent errors between builds.
 
-    ``take`` runs on the loop (a snapshot), ``render`` in a thread (the JSON); one build
-    runs at a time (the endpoint shares a build among the requests that wait on it)."""
+    ``take`` runs on the loop (a snapshot), ``render`` in a thread (the JSON of one
+    view); one snapshot is taken at a time (the endpoint shares it among the views' builds
+    and each build among the requests of its view that wait on it)."""
 
     ctx: ServerContext
     connections: Collection[Peer] = ()
@@ -119,18 +128,24 @@ class StatusFigures:
                 self.recent.append(error)
 
 
-def render(snapshot: dict[str, Any]) -> bytes:
-    """The JSON of a :meth:`StatusFigures.take` snapshot (run in a thread)."""
+def render(snapshot: dict[str, Any], view: View) -> bytes:
+    """The JSON of a :meth:`StatusFigures.take` snapshot as ``view`` sees it (run in a
+    thread; the snapshot is shared by every view's build and left as it is)."""
     stats = snapshot["stats"]
     server = stats["server"]
     tenants = stats.get("tenants") or {}
     namespaces = sum(len(t.get("namespaces", ())) for t in tenants.values())
-    clients = _processes(snapshot["clients"])
+    shown = shown_stats(stats, view).get("tenants") or {}
+    every = _processes(snapshot["clients"])
+    clients = [entry for entry in every if view.shows(entry["tenant"])]
+    for entry in clients[:CLIENTS_SHOWN]:
+        entry["process"] = _command_name(entry["pid"])
     page = {
         "generated_at": round(snapshot["at"], 3),
         "version": server["version"],
         "uptime_s": server["uptime_s"],
         "shutting_down": server["shutting_down"],
+        "view": {"operator": view.operator, "tenant": view.tenant},
         "block_bytes": stats["block_bytes"],
         "server": {k: v for k, v in server.items() if k not in ("version", "uptime_s")},
         "chain": stats["chain"],
@@ -138,12 +153,13 @@ def render(snapshot: dict[str, Any]) -> bytes:
         "routes": stats["routes"],
         "remote": stats["remote"],
         "leases": stats.get("leases"),
-        "tenants": _tenant_rows(tenants)[:TENANTS_SHOWN],
+        "tenants": _tenant_rows(shown)[:TENANTS_SHOWN],
         "tenants_total": len(tenants),
-        "namespaces": [_namespace_row(*item) for item in top_namespaces(tenants, snapshot["top"])],
+        "namespaces": [_namespace_row(*item) for item in top_namespaces(shown, snapshot["top"])],
         "namespaces_total": namespaces,
         "clients": clients[:CLIENTS_SHOWN],
-        "clients_total": len(clients),
+        "clients_total": len(every),
+        "clients_hidden": len(every) - len(clients),  # of tenants this view does not show
         "recent_errors": sorted(snapshot["recent"], key=lambda e: -e["until"]),
     }
     return json.dumps(page, separators=(",", ":")).encode()
@@ -193,25 +209,23 @@ def _connection_row(conn: Peer) -> dict[str, Any]:
 
 
 def _processes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Connections grouped by process, most connections first, each with its command
-    name (``/proc/PID/comm``; ``None`` where it cannot be read)."""
-    by_pid: dict[int, dict[str, Any]] = {}
+    """Connections grouped by process (and tenant: a process that changed its uid
+    between connections is shown to each tenant's view apart), most connections first."""
+    by_pid: dict[tuple[int, str | None], dict[str, Any]] = {}
     for row in rows:
         entry = by_pid.setdefault(
-            row["pid"],
+            (row["pid"], row["tenant"]),
             {"pid": row["pid"], "uid": row["uid"], "tenant": row["tenant"], "namespaces": []},
         )
         entry["connections"] = entry.get("connections", 0) + 1
         entry["leases"] = entry.get("leases", 0) + row["leases"]
         if row["namespace"] is not None and row["namespace"] not in entry["namespaces"]:
             entry["namespaces"].append(row["namespace"])
-    out = sorted(by_pid.values(), key=lambda e: (-e["connections"], e["pid"]))
-    for entry in out[:CLIENTS_SHOWN]:
-        entry["process"] = _command_name(entry["pid"])
-    return out
+    return sorted(by_pid.values(), key=lambda e: (-e["connections"], e["pid"]))
 
 
 def _command_name(pid: int) -> str | None:
+    """The command name of a process (``/proc/PID/comm``; ``None`` where it cannot be read)."""
     try:
         with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as comm:
             return comm.read(64).strip() or None
