@@ -202,6 +202,27 @@ async def test_held_keys_are_not_read_again(tmp_path: Path) -> None:
             assert info.value.code == "bad_request"
 
 
+async def test_regions_of_one_memfd_on_several_connections_all_load(tmp_path: Path) -> None:
+    """One memfd registered by three connections (an engine's threads): the first load
+    seals the file, and the others' loads use the daemon's one mapping of it (a new
+    writable mapping of a sealed file is refused: each of them was refused loads)."""
+    async with serve(tmp_path) as daemon:
+        clients = [await connect(daemon) for _ in range(3)]
+        try:
+            with memfd(8 * BLOCK) as fd:
+                put(fd, pattern(b"one", BLOCK), 0)
+                regions = [await c.register_region(fd, 8 * BLOCK) for c in clients]
+                assert await clients[0].region_store(regions[0], [b"one"], rows(0)) == [True]
+                for i, (client, region) in enumerate(zip(clients, regions, strict=True)):
+                    assert await client.region_load(region, [b"one"], rows(i + 1)) == [True]
+                    assert read(fd, (i + 1) * BLOCK) == pattern(b"one", BLOCK)
+                await clients[1].close()  # one region gone: the others keep the mapping
+                assert await clients[2].region_load(regions[2], [b"one"], rows(5)) == [True]
+        finally:
+            for client in clients:
+                await client.close()
+
+
 async def test_a_dev_shm_file_is_a_region_too(tmp_path: Path) -> None:
     path = Path("/dev/shm") / f"tierd-test-region-{os.getpid()}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -11,13 +11,15 @@ file). A client may truncate its file or punch holes in it at any time, so:
   ``F_SEAL_GROW`` and ``F_SEAL_FUTURE_WRITE``, so that its file can neither shrink (no
   SIGBUS through the daemon's mapping) nor grow, and no page of it can go (the kernel
   refuses a hole punched, ``fallocate`` or ``MADV_REMOVE``); its owner writes it through
-  the mappings it made before. Each write is a ``memmove`` into the daemon's own mapping
-  of the region, made only where every page of its range exists (``mincore`` right
-  before it): a load never fills a hole of a sparse file, and since no page can vanish
-  between that check and the write, the daemon never creates a page in a client's file
-  (it would be charged to the daemon's memory: a client that punched its window between
-  a check and a ``pwritev``, a new window each round, had the daemon pay 12 MiB a round
-  until a 512 MiB cgroup killed it).
+  the mappings it made before. Each write goes through the daemon's own mapping of the
+  region (a ``pwritev`` on ``/proc/self/mem`` at its addresses: one call for a run of
+  pieces, the GIL let go; the file itself refuses ``write``), made only where every
+  page of its range exists (``mincore`` right before it): a load never fills a hole of
+  a sparse file, and since no page can vanish between that check and the write, the
+  daemon never creates a page in a client's file (it would be charged to the daemon's
+  memory: a client that punched its window between a check and a ``pwritev`` on the
+  file, a new window each round, had the daemon pay 12 MiB a round until a 512 MiB
+  cgroup killed it).
 
 A block is cut into *pieces* (:class:`Layout`): one piece per block for an engine whose
 block is one row of its region, two (K and V) for a page-first layout. ``offsets[i][j]``
@@ -144,35 +146,94 @@ def write_region(
 
 
 class _MappedWrites:
-    """A write call into a region mapped at ``address``: ``memmove`` of each buffer (a
-    foreign call: the GIL is let go), where every page of the range exists."""
+    """A write call into the region mapped at ``address`` (``length`` bytes), where every
+    page of the range exists: one ``pwritev`` on this process's ``/proc/self/mem`` at the
+    mapping's addresses (the kernel copies through the daemon's own writable mapping,
+    made before the seal; the GIL let go, as for any positional write)."""
 
     def __init__(self, address: int) -> None:
         self.address = address
+        self.length = _mapped_length(address)
 
     def __call__(self, _: int, buffers: Sequence[memoryview], offset: int) -> int:
         total = sum(len(b) for b in buffers)
-        if _absent(self.address + offset, total):
+        if offset < 0 or offset + total > self.length or _absent(self.address + offset, total):
             return 0
-        at = self.address + offset
-        for buffer in buffers:
-            source = np.frombuffer(buffer, dtype=np.uint8)
-            ctypes.memmove(at, source.ctypes.data, len(source))
-            at += len(source)
-        return total
+        return os.pwritev(_own_memory(), buffers, self.address + offset)
+
+
+def _own_memory() -> int:
+    """This process's ``/proc/self/mem``, open for writing (opened again after a fork:
+    the descriptor names the memory of the process that opened it)."""
+    pid = os.getpid()
+    known = _OWN_MEMORY.get(pid)
+    if known is None:
+        _OWN_MEMORY.clear()
+        known = _OWN_MEMORY[pid] = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
+    return known
+
+
+_OWN_MEMORY: dict[int, int] = {}
 
 
 class RegionNotSealable(OSError):
     """A region a load cannot be written into: its file cannot be sealed."""
 
 
+@dataclass(slots=True)
+class _Mapping:
+    """The daemon's one mapping of a sealed file, shared by every region of it."""
+
+    address: int
+    length: int
+    users: int
+
+
+# By (device, inode): a file sealed for loads is mapped once. Its seal refuses any new
+# writable mapping, so a second region of the same file (another connection's, say) can
+# only use this one. On the event loop only.
+_SHARED: dict[tuple[int, int], _Mapping] = {}
+_KEYS: dict[int, tuple[int, int]] = {}  # address -> its file's key
+
+
 def map_for_loads(fd: int, size: int) -> int:
-    """Map the region's ``size`` bytes here, read-write, and seal its file with
-    :data:`LOAD_SEALS` (once for all its loads); the mapping's address. Raises
+    """The region's file mapped here, read-write, its first ``size`` bytes at least, and
+    sealed with :data:`LOAD_SEALS` (once for all its loads, whichever region of it asks
+    first); the mapping's address (give it back with :func:`unmap`). Raises
     :class:`RegionNotSealable`, saying why, for a file that cannot be sealed (not a memfd
-    made with ``MFD_ALLOW_SEALING``, or sealed against writes already)."""
+    made with ``MFD_ALLOW_SEALING``, or sealed against writes already) or that holds less
+    than ``size`` bytes."""
+    try:
+        _own_memory()
+    except OSError as exc:
+        raise RegionNotSealable(
+            exc.errno or errno.EACCES,
+            f"this daemon cannot write its own memory (/proc/self/mem): {exc.strerror}",
+        ) from None
+    stat = os.fstat(fd)
+    key = (stat.st_dev, stat.st_ino)
+    known = _SHARED.get(key)
+    if known is None:
+        length = max(size, stat.st_size)
+        address = _sealed_mapping(fd, length)
+        known = _SHARED[key] = _Mapping(address, length, 0)
+        _KEYS[address] = key
+    held = os.fstat(fd).st_size  # sealed: it cannot change from here on
+    if held < size or known.length < size:  # shrunk after registering, or grown meanwhile
+        if not known.users:
+            _forget(key)
+        raise RegionNotSealable(
+            errno.EINVAL,
+            f"the region's file holds {held} bytes, less than the {size} registered"
+            " (it was shrunk): no load is written into it",
+        )
+    known.users += 1
+    return known.address
+
+
+def _sealed_mapping(fd: int, length: int) -> int:
     libc = _libc()
-    address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    address = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     if address in (None, _MAP_FAILED):
         number = ctypes.get_errno()
         raise RegionNotSealable(
@@ -185,26 +246,38 @@ def map_for_loads(fd: int, size: int) -> int:
         if fcntl.fcntl(fd, F_GET_SEALS) & LOAD_SEALS != LOAD_SEALS:
             raise OSError(errno.EPERM, "the seals did not hold")
     except OSError as exc:
-        unmap(address, size)
+        libc.munmap(ctypes.c_void_p(address), length)
         raise RegionNotSealable(
             exc.errno or errno.EPERM,
             "a load writes only into a region it can seal against shrinking, growing and"
             " losing pages (a memfd made with MFD_ALLOW_SEALING, not sealed yet against"
             f" writes; mapped by its owner before it is registered): {exc.strerror or exc}",
         ) from None
-    held = os.fstat(fd).st_size  # sealed: it cannot change from here on
-    if held < size:  # its owner shrank it after registering: the mapping's end is gone
-        unmap(address, size)
-        raise RegionNotSealable(
-            errno.EINVAL,
-            f"the region's file holds {held} bytes, less than the {size} registered"
-            " (it was shrunk): no load is written into it",
-        )
     return int(address)
 
 
+def _mapped_length(address: int) -> int:
+    key = _KEYS.get(address)
+    known = _SHARED.get(key) if key is not None else None
+    return known.length if known is not None else 0
+
+
 def unmap(address: int, size: int) -> None:
-    _libc().munmap(ctypes.c_void_p(address), size)
+    """A region of the file mapped at ``address`` is done with it: the mapping goes with
+    the last one (``size``: the region's, for the record)."""
+    key = _KEYS.get(address)
+    known = _SHARED.get(key) if key is not None else None
+    if known is None or key is None:
+        return
+    known.users -= 1
+    if known.users <= 0:
+        _forget(key)
+
+
+def _forget(key: tuple[int, int]) -> None:
+    known = _SHARED.pop(key)
+    del _KEYS[known.address]
+    _libc().munmap(ctypes.c_void_p(known.address), known.length)
 
 
 def _move(
