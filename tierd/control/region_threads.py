@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from typing import Any, TypeVar
 
-from tierd.stores.base import settle
+from tierd.stores.base import background_priority, settle
 
 __all__ = ["FairThreads", "SLICE_BYTES", "TenantJobs", "slices"]
 
@@ -132,7 +132,9 @@ class FairThreads:
                 self._work.put(_STOP)
 
     def _serve(self) -> None:
-        """One copy thread: run each callable handed over, report its outcome."""
+        """One copy thread: run each callable handed over, report its outcome. It runs at
+        a lower priority than the event loop's thread (``background_priority``)."""
+        background_priority()
         while True:
             item = self._work.get()
             if item is _STOP:

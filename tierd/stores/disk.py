@@ -46,7 +46,15 @@ import numpy as np
 
 from tierd.keys import BlockKey, Medium
 from tierd.logs import get_logger
-from tierd.stores.base import BlockStore, Buffer, InFlight, StoreStats, block_views, device_rows
+from tierd.stores.base import (
+    BlockStore,
+    Buffer,
+    InFlight,
+    StoreStats,
+    background_priority,
+    block_views,
+    device_rows,
+)
 from tierd.stores.disk_block import BAD_BLOCK, OK
 from tierd.stores.disk_checkpoint import Checkpoints
 from tierd.stores.disk_slab import Slab, SlabConfig
@@ -150,8 +158,15 @@ class DiskStore(BlockStore):
 
     async def _open(self) -> None:
         self._readers = ThreadPoolExecutor(self._reading.threads, thread_name_prefix="tierd-disk-r")
-        self._writers = ThreadPoolExecutor(self._writing.threads, thread_name_prefix="tierd-disk-w")
-        self._snapshots = ThreadPoolExecutor(1, thread_name_prefix="tierd-disk-snap")
+        # Writes (demotions, flushes) and snapshots are bulk work: below the loop's priority.
+        self._writers = ThreadPoolExecutor(
+            self._writing.threads,
+            thread_name_prefix="tierd-disk-w",
+            initializer=background_priority,
+        )
+        self._snapshots = ThreadPoolExecutor(
+            1, thread_name_prefix="tierd-disk-snap", initializer=background_priority
+        )
         self._checkpoints = Checkpoints(
             self._slabs, self._journal_limit, self._flush_soon, self._snapshots
         )
