@@ -79,6 +79,10 @@ class Requester(Protocol):
         """The tenant's chain; refused for a user of no tenant."""
         ...
 
+    def send(self, message: dict[str, Any]) -> None:
+        """Write ``message`` to the client, after any reply still going out in pieces."""
+        ...
+
     def keys(self, msg: dict[str, Any], name: str = "keys") -> list[BlockKey]:
         """The keys of ``msg``'s field ``name``, prefixed with the namespace's id."""
         ...

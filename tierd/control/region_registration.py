@@ -123,7 +123,8 @@ class Registrations:
                 "requests came behind register_region: send nothing more until it is answered",
                 code=ErrorCode.BAD_REQUEST,
             )
-        line.send({"push": "send_fd", "request": request_id})
+        # Through the session: a get's reply still going out in pieces is not cut into.
+        self.session.send({"push": "send_fd", "request": request_id})
         fileno = transport.get_extra_info("socket").fileno()
         try:
             return await receive_fd(fileno, self.ctx.limits.hello_timeout_s)
