@@ -27,8 +27,9 @@ import pytest
 
 from tests.test_daemon_lifecycle import DEADLINE_S, Spawn, free_port, spawn
 from tests.test_tenants import tenants_config, users
+from tierd.control.prometheus import render_prometheus
 from tierd.daemon import metrics_http, status_page
-from tierd.daemon.http_peer import socket_owner
+from tierd.daemon.http_peer import View, shown_stats, socket_owner
 from tierd.testing import daemon_config, running_daemon
 
 __all__ = ["spawn", "users"]
@@ -404,3 +405,33 @@ def test_a_client_socket_is_its_owners_until_its_process_closes_it(family: int) 
             assert socket_owner(peer, conn.getsockname()) == os.getuid()
             client.close()
             assert socket_owner(peer, conn.getsockname()) is None
+
+
+def test_a_hidden_tenant_is_one_other_row_yet_counts_every_namespace() -> None:
+    """A tenant the asker may not see has its namespaces added up into one ``other`` row,
+    and its count stays the real one, in ``tierd_namespaces`` and the page's tenant row
+    (the snapshot's own rows are left as they are, for the other views)."""
+
+    def row(name: str, held: int) -> dict[str, Any]:
+        counts = {"lookups": 1, "hit_blocks": 1, "miss_blocks": 0, "stored_blocks": 1}
+        return {"namespace": name, "id": "ab", "blocks": {"cpu": held}, "bytes": held, **counts}
+
+    leases = {"leases_held_blocks": 0, "leases_expired": 0, "lease_refusals": 0}
+    part = {
+        "tiers": [{"name": "cpu", "used": 6, "capacity": 8}],
+        "chain": {"hit_ratio": 0.5},
+        "leases": leases,
+        "namespaces": [row("n1", 1), row("n2", 2), row("n3", 3)],
+    }
+    stats = {"tenants": {"alpha": part, "beta": dict(part)}}
+    shown = shown_stats(stats, View(tenant="alpha"))["tenants"]
+    assert [(r["namespace"], r["bytes"]) for r in shown["#2"]["namespaces"]] == [("other", 6)]
+    assert len(stats["tenants"]["beta"]["namespaces"]) == 3
+    chain = dict.fromkeys(
+        ("lookups", "hit_blocks", "miss_blocks", "events_published", "events_dropped"), 0
+    )
+    text = render_prometheus({"tiers": [], "routes": [], "chain": chain, "tenants": shown})
+    assert 'tierd_namespaces{tenant="#2"} 3.0' in text
+    assert 'tierd_namespaces{tenant="alpha"} 3.0' in text
+    rows = {r["name"]: r["namespaces"] for r in status_page._tenant_rows(shown)}
+    assert rows == {"alpha": 3, "#2": 3}

@@ -133,7 +133,9 @@ class _SnapshotCollector(Collector):
             "tierd_namespaces", "Namespaces holding blocks or used", labels=["tenant"]
         )
         for name, snapshot in sorted(tenants.items()):
-            count.add_metric([name], len(snapshot.get("namespaces", ())))
+            # A tenant whose namespaces are folded into one row says how many there are.
+            n = snapshot.get("namespace_count", len(snapshot.get("namespaces", ())))
+            count.add_metric([name], n)
         blocks = GaugeMetricFamily(
             "tierd_namespace_blocks",
             "Blocks a namespace holds in a tier (top N namespaces by bytes, then 'other')",

@@ -3,7 +3,9 @@
 :mod:`tierd.daemon.lifecycle` holds :class:`Daemon` (start-up, serving, shutdown, in the
 order its docstring gives) and :func:`run_daemon`; :mod:`tierd.daemon.tenants` opens each
 tenant's chain and says who is which; :mod:`tierd.daemon.metrics_http` serves the
-Prometheus endpoint; :mod:`tierd.daemon.service` is what a service manager sees:
+Prometheus endpoint and the status page (:mod:`tierd.daemon.status_page`), each asker shown
+what its uid may see (:mod:`tierd.daemon.http_peer`: the uid from the kernel's TCP socket
+table); :mod:`tierd.daemon.service` is what a service manager sees:
 ``sd_notify``, the pid file, the logs.
 """
 

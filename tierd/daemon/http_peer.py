@@ -87,22 +87,14 @@ def shown_stats(stats: dict[str, Any], view: View) -> dict[str, Any]:
 
 
 def _totals(part: dict[str, Any]) -> dict[str, Any]:
+    """A hidden tenant's figures: its namespaces added up into one row named ``other``
+    (as the metrics name those past the top N), and ``namespace_count`` how many there
+    are (the metrics' ``tierd_namespaces`` and the page's count take it over the rows)."""
     if "namespaces" not in part:
         return part
-    return {**part, "namespaces": _Folded(part["namespaces"])}
-
-
-class _Folded(list[dict[str, Any]]):
-    """A hidden tenant's namespaces: one row adding them all up, named ``other`` (as the
-    metrics name those past the top N), whose ``len`` is still how many there are (the
-    metrics' ``tierd_namespaces`` and the page count them with ``len``)."""
-
-    def __init__(self, rows: list[dict[str, Any]]) -> None:
-        super().__init__([_added_up(rows)] if rows else [])
-        self.total = len(rows)
-
-    def __len__(self) -> int:
-        return self.total
+    rows = part["namespaces"]
+    folded = [_added_up(rows)] if rows else []
+    return {**part, "namespaces": folded, "namespace_count": len(rows)}
 
 
 def _added_up(rows: list[dict[str, Any]]) -> dict[str, Any]:

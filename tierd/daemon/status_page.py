@@ -240,7 +240,7 @@ def _tenant_rows(tenants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             "used": {t["name"]: t["used"] for t in snapshot["tiers"]},
             "quota": {t["name"]: t["capacity"] for t in snapshot["tiers"]},
             "hit_ratio": snapshot["chain"]["hit_ratio"],
-            "namespaces": len(snapshot.get("namespaces", ())),
+            "namespaces": snapshot.get("namespace_count", len(snapshot.get("namespaces", ()))),
             **snapshot["leases"],
         }
         for name, snapshot in tenants.items()
