@@ -9,7 +9,7 @@
   A load waits at most ``load_wait_s`` on blocks another client is still writing.
 - **Inline**: ``put`` and ``get`` carry the bytes in the messages (``get`` at most what
   fits in one frame). A get's blocks are copied out while pinned, encoded for the reply
-  as they are copied (:func:`~tierd.control.protocol.encode_bins`), 256 KiB a turn of
+  as they are copied (:func:`~tierd.control.frame_pieces.encode_bins`), 256 KiB a turn of
   the loop, then unpinned 512 a turn, and the session writes the reply a piece a turn
   (``frame_in_pieces``): copied, packed and written at once, a 4,096-key get of 16 KiB
   blocks (64 MiB) held the loop 200-300 ms.
@@ -28,17 +28,15 @@ from tierd.chain import LoadHandle, StoreHandle, TierChain
 from tierd.chain.core import TOUCH_PIECE
 from tierd.chain.loads import LOAD_PIECE
 from tierd.control.context import ServerContext
+from tierd.control.frame_pieces import PIECE_BYTES, EncodedBins, encode_bins
 from tierd.control.lease_ends import Lease, finish, finish_in_pieces, small
 from tierd.control.leases import Hold, Leases
 from tierd.control.namespaces import NamespaceFigures
 from tierd.control.protocol import (
-    PIECE_BYTES,
-    EncodedBins,
     ErrorCode,
     bool_field,
     bool_list_field,
     bytes_list_field,
-    encode_bins,
     int_field,
     opt_seconds_field,
 )

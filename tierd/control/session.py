@@ -45,6 +45,7 @@ from tierd.chain import LookupResult, TierChain
 from tierd.control.block_requests import LOADED_FROM, BlockRequests
 from tierd.control.context import ServerContext
 from tierd.control.event_stream import EventStream
+from tierd.control.frame_pieces import EncodedBins, frame_in_pieces
 from tierd.control.hello import answer_hello, open_size, size_to_open
 from tierd.control.kv_requests import KvRequests
 from tierd.control.leases import Leases
@@ -53,11 +54,9 @@ from tierd.control.namespaces import NamespaceFigures
 from tierd.control.operator_requests import OperatorRequests
 from tierd.control.protocol import (
     FRAME_PIECE,
-    EncodedBins,
     ErrorCode,
     error_code_of,
     error_reply,
-    frame_in_pieces,
     int_field,
     prefixed_keys,
 )
