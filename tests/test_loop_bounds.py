@@ -76,6 +76,20 @@ def tenant_of(daemon: Daemon) -> Tenant:
     return daemon.server.ctx.tenants.tenants[0]
 
 
+def turns_given(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[int]:
+    """Count the turns ``module`` gives the loop (its ``next_turn`` calls), from now on:
+    ``[count]``, reset by the caller as it likes."""
+    given = [0]
+    real_turn = module.next_turn
+
+    async def counted() -> None:
+        given[0] += 1
+        await real_turn()
+
+    monkeypatch.setattr(module, "next_turn", counted)
+    return given
+
+
 @contextmanager
 def loop_turns() -> Iterator[list[int]]:
     """Count the turns of the event loop: a coroutine that yields once per turn."""
@@ -228,15 +242,7 @@ async def test_a_describe_of_big_descriptions_takes_a_bounded_share_of_each_turn
     request is still answered first."""
     from tierd.control import kv_requests
 
-    turns = 0
-    real_turn = kv_requests.next_turn
-
-    async def counted() -> None:
-        nonlocal turns
-        turns += 1
-        await real_turn()
-
-    monkeypatch.setattr(kv_requests, "next_turn", counted)
+    given = turns_given(monkeypatch, kv_requests)
     events = {"enabled": True, "endpoint": f"ipc://{tmp_path}/kv.pub", "replay_endpoint": None}
     keys = names("big-described", 64)
     size = 16384
@@ -257,7 +263,7 @@ async def test_a_describe_of_big_descriptions_takes_a_bounded_share_of_each_turn
         )
         assert described["kept"] == len(keys) and mine["count"] == 1
         # A turn between pieces, checked then kept: twice as many as the pieces, less one.
-        assert turns >= 2 * pieces - 1 >= 2 * 31
+        assert given[0] >= 2 * pieces - 1 >= 2 * 31
 
 
 async def test_a_load_in_pieces_still_pins_exactly_its_leading_run(tmp_path: Path) -> None:

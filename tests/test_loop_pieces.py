@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import msgpack
 import pytest
 
-from tests.test_loop_bounds import BLOCK, answered_first, connect, names, rows_of
+from tests.test_loop_bounds import BLOCK, answered_first, connect, names, rows_of, turns_given
 from tierd.client import Client, DaemonError
 from tierd.control.frame_pieces import PIECE_BYTES, EncodedBins, encode_bins, frame_in_pieces
 from tierd.control.protocol import encode
@@ -332,15 +332,7 @@ async def test_a_flush_and_a_clear_walk_a_big_tier_a_piece_a_turn(
     index a turn."""
     from tierd.chain import core
 
-    turns = 0
-    real_turn = core.next_turn
-
-    async def counted() -> None:
-        nonlocal turns
-        turns += 1
-        await real_turn()
-
-    monkeypatch.setattr(core, "next_turn", counted)
+    turns = turns_given(monkeypatch, core)
     blocks = 5 * 4096
     async with serve(tmp_path, cpu_blocks=blocks, disk_blocks=2 * blocks) as daemon:
         async with await connect(daemon, "ns") as writer:
@@ -349,13 +341,13 @@ async def test_a_flush_and_a_clear_walk_a_big_tier_a_piece_a_turn(
                 part = keys[start : start + 4096]
                 assert await writer.store(part, rows_of(part)) == len(part)
         async with await connect(daemon, None) as operator:
-            turns = 0
+            turns[0] = 0
             flushed = await operator.flush()
             assert flushed.copied == blocks
-            assert turns >= 2 * (blocks // 4096)  # the copy's scan and the count's, in pieces
-            turns = 0
+            assert turns[0] >= 2 * (blocks // 4096)  # the copy's scan and the count's, in pieces
+            turns[0] = 0
             assert (await operator.clear(tier="cpu")) == blocks
-            assert turns >= blocks // 4096 - 1
+            assert turns[0] >= blocks // 4096 - 1
 
 
 # -- gets: a 64 MiB reply -----------------------------------------------------------------

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from redis_kit import redis_server
 
+import tierd.control.region_copy as region_copy
 from tests.test_daemon_api import (
     _watch_connections,
     connect_watched,
@@ -58,12 +59,7 @@ async def connect(daemon: Daemon, namespace: str | None = NS) -> Client:
 # (write() is refused). Mapped with libc's mmap: Python's keeps a duplicate descriptor,
 # and the tests count the descriptors of a memfd.
 _OWN: dict[int, tuple[int, int]] = {}
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.mmap.restype = ctypes.c_void_p
-_LIBC.mmap.argtypes = [
-    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
-]  # fmt: skip
-_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_LIBC = region_copy._libc()  # mmap and munmap with their types declared
 
 
 @contextmanager

@@ -191,8 +191,11 @@ async def _size_classes(
             try:
                 await asyncio.to_thread(shutil.rmtree, directory)
             except OSError as exc:
-                log.warning("a given-back size's slab cannot be removed", path=str(directory),
-                            error=exc.strerror or str(exc))  # fmt: skip
+                log.warning(
+                    "a given-back size's slab cannot be removed",
+                    path=str(directory),
+                    error=exc.strerror or str(exc),
+                )
         if sizes is not None:
             await rerecord(sizes)
         log.info(
