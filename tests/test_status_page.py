@@ -147,6 +147,26 @@ async def test_errors_are_listed_as_they_grow(tmp_path: Path, spawn: Spawn) -> N
     assert await daemon.stop() == 0
 
 
+async def test_a_full_disk_tier_evicting_is_no_error(tmp_path: Path, spawn: Spawn) -> None:
+    """Issue 61, item 4: the last tier's evictions counted as "dirty blocks dropped" and
+    kept the page's recent errors red on a healthy node. They are traffic: not listed."""
+    port = free_port()
+    config = daemon_config(tmp_path, cpu_blocks=4, disk_blocks=8, metrics={"http_port": port})
+    config["metrics"]["cache"] = 0
+    daemon = await spawn(config)
+    assert (await status_json(port))["recent_errors"] == []
+    names = keys("evicted", 32)  # four times the disk tier
+    async with await daemon.connect() as client:
+        for start in range(0, len(names), 4):
+            part = names[start : start + 4]
+            assert await client.store(part, [block(k) for k in part]) == 4
+        stats = await client.stats()
+    assert stats["tiers"][1]["dropped"] > 0  # the disk tier evicted, with nothing below
+    page = await status_json(port)
+    assert page["recent_errors"] == [], page["recent_errors"]
+    assert await daemon.stop() == 0
+
+
 async def test_the_page_answers_only_a_loopback_host(tmp_path: Path, spawn: Spawn) -> None:
     """DNS rebinding: a web page's own name resolving to 127.0.0.1 must not read the
     page's figures through a browser on this machine."""

@@ -175,8 +175,11 @@ def _error_counters(stats: dict[str, Any]) -> Iterator[tuple[str, int]]:
     for reason, n in server.get("dropped", {}).items():
         yield f"connections dropped: {reason}", n
     for tier in stats["tiers"]:
+        # A tier's dropped blocks are not here: the last tier's evictions (with no level
+        # below) and the admission policy's refusals count there, traffic of a healthy
+        # node (31,479 in one run kept the page red); a copy down that failed is an
+        # error, and is one of its route's failed copies below.
         yield f"tier {tier['name']}: I/O errors", tier["io_errors"]
-        yield f"tier {tier['name']}: dirty blocks dropped", tier["dropped"]
     for route in stats["routes"]:
         yield f"route {route['src']} -> {route['dst']}: failed copies", route["failures"]
     yield "events dropped", stats["chain"]["events_dropped"]
