@@ -64,6 +64,19 @@ def test_every_problem_of_a_file_is_reported_at_once(
     assert not [line for line in lines if any(word in line for word in PYDANTIC_WORDS)]
 
 
+def test_a_value_the_message_names_is_not_repeated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 61, item 9: "policy 'lur' is not one of: arc, duel, lru (got 'lur')"."""
+    tier = {**cpu(), "policy": "lur"}
+    data = {"block_bytes": 4096, "socket": {"path": short_socket_path()}, "tiers": [tier]}
+    path = write(tmp_path, data)
+    status, lines = check(path, capsys, "--offline")
+    assert status == EXIT_CONFIG
+    (line,) = [line for line in lines if line.startswith("tiers.0.policy")]
+    assert line == "tiers.0.policy: policy 'lur' is not one of: arc, duel, lru", line
+
+
 @pytest.mark.parametrize(
     ("data", "expected"),
     [

@@ -100,10 +100,10 @@ def format_validation_error(
             known = list(found.model_fields) if found is not None else []
             parent = "".join(f"{part}." for part in loc[:-1])
             message, quiet = f"not a setting{close_matches(loc[-1], known, parent)}", True
+        shown = "" if quiet else _shown(got)
+        said = quiet or shown in message  # the message names the value already
         lines.append(
-            problem_line(
-                ".".join(loc), message + ("" if quiet else f" (got {_shown(got)})"), sources
-            )
+            problem_line(".".join(loc), message + ("" if said else f" (got {shown})"), sources)
         )
     return "\n".join(lines)
 
