@@ -122,6 +122,26 @@ async def test_inspect_finds_a_key_copied_from_events(
     assert "cpu (CPU)" in found.stdout
 
 
+async def test_inspect_reads_a_long_hex_key_as_hex_and_refuses_an_unknown_namespace(
+    tmp_path: Path, spawn: Spawn
+) -> None:
+    """Issue 61, item 9: a 32-byte key given as its 64 hex digits (too long as text) was
+    answered ``bad_key: ... bin of 1 to 56 bytes``; a namespace the daemon never heard of
+    was "not held" with exit 0."""
+    cfg = daemon_config(tmp_path, cpu_blocks=8, disk_blocks=None, block_bytes=BLOCK)
+    daemon = await spawn(cfg)
+    key = bytes(range(32))
+    async with await Client.connect(daemon.socket_path, namespace="ns") as client:
+        await client.store([key], [bytes(BLOCK)])
+    found = await tierd("inspect", key.hex(), "--socket", daemon.socket_path, "--namespace", "ns")
+    assert found.returncode == 0, found.stderr
+    assert "cpu (CPU)" in found.stdout and "read as hex" in found.stdout
+    unknown = await tierd("inspect", "k", "--socket", daemon.socket_path, "--namespace", "nope")
+    assert unknown.returncode == 1, unknown
+    assert "namespace nope is not known to this daemon" in unknown.stderr
+    assert "Traceback" not in unknown.stderr
+
+
 async def test_inspect_without_a_namespace_says_how_to_name_one(tmp_path: Path) -> None:
     done = await tierd("inspect", "prompt-1", "--socket", str(tmp_path / "none.sock"))
     assert done.returncode == 2

@@ -21,6 +21,7 @@ import argparse
 import functools
 import json
 import re
+import sys
 import time
 from typing import Any
 
@@ -28,6 +29,8 @@ from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, Command, UsageError
 from tierd.cli.connection import add_socket_options, talks_to_daemon, with_client
 from tierd.cli.control_text import duration, namespace_table
 from tierd.client import Client
+from tierd.control.protocol import NAMESPACE_ID_BYTES
+from tierd.keys import MAX_KEY_BYTES
 
 __all__ = ["COMMANDS"]
 
@@ -92,15 +95,26 @@ def _run_inspect(args: argparse.Namespace) -> int:
     key, where = _inspected(args)
 
     async def ask(client: Client) -> dict[str, Any]:
-        found = await client.inspect(key, **where)
-        if found["tiers"] or args.hex or not _is_hex(args.key):
+        as_text = len(key) <= MAX_CLIENT_KEY_BYTES  # longer: a key only as hex
+        if args.hex or not _is_hex(args.key):
+            return await client.inspect(key, **where)
+        found = await client.inspect(key, **where) if as_text else None
+        if found is not None and found["tiers"]:
             return found
         # Held nowhere as text, but it reads as hex: the form `events --namespace` prints.
         as_hex = await client.inspect(bytes.fromhex(args.key), **where)
-        return {**as_hex, "read_as": "hex"} if as_hex["tiers"] else found
+        return {**as_hex, "read_as": "hex"} if as_hex["tiers"] or found is None else found
 
     found = with_client(args, ask)
     print(json.dumps(found) if args.json else _inspect_text(args.key, found))
+    if found.get("namespace_known") is False:
+        name = args.namespace or args.namespace_id or found["namespace_id"]
+        print(
+            f"tierd: namespace {name} is not known to this daemon: `tierd namespaces` lists"
+            " the ones it knows",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
     return EXIT_OK
 
 
@@ -124,6 +138,9 @@ def _inspected(args: argparse.Namespace) -> tuple[bytes, dict[str, Any]]:
     if args.namespace is None:
         where["namespace_id"] = namespace_id
     return key, where
+
+
+MAX_CLIENT_KEY_BYTES = MAX_KEY_BYTES - NAMESPACE_ID_BYTES  # a key, past its namespace id
 
 
 def _is_hex(text: str) -> bool:

@@ -170,6 +170,8 @@ class NamespaceRequests:
             "bytes": found[0]["block_bytes"] if found else 0,
             "tiers": found,
             "namespace_last_used": figures.last_used if figures and figures.last_used else None,
+            # Whether any tenant asked knows the namespace (named it, or holds its blocks).
+            "namespace_known": any(namespace_id in t.book.figures for t in tenants),
         }
 
     async def delete(self, msg: dict[str, Any]) -> Reply:
