@@ -106,3 +106,22 @@ def test_client_demo_honours_tierd_socket_and_says_one_line_when_unreachable() -
     assert done.stdout == ""
     (line,) = done.stderr.splitlines()  # one line, no traceback
     assert line.startswith(f"client_demo: cannot reach tierd at {path}: ")
+
+
+def test_simulate_takes_the_traces_first_requests_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 61, item 9: ``replay`` had ``--limit`` and ``simulate`` did not."""
+    path = tmp_path / "t.jsonl"
+    lines = [
+        json.dumps({"timestamp": i, "input_length": 16, "output_length": 1, "hash_ids": [i, i + 1]})
+        for i in range(10)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    assert main(["simulate", str(path), "--limit", "4", "--capacity", "100", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["requests"], result["unique_blocks"], result["block_accesses"]) == (4, 5, 8)
+    with pytest.raises(SystemExit) as refused:  # argparse's usage error
+        main(["simulate", str(path), "--limit", "0"])
+    assert refused.value.code == 2
+    assert "--limit: must be at least 1" in capsys.readouterr().err

@@ -80,3 +80,11 @@ def size_argument(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
+
+
+def count_argument(text: str) -> int:
+    """A command-line count of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierd.cli.base import EXIT_OK, Command, UsageError, require_config_file
+from tierd.cli.base import EXIT_OK, Command, UsageError, count_argument, require_config_file
 from tierd.cli.curve_cmd import check_curve_args, run_curve
 from tierd.cli.disk_notice import announce, chain_disks
 from tierd.cli.progress import (
@@ -71,6 +71,9 @@ def _configure_simulate(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="with --curve: draw it into this PNG file, or into DIR/curve.png for a directory",
     )
+    parser.add_argument(
+        "--limit", type=count_argument, metavar="N", help="only the trace's first N requests"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_warm_option(parser)
     add_progress_option(parser)
@@ -90,6 +93,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.warm is not None and (args.config is None or args.curve):
         raise UsageError("--warm applies to --config (a chain's what-if) only")
     trace = load_trace(args.trace)
+    if args.limit is not None:
+        trace = trace.first(args.limit)
     if args.curve:
         return run_curve(args, trace)
     if args.config is not None:

@@ -54,6 +54,7 @@ from tierd.cli.base import (
     EXIT_UNREACHABLE,
     Command,
     UsageError,
+    count_argument,
     require_config_file,
     size_argument,
 )
@@ -98,7 +99,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--clients",
-        type=_positive,
+        type=count_argument,
         default=1,
         help="workers, each with requests under way; their calls take turns in a fixed "
         "order, so the same command gives the same figures",
@@ -123,7 +124,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--block-bytes", type=size_argument, help="must match the daemon's (default: the daemon's)"
     )
-    parser.add_argument("--limit", type=_positive, help="replay only the first N requests")
+    parser.add_argument("--limit", type=count_argument, help="replay only the first N requests")
     parser.add_argument(
         "--namespace",
         help="the daemon namespace to use (default: a fresh one per run, so it starts cold)",
@@ -132,13 +133,6 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, metavar="DIR", help="write summary.json and plots")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_progress_option(parser)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _speed(text: str) -> float:

@@ -85,6 +85,14 @@ class Trace:
     def __iter__(self) -> Iterator[TraceRequest]:
         return iter(self.requests)
 
+    def first(self, count: int) -> Trace:
+        """The trace of its first ``count`` requests (itself when it has no more)."""
+        if count >= len(self.requests):
+            return self
+        requests = self.requests[:count]
+        keys = [key for request in requests for key in request.keys]
+        return Trace(requests, len(set(keys)), len(keys), self.source)
+
     def key_lists(self) -> list[tuple[BlockKey, ...]]:
         """Each request's keys, in order: what a replay loop iterates over."""
         return [request.keys for request in self.requests]
