@@ -446,20 +446,35 @@ async def test_a_writer_stopped_past_its_lease_never_writes_into_another_engines
     b.open("frozen-b", frozen_spec(daemon.socket_path, "model-b"))
     for seed in (300, 301):  # the CPU tier's first two thirds, ready
         assert b.write("frozen-b", seed=seed, pages=FROZEN_PAGES)["stored_pages"] == FROZEN_PAGES
-    writing = asyncio.create_task(
-        asyncio.to_thread(a.write, "frozen-w", seed=302, pages=FROZEN_PAGES, freeze_after=100)
-    )
-    try:
+    writing = None
+    for seed in (302, 304, 306):  # bounded: until the writer stops under a lease
+        writing = asyncio.create_task(
+            asyncio.to_thread(a.write, "frozen-w", seed=seed, pages=FROZEN_PAGES, freeze_after=100)
+        )
         await until(a.stopped, "the writer stopped in the middle of its copy")
+        if await _leased(daemon.socket_path):
+            break
+        # Stopped outside a lease (a copy SGLang made without one): not this test's case.
+        os.kill(a.proc.pid, signal.SIGCONT)
+        await asyncio.wait_for(writing, LIVENESS_S)
+        writing = None
+    assert writing is not None, "the writer never stopped in the middle of a leased copy"
+    try:
         try:
             await until(
                 lambda: _expired(daemon.socket_path),
                 "the writer's store lease expired",
                 within_s=FROZEN_TTL_S + 10,
             )
-        except AssertionError as exc:  # say what the daemon counted instead
+        except AssertionError as exc:  # say what the daemon counted, and the writer did
             figures = await lease_figures(daemon.socket_path)
-            raise AssertionError(f"{exc}: (expired, quarantined) = {figures}") from None
+            os.kill(a.proc.pid, signal.SIGCONT)
+            late = await asyncio.wait_for(writing, LIVENESS_S)
+            said = a.ask("log")["tierd_logs"][-12:]
+            raise AssertionError(
+                f"{exc}: (expired, quarantined) = {figures}; the write: {late};"
+                f" tierd's last lines in the writer: {said}"
+            ) from None
         # The second engine's pages go into the last free slots the tier has.
         assert b.write("frozen-b", seed=303, pages=FROZEN_PAGES)["stored_pages"] == FROZEN_PAGES
     finally:
@@ -475,6 +490,12 @@ async def test_a_writer_stopped_past_its_lease_never_writes_into_another_engines
     assert await lease_figures(daemon.socket_path) == (1, 0)
     for name, engines in (("frozen-w", a), ("frozen-b", b), ("frozen-r", b)):
         engines.ask("close", name)
+
+
+async def _leased(socket_path: str) -> bool:
+    """Whether some client holds blocks in a lease now (a stopped writer's copy)."""
+    stats = await daemon_stats(socket_path)
+    return int(stats["leases"]["leases_held_blocks"]) > 0
 
 
 async def _expired(socket_path: str) -> bool:
