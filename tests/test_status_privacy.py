@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from tests.test_daemon_lifecycle import DEADLINE_S, Spawn, free_port, spawn
+from tests.test_status_page import raw_get as page_get
 from tests.test_tenants import tenants_config, users
 from tierd.control.prometheus import render_prometheus
 from tierd.daemon import metrics_http, status_page
@@ -143,13 +144,9 @@ def root_pages(port: int) -> dict[str, tuple[str, str]]:
 
 
 def raw_get(port: int, path: str) -> tuple[str, str]:
-    with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S) as conn:
-        conn.sendall(f"GET {path} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
-        reply = b""
-        while chunk := conn.recv(65536):
-            reply += chunk
-    head, _, body = reply.partition(b"\r\n\r\n")
-    return head.split(b"\r\n", 1)[0].decode(), body.decode()
+    """The status line and body (text) of ``GET path``, sent as a browser at the port."""
+    status, body = page_get(port, path, f"127.0.0.1:{port}")
+    return status, body.decode()
 
 
 # -- who sees what ---------------------------------------------------------------------------
