@@ -253,6 +253,7 @@ async def run(dynamo_python: str, work: Path) -> dict[str, Any]:
         "enabled": True,
         "endpoint": f"tcp://127.0.0.1:{EVENTS_PORT}",
         "replay_endpoint": f"tcp://127.0.0.1:{REPLAY_PORT}",
+        "anyone_may_read": True,  # the indexer dials tcp, as a router on another host does
         "batch_s": 0.001,
     }
     config = daemon_config(work, cpu_blocks=2, disk_blocks=16, kv_events=kv)

@@ -18,6 +18,11 @@ Usage: ``python tenant_child.py UID GID SOCKET PLAN`` where PLAN is a JSON list 
   can (B per request); stored and refused counts
 - ``{"do": "region", "blocks": N, "fill": X}``: a memfd of N blocks of byte X, registered
   as a region; its id
+- ``{"do": "describe", "keys": [...], "hashes": [...]}``: describe key i as one 4-token
+  engine block of hash ``hashes[i]``; how many descriptions were kept
+- ``{"do": "events", "endpoint": E, "wait_ms": T}``: subscribe to a KV-event stream (an
+  ``ipc://`` path is first tried as a plain Unix socket: its error, if any) and read for
+  ``T`` ms; the engine block hashes of the ``BlockStored`` events heard
 - ``{"do": "region_store" | "region_load", "region": R, "keys": [...], "rows": [...]}``:
   the job, key i at block row ``rows[i]`` of the region; per key, False or (a load) the
   byte the row is made of afterwards
@@ -28,14 +33,19 @@ A step that fails with a daemon error gives ``{"error": CODE, "message": ...}``.
 from __future__ import annotations
 
 import asyncio
+import errno
 import glob
 import json
 import mmap
 import os
+import socket
 import sys
+import time
 from typing import Any
 
+import msgpack
 import numpy  # noqa: F401  (regions import it when used: as root, before dropping to UID)
+import zmq
 
 from tierd.client import Client, DaemonError, Unreachable
 
@@ -77,6 +87,8 @@ async def step(client: Client | None, socket_path: str, plan: dict[str, Any]) ->
         opened = [p for p in [*names, *plan.get("paths", [])] if try_open(p)]
         shm = [os.path.basename(p) for p in glob.glob("/dev/shm/tierd*")]
         return {"opened": opened, "listing_denied": listing_denied, "shm": shm}
+    if do == "events":
+        return heard(plan["endpoint"], plan["wait_ms"])  # blocking: this process waits only on it
     assert client is not None, "connect first"
     keys = [key(k) for k in plan.get("keys", [])]
     if do == "store":
@@ -95,6 +107,12 @@ async def step(client: Client | None, socket_path: str, plan: dict[str, Any]) ->
                 fields[name] = [key(v) for v in value] if isinstance(value, list) else key(value)
         reply = await client.request(plan["name"], **fields)
         return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+    if do == "describe":
+        described = [
+            {"hashes": [h], "parent": None, "tokens": [1, 2, 3, 4], "block_size": 4}
+            for h in plan["hashes"]
+        ]
+        return await client.describe(keys, described)
     if do == "scribble":
         pool = client.require_pool()
         view = pool._view  # the whole mapping, every slot and the gaps between
@@ -113,6 +131,32 @@ async def step(client: Client | None, socket_path: str, plan: dict[str, Any]) ->
                 refused += 1
         return {"stored": stored, "refused": refused}
     raise SystemExit(f"unknown step {do!r}")
+
+
+def heard(endpoint: str, wait_ms: int) -> Any:
+    if endpoint.startswith("ipc://"):
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(endpoint[len("ipc://") :])
+        except OSError as exc:
+            return {"error": errno.errorcode.get(exc.errno or 0, str(exc))}
+        finally:
+            probe.close()
+    ctx = zmq.Context()
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint)
+        hashes: list[Any] = []
+        deadline = time.monotonic() + wait_ms / 1000
+        while (left := deadline - time.monotonic()) > 0:
+            if sub.poll(int(left * 1000) + 1):
+                for event in msgpack.unpackb(sub.recv_multipart()[2])[1]:
+                    if event.get("type") == "BlockStored":
+                        hashes += event["block_hashes"]
+        return {"stored": hashes}
+    finally:
+        ctx.destroy(linger=0)
 
 
 async def region_step(client: Client, plan: dict[str, Any]) -> Any:

@@ -26,9 +26,7 @@ BS = 4  # tokens per engine block
 
 def _config(tmp_path: Path, **kv: Any) -> dict[str, Any]:
     section = {
-        "enabled": True,
-        "endpoint": "tcp://127.0.0.1:0",
-        "replay_endpoint": "tcp://127.0.0.1:0",
+        "enabled": True,  # each tenant's own ipc sockets, beside the control socket
         "topic": "kv@node:n1@m",
         "batch_s": 0.001,
         **kv,

@@ -236,7 +236,7 @@ def test_every_operation_has_a_row() -> None:
 @asynccontextmanager
 async def bench(tmp_path: Path, blocks: int) -> AsyncIterator[Bench]:
     os.mkdir(tmp_path)
-    events = {"enabled": True, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": None}
+    events = {"enabled": True}
     cfg = daemon_config(
         tmp_path,
         cpu_blocks=blocks + 4 * BURST,

@@ -106,7 +106,7 @@ async def test_tierd_events_carry_the_hashes_and_tokens_vllm_published(
     tiny_model: Path,
     prompt_file: Path,  # noqa: F811
 ) -> None:
-    kv = {"enabled": True, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}
+    kv = {"enabled": True}
     config = daemon_config(
         tmp_path, cpu_blocks=64, disk_blocks=None, block_bytes=per_chunk * ROW_BYTES, kv_events=kv
     )

@@ -105,8 +105,7 @@ def test_book_keeps_at_most_its_capacity(tmp_path: Path) -> None:
 async def test_describer_describes_known_chunks_only_and_the_daemon_publishes_them(
     tmp_path: Path,
 ) -> None:
-    kv = {"enabled": True, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}
-    kv["batch_s"] = 0.001
+    kv = {"enabled": True, "batch_s": 0.001}
     config = daemon_config(tmp_path, cpu_blocks=4, disk_blocks=None, kv_events=kv)
     with _book(tmp_path) as (pub, book):
         pub.send_multipart([b"", b"\0" * 8, _batch(_stored([11, 12], None, 0))])

@@ -59,8 +59,13 @@ def stats_text(stats: dict[str, Any], as_json: bool) -> str:
         )
     kv = stats.get("kv_events")
     if kv:
+        where = (
+            f"{kv['endpoint']} (replay {kv['replay_endpoint'] or 'off'})"
+            if "endpoint" in kv
+            else f"on {len(kv['streams'])} streams, one a tenant ({', '.join(kv['streams'])})"
+        )
         parts.append(
-            f"kv events {kv['endpoint']} (replay {kv['replay_endpoint'] or 'off'}),"
+            f"kv events {where},"
             f" incarnation {kv['incarnation']}: {kv['events']:,} events,"
             f" {kv['dropped_batches']:,} batches dropped, {kv['undescribed']:,} blocks not"
             f" described, {kv['described']:,} descriptions kept"

@@ -282,6 +282,11 @@ class DaemonConfig(ChainConfig):
         unknown = [n for n in self.kv_events.tenants if n != "*" and n not in names]
         if unknown:
             raise error_at("kv_events.tenants", f"no tenant named {', '.join(map(repr, unknown))}")
+        order = [t.name for t in self.tenants] or [DEFAULT_TENANT]
+        published = [name for name in order if self.kv_events.publishes(name)]
+        problems = self.kv_events.problems(published, self.socket.path.parent)
+        if problems:
+            raise errors_at(problems)
         return self
 
     def tenant_blocks(self) -> dict[str, dict[str, int]]:

@@ -11,9 +11,12 @@
   over a second); all are checked before any is kept.
 - ``blocks_held``: the existence query of routers that ask instead of listen: lists of
   engine block hashes in (one list per request, prefix order), for each the number of
-  leading blocks the node holds and the medium of each. A tenant's connection asks its own
-  tenant's blocks; an operator's connection without a namespace asks every published
-  tenant's (or the one ``tenant`` names), and gets, per request, the longest answer.
+  leading blocks the node holds and the medium of each, in one tenant's blocks: a tenant's
+  connection asks its own tenant's; an operator's connection without a namespace asks the
+  one ``tenant`` names (it may leave it out when one tenant is published). A tenant's
+  descriptions credit only its own blocks: answering for every tenant at once, a tenant
+  that described its blocks with another's hashes made the node look as if it held the
+  other's prefix.
 """
 
 from __future__ import annotations
@@ -90,17 +93,14 @@ class KvRequests:
 
     def blocks_held(self, msg: dict[str, Any]) -> Reply:
         requests = _requests(msg, self.ctx.max_keys)
-        tenants = self._asked(msg)
-        answers: list[list[str]] = []
-        for hashes in requests:
-            best: list[str] = []
-            for t in tenants:
-                media = t.book.held(hashes, t.top_medium)
-                best = media if len(media) > len(best) else best
-            answers.append(best)
+        tenant = self._asked(msg)
+        answers = [
+            [] if tenant is None else tenant.book.held(hashes, tenant.top_medium)
+            for hashes in requests
+        ]
         return {"held": [len(m) for m in answers], "media": answers}
 
-    def _asked(self, msg: dict[str, Any]) -> list[KvTenant]:
+    def _asked(self, msg: dict[str, Any]) -> KvTenant | None:
         feed = self.ctx.kv_feed
         if feed is None:
             raise ProtocolError(
@@ -110,11 +110,18 @@ class KvRequests:
         named = opt_str_field(msg, "tenant")
         grant, asker = self.asker.grant, self.asker
         if grant.operator and asker.namespace is None:
+            if named is None and len(feed.tenants) == 1:
+                (only,) = feed.tenants.values()
+                return only
             if named is None:
-                return list(feed.tenants.values())
+                names = ", ".join(map(repr, feed.tenants)) or "none"
+                raise _bad(
+                    "name the tenant whose blocks you ask for (field 'tenant'): a tenant's"
+                    f" descriptions credit only its own blocks (published: {names})"
+                )
             if named not in feed.tenants:
                 raise _bad(f"tenant {named!r} is not published (kv_events.tenants)")
-            return [feed.tenants[named]]
+            return feed.tenants[named]
         tenant = asker.tenant
         if tenant is None:
             raise ProtocolError(f"{grant.label} may not ask", code=ErrorCode.NOT_ALLOWED)
@@ -123,8 +130,7 @@ class KvRequests:
                 f"tenant {tenant.name!r} may not ask for {named!r}'s blocks",
                 code=ErrorCode.NOT_ALLOWED,
             )
-        own = feed.tenants.get(tenant.name)
-        return [] if own is None else [own]
+        return feed.tenants.get(tenant.name)
 
 
 def _requests(msg: dict[str, Any], max_keys: int) -> list[list[Any]]:

@@ -8,12 +8,14 @@ where each described block is, and turns each tier event into ``BlockStored`` /
 name it (``media``). A block that was never described is not announced (a store without
 tokens is a placeholder routers drop); it is counted in ``undescribed``.
 
-Events are gathered for ``batch_s`` (or ``max_batch_events``) and offered to the
-:class:`~tierd.kvevents.publisher.Publisher` as one batch: a sequence number each, a gap
-when the publisher's queue is full. Every start is a new incarnation: the first batch is
-``AllBlocksCleared`` (the sequence starts again at 0), and once the chains have adopted
-the blocks their disk tiers kept, the descriptions read back from disk are announced for
-the blocks held again, and dropped for the others.
+Each tenant has a stream of its own (:class:`Stream`: its
+:class:`~tierd.kvevents.publisher.Publisher`, its sockets): a tenant's descriptions credit
+only its own stream, and who may read it is the operator's choice for that tenant. Events
+are gathered for ``batch_s`` (or ``max_batch_events``) and offered to the tenant's publisher
+as one batch: a sequence number each, a gap when the publisher's queue is full. Every start
+is a new incarnation: the first batch is ``AllBlocksCleared`` (the sequence starts again at
+0), and once the chains have adopted the blocks their disk tiers kept, the descriptions read
+back from disk are announced for the blocks held again, and dropped for the others.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from tierd.chain import TierChain
     from tierd.kvevents.publisher import Publisher
 
-__all__ = ["EventFeed", "FeedSettings", "KvTenant"]
+__all__ = ["EventFeed", "FeedSettings", "KvTenant", "Stream"]
 
 log = get_logger("tierd.kvevents")
 ADOPTION_POLL_S = 0.5
@@ -55,12 +57,24 @@ class FeedSettings:
 
 
 @dataclass(slots=True)
+class Stream:
+    """One tenant's stream: its publisher and the events gathered for its next batch."""
+
+    publisher: Publisher
+    out: list[bytes] = field(default_factory=list)
+    flush: asyncio.TimerHandle | None = None
+    announced: int = 0
+
+
+@dataclass(slots=True)
 class KvTenant:
-    """One published tenant: its chain, its book (and the book's file, if kept)."""
+    """One published tenant: its chain, its book (and the book's file, if kept), its
+    stream."""
 
     name: str
     chain: TierChain
     book: DescriptorBook
+    stream: Stream
     file: BookFile | None = None
     restored: list[BlockKey] = field(default_factory=list)
     bits: dict[str, int] = field(default_factory=dict)  # tier name -> its bit
@@ -83,17 +97,11 @@ class KvTenant:
 class EventFeed:
     """Publishes the tenants' block events (see the module's docstring)."""
 
-    def __init__(
-        self, publisher: Publisher, tenants: Sequence[KvTenant], settings: FeedSettings
-    ) -> None:
-        self.publisher = publisher
+    def __init__(self, tenants: Sequence[KvTenant], settings: FeedSettings) -> None:
         self.tenants = {t.name: t for t in tenants}
         self.settings = settings
         self.incarnation = secrets.token_hex(8)
         self.undescribed = 0
-        self.announced = 0
-        self._out: list[bytes] = []
-        self._flush: asyncio.TimerHandle | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._subscriptions: list[Subscription] = []
         for tenant in tenants:
@@ -111,9 +119,9 @@ class EventFeed:
 
     def start(self) -> None:
         """On the loop: the new incarnation's first batch, then follow every chain."""
-        self.publisher.offer([wire.cleared()])
         loop = asyncio.get_running_loop()
         for tenant in self.tenants.values():
+            tenant.stream.publisher.offer([wire.cleared()])
             subscription = tenant.chain.bus.subscribe(self.settings.queue_batches)
             self._subscriptions.append(subscription)
             self._tasks.append(loop.create_task(self._follow(tenant, subscription)))
@@ -132,8 +140,8 @@ class EventFeed:
                 await task
         for subscription in self._subscriptions:
             subscription.close()
-        self._send()
         for tenant in self.tenants.values():
+            self._send(tenant.stream)
             if tenant.file is not None:
                 tenant.file.settle()  # a rewrite's parts left, at once: the book is still
                 await asyncio.to_thread(tenant.file.close)
@@ -165,7 +173,7 @@ class EventFeed:
         self._sweep(tenant)
 
     def _take(self, tenant: KvTenant, events: list[TierEvent]) -> None:
-        s, book, out = self.settings, tenant.book, self._out
+        s, book, out = self.settings, tenant.book, tenant.stream.out
         for event in events:
             bit = tenant.bit_of(event, s.media)
             medium = tenant.media[bit]
@@ -182,7 +190,7 @@ class EventFeed:
                     described = book.removed(key, bit, last=last)
                     if described is not None:
                         out.append(wire.removed(described, medium, **self._who))
-        self._sent_soon()
+        self._sent_soon(tenant.stream)
 
     @property
     def _who(self) -> dict[str, Any]:
@@ -193,13 +201,13 @@ class EventFeed:
         already (it was stored before it was described)."""
         tenant.book.put(key, entry)
         self._announce_held(tenant, key)
-        self._sent_soon()
+        self._sent_soon(tenant.stream)
 
     def _announce_held(self, tenant: KvTenant, key: BlockKey) -> None:
         for i, level in enumerate(tenant.chain.levels):
             bit = 1 << i
             if key in level.tier and (described := tenant.book.mark(key, bit)) is not None:
-                self._out.append(wire.stored(described, tenant.media[bit], **self._who))
+                tenant.stream.out.append(wire.stored(described, tenant.media[bit], **self._who))
 
     async def _settle_restored(self, tenant: KvTenant) -> None:
         """Once every level has adopted its kept blocks: announce the restored
@@ -217,42 +225,61 @@ class EventFeed:
                 self._announce_held(tenant, key)
                 if tenant.book.mask_of(key) == 0:
                     tenant.book.drop(key)
-            self._sent_soon()
+            self._sent_soon(tenant.stream)
             await next_turn()
         log.info(
             "kv events: restored descriptions settled", tenant=tenant.name, kept=len(tenant.book)
         )
 
-    def _sent_soon(self) -> None:
-        if len(self._out) >= self.settings.max_batch_events:
-            self._send()
-        elif self._out and self._flush is None:
-            self._flush = asyncio.get_running_loop().call_later(self.settings.batch_s, self._send)
+    def _sent_soon(self, stream: Stream) -> None:
+        if len(stream.out) >= self.settings.max_batch_events:
+            self._send(stream)
+        elif stream.out and stream.flush is None:
+            loop = asyncio.get_running_loop()
+            stream.flush = loop.call_later(self.settings.batch_s, self._send, stream)
 
-    def _send(self) -> None:
-        if self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
-        out, limit = self._out, self.settings.max_batch_events
-        self._out = []
+    def _send(self, stream: Stream) -> None:
+        if stream.flush is not None:
+            stream.flush.cancel()
+            stream.flush = None
+        out, limit = stream.out, self.settings.max_batch_events
+        stream.out = []
         for start in range(0, len(out), limit):
             chunk = out[start : start + limit]
-            self.announced += len(chunk)
-            self.publisher.offer(chunk)
+            stream.announced += len(chunk)
+            stream.publisher.offer(chunk)
 
     # -- figures ------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        """The totals of every stream, ``streams`` (each tenant's addresses and figures),
+        and, with one stream, its addresses and next sequence number at the top as well."""
         books = [t.book for t in self.tenants.values()]
+        streams = {
+            name: {
+                "endpoint": t.stream.publisher.endpoint,
+                "replay_endpoint": t.stream.publisher.replay_endpoint,
+                "events": t.stream.announced,
+                **t.stream.publisher.stats(),
+            }
+            for name, t in self.tenants.items()
+        }
+        totals: dict[str, Any] = {}
+        for figures in streams.values():
+            for key, value in figures.items():
+                if isinstance(value, int) and key != "sequence":
+                    totals[key] = totals.get(key, 0) + value
+        if len(streams) == 1:
+            (only,) = streams.values()
+            for key in ("endpoint", "replay_endpoint", "sequence"):
+                totals[key] = only[key]
         return {
             "incarnation": self.incarnation,
-            "endpoint": self.publisher.endpoint,
-            "replay_endpoint": self.publisher.replay_endpoint,
-            "events": self.announced,
+            **totals,
+            "streams": streams,
             "undescribed": self.undescribed,
             "bus_dropped": sum(s.dropped for s in self._subscriptions),
             "described": sum(len(b) for b in books),
             "descriptor_bytes": sum(b.bytes_used for b in books),
             "descriptors_evicted": sum(b.evicted for b in books),
-            **self.publisher.stats(),
         }

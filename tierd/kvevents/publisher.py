@@ -4,6 +4,13 @@ This module owns the two sockets and their one thread: ``offer`` (on the asyncio
 numbers, stamps and queues a batch without waiting; the thread sends it on PUB, never
 blocking, and keeps it for replay. A dropped batch still uses its number, so a subscriber
 sees the gap and asks ROUTER (frames: :mod:`tierd.kvevents.wire`).
+
+What a peer of either socket can cost the daemon is bounded: connections
+(:mod:`tierd.kvevents.peers`), replays (:mod:`tierd.kvevents.replay`), the size of any
+message it sends (a subscription, a request), and subscriptions: the PUB side is an XPUB
+that applies a subscription only when it is a prefix of the stream's topic (the only
+ones that select anything), so a peer holds at most ``len(topic) + 1`` of them, however
+many it sends (one 128 MiB subscription once cost the daemon 128 MiB).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import zmq
 
 from tierd.errors import ConfigError
 from tierd.kvevents import wire
+from tierd.kvevents.peers import MAX_MESSAGES, PeerBound
+from tierd.kvevents.replay import Kept, Replays
 from tierd.logs import get_logger
 
 __all__ = ["Publisher", "PublisherSettings"]
@@ -26,7 +35,9 @@ __all__ = ["Publisher", "PublisherSettings"]
 log = get_logger(__name__)
 
 _DROPS = ("dropped_batches", "dropped_events")
-_COUNTS = ("published_batches", "published_events", *_DROPS, "replays")
+_COUNTS = ("published_batches", "published_events", *_DROPS)
+SUBSCRIPTION_BYTES = 512  # the longest subscription message taken (a topic is 256 at most)
+RETRY_S = 0.01  # how soon the thread looks again at replays waiting on a full pipe
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,17 +48,30 @@ class PublisherSettings:
     replay_endpoint: str | None  # ROUTER bind address; None: no replay
     topic: str = ""
     buffer_batches: int = 10_000  # past batches kept for replay
+    buffer_bytes: int = 64 << 20  # and their bytes, at most
     queue_batches: int = 1024  # batches waiting for the thread; beyond: dropped
-    hwm: int = 100_000  # PUB send high-water mark (messages)
+    hwm: int = 1000  # PUB send high-water mark (batches queued for one subscriber)
     dp_rank: int | None = None
+    max_peers: int = 64  # connections to each socket at once
+    first_seq: int = 0  # the number of the first batch
+    socket_mode: int = 0o600  # of an ipc:// socket's file (connecting needs write access)
+    socket_group: int | None = None  # the group an ipc:// socket's file is given
 
 
-def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
-    """Bind ``sock``; its bound address, or the endpoint's ConfigError."""
+def _bind(sock: zmq.Socket[bytes], endpoint: str, settings: PublisherSettings) -> str:
+    """Bind ``sock`` (an ipc:// file gets its mode and group); its bound address, or the
+    endpoint's ConfigError."""
     try:
         sock.bind(endpoint)
+        if endpoint.startswith("ipc://"):
+            path = endpoint[len("ipc://") :]
+            os.chmod(path, settings.socket_mode)
+            if settings.socket_group is not None:
+                os.chown(path, -1, settings.socket_group)
     except zmq.ZMQError as exc:
         raise ConfigError(f"cannot bind KV-event endpoint {endpoint!r}: {exc.strerror}") from exc
+    except OSError as exc:
+        raise ConfigError(f"KV-event endpoint {endpoint!r}: {exc.strerror}") from exc
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
@@ -57,22 +81,33 @@ def _count(counts: dict[str, int], kind: str, events: list[bytes]) -> None:
 
 
 class Publisher:
-    """One incarnation of tierd's KV-event stream: sequence numbers start at 0."""
+    """One incarnation of a KV-event stream: its batches are numbered from ``first_seq``."""
 
     def __init__(self, settings: PublisherSettings) -> None:
         self._settings = settings
         self.endpoint, self.replay_endpoint = settings.endpoint, settings.replay_endpoint
         self._topic = settings.topic.encode()
         self._queue: deque[tuple[int, float, list[bytes]]] = deque()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=settings.buffer_batches)
+        self._kept = Kept(settings.buffer_batches, settings.buffer_bytes)
         self._counts = dict.fromkeys(_COUNTS, 0)  # the thread's
-        self._offered = dict.fromkeys(("sequence", *_DROPS), 0)  # offer's (the loop thread)
+        self._offered = dict.fromkeys(_DROPS, 0)  # offer's (the loop thread)
+        self._seq = settings.first_seq
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_MANUAL, 1)
+        self._pub.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_BYTES)
+        # ZMQ files every subscription it reads from a peer before this thread sees it:
+        # reading few at a time lets a peer that sends too many be shut down early.
+        self._pub.setsockopt(zmq.RCVHWM, MAX_MESSAGES)
         self._pub.setsockopt(zmq.SNDHWM, settings.hwm)
+        self._peers = [PeerBound(self._pub, settings.max_peers)]
         self._router = None if settings.replay_endpoint is None else self._ctx.socket(zmq.ROUTER)
+        self._replays = None
+        if self._router is not None:
+            self._replays = Replays(self._router, self._topic, self._kept)
+            self._peers.append(PeerBound(self._router, settings.max_peers))
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._woken = self._closed = self._warned = False
+        self._woken = self._closed = False
         self._deadline: float | None = None
         self._thread: threading.Thread | None = None
 
@@ -81,9 +116,13 @@ class Publisher:
         if self._thread is not None or self._closed:
             raise RuntimeError("a Publisher starts once")
         try:
-            self.endpoint = _bind(self._pub, self._settings.endpoint)
+            self.endpoint = _bind(self._pub, self._settings.endpoint, self._settings)
+            self._peers[0].bound_to(self.endpoint)
             if self._router is not None and self._settings.replay_endpoint is not None:
-                self.replay_endpoint = _bind(self._router, self._settings.replay_endpoint)
+                self.replay_endpoint = _bind(
+                    self._router, self._settings.replay_endpoint, self._settings
+                )
+                self._peers[1].bound_to(self.replay_endpoint)
         except ConfigError:
             self.close()
             raise
@@ -92,8 +131,8 @@ class Publisher:
 
     def offer(self, events: list[bytes]) -> bool:
         """Queue one batch; never blocks. False: dropped (queue full, closed), its number used."""
-        seq = self._offered["sequence"]
-        self._offered["sequence"] = seq + 1
+        seq = self._seq
+        self._seq = seq + 1
         if self._closed or len(self._queue) >= self._settings.queue_batches:
             _count(self._offered, "dropped", events)
             return False
@@ -122,10 +161,25 @@ class Publisher:
         os.close(self._wake_w)
 
     def stats(self) -> dict[str, int]:
-        """Counters since this Publisher was made (``buffered``: batches kept for replay)."""
-        stats = dict(self._counts, queued=len(self._queue), buffered=len(self._buffer))
+        """Counters since this Publisher was made (``buffered``: batches kept for replay,
+        ``peers``: connections to both sockets now, ``peers_refused``: shut down as one too
+        many)."""
+        stats = dict(
+            self._counts,
+            sequence=self._seq,
+            queued=len(self._queue),
+            buffered=len(self._kept),
+            buffered_bytes=self._kept.bytes,
+            peers=sum(len(p.live) for p in self._peers),
+            peers_refused=sum(p.refused for p in self._peers),
+            replays=0,
+            replays_refused=0,
+            replays_given_up=0,
+        )
+        if self._replays is not None:
+            stats.update(self._replays.counts)
         for key, count in self._offered.items():
-            stats[key] = stats.get(key, 0) + count
+            stats[key] += count
         return stats
 
     def _wake(self) -> None:
@@ -134,7 +188,7 @@ class Publisher:
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        for source in (self._wake_r, self._router):
+        for source in (self._wake_r, self._pub, self._router, *(p.monitor for p in self._peers)):
             if source is not None:
                 poller.register(source, zmq.POLLIN)
         try:
@@ -143,25 +197,58 @@ class Publisher:
                 self._publish_pending()
                 if self._deadline is not None:
                     return
-                ready = dict(poller.poll())
+                replays = self._replays
+                waiting = replays is not None and bool(replays.pending)
+                ready = dict(poller.poll(int(RETRY_S * 1000) if waiting else None))
                 if self._wake_r in ready:
                     os.read(self._wake_r, 4096)
-                if self._router is not None and self._router in ready:
-                    self._serve_replay(self._router)
+                for bound in self._peers:
+                    bound.take()
+                if self._pub in ready:
+                    self._subscriptions()
+                if replays is not None:
+                    if self._router in ready:
+                        replays.requests()
+                    self._publish_pending()  # a replay reaches the last batch offered
+                    replays.advance()
         except Exception:
             log.exception("KV-event thread stopped on an error; events are no longer sent")
         finally:
             self._finish()
 
+    def _subscriptions(self) -> None:
+        """Apply the (un)subscriptions waiting that select this stream's topic."""
+        while True:
+            try:
+                frame = self._pub.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                fd = frame.get(zmq.SRCFD)
+            except zmq.ZMQError:
+                continue  # ZMQ's own notice of a peer gone: it dropped its subscriptions
+            if not self._peers[0].sent_one(fd):
+                continue
+            message = frame.bytes
+            prefix = message[1:]
+            if message[:1] in (b"\x00", b"\x01") and self._topic.startswith(prefix):
+                option = zmq.SUBSCRIBE if message[:1] == b"\x01" else zmq.UNSUBSCRIBE
+                self._pub.setsockopt(option, prefix)
+
     def _publish_pending(self) -> None:
-        """Send the queued batches in order (when closing, until the deadline)."""
+        """Send the queued batches in order (when closing, until the deadline), taking
+        new subscriptions every so often (a subscriber is sent nothing before)."""
+        sent = 0
         while self._queue:
             if self._deadline is not None and time.monotonic() > self._deadline:
                 return
+            if sent % 256 == 0:
+                self._subscriptions()
+            sent += 1
             seq, ts, events = self._queue.popleft()
             try:
                 payload = wire.batch(ts, events, self._settings.dp_rank)
-                self._buffer.append((seq, payload))
+                self._kept.add(seq, payload)
                 frames = [self._topic, seq.to_bytes(8, "big"), payload]
                 self._pub.send_multipart(frames, zmq.NOBLOCK)
             except zmq.Again:  # PUB drops at its high-water mark; this is the same drop
@@ -172,28 +259,10 @@ class Publisher:
             else:
                 _count(self._counts, "published", events)
 
-    def _serve_replay(self, router: zmq.Socket[bytes]) -> None:
-        """Answer one replay request (poll reports the next one, if any, at once)."""
-        try:
-            frames = router.recv_multipart(zmq.NOBLOCK)
-            start = wire.replay_start(frames)
-            if start is None and not self._warned:  # once: a client could flood the log
-                self._warned = True
-                log.warning("malformed KV-event replay request", frames=len(frames))
-            elif start is not None:
-                self._publish_pending()
-                self._counts["replays"] += 1
-                for seq, payload in [kept for kept in self._buffer if kept[0] >= start]:
-                    answer = [frames[0], b"", self._topic, seq.to_bytes(8, "big"), payload]
-                    router.send_multipart(answer, zmq.NOBLOCK)
-            router.send_multipart([frames[0], b"", b"", wire.END_SEQ, b""], zmq.NOBLOCK)
-        except zmq.Again:
-            return  # no request after all (a stale report), or the client's pipe is full
-        except Exception:
-            log.exception("KV-event replay request not answered")
-
     def _finish(self) -> None:
         """Count what was never sent as dropped; close the sockets (linger 0) and the context."""
         while self._queue:
             _count(self._counts, "dropped", self._queue.popleft()[2])
+        for bound in self._peers:
+            bound.close()
         self._ctx.destroy(linger=0)
