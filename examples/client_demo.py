@@ -4,8 +4,9 @@
     python examples/client_demo.py load --count 64       # read them back, check every byte
 
 Block contents are derived from the key, so ``load`` can verify them even after the
-daemon was restarted. ``--socket`` defaults to ``$TIERD_SOCKET``, else the daemon's
-default socket path. Exit status: 0 ok; 1 a block missing or wrong; 3 no daemon answers.
+daemon was restarted. ``--socket`` defaults to ``$TIERD_SOCKET``, else
+``$TIERD_SOCKET__PATH`` (the daemon's own setting), else the daemon's default socket path.
+Exit status: 0 ok; 1 a block missing or wrong; 3 no daemon answers.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ async def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["store", "load"])
     parser.add_argument("--count", type=int, default=64)
-    parser.add_argument(
-        "--socket", default=os.environ.get("TIERD_SOCKET") or str(default_socket_path())
-    )
+    env = os.environ
+    socket = env.get("TIERD_SOCKET") or env.get("TIERD_SOCKET__PATH") or str(default_socket_path())
+    parser.add_argument("--socket", default=socket)
     args = parser.parse_args(argv)
     try:
         client = await Client.connect(args.socket, namespace=NAMESPACE)

@@ -1,13 +1,20 @@
-"""Shared pytest set-up: markers that skip cleanly, and the Hypothesis profiles."""
+"""Shared pytest set-up: markers that skip cleanly, the Hypothesis profiles, and an
+environment that keeps every test away from the user's own daemon."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from tierd.control.socketfile import CONFIG_ENV
+from tierd.settings import env_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_TRACE = ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
@@ -78,6 +85,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def pytest_make_collect_report(collector: pytest.Collector) -> Any:
     outcome = yield
     _forbid_engine_skip(outcome.get_result())
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _away_from_the_users_daemon() -> Iterator[Path]:
+    """A test that forgets ``--socket`` (or a client's path) finds no daemon at all,
+    rather than the user's: the default socket path (``$XDG_RUNTIME_DIR/tierd/tierd.sock``)
+    lies in a private directory; no variable names a socket (``TIERD_SOCKET``, a setting
+    such as ``TIERD_SOCKET__PATH``) or a config (``TIERD_CONFIG``); ``TIERD`` does not turn
+    tierd on inside an engine; the shipped config's disk tier
+    (``$XDG_STATE_HOME/tierd/disk``) is not the user's. Child processes inherit it all.
+    The scripts' and the suite's own variables (``TIERD_VLLM_VENV``...) stay."""
+    home = Path(tempfile.mkdtemp(prefix="tierd-tests-", dir="/tmp"))  # short: socket paths
+    settings_named = {override.source for override in env_overrides(os.environ)}
+    with pytest.MonkeyPatch.context() as patch:
+        for name in {"TIERD", "TIERD_SOCKET", CONFIG_ENV, *settings_named} & set(os.environ):
+            patch.delenv(name)
+        (home / "run").mkdir(mode=0o700)
+        patch.setenv("XDG_RUNTIME_DIR", str(home / "run"))
+        patch.setenv("XDG_STATE_HOME", str(home / "state"))
+        yield home
+    shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture

@@ -155,11 +155,14 @@ def test_a_client_command_imports_only_its_own_family() -> None:
 
 
 def test_every_family_names_exactly_its_commands() -> None:
-    """The lazy table of the command line and each family module's ``COMMANDS`` agree, so
-    no command goes missing from ``tierd --help`` or from its own invocation."""
-    from tierd.cli import FAMILY_OF, commands
+    """The lazy tables of the command line and each family module's ``COMMANDS`` agree, so
+    no command goes missing from ``tierd --help`` or from its own invocation, and ``tierd
+    --help`` says of each what its module says."""
+    from tierd.cli import FAMILY_OF, SUMMARY_OF, commands
 
     for name, family in FAMILY_OF.items():
         assert name in commands(name), f"{family} does not define {name}"
         assert set(commands(name)) == {n for n, f in FAMILY_OF.items() if f == family}
     assert list(commands()) == list(FAMILY_OF)
+    assert {name: command.help for name, command in commands().items()} == SUMMARY_OF
+    assert list(SUMMARY_OF) == list(FAMILY_OF)

@@ -8,10 +8,14 @@ serve`` does; ``check --offline`` (or ``--no-machine-checks``) skips those, for 
 meant for another machine: the schema and the cross-field rules only.
 
 ``show`` without ``-c`` or ``--set`` prints what the running daemon runs, asked over its
-socket (``--socket``, else ``$TIERD_SOCKET``, else ``$TIERD_CONFIG``'s, else the default
-path); when no daemon answers there (and ``--socket`` did not name it), what ``tierd
-serve`` would run: ``$TIERD_CONFIG``, else the shipped default config. ``-c FILE`` (or
-``--set``) prints that file's config, asking no daemon. A note on stderr says which.
+socket (``--socket``, else ``$TIERD_SOCKET``, else ``$TIERD_CONFIG``'s, else
+``$TIERD_SOCKET__PATH``, else the default path); when no daemon answers there (and
+``--socket`` did not name it), what ``tierd serve`` would run: ``$TIERD_CONFIG``, else the
+shipped default config. ``-c FILE`` (or ``--set``) prints that file's config, asking no
+daemon. A note on stderr says which.
+
+The config models, the machine checks and YAML load only where used: ``show`` asking a
+running daemon for ``--json`` needs none of them.
 """
 
 from __future__ import annotations
@@ -21,9 +25,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
-
-import yaml
+from typing import TYPE_CHECKING, Any
 
 from tierd.cli.base import EXIT_OK, Command, add_sets
 from tierd.cli.connection import (
@@ -34,10 +36,10 @@ from tierd.cli.connection import (
     with_client,
 )
 from tierd.cli.serve_cmd import serve_config_file
-from tierd.config import DaemonConfig, S3Config
-from tierd.control.socketfile import CONFIG_ENV
-from tierd.preflight import check_machine
-from tierd.settings import effective_config_dict, load_settings
+from tierd.control.socketfile import CONFIG_ENV, SOCKET_PATH_ENV
+
+if TYPE_CHECKING:
+    from tierd.config import DaemonConfig
 
 __all__ = ["COMMANDS", "describe"]
 
@@ -74,7 +76,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "--socket",
         type=Path,
         metavar="PATH",
-        help=f"the daemon to ask (default: ${SOCKET_ENV}, else the default path)",
+        help=f"the daemon to ask (default: ${SOCKET_ENV}, else ${CONFIG_ENV}'s,"
+        f" else ${SOCKET_PATH_ENV}, else the default path)",
     )
     show.add_argument(
         "--trust-uid",
@@ -88,10 +91,14 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if args.action == "check":
+        from tierd.settings import load_settings
+
         cfg = load_settings(args.file, sets=args.sets)
         if args.offline:
             print(f"ok: {args.file} ({describe(cfg)}); machine checks skipped (--offline)")
             return EXIT_OK
+        from tierd.preflight import check_machine  # the stores' probes: numpy
+
         check_machine(cfg)
         print(f"ok: {args.file} ({describe(cfg)})")
         return EXIT_OK
@@ -104,6 +111,8 @@ def _show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
     else:
+        import yaml
+
         print(yaml.safe_dump(data, sort_keys=False), end="")
     return EXIT_OK
 
@@ -111,7 +120,7 @@ def _show(args: argparse.Namespace) -> int:
 def _shown(args: argparse.Namespace) -> dict[str, Any]:
     """The config ``show`` prints (which one: see the module's docstring)."""
     if args.config is not None or args.sets:
-        return effective_config_dict(load_settings(args.config, sets=args.sets))
+        return _effective(args.config, args.sets)
     path = socket_path(args)
     try:
         data = with_client(args, lambda client: client.config())
@@ -121,9 +130,16 @@ def _shown(args: argparse.Namespace) -> dict[str, Any]:
         file = serve_config_file(None) or os.environ.get(CONFIG_ENV)
         _note(f"no daemon answers at {path}: {exc.reason}")
         _note(f"showing what `tierd serve` would run ({file})")
-        return effective_config_dict(load_settings(file))
+        return _effective(file, [])
     _note(f"the running daemon's config (at {path})")
     return data
+
+
+def _effective(file: Path | str | None, sets: list[str]) -> dict[str, Any]:
+    """The config from ``file`` and the other layers, as ``show`` prints it."""
+    from tierd.settings import effective_config_dict, load_settings
+
+    return effective_config_dict(load_settings(file, sets=sets))
 
 
 def _note(text: str) -> None:
@@ -132,6 +148,8 @@ def _note(text: str) -> None:
 
 def describe(cfg: DaemonConfig) -> str:
     """One line: ``2 tiers: cpu 4096 blocks lru, disk ...; block 256KiB; socket PATH``."""
+    from tierd.config import S3Config
+
     tiers = ", ".join(
         f"{tier.name} {tier.num_blocks(cfg.block_bytes)} blocks {tier.policy}" for tier in cfg.tiers
     )

@@ -4,10 +4,12 @@ into exit statuses.
 
 The socket, first match wins: ``--socket PATH``; the ``TIERD_SOCKET`` variable; the
 ``socket.path`` of the config named by ``-c FILE`` (else ``$TIERD_CONFIG``), read with the
-same layers as ``tierd serve``; the default path
-(:func:`tierd.config.default_socket_path`). No daemon answering on it (missing, refused,
-not allowed, or silent for :data:`CONNECT_TIMEOUT` seconds) is exit status 3; an error
-reply is 1.
+same layers as ``tierd serve`` (so ``TIERD_SOCKET__PATH`` overrides the file's); the
+``TIERD_SOCKET__PATH`` variable, which moves the daemon's socket; the default path
+(:func:`tierd.config.default_socket_path`). Past ``TIERD_SOCKET``, that is the socket
+``tierd serve`` would bind in the same environment. No daemon answering on it (missing,
+refused, not allowed, or silent for :data:`CONNECT_TIMEOUT` seconds) is exit status 3; an
+error reply is 1.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ from typing import TypeVar
 
 from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNREACHABLE
 from tierd.client import Client, DaemonError, Unreachable
-from tierd.control.socketfile import CONFIG_ENV, default_socket_path
+from tierd.control.socketfile import (
+    CONFIG_ENV,
+    SOCKET_PATH_ENV,
+    default_socket_path,
+    socket_path_setting,
+)
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -67,7 +74,7 @@ def socket_path(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         from tierd.settings import load_settings  # the config models: only when named
 
         return str(load_settings(config, environ=env).socket.path)
-    return str(default_socket_path(env))
+    return socket_path_setting(env) or str(default_socket_path(env))
 
 
 def trusted_uids(args: argparse.Namespace) -> tuple[int, ...]:
@@ -91,7 +98,8 @@ def add_socket_options(parser: argparse.ArgumentParser) -> None:
         "--socket",
         type=Path,
         metavar="PATH",
-        help=f"the daemon's control socket (default: ${SOCKET_ENV}, else the config's)",
+        help=f"the daemon's control socket (default: ${SOCKET_ENV}, else the config's,"
+        f" else ${SOCKET_PATH_ENV}, else the default path)",
     )
     parser.add_argument(
         "-c",

@@ -2,9 +2,9 @@
 ``events``, ``flush``, ``clear``, ``health`` and ``sizes``.
 
 Every one finds the socket as :mod:`tierd.cli.connection` says (``--socket``,
-``TIERD_SOCKET``, the config's ``socket.path``, the default path) and prints what
-:mod:`tierd.cli.control_text` renders. ``--json`` prints machine-readable output;
-without it the output is for people and may change.
+``TIERD_SOCKET``, the config's ``socket.path``, ``TIERD_SOCKET__PATH``, the default path)
+and prints what :mod:`tierd.cli.control_text` renders. ``--json`` prints machine-readable
+output; without it the output is for people and may change.
 
 Exit status: 0 success; 1 an error reply (an unknown tier, say) or, for ``health``, a
 daemon that is not ``ok``; 3 no daemon answers on the socket (missing, refused, not

@@ -1,7 +1,8 @@
 """``tierd engine-config vllm|sglang``: the flags to paste into an engine for this daemon.
 
 The socket is found as every client command finds it (:mod:`tierd.cli.connection`:
-``--socket``, ``TIERD_SOCKET``, the config's ``socket.path``, the default path), so the
+``--socket``, ``TIERD_SOCKET``, the config's ``socket.path``, ``TIERD_SOCKET__PATH``, the
+default path), so the
 printed flags name the socket the daemon really serves. The daemon is then asked for its
 block size: the engine's row (vLLM) or page (SGLang) must be that many bytes, which the
 engine checks at start-up, unless the daemon serves several sizes (``block_sizes``). A

@@ -9,14 +9,15 @@ every byte that comes back.
     tierd replay TRACE --compare A.yaml B.yaml [...] [--warm DIR]
 
 Without ``--config`` or ``--compare`` the replay talks to the daemon at ``--socket`` (else
-``$TIERD_SOCKET``, else the default path), in a namespace of its own, fresh for every run
-(``replay-<random>``) so that no run finds what an earlier one stored; ``--namespace NS``
-names one to reuse. ``--config`` opens the chain of a config file in this process instead;
-``--compare`` does that for each file in turn and prints the results side by side. Such a
-what-if starts cold, its disk tiers in a private temporary directory, unless ``--warm DIR``
-keeps them there between runs (:mod:`tierd.cli.whatif`). ``--out DIR`` writes ``summary.json`` (the
-:class:`~tierd.workload.replayer.ReplaySummary` as JSON) and PNG plots; with
-``--compare``, also ``compare.png`` with every config on the same axes.
+``$TIERD_SOCKET``, else ``$TIERD_SOCKET__PATH``, else the default path), in a namespace of
+its own, fresh for every run (``replay-<random>``) so that no run finds what an earlier
+one stored; ``--namespace NS`` names one to reuse. ``--config`` opens the chain of a config
+file in this process instead; ``--compare`` does that for each file in turn and prints the
+results side by side. Such a what-if starts cold, its disk tiers in a private temporary
+directory, unless ``--warm DIR`` keeps them there between runs (:mod:`tierd.cli.whatif`).
+``--out DIR`` writes ``summary.json`` (the :class:`~tierd.workload.replayer.ReplaySummary`
+as JSON) and PNG plots; with ``--compare``, also ``compare.png`` with every config on the
+same axes.
 
 ``--clients N`` workers each have a request under way; their calls to the cache take
 turns in a fixed rotation, so the same command gives the same figures every time
@@ -72,6 +73,7 @@ from tierd.cli.replay_report import (
 from tierd.cli.whatif import add_warm_option, what_if_config
 from tierd.client import DaemonError, Unreachable
 from tierd.config import ChainConfig, default_socket_path, load_config
+from tierd.control.socketfile import socket_path_setting
 from tierd.workload.backends import chain_backends, daemon_backends
 from tierd.workload.replayer import ReplayBackend, ReplayProgress, ReplaySummary, replay
 from tierd.workload.trace import Trace
@@ -242,7 +244,11 @@ def _planned(args: argparse.Namespace, trace: Trace) -> int:
 def _socket(args: argparse.Namespace) -> str:
     if args.socket is not None:
         return str(args.socket)
-    return os.environ.get(SOCKET_ENV) or str(default_socket_path())
+    return (
+        os.environ.get(SOCKET_ENV)
+        or socket_path_setting(os.environ)
+        or str(default_socket_path(os.environ))
+    )
 
 
 def _speed_of(args: argparse.Namespace) -> float | None:

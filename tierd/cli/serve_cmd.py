@@ -34,8 +34,8 @@ from tierd.cli.connection import (
     unreachable_reason,
 )
 from tierd.client import Client, DaemonError, Unreachable
+from tierd.control.socketfile import CONFIG_ENV
 from tierd.errors import AlreadyRunning, StoreIOError
-from tierd.settings import CONFIG_ENV, load_settings
 from tierd.share import shipped
 
 __all__ = ["COMMANDS", "process_gone", "serve_config_file"]
@@ -70,8 +70,11 @@ def _run(args: argparse.Namespace) -> int:
         print(
             f"tierd serve: no -c and no ${CONFIG_ENV}: running the default {path}", file=sys.stderr
         )
+    # The config models, then the daemon's module with the stores (and torch): loaded only
+    # to serve, not for `tierd stop` (nor `tierd config show`, which uses this module).
+    from tierd.settings import load_settings
+
     cfg = load_settings(path, sets=args.sets)
-    # The daemon's module pulls in the stores (and torch): load it only to serve.
     from tierd.daemon import run_daemon
 
     try:

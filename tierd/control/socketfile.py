@@ -5,6 +5,8 @@
   place). A socket file left by a crashed daemon (nobody accepts on it) is replaced; a
   live one is an error, "already running".
 - :func:`peer_credentials` reads ``SO_PEERCRED``: the pid, uid and gid of the peer.
+- :func:`socket_path_setting` reads the daemon's ``socket.path`` from the environment
+  (``TIERD_SOCKET__PATH``), so that client commands find the daemon that variable moved.
 - :func:`prepare_socket_directory` makes sure nobody else controls the directory the
   socket goes in (:func:`check_directory`, also used for the pid file's): it must belong
   to this user (or root), be writable by others only with the sticky bit, and be
@@ -21,31 +23,34 @@ import os
 import socket
 import stat
 import struct
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-import structlog
-
 from tierd.errors import AlreadyRunning
+from tierd.logs import get_logger
 
 __all__ = [
     "CONFIG_ENV",
+    "SOCKET_PATH_ENV",
     "bind_path_bytes",
     "bind_unix_socket",
     "check_directory",
     "default_socket_path",
     "peer_credentials",
     "prepare_socket_directory",
+    "socket_path_setting",
 ]
 
-log = structlog.get_logger("tierd.control")
+log = get_logger("tierd.control")
 
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 # Where a client finds the daemon: the environment variable naming its config file (whose
 # ``socket.path`` it reads), else the default path. Here, not with the config models, so
 # that client commands find the daemon without importing them.
 CONFIG_ENV = "TIERD_CONFIG"
+# The daemon's ``socket.path`` setting as a variable (tierd.settings: ``TIERD_`` then the
+# path's segments joined by ``__``, in any case), which moves the daemon's socket.
+SOCKET_PATH_ENV = "TIERD_SOCKET__PATH"
 
 
 def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:
@@ -55,6 +60,21 @@ def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:
     runtime = (os.environ if environ is None else environ).get("XDG_RUNTIME_DIR")
     directory = Path(runtime) / "tierd" if runtime else Path(f"/tmp/tierd-{os.getuid()}")
     return directory / "tierd.sock"
+
+
+def socket_path_setting(environ: Mapping[str, str] | None = None) -> str | None:
+    """The socket ``TIERD_SOCKET__PATH`` gives the daemon, or None when no such variable
+    is set (or it is empty). The name's segments match in any case, as the daemon's
+    settings read them; of several spellings, the last in sorted order wins there too."""
+    env = os.environ if environ is None else environ
+    prefix = "TIERD_"
+    names = sorted(
+        name
+        for name in env
+        if name.startswith(prefix) and name.removeprefix(prefix).lower() == "socket__path"
+    )
+    value = env[names[-1]].strip() if names else ""
+    return value or None
 
 
 _BIND_PREFIX = ".tierd-bind-"
@@ -71,6 +91,8 @@ def bind_path_bytes(path: str) -> int:
 
 def bind_unix_socket(path: str, mode: int) -> socket.socket:
     """A listening Unix stream socket at ``path`` with permissions ``mode``."""
+    import tempfile  # the daemon's alone: a client command, which imports this module, never binds
+
     _clear_stale(path)
     directory = os.path.dirname(os.path.abspath(path))
     private = tempfile.mkdtemp(prefix=_BIND_PREFIX, dir=directory)  # mode 0700

@@ -3,9 +3,9 @@ names, and the engine configs it stands for (no engine imports).
 
 ``TIERD`` unset, empty, ``0``, ``off``, ``false`` or ``no``: tierd stays off and nothing of
 the engine changes. ``1``, ``on``, ``true`` or ``yes``: on, with the socket a client command
-would use (``TIERD_SOCKET``, else the ``socket.path`` of ``$TIERD_CONFIG``, else the
-daemon's default path). An absolute path: on, with that socket. Anything else is refused
-with what to write instead.
+would use (``TIERD_SOCKET``, else the ``socket.path`` of ``$TIERD_CONFIG``, else
+``TIERD_SOCKET__PATH``, else the daemon's default path). An absolute path: on, with that
+socket. Anything else is refused with what to write instead.
 
 The engines' plugin seams use it (:mod:`tierd.integrations.vllm_plugin` for vLLM's
 ``vllm.general_plugins``; :func:`register_sglang` for SGLang's ``sglang.srt.plugins``), and
@@ -24,7 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tierd.control.socketfile import CONFIG_ENV, default_socket_path
+from tierd.control.socketfile import (
+    CONFIG_ENV,
+    SOCKET_PATH_ENV,
+    default_socket_path,
+    socket_path_setting,
+)
 
 __all__ = [
     "SWITCH_ENV",
@@ -70,7 +75,8 @@ class Switch:
 
 def resolve_socket(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
     """The socket a client command would use, and what named it: ``TIERD_SOCKET``, else
-    the ``socket.path`` of ``$TIERD_CONFIG``, else the daemon's default path."""
+    the ``socket.path`` of ``$TIERD_CONFIG``, else ``TIERD_SOCKET__PATH``, else the
+    daemon's default path."""
     env = os.environ if environ is None else environ
     if env.get(SOCKET_ENV):
         return env[SOCKET_ENV], SOCKET_ENV
@@ -78,6 +84,9 @@ def resolve_socket(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
         from tierd.settings import load_settings  # the config models: only when named
 
         return str(load_settings(env[CONFIG_ENV], environ=env).socket.path), CONFIG_ENV
+    moved = socket_path_setting(env)
+    if moved is not None:
+        return moved, SOCKET_PATH_ENV
     return str(default_socket_path(env)), "the default path"
 
 
