@@ -7,7 +7,10 @@ which binds 0.0.0.0 with no host option, is reachable from nowhere else. The dae
 this process's loop (``tierd.testing.running_daemon``), the indexer as a child process
 stopped by its PID. Prints one JSON object: what tierd holds where, the indexer's answers.
 
-Usage: python tests/dynamo_driver.py DYNAMO_PYTHON WORKDIR
+Usage: python tests/dynamo_driver.py DYNAMO_PYTHON WORKDIR [--restarts]
+
+With ``--restarts`` the daemon is a process of its own, restarted four ways under the one
+indexer (``restarts``): what the indexer credits after each.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import asyncio
 import ctypes
 import fcntl
 import json
+import shutil
 import signal
 import socket
 import struct
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tierd.client import Client
-from tierd.testing import daemon_config, running_daemon
+from tierd.testing import daemon_config, running_daemon, start_daemon
 
 BLOCK_SIZE = 4  # tokens per engine block: the indexer's --block-size
 CHAIN = 6  # blocks stored; a CPU tier of 2 leaves the first 4 on disk only
@@ -271,6 +275,100 @@ async def run(dynamo_python: str, work: Path) -> dict[str, Any]:
             stop(proc)
 
 
+def wiped(work: Path) -> None:
+    """The disk tier's directory emptied, as a node whose disk was replaced."""
+    for path in (work / "disk").iterdir():
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+async def credited(tokens: list[int], want: int) -> int:
+    """Ask until worker 1's longest match is ``want`` tokens (bounded); the last one."""
+    got = -1
+    for _ in range(POLLS):
+        answer = await asyncio.to_thread(query, tokens)
+        got = score_of(answer[1]) if answer[0] == 200 else -1
+        if got == want:
+            return got
+        await asyncio.sleep(POLL_S)
+    return got
+
+
+async def held_after(client: Client, hashes: list[int]) -> int:
+    """Leading blocks of ``hashes`` the node holds, once its kept blocks are adopted
+    (the answer stops changing)."""
+    last = -1
+    for _ in range(POLLS):
+        now = len((await client.blocks_held([hashes]))[0])
+        if now == last:
+            return now
+        last = now
+        await asyncio.sleep(0.2)
+    return last
+
+
+async def restarts(dynamo_python: str, work: Path) -> dict[str, Any]:
+    """One indexer, connected throughout, and a daemon process restarted four ways
+    (SIGTERM or SIGKILL, its disk kept or wiped): after each, the indexer's longest match
+    for the chain is what the node holds, and a block stored after the restart is
+    credited too."""
+    kv = {
+        "enabled": True,
+        "endpoint": f"tcp://127.0.0.1:{EVENTS_PORT}",
+        "replay_endpoint": f"tcp://127.0.0.1:{REPLAY_PORT}",
+        "anyone_may_read": True,
+        "batch_s": 0.001,
+    }
+    config = daemon_config(work, cpu_blocks=2, disk_blocks=16, kv_events=kv)
+    _, descs, tokens = chain()
+    hashes = [d["hashes"][0] for d in descs]
+    daemon = start_daemon(config, log=work / "tierd-0.log")
+    proc = start_indexer(dynamo_python, work / "indexer.log")
+    results: dict[str, Any] = {}
+    try:
+        await wait_healthy(proc)
+        registered = await asyncio.to_thread(register)
+        if registered[0] not in (200, 201):
+            raise RuntimeError(f"the indexer refused the worker: {registered}")
+        sock = str(daemon.socket)
+        async with await Client.connect(sock, namespace=NAMESPACE) as client:
+            await subscribed(client)
+            await store_chain(client)
+        results["before"] = await credited(tokens, CHAIN * BLOCK_SIZE)
+        for n, (how, wipe) in enumerate(
+            [
+                (signal.SIGTERM, False),
+                (signal.SIGKILL, False),
+                (signal.SIGTERM, True),
+                (signal.SIGKILL, True),
+            ]
+        ):
+            name = f"{signal.Signals(how).name}{' wiped' if wipe else ''}"
+            async with await Client.connect(sock, namespace=NAMESPACE) as client:
+                await store_chain(client)  # (again, after a wipe)
+            if how == signal.SIGTERM:
+                daemon.stop()
+            else:
+                daemon.kill()
+            if wipe:
+                wiped(work)
+            daemon = start_daemon(config, log=work / f"tierd-{n + 1}.log")
+            async with await Client.connect(sock, namespace=NAMESPACE) as client:
+                held = await held_after(client, hashes)
+                got = await credited(tokens, held * BLOCK_SIZE)
+                key, desc = probe(1000 + n)  # stored after the restart
+                await client.describe([key], [desc])
+                await client.put([key], [key.ljust(4096, b".")])
+                fresh = await credited(desc["tokens"], BLOCK_SIZE)
+            results[name] = {"held": held, "credited": got, "fresh": fresh}
+        return results
+    finally:
+        stop(proc)
+        daemon.stop()
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     """Stop the indexer by its PID: SIGTERM, then SIGKILL after 10 s."""
     if proc.poll() is None:
@@ -285,7 +383,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def main() -> int:
     dynamo_python, work = sys.argv[1], Path(sys.argv[2])
     loopback_up()
-    result = asyncio.run(run(dynamo_python, work))
+    mode = restarts if sys.argv[3:] == ["--restarts"] else run
+    result = asyncio.run(mode(dynamo_python, work))
     print(RESULT + json.dumps(result))
     return 0
 

@@ -127,7 +127,8 @@ async def test_described_blocks_are_announced_as_they_enter_move_and_leave(tmp_p
             await asyncio.sleep(0.05)
         assert kv["described"] == 0 and kv["undescribed"] == 0
         batches = await _replayed(client)
-        assert [seq for _, seq, _ in batches] == list(range(len(batches)))  # no gap
+        first = batches[0][1]
+        assert [seq for _, seq, _ in batches] == list(range(first, first + len(batches)))  # no gap
         async with await _connect(daemon, None) as operator:
             text = stats_text(await operator.stats(), as_json=False)
         assert f"incarnation {kv['incarnation']}" in text and "0 batches dropped" in text
@@ -206,6 +207,7 @@ async def test_a_restart_is_a_new_incarnation_and_kept_blocks_are_announced_agai
         await client.put(keys, [b"z" * 4096] * 3)
         before = (await _kv(client))["incarnation"]
         await _until(client, lambda ev: len(_by(ev, "BlockStored", "CPU")) == 3, "stores")
+        last = (await _replayed(client))[-1][1]
     # The shutdown flushed the CPU tier down: the disk tier keeps all three.
     async with running_daemon(_config(tmp_path)) as daemon, await _connect(daemon) as client:
         assert (await _kv(client))["incarnation"] != before
@@ -213,7 +215,8 @@ async def test_a_restart_is_a_new_incarnation_and_kept_blocks_are_announced_agai
             client, lambda ev: len(_by(ev, "BlockStored", "DISK")) == 3, "kept blocks"
         )
         batches = await _replayed(client)
-        assert batches[0][1] == 0 and events[0] == {"type": "AllBlocksCleared"}
+        # numbered past the last incarnation's: a consumer sees a gap forward, no step back
+        assert batches[0][1] > last and events[0] == {"type": "AllBlocksCleared"}
         assert sorted(_by(events, "BlockStored", "DISK")) == [[1000], [1001], [1002]]
         assert await client.blocks_held([[1000, 1001, 1002]]) == [["DISK"] * 3]
 
@@ -258,3 +261,32 @@ async def test_a_subscriber_that_never_reads_costs_the_daemon_nothing(tmp_path: 
             assert kv["queued"] <= 8
             assert len(await _replayed(client)) <= 16
             assert kv["sequence"] > 16  # more batches went out than the buffer keeps
+
+
+async def test_a_subscriber_that_joins_gets_what_the_chain_holds_at_most_once_a_second(
+    tmp_path: Path,
+) -> None:
+    """A snapshot (``AllBlocksCleared``, then every held block on each medium) follows a
+    subscription, so a router that (re)joins learns what it missed; 40 subscribers
+    joining over 3 s cost a few snapshots, not 40."""
+    keys, descs = _chain(6)
+    async with running_daemon(_config(tmp_path)) as daemon, await _connect(daemon) as client:
+        await client.describe(keys, descs)
+        await _put(client, keys)  # 4 CPU, 2 on disk only
+        await _until(client, lambda ev: len(_by(ev, "BlockStored", "DISK")) >= 2, "demotions")
+        with _subscriber((await _kv(client))["endpoint"]) as sub:
+            heard: list[dict[str, Any]] = []
+            for _ in range(100):  # bounded: until the snapshot came whole
+                if await asyncio.to_thread(sub.poll, 100):
+                    heard += msgpack.unpackb(sub.recv_multipart()[2])[1]
+                stored = {h for e in heard if e["type"] == "BlockStored" for h in e["block_hashes"]}
+                if len(stored) == 6:
+                    break
+        assert heard[0] == {"type": "AllBlocksCleared"}
+        assert stored == {1000 + i for i in range(6)}
+        began = (await _kv(client))["snapshots"]
+        for _ in range(40):  # bounded: 40 subscribers joining, one every 75 ms
+            with _subscriber((await _kv(client))["endpoint"]):
+                await asyncio.sleep(0.075)
+        await asyncio.sleep(1.5)
+        assert 1 <= (await _kv(client))["snapshots"] - began <= 5

@@ -100,3 +100,38 @@ def test_the_indexer_hashes_tokens_itself(seen: dict[str, Any]) -> None:
 
 def test_tokens_never_stored_score_nothing(seen: dict[str, Any]) -> None:
     assert _worker(seen["query_other"]) == {}
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The driver's ``--restarts`` run: one indexer connected throughout, the daemon a
+    process restarted by SIGTERM and SIGKILL, its disk kept and then wiped."""
+    work = tmp_path_factory.mktemp("dynamo-restarts")
+    cmd = ["unshare", "-rn", sys.executable, str(DRIVER), str(DYNAMO_PYTHON), str(work)]
+    run = subprocess.run(
+        [*cmd, "--restarts"], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    log = work / "indexer.log"
+    said = f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}\nindexer: " + (
+        log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
+    )
+    assert run.returncode == 0, said
+    lines = [line for line in run.stdout.splitlines() if line.startswith(RESULT)]
+    assert len(lines) == 1, said
+    return dict(json.loads(lines[0][len(RESULT) :]))
+
+
+@pytest.mark.parametrize("restart", ["SIGTERM", "SIGKILL", "SIGTERM wiped", "SIGKILL wiped"])
+def test_after_a_restart_the_indexer_credits_what_the_node_holds(
+    restarted: dict[str, Any], restart: str
+) -> None:
+    """Issue 59, item 1: the new incarnation's first batches went out before the indexer
+    was back, and its sequence started again at 0: the indexer kept crediting a wiped
+    disk's blocks and dropped every later batch (blocks stored after the restart were
+    never credited). Now batches are numbered past the last incarnation's, and a
+    subscriber that comes back gets a snapshot of what the node holds."""
+    seen = restarted[restart]
+    # kept: the four the CPU tier demoted, at least (SIGKILL may lose the two above)
+    assert seen["held"] == 0 if "wiped" in restart else 4 <= seen["held"] <= 6, seen
+    assert seen["credited"] == seen["held"] * BLOCK_SIZE, seen
+    assert seen["fresh"] == BLOCK_SIZE, seen  # a block stored after the restart

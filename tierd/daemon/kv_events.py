@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -38,13 +40,20 @@ async def open_kv_events(
     if not kv.enabled:
         return None
     tenants = []
+    loop = asyncio.get_running_loop()
+    first_seq = time.time_ns() // 1000  # past every batch of an earlier incarnation
     for tenant, (_, chain_cfg) in zip(table.tenants, cfg.tenant_chains(), strict=True):
         if kv.publishes(tenant.name):
-            publisher = Publisher(_stream_settings(cfg, tenant.name))
+            subscribed = asyncio.Event()
+            publisher = Publisher(
+                _stream_settings(cfg, tenant.name, first_seq),
+                on_subscribed=_waking(loop, subscribed),
+            )
             publisher.start()
             stack.callback(publisher.close)
             book = DescriptorBook(kv.descriptor_bytes)
-            published = KvTenant(tenant.name, tenant.chain, book, Stream(publisher))
+            stream = Stream(publisher, subscribed)
+            published = KvTenant(tenant.name, tenant.chain, book, stream)
             directory = names_file(chain_cfg)
             if directory is not None:
                 await _keep(published, directory.parent / FILE_NAME)
@@ -62,12 +71,21 @@ async def open_kv_events(
     return feed
 
 
+def _waking(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:
+    """A call that sets ``event`` on ``loop`` from any thread."""
+
+    def wake() -> None:
+        loop.call_soon_threadsafe(event.set)
+
+    return wake
+
+
 def events_directory(cfg: DaemonConfig) -> Path:
     """Where each tenant's own event sockets are (``<directory>/<tenant>/``)."""
     return cfg.kv_events.directory or cfg.socket.path.parent / "events"
 
 
-def _stream_settings(cfg: DaemonConfig, tenant: str) -> PublisherSettings:
+def _stream_settings(cfg: DaemonConfig, tenant: str, first_seq: int) -> PublisherSettings:
     """Where ``tenant``'s stream goes: the endpoints written out, or its own directory
     (mode 0700, or 0750 for its readers' group), made here."""
     kv = cfg.kv_events
@@ -91,6 +109,7 @@ def _stream_settings(cfg: DaemonConfig, tenant: str) -> PublisherSettings:
         hwm=kv.hwm,
         dp_rank=kv.data_parallel_rank,
         max_peers=kv.max_peers,
+        first_seq=first_seq,
         socket_mode=0o600 if group is None else 0o660,
         socket_group=group,
     )

@@ -148,6 +148,13 @@ class DescriptorBook:
         all at once, 560,000 rows took 75-90 ms)."""
         return self._rows.item_parts(ROW_PART_BUCKETS)
 
+    def held_parts(self) -> Iterator[list[tuple[Described, int]]]:
+        """The description and levels of every block held somewhere, in the parts of
+        :meth:`row_parts` (each read, and its levels looked up, as it is asked for)."""
+        masks = self._masks
+        for part in self.row_parts():
+            yield [(_described(row), mask) for key, row in part if (mask := masks.get(key, 0))]
+
     def get(self, key: BlockKey) -> Entry | None:
         row = self._rows.get(key)
         return None if row is None else _entry(row, self._masks[key])

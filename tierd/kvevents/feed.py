@@ -13,9 +13,17 @@ Each tenant has a stream of its own (:class:`Stream`: its
 only its own stream, and who may read it is the operator's choice for that tenant. Events
 are gathered for ``batch_s`` (or ``max_batch_events``) and offered to the tenant's publisher
 as one batch: a sequence number each, a gap when the publisher's queue is full. Every start
-is a new incarnation: the first batch is ``AllBlocksCleared`` (the sequence starts again at
-0), and once the chains have adopted the blocks their disk tiers kept, the descriptions read
+is a new incarnation: the first batch is ``AllBlocksCleared``, numbered past every batch of
+the incarnations before (a batch's number starts from the microseconds since the epoch at
+start: a consumer that stayed connected sees a gap forward, never a step back), and once
+the chains have adopted the blocks their disk tiers kept, the descriptions read
 back from disk are announced for the blocks held again, and dropped for the others.
+
+Those batches go out before a subscriber that stayed connected across the restart is back
+(ZMQ reconnects it a moment later): so whenever subscribers join, or come back, the stream
+publishes a snapshot, ``AllBlocksCleared`` and every block the chain holds, rate-bounded.
+A router then ends up with exactly what the node holds, whatever it missed (SMG's relay,
+which ends its stream on a gap it cannot replay, subscribes again and gets one too).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,6 +53,9 @@ __all__ = ["EventFeed", "FeedSettings", "KvTenant", "Stream"]
 log = get_logger("tierd.kvevents")
 ADOPTION_POLL_S = 0.5
 SETTLE_SLICE = 4096  # restored descriptions settled per turn of the loop
+SNAPSHOT_GATHER_S = 0.2  # the subscriptions of one wave of (re)connections, one snapshot
+SNAPSHOT_GAP_S = 1.0  # between two snapshots at least,
+SNAPSHOT_SHARE = 0.05  # and long enough that snapshots take this share of the time at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +70,15 @@ class FeedSettings:
 
 @dataclass(slots=True)
 class Stream:
-    """One tenant's stream: its publisher and the events gathered for its next batch."""
+    """One tenant's stream: its publisher, the events gathered for its next batch, and
+    ``subscribed``, set (from the publisher's thread) when a subscriber joined."""
 
     publisher: Publisher
+    subscribed: asyncio.Event = field(default_factory=asyncio.Event)
     out: list[bytes] = field(default_factory=list)
     flush: asyncio.TimerHandle | None = None
     announced: int = 0
+    snapshots: int = 0
 
 
 @dataclass(slots=True)
@@ -125,6 +140,7 @@ class EventFeed:
             subscription = tenant.chain.bus.subscribe(self.settings.queue_batches)
             self._subscriptions.append(subscription)
             self._tasks.append(loop.create_task(self._follow(tenant, subscription)))
+            self._tasks.append(loop.create_task(self._snapshots(tenant)))
             if tenant.restored:
                 self._tasks.append(loop.create_task(self._settle_restored(tenant)))
         log.info("kv events on", incarnation=self.incarnation, tenants=list(self.tenants))
@@ -231,6 +247,39 @@ class EventFeed:
             "kv events: restored descriptions settled", tenant=tenant.name, kept=len(tenant.book)
         )
 
+    async def _snapshots(self, tenant: KvTenant) -> None:
+        """A snapshot of what the tenant's chain holds each time subscribers joined (see
+        :meth:`_snapshot`), at most one a second and 5 % of the time."""
+        stream = tenant.stream
+        while True:
+            await stream.subscribed.wait()
+            await asyncio.sleep(SNAPSHOT_GATHER_S)
+            stream.subscribed.clear()
+            began = time.monotonic()
+            await self._snapshot(tenant)
+            took = time.monotonic() - began
+            await asyncio.sleep(max(SNAPSHOT_GAP_S, took / SNAPSHOT_SHARE - took))
+
+    async def _snapshot(self, tenant: KvTenant) -> None:
+        """``AllBlocksCleared``, then a ``BlockStored`` on each medium holding it for every
+        described block the chain holds, a part of the book a turn. A subscriber that
+        joins (or comes back, after a restart of either side) ends up with what the node
+        holds, whatever it missed; one that was following gets it again. A block that
+        changes meanwhile is announced live as well, in order."""
+        stream, who = tenant.stream, self._who
+        self._send(stream)  # what was gathered before goes first
+        stream.out.append(wire.cleared())
+        for part in tenant.book.held_parts():
+            for described, mask in part:
+                while mask:
+                    bit = mask & -mask
+                    mask ^= bit
+                    stream.out.append(wire.stored(described, tenant.media[bit], **who))
+            self._sent_soon(stream)
+            await next_turn()
+        self._send(stream)
+        stream.snapshots += 1
+
     def _sent_soon(self, stream: Stream) -> None:
         if len(stream.out) >= self.settings.max_batch_events:
             self._send(stream)
@@ -260,6 +309,7 @@ class EventFeed:
                 "endpoint": t.stream.publisher.endpoint,
                 "replay_endpoint": t.stream.publisher.replay_endpoint,
                 "events": t.stream.announced,
+                "snapshots": t.stream.snapshots,
                 **t.stream.publisher.stats(),
             }
             for name, t in self.tenants.items()

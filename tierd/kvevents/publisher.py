@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -83,8 +84,13 @@ def _count(counts: dict[str, int], kind: str, events: list[bytes]) -> None:
 class Publisher:
     """One incarnation of a KV-event stream: its batches are numbered from ``first_seq``."""
 
-    def __init__(self, settings: PublisherSettings) -> None:
+    def __init__(
+        self, settings: PublisherSettings, on_subscribed: Callable[[], None] | None = None
+    ) -> None:
+        """``on_subscribed`` is called, on the publisher's thread, for each subscription
+        taken (a subscriber joined, or came back: ZMQ subscribes again on a reconnect)."""
         self._settings = settings
+        self._on_subscribed = on_subscribed
         self.endpoint, self.replay_endpoint = settings.endpoint, settings.replay_endpoint
         self._topic = settings.topic.encode()
         self._queue: deque[tuple[int, float, list[bytes]]] = deque()
@@ -232,8 +238,10 @@ class Publisher:
             message = frame.bytes
             prefix = message[1:]
             if message[:1] in (b"\x00", b"\x01") and self._topic.startswith(prefix):
-                option = zmq.SUBSCRIBE if message[:1] == b"\x01" else zmq.UNSUBSCRIBE
-                self._pub.setsockopt(option, prefix)
+                joined = message[:1] == b"\x01"
+                self._pub.setsockopt(zmq.SUBSCRIBE if joined else zmq.UNSUBSCRIBE, prefix)
+                if joined and self._on_subscribed is not None:
+                    self._on_subscribed()
 
     def _publish_pending(self) -> None:
         """Send the queued batches in order (when closing, until the deadline), taking
