@@ -17,6 +17,7 @@ import hashlib
 import os
 import sys
 
+from tierd.cli.connection import unreachable_reason
 from tierd.client import Client, Unreachable
 from tierd.config import default_socket_path
 
@@ -76,8 +77,8 @@ async def main(argv: list[str] | None = None) -> int:
     try:
         client = await Client.connect(args.socket, namespace=NAMESPACE)
     except Unreachable as exc:
-        cause = exc.__cause__
-        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else exc
+        # The words `tierd stats` uses: whether a daemon runs there, and how to start one.
+        reason = unreachable_reason(exc)
         print(f"client_demo: cannot reach tierd at {args.socket}: {reason}", file=sys.stderr)
         return 3
     async with client:

@@ -4,8 +4,10 @@ file < ``TIERD_*`` environment < ``--set``; see :mod:`tierd.settings`); an inval
 raises :class:`~tierd.errors.ConfigError`, which the ``tierd`` wrapper reports with exit
 status 78. ``check`` also checks the tiers against this machine (free disk space,
 available memory, a CUDA device for a GPU tier; see :mod:`tierd.preflight`), as ``tierd
-serve`` does; ``check --offline`` (or ``--no-machine-checks``) skips those, for a config
-meant for another machine: the schema and the cross-field rules only.
+serve`` does, and warns of each remote level whose server takes no connection from here
+within a second (:mod:`tierd.cli.remote_probe`: a warning on stderr, exit status still 0,
+for the daemon starts without it); ``check --offline`` (or ``--no-machine-checks``) skips
+those, for a config meant for another machine: the schema and the cross-field rules only.
 
 ``show`` without ``-c`` or ``--set`` prints what the running daemon runs, asked over its
 socket (``--socket``, else ``$TIERD_SOCKET``, else ``$TIERD_CONFIG``'s, else
@@ -57,7 +59,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         dest="offline",
         action="store_true",
         help="check the schema and cross-field rules only, not this machine "
-        "(disk space, memory, CUDA): for a config meant for another machine",
+        "(disk space, memory, CUDA, whether the remote levels' servers take a connection):"
+        " for a config meant for another machine",
     )
     add_sets(check)
     show = actions.add_parser(
@@ -100,9 +103,25 @@ def _run(args: argparse.Namespace) -> int:
         from tierd.preflight import check_machine  # the stores' probes: numpy
 
         check_machine(cfg)
+        _warn_unreachable(cfg)
         print(f"ok: {args.file} ({describe(cfg)})")
         return EXIT_OK
     return _show(args)
+
+
+def _warn_unreachable(cfg: DaemonConfig) -> None:
+    """A warning per remote level's server that takes no connection from here: the config
+    is valid all the same (the daemon starts, and the level misses until it answers)."""
+    if cfg.remote is None:
+        return
+    from tierd.cli.remote_probe import unreachable
+
+    for line in unreachable(cfg.remote.levels()):
+        print(
+            f"tierd: warning: {line} (the config is valid: the daemon would start, and this"
+            " level would miss until its server answers)",
+            file=sys.stderr,
+        )
 
 
 @talks_to_daemon

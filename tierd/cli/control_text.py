@@ -14,7 +14,14 @@ from typing import Any
 from tierd.control.protocol import NAMESPACE_ID_BYTES
 from tierd.units import format_bytes
 
-__all__ = ["duration", "event_text", "last_error_text", "namespace_table", "stats_text"]
+__all__ = [
+    "duration",
+    "event_text",
+    "last_error_text",
+    "namespace_name",
+    "namespace_table",
+    "stats_text",
+]
 
 _KEYS_SHOWN = 4
 _COPIES = "(blocks per tier: a block in several tiers counts once in each; bytes: all copies)"
@@ -167,7 +174,7 @@ def namespace_table(by_tenant: dict[str, list[dict[str, Any]]], now: float | Non
         rows.append(
             [
                 *([tenant] if several else []),
-                row["namespace"] if row["namespace"] is not None else "(unnamed)",
+                namespace_name(row["namespace"]),
                 row["id"],
                 *(f"{row['blocks'].get(tier, 0):,}" for tier in tiers),
                 f"{row['bytes']:,}",
@@ -178,6 +185,22 @@ def namespace_table(by_tenant: dict[str, list[dict[str, Any]]], now: float | Non
         )
     table = _table(header, rows, left=3 if several else 2)
     return f"{table}\n{_COPIES}" if len(tiers) > 1 else table
+
+
+def namespace_name(name: str | None) -> str:
+    """A namespace's name as a terminal shows it: as given when every character prints;
+    else with each one that does not (a tab, an escape sequence, a newline: names that
+    a permissive ``namespaces.pattern`` lets through) and each backslash escaped, the way
+    Python writes them (``\\t``, ``\\x1b``), so a name cannot move the cursor, recolour
+    the terminal or break a table's row. ``(unnamed)``: no client named it."""
+    if name is None:
+        return "(unnamed)"
+    if name.isprintable():
+        return name
+    return "".join(
+        c if c.isprintable() and c != "\\" else c.encode("unicode_escape").decode("ascii")
+        for c in name
+    )
 
 
 def _route_table(routes: list[dict[str, Any]]) -> str:

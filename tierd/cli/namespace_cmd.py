@@ -1,13 +1,15 @@
 """The cache by namespace, and reload: ``tierd namespaces``, ``inspect``, ``delete`` and
 ``reload``.
 
-``namespaces`` lists each tenant's namespaces (blocks per tier, bytes, hits, stores, last
-use); ``inspect KEY`` says where one key lives; ``delete`` removes keys, the keys under a
-prefix, or a whole namespace (``--all``: a retired model), from every tier; ``reload``
-makes the daemon read its config file again and prints what it applied and what needs a
-restart. Keys are given as text (UTF-8), or as hex with ``--hex``; ``inspect`` also takes
-a key as ``tierd events`` prints it: ``<namespace id>:<key in hex>`` (the namespace then
-need not be named), or the key's hex alone, tried when the text is held nowhere.
+``namespaces`` lists each tenant's namespaces that hold blocks (blocks per tier, bytes,
+hits, stores, last use; ``--all`` adds those that hold none, emptied or only looked up),
+names escaped where a character would not print; ``inspect KEY`` says where one key
+lives; ``delete`` removes keys, the keys under a prefix, or a whole namespace (``--all``:
+a retired model), from every tier; ``reload`` makes the daemon read its config file
+again and prints what it applied and what needs a restart. Keys are given as text
+(UTF-8), or as hex with ``--hex``; ``inspect`` also takes a key as ``tierd events``
+prints it: ``<namespace id>:<key in hex>`` (the namespace then need not be named), or
+the key's hex alone, tried when the text is held nowhere.
 
 A member acts on its own tenant's namespaces; another tenant's need an operator
 (docs/security.md). Exit status: 0 done; 1 an error reply (not allowed, an invalid config
@@ -27,7 +29,7 @@ from typing import Any
 
 from tierd.cli.base import EXIT_BAD_INPUT, EXIT_OK, Command, UsageError
 from tierd.cli.connection import add_socket_options, talks_to_daemon, with_client
-from tierd.cli.control_text import duration, namespace_table
+from tierd.cli.control_text import duration, namespace_name, namespace_table
 from tierd.client import Client
 from tierd.control.protocol import NAMESPACE_ID_BYTES
 from tierd.keys import MAX_KEY_BYTES
@@ -71,11 +73,36 @@ def _key(text: str, as_hex: bool) -> bytes:
 # -- tierd namespaces ------------------------------------------------------------------------
 
 
+def _configure_namespaces(parser: argparse.ArgumentParser) -> None:
+    _add_common(parser)
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="list the namespaces that hold no block too (emptied by `tierd delete` or by"
+        " eviction, or only looked up); by default they are left out",
+    )
+
+
 @talks_to_daemon
 def _run_namespaces(args: argparse.Namespace) -> int:
     tenants = with_client(args, functools.partial(Client.namespaces, tenant=args.tenant))
-    print(json.dumps(tenants) if args.json else namespace_table(tenants))
+    shown = tenants if args.all else {t: _holding(rows) for t, rows in tenants.items()}
+    if args.json:
+        print(json.dumps(shown))
+        return EXIT_OK
+    print(namespace_table(shown))
+    left_out = sum(len(rows) for rows in tenants.values()) - sum(map(len, shown.values()))
+    if left_out:
+        which = "namespace that holds no block; --all lists it"
+        if left_out > 1:
+            which = "namespaces that hold no block; --all lists them"
+        print(f"(left out: {left_out:,} {which})")
     return EXIT_OK
+
+
+def _holding(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of namespaces that hold a block in some tier."""
+    return [row for row in rows if any(row["blocks"].values())]
 
 
 # -- tierd inspect ---------------------------------------------------------------------------
@@ -148,7 +175,8 @@ def _is_hex(text: str) -> bool:
 
 
 def _inspect_text(key: str, found: dict[str, Any]) -> str:
-    name = found["namespace"] or f"id {found['namespace_id']}"
+    named = found["namespace"]
+    name = namespace_name(named) if named else f"id {found['namespace_id']}"
     if not found["tiers"]:
         return f"{key} (namespace {name}): not held by any tier"
     lines = [f"{key} (namespace {name}): {found['bytes']:,} bytes"]
@@ -191,7 +219,8 @@ def _run_delete(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(done))
     else:
-        name = done["namespace"] or args.namespace or args.namespace_id
+        named = done["namespace"] or args.namespace
+        name = namespace_name(named) if named else args.namespace_id
         text = f"removed {done['removed']:,} blocks of namespace {name}"
         if done["busy"]:
             text += f"; {done['busy']:,} were in use and stayed: run it again"
@@ -222,7 +251,9 @@ def _run_reload(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Command] = {
     "namespaces": Command(
-        "list the namespaces: blocks per tier, bytes, hits, stores", _add_common, _run_namespaces
+        "list the namespaces: blocks per tier, bytes, hits, stores",
+        _configure_namespaces,
+        _run_namespaces,
     ),
     "inspect": Command("say where one key lives", _configure_inspect, _run_inspect),
     "delete": Command(

@@ -7,8 +7,9 @@ the disk tier) and write the pid file beside it (``<socket>.pid``, or ``socket.p
 create the disk tiers' missing directories; open each tenant's chain
 (:mod:`tierd.daemon.tenants`; a disk tier reloads its index or rebuilds it); start the
 metrics endpoint (:mod:`tierd.daemon.metrics_http`) and serving; tell systemd
-``READY=1`` (:mod:`tierd.daemon.service`). A start that fails logs ``start failed`` with
-the reason and removes what it created: the socket, the pid file, the directories.
+``READY=1`` (:mod:`tierd.daemon.service`). A start that fails removes what it created
+(the socket, the pid file, the directories) and raises, for its caller to report: ``tierd
+serve`` prints the reason once, as ``tierd: error: ...``, with no log line beside it.
 
 The ``reload`` operation (``tierd reload``, systemd's ``ExecReload``) reads the config
 again and applies what can change live (:mod:`tierd.daemon.reload`); SIGHUP is not a
@@ -126,12 +127,10 @@ class Daemon:
                 self._shutdown.cancel()
 
     async def run(self) -> int:
+        # A start that fails raises, unlogged: its caller reports it once (``tierd serve``
+        # as ``tierd: error: ...``); a log line as well said it twice on the same stderr.
         try:
             return await self._run()
-        except BaseException as exc:
-            if not self.ready.is_set():
-                log.error("start failed", reason=str(exc) or type(exc).__name__)
-            raise
         finally:
             if self.ready.is_set():
                 log.info("stopped", forced=self._forced)
