@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
+import yaml
 import zmq
 
 from tierd.cli.control_text import stats_text
@@ -290,3 +293,20 @@ async def test_a_subscriber_that_joins_gets_what_the_chain_holds_at_most_once_a_
                 await asyncio.sleep(0.075)
         await asyncio.sleep(1.5)
         assert 1 <= (await _kv(client))["snapshots"] - began <= 5
+
+
+async def test_an_owner_identity_is_refused_saying_no_router_credits_it(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    config = _config(tmp_path)
+    config["kv_events"]["ownership"] = "tierd-node-1"
+    path.write_text(yaml.safe_dump(config))
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "tierd", "config", "check", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 78, out
+    assert "kv_events.ownership" in out.stderr and "no router credits" in out.stderr

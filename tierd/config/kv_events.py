@@ -78,7 +78,8 @@ class KvEventsConfig(StrictModel):
     tenants: list[str] = Field(default_factory=lambda: ["*"])
     media: dict[str, str] = Field(default_factory=lambda: dict(_DEFAULT_MEDIA))
     locality: str | None = "LOCAL"
-    ownership: str | None = Field(default=None, max_length=128)  # a cache-owner identity
+    # Dropped: no router credits a node by an owner identity (docs/events.md, "Identity").
+    ownership: None = None
     data_parallel_rank: int | None = Field(default=None, ge=0)
     batch_s: Seconds = Field(default=0.01, gt=0, le=10)
     max_batch_events: int = Field(default=1024, ge=1, le=1 << 16)
@@ -93,6 +94,17 @@ class KvEventsConfig(StrictModel):
     @classmethod
     def _endpoint(cls, value: str | None) -> str | None:
         return None if value is None else _check_endpoint(value)
+
+    @field_validator("ownership", mode="before")
+    @classmethod
+    def _ownership(cls, value: object) -> None:
+        if value is not None:
+            raise ValueError(
+                "an owner identity is no longer published: no router credits a node by one"
+                " (Dynamo's indexer kept such events and listed the node in no answer); a"
+                " router credits tierd's blocks through its own stream (docs/events.md)"
+            )
+        return None
 
     @field_validator("readers")
     @classmethod

@@ -61,7 +61,6 @@ async def open_kv_events(
     settings = FeedSettings(
         media=dict(kv.media),
         locality=kv.locality,
-        ownership=kv.ownership,
         batch_s=kv.batch_s,
         max_batch_events=kv.max_batch_events,
     )

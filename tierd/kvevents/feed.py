@@ -62,7 +62,6 @@ SNAPSHOT_SHARE = 0.05  # and long enough that snapshots take this share of the t
 class FeedSettings:
     media: dict[str, str]  # tierd's medium -> the engines' name for it
     locality: str | None = "LOCAL"
-    ownership: str | None = None
     batch_s: float = 0.01
     max_batch_events: int = 1024
     queue_batches: int = 4096  # of the chain's bus, per tenant
@@ -210,7 +209,7 @@ class EventFeed:
 
     @property
     def _who(self) -> dict[str, Any]:
-        return {"locality": self.settings.locality, "ownership": self.settings.ownership}
+        return {"locality": self.settings.locality}
 
     def described(self, tenant: KvTenant, key: BlockKey, entry: Entry) -> None:
         """A description came for ``key``: announce the block where the chain holds it
