@@ -15,7 +15,13 @@ decides what happens to requests whose method is in ``methods`` (``None``: all):
 - ``"truncate"``: the response head (true Content-Length), half its body, then close;
 - ``"flip"``: a 200 response's body with its middle byte inverted (same length);
 - ``"refuse"``: close the connection at once, unanswered (for every method: before reading
-  the request; for some methods: after reading its head, which names the method).
+  the request; for some methods: after reading its head, which names the method);
+- ``"ignore-condition"``: forward the request without its ``If-None-Match`` header, as a
+  server that ignores the condition would see it (the header is signed, so this works in
+  front of a server that does not check signatures only: moto's, ``s3_kit.MotoServer``).
+
+``"status:501"`` answers ``NotImplemented``, as S3 servers do for a header they do not
+implement.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-MODES = ("hang", "slow", "truncate", "flip", "refuse")
+MODES = ("hang", "slow", "truncate", "flip", "refuse", "ignore-condition")
+CODES = {
+    501: ("NotImplemented", "A header you provided implies functionality that is not implemented")
+}
 HEAD_LIMIT = 64 * 1024
 TIMEOUT_S = 10.0
 
@@ -106,6 +115,14 @@ async def read_body(reader: asyncio.StreamReader, message: Message, *, to_eof: b
     return Message(message.head, message.start, message.headers, body)
 
 
+def without_header(message: Message, name: str) -> Message:
+    """``message`` with every ``name`` header line taken out of its head."""
+    lines = message.head.split(b"\r\n")
+    kept = [line for line in lines if line.split(b":", 1)[0].strip().lower() != name.encode()]
+    headers = {k: v for k, v in message.headers.items() if k != name}
+    return Message(b"\r\n".join(kept), message.start, headers, message.body, message.to_eof)
+
+
 def error_response(status: int, code: str, message: str) -> bytes:
     body = (
         '<?xml version="1.0" encoding="UTF-8"?>\n'
@@ -130,7 +147,7 @@ class S3FaultProxy:
         self.slow_bytes_per_s = slow_bytes_per_s
         self.port = 0
         self._lock = threading.Condition()
-        self._fault: tuple[str | None, frozenset[str] | None] = (None, None)
+        self._fault: tuple[str | None, frozenset[str] | None, str | None] = (None, None, None)
         self._counts: dict[str, Counter[str]] = {
             "requests": Counter(), "forwarded": Counter(), "faulted": Counter()
         }  # fmt: skip
@@ -155,7 +172,7 @@ class S3FaultProxy:
 
     @fault.setter
     def fault(self, fault: str | None) -> None:
-        self.set_fault(fault, methods=self.methods)
+        self.set_fault(fault, methods=self.methods, header=self.header)
 
     @property
     def methods(self) -> frozenset[str] | None:
@@ -164,13 +181,25 @@ class S3FaultProxy:
 
     @methods.setter
     def methods(self, methods: Collection[str] | None) -> None:
-        self.set_fault(self.fault, methods=methods)
+        self.set_fault(self.fault, methods=methods, header=self.header)
 
-    def set_fault(self, fault: str | None, *, methods: Collection[str] | None = None) -> None:
-        """Change the fault and the methods it applies to (None: all), together."""
+    @property
+    def header(self) -> str | None:
+        with self._lock:
+            return self._fault[2]
+
+    def set_fault(
+        self,
+        fault: str | None,
+        *,
+        methods: Collection[str] | None = None,
+        header: str | None = None,
+    ) -> None:
+        """Change the fault, the methods it applies to (None: all) and the header a
+        request must carry for it to apply (None: any request), together."""
         chosen = None if methods is None else frozenset(m.upper() for m in methods)
         with self._lock:
-            self._fault = (check_fault(fault), chosen)
+            self._fault = (check_fault(fault), chosen, None if header is None else header.lower())
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake_held)
 
@@ -287,16 +316,18 @@ class S3FaultProxy:
             self._tasks.discard(task)
             writer.close()
 
-    def _applies(self, method: str | None) -> str | None:
+    def _applies(self, method: str | None, headers: dict[str, str] | None = None) -> str | None:
         with self._lock:
-            fault, methods = self._fault
+            fault, methods, header = self._fault
+        if header is not None and (headers is None or header not in headers):
+            return None
         if fault is None or methods is None or method in methods:
             return fault
         return None
 
     async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """One request and its answer; False when the connection is to close."""
-        if self.methods is None and self._applies(None) == "refuse":
+        if self.methods is None and self.header is None and self._applies(None) == "refuse":
             self._count("faulted", "refuse")
             return False
         request = await read_head(reader)
@@ -304,7 +335,7 @@ class S3FaultProxy:
             return False
         method = request.start[0].upper()
         self._count("requests", method)
-        fault = self._applies(method)
+        fault = self._applies(method, request.headers)
         if fault == "refuse":
             self._count("faulted", fault)
             return False
@@ -314,22 +345,25 @@ class S3FaultProxy:
         if fault is not None:
             self._count("faulted", fault)
         if fault == "hang":
-            await self._hold(method)
+            await self._hold(method, request.headers)
             return False
         if fault is not None and fault.startswith("status:"):
             status = int(fault.removeprefix("status:"))
-            writer.write(error_response(status, "InjectedFault", f"injected {fault}"))
+            code, text = CODES.get(status, ("InjectedFault", f"injected {fault}"))
+            writer.write(error_response(status, code, text))
             await writer.drain()
             return not request.wants_close
+        if fault == "ignore-condition":
+            request = without_header(request, "if-none-match")
         response = await self._forward(request, method)
         return await self._answer(writer, response, fault) and not request.wants_close
 
-    async def _hold(self, method: str) -> None:
+    async def _hold(self, method: str, headers: dict[str, str]) -> None:
         while True:
             changed = self._changed
             if changed is None:
                 raise RuntimeError("the S3 fault proxy is not listening")
-            if self._applies(method) != "hang":
+            if self._applies(method, headers) != "hang":
                 return
             await changed.wait()
 

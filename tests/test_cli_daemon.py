@@ -448,10 +448,11 @@ def test_flush_copies_dirty_blocks_down(live: Live, capsys: pytest.CaptureFixtur
     done = run_cli(capsys, "flush", "--socket", live.socket)
     assert done == (0, "copied 3 blocks; nothing left dirty\n", "")
     assert tier(stats(live.socket), "disk")["used"] == 3
-    # Every block is clean now.
+    # Every block is clean now; no remote level, so nothing was sent to one.
     assert run_cli(capsys, "flush", "--socket", live.socket, "--json") == (
         0,
-        '{"copied": 0, "dirty": 0, "dirty_by_tier": {}, "reason": ""}\n',
+        '{"copied": 0, "dirty": 0, "dirty_by_tier": {}, "reason": "", "remote_sent": 0,'
+        ' "remote_missed": 0, "remote_missed_by_level": {}, "remote_reason": ""}\n',
         "",
     )
 

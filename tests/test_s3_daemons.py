@@ -4,6 +4,9 @@ name the object-store level (medium ``OBJECT``) and count its hits; a daemon who
 tier was wiped starts warm from the bucket; a restart of the S3 server loses nothing a
 flush acknowledged; and the credentials come from a private secret file (one readable
 by others is refused at start, with a clear error) or from the daemon's environment.
+``tierd flush`` says how many of the writes it caused did not land, and why, and exits 1
+when some did not (issue 61, item 2); a level whose every write is refused makes
+``tierd health`` say so and exit 1.
 
 Each daemon has its own CPU and disk tiers and its own home; all name the same bucket
 under a key prefix of the test's own. Blocks reach the bucket deterministically:
@@ -16,6 +19,7 @@ stopped (by PID) with the ``spawn`` fixture of the lifecycle tests; the server i
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import shutil
@@ -24,14 +28,14 @@ from typing import Any
 
 import obstore
 import pytest
-from s3_kit import SeaweedServer, seaweed_fixture
+from s3_kit import S3FaultProxy, SeaweedServer, s3_proxy_fixture, seaweed_fixture
 
 from tests.remote_daemon_kit import BLOCK, block, cli, connect, names
 from tests.test_daemon_lifecycle import DaemonProcess, Spawn, child_env, spawn
 from tierd.keys import BlockKey
 from tierd.testing import daemon_config
 
-__all__ = ["seaweed_fixture", "spawn"]  # the fixtures, re-exported for pytest
+__all__ = ["s3_proxy_fixture", "seaweed_fixture", "spawn"]  # the fixtures, for pytest
 
 
 def s3_section(server: SeaweedServer, prefix: str, **extra: Any) -> dict[str, Any]:
@@ -244,3 +248,71 @@ async def test_credentials_from_the_daemons_environment(site: Site, spawn: Spawn
         assert len(await site.objects()) == len(keys)
     finally:
         await stopped(a, b)
+
+
+async def test_flush_says_which_writes_did_not_land_and_fails(
+    site: Site, spawn: Spawn, s3_proxy: S3FaultProxy
+) -> None:
+    """Issue 61, item 2: a flush whose S3 writes timed out printed "copied 64 blocks;
+    nothing left dirty" and exited 0. The writes it causes are waited for, and those that
+    did not land are counted, by cause, and fail the flush."""
+    keys = names("unlanded", 8)
+    a = await spawn(site.config("a", endpoint=s3_proxy.endpoint, deadline="500ms"))
+    try:
+        async with await connect(a) as client:
+            assert await client.store(keys, [block(k) for k in keys]) == len(keys)
+        s3_proxy.set_fault("hang", methods=["PUT"])  # after the write-once check at start
+        status, out = await cli("flush", "--socket", a.socket_path)
+        assert status == 1, out
+        assert "copied 8 blocks; nothing left dirty" in out, out
+        assert "8 of 8 blocks sent to the remote level did not land" in out, out
+        assert "8 of 8 not written to s3 (8 timeouts)" in out, out
+        status, out = await cli("flush", "--socket", a.socket_path, "--json")
+        assert status == 1, out
+        done = json.loads(out)
+        assert (done["remote_sent"], done["remote_missed"]) == (8, 8), done
+        assert done["remote_missed_by_level"] == {"s3": {"timeouts": 8}}, done
+        assert await site.objects() == []
+        s3_proxy.set_fault(None)  # a healthy server: the same flush lands them all
+        status, out = await cli("flush", "--socket", a.socket_path)
+        assert status == 0, out
+        assert "8 blocks sent to the remote level, all landed" in out, out
+        assert len(await site.objects()) == len(keys)
+    finally:
+        await stopped(a)
+
+
+async def test_a_level_whose_every_write_is_refused_is_unhealthy(
+    site: Site, spawn: Spawn, s3_proxy: S3FaultProxy
+) -> None:
+    """Issue 61, item 3: 0 of 64 blocks reached the bucket while `tierd health` said ok."""
+    keys = names("refused", 4)
+    a = await spawn(site.config("a", endpoint=s3_proxy.endpoint, breaker_backoff="300ms"))
+    try:
+        status, out = await cli("health", "--socket", a.socket_path)
+        assert status == 0 and "remote       s3: ok" in out, out
+        async with await connect(a) as client:
+            assert await client.store(keys, [block(k) for k in keys]) == len(keys)
+        s3_proxy.set_fault("status:403", methods=["PUT"])
+        for _ in range(3):  # breaker_failures flushes, every write of each refused
+            status, out = await cli("flush", "--socket", a.socket_path)
+            assert status == 1 and "(4 errors)" in out, out
+        status, out = await cli("health", "--socket", a.socket_path)
+        assert status == 1, out
+        assert "status       unhealthy" in out, out
+        assert "remote       s3: unhealthy: " in out and "writes refused" in out, out
+        status, out = await cli("health", "--socket", a.socket_path, "--json")
+        health = json.loads(out)
+        assert (health["ok"], health["status"]) == (False, "unhealthy"), health
+        assert [level["ok"] for level in health["remote"]] == [False], health
+        async with await connect(a) as client:
+            remote = (await client.stats())["remote"]
+        assert remote["write_state"] == "open" and remote["stores"] == 0, remote
+        s3_proxy.set_fault(None)
+        await asyncio.sleep(0.35)  # the back-off; then a write goes through and lands
+        status, out = await cli("flush", "--socket", a.socket_path)
+        assert status == 0, out
+        status, out = await cli("health", "--socket", a.socket_path)
+        assert status == 0 and "status       ok" in out, out
+    finally:
+        await stopped(a)

@@ -442,6 +442,25 @@ async def test_with_redis_dead_the_bucket_keeps_serving(bucket: Bucket, redis: R
         assert below["state"] == "closed" and below["hits"] == 4 * len(keys)
 
 
+async def test_a_flush_through_a_stack_says_per_level_which_writes_did_not_land(
+    bucket: Bucket, redis: RedisServer
+) -> None:
+    """Issue 61, item 2: a flush waits for the writes it causes and counts, per level and
+    by cause, those that did not land: with Redis dead, every block is in the bucket and
+    none in Redis, and the flush says so."""
+    keys = names("stack-flush", 3)
+    redis.kill()
+    async with node(stacked(bucket, redis)) as chain:
+        await chain.store(keys, [block(k) for k in keys])
+        async with asyncio.timeout(GENEROUS * 4 + 1):
+            done = await chain.flush()
+        assert (done.remote_sent, done.not_landed) == (len(keys), len(keys)), done
+        assert done.remote_missed == {"remote": {"errors": len(keys)}, "s3": {}}, done
+        assert done.remote_reason == f"3 of 3 not written to remote ({len(keys)} errors)"
+        assert done.failed and done.copied == 0, done
+    assert len(await bucket.objects()) == len(keys)
+
+
 # -- config -------------------------------------------------------------------------------
 
 

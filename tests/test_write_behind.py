@@ -244,3 +244,52 @@ async def test_three_levels_copy_behind_and_demote_below_without_losing_a_block(
                 assert await handle.read_into([memoryview(out)]) == [True]
                 assert bytes(out) == block(key)
         chain.check_invariants(idle=True)
+
+
+@pytest.mark.parametrize("behind", [True, False], ids=["write-behind", "no-write-behind"])
+async def test_the_disk_tiers_stored_events_come_once_from_whichever_copies_down(
+    tmp_path: Path, behind: bool
+) -> None:
+    """The README said `tierd flush` emits the disk tier's `stored DISK` events; with
+    `write_behind` (the shipped config) it emitted none. By design: each block is stored
+    on the disk tier once, so it is announced once, by the copy that stores it there. With
+    write-behind that copy runs right after the client's store, so the events come then
+    (before any flush), and a flush that then finds nothing dirty copies and announces
+    nothing; without it, the flush's copies store the blocks, and emit the events. Either
+    way every block's `stored DISK` event comes, exactly once, through the subscription
+    (the client's, as `tierd events` reads it)."""
+    config = daemon_config(tmp_path, cpu_blocks=8, disk_blocks=64)
+    config["tiers"][0]["write_behind"] = behind
+    child = start_daemon(config, env=dict(os.environ), log=tmp_path / "tierd.log", timeout_s=60)
+    try:
+        watcher = await Client.connect(str(child.socket))  # the operator: every namespace
+        await watcher.subscribe()
+        stored: list[tuple[str, bytes]] = []  # (medium, client key), in the order announced
+        pushes = watcher.events()
+
+        async def until_stored(medium: str, keys: list[bytes]) -> None:
+            """Read pushes until every key of ``keys`` was stored on ``medium`` (bounded)."""
+            async with asyncio.timeout(10):
+                while not {(medium, k) for k in keys} <= set(stored):
+                    push = await anext(pushes)
+                    for event in push["events"]:
+                        if event["kind"] == "stored":
+                            stored.extend((event["medium"], bytes(k)[8:]) for k in event["keys"])
+
+        async with await Client.connect(str(child.socket), namespace="ev") as client:
+            keys = [b"e%d" % i for i in range(4)]
+            await client.store(keys, [block(k) for k in keys])
+            await until_stored("CPU", keys)
+            if behind:
+                await until_stored("DISK", keys)  # copied behind the store: no flush yet
+            flushed = await watcher.flush()
+            assert (flushed.copied, flushed.dirty) == (0 if behind else len(keys), 0), flushed
+            marker = [b"marker"]  # stored after the flush: its events end the flush's
+            await client.store(marker, [block(marker[0])])
+            await until_stored("CPU", marker)
+            await until_stored("DISK", keys)  # without write-behind: the flush's copies
+        disk = [key for medium, key in stored if medium == "DISK" and key in keys]
+        assert sorted(disk) == sorted(keys)  # each block's stored DISK event, once
+        await watcher.close()
+    finally:
+        child.stop()

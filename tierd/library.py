@@ -219,8 +219,9 @@ async def open_remote(spec: RemoteConfig | S3Config, block_bytes: int) -> Remote
 
     levels = []
     try:
-        for level in spec.levels():
-            levels.append(await _open_level(level, block_bytes))
+        for depth, level in enumerate(spec.levels()):
+            path = "remote" + ".below" * depth
+            levels.append(await _open_level(level, block_bytes, path))
     except BaseException:
         for opened in levels:
             await opened.close()
@@ -228,9 +229,9 @@ async def open_remote(spec: RemoteConfig | S3Config, block_bytes: int) -> Remote
     return levels[0] if len(levels) == 1 else RemoteStack(levels)
 
 
-async def _open_level(spec: RemoteConfig | S3Config, block_bytes: int) -> LevelBase:
+async def _open_level(spec: RemoteConfig | S3Config, block_bytes: int, path: str) -> LevelBase:
     if isinstance(spec, S3Config):
-        return await _open_s3(spec, block_bytes)
+        return await _open_s3(spec, block_bytes, path)
     from tierd.remote.calls import RemoteSettings
     from tierd.remote.redis_level import RedisLevel
 
@@ -251,7 +252,7 @@ async def _open_level(spec: RemoteConfig | S3Config, block_bytes: int) -> LevelB
     return await RedisLevel(settings).open()
 
 
-async def _open_s3(spec: S3Config, block_bytes: int) -> LevelBase:
+async def _open_s3(spec: S3Config, block_bytes: int, path: str) -> LevelBase:
     from tierd.remote.s3_calls import S3Settings
     from tierd.remote.s3_level import S3Level
 
@@ -271,6 +272,8 @@ async def _open_s3(spec: S3Config, block_bytes: int) -> LevelBase:
         breaker_failures=spec.breaker_failures,
         breaker_backoff_s=spec.breaker_backoff,
         breaker_max_backoff_s=spec.breaker_max_backoff,
+        write_once=spec.write_once,
+        config_path=path,
     )
     return await S3Level(settings).open()
 

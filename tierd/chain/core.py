@@ -39,7 +39,7 @@ from tierd.chain.loads import Loading
 from tierd.chain.lookups import Lookups
 from tierd.chain.moves import Movement
 from tierd.chain.pending import PendingWrites
-from tierd.chain.remote import RemoteSide
+from tierd.chain.remote import Landing, RemoteSide
 from tierd.chain.values import Admission, ChainStats, Deleted, FlushResult, Level, LookupResult
 from tierd.errors import CapacityError
 from tierd.events import EventBus
@@ -223,6 +223,7 @@ class TierChain:
             copied += moved
             if not moved:
                 break
+        landing = Landing()
         if self.remote is not None:  # the server skips what it holds already
             last = len(self.levels) - 1
             tier = self._levels.tiers[last]
@@ -230,8 +231,10 @@ class TierChain:
                 ready = [k for k in keys if k in tier]
                 for start in range(0, len(ready), _REMOTE_BATCH):
                     batch = ready[start : start + _REMOTE_BATCH]
-                    copied += await self._moves.send_remote(last, batch, wait=True)
-            await self.remote.level.drain()
+                    landing.add(await self._moves.write_remote(last, batch))
+            # The writes queued before (evictions, write-through): each under its deadline.
+            await self.remote.level.settle()
+            copied += landing.sent - landing.not_landed + landing.unread
             self._publish()
         dirty = {}
         for index in upper:
@@ -242,7 +245,8 @@ class TierChain:
             for level, before in zip(self.levels, errors, strict=True)
             if level.io_errors > before
         }
-        return FlushResult(copied, dirty, failed)
+        missed = {level: dict(causes) for level, causes in landing.missed.items()}
+        return FlushResult(copied, dirty, failed, landing.sent, missed, landing.unread)
 
     async def _walk(self, index: int) -> AsyncIterator[list[BlockKey]]:
         """The keys of level ``index`` (every state, kept ones not adopted yet last),

@@ -23,6 +23,7 @@ from itertools import chain
 from tierd.chain.admit import Admissions
 from tierd.chain.levels import ChainLevels
 from tierd.chain.pending import PendingWrites
+from tierd.chain.remote import Landing
 from tierd.chain.values import Level
 from tierd.keys import BlockKey
 from tierd.stores import BlockStore
@@ -232,11 +233,11 @@ class Movement:
             keys = await self.copy_down(index, keys)
             index += 1
         if keys and levels[index].write_through and self.levels.remote is not None:
-            await self.send_remote(index, keys, wait=False)
+            await self.send_remote(index, keys)
 
-    async def send_remote(self, index: int, keys: list[BlockKey], *, wait: bool) -> int:
-        """Copy ready blocks of level ``index`` to the remote level, pinned meanwhile
-        (nothing is sent from a chain without one)."""
+    async def send_remote(self, index: int, keys: list[BlockKey]) -> int:
+        """Queue ready blocks of level ``index`` for the remote level, read out of their
+        slots pinned meanwhile (nothing is sent from a chain without one); how many."""
         remote = self.levels.remote
         level = self.levels.levels[index]
         keys = [k for k in keys if k in level.tier]
@@ -244,7 +245,21 @@ class Movement:
             return 0
         slots = level.tier.prepare_load(keys)
         try:
-            return await remote.copy_out(level.store, slots, keys, wait=wait)
+            return await remote.copy_out(level.store, slots, keys)
+        finally:
+            self.levels.unpin(index, keys)
+
+    async def write_remote(self, index: int, keys: list[BlockKey]) -> Landing:
+        """Write ready blocks of level ``index`` to the remote level and wait for the
+        writes (pinned meanwhile): what became of each."""
+        remote = self.levels.remote
+        level = self.levels.levels[index]
+        keys = [k for k in keys if k in level.tier]
+        if remote is None or not keys:
+            return Landing()
+        slots = level.tier.prepare_load(keys)
+        try:
+            return await remote.write_out(level.store, slots, keys)
         finally:
             self.levels.unpin(index, keys)
 

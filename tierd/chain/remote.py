@@ -5,7 +5,8 @@ The remote level is not a :class:`~tierd.tier.Tier`: other nodes write to it and
 server evicts, so the chain keeps no index of it. It asks instead, one round trip per
 batch: which leading keys the server holds (``exists``), their verified bytes (``get``).
 Blocks go to it from the last local level, on eviction and through write-through, as
-private copies read out of their slots first, so a slot is never read after it is reused.
+private copies read out of their slots first, so a slot is never read after it is reused;
+a flush writes them and learns what became of each (:class:`~tierd.remote.level.Landing`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any, Protocol
 from tierd.events import TierEvent
 from tierd.keys import BlockKey, Medium
 from tierd.policy.admission import Admission
+from tierd.remote.level import Landing
 from tierd.stores import BlockStore
 
-__all__ = ["Payload", "RemoteLevel", "RemoteSide"]
+__all__ = ["Landing", "Payload", "RemoteLevel", "RemoteSide"]
 
 Payload = bytes | bytearray | memoryview
 
@@ -35,11 +37,14 @@ class RemoteLevel(Protocol):
     async def present(self, keys: Sequence[BlockKey]) -> list[bool]: ...
     async def get(self, keys: Sequence[BlockKey]) -> list[memoryview]: ...
     async def put(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> int: ...
+    async def write(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> Landing: ...
     def put_later(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> bool: ...
     async def drain(self) -> None: ...
+    async def settle(self) -> None: ...
     async def close(self) -> None: ...
     def take_events(self) -> list[TierEvent]: ...
     def stats(self) -> dict[str, Any]: ...
+    def health(self) -> list[dict[str, Any]]: ...
 
 
 @dataclass(slots=True)
@@ -56,28 +61,37 @@ class RemoteSide:
     read_errors: int = 0  # local reads that failed while copying a block out
 
     async def copy_out(
-        self,
-        store: BlockStore,
-        slots: Sequence[int],
-        keys: Sequence[BlockKey],
-        *,
-        wait: bool = False,
+        self, store: BlockStore, slots: Sequence[int], keys: Sequence[BlockKey]
     ) -> int:
-        """Read blocks out of ``store`` into private buffers and send them: queued
-        (``wait=False``: the caller is evicting and must not wait on the network) or
-        written before returning. Returns how many were handed to the remote level."""
-        if not keys:
+        """Read blocks out of ``store`` into private buffers and queue them (the caller is
+        evicting, or writing through, and must not wait on the network). Returns how many
+        were handed to the remote level."""
+        good_keys, good = await self._read(store, slots, keys)
+        if not good_keys or not self.level.put_later(good_keys, good):
             return 0
+        self.sent += len(good_keys)
+        return len(good_keys)
+
+    async def write_out(
+        self, store: BlockStore, slots: Sequence[int], keys: Sequence[BlockKey]
+    ) -> Landing:
+        """Read blocks out of ``store`` and write them before returning (a flush): what
+        became of each, those that could not be read included."""
+        good_keys, good = await self._read(store, slots, keys)
+        landing = await self.level.write(good_keys, good) if good_keys else Landing()
+        landing.unread += len(keys) - len(good_keys)
+        self.sent += len(good_keys)
+        return landing
+
+    async def _read(
+        self, store: BlockStore, slots: Sequence[int], keys: Sequence[BlockKey]
+    ) -> tuple[list[BlockKey], list[bytearray]]:
+        """The keys read out of their slots, and their private copies."""
+        if not keys:
+            return [], []
         buffers = [bytearray(store.block_bytes) for _ in keys]
         ok = await store.read(slots, keys, buffers)
         good_keys = [key for key, flag in zip(keys, ok, strict=True) if flag]
         good = [buf for buf, flag in zip(buffers, ok, strict=True) if flag]
         self.read_errors += len(keys) - len(good_keys)
-        if not good_keys:
-            return 0
-        if wait:
-            await self.level.put(good_keys, good)
-        elif not self.level.put_later(good_keys, good):
-            return 0
-        self.sent += len(good_keys)
-        return len(good_keys)
+        return good_keys, good

@@ -67,15 +67,32 @@ class Deleted:
 @dataclass(frozen=True, slots=True)
 class FlushResult:
     """What a flush did: blocks ``copied`` down, and per tier the blocks that are still
-    ``dirty`` (held there and not in the tier below) with the failed writes behind them."""
+    ``dirty`` (held there and not in the tier below) with the failed writes behind them;
+    with a remote level, the blocks sent to it (``remote_sent``) and, per remote level,
+    those that did not land there, by cause (``remote_missed``: ``timeouts``, ``errors``,
+    ``busy``, ``refused``, ...; ``tierd.remote.level.MISSED_CAUSES``)."""
 
     copied: int
     dirty: dict[str, int] = field(default_factory=dict)  # tier name -> blocks still dirty
     write_errors: dict[str, int] = field(default_factory=dict)  # tier name -> failed writes
+    remote_sent: int = 0
+    remote_missed: dict[str, dict[str, int]] = field(default_factory=dict)  # level -> causes
+    remote_unread: int = 0  # blocks of the last tier that could not be read to be sent
 
     @property
     def left_dirty(self) -> int:
         return sum(self.dirty.values())
+
+    @property
+    def not_landed(self) -> int:
+        """Blocks sent to the remote level that did not land on every level of it."""
+        worst = max((sum(c.values()) for c in self.remote_missed.values()), default=0)
+        return worst + self.remote_unread
+
+    @property
+    def failed(self) -> bool:
+        """Whether the flush left blocks behind: dirty, or not landed on the remote level."""
+        return bool(self.dirty) or self.not_landed > 0
 
     def plus(self, other: FlushResult) -> FlushResult:
         """Both flushes in one result (several chains of the same tiers)."""
@@ -83,10 +100,18 @@ class FlushResult:
         def add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
             return {name: a.get(name, 0) + b.get(name, 0) for name in {**a, **b}}
 
+        levels = {**self.remote_missed, **other.remote_missed}
+        missed = {
+            name: add(self.remote_missed.get(name, {}), other.remote_missed.get(name, {}))
+            for name in levels
+        }
         return FlushResult(
             self.copied + other.copied,
             add(self.dirty, other.dirty),
             add(self.write_errors, other.write_errors),
+            self.remote_sent + other.remote_sent,
+            missed,
+            self.remote_unread + other.remote_unread,
         )
 
     @property
@@ -101,4 +126,20 @@ class FlushResult:
                 f"no room below tier {below}: the tier below is full of pinned or in-flight"
                 " blocks, or smaller than what it must hold"
             )
+        return "; ".join(parts)
+
+    @property
+    def remote_reason(self) -> str:
+        """Which blocks sent to the remote level did not land, per level and why, in one
+        line ("" when all did)."""
+        if not self.not_landed:
+            return ""
+        parts = []
+        for level, causes in self.remote_missed.items():
+            count = sum(causes.values())
+            if count:
+                why = ", ".join(f"{n} {cause}" for cause, n in causes.items() if n)
+                parts.append(f"{count} of {self.remote_sent} not written to {level} ({why})")
+        if self.remote_unread:
+            parts.append(f"{self.remote_unread} unreadable in the last tier, not sent")
         return "; ".join(parts)

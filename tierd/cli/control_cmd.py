@@ -164,11 +164,20 @@ def _run_flush(args: argparse.Namespace) -> int:
     done = with_client(args, Client.flush)
     if args.json:
         _emit(json.dumps(dataclasses.asdict(done)))
-    elif done.dirty:
-        _emit(f"copied {done.copied:,} blocks; {done.dirty:,} stayed dirty: {done.reason}")
     else:
-        _emit(f"copied {done.copied:,} blocks; nothing left dirty")
-    return EXIT_BAD_INPUT if done.dirty else EXIT_OK  # 1: the operation failed
+        if done.dirty:
+            line = f"copied {done.copied:,} blocks; {done.dirty:,} stayed dirty: {done.reason}"
+        else:
+            line = f"copied {done.copied:,} blocks; nothing left dirty"
+        if done.remote_missed:
+            line += (
+                f"; {done.remote_missed:,} of {done.remote_sent:,} blocks sent to the remote"
+                f" level did not land: {done.remote_reason}"
+            )
+        elif done.remote_sent:
+            line += f"; {done.remote_sent:,} blocks sent to the remote level, all landed"
+        _emit(line)
+    return EXIT_BAD_INPUT if done.failed else EXIT_OK  # 1: the operation failed
 
 
 def _configure_clear(parser: argparse.ArgumentParser) -> None:
@@ -235,12 +244,18 @@ def _run_health(args: argparse.Namespace) -> int:
     if args.json:
         _emit(json.dumps({"ok": health["status"] == "ok", **health}))
     else:
-        _emit(
-            f"status       {health['status']}\n"
-            f"version      {health['version']}\n"
-            f"uptime       {duration(health['uptime_s'])}\n"
-            f"connections  {health['connections']:,}"
-        )
+        lines = [
+            f"status       {health['status']}",
+            f"version      {health['version']}",
+            f"uptime       {duration(health['uptime_s'])}",
+            f"connections  {health['connections']:,}",
+        ]
+        for level in health.get("remote", ()):
+            says = "ok" if level["ok"] else "unhealthy: " + "; ".join(level["problems"])
+            if level["notes"]:
+                says += " (" + "; ".join(level["notes"]) + ")"
+            lines.append(f"remote       {level['name']}: {says}")
+        _emit("\n".join(lines))
     return EXIT_OK if health["status"] == "ok" else EXIT_BAD_INPUT
 
 
@@ -253,10 +268,16 @@ COMMANDS: dict[str, Command] = {
         _configure_events,
         _run_events,
     ),
-    "flush": Command("copy every dirty block down to the next tier", _add_common, _run_flush),
+    "flush": Command(
+        "copy every dirty block down to the next tier (and to the remote level)",
+        _add_common,
+        _run_flush,
+    ),
     "clear": Command("remove the blocks of every tier, or of one", _configure_clear, _run_clear),
     "health": Command(
-        "check that the daemon answers and is not stopping", _add_common, _run_health
+        "check that the daemon answers, is not stopping and its remote levels work",
+        _add_common,
+        _run_health,
     ),
     "sizes": Command(
         "list each tenant's block sizes, or give one back", _configure_sizes, _run_sizes

@@ -130,6 +130,9 @@ class S3Config(RemoteCommon):
     deadline: Seconds = Field(default=0.5, gt=0, le=60)  # per batch of requests
     access_key_id: str | None = Field(default=None, max_length=256)
     secret_access_key_file: Path | None = None
+    # A server that does not keep objects write-once (found at start: docs/remote.md):
+    # "require" refuses to start, "best_effort" runs and says so.
+    write_once: Literal["require", "best_effort"] = "require"
 
     @field_validator("endpoint")
     @classmethod

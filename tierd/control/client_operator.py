@@ -11,7 +11,7 @@ Every public name is importable from :mod:`tierd.control.client`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -21,12 +21,23 @@ __all__ = ["ControlRequests", "Flushed"]
 
 @dataclass(frozen=True, slots=True)
 class Flushed:
-    """A flush's reply: blocks ``copied`` down, blocks still ``dirty`` (per tier), and why."""
+    """A flush's reply: blocks ``copied`` down, blocks still ``dirty`` (per tier), and why;
+    with a remote level, the blocks sent to it and those that did not land (per level, by
+    cause), and why."""
 
     copied: int
     dirty: int
     dirty_by_tier: dict[str, int]
     reason: str
+    remote_sent: int = 0
+    remote_missed: int = 0
+    remote_missed_by_level: dict[str, dict[str, int]] = field(default_factory=dict)
+    remote_reason: str = ""
+
+    @property
+    def failed(self) -> bool:
+        """Whether blocks were left behind: dirty, or not landed on the remote level."""
+        return self.dirty > 0 or self.remote_missed > 0
 
 
 class ControlRequests:
@@ -55,11 +66,19 @@ class ControlRequests:
     async def flush(self) -> Flushed:
         """Copy every dirty block down; what stayed dirty, and why, is in the result."""
         reply = await self.request("flush")
+        by_level = reply.get("remote_missed_by_level") or {}
         return Flushed(
             copied=int(reply["copied"]),
             dirty=int(reply["dirty"]),
             dirty_by_tier={str(k): int(v) for k, v in reply["dirty_by_tier"].items()},
             reason=str(reply["reason"]),
+            remote_sent=int(reply.get("remote_sent", 0)),
+            remote_missed=int(reply.get("remote_missed", 0)),
+            remote_missed_by_level={
+                str(level): {str(k): int(v) for k, v in causes.items()}
+                for level, causes in by_level.items()
+            },
+            remote_reason=str(reply.get("remote_reason", "")),
         )
 
     async def describe(self, keys: Sequence[bytes], blocks: Sequence[Mapping[str, Any]]) -> int:

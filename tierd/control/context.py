@@ -197,12 +197,33 @@ class ServerContext:
         )
 
     def health(self) -> dict[str, Any]:
+        """Whether the daemon serves: ``status`` ``ok``, ``stopping``, or ``unhealthy`` when
+        a remote level does not work (its breaker open, its writes all refused, an S3
+        server that does not keep objects write-once); ``remote`` says per level."""
+        remote = self.remote_health()
+        status = "ok" if all(line["ok"] for line in remote) else "unhealthy"
         return {
-            "status": "stopping" if self.shutting_down else "ok",
+            "status": "stopping" if self.shutting_down else status,
             "version": __version__,
             "uptime_s": round(time.monotonic() - self.started, 3),
             "connections": self.connections,
+            "remote": remote,
         }
+
+    def remote_health(self) -> list[dict[str, Any]]:
+        """Each remote level's health, over every tenant's chain (one line per level)."""
+        by_name: dict[str, dict[str, Any]] = {}
+        for chain in self.tenants.chains():
+            if chain.remote is None:
+                continue
+            for line in chain.remote.level.health():
+                seen = by_name.setdefault(
+                    line["name"], {"name": line["name"], "ok": True, "problems": [], "notes": []}
+                )
+                seen["ok"] = seen["ok"] and line["ok"]
+                for key in ("problems", "notes"):
+                    seen[key] += [text for text in line[key] if text not in seen[key]]
+        return list(by_name.values())
 
 
 def _sized_stats(tenant: Tenant, namespaces: bool) -> dict[str, Any]:

@@ -151,6 +151,10 @@ class OperatorRequests:
             "dirty": done.left_dirty,
             "dirty_by_tier": done.dirty,
             "reason": done.reason,
+            "remote_sent": done.remote_sent,
+            "remote_missed": done.not_landed,
+            "remote_missed_by_level": done.remote_missed,
+            "remote_reason": done.remote_reason,
         }
 
     async def sizes(self, msg: dict[str, Any]) -> Reply:

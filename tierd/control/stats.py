@@ -125,11 +125,13 @@ def merge_stats(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _merge_remote(remotes: list[dict[str, Any]]) -> dict[str, Any]:
-    """One remote level over several tenants: counts added up, the worst breaker state, the
+    """One remote level over several tenants: counts added up, the worst breaker states, the
     latest error with its time (never a sum of times); a stack's levels the same way."""
     remote = _add(remotes)
-    states = [r["state"] for r in remotes if r["state"] != "closed"]
-    remote["state"] = states[0] if states else "closed"
+    for key in ("state", "write_state"):
+        states = [r[key] for r in remotes if r.get(key, "closed") != "closed"]
+        if key in remote or states:
+            remote[key] = states[0] if states else "closed"
     latest = max(remotes, key=lambda r: float(r.get("last_error_at", 0.0)))
     for key in ("last_error", "last_error_at", "recovered"):
         remote[key] = latest.get(key, remote.get(key))

@@ -234,6 +234,13 @@ class Daemon:
                     )
                 else:
                     log.info("wrote dirty blocks down", blocks=done.copied)
+                if done.not_landed:
+                    log.warning(
+                        "blocks sent to the remote level did not land at shutdown",
+                        sent=done.remote_sent,
+                        not_landed=done.not_landed,
+                        reason=done.remote_reason,
+                    )
             except TimeoutError:
                 log.warning("grace period over before every dirty block was written down")
 

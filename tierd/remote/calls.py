@@ -127,11 +127,18 @@ class RemoteCalls(CallNotes):
             with contextlib.suppress(*_UNREACHABLE):
                 await client.aclose()
 
-    async def pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any] | None:
+    async def pipeline(
+        self, commands: list[tuple[Any, ...]], why: list[str] | None = None
+    ) -> list[Any] | None:
         """Run commands in one non-transactional pipeline under the deadline and the
         breaker; ``None`` when the call was refused, timed out, failed to connect or found
-        no free connection in time. Error replies come back in the list as exceptions."""
+        no free connection in time (``why``, when given, then gets which: ``refused``,
+        ``timeouts``, ``errors`` or ``busy``). Error replies come back in the list as
+        exceptions."""
+        if why is None:
+            why = []
         if self.client is None or not commands:
+            why.append("refused")
             return None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.deadline_s
@@ -141,22 +148,27 @@ class RemoteCalls(CallNotes):
                 await self._slots.acquire()
         except TimeoutError:
             self.busy += 1  # the daemon's own queue: the server is not to blame
+            why.append("busy")
             return None
         if queued and deadline - loop.time() < self.settings.deadline_s * _MIN_LEFT:
             # Too little time left to judge the server by: a timeout now would be the
             # queue's doing, charged to the server.
             self._slots.release()
             self.busy += 1
+            why.append("busy")
             return None
         try:
-            return await self._call(commands, deadline)
+            return await self._call(commands, deadline, why)
         finally:
             self._slots.release()
 
-    async def _call(self, commands: list[tuple[Any, ...]], deadline: float) -> list[Any] | None:
+    async def _call(
+        self, commands: list[tuple[Any, ...]], deadline: float, why: list[str]
+    ) -> list[Any] | None:
         # The breaker is asked once a connection is ours: a probe it lets through is
         # answered, never left waiting in the queue with the breaker half open.
         if self.client is None or not self.breaker.allow():
+            why.append("refused")
             return None
         failed = True  # until the replies are in: a cancelled call counts as a failure
         try:
@@ -172,10 +184,12 @@ class RemoteCalls(CallNotes):
         except (TimeoutError, RedisTimeout) as exc:
             self.timeouts += 1
             self.note(exc, "timed out")
+            why.append("timeouts")
             return None
         except _UNREACHABLE as exc:
             self.errors += 1
             self.note(exc, "unreachable")
+            why.append("errors")
             return None
         finally:
             if failed:

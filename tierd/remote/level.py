@@ -3,14 +3,19 @@ operations, its events, the reuse of value buffers and the queue of background w
 
 :class:`~tierd.remote.redis_level.RedisLevel` and :class:`~tierd.remote.s3_level.S3Level`
 subclass :class:`LevelBase` and add their block operations (``exists``, ``present``,
-``get``, ``put``) over their own calls (a :class:`~tierd.remote.notes.CallNotes`).
+``get``, ``write``) over their own calls (a :class:`~tierd.remote.notes.CallNotes`).
+
+A write says what became of each block it was given (:class:`Landing`): written, found
+on the server already (both *landed*), or not, and why (timed out, refused, ...), so that
+an operation that caused writes (a flush) can say which did not land.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tierd.events import EventKind, TierEvent
@@ -19,13 +24,59 @@ from tierd.logs import get_logger
 from tierd.remote.notes import CallNotes
 from tierd.remote.values import HEADER_BYTES
 
-__all__ = ["LevelBase", "Payload", "RemoteCounters"]
+__all__ = ["MISSED_CAUSES", "Landing", "LevelBase", "Payload", "RemoteCounters"]
 
 Payload = bytes | bytearray | memoryview
 
 log = get_logger("tierd.remote")
 
 _SPARE_BYTES = 32 << 20  # value buffers kept for reuse between writes, at most
+
+
+# Why a block sent to a level did not land there (the keys of ``Landing.missed``).
+MISSED_CAUSES = {
+    "timeouts": "timed out",  # on the wire when the deadline passed
+    "busy": "waited past the deadline for a connection",  # the level's own pool was full
+    "errors": "failed",  # unreachable, reset, or an error status (5xx, 403, 501, ...)
+    "write_errors": "refused by the server",  # an error answer for the block (OOM, no bucket)
+    "refused": "refused by an open breaker",  # the level did not try (breaker, closed)
+    "unchecked": "held back: write-once not guaranteed",  # S3, write_once: require
+}
+
+
+@dataclass(slots=True)
+class Landing:
+    """What became of the blocks one or more writes were given: per level, the blocks that
+    did not land there, by cause (:data:`MISSED_CAUSES`). A block landed on a level when the
+    level wrote it or found it on the server already; ``unread`` blocks could not be read
+    out of the local tier, so were sent to none."""
+
+    sent: int = 0  # blocks handed to the level(s)
+    written: int = 0  # blocks written (a stack: by the level that wrote most)
+    missed: dict[str, Counter[str]] = field(default_factory=dict)  # level -> cause -> blocks
+    unread: int = 0
+
+    @classmethod
+    def of(cls, level: str, sent: int, written: int, missed: Mapping[str, int]) -> Landing:
+        """One level's write of ``sent`` blocks."""
+        return cls(sent, written, {level: Counter({c: n for c, n in missed.items() if n})})
+
+    def missed_at(self, level: str) -> int:
+        """Blocks that did not land on ``level``."""
+        return sum(self.missed.get(level, Counter()).values())
+
+    @property
+    def not_landed(self) -> int:
+        """Blocks that did not land on every level: the worst level's, and the unread."""
+        return max((sum(c.values()) for c in self.missed.values()), default=0) + self.unread
+
+    def add(self, other: Landing) -> None:
+        """Count ``other`` (a write of other blocks) in too."""
+        self.sent += other.sent
+        self.written += other.written
+        self.unread += other.unread
+        for level, causes in other.missed.items():
+            self.missed.setdefault(level, Counter()).update(causes)
 
 
 @dataclass(slots=True)
@@ -76,8 +127,13 @@ class LevelBase:
     async def get(self, keys: Sequence[BlockKey]) -> list[memoryview]:
         raise NotImplementedError
 
-    async def put(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> int:
+    async def write(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> Landing:
+        """Write blocks the server does not hold yet; what became of each."""
         raise NotImplementedError
+
+    async def put(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> int:
+        """:meth:`write`; how many blocks were written."""
+        return (await self.write(keys, payloads)).written
 
     async def close(self) -> None:
         raise NotImplementedError
@@ -88,6 +144,30 @@ class LevelBase:
 
     def stats(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def problems(self) -> list[str]:
+        """What keeps the level from working, in words (``tierd health``); empty: none."""
+        return self.calls.problems()
+
+    def health(self) -> list[dict[str, Any]]:
+        """The level's line of ``tierd health``: its name, whether it works, and why not
+        (or in which weaker mode it runs)."""
+        problems = self.problems()
+        return [{"name": self.name, "ok": not problems, "problems": problems, "notes": []}]
+
+    def write_allowed(self, count: int) -> bool:
+        """Whether the write breaker lets a write of ``count`` blocks through now; one it
+        refuses is counted (``dropped``), and must not be sent."""
+        if self.calls.write_breaker.allow():
+            return True
+        self.counters.dropped += count
+        return False
+
+    def write_done(self, landing: Landing) -> Landing:
+        """Tell the write breaker how a write it let through went; ``landing`` back."""
+        missed = landing.missed_at(self.name)
+        self.calls.write_ended(landing.sent - missed, missed)
+        return landing
 
     # -- events and buffers --------------------------------------------------------------
 
@@ -114,9 +194,10 @@ class LevelBase:
 
     def put_later(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> bool:
         """Queue a write of private copies of blocks; False (and counted as dropped) when
-        ``max_pending_bytes`` is reached or the breaker is open."""
+        ``max_pending_bytes`` is reached or a breaker (calls', writes') is open."""
         size = sum(map(len, payloads))
-        if not self.ready() or self.calls.breaker.retry_in_s > 0:
+        calls = self.calls
+        if not self.ready() or calls.breaker.retry_in_s > 0 or calls.write_breaker.retry_in_s > 0:
             self.counters.dropped += len(keys)
             return False
         if self._pending_bytes + size > self.max_pending_bytes:
@@ -129,7 +210,7 @@ class LevelBase:
         return True
 
     async def _write(self, keys: list[BlockKey], payloads: list[Payload]) -> None:
-        await self.put(keys, payloads)
+        await self.write(keys, payloads)
 
     def _write_done(self, task: asyncio.Task[None], size: int) -> None:
         self._writes.discard(task)
@@ -138,8 +219,15 @@ class LevelBase:
             log.error("remote write failed", remote=self.name, error=repr(task.exception()))
 
     async def drain(self) -> None:
-        """Wait for every queued write (tests and flush)."""
+        """Wait for every queued write, those queued meanwhile too (tests)."""
         while self._writes:
+            await asyncio.gather(*set(self._writes), return_exceptions=True)
+
+    async def settle(self) -> None:
+        """Wait for the writes queued now (a flush, once its own writes are done): each
+        runs under the level's deadline, so this is bounded; writes queued meanwhile are
+        not waited for."""
+        if self._writes:
             await asyncio.gather(*set(self._writes), return_exceptions=True)
 
     async def finish_writes(self, timeout_s: float) -> None:

@@ -2,6 +2,13 @@
 of calls that timed out, failed or found the pool full, and the note of the last failure
 (logged at a bounded rate, so a dead server cannot flood the log).
 
+Writes have a breaker of their own (``write_breaker``): a server can answer every read and
+refuse every write (a read-only key, a full server, a bucket policy). A read answered closes
+the call breaker, so writes that all fail would never open it; the write breaker opens after
+``breaker_failures`` write batches in a row of which no block landed, and while it is open
+writes are dropped at once (reads go on). After the back-off one write batch is let through;
+one that lands a block closes it.
+
 :class:`~tierd.remote.calls.RemoteCalls` (Redis) and :class:`~tierd.remote.s3_calls.S3Calls`
 (S3) both keep them through :class:`CallNotes`, so that ``tierd stats`` and the metrics
 read the same fields from either.
@@ -13,7 +20,7 @@ import time
 from typing import Protocol
 
 from tierd.logs import get_logger
-from tierd.remote.breaker import CircuitBreaker
+from tierd.remote.breaker import BreakerState, CircuitBreaker
 
 __all__ = ["CallNotes", "LevelSettings"]
 
@@ -46,6 +53,12 @@ class CallNotes:
             backoff_s=settings.breaker_backoff_s,
             max_backoff_s=settings.breaker_max_backoff_s,
         )
+        self.write_breaker = CircuitBreaker(
+            failures=settings.breaker_failures,
+            backoff_s=settings.breaker_backoff_s,
+            max_backoff_s=settings.breaker_max_backoff_s,
+        )
+        self.writes_failed = 0  # write batches in a row of which no block landed
         self.timeouts = 0  # calls past the deadline
         self.errors = 0  # calls that failed (connection, error reply)
         self.busy = 0  # calls whose deadline passed while every pooled connection was in use
@@ -81,6 +94,40 @@ class CallNotes:
                 breaker=str(self.breaker.state),
             )
 
+    def write_ended(self, landed: int, failed: int) -> None:
+        """A write batch the write breaker let through ended: ``landed`` blocks written or
+        found on the server, ``failed`` not (refused, unanswered). One that landed nothing
+        and failed some is a failure of the write breaker; any other closes it."""
+        if failed and not landed:
+            self.writes_failed += 1
+            was = self.write_breaker.state
+            self.write_breaker.failure()
+            if was is BreakerState.CLOSED and self.write_breaker.state is BreakerState.OPEN:
+                log.warning(
+                    "remote level refuses writes",
+                    remote=self.name,
+                    batches=self.writes_failed,
+                    error=self.last_error,
+                    retry_in_s=round(self.write_breaker.retry_in_s, 3),
+                )
+        else:
+            self.writes_failed = 0
+            self.write_breaker.success()
+
+    def problems(self) -> list[str]:
+        """What keeps the level from working, in words (empty: nothing): an open breaker,
+        writes that all fail."""
+        out = []
+        error = f" (last error: {self.last_error})" if self.last_error else ""
+        if self.breaker.state is not BreakerState.CLOSED:
+            out.append(f"breaker {self.breaker.state}: calls are refused{error}")
+        if self.write_breaker.state is not BreakerState.CLOSED:
+            out.append(
+                f"writes refused: {self.writes_failed} write batches in a row landed no"
+                f" block, write breaker {self.write_breaker.state}{error}"
+            )
+        return out
+
     def fault_stats(self) -> dict[str, object]:
         """The fields of ``stats()`` these notes own."""
         breaker = self.breaker
@@ -88,6 +135,9 @@ class CallNotes:
             "state": str(breaker.state),
             "breaker_opened": breaker.opened,
             "refused": breaker.refused,
+            "write_state": str(self.write_breaker.state),
+            "write_breaker_opened": self.write_breaker.opened,
+            "writes_refused": self.write_breaker.refused,
             "busy": self.busy,
             "errors": self.errors,
             "timeouts": self.timeouts,

@@ -19,7 +19,7 @@ errors to the caller:
 - a server error reply (``OOM`` with ``noeviction``, say) fails that write only: the
   server is up, so the breaker does not open.
 
-This module owns the block operations (``exists``, ``get``, ``put``, ``put_later``), the
+This module owns the block operations (``exists``, ``get``, ``write``, ``put_later``), the
 queue of writes, the reuse of value buffers and the level's counters and events; the
 call machinery (client, deadline, breaker, failure notes) is
 :class:`~tierd.remote.calls.RemoteCalls`.
@@ -37,7 +37,7 @@ from tierd.events import EventKind
 from tierd.keys import BlockKey, Medium
 from tierd.logs import get_logger
 from tierd.remote.calls import RemoteCalls, RemoteSettings, unanswered
-from tierd.remote.level import LevelBase, Payload
+from tierd.remote.level import Landing, LevelBase, Payload
 from tierd.remote.values import HEADER_BYTES, decode_block, encode_into, key_space
 
 __all__ = ["RedisLevel"]
@@ -171,17 +171,24 @@ class RedisLevel(LevelBase):
         self.calls.last_error = f"malformed reply: {what}"
         log.warning("remote reply of the wrong shape", remote=self.name, reply=what)
 
-    async def put(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> int:
+    async def write(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> Landing:
         """Write blocks the server does not hold yet (``SET NX``, after an ``EXISTS`` check
-        while writes often find their blocks there); returns how many were written."""
+        while writes often find their blocks there); what became of each."""
+        count = len(keys)
         if not keys:
-            return 0
+            return Landing()
+        if not self.write_allowed(count):
+            return Landing.of(self.name, count, 0, {"refused": count})
+        return self.write_done(await self._set(keys, payloads))
+
+    async def _set(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> Landing:
         todo = list(zip(keys, payloads, strict=True))
+        why: list[str] = []
         if self.held_share > self.check_above:
-            present = await self.calls.pipeline([("EXISTS", self._key(k)) for k in keys])
+            present = await self.calls.pipeline([("EXISTS", self._key(k)) for k in keys], why)
             if present is None:
                 self.counters.dropped += len(keys)
-                return 0
+                return Landing.of(self.name, len(keys), 0, {why[0]: len(keys)})
             todo = [
                 item
                 for item, there in zip(todo, present, strict=True)
@@ -190,7 +197,7 @@ class RedisLevel(LevelBase):
             self.counters.skipped += len(keys) - len(todo)
             if not todo:
                 self._held(len(keys), len(keys))
-                return 0
+                return Landing.of(self.name, len(keys), 0, {})
         ttl_ms = int(self.settings.ttl_s * 1000)
         expiry = ("PX", ttl_ms) if ttl_ms > 0 else ()
         buffers = [self.value_buffer(len(key), len(payload)) for key, payload in todo]
@@ -198,20 +205,23 @@ class RedisLevel(LevelBase):
         for (key, payload), buffer in zip(todo, buffers, strict=True):
             size = encode_into(buffer, key, payload)
             commands.append(("SET", self._key(key), memoryview(buffer)[:size], "NX", *expiry))
-        replies = await self.calls.pipeline(commands)
+        replies = await self.calls.pipeline(commands, why)
         if replies is None:
             # Not reused: a write cut short may still hold them in the connection.
             self.counters.dropped += len(todo)
-            return 0
+            return Landing.of(self.name, len(keys), 0, {why[0]: len(todo)})
         # A buffer whose command was answered was read whole by the server: reuse it. One
         # whose reply is a failure (a cluster node lost under it) may still sit in a
         # closing connection's queue, so it is left alone.
         self.recycle([b for b, r in zip(buffers, replies, strict=True) if not unanswered(r)])
         written: list[BlockKey] = []
         there = 0
+        missed: dict[str, int] = {}
         for (key, payload), reply in zip(todo, replies, strict=True):
             if isinstance(reply, BaseException):
                 self.counters.write_errors += 1
+                cause = "errors" if unanswered(reply) else "write_errors"
+                missed[cause] = missed.get(cause, 0) + 1
                 self.calls.record_error(f"write refused: {type(reply).__name__}: {reply}")
             elif reply:
                 written.append(key)
@@ -223,7 +233,7 @@ class RedisLevel(LevelBase):
         self.counters.stores += len(written)
         if written:
             self.event(EventKind.STORED, written)
-        return len(written)
+        return Landing.of(self.name, len(keys), len(written), missed)
 
     def _held(self, there: int, asked: int) -> None:
         """Fold one write's share of blocks found on the server into the average."""

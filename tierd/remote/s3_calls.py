@@ -62,6 +62,11 @@ class S3Settings:
     breaker_failures: int = 3
     breaker_backoff_s: float = 0.5
     breaker_max_backoff_s: float = 30.0
+    # What the level does on a server that does not keep objects write-once (a create
+    # with If-None-Match: * ignored, or refused): "require" refuses to start (or to
+    # write, once found out later); "best_effort" runs, saying so (docs/remote.md).
+    write_once: str = "require"
+    config_path: str = "remote"  # where the level's section sits in the config, for errors
 
     @property
     def where(self) -> str:
@@ -106,18 +111,23 @@ class S3Calls(CallNotes):
         self.store = None
 
     async def batch(
-        self, request: Callable[[Any, T], Awaitable[Any]], items: Sequence[T]
+        self,
+        request: Callable[[Any, T], Awaitable[Any]],
+        items: Sequence[T],
+        causes: list[str] | None = None,
     ) -> list[Any] | None:
         """``request(store, item)`` for every item, together, under one deadline and the
         breaker. Each result is the request's value or an :class:`Outcome`; ``None``
-        when the breaker refused the batch or the level is closed."""
+        when the breaker refused the batch or the level is closed. ``causes``, when
+        given, gets why each request that ``FAILED`` did (``timeouts``, ``busy``,
+        ``errors``; ``""`` for the others)."""
         if self.store is None or not items or not self.breaker.allow():
             return None
         store = self.store
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.deadline_s
         if len(items) == 1:  # no task to make and wait for: one request, awaited here
-            return self._tally([await self._alone(request, store, items[0], deadline)])
+            return self._tally([await self._alone(request, store, items[0], deadline)], causes)
         on_wire = [False] * len(items)
         tasks = [
             loop.create_task(self._one(request, store, item, on_wire, i))
@@ -129,7 +139,7 @@ class S3Calls(CallNotes):
         if late:
             await asyncio.gather(*late, return_exceptions=True)
         return self._tally(
-            [_settled(task, wire) for task, wire in zip(tasks, on_wire, strict=True)]
+            [_settled(task, wire) for task, wire in zip(tasks, on_wire, strict=True)], causes
         )
 
     async def _one(
@@ -159,24 +169,30 @@ class S3Calls(CallNotes):
         except Exception as exc:  # what the request raised: judged in _tally
             return _State.RAISED, exc
 
-    def _tally(self, settled: list[tuple[_State, Any]]) -> list[Any]:
+    def _tally(
+        self, settled: list[tuple[_State, Any]], causes: list[str] | None = None
+    ) -> list[Any]:
         """Each request's value or outcome; the batch's faults counted, noted and told to
         the breaker once."""
         from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionError
 
         results: list[Any] = []
+        why: list[str] = []
         failed = False
         late = 0
         for state, value in settled:
+            cause = ""
             if state is _State.OK:
                 results.append(value)
             elif state is _State.BUSY:
                 self.busy += 1
+                cause = "busy"
                 results.append(FAILED)
             elif state is _State.LATE:
                 self.timeouts += 1
                 failed = True
                 late += 1
+                cause = "timeouts"
                 results.append(FAILED)
             elif isinstance(value, NotFoundError | FileNotFoundError):
                 results.append(ABSENT)
@@ -185,8 +201,12 @@ class S3Calls(CallNotes):
             else:
                 self.errors += 1
                 failed = True
+                cause = "errors"
                 self.note(value, "failed")
                 results.append(FAILED)
+            why.append(cause)
+        if causes is not None:
+            causes[:] = why
         if late:
             self.note(TimeoutError(f"{late} of {len(settled)} requests"), "timed out")
         if failed:

@@ -21,7 +21,7 @@ from typing import Any
 
 from tierd.events import TierEvent
 from tierd.keys import BlockKey, Medium
-from tierd.remote.level import LevelBase, Payload
+from tierd.remote.level import Landing, LevelBase, Payload
 
 __all__ = ["RemoteStack"]
 
@@ -74,9 +74,16 @@ class RemoteStack:
             if level.put_later(keys, payloads):
                 self.promoted += len(keys)
 
+    async def write(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> Landing:
+        """Write to every level at once; what became of each block on each level."""
+        each = await asyncio.gather(*(level.write(keys, payloads) for level in self.levels))
+        landing = Landing(sent=len(keys), written=max(part.written for part in each))
+        for part in each:
+            landing.missed.update(part.missed)
+        return landing
+
     async def put(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> int:
-        written = await asyncio.gather(*(level.put(keys, payloads) for level in self.levels))
-        return max(written)
+        return (await self.write(keys, payloads)).written
 
     def put_later(self, keys: Sequence[BlockKey], payloads: Sequence[Payload]) -> bool:
         accepted = [level.put_later(keys, payloads) for level in self.levels]
@@ -86,6 +93,12 @@ class RemoteStack:
         for level in self.levels:
             await level.drain()
 
+    async def settle(self) -> None:
+        await asyncio.gather(*(level.settle() for level in self.levels))
+
+    def health(self) -> list[dict[str, Any]]:
+        return [line for level in self.levels for line in level.health()]
+
     async def close(self) -> None:
         await asyncio.gather(*(level.close() for level in self.levels))
 
@@ -93,7 +106,7 @@ class RemoteStack:
         return [event for level in self.levels for event in level.take_events()]
 
     def stats(self) -> dict[str, Any]:
-        """The levels' counts added up, the worst breaker state, and each level's own
+        """The levels' counts added up, the worst breaker states, and each level's own
         stats under ``levels``."""
         each = [level.stats() for level in self.levels]
         total = dict(each[0])
@@ -101,11 +114,13 @@ class RemoteStack:
             if isinstance(value, int | float) and not isinstance(value, bool):
                 total[key] = sum(s.get(key, 0) for s in each)
         states = [s["state"] for s in each if s["state"] != "closed"]
+        write_states = [s["write_state"] for s in each if s["write_state"] != "closed"]
         latest = max(each, key=lambda s: float(s.get("last_error_at", 0.0)))
         total.update(
             name=self.name,
             endpoint=" > ".join(str(s["endpoint"]) for s in each),
             state=states[0] if states else "closed",
+            write_state=write_states[0] if write_states else "closed",
             last_error=latest["last_error"],
             last_error_at=latest["last_error_at"],
             recovered=latest["recovered"],
