@@ -22,6 +22,10 @@ from typing import Any, Protocol, cast
 
 from tierd.errors import ProtocolError
 
+# Imported with the client, not when a pool is mapped: a client that drops privileges
+# after its imports (tests/tenant_child.py) may no longer read the standard library.
+from tierd.prefault import Prefault
+
 __all__ = ["LoadLease", "PoolMap", "PoolShare", "PoolUser", "StoreLease"]
 
 
@@ -42,10 +46,7 @@ class PoolMap:
         self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._view = memoryview(self._mm)
         # Page tables filled in the background: a copy into a slot this process never
-        # touched would otherwise fault on every 4 KiB page (tierd/prefault.py). Imported
-        # here: a client command that maps no pool (`tierd stats`) does without ctypes.
-        from tierd.prefault import Prefault
-
+        # touched would otherwise fault on every 4 KiB page (tierd/prefault.py).
         self.prefault = Prefault(self._mm, name or "pool")
 
     def view(self, slot: int) -> memoryview:
