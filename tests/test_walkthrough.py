@@ -1,8 +1,8 @@
 """The README's first session, end to end, with real processes: the shipped default config,
 `tierd serve`, `tierd events` waiting in the background while the example client stores
 from a second process, `tierd stats`, SIGTERM, a restart, and the blocks loaded back
-byte-identical from the disk tier; then the README's `tierd replay` command as written, on
-the trace the checkout ships (a fresh clone has no ../shared/data)."""
+byte-identical from the disk tier; then the README's `tierd trace generate` and `tierd
+replay` commands as written (a fresh clone has no ../shared/data)."""
 
 from __future__ import annotations
 
@@ -111,28 +111,23 @@ def readme_commands(program: str, readme: Path = README) -> list[list[str]]:
     return commands
 
 
-def shipped(path: str) -> bool:
-    """Whether ``path`` (relative to the checkout, as the README runs it) is a file of the
-    checkout that a clone gets: inside it, present, and not ignored by git."""
-    full = (ROOT / path).resolve()
-    if not full.is_relative_to(ROOT) or not full.is_file():
-        return False
-    if not (ROOT / ".git").exists():  # an unpacked archive: what is there is shipped
-        return True
-    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", path], check=False)
-    return ignored.returncode == 1  # 0: ignored, 1: not ignored
-
-
-def test_the_readme_replays_a_trace_the_checkout_ships(
+def test_the_readme_replays_a_trace_it_makes(
     tmp_path: Path, settings: tuple[list[str], str]
 ) -> None:
     """Issue 61, item 8: the walkthrough replayed ../shared/data/..., which a fresh clone
-    does not have."""
+    does not have. It makes its trace with the seeded generator, then replays that file:
+    both commands run as written (their files moved into ``tmp_path``)."""
+    (generate,) = readme_commands("tierd trace generate")
     (replay,) = readme_commands("tierd replay")
-    trace = replay[2]
-    assert shipped(trace), f"the README replays {trace}, which a fresh clone does not have"
+    written = generate[generate.index("--out") + 1]
+    assert replay[2] == written, f"the README replays {replay[2]}, not the trace it made"
+    trace = tmp_path / "chat.jsonl"
+    argv = generate[1:]
+    argv[argv.index("--out") + 1] = str(trace)
+    run(sys.executable, "-m", "tierd", *argv)
     out = tmp_path / "replay"
     argv = replay[1:]
+    argv[1] = str(trace)
     argv[argv.index("--out") + 1] = str(out)
     sets, socket_path = settings
     daemon = serve(sets, tmp_path)
@@ -146,21 +141,9 @@ def test_the_readme_replays_a_trace_the_checkout_ships(
         )
         assert done.returncode == 0, done.stderr
         assert "wrong bytes     0" in done.stdout
-        assert "requests        203 " in done.stdout  # every request of the shipped trace
+        assert "requests        203 " in done.stdout  # every request of the trace made
         summary = json.loads((out / "summary.json").read_text())
         assert summary["requests"] == 203
         assert daemon.stop() == 0
     finally:
         daemon.kill()
-
-
-def test_the_shipped_trace_is_what_its_readme_says_made_it(tmp_path: Path) -> None:
-    """examples/traces/README.md gives the command that wrote the trace: it writes the
-    same bytes again (the generator is seeded), so its figures hold."""
-    traces = ROOT / "examples" / "traces"
-    (generate,) = readme_commands("tierd trace generate", traces / "README.md")
-    argv = generate[1:]
-    shipped_trace = ROOT / argv[argv.index("--out") + 1]
-    argv[argv.index("--out") + 1] = str(tmp_path / "again.jsonl")
-    run(sys.executable, "-m", "tierd", *argv)
-    assert (tmp_path / "again.jsonl").read_bytes() == shipped_trace.read_bytes()
