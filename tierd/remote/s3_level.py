@@ -405,8 +405,9 @@ class S3Level(LevelBase):
     def health(self) -> list[dict[str, Any]]:
         [line] = super().health()
         if self.settings.write_once == "best_effort" and self.write_once is not WriteOnce.HONOURED:
-            line["notes"] = [f"write_once best_effort: write-once {self.write_once}"
-                             f" ({self.write_once_why})"]  # fmt: skip
+            line["notes"] = [
+                f"write_once best_effort: write-once {self.write_once} ({self.write_once_why})"
+            ]
         return [line]
 
 
