@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ import zmq
 
 from tierd.cli.control_text import stats_text
 from tierd.client import Client, DaemonError
-from tierd.testing import daemon_config, kv_replay, running_daemon
+from tierd.testing import config_check, daemon_config, kv_replay, running_daemon
 
 pytestmark = pytest.mark.asyncio
 
@@ -300,13 +298,6 @@ async def test_an_owner_identity_is_refused_saying_no_router_credits_it(tmp_path
     config = _config(tmp_path)
     config["kv_events"]["ownership"] = "tierd-node-1"
     path.write_text(yaml.safe_dump(config))
-    out = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "tierd", "config", "check", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = await asyncio.to_thread(config_check, path)
     assert out.returncode == 78, out
     assert "kv_events.ownership" in out.stderr and "no router credits" in out.stderr

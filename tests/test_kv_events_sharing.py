@@ -27,6 +27,7 @@ import yaml
 from tests.test_daemon_lifecycle import Spawn, spawn
 from tests.test_tenants import as_user, tenants_config, users
 from tierd.client import Client, DaemonError
+from tierd.testing import config_check
 
 __all__ = ["spawn", "users"]
 
@@ -156,25 +157,13 @@ def test_config_check_refuses_events_open_to_all_unless_opted_in(
     path = tmp_path / "c.yaml"
     socket = {"path": str(tmp_path / "s" / "tierd.sock")}
     path.write_text(yaml.safe_dump({"socket": socket, "kv_events": {"enabled": True, **section}}))
-    out = subprocess.run(
-        [sys.executable, "-m", "tierd", "config", "check", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = config_check(path)
     assert out.returncode == 78, out
     assert said in out.stderr, out.stderr
     opted = {"enabled": True, **section, "anyone_may_read": True}
     if "tcp://" in str(section):
         path.write_text(yaml.safe_dump({"socket": socket, "kv_events": opted}))
-        again = subprocess.run(
-            [sys.executable, "-m", "tierd", "config", "check", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        again = config_check(path)
         assert again.returncode == 0, again.stderr
 
 
@@ -185,11 +174,5 @@ def test_one_endpoint_carries_one_tenants_events(
     cfg["kv_events"] = {"enabled": True, "endpoint": f"ipc://{tmp_path}/all.pub"}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    out = subprocess.run(
-        [sys.executable, "-m", "tierd", "config", "check", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = config_check(path)
     assert out.returncode == 78 and "carries one tenant's events, and 3 are published" in out.stderr

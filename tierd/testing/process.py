@@ -56,6 +56,17 @@ class DaemonNotReady(RuntimeError):
     """The daemon exited, or sent no ``READY=1`` in time; the message ends with its log."""
 
 
+def config_check(config: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
+    """``tierd config check CONFIG`` run to its end (60 s at most): its status and output."""
+    return subprocess.run(
+        [sys.executable, "-m", "tierd", "config", "check", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def serve_command(
     config: str | os.PathLike[str] | None = None,
     *,
