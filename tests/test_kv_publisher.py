@@ -333,6 +333,12 @@ def test_a_full_queue_drops_the_batch_and_its_sequence_number_shows_the_gap(
         stats = publisher.stats()
         assert (stats["dropped_batches"], stats["dropped_events"], stats["queued"]) == (1, 2, 4)
         publisher.start()
+        # The thread sends the four queued first: a probe offered before finds the queue
+        # full (a second drop, as a loaded CI run saw).
+        for _ in range(500):  # bounded: 5 s
+            if publisher.stats()["queued"] == 0:
+                break
+            time.sleep(0.01)
         sub = live_subscriber(ctx, publisher)
         first = publisher.stats()["sequence"]
         assert publisher.offer([wire.stored(PLAIN, "CPU")])
