@@ -13,11 +13,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import cgroup_kit
 import pytest
 import yaml
 from redis_kit import free_port
@@ -67,18 +67,8 @@ def memory_cgroup() -> Iterator[Path]:
     """A fresh memory cgroup (v1 or v2) limited to 450 MiB, removed at the end."""
     if os.getuid() != 0:
         pytest.skip("creating a cgroup needs root")
-    v1 = Path("/sys/fs/cgroup/memory")
-    base = v1 if (v1 / "memory.limit_in_bytes").exists() else Path("/sys/fs/cgroup")
-    limit_file = "memory.limit_in_bytes" if base == v1 else "memory.max"
-    try:
-        group = Path(tempfile.mkdtemp(prefix="tierd-test-", dir=base))
-        (group / limit_file).write_text(str(450 << 20))
-    except OSError as exc:
-        pytest.skip(f"cannot create a memory cgroup here: {exc}")
-    try:
+    with cgroup_kit.memory_cgroup(450 << 20) as group:
         yield group
-    finally:
-        group.rmdir()
 
 
 async def test_a_cpu_tier_over_the_cgroup_limit_is_refused_not_oom_killed(

@@ -22,7 +22,6 @@ import os
 import resource
 import socket
 import statistics
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from cgroup_kit import memory_cgroup
 
 from tests.test_daemon_lifecycle import DaemonProcess, Spawn, spawn
 from tierd.client import Client
@@ -51,22 +51,8 @@ LOOKUPS = 400  # the bystander's, during an attack
 @pytest.fixture
 def cgroup() -> Iterator[Path]:
     """A fresh memory cgroup limited to 1 GiB, removed at the end."""
-    v1 = Path("/sys/fs/cgroup/memory")
-    base = v1 if (v1 / "memory.limit_in_bytes").exists() else Path("/sys/fs/cgroup")
-    limit_file = "memory.limit_in_bytes" if base == v1 else "memory.max"
-    try:
-        group = Path(tempfile.mkdtemp(prefix="tierd-events-", dir=base))
-        (group / limit_file).write_text(str(1 << 30))
-    except OSError as exc:
-        pytest.skip(f"cannot create a memory cgroup here: {exc}")
-    try:
+    with memory_cgroup(1 << 30, prefix="tierd-events-") as group:
         yield group
-    finally:
-        for _ in range(50):  # bounded: until the daemon's exit left it empty
-            with contextlib.suppress(OSError):
-                group.rmdir()
-                break
-            time.sleep(0.1)
 
 
 def _rss(pid: int) -> int:

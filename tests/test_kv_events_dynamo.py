@@ -48,9 +48,15 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One run of the driver: the daemon, the indexer, the chain, the indexer's answers."""
-    work = tmp_path_factory.mktemp("dynamo")
+    return _driven(tmp_path_factory.mktemp("dynamo"), timeout_s=180)
+
+
+def _driven(work: Path, *options: str, timeout_s: float) -> dict[str, Any]:
+    """One run of the driver in a private network namespace: what it printed."""
     cmd = ["unshare", "-rn", sys.executable, str(DRIVER), str(DYNAMO_PYTHON), str(work)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    run = subprocess.run(
+        [*cmd, *options], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT
+    )
     log = work / "indexer.log"
     said = f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}\nindexer: " + (
         log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
@@ -106,19 +112,7 @@ def test_tokens_never_stored_score_nothing(seen: dict[str, Any]) -> None:
 def restarted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The driver's ``--restarts`` run: one indexer connected throughout, the daemon a
     process restarted by SIGTERM and SIGKILL, its disk kept and then wiped."""
-    work = tmp_path_factory.mktemp("dynamo-restarts")
-    cmd = ["unshare", "-rn", sys.executable, str(DRIVER), str(DYNAMO_PYTHON), str(work)]
-    run = subprocess.run(
-        [*cmd, "--restarts"], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
-    log = work / "indexer.log"
-    said = f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}\nindexer: " + (
-        log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
-    )
-    assert run.returncode == 0, said
-    lines = [line for line in run.stdout.splitlines() if line.startswith(RESULT)]
-    assert len(lines) == 1, said
-    return dict(json.loads(lines[0][len(RESULT) :]))
+    return _driven(tmp_path_factory.mktemp("dynamo-restarts"), "--restarts", timeout_s=300)
 
 
 @pytest.mark.parametrize("restart", ["SIGTERM", "SIGKILL", "SIGTERM wiped", "SIGKILL wiped"])
