@@ -419,3 +419,27 @@ async def test_a_hello_that_waits_past_the_hello_bound_for_its_size_is_told_so(
     assert any(f"block size {256 << 10} is still opening" in r for r in refusals), refusals
     assert daemon.stderr().count("block size opened") == 1
     assert await daemon.stop() == 0
+
+
+async def test_serving_a_second_size_keeps_what_the_disk_tier_held(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+) -> None:
+    """``block_sizes: 1`` to ``2`` halves the configured size's share of the disk tier: its
+    slab shrinks in place and keeps every block whose slot remains (here all of them),
+    instead of being formatted afresh."""
+    config = {**sized_config(tmp_path), "block_sizes": 1}
+    names = [f"d{i}".encode() for i in range(24)]  # over the cpu tier's 16: on disk too
+    daemon = await spawn(config)
+    async with await connect(daemon.socket_path, SMALL) as small:
+        assert await small.store(names, [payload(k, SMALL) for k in names]) == 24
+    assert await daemon.stop() == 0  # writes the dirty blocks back to disk
+
+    again = await spawn({**config, "block_sizes": 2})
+    async with await connect(again.socket_path, SMALL) as small:
+        assert [t["capacity"] for t in (await small.stats())["tiers"]] == [8, 32]
+        for at in range(0, len(names), 4):  # 4 at a time: within the lease bound
+            part = names[at : at + 4]
+            assert await small.load(part) == [payload(k, SMALL) for k in part]
+    assert await again.stop() == 0
+    assert "disk slab resized" in again.stderr()

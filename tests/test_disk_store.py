@@ -203,11 +203,56 @@ async def test_restart_keeps_index_and_bytes(tmp_path: Path) -> None:
         assert await get(store, 5, 5) is None
 
 
-async def test_geometry_change_discards_blocks(tmp_path: Path) -> None:
+async def test_another_block_size_discards_blocks_saying_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     async with store_at(tmp_path) as store:
         await put(store, range(4))
     async with DiskStore(num_blocks=16, block_bytes=4096, directories=[tmp_path]) as store:
         assert store.index() == {}
+    said = capsys.readouterr()
+    assert "another block size or directory layout; discarding its blocks" in said.out + said.err
+
+
+async def test_a_resized_slab_keeps_the_blocks_whose_slots_remain(tmp_path: Path) -> None:
+    """A tier's capacity changed (or its share under ``block_sizes``): the slab grows or
+    shrinks in place and every block whose slot still exists is kept, its bytes intact."""
+    slab = tmp_path / "tierd-slab.bin"
+    async with store_at(tmp_path, num_blocks=16) as store:
+        assert await put(store, range(16)) == [True] * 16
+    async with store_at(tmp_path, num_blocks=32) as store:  # grown: every block kept
+        assert sorted(store.index()) == list(range(16))
+        assert slab.stat().st_size == ALIGN + 32 * SLOT
+        assert await put(store, [100], [31]) == [True]
+        for i in range(16):
+            assert await get(store, i, i) == block(i)
+    async with store_at(tmp_path, num_blocks=8) as store:  # shrunk: slots 0-7 kept
+        assert sorted(store.index()) == list(range(8))
+        assert slab.stat().st_size == ALIGN + 8 * SLOT
+        for i in range(8):
+            assert await get(store, i, i) == block(i)
+        assert await put(store, [200], [7]) == [True]
+    async with store_at(tmp_path, num_blocks=8) as store:  # and the next start agrees
+        assert store.stats().details["recovery"] == ["clean"]
+        assert sorted(store.index()) == list(range(8))
+        assert await get(store, 7, 200) == block(200)
+
+
+async def test_a_shrink_cut_short_by_a_crash_drops_only_the_slots_gone(tmp_path: Path) -> None:
+    """The new superblock is on disk but the index (snapshot) still names slots past the
+    end: the next open drops those, keeps the rest and reads them back intact."""
+    async with store_at(tmp_path, num_blocks=16) as store:
+        assert await put(store, range(16)) == [True] * 16
+    saved = {n: (tmp_path / n).read_bytes() for n in FILES if (tmp_path / n).exists()}
+    async with store_at(tmp_path, num_blocks=8):
+        pass
+    for name, data in saved.items():  # the snapshot of 16 slots back, as a crash leaves it
+        if name != "tierd-slab.bin":
+            (tmp_path / name).write_bytes(data)
+    async with store_at(tmp_path, num_blocks=8) as store:
+        assert sorted(store.index()) == list(range(8))
+        for i in range(8):
+            assert await get(store, i, i) == block(i)
 
 
 async def test_same_directory_twice_is_refused(tmp_path: Path) -> None:
@@ -598,10 +643,26 @@ async def test_a_failed_preallocation_leaves_no_partial_slab(tmp_path: Path, cod
 async def test_a_failed_reformat_removes_the_old_slab_too(tmp_path: Path) -> None:
     async with store_at(tmp_path, num_blocks=16) as store:
         assert await put(store, [1]) == [True]
-    with pytest.raises(StoreIOError):  # another geometry: the old blocks are discarded
-        async with store_at(tmp_path, num_blocks=32, fileio=_AllocateFails(errno.ENOSPC)):
+    other = DiskStore(  # another block size: the old blocks are discarded
+        num_blocks=16,
+        block_bytes=BB * 2,
+        directories=[tmp_path],
+        fileio=_AllocateFails(errno.ENOSPC),
+    )
+    with pytest.raises(StoreIOError):
+        async with other:
             pass
     assert not (tmp_path / "tierd-slab.bin").exists()
+
+
+async def test_a_failed_growth_keeps_the_slab_and_its_blocks(tmp_path: Path) -> None:
+    async with store_at(tmp_path, num_blocks=16) as store:
+        assert await put(store, [1]) == [True]
+    with pytest.raises(StoreIOError):
+        async with store_at(tmp_path, num_blocks=32, fileio=_AllocateFails(errno.ENOSPC)):
+            pass
+    async with store_at(tmp_path, num_blocks=16) as store:
+        assert await get(store, 1, 1) == block(1)
 
 
 async def test_a_failed_open_keeps_a_reused_slab(tmp_path: Path) -> None:

@@ -4,8 +4,11 @@ the slot index it holds.
 The superblock is the slab's first 4096-byte page: magic ``TIERDSLB``, a version, the
 geometry (block bytes, slot size, slots, directory index, number of directories), the
 slab's uuid, then the xxh3 of those bytes. A slab whose superblock is intact and records
-the configured geometry is reused (:func:`read_superblock`); any other is formatted afresh
-(:func:`format_slab`), its blocks gone.
+the configured geometry is reused (:func:`read_superblock`); so is one that differs only
+in its number of slots (the tier's capacity changed, or its share under ``block_sizes``):
+the slab is resized and keeps every block whose slot still exists. Any other (another
+block size, other directories, a damaged superblock) is formatted afresh
+(:func:`format_slab`), its blocks gone, with a warning that says so.
 
 :func:`recover_index` decides what a reused slab's index is: the snapshot of a clean close
 as it stands; after a crash, the snapshot plus the journal, reading only the few slots the
@@ -25,7 +28,7 @@ import errno
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import xxhash
@@ -39,6 +42,7 @@ __all__ = [
     "DirectProbe",
     "Recovered",
     "Resume",
+    "Superblock",
     "format_slab",
     "probe_direct",
     "check_block",
@@ -46,6 +50,7 @@ __all__ = [
     "recover_index",
     "remove_files",
     "scan_headers",
+    "write_superblock",
 ]
 
 _SUPER = struct.Struct("<8sIIQQQII16s")
@@ -58,19 +63,58 @@ _PROGRESS_EVERY_S = 5.0
 # -- the superblock ----------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Superblock:
+    """What an intact superblock of the configured block size and directories records."""
+
+    uuid: bytes
+    slots: int  # the slots the slab was formatted (or last resized) for
+
+
+_SLOTS = 2  # the place of the number of slots in the geometry
+
+
 def read_superblock(
     io: FileIO, fd: int, page: memoryview, geometry: tuple[int, ...], path: str
-) -> bytes | None:
-    """The slab's uuid when its superblock (read into ``page``, an aligned 4096-byte
-    buffer) is intact and records ``geometry``; None when the slab must be formatted (a
-    changed geometry is logged)."""
+) -> Superblock | None:
+    """The slab's :class:`Superblock` when its superblock (read into ``page``, an aligned
+    4096-byte buffer) is intact and records ``geometry``, its number of slots aside; None
+    when the slab must be formatted (a warning says why its blocks are discarded)."""
     got = io.preadv(fd, [page], 0)
-    if got == ALIGN and _U64.unpack_from(page, _SUPER.size)[0] == _xxh(page[: _SUPER.size]):
-        magic, _, _, *geo, raw_uuid = _SUPER.unpack_from(page)
-        if magic == _SUPER_MAGIC and tuple(geo) == geometry:
-            return bytes(raw_uuid)
-        _log.warning("slab geometry changed; discarding its blocks", path=path)
+    if got != ALIGN:
+        return None  # a new (empty) file, or one shorter than a superblock
+    if _U64.unpack_from(page, _SUPER.size)[0] != _xxh(page[: _SUPER.size]):
+        _log.warning("slab superblock unreadable; discarding its blocks", path=path)
+        return None
+    magic, _, _, *geo, raw_uuid = _SUPER.unpack_from(page)
+    mine = [g for i, g in enumerate(geometry) if i != _SLOTS]
+    if magic == _SUPER_MAGIC and [g for i, g in enumerate(geo) if i != _SLOTS] == mine:
+        return Superblock(bytes(raw_uuid), geo[_SLOTS])
+    _log.warning(
+        "slab of another block size or directory layout; discarding its blocks",
+        path=path,
+        found=dict(zip(("block_bytes", "directory", "directories"), _other(geo), strict=True)),
+        configured=dict(
+            zip(("block_bytes", "directory", "directories"), _other(geometry), strict=True)
+        ),
+    )
     return None
+
+
+def _other(geometry: Sequence[int]) -> tuple[int, int, int]:
+    """The fields of ``geometry`` a resize cannot keep blocks across (the slot size
+    follows the block size)."""
+    return geometry[0], geometry[3], geometry[4]
+
+
+def write_superblock(
+    io: FileIO, fd: int, page: memoryview, geometry: tuple[int, ...], uuid: bytes
+) -> None:
+    """Write (through ``page``) and fsync a superblock recording ``geometry`` and ``uuid``."""
+    _SUPER.pack_into(page, 0, _SUPER_MAGIC, 1, 0, *geometry, uuid)
+    _U64.pack_into(page, _SUPER.size, _xxh(page[: _SUPER.size]))
+    io.pwritev(fd, [page], 0)
+    io.fsync(fd)
 
 
 def format_slab(
@@ -81,14 +125,10 @@ def format_slab(
     geometry: tuple[int, ...],
     uuid: bytes,
 ) -> None:
-    """Empty the slab, preallocate its ``file_bytes`` and write (through ``page``) and
-    fsync a superblock recording ``geometry`` and ``uuid``."""
+    """Empty the slab, preallocate its ``file_bytes`` and write its superblock."""
     io.truncate(fd, 0)
     io.allocate(fd, file_bytes)
-    _SUPER.pack_into(page, 0, _SUPER_MAGIC, 1, 0, *geometry, uuid)
-    _U64.pack_into(page, _SUPER.size, _xxh(page[: _SUPER.size]))
-    io.pwritev(fd, [page], 0)
-    io.fsync(fd)
+    write_superblock(io, fd, page, geometry, uuid)
 
 
 def _xxh(data: memoryview) -> int:

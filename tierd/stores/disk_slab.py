@@ -50,6 +50,7 @@ from tierd.stores.disk_open import (
     recover_index,
     remove_files,
     scan_headers,
+    write_superblock,
 )
 from tierd.stores.disk_snapshot import Checkpoint
 from tierd.stores.disk_walk import IndexWalk
@@ -108,6 +109,7 @@ class Slab:
         self._lock_fd = -1  # buffered descriptor; holds the flock
         self._fd = -1  # descriptor for block I/O (O_DIRECT when the probe passed)
         self._formatted = False  # this open truncated the slab to format it
+        self.resized_from = 0  # the slots of the slab this open resized, if it did
         self.walk: IndexWalk | None = None  # a checkpoint being taken, slice by slice
 
     # -- loop-thread bookkeeping -------------------------------------------------------
@@ -349,17 +351,33 @@ class Slab:
         return (c.block_bytes, self.slot_size, c.local_slots, c.dir_index, c.num_dirs)
 
     def _prepare_file(self) -> bool:
-        """Reuse the slab when its superblock matches this geometry; else format it.
-        Returns whether the slab is freshly formatted (nothing to recover)."""
+        """Reuse the slab when its superblock records this geometry, resized when only
+        its number of slots differs; else format it. Returns whether the slab is freshly
+        formatted (nothing to recover)."""
         page = aligned_buffer(ALIGN)
         found = read_superblock(self.io, self._lock_fd, page, self._geometry(), self.path)
-        if found is not None:
-            self.uuid = found
-            return False
-        self.uuid = uuidlib.uuid4().bytes
-        self._formatted = True
-        format_slab(self.io, self._lock_fd, page, self.file_bytes, self._geometry(), self.uuid)
-        return True
+        if found is None:
+            self.uuid = uuidlib.uuid4().bytes
+            self._formatted = True
+            geometry = self._geometry()
+            format_slab(self.io, self._lock_fd, page, self.file_bytes, geometry, self.uuid)
+            return True
+        self.uuid = found.uuid
+        if found.slots != self.cfg.local_slots:
+            self._resize(page, found.slots)
+        return False
+
+    def _resize(self, page: memoryview, slots: int) -> None:
+        """Grow or shrink a slab formatted for ``slots`` to this config's slots. The new
+        superblock is written first: the blocks of slots that are gone are then dropped
+        from the index by :meth:`_load_index` (on this open, or on the next one after a
+        crash), and the slots kept are where they were."""
+        self.resized_from = slots
+        if self.cfg.local_slots > slots:
+            self.io.allocate(self._lock_fd, self.file_bytes)
+        write_superblock(self.io, self._lock_fd, page, self._geometry(), self.uuid)
+        if self.cfg.local_slots < slots:
+            self.io.truncate(self._lock_fd, self.file_bytes)
 
     def _probe_direct(self) -> int:
         """A descriptor for block I/O: O_DIRECT if asked for (or "auto") and an aligned
@@ -384,6 +402,22 @@ class Slab:
             "verified": found.verified,
             "scanned": found.scanned,
         }
+        gone = [local for local in self.entries if local >= c.local_slots]
+        for local in gone:  # a shrunk slab (this open's, or one a crash interrupted)
+            del self.entries[local]
+        self.dropped += len(gone)
+        if self.resized_from or gone:
+            _log.warning(
+                "disk slab resized: the blocks of the slots kept stay"
+                if self.resized_from
+                else "disk slab shrunk before a crash: the blocks of the slots gone dropped",
+                path=self.path,
+                slots_before=self.resized_from or None,
+                slots=c.local_slots,
+                kept=len(self.entries),
+                dropped=len(gone),
+            )
+            return None  # a new snapshot, without the slots gone
         return found.resume
 
     def _check(self, local: int, gen: int | None) -> bytes | None:
