@@ -17,18 +17,22 @@ About two minutes on 2 cores.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
 from test_vllm_generate import (
     ENGINE_TIMEOUT_S,
     HERE,
     PREFIX_BLOCKS,
     PREFIX_TOKENS,
+    ROOT,
     ROW_BYTES,
     VLLM_PYTHON,
     prompt_file,  # noqa: F401
@@ -206,3 +210,96 @@ async def test_vllm_and_an_sglang_shaped_client_share_one_daemon_at_their_own_si
     sizes = stats["tenants"]["default"]["block_sizes"]
     assert sizes[str(ROW_BYTES)]["tiers"][1]["hits"] == PREFIX_BLOCKS  # vLLM's, from disk
     assert await again.stop() == 0
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def test_a_daemon_of_another_size_stops_the_server_before_the_weights_load(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+    model: Path,
+) -> None:
+    """``TIERD=1`` and a daemon that serves one block size, not the engine's: vLLM's server
+    stops while it builds its config, in one line that says what to change, before it
+    starts to load the model (the check used to come after the weights and the warm-up,
+    minutes later, in a traceback)."""
+    config = daemon_config(tmp_path, cpu_blocks=16, disk_blocks=None, block_bytes=2 * ROW_BYTES)
+    daemon = await spawn(config)
+    command = [
+        str(VLLM_PYTHON),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--dtype",
+        "bfloat16",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+    ]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        command,
+        env=vllm_env() | {"TIERD": daemon.socket_path},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+        cwd=HERE,
+    )
+    text = done.stdout + done.stderr
+    assert done.returncode == 1, text[-6000:]
+    line = (
+        f"ERROR tierd at {daemon.socket_path} does not serve this engine's blocks of"
+        f" {ROW_BYTES} bytes"
+    )
+    assert line in text, text[-6000:]
+    assert f"set `block_bytes: {ROW_BYTES}` in tierd's config" in text
+    assert "Traceback" not in text, text[-6000:]
+    assert "Starting to load model" not in text  # stopped before the model was touched
+    assert await daemon.stop() == 0
+
+
+async def test_the_shipped_config_serves_the_first_engine_whatever_its_size(
+    tmp_path: Path,
+    spawn: Spawn,  # noqa: F811
+    model: Path,
+    prompt_file: Path,  # noqa: F811
+) -> None:
+    """The shipped ``config/tierd.yaml`` (its block sizes as shipped; its tiers made small
+    and put in ``tmp_path``): an engine whose blocks are not the configured 256 KiB is
+    served all the same, in a size of its own, and its prefix comes back from tierd."""
+    shipped = yaml.safe_load((ROOT / "config" / "tierd.yaml").read_text())
+    assert shipped["block_bytes"] == "256KiB" and ROW_BYTES != 256 << 10
+    (tmp_path / "disk").mkdir(mode=0o700)
+    shipped["tiers"][0]["capacity"] = "8MiB"
+    shipped["tiers"][1] |= {"capacity": "16MiB", "directories": [str(tmp_path / "disk")]}
+    shipped["socket"] = daemon_config(tmp_path)["socket"]
+    daemon = await spawn(shipped)
+    out = await run(
+        tmp_path,
+        "shipped",
+        model,
+        prompt_file,
+        "cold,reset,warm",
+        TIERD="1",
+        TIERD_SOCKET=daemon.socket_path,
+    )
+    assert out["cold"]["num_cached_tokens"] == 0
+    assert out["warm"]["num_cached_tokens"] == PREFIX_TOKENS
+    assert out["warm"]["token_ids"] == out["cold"]["token_ids"]
+    async with await Client.connect(daemon.socket_path, namespace=None) as operator:
+        stats = await operator.stats()
+    sizes = stats["tenants"]["default"]["block_sizes"]
+    assert sizes[str(ROW_BYTES)]["tiers"][0]["stores"] == PREFIX_BLOCKS
+    assert await daemon.stop() == 0

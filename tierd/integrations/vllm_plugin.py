@@ -16,6 +16,10 @@ this logs nothing); one that renames the fields it reads (``kv_transfer_config``
 ``kv_offloading_size``, ``kv_offloading_backend``) fails loudly at start-up, only while
 ``TIERD`` is on. With ``TIERD`` unset :func:`register` returns before importing vLLM.
 
+Once the config is built, and before any weight loads, the wrapper asks the daemon
+whether it serves the engine's block size (:mod:`tierd.integrations.vllm_size`): a
+daemon that does not stops the start in one line that says what to change.
+
 vLLM's ``--kv-offloading-size GiB`` (its native backend) sizes vLLM's own CPU tier in front
 of tierd; without it the tier is :data:`~tierd.integrations.plugin.VLLM_CPU_BYTES`.
 """
@@ -58,8 +62,17 @@ def register() -> None:
 def _wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        fill_in(self)
-        return original(self, *args, **kwargs)
+        filled = fill_in(self)
+        config = original(self, *args, **kwargs)
+        switch = read_switch()
+        if filled and switch is not None:  # before the weights load: a size refused stops
+            from tierd.integrations.vllm_size import SizeRefused, check_block_size, refuse
+
+            try:
+                check_block_size(config, switch.socket)
+            except SizeRefused as exc:
+                refuse(exc)
+        return config
 
     setattr(create_engine_config, _MARK, True)
     return create_engine_config
