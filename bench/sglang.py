@@ -5,6 +5,9 @@ Runs under .venv-sglang's python (scripts/setup_sglang)::
 
     PYTHON=.venv-sglang/bin/python scripts/bench sglang [--pages-per-call 64] [--reps 5]
 
+``TIERD_BENCH_DIR`` names where the run's files go (the ``file`` backend's, the disk
+tiers'; default: the system's temporary directory), say on the NVMe drive to measure.
+
 SGLang's real host pool (``MHATokenToKVPoolHost``, page_first, on CPU) and its own factory
 (``StorageBackendFactory``) build the backends; each call is what SGLang's storage threads
 make: ``batch_set_v1`` / ``batch_get_v1`` (tierd, ``interface_v1``), or for ``file`` the
@@ -118,7 +121,10 @@ def serve(
         "limits: {lease_blocks_per_connection: '100%', lease_blocks_per_tenant: '100%'}\n"
     )
     log = workdir / f"tierd-{name}.log"
-    return start_daemon(config, log=log, timeout_s=120), sock  # once READY=1
+    # Not this bench's TIERD_BENCH_DIR: the daemon refuses TIERD_* it does not know.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERD_")}
+    daemon = start_daemon(config, env=env, log=log, socket_path=sock, timeout_s=120)
+    return daemon, sock  # once READY=1
 
 
 class Case:

@@ -8,12 +8,15 @@ a failed job or a miss, never as an exception in vLLM's scheduler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from unittest.mock import MagicMock
 
@@ -56,6 +59,32 @@ impostor = test_squatting.impostor  # a socket bound first by user nobody
 def config(tmp_path, **kw):
     kw.setdefault("block_bytes", ROW)
     return daemon_config(tmp_path, **kw)
+
+
+@contextlib.contextmanager
+def link_lines() -> Iterator[list[logging.LogRecord]]:
+    """The link's lines (the daemon lost, back; the breaker) at INFO and above: records
+    of standard logging (tierd.integrations.link), under vLLM's logger too if the tier
+    hands the link vLLM's (whose records do not propagate to the root)."""
+    lines: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lines.append  # type: ignore[method-assign]
+    loggers = [logging.getLogger(n) for n in ("tierd.integrations.link", "vllm.tierd")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+
+def events_of(lines: list[logging.LogRecord], *levels: int) -> list[str]:
+    """The event of each line at one of ``levels``: its text before the fields."""
+    return [r.getMessage().split(":")[0] for r in lines if r.levelno in levels]
 
 
 def staged(tier: TierdSecondaryTier) -> bool:
@@ -184,7 +213,7 @@ async def test_capacity_fails_the_store_and_nothing_else(tmp_path, spawn) -> Non
 async def test_daemon_down_at_start_then_up(tmp_path, spawn) -> None:
     cfg = config(tmp_path)
     rows = primary_rows(4)
-    with captured_logs() as logs:
+    with link_lines() as lines:
         tier = make_tier(cfg["socket"]["path"], rows)  # nothing listens yet
         try:
             ks = keys("d", 2)
@@ -200,7 +229,7 @@ async def test_daemon_down_at_start_then_up(tmp_path, spawn) -> None:
             assert ask(tier, ks, "r2") == [HIT, HIT]
         finally:
             tier.shutdown()
-    events = [e["event"] for e in logs if e["log_level"] in ("warning", "info")]
+    events = events_of(lines, logging.WARNING, logging.INFO)
     assert events.count("tierd daemon unreachable") == 1
     assert events.count("tierd daemon reachable again") == 1
 
@@ -209,7 +238,7 @@ async def test_killed_mid_run_then_restarted_with_write_back(tmp_path, spawn) ->
     cfg = config(tmp_path)
     daemon = await spawn(cfg)
     rows = primary_rows(8)
-    with captured_logs() as logs:
+    with link_lines() as lines:
         tier = make_tier(daemon.socket_path, rows)
         try:
             ks = keys("k", 3)
@@ -239,7 +268,7 @@ async def test_killed_mid_run_then_restarted_with_write_back(tmp_path, spawn) ->
             assert run_job(tier, 6, keys("y", 1), [7], load=False).success
         finally:
             tier.shutdown()
-    events = [e["event"] for e in logs if e["log_level"] in ("warning", "info")]
+    events = events_of(lines, logging.WARNING, logging.INFO)
     assert events.count("tierd daemon lost") == 2  # the kill and the clean stop
     assert events.count("tierd daemon reachable again") == 2
 
@@ -247,10 +276,15 @@ async def test_killed_mid_run_then_restarted_with_write_back(tmp_path, spawn) ->
 async def test_block_size_mismatch_is_refused_at_start_up(tmp_path, spawn) -> None:
     daemon = await spawn(config(tmp_path))
     wanted = r"set `block_bytes: 8192` in tierd's config"
-    with captured_logs() as logs, pytest.raises(BlockSizeMismatch, match=wanted):
+    with (
+        captured_logs() as logs,
+        link_lines() as lines,
+        pytest.raises(BlockSizeMismatch, match=wanted),
+    ):
         make_tier(daemon.socket_path, primary_rows(2, row_bytes=2 * ROW))
     # Refused with what to change, and no "unreachable" warning first: it answered.
     assert [e for e in logs if e["log_level"] in ("warning", "error")] == []
+    assert events_of(lines, logging.WARNING, logging.ERROR) == []
 
 
 async def test_a_config_the_daemon_refuses_is_refused_at_start_up(tmp_path, spawn) -> None:

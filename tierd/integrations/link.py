@@ -13,6 +13,13 @@ restarted), :meth:`DaemonLink.client` raises :class:`~tierd.client.Unreachable` 
 until the next attempt is due; attempts back off exponentially up to ``reconnect_max_s``.
 The loss is logged once as a warning, the return once as info.
 
+These lines are for the engine's operator, so they go through Python's standard
+``logging``, the one engines configure and show (SGLang its root logger, vLLM its
+``vllm`` logger), never through structlog, which no engine configures (``tierd.logs``
+drops its info lines there, and prints its warnings past the engine's handlers): to the
+logger an engine hands the link, else to ``tierd.integrations.link`` (whose warnings
+reach the root logger's handlers, or Python's last-resort one on stderr).
+
 Calls go through :meth:`DaemonLink.bounded` (on the link's loop), :meth:`DaemonLink.start`
 (a future, from any thread) or :meth:`DaemonLink.ask` (blocking, from any thread): each
 waits at most its deadline, then fails with :class:`DaemonSilent` and drops the
@@ -28,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -41,7 +49,7 @@ from tierd.control.handshake import DaemonSilent
 from tierd.errors import TierdError
 from tierd.integrations.breaker import Breaker
 from tierd.integrations.params import BlockSizeMismatch
-from tierd.logs import get_logger
+from tierd.integrations.sglang_log import SglangLog
 
 __all__ = [
     "BlockSizeMismatch",
@@ -52,7 +60,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-log = get_logger("tierd.integrations.link")
+# The link's lines, through the standard logging every engine shows (its handlers, its
+# format, its level); structlog's calling style (``log.warning("event", key=value)``).
+log = SglangLog("tierd.integrations.link")
 
 _FIRST_BACKOFF_S = 0.05
 _CLOSE_TIMEOUT_S = 10.0
@@ -123,8 +133,10 @@ class DaemonLink:
     ) -> None:
         self.settings = settings
         self._map_pool = map_pool
-        # The engine's way to log, if not structlog's (SGLang shows only its standard
-        # logging: tierd.integrations.sglang_log); called as log.warning("event", k=v).
+        # The engine's logger, if it has one of its own (vLLM's "vllm.tierd"): a standard
+        # logger, or anything called as log.warning("event", k=v) (SglangLog).
+        if isinstance(logger, logging.Logger):
+            logger = SglangLog(logger.name)
         self.log = logger if logger is not None else log
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)

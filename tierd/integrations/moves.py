@@ -152,10 +152,18 @@ def staged_load(
         if leading and not flags.all():
             flags[int(np.argmin(flags)) :] = False
         got = np.flatnonzero(flags)
-        blocks.fill(first + got, staging.array[got])
+        for run in _runs(got):  # a view of the rows: each byte is copied once, into blocks
+            blocks.fill(first + run, staging.array[run[0] : run[-1] + 1])
         loaded.extend((first + got).tolist())
         if leading and len(got) < count:
             return
+
+
+def _runs(rows: Positions) -> list[Positions]:
+    """``rows`` (ascending) cut into runs of consecutive rows, none empty."""
+    if len(rows) == 0:
+        return []
+    return np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)
 
 
 def staged_store(

@@ -179,7 +179,9 @@ class TierdSecondaryTier(SecondaryTierManager):
             breaker_failures=breaker_failures,
             probe_interval_s=probe_interval_s,
         )
-        self._link = DaemonLink(self.settings, name=f"tierd-vllm-{tier_type}", map_pool=False)
+        self._link = DaemonLink(
+            self.settings, name=f"tierd-vllm-{tier_type}", map_pool=False, logger=engine_log
+        )
         # Half of staging_bytes for the store thread's connection, half for the scheduler's.
         per_round = max(1, min(len(self._rows), staging_bytes // 2 // row_bytes))
         self._calls = EngineCalls(

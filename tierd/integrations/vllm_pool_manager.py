@@ -98,7 +98,9 @@ class TierdPoolManager(OffloadingManager):  # type: ignore[misc]
         self.settings = spec.settings()
         self.namespace = self.settings.namespace
         self.socket_path = self.settings.socket_path
-        self._link = DaemonLink(self.settings, name="tierd-vllm-pool", map_pool=False)
+        self._link = DaemonLink(
+            self.settings, name="tierd-vllm-pool", map_pool=False, logger=engine_log
+        )
         self.report = TierReport(
             Medium.CPU, None, event_config(spec, spec.options.enable_kv_events)
         )
