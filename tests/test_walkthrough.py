@@ -46,7 +46,7 @@ def settings(tmp_path: Path) -> tuple[list[str], str]:
     socket_path = short_socket_path()
     sets = [
         f"socket.path={socket_path}",
-        "tiers.cpu.capacity=16MiB",
+        "tiers.cpu.capacity=32MiB",  # the configured size's share (of two): 16 MiB
         "tiers.disk.capacity=64MiB",
         f"tiers.disk.directories=[{tmp_path / 'disk'}]",
         "logging.level=warning",
@@ -77,7 +77,7 @@ def test_first_session_from_the_readme(tmp_path: Path, settings: tuple[list[str]
         assert event.startswith("stored CPU cpu 16 keys: ")
         stats = json.loads(run(*tierd, "stats", "--json", "--socket", socket_path).stdout)
         cpu = next(t for t in stats["tiers"] if t["name"] == "cpu")
-        assert cpu["used"] == 64  # 64 blocks of 256 KiB fit in the 16 MiB CPU tier
+        assert cpu["used"] == 64  # 64 blocks of 256 KiB fit in the 16 MiB CPU share
         loaded = demo("load", "--count", "64", "--socket", socket_path)
         assert "loaded 64 blocks byte-identical, 0 wrong" in loaded
         assert daemon.stop() == 0  # SIGTERM: drain, write the CPU blocks down, exit 0
