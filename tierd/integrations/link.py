@@ -130,7 +130,11 @@ class DaemonLink:
         name: str = "tierd-link",
         logger: Any = None,
         map_pool: bool = True,
+        said_at_start: bool = False,
     ) -> None:
+        """``said_at_start``: the engine's start-up says itself that no daemon answers
+        (:func:`~tierd.integrations.plugin.missing_daemon`); the link then says nothing
+        of a daemon it never reached, and says when one answers."""
         self.settings = settings
         self._map_pool = map_pool
         # The engine's logger, if it has one of its own (vLLM's "vllm.tierd"): a standard
@@ -145,6 +149,7 @@ class DaemonLink:
         self._next_attempt = 0.0
         self._backoff = min(_FIRST_BACKOFF_S, settings.reconnect_max_s)
         self._lost_reported = False
+        self._said_at_start = said_at_start
         self._ever_connected = False
         self._closed = False
         self.connects = 0  # successful connections so far (a reconnect adds one)
@@ -271,6 +276,8 @@ class DaemonLink:
         if _is_refusal(exc) and not self._ever_connected:
             return  # start-up raises it with what to change: "unreachable" would mislead
         self._lost_reported = True
+        if self._said_at_start and not self._ever_connected:
+            return  # the engine's start-up said it: "reachable again" says the rest
         if _is_refusal(exc):
             self.log.error(
                 "tierd daemon refuses this engine",

@@ -180,7 +180,11 @@ class TierdSecondaryTier(SecondaryTierManager):
             probe_interval_s=probe_interval_s,
         )
         self._link = DaemonLink(
-            self.settings, name=f"tierd-vllm-{tier_type}", map_pool=False, logger=engine_log
+            self.settings,
+            name=f"tierd-vllm-{tier_type}",
+            map_pool=False,
+            logger=engine_log,
+            said_at_start=True,
         )
         # Half of staging_bytes for the store thread's connection, half for the scheduler's.
         per_round = max(1, min(len(self._rows), staging_bytes // 2 // row_bytes))
