@@ -22,6 +22,10 @@ keeps up.
 - :meth:`WriteBehind.pause` ends the tasks after their batch (a flush copies everything
   itself, and nothing may be copying when the stores close); :meth:`resume` starts them
   again on what is still queued.
+- :meth:`WriteBehind.backlog` says how many blocks are still to be looked at (queued, or
+  in the batch being copied) and :meth:`WriteBehind.settled` waits until none is: an
+  ordered replay waits for that after each store, so that where its next call finds the
+  blocks does not depend on how fast the disk wrote them.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class WriteBehind:
         self._moves = moves
         self._queues: dict[int, deque[BlockKey]] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._copying: dict[int, int] = {}  # blocks in the batch being copied, per level
         self._paused = 0
 
     def stored(self, index: int, keys: Sequence[BlockKey]) -> None:
@@ -106,6 +111,7 @@ class WriteBehind:
             if not batch:  # a run of keys gone or copied already
                 await next_turn()
                 continue
+            self._copying[index] = len(batch)
             try:
                 moved = await self._moves.copy_down(index, batch)
             except TierdError as exc:  # the blocks stay dirty: their eviction demotes them
@@ -114,7 +120,26 @@ class WriteBehind:
             except Exception:  # logged whole: the stores go on without it
                 log.exception("write-behind failed", tier=level.tier.name)
                 return
+            finally:
+                self._copying[index] = 0
             level.written_behind += len(moved)
+
+    def backlog(self, index: int) -> int:
+        """Blocks stored into level ``index`` that write-behind has still to look at: the
+        queue and the batch being copied (0 while nothing will take them: no task runs,
+        none is paused to resume later, as after a failed copy until the next store)."""
+        if index not in self._tasks and not self._paused:
+            return 0
+        return len(self._queues.get(index, ())) + self._copying.get(index, 0)
+
+    async def settled(self) -> None:
+        """Wait until no task is copying behind stores: every queue drained (or left
+        while paused, or after a failed copy). Tasks start only from stores and
+        :meth:`resume`, so with no caller storing meanwhile this ends after the queued
+        blocks' copies."""
+        me = asyncio.current_task()
+        while tasks := [task for task in self._tasks.values() if task is not me]:
+            await asyncio.wait(tasks)
 
     async def unpin(self, index: int) -> bool:
         """Wait for the batch of level ``index`` being copied (and so pinned) to end, for a

@@ -203,6 +203,20 @@ class TierChain:
             )
         return StoreHandle(self._moves, self.entry, *reserved)
 
+    def behind_backlog(self, index: int) -> int:
+        """Blocks stored into level ``index`` still to be copied down behind their stores
+        (``write_behind``): queued, or being copied."""
+        return self._behind.backlog(index)
+
+    async def settle(self) -> None:
+        """Wait for what stores left running in the background: the copies behind them
+        (``write_behind``), then the remote writes queued by then (each under its
+        deadline). With no store meanwhile, the levels are then at rest: what a next
+        call finds does not depend on how fast the copies were."""
+        await self._behind.settled()
+        if self.remote is not None:
+            await self.remote.level.settle()
+
     async def flush(self) -> FlushResult:
         """Copy every dirty block down, level by level, so that the last level ends up
         holding everything it can; says what was copied and what stayed dirty, and why."""

@@ -147,9 +147,12 @@ def _run_chain_simulate(args: argparse.Namespace, trace: Trace) -> int:
 
 
 def _chain_lines(result: ReplaySummary) -> list[str]:
+    from tierd.cli.replay_report import repeats_line, start_line
+
     lines = []
     if result.interrupted:
         lines.append(interrupted_line(result.requests, result.planned_requests))
+    lines += [start_line(result), repeats_line(result)]
     lines += [f"hit ratio       {result.hit_ratio:.4f} ({result.hits:,} block hits)"]
     for medium, ratio in result.hit_ratio_by_medium.items():
         lines.append(f"  from {medium:<9} {ratio:.4f} ({result.hits_by_medium[medium]:,})")

@@ -20,11 +20,15 @@ as JSON) and PNG plots; with ``--compare``, also ``compare.png`` with every conf
 same axes.
 
 ``--clients N`` workers each have a request under way; their calls to the cache take
-turns in a fixed rotation, so the same command gives the same figures every time
-(``--unordered`` lets the calls overlap: more throughput, figures that vary a little from
-run to run). Requests go as fast as the workers take them, unless ``--speed X`` follows the trace's
-own clock, X times faster (``--max-rate``, the default, is kept for older scripts). A
-progress bar goes to stderr when it is a terminal (``--progress`` / ``--no-progress``).
+turns in a fixed rotation, and each store waits, in its turn, for the copies the cache
+makes behind it (``write_behind``, queued remote writes) to end, so the same command from
+the same start (the ``start`` line: a fresh daemon, or ``tierd clear``, starts empty) gives
+the same figures every time; the ``repeats`` line says whether this run does. With
+``--unordered`` the calls overlap and nothing waits for those copies: more throughput,
+figures that vary a little from run to run. Requests go as fast as the workers take
+them, unless ``--speed X`` follows the trace's own clock, X times faster (``--max-rate``,
+the default, is kept for older scripts). A progress bar goes to stderr when it is a
+terminal (``--progress`` / ``--no-progress``).
 Ctrl-C stops the replay after the requests under way and prints the results so far,
 marked ``interrupted after N of M requests`` (a second Ctrl-C stops at once). A daemon
 that stops (or a connection lost) during the replay ends it too: the results so far are
@@ -104,13 +108,15 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         type=count_argument,
         default=1,
         help="workers, each with requests under way; their calls take turns in a fixed "
-        "order, so the same command gives the same figures",
+        "order and each store waits for the copies the cache makes behind it, so the same "
+        "command from the same start gives the same figures",
     )
     parser.add_argument(
         "--unordered",
         action="store_true",
-        help="let the clients' calls overlap: more throughput, but the interleaving (and "
-        "so the hit figures) varies from run to run",
+        help="let the clients' calls overlap, and wait for no copy behind a store: more "
+        "throughput, but the interleaving and the disk's timing (and so the hit figures) "
+        "vary from run to run",
     )
     pace = parser.add_mutually_exclusive_group()
     pace.add_argument(
@@ -129,7 +135,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=count_argument, help="replay only the first N requests")
     parser.add_argument(
         "--namespace",
-        help="the daemon namespace to use (default: a fresh one per run, so it starts cold)",
+        help="the daemon namespace to use (default: a fresh one per run, so it finds none "
+        "of its blocks; the daemon's tiers may still hold other namespaces' blocks, which "
+        "the start line shows)",
     )
     add_warm_option(parser)
     parser.add_argument("--out", type=Path, metavar="DIR", help="write summary.json and plots")

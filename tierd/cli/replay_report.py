@@ -10,9 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from tierd.cli.progress import interrupted_line
+from tierd.workload.backends import SETTLE_S
 from tierd.workload.replayer import ReplaySummary
 
-__all__ = ["compare_table", "cut_short_line", "describe", "write_compare_out", "write_out"]
+__all__ = [
+    "compare_table",
+    "cut_short_line",
+    "describe",
+    "repeats_line",
+    "start_line",
+    "write_compare_out",
+    "write_out",
+]
 
 
 def write_out(out: Path, data: dict[str, Any]) -> None:
@@ -64,6 +73,8 @@ def describe(summary: ReplaySummary, trace: str) -> str:
     lines += [
         f"trace           {trace}",
         f"backend         {cfg['backend']} {where}, {cfg['clients']} client(s), {pace}",
+        start_line(summary),
+        repeats_line(summary),
         f"requests        {summary.requests:,} ({tput['requests_per_s']:,.1f}/s, "
         f"{summary.seconds:.3f} s)",
         f"block accesses  {summary.block_accesses:,}",
@@ -94,6 +105,38 @@ def describe(summary: ReplaySummary, trace: str) -> str:
         f"wrong bytes     {summary.wrong_bytes:,}",
     ]
     return "\n".join(lines)
+
+
+def start_line(summary: ReplaySummary) -> str:
+    """What the tiers held when the replay started: figures repeat from the same start."""
+    used = summary.timeline[0]["occupancy"] if summary.timeline else {}
+    line = "start           " + ", ".join(f"{tier} {n:,}" for tier, n in used.items())
+    line += " blocks used"
+    if any(used.values()):
+        line += (
+            " (not empty: the figures depend on these blocks; a fresh daemon, "
+            "`tierd clear`, or a what-if without --warm starts empty)"
+        )
+    return line
+
+
+def repeats_line(summary: ReplaySummary) -> str:
+    """Whether the same command from the same start gives the same figures, and why."""
+    if not summary.config.get("ordered"):
+        return (
+            "repeats         no: --unordered (the clients' calls overlap, and no call waits "
+            "for the copies behind earlier stores)"
+        )
+    if summary.unsettled_stores:
+        return (
+            f"repeats         no: the cache was not seen at rest after "
+            f"{summary.unsettled_stores:,} store(s) (a daemon that does not report its "
+            f"write-behind backlog, or still copying after {SETTLE_S:g} s)"
+        )
+    return (
+        "repeats         yes, from the same start: calls in turns, each store's background "
+        f"copies awaited ({summary.settle_s:.3f} s in all)"
+    )
 
 
 def cut_short_line(done: int, total: int, reason: str) -> str:

@@ -8,6 +8,11 @@
   opened (``tierd.library.open_chain``; this layer may not build one itself). Any number
   of them may share one chain: :func:`chain_backends`. :func:`replay_chain` is what
   ``tierd simulate --config`` runs on one.
+
+Both settle (what an ordered replay waits for after each store): the chain awaits its
+write-behind tasks and queued remote writes (:meth:`~tierd.chain.TierChain.settle`); a
+daemon is asked for its ``stats`` until no tier has a ``behind`` backlog and its remote
+level no ``pending_bytes``, for at most :data:`SETTLE_S` seconds.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ __all__ = [
 ]
 
 DEFAULT_NAMESPACE = "replay"
+SETTLE_S = 60.0  # the most a daemon backend waits for the daemon to come to rest
+SETTLE_POLL_S = (0.0005, 0.005)  # between two stats while it does not: first, longest
 
 
 class DaemonBackend:
@@ -107,8 +114,34 @@ class DaemonBackend:
     async def stats(self) -> dict[str, Any]:
         return await self.client.stats()
 
+    async def settle(self) -> bool:
+        """Ask for ``stats`` until the daemon's background copies are done (see the
+        module's docstring); ``False`` for a daemon that does not report its ``behind``
+        backlog (older than this client), or one still busy after :data:`SETTLE_S`."""
+        pause, longest = SETTLE_POLL_S  # so at most SETTLE_S / first stats calls
+        try:
+            async with asyncio.timeout(SETTLE_S):
+                while (backlog := _backlog(await self.client.stats())) is not None:
+                    if backlog == 0:
+                        return True
+                    await asyncio.sleep(pause)  # the daemon's work: nothing here to await
+                    pause = min(2 * pause, longest)
+        except TimeoutError:
+            pass
+        return False
+
     async def close(self) -> None:
         await self.client.close()
+
+
+def _backlog(stats: dict[str, Any]) -> int | None:
+    """Blocks and bytes the daemon still has to copy behind stores (``None``: it does not
+    say)."""
+    tiers = stats.get("tiers", [])
+    if any("behind" not in tier for tier in tiers):
+        return None
+    remote = stats.get("remote") or {}
+    return sum(int(tier["behind"]) for tier in tiers) + int(remote.get("pending_bytes", 0))
 
 
 @asynccontextmanager
@@ -186,6 +219,10 @@ class ChainBackend:
 
     async def stats(self) -> dict[str, Any]:
         return collect_stats(self.chain)
+
+    async def settle(self) -> bool:
+        await self.chain.settle()
+        return True
 
     async def close(self) -> None:
         return None

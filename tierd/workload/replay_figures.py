@@ -42,6 +42,9 @@ class ReplayBackend(Protocol):
     of the leading blocks it could load. ``store``: store blocks (``data`` co-indexed with
     ``keys``), returning how many were new; :class:`CapacityError` when there is no room.
     ``stats``: the daemon's stats structure (:func:`tierd.control.stats.collect_stats`).
+    ``settle``: wait until what the stores so far left running in the background (copies
+    behind them, ``write_behind``; queued remote writes) is done; whether the cache was
+    seen at rest (``False``: it cannot tell, or the wait passed its bound).
     Other errors are counted by their ``code`` (or class name); a lost connection
     (``Unreachable``) or a closed resource ends the replay."""
 
@@ -66,6 +69,8 @@ class ReplayBackend(Protocol):
     async def store(self, keys: Sequence[bytes], data: Sequence[bytes]) -> int: ...
 
     async def stats(self) -> dict[str, Any]: ...
+
+    async def settle(self) -> bool: ...
 
     async def close(self) -> None: ...
 
@@ -125,6 +130,10 @@ class ReplaySummary:
     late_requests: int = 0
     behind_s: float = 0.0
     cut_short: str | None = None
+    # Ordered replays (``config["settled"]``): stores after which the cache could not be
+    # seen at rest (so the figures may vary), and the seconds spent waiting for it.
+    unsettled_stores: int = 0
+    settle_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -15,8 +15,13 @@ its socket, or an in-process chain). ``len(backends)`` workers take requests
 in trace order; request *i* starts no earlier than ``start + (ts_i - ts_0) / speed``
 (``speed=None``: as fast as the workers go), and requests start (send their lookup) in
 trace order even when many run at once. ``ordered`` (the default): the workers call one
-at a time in a fixed rotation (:mod:`tierd.workload.turns`), so a trace always gives the
-same figures; else their calls overlap (more throughput; hit figures vary run to run).
+at a time in a fixed rotation (:mod:`tierd.workload.turns`), and each store is followed,
+in the same turn, by :meth:`ReplayBackend.settle`: the cache's background copies of what
+it stored (``write_behind``, queued remote writes) end before the next call. So the same
+trace from the same starting state always gives the same figures, however fast the disk
+writes (a store the cache could not be seen to settle after is counted in
+``unsettled_stores``). Else the calls overlap and nothing waits for the background copies
+(more throughput; hit figures vary run to run).
 Once ``stop()`` is true no request starts any more: the replay returns what it measured
 so far, ``interrupted``. So it does when the cache goes away under it (the daemon stops,
 the connection is lost, the chain is closed): ``cut_short`` says why, tiers as last sampled.
@@ -107,6 +112,8 @@ class _Replay:
         self.gate = asyncio.Lock()
         self.cursor = self.done = self.lookups = self.accesses = self.hits = 0
         self.loaded = self.stored = self.shortfalls = 0
+        self.unsettled = 0  # stores after which the cache was not seen at rest
+        self.settle_s = 0.0  # seconds spent waiting for it
         self.late = 0  # paced requests that started more than LATE_S after they were due
         self.behind = 0.0  # the most any started after it was due (seconds)
         self.by_medium: Counter[str] = Counter()
@@ -264,6 +271,21 @@ class _Replay:
             else:
                 self.store_lat.add(time.perf_counter() - began)
                 self.stored += stored
+            if self.turns is not None:  # ordered: the store's turn ends with this
+                await self._settle(backend)
+
+    async def _settle(self, backend: ReplayBackend) -> None:
+        """Wait for the cache to finish what the store left running in the background."""
+        began = time.perf_counter()
+        try:
+            settled = await backend.settle()
+        except _FATAL:
+            raise
+        except TierdError as exc:
+            self._error("settle", exc)
+            settled = False
+        self.settle_s += time.perf_counter() - began
+        self.unsettled += not settled
 
     # -- observation -------------------------------------------------------------------
 
@@ -328,12 +350,15 @@ class _Replay:
                 "chunk_blocks": self.chunk,
                 "verify": self.verify,
                 "ordered": self.turns is not None,
+                "settled": self.turns is not None,  # each store's background copies awaited
                 "backend": first.kind,
                 "socket" if first.kind == "daemon" else "path": first.target,
             },
             tiers=tiers,
             late_requests=self.late,
             behind_s=round(self.behind, 6),
+            unsettled_stores=self.unsettled,
+            settle_s=round(self.settle_s, 6),
         )
 
     def _throughput(self, seconds: float) -> dict[str, float]:

@@ -6,6 +6,10 @@ Worker 0 calls first, then worker 1, and so on round the workers still working; 
 whose turn it is holds everyone up until it makes its call (or leaves). Each worker's
 requests still interleave with the others' (a lookup can come before an earlier request's
 store, as with engines side by side), but the same trace gives the same interleaving.
+
+A store keeps its worker's turn for the :meth:`InTurn.settle` that follows it: no call of
+another worker reaches the cache while the store's background copies (``write_behind``)
+still run, so the state it finds does not depend on how fast the disk writes either.
 """
 
 from __future__ import annotations
@@ -100,9 +104,15 @@ class InTurn:
             self.turns.give(self.worker)
 
     async def store(self, keys: Sequence[bytes], data: Sequence[bytes]) -> int:
+        """Store, keeping the turn (whatever the outcome) for the :meth:`settle` that the
+        replay makes next; a worker that leaves instead hands it on then."""
         await self.turns.take(self.worker)
+        return await self.inner.store(keys, data)
+
+    async def settle(self) -> bool:
+        await self.turns.take(self.worker)  # at once after this worker's store
         try:
-            return await self.inner.store(keys, data)
+            return await self.inner.settle()
         finally:
             self.turns.give(self.worker)
 
