@@ -257,7 +257,8 @@ def test_vllm_plugin_fills_in_the_config_only_when_none_was_given(
     expected = vllm_transfer_config("/srv/tierd/tierd.sock", cpu_build=current_platform.is_cpu())
     filled = args.kv_transfer_config
     assert isinstance(filled, KVTransferConfig)
-    assert (filled.kv_connector, filled.kv_role) == ("OffloadingConnector", "kv_both")
+    assert (filled.kv_connector, filled.kv_role) == ("TierdConnector", "kv_both")
+    assert filled.kv_connector_module_path == "tierd.integrations.vllm_node"
     assert filled.kv_connector_extra_config == expected["kv_connector_extra_config"]
 
     given = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")

@@ -33,6 +33,7 @@ from tierd.control.socketfile import (
 
 __all__ = [
     "SWITCH_ENV",
+    "VLLM_CONNECTOR",
     "VLLM_CPU_BYTES",
     "VLLM_MODE_ENV",
     "VllmMode",
@@ -118,6 +119,14 @@ def start_hint(socket: str) -> str:
     )
 
 
+# vLLM's offloading connector whose KV events also announce the node's blocks
+# (tierd.integrations.vllm_node): the connector of both modes.
+VLLM_CONNECTOR = {
+    "kv_connector": "TierdConnector",
+    "kv_connector_module_path": "tierd.integrations.vllm_node",
+}
+
+
 def vllm_transfer_config(
     socket: str,
     *,
@@ -142,11 +151,7 @@ def vllm_transfer_config(
             "spec_module_path": "tierd.integrations.vllm_cpu",
         }
     extra.update(cpu_bytes_to_use=cpu_bytes, secondary_tiers=[tier])
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }
+    return {**VLLM_CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
 def vllm_pool_config(socket: str, *, namespace: str | None = None) -> dict[str, Any]:
@@ -157,7 +162,7 @@ def vllm_pool_config(socket: str, *, namespace: str | None = None) -> dict[str, 
     if namespace:
         tierd["namespace"] = namespace
     return {
-        "kv_connector": "OffloadingConnector",
+        **VLLM_CONNECTOR,
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "spec_name": "TierdPoolSpec",

@@ -14,13 +14,21 @@ whose decisions are the daemon's (:class:`~tierd.integrations.pool_leases.PoolLe
   other engines. Keys the daemon holds or another engine is writing are not stored again.
 - **events**: a stored event for each block this engine's store committed, a removed
   event when the daemon lets one of them go (its event stream), medium ``CPU``.
+- **descriptions**: with vLLM's KV events published through zmq, each committed store's
+  blocks are described to the daemon (what they are in the engine's terms:
+  :mod:`tierd.integrations.vllm_describe`), from a thread of its own, so that the daemon's
+  KV events announce them, fully described, to routers and to every engine's stream
+  (:mod:`tierd.integrations.vllm_node`). At most :data:`DESCRIBING` stores wait to be
+  described; past it a store goes undescribed (counted by the describer as unknown).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Collection, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +49,7 @@ from tierd.integrations.link import BlockSizeMismatch, DaemonLink
 from tierd.integrations.params import start_refusal
 from tierd.integrations.plugin import missing_daemon
 from tierd.integrations.pool_leases import Asked, NoPool, PoolLeases, Rows
+from tierd.integrations.vllm_describe import describer_for
 from tierd.integrations.vllm_report import EventFollower, TierReport, event_config
 from tierd.logs import get_logger
 
@@ -55,6 +64,7 @@ log = get_logger("tierd.integrations.vllm")
 engine_log = logging.getLogger("vllm.tierd")  # vLLM's own format and level
 
 _FENCE_STEPS = 2  # after a reset, steps until vLLM's workers are done with flushed jobs
+DESCRIBING = 64  # committed stores waiting to be described, at most
 _LIVE: weakref.WeakSet[TierdPoolManager] = weakref.WeakSet()
 
 
@@ -99,7 +109,11 @@ class TierdPoolManager(OffloadingManager):  # type: ignore[misc]
         self.namespace = self.settings.namespace
         self.socket_path = self.settings.socket_path
         self._link = DaemonLink(
-            self.settings, name="tierd-vllm-pool", map_pool=False, logger=engine_log
+            self.settings,
+            name="tierd-vllm-pool",
+            map_pool=False,
+            logger=engine_log,
+            said_at_start=True,
         )
         self.report = TierReport(
             Medium.CPU, None, event_config(spec, spec.options.enable_kv_events)
@@ -111,6 +125,11 @@ class TierdPoolManager(OffloadingManager):  # type: ignore[misc]
         self._storing: dict[frozenset[bytes], Rows] = {}  # reservations vLLM fills
         self._fences: list[list[Any]] = []  # [steps left, pins, reservations] after a reset
         self._polled = False  # the answers come so far are taken this step
+        self._describer = describer_for(spec, None)  # on: vLLM's events go out through zmq
+        self._describing: ThreadPoolExecutor | None = None
+        self._waiting = threading.BoundedSemaphore(DESCRIBING)
+        if self._describer.book is not None:
+            self._describing = ThreadPoolExecutor(1, thread_name_prefix="tierd-vllm-describe")
         self._check_daemon()
         _LIVE.add(self)
         log.info("tierd pool tier ready", socket=self.socket_path, namespace=self.namespace)
@@ -265,6 +284,34 @@ class TierdPoolManager(OffloadingManager):  # type: ignore[misc]
         rows = self._storing.pop(frozenset(bytes(key) for key in keys), None)
         if rows is not None:
             self._leases.commit(rows, success)
+            if success:
+                self._describe_soon(list(rows.keys))
+
+    def _describe_soon(self, names: list[bytes]) -> None:
+        """Describe a committed store's blocks, off the scheduler's thread."""
+        if self._describing is None or not self._waiting.acquire(blocking=False):
+            if self._describing is not None:
+                self._describer.unknown += len(names)
+            return
+        try:
+            self._describing.submit(self._describe, names)
+        except RuntimeError:  # shut down meanwhile
+            self._waiting.release()
+
+    def _describe(self, names: list[bytes]) -> None:
+        deadline_s = self.settings.job_deadline_s + self.settings.lookup_deadline_s
+        try:
+            self._describer.describe(lambda k, b: self._send_description(k, b, deadline_s), names)
+        except (TierdError, OSError):
+            self._describer.refused += len(names)
+        finally:
+            self._waiting.release()
+
+    def _send_description(self, keys: list[bytes], blocks: list[bytes], deadline_s: float) -> None:
+        future = self._link.start(
+            lambda c: c.request("describe", keys=keys, blocks=blocks), deadline_s
+        )
+        future.result(deadline_s + 1.0)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -344,6 +391,9 @@ class TierdPoolManager(OffloadingManager):  # type: ignore[misc]
 
     def _close(self) -> None:
         _LIVE.discard(self)
+        if self._describing is not None:
+            self._describing.shutdown(wait=False, cancel_futures=True)
+        self._describer.close()
         self._leases.close()
         self._link.close()
 
