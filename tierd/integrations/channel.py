@@ -13,11 +13,17 @@ its regions, a staging memfd) is one thread's.
 Every call is bounded by its deadline (:meth:`EngineChannel.call`). One that gets no
 answer in time closes its connection (a late answer, or a late copy into the old
 connection's staging memfd, is never read: the next connection brings fresh ones) and
-counts for the link's :class:`~tierd.integrations.breaker.Breaker`; while the breaker is
-open every call fails at once, unsent (:class:`~tierd.integrations.link.BreakerOpen`),
-and the link probes the daemon until it is back. A lost connection (the daemon
-restarted since the last call) is tried once more on a fresh one. Connecting backs off
-exponentially after a failure, for every thread at once.
+counts for the link's :class:`~tierd.integrations.breaker.Breaker`; so does a call that
+failed in any other way but an error answer (whatever it raised: the connection's state
+is then unknown, so it is closed too). While the breaker is open every call fails at
+once, unsent (:class:`~tierd.integrations.link.BreakerOpen`), and the link probes the
+daemon until it is back. A lost connection (the daemon restarted since the last call) is
+tried once more on a fresh one. Connecting backs off exponentially after a failure, for
+every thread at once.
+
+The threads' connections share one mapping of the daemon's pool (:class:`PoolUsers`): a
+mapping is closed only once no connection uses it (a restarted daemon's new pool does
+not unmap the old one under a thread still copying into it).
 
 Which data path a call takes is :mod:`tierd.integrations.route`'s to say.
 """
@@ -25,6 +31,7 @@ Which data path a call takes is :mod:`tierd.integrations.route`'s to say.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,12 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tierd.control.blocking_client import BlockingClient
-from tierd.control.client_pool import PoolShare
+from tierd.control.client_pool import PoolMap, PoolShare
 from tierd.control.handshake import DaemonError, DaemonSilent, Unreachable
 from tierd.errors import TierdError
 from tierd.integrations.link import BreakerOpen, DaemonLink
 
-__all__ = ["Connection", "EngineChannel"]
+__all__ = ["Connection", "EngineChannel", "PoolUsers"]
 
 T = TypeVar("T")
 _FIRST_BACKOFF_S = 0.05
@@ -51,6 +58,78 @@ class Connection:
     client: BlockingClient
     used: bool = False  # a call has gone through it (a new one was not lost between calls)
     held: dict[str, Any] = field(default_factory=dict)
+    busy: bool = False  # a call runs on it now
+    dropped: bool = False  # out of the channel: no call goes on it any more
+    released: bool = False  # its use of the pool mapping given back
+
+
+class PoolUsers(PoolShare):
+    """One mapping of a tenant's pool for every connection that passes it (as
+    :class:`~tierd.control.client_pool.PoolShare`), closed only when no connection uses
+    it: each connection that took a mapping (:meth:`mapping`) uses it until it gives it
+    back (:meth:`release`). Past the newest ``keep`` pools (a restarted daemon's), a
+    pool is closed with its last user; :meth:`close` closes the pools nobody uses at
+    once, the others with their last user."""
+
+    def __init__(self, keep: int = 1) -> None:
+        super().__init__(keep)
+        self._pools: list[_Used] = []  # oldest first
+        self._shut = False
+
+    def mapping(self, fd: int, block_bytes: int, named: dict[str, Any]) -> PoolMap:
+        """The mapping of the pool ``fd`` is, one user more."""
+        found = os.fstat(fd)
+        key = (found.st_dev, found.st_ino, block_bytes, *sorted(named.items()))
+        with self._lock:
+            for used in self._pools:
+                if used.key == key:
+                    used.users += 1
+                    return used.pool
+            pool = PoolMap(fd, block_bytes=block_bytes, **named)
+            self._pools.append(_Used(key, pool, 1))
+            unused = self._unused()
+        for gone in unused:
+            gone.close()
+        return pool
+
+    def release(self, pool: PoolMap) -> None:
+        """One user of ``pool`` is done with it."""
+        with self._lock:
+            for used in self._pools:
+                if used.pool is pool:
+                    used.users -= 1
+            unused = self._unused()
+        for gone in unused:
+            gone.close()
+
+    def find(self, name: str) -> PoolMap | None:
+        with self._lock:
+            return next((u.pool for u in self._pools if u.pool.name == name), None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._shut = True
+            unused = self._unused()
+        for gone in unused:
+            gone.close()
+
+    def _unused(self) -> list[PoolMap]:
+        """Take out the pools to close now: nobody uses them, and they are not among the
+        newest ``keep`` (any, once shut). Called with the lock held."""
+        kept = 0 if self._shut else self._keep
+        old = self._pools[: max(0, len(self._pools) - kept)]
+        unused = [u for u in old if u.users <= 0]
+        self._pools = [u for u in self._pools if u not in unused]
+        return [u.pool for u in unused]
+
+
+@dataclass(slots=True, eq=False)
+class _Used:
+    """A pool mapping and how many connections use it."""
+
+    key: tuple[Any, ...]
+    pool: PoolMap
+    users: int
 
 
 class EngineChannel:
@@ -60,7 +139,7 @@ class EngineChannel:
         self._link = link
         self.settings = link.settings
         self.map_pool = map_pool  # for connections made from now on
-        self._pools = PoolShare()  # one mapping of the pool for every thread's connection
+        self._pools = PoolUsers()  # one mapping of the pool for every thread's connection
         self._local = threading.local()
         self._lock = threading.Lock()  # the connections, the backoff
         self._connections: list[Connection] = []
@@ -92,8 +171,9 @@ class EngineChannel:
         """``body(connection, deadline)`` on this thread's connection, ``deadline`` a
         ``time.monotonic()`` second ``deadline_s`` from now; raises what the daemon or
         the connection raised (:class:`BreakerOpen` at once while the breaker is open),
-        each counted for the breaker. ``answered=False``: the body only sends (a post),
-        so its return is no sign of a daemon that answers."""
+        each counted for the breaker, and anything else it raised too (its connection,
+        in an unknown state, is closed). ``answered=False``: the body only sends (a
+        post), so its return is no sign of a daemon that answers."""
         breaker = self._link.breaker
         if breaker.is_open:
             breaker.refused()
@@ -105,7 +185,7 @@ class EngineChannel:
         except DaemonError as exc:
             self._answered(exc, sent)
             raise
-        except (TierdError, OSError) as exc:
+        except BaseException as exc:  # a bug or an interrupt too: the connection is unknown
             self._failed(exc, sent)
             raise
         if answered:
@@ -113,13 +193,17 @@ class EngineChannel:
         return result
 
     def close(self) -> None:
-        """Close every thread's connection; a call after this fails at once."""
+        """Close every thread's connection; a call after this fails at once. A pool
+        mapping a call still copies through stays until that call ends."""
         with self._lock:
             self._closed = True
             connections, self._connections = self._connections, []
+            for conn in connections:
+                conn.dropped = True
         for conn in connections:
             with contextlib.suppress(OSError):
                 conn.client.close()
+            self._release(conn)
         self._pools.close()
 
     # -- inside a call ----------------------------------------------------------------
@@ -131,7 +215,7 @@ class EngineChannel:
             conn = self._connected(deadline)
             reused, conn.used = conn.used, True
             try:
-                return body(conn, deadline)
+                return self._on(conn, deadline, body)
             except DaemonSilent:
                 raise
             except (Unreachable, OSError):
@@ -140,6 +224,18 @@ class EngineChannel:
                 self._drop()
                 self._link.check_soon()  # its own connection is likely gone too: say so
         raise AssertionError("unreachable: the loop returns or raises")
+
+    def _on(self, conn: Connection, deadline: float, body: Callable[[Connection, float], T]) -> T:
+        """``body`` on ``conn``, which is busy meanwhile: its pool mapping stays, even if
+        :meth:`close` closes it under the call."""
+        conn.busy = True
+        try:
+            return body(conn, deadline)
+        finally:
+            with self._lock:
+                conn.busy = False
+            if conn.dropped:
+                self._release(conn)
 
     def _connected(self, deadline: float) -> Connection:
         conn: Connection | None = getattr(self._local, "conn", None)
@@ -161,12 +257,13 @@ class EngineChannel:
             raise
         conn = Connection(client)
         with self._lock:
-            closed = self._closed
+            closed = conn.dropped = self._closed
             if not closed:
                 self._backoff = _FIRST_BACKOFF_S
                 self._connections.append(conn)
         if closed:
             client.close()
+            self._release(conn)
             raise Unreachable("the tierd channel is closed")
         self._local.conn = conn
         return conn
@@ -190,7 +287,21 @@ class EngineChannel:
         self._local.conn = None
         if conn is None:
             return
-        with self._lock, contextlib.suppress(ValueError):
-            self._connections.remove(conn)
+        with self._lock:
+            conn.dropped = True
+            with contextlib.suppress(ValueError):
+                self._connections.remove(conn)
         with contextlib.suppress(OSError):
             conn.client.close()
+        self._release(conn)
+
+    def _release(self, conn: Connection) -> None:
+        """Give back a dropped connection's use of the pool mapping, once, when no call
+        runs on it."""
+        with self._lock:
+            if conn.busy or conn.released or not conn.dropped:
+                return
+            conn.released = True
+        pool = conn.client.pool
+        if pool is not None:
+            self._pools.release(pool)

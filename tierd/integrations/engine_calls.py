@@ -9,21 +9,30 @@ remembered: later calls route around them, and the call that found out is routed
 at once. The daemon's link (:class:`~tierd.integrations.link.DaemonLink`) carries no
 engine call: it watches the daemon (the breaker's probe, its log lines) and carries the
 events an integration subscribes to.
+
+A store answers, per key, only what the daemon said it holds: a key it gave no slot (held
+already, or another writer's, which may still abort) is looked up after the lease, and a
+lease it stored fewer blocks of than it reserved leaves its keys to that lookup too
+(:func:`leased_store`). The engine's memfd is handed over only for blocks that lie in it
+(:class:`RegionBlocks`); others (SGLang's generic calls) go through the staging memfd.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-from tierd.control.handshake import DaemonError
-from tierd.errors import TierdError
+from tierd.control.blocking_client import BlockingClient
+from tierd.control.client_regions import job_keys
+from tierd.control.handshake import DaemonError, DaemonSilent
+from tierd.errors import ProtocolError, TierdError
 from tierd.integrations.channel import Connection, EngineChannel
 from tierd.integrations.link import DaemonLink
 from tierd.integrations.moves import (
@@ -32,19 +41,19 @@ from tierd.integrations.moves import (
     copied_load,
     engine_region_store,
     inline_store,
-    lease_store,
     staged_load,
     staged_store,
 )
 from tierd.integrations.route import Engine, Way, way
 from tierd.integrations.staging import NO_REGIONS
 
-__all__ = ["EngineCalls", "EngineMemfd", "RegionBlocks"]
+__all__ = ["EngineCalls", "EngineMemfd", "RegionBlocks", "Unconfirmed", "leased_store"]
 
 T = TypeVar("T")
 _REGION_WAYS = frozenset({Way.STAGED, Way.ENGINE_REGION})
 
 
+@runtime_checkable
 class RegionBlocks(Blocks, Protocol):
     """Blocks that lie in the engine's memfd: piece ``j`` of block ``i`` at
     ``offsets[i, j]``, ``pieces[j]`` bytes."""
@@ -115,8 +124,11 @@ class EngineCalls:
 
         def body(conn: Connection, deadline: float) -> None:
             loaded.clear()  # a second attempt (a connection found lost) starts afresh
-            self._routed(conn, "load", lambda w: self._load(w, conn, keys, blocks, deadline,
-                                                             loaded, leading), loaded)  # fmt: skip
+
+            def run(chosen: Way) -> None:
+                self._load(chosen, conn, keys, blocks, deadline, loaded, leading)
+
+            self._routed(conn, "load", run, loaded, in_memfd=False)
 
         try:
             self.channel.call(deadline_s, body)
@@ -128,22 +140,36 @@ class EngineCalls:
         """Store ``blocks`` under ``keys``; per key, whether the daemon holds it now.
         Raises what the daemon or the connection raised."""
 
+        # Only blocks that lie in the engine's memfd can be read out of it by the daemon.
+        in_memfd = isinstance(blocks, RegionBlocks)
+
         def body(conn: Connection, deadline: float) -> list[bool]:
-            return self._routed(conn, "store", lambda w: self._store(w, conn, keys, blocks,
-                                                                      deadline), [])  # fmt: skip
+            def run(chosen: Way) -> list[bool]:
+                return self._store(chosen, conn, keys, blocks, deadline)
+
+            return self._routed(conn, "store", run, [], in_memfd=in_memfd)
 
         return self.channel.call(deadline_s, body)
 
-    def _routed(self, conn: Connection, op: Any, run: Callable[[Way], T], moved: list[Any]) -> T:
-        """``run(way)`` down the way the route picks. A way the daemon refused (regions
-        it does not have, the engine's memfd it will not take) is routed around from
-        now on, and this call routed again at once if nothing moved yet."""
+    def _routed(
+        self,
+        conn: Connection,
+        op: Any,
+        run: Callable[[Way], T],
+        moved: list[Any],
+        *,
+        in_memfd: bool,
+    ) -> T:
+        """``run(way)`` down the way the route picks (the engine region only for blocks
+        ``in_memfd``). A way the daemon refused (regions it does not have, the engine's
+        memfd it will not take) is routed around from now on, and this call routed again
+        at once if nothing moved yet."""
         for attempt in range(2):
             chosen = way(
                 self.engine,
                 op,
                 regions=self.regions,
-                engine_region=self.zero_copy,
+                engine_region=self.zero_copy and in_memfd,
                 pool=conn.client.pool is not None,
             )
             try:
@@ -200,7 +226,7 @@ class EngineCalls:
         if chosen is Way.STAGED:
             return staged_store(conn, keys, blocks, deadline, rows=self.staging_rows)
         if chosen is Way.LEASE:
-            return lease_store(conn, keys, blocks, deadline)
+            return leased_store(conn, keys, blocks, deadline)
         return inline_store(conn, keys, blocks, deadline)
 
     def _engine_region(self, conn: Connection, deadline: float) -> int:
@@ -223,14 +249,19 @@ class EngineCalls:
 
     def delete_all(self, deadline_s: float, *, tries: int, pause_s: float) -> tuple[int, int]:
         """Delete every block of the namespace, asking again while some are in use (a
-        lease lives for one copy): ``(removed, still in use)``."""
+        lease lives for one copy): ``(removed, still in use)``. A delete sent and not
+        answered within the deadline raises :class:`Unconfirmed`: the daemon may still
+        carry it out (a stopped daemon does once it resumes)."""
 
         def body(conn: Connection, deadline: float) -> tuple[int, int]:
             removed = busy = 0
             for attempt in range(tries):
                 if attempt:
                     time.sleep(min(pause_s * attempt, max(0.0, deadline - time.monotonic())))
-                done = conn.client.request("delete", deadline, all=True)
+                try:
+                    done = conn.client.request("delete", deadline, all=True)
+                except DaemonSilent as exc:
+                    raise Unconfirmed(f"the delete was sent, not answered: {exc}") from exc
                 removed += int(done["removed"])
                 busy = int(done["busy"])
                 if not busy:
@@ -241,6 +272,72 @@ class EngineCalls:
 
     def close(self) -> None:
         self.channel.close()
+
+
+class Unconfirmed(DaemonSilent):
+    """The daemon was sent a request and did not answer it within the deadline: it may
+    still carry it out (a stopped daemon, once it resumes)."""
+
+
+def leased_store(
+    conn: Connection, keys: Sequence[bytes], blocks: Blocks, deadline: float
+) -> list[bool]:
+    """Store ``blocks`` under ``keys`` through pool slots, a lease at a time; per key,
+    whether the daemon holds it now. A key given a slot counts once ``complete_store``
+    says every block of its lease was stored; the others (given no slot: held already,
+    or being written by another writer, which may still abort; or in a lease stored
+    short) are looked up once, after the last lease (``lookup_each``: ready or not)."""
+    client = conn.client
+    client.require_pool()  # refused at once without a mapped pool
+    done = [False] * len(keys)
+    unsure: list[int] = []
+    start = 0
+    while start < len(keys):
+        batch = list(keys[start : start + job_keys(client.info, len(keys) - start)])
+        reply = client.request("prepare_store", deadline, keys=batch)
+        slots, lease = list(reply["slots"]), reply.get("lease")
+        if len(slots) != len(batch):
+            raise ProtocolError(f"prepare_store gave {len(slots)} slots for {len(batch)} keys")
+        if lease is not None and _written(client, blocks, start, slots, int(lease), deadline):
+            for i, slot in enumerate(slots):
+                done[start + i] = slot is not None
+        unsure += [start + i for i in range(len(batch)) if not done[start + i]]
+        start += len(batch)
+    if unsure:
+        held = client.lookup_each([keys[i] for i in unsure], deadline)
+        for i, ready in zip(unsure, held, strict=True):
+            done[i] = ready
+    return done
+
+
+def _written(
+    client: BlockingClient,
+    blocks: Blocks,
+    first: int,
+    slots: list[int | None],
+    lease: int,
+    deadline: float,
+) -> bool:
+    """Copy the blocks of a store lease (block ``first + i`` into slot ``slots[i]``) and
+    commit it; whether the daemon stored every block it reserved (its ``stored``)."""
+    pool = client.require_pool()
+    taken = [(first + i, int(slot)) for i, slot in enumerate(slots) if slot is not None]
+    try:
+        for position, slot in taken:
+            blocks.gather_one(position, pool.view(slot))
+    except BaseException:
+        _abort(client, deadline, lease)
+        raise
+    reply = client.request("complete_store", deadline, lease=lease, ok=True)
+    return int(reply["stored"]) == len(taken)
+
+
+def _abort(client: BlockingClient, deadline: float, lease: int) -> None:
+    """Give a store lease back without waiting; if that fails the connection is closed,
+    and the daemon ends every lease of a closed connection."""
+    if not client.closed:
+        with contextlib.suppress(TierdError, OSError):
+            client.post("abort_store", deadline, lease=lease)
 
 
 class _Refused(Exception):

@@ -31,7 +31,8 @@ The breaker is the link's (:class:`~tierd.integrations.link.DaemonLink`): while 
 open nothing is sent, asks are misses and reservations fail at once. Every row handed out
 names the pool it lies in (the daemon's pool name): a restarted daemon has another pool,
 which the workers map when they first meet it (:func:`mapped_pool`, for workers in this
-process: the scheduler's connections map each pool and keep it here). Needs no engine.
+process: the scheduler's connections map each pool and keep it here, a pool until no
+connection with leases on it is open, the newest two at least). Needs no engine.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierd.control.blocking_client import BlockingClient
-from tierd.control.client_pool import PoolMap, PoolShare
+from tierd.control.client_pool import PoolMap
 from tierd.control.handshake import DaemonError, Unreachable
 from tierd.errors import TierdError
+from tierd.integrations.channel import PoolUsers
 from tierd.integrations.link import DaemonLink
 from tierd.logs import get_logger
 
@@ -69,6 +71,7 @@ class _Line:
     client: BlockingClient
     pool: str
     leases: set[int] = field(default_factory=set)
+    released: bool = False  # closed, its use of the pool mapping given back
 
 
 @dataclass(slots=True, eq=False)
@@ -95,8 +98,9 @@ class Asked:
 
 
 # Pools mapped by this process's connections, by name, for the workers of an engine
-# whose scheduler runs here (vLLM's single-process executor): the newest two.
-_HERE = PoolShare(keep=2)
+# whose scheduler runs here (vLLM's single-process executor): the newest two, and any
+# an open connection uses (its leases' rows may still be copied).
+_HERE = PoolUsers(keep=2)
 
 
 def mapped_pool(name: str) -> PoolMap | None:
@@ -155,7 +159,7 @@ class PoolLeases:
         self._backoff = _FIRST_BACKOFF_S
         pool = client.info.get("pool")
         if client.pool is None or not isinstance(pool, dict):
-            client.close()
+            _close(_Line(client, ""))
             self._next_attempt = time.monotonic() + s.reconnect_max_s
             raise NoPool(
                 "the daemon has no shared-memory pool for this engine (its entry tier is"
@@ -171,7 +175,7 @@ class PoolLeases:
         if line.leases:
             self._retired.append(line)
         else:
-            line.client.close()
+            _close(line)
 
     def _ended(self, line: _Line, lease: int) -> None:
         """The engine is done with ``lease`` of ``line`` (its end posted, if the line is
@@ -180,7 +184,7 @@ class PoolLeases:
         client = line.client
         if client.closed and not line.leases and line in self._retired:
             self._retired.remove(line)
-            client.close()
+            _close(line)
 
     def _post(self, line: _Line, op: str, **fields: Any) -> None:
         """Post ``op`` on ``line`` if it is usable (a broken one ends its leases when it
@@ -420,7 +424,17 @@ class PoolLeases:
             if line.leases:
                 log.info("tierd leases left to the process's exit", leases=len(line.leases))
                 continue
-            line.client.close()
+            _close(line)
+
+
+def _close(line: _Line) -> None:
+    """Close ``line``'s socket (the daemon ends its leases) and give back its use of the
+    pool mapping (closed once no open connection uses it, unless among the newest)."""
+    line.client.close()
+    pool = line.client.pool
+    if pool is not None and not line.released:
+        line.released = True
+        _HERE.release(pool)
 
 
 def _ignore(reply: Any) -> None:

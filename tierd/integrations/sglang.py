@@ -14,9 +14,12 @@ on the daemon at most a short deadline (``lookup_deadline_s`` for ``batch_exists
 ``job_deadline_s`` for the rest), then answers a miss or a failed set; after repeated
 failures a breaker answers at once until the daemon is back (the
 :class:`~tierd.integrations.link.DaemonLink` probes it). No call raises into SGLang (after
-``close()`` too), and a page is only reported loaded when its bytes are the daemon's
-bytes for that key. ``clear()`` deletes the namespace's blocks from the daemon. The
-backend logs through the standard logging SGLang configures (``sglang_log``).
+``close()`` too): a daemon that did not serve a call costs a miss, counted; an error of
+the backend's own code (a bug) costs a miss too, counted and logged with its traceback
+(:class:`~tierd.integrations.sglang_log.Faults`), never a quiet one. A page is only
+reported loaded when its bytes are the daemon's bytes for that key, and stored when the
+daemon holds it. ``clear()`` deletes the namespace's blocks from the daemon. The backend
+logs through the standard logging SGLang configures (``sglang_log``).
 
 This module needs SGLang (``scripts/setup_sglang``); nothing else in tierd imports it.
 """
@@ -37,11 +40,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
+from tierd.integrations.engine_calls import Unconfirmed
 from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
 from tierd.integrations.params import checked_params, size_advice, start_refusal
 from tierd.integrations.plugin import missing_daemon
 from tierd.integrations.sglang_jobs import PageJobs
-from tierd.integrations.sglang_log import SglangLog
+from tierd.integrations.sglang_log import Faults, SglangLog
 from tierd.integrations.sglang_pages import (
     PageGeometry,
     UnsupportedPool,
@@ -58,8 +62,6 @@ __all__ = ["SglangSettings", "TierdHiCache", "UnsupportedPool"]
 # SGLang configures the standard logging, not structlog: the lines go where SGLang's do.
 log = SglangLog("tierd.integrations.sglang")
 T = TypeVar("T")
-# A clear deletes a whole namespace, in slices the daemon serves between other requests.
-_CLEAR_DEADLINE_S = 30.0
 
 # Keys of the extra config that SGLang itself reads; they are not ours to check.
 _SGLANG_KEYS = frozenset(
@@ -78,6 +80,8 @@ class SglangSettings:
     namespace: str | None = None  # adds to the derived digest, never replaces it
     lookup_deadline_s: float = 0.1
     job_deadline_s: float = 2.0
+    # A clear deletes a whole namespace, in slices the daemon serves between other requests.
+    clear_deadline_s: float = 30.0
     breaker_failures: int = 3
     connect_timeout_s: float = 5.0
     reconnect_max_s: float = 10.0
@@ -90,7 +94,9 @@ class SglangSettings:
             cls, {k: v for k, v in (extra or {}).items() if k not in _SGLANG_KEYS},
             owner="tierd's HiCache extra config",
             unknown_what="unknown keys in tierd's HiCache extra config", doc="docs/sglang.md",
-            positive=("lookup_deadline_s", "job_deadline_s", "connect_timeout_s"),
+            positive=(
+                "lookup_deadline_s", "job_deadline_s", "clear_deadline_s", "connect_timeout_s"
+            ),
         )  # fmt: skip
         return cls(**ours)
 
@@ -105,6 +111,7 @@ class TierdHiCache(HiCacheStorage):
         self.is_writer = bool(storage_config.is_storage_writer)
         self.namespace: str | None = None
         self.counters = Counters()
+        self.faults = Faults(log)
         self._jobs: PageJobs | None = None
         self._link: DaemonLink | None = None
         self._closed = False  # after close() every call answers a miss or a failure
@@ -229,17 +236,25 @@ class TierdHiCache(HiCacheStorage):
         jobs = self._jobs
         if jobs is None or not keys:
             return [False] * len(keys)
+        return self._guarded(
+            lambda: self._moved(jobs, store, keys, host_indices, prefix), [False] * len(keys)
+        )
+
+    def _moved(
+        self,
+        jobs: PageJobs,
+        store: bool,
+        keys: list[str],
+        host_indices: Any,
+        prefix: list[str] | None,
+    ) -> list[bool]:
         started = time.perf_counter()
         raw = [page_key(k) for k in keys]
-
-        def run() -> list[bool]:
-            pointers, _ = self.mem_pool_host.get_page_buffer_meta(host_indices)
-            offsets = jobs.geometry.offsets(pointers, len(keys))
-            # The way each takes is the route's (sglang_jobs): nothing of the daemon's
-            # lands in SGLang's pages once this call has given up.
-            return jobs.store(raw, offsets) if store else jobs.load(raw, offsets)
-
-        done = self._guarded(run, [False] * len(keys))
+        pointers, _ = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        offsets = jobs.geometry.offsets(pointers, len(keys))
+        # The way each takes is the route's (sglang_jobs): nothing of the daemon's lands
+        # in SGLang's pages once this call has given up.
+        done = jobs.store(raw, offsets) if store else jobs.load(raw, offsets)
         pages = done.index(False) if False in done else len(done)
         if pages > 1 or (pages and prefix):
             # A call's pages (after SGLang's prefix keys, when it passes them) are one
@@ -251,18 +266,25 @@ class TierdHiCache(HiCacheStorage):
         return done
 
     def _guarded(self, call: Callable[[], T], failed: T) -> T:
-        """``call()``, or ``failed`` if the daemon did not serve it (logged, counted)."""
+        """``call()``, or ``failed`` if it raised: nothing reaches SGLang. A daemon that
+        did not serve the call (``TierdError``, ``OSError``) is a counted failure, logged
+        at debug (the link logs a lost daemon); anything else is an error of this code
+        (or of SGLang's own page checks): counted as an internal error and logged with
+        its traceback (rate-limited), unless ``close()`` stopped the link or a
+        connection under the call."""
         try:
             return call()
-        except (TierdError, OSError, ValueError, AssertionError) as exc:
-            # AssertionError: SGLang's own page checks (indices not whole pages).
+        except (TierdError, OSError) as exc:
             self.counters.failed()
             log.debug("tierd HiCache call failed", error=str(exc))
             return failed
-        except RuntimeError:
-            if not self._closed:
-                raise
-            return failed  # close() stopped the link or a connection under this call
+        except Exception as exc:
+            if self._closed:
+                self.counters.failed()
+                return failed
+            self.counters.failed(internal=True)
+            self.faults.report("tierd HiCache call failed in tierd's own code", exc)
+            return failed
 
     # -- the generic interface --------------------------------------------------------
 
@@ -273,17 +295,22 @@ class TierdHiCache(HiCacheStorage):
         jobs = self._jobs
         if jobs is None or target_location is None:
             return None
-        if not target_location.is_contiguous():
+        return self._guarded(lambda: self._get(jobs, key, target_location), None)
+
+    def _get(self, jobs: PageJobs, key: str, target: Any) -> Any | None:
+        if not target.is_contiguous():
             return None  # its bytes are not one run: nothing is written into it
-        out = tensor_bytes(target_location)
+        out = tensor_bytes(target)
         if out.nbytes != jobs.geometry.page_bytes:
             return None
-        ok = self._guarded(lambda: jobs.get_block(page_key(key), out), False)
-        return target_location if ok else None
+        return target if jobs.get_block(page_key(key), out) else None
 
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[Any | None]:
+        return self._guarded(lambda: self._batch_get(keys, target_locations), [None] * len(keys))
+
+    def _batch_get(self, keys: list[str], target_locations: Any) -> list[Any | None]:
         targets = list(target_locations or [])
         if len(targets) != len(keys):
             return [None] * len(keys)
@@ -303,10 +330,13 @@ class TierdHiCache(HiCacheStorage):
             return False
         if not self.is_writer:
             return True
+        return self._guarded(lambda: self._set(jobs, key, value), False)
+
+    def _set(self, jobs: PageJobs, key: str, value: Any) -> bool:
         data = tensor_bytes(value.contiguous())
         if data.nbytes != jobs.geometry.page_bytes:
             return False
-        return self._guarded(lambda: jobs.put_block(page_key(key), data), False)
+        return jobs.put_block(page_key(key), data)
 
     def batch_set(
         self,
@@ -315,6 +345,9 @@ class TierdHiCache(HiCacheStorage):
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
+        return self._guarded(lambda: self._batch_set(keys, values), False)
+
+    def _batch_set(self, keys: list[str], values: Any) -> bool:
         pages = list(values or [])
         if len(pages) != len(keys):
             return False
@@ -348,25 +381,33 @@ class TierdHiCache(HiCacheStorage):
         """SGLang's L3 flush (``POST /hicache/storage-backend/clear``): delete every
         block of this backend's namespace from the daemon's tiers, for every engine of
         the namespace (they share one cache). True only once the daemon has removed them
-        all; else False, logged at WARNING with why."""
+        all; else False, logged at WARNING with why: a delete the daemon was sent and did
+        not answer in time may still complete (the line says so)."""
+        return self._guarded(self._clear, False)
+
+    def _clear(self) -> bool:
         jobs = self._jobs
         if jobs is None:
             state = "closed" if self._closed else "not started"
             log.warning("tierd HiCache not cleared", reason=f"the backend is {state}")
             return False
         try:
-            removed, busy = jobs.clear(_CLEAR_DEADLINE_S)
-        except RuntimeError:
-            if not self._closed:
-                raise
-            log.warning("tierd HiCache not cleared", reason="the backend was closed meanwhile")
-            return False
-        except (TierdError, OSError) as exc:
+            removed, busy = jobs.clear(self.settings.clear_deadline_s)
+        except Unconfirmed as exc:
             log.warning(
-                "tierd HiCache not cleared: tierd still serves the namespace's pages",
+                "tierd HiCache clear unconfirmed: tierd was asked to delete the namespace's"
+                " pages and did not answer in time; the delete may still complete",
                 namespace=self.namespace,
                 error=str(exc),
             )
+            return False
+        except (TierdError, OSError) as exc:
+            log.warning("tierd HiCache not cleared", namespace=self.namespace, error=str(exc))
+            return False
+        except Exception:
+            if not self._closed:
+                raise
+            log.warning("tierd HiCache not cleared", reason="the backend was closed meanwhile")
             return False
         if busy:
             log.warning(
@@ -384,7 +425,11 @@ class TierdHiCache(HiCacheStorage):
         self._closed = True
         jobs, link = self._jobs, self._link
         self._jobs = self._link = None
-        if jobs is not None:
-            jobs.close()
-        if link is not None:
-            link.close()
+        for part in (jobs, link):
+            if part is None:
+                continue
+            try:
+                part.close()
+            except Exception as exc:  # SGLang's detach goes on, and the other part closes
+                self.counters.failed(internal=True)
+                self.faults.report("tierd HiCache close failed in tierd's own code", exc)

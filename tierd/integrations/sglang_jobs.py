@@ -14,7 +14,8 @@ threads never wait on each other, nor on an event loop's thread), down the way
   copy. Only a daemon whose entry tier has no pool (not a CPU tier) is handed the host
   pool's memfd when SGLang allocated it so (``"allocator": "shm"``), registered once per
   connection; the daemon then reads the pages itself, and keeps nothing it read past the
-  call's deadline (the job's ``expires``).
+  call's deadline (the job's ``expires``). A page of SGLang's generic calls is a copy of
+  its own, not in the memfd: it goes through the connection's staging memfd instead.
 
 Every method raises only :class:`~tierd.errors.TierdError` and ``OSError``; the backend
 turns them into misses and failed sets.

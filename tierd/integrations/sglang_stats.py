@@ -3,7 +3,9 @@
 :class:`Counters` collects, per call, the pages and bandwidth SGLang's
 ``StorageMetrics`` carries (``prefetch_pgs``, ``backup_pgs`` and their GB/s), handed over
 and reset by ``get_stats()`` as SGLang's own backends do, plus running totals for logs
-and tests. Bandwidth counts only calls that moved pages.
+and tests. Bandwidth counts only calls that moved pages. A failed call is counted in
+``failed_calls``; one that failed in the backend's own code (a bug, not the daemon) in
+``internal_errors`` too.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Counters:
             "loaded_pages": 0,
             "stored_pages": 0,
             "failed_calls": 0,
+            "internal_errors": 0,
         }
 
     def looked_up(self, pages: int, hits: int) -> None:
@@ -54,9 +57,10 @@ class Counters:
                 self._metrics.prefetch_pgs.append(pages)
                 self._metrics.prefetch_bandwidth.append(rate)
 
-    def failed(self) -> None:
+    def failed(self, *, internal: bool = False) -> None:
         with self._lock:
             self.totals["failed_calls"] += 1
+            self.totals["internal_errors"] += internal
 
     def take(self) -> StorageMetrics:
         with self._lock:
