@@ -26,7 +26,7 @@ from tierd.errors import TierdError
 from tierd.integrations.channel import Connection
 from tierd.integrations.engine_calls import EngineCalls, leased_store
 from tierd.integrations.link import DaemonLink, LinkSettings
-from tierd.integrations.moves import RowBlocks
+from tierd.integrations.moves import RowBlocks, inline_store
 from tierd.testing import daemon_config
 
 spawn = test_daemon_lifecycle.spawn  # real `tierd serve` processes, killed at the end
@@ -130,6 +130,40 @@ def test_a_lease_stored_short_reports_only_the_keys_the_daemon_holds() -> None:
     assert leased_store(conn, ks, source, deadline=0.0) == [True, True, False, False]
     assert daemon.asked == ["prepare_store", "complete_store", "lookup_each"]
     assert np.array_equal(daemon.pool.rows[:3], source.rows[[0, 2, 3]])
+
+
+class _ShortPut:
+    """A daemon without a pool whose ``put`` stores some of the blocks it is sent."""
+
+    def __init__(self, ready: set[bytes]) -> None:
+        self.info: dict[str, Any] = {}
+        self.block_bytes = BLOCK
+        self.ready = ready
+        self.asked: list[str] = []
+
+    def request(self, op: str, deadline: float, **fields: Any) -> dict[str, Any]:
+        self.asked.append(op)
+        assert op == "put", op
+        return {"stored": len(self.ready & set(fields["keys"]))}
+
+    def lookup_each(self, ks: list[bytes], deadline: float) -> list[bool]:
+        self.asked.append("lookup_each")
+        return [k in self.ready for k in ks]
+
+
+def test_an_inline_store_stored_short_reports_only_the_keys_the_daemon_holds() -> None:
+    """``put`` stored two of four blocks (another writer holds a key, or no room): the four
+    are looked up and reported as held or not (the inline way used to answer True for
+    every key it sent)."""
+    ks = keys("i", 4)
+    daemon = _ShortPut(ready={ks[0], ks[2]})
+    conn = Connection(daemon)  # type: ignore[arg-type]
+    source = RowBlocks(rows_of(4, seed=4), np.arange(4, dtype=np.intp))
+    assert inline_store(conn, ks, source, deadline=0.0) == [True, False, True, False]
+    assert daemon.asked == ["put", "lookup_each"]
+    whole = _ShortPut(ready=set(ks))
+    assert inline_store(Connection(whole), ks, source, deadline=0.0) == [True] * 4  # type: ignore[arg-type]
+    assert whole.asked == ["put"]
 
 
 class _Faulty:

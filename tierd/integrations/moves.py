@@ -14,9 +14,10 @@ in the call (:class:`Blocks`: vLLM's rows, :class:`RowBlocks`; SGLang's pages of
   engine's own memfd, told the call's deadline as the job's ``expires`` (it keeps
   nothing read past it). Never for loads: a copy under way at the deadline could land
   in memory the engine has reused.
-- **lease** (:func:`copied_load`, :func:`lease_store`): the daemon's pool is mapped here;
-  slots are pinned or reserved, and the caller's thread copies. A load's release is
-  posted (not waited for).
+- **lease** (:func:`copied_load`, and for stores
+  :func:`~tierd.integrations.engine_calls.leased_store`): the daemon's pool is mapped
+  here; slots are pinned or reserved, and the caller's thread copies. A load's release
+  is posted (not waited for).
 - **inline** (:func:`copied_load` without a lease, :func:`inline_store`): the bytes in
   the messages, for a daemon with neither regions nor a pool.
 
@@ -50,7 +51,6 @@ __all__ = [
     "engine_region_store",
     "copied_load",
     "inline_store",
-    "lease_store",
     "staged_load",
     "staged_store",
 ]
@@ -202,33 +202,6 @@ def engine_region_store(
     return conn.client.move("region_store", region, keys, offsets, list(pieces), deadline)
 
 
-def lease_store(
-    conn: Connection, keys: Sequence[bytes], blocks: Blocks, deadline: float
-) -> list[bool]:
-    """Store ``blocks`` under ``keys`` through pool slots, a lease at a time; per key,
-    whether the daemon holds it now."""
-    client = conn.client
-    pool = client.require_pool()
-    done: list[bool] = []
-    start = 0
-    while start < len(keys):
-        batch = list(keys[start : start + job_keys(client.info, len(keys) - start)])
-        reply = client.request("prepare_store", deadline, keys=batch)
-        lease = reply.get("lease")
-        if lease is not None:  # None: the daemon holds (or is being given) every key
-            try:
-                for i, slot in enumerate(reply["slots"]):
-                    if slot is not None:
-                        blocks.gather_one(start + i, pool.view(int(slot)))
-            except BaseException:
-                _post(client, deadline, "abort_store", lease)
-                raise
-            client.request("complete_store", deadline, lease=lease, ok=True)
-        done += [True] * len(batch)
-        start += len(batch)
-    return done
-
-
 def copied_load(
     conn: Connection,
     keys: Sequence[bytes],
@@ -292,7 +265,8 @@ def _load_in_rounds(
 def inline_store(
     conn: Connection, keys: Sequence[bytes], blocks: Blocks, deadline: float
 ) -> list[bool]:
-    """Store ``blocks`` in the messages themselves (no pool, no regions)."""
+    """Store ``blocks`` in the messages themselves (no pool, no regions); per key, whether
+    the daemon holds it now (a request stored short is looked up)."""
     client = conn.client
     done: list[bool] = []
     for start in range(0, len(keys), step := _inline_step(client, len(keys))):
@@ -302,8 +276,11 @@ def inline_store(
             out = bytearray(client.block_bytes)
             blocks.gather_one(start + i, memoryview(out))
             data.append(bytes(out))
-        client.request("put", deadline, keys=batch, data=data)
-        done += [True] * len(batch)
+        reply = client.request("put", deadline, keys=batch, data=data)
+        if int(reply.get("stored", 0)) == len(batch):
+            done += [True] * len(batch)
+        else:  # stored short (no room, a key another writer holds): ask which are held
+            done += client.lookup_each(batch, deadline)
     return done
 
 
