@@ -4,12 +4,16 @@ SGLang's own objects drive them in tests/test_sglang.py)."""
 from __future__ import annotations
 
 import hashlib
+import os
+import random
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from tierd.integrations import naming
 from tierd.integrations.sglang_pages import (
     PageGeometry,
     UnsupportedPool,
@@ -97,6 +101,86 @@ def test_a_local_model_directory_names_its_weights_not_only_its_path(tmp_path: P
     assert first.startswith("sglang/model/")
     (model / "model.safetensors").write_bytes(b"x" * 11)  # other weights, same path
     assert name(config) != first
+
+
+def weights_file(path: Path, size: int, patches: dict[int, bytes]) -> None:
+    """A sparse weights file of ``size`` zero bytes but for ``patches`` (offset -> bytes)."""
+    with path.open("wb") as f:
+        f.truncate(size)
+        for offset, data in patches.items():
+            f.seek(offset)
+            f.write(data)
+
+
+def test_weights_replaced_keeping_sizes_and_times_get_a_new_namespace(tmp_path: Path) -> None:
+    # Issue 60, 14: re-published weights of the same sizes and times (`cp -p`, `rsync -t`)
+    # are another model all the same; SGLang's namespace told them apart by size alone.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    weights = model / "model.safetensors"
+    size = 4 << 20  # sampled, not read whole
+    first_bytes = random.Random(1).randbytes(4096)
+    weights_file(weights, size, {0: first_bytes})
+    stat = weights.stat()
+    config = StorageConfig(model_name=str(model))
+
+    def republished(patches: dict[int, bytes]) -> str:
+        weights_file(weights, size, patches)  # the same size
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the old times
+        assert weights.stat().st_size == stat.st_size
+        return name(config)
+
+    first = name(config)
+    assert republished({0: first_bytes}) == first  # the same weights: the same namespace
+    assert republished({0: random.Random(2).randbytes(4096)}) != first  # other weights
+    assert republished({0: first_bytes, size - 1: b"x"}) != first  # only its last byte
+    assert republished({0: first_bytes}) == first
+
+
+def test_sglang_and_vllm_take_the_weights_identity_from_one_function(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    weights_file(model / "model.safetensors", 1 << 20, {100: b"weights"})
+    spec = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(name=str(model))))
+    sglang = page_facts(StorageConfig(model_name=str(model)), Pool(), GEOMETRY, None)
+    vllm = naming.kv_layout_facts(spec, 4096)
+    identity = naming.weights_identity(str(model))
+    assert identity is not None and sglang["weights"] == vllm["weights"] == identity
+
+    asked: list[str | None] = []
+
+    def spy(model: str | None) -> dict[str, str]:
+        asked.append(model)
+        return {"spy": str(model)}
+
+    monkeypatch.setattr(naming, "weights_identity", spy)
+    sglang = page_facts(StorageConfig(model_name=str(model)), Pool(), GEOMETRY, None)
+    vllm = naming.kv_layout_facts(spec, 4096)
+    assert sglang["weights"] == vllm["weights"] == {"spy": str(model)}
+    assert asked == [str(model), str(model)]
+
+
+def test_a_pool_s_storage_tag_is_not_part_of_the_model_path(tmp_path: Path) -> None:
+    # SGLang appends the host pool's storage_format_tag to the model path it hands the
+    # backend; the weights are still the ones at the path.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 64}')
+    (model / "model.safetensors").write_bytes(b"weights")
+
+    class TaggedPool(Pool):
+        storage_format_tag = "unified-token-major"
+
+    config = StorageConfig(model_name=f"{model}-unified-token-major")
+    facts = page_facts(config, TaggedPool(), GEOMETRY, None)
+    assert facts["weights"] == naming.weights_identity(str(model)) is not None
+    assert facts["model"] == f"{model}-unified-token-major"  # the name SGLang gave
+    untagged = page_facts(config, Pool(), GEOMETRY, None)  # no tag: a path that is not there
+    assert untagged["weights"] is None
 
 
 def test_offsets_outside_the_host_pool_are_refused() -> None:

@@ -14,7 +14,10 @@ backends use (``get_page_buffer_meta``, ``kv_buffer``, ``layout``).
 - The **namespace** is ``sglang/<model>/<16 hex of a SHA-256>`` over every fact that makes
   two engines' page bytes interchangeable (:func:`page_facts`), the byte order of a block
   among them (``interface_v1``'s pieces or the generic calls' flat page); a user-given
-  name is one more fact, never a replacement.
+  name is one more fact, never a replacement. The weights are identified as vLLM's are,
+  by the one :func:`tierd.integrations.naming.weights_identity` (names, sizes, times and
+  sampled content of the weight and config files), so weights re-published at the same
+  path with the same sizes and times get a new namespace.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tierd.errors import TierdError
+from tierd.integrations import naming
 
 __all__ = [
     "FlatBlock",
@@ -249,23 +253,13 @@ def _plain(value: Any) -> str | int | float | bool | None:
     return str(value)
 
 
-def _model_identity(model: str | None) -> dict[str, Any] | None:
-    """For a model in a local directory, what tells its weights apart beyond the path:
-    the bytes of its config.json and the names and sizes of its weight files."""
-    if not model or not os.path.isdir(model):
-        return None
-    facts: dict[str, Any] = {}
-    config = os.path.join(model, "config.json")
-    if os.path.isfile(config):
-        with open(config, "rb") as f:
-            facts["config_sha256"] = hashlib.sha256(f.read()).hexdigest()
-    weights = sorted(
-        (name, os.path.getsize(os.path.join(model, name)))
-        for name in os.listdir(model)
-        if name.endswith((".safetensors", ".bin", ".pt", ".gguf"))
-    )
-    facts["weights"] = weights
-    return facts
+def _model_path(model: str, pool: Any) -> str:
+    """The model path in SGLang's ``model_name``: SGLang appends ``-<tag>`` when the host
+    pool has a page format of its own (``storage_format_tag``, ``storage_model_name``)."""
+    tag = getattr(pool, "storage_format_tag", None)
+    if isinstance(tag, str) and tag and model.endswith(f"-{tag}"):
+        return model[: -len(tag) - 1]
+    return model
 
 
 def _page_order(config: Any) -> str:
@@ -283,7 +277,10 @@ def page_facts(config: Any, pool: Any, geometry: PageGeometry, name: str | None)
     model = getattr(config, "model_name", None)
     facts: dict[str, Any] = {
         "model": _plain(model),
-        "weights": _model_identity(model if isinstance(model, str) else None),
+        # One weights identity for every engine: the one vLLM's namespace takes.
+        "weights": (
+            naming.weights_identity(_model_path(model, pool)) if isinstance(model, str) else None
+        ),
         "mla": mla,
         "pool": type(pool).__name__,
         "layout": geometry.layout,
