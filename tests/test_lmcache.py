@@ -636,35 +636,3 @@ async def test_a_busy_daemon_at_the_first_hello_is_asked_again_not_refused_for_g
     tasks.close()
 
 
-async def test_a_pin_whose_answer_came_too_late_drops_its_connection_so_the_daemon_unpins(
-    tmp_path: Path, spawn: Any
-) -> None:
-    from tierd.control.handshake import DaemonSilent
-
-    daemon = await spawn(config(tmp_path))
-    space = _space(tmp_path, socket_path=daemon.socket_path)
-    keys, blocks = [b"a", b"b"], [bytes(BLOCK)] * 2
-    asked = 0
-    ask = space.link.ask
-
-    def late(op: Any, deadline_s: float) -> Any:  # the caller stopped waiting first
-        nonlocal asked
-        answer = ask(op, deadline_s)
-        asked += 1
-        if asked == 2:  # the pin (after the lookup): sent, and its answer discarded
-            raise DaemonSilent("no answer within the caller's wait")
-        return answer
-
-    try:
-        assert await asyncio.to_thread(space.store, keys, blocks, time.monotonic() + 5) > 0
-        space.link.ask = late
-        with pytest.raises(DaemonSilent):
-            await asyncio.to_thread(space.lock, keys, time.monotonic() + 5)
-        deadline = time.monotonic() + LIVENESS_S
-        for _ in range(500):  # the connection is dropped on the link's loop: bounded
-            removed = (await delete_from(daemon.socket_path, "ns", keys))["removed"]
-            if removed == 2 or time.monotonic() > deadline:
-                break
-        assert removed == 2  # nothing left pinned by the discarded lease
-    finally:
-        space.close()

@@ -7,14 +7,16 @@ slots, copies LMCache's bytes in and commits; a lookup-and-lock pins the blocks 
 worker thread before the task is reported: nothing lands in LMCache's memory later.
 
 A pin belongs to one connection: when the link loses it, the daemon released the lease with
-it (a load pins afresh, an unlock sends nothing, a copy during the loss fails its key). Each
-method waits at most until ``expires`` (a ``time.monotonic()`` instant) and raises only
-:class:`~tierd.errors.TierdError` and ``OSError``.
+it (a load pins afresh, an unlock sends nothing, a copy during the loss fails its key); a
+reservation too (its commit then fails, sent to no connection). Each method waits at most
+until ``expires`` (a ``time.monotonic()`` instant), not for the link to let a silent
+connection go, and raises only :class:`~tierd.errors.TierdError` and ``OSError``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -24,17 +26,18 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tierd.client import Client, DaemonError, LoadLease, PoolMap, StoreLease
+from tierd.client import Client, DaemonError, LoadLease, PoolMap, StoreLease, Unreachable
 from tierd.control.handshake import DaemonSilent
 from tierd.integrations.link import DaemonLink, LinkSettings
 from tierd.integrations.sglang_log import SglangLog
 
-__all__ = ["Hold", "Pin", "Space", "SpaceSettings"]
+__all__ = ["Hold", "Pin", "Space", "SpaceSettings", "TooLate"]
 
 T = TypeVar("T")
 log = SglangLog("tierd.integrations.lmcache")
 _RUN_MAX = 1024  # keys per lease (the daemon's max_keys_per_request may be lower)
 _LEAST_S = 0.02  # a request with less time left is not sent (its answer could not come)
+_LAND_S = 0.02  # the link gives up this long before the task: its verdict reaches the worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +75,49 @@ def copy_bytes(dst: Any, src: Any) -> None:
     np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
+class TooLate(DaemonSilent):
+    """The task's deadline passed before the request was sent."""
+
+
+class _NotSent(Exception):
+    """A request not sent: the task gave up waiting for it first, or the lease it names
+    went with its connection. Not a :class:`~tierd.errors.TierdError`, so the link
+    neither counts it for the breaker nor sends it again on a fresh connection."""
+
+
+class _Asked:
+    """One request a task hands to the link: the connections it began on, until the task
+    stops waiting for it (from then on it begins on none)."""
+
+    __slots__ = ("_began", "_gave_up", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._began: list[Client] = []
+        self._gave_up = False
+
+    def noted(self, op: Callable[[Client], Awaitable[T]]) -> Callable[[Client], Awaitable[T]]:
+        async def begin(client: Client) -> T:
+            with self._lock:
+                if self._gave_up:
+                    raise _NotSent("its task stopped waiting before it was sent")
+                self._began.append(client)
+            return await op(client)
+
+        return begin
+
+    def give_up(self) -> list[Client]:
+        """Stop waiting: the connections it began on."""
+        with self._lock:
+            self._gave_up = True
+            return list(self._began)
+
+
 def _left(expires: float) -> float:
-    left = expires - time.monotonic()
+    """The time the link gives a request of a task that ends at ``expires``."""
+    left = expires - time.monotonic() - _LAND_S
     if left <= _LEAST_S:
-        raise DaemonSilent("the task's deadline passed before the daemon was asked")
+        raise TooLate("the task's deadline passed before the daemon was asked")
     return left
 
 
@@ -167,13 +209,35 @@ class Space:
             for view, i in zip(lease.views(), lease.to_write, strict=True):
                 with view:
                     copy_bytes(view, sources[lease.keys[i]])
-            left = _left(expires)  # a deadline passed during the copy aborts too
         except BaseException:
             self._send_on(connection, lease.abort)
             raise
-
-        stored = self.link.ask(lambda client: lease.commit(), left)
+        try:
+            stored = self._ask(self._on_connection(connection, lease.commit), expires)
+        except TooLate:  # the deadline passed during the copy: not committed, aborted
+            self._send_on(connection, lease.abort)
+            raise
         return len(lease.keys), stored * self.settings.block_bytes
+
+    def _on_connection(
+        self, connection: int, request: Callable[[], Awaitable[T]]
+    ) -> Callable[[Client], Awaitable[T]]:
+        """``request()`` of a lease of ``connection``, as an op of the link: sent only
+        while that is the link's connection. A lease of a lost one went with it; its
+        request fails unsent, so the link neither drops the connection it has now (the
+        request would fail there) nor sends it again on a fresh one."""
+        if not self._on_link(connection):
+            raise Unreachable("the lease's connection was lost: the daemon ended the lease")
+
+        async def on_link(client: Client) -> T:
+            if not self._on_link(connection):
+                raise _NotSent("the lease's connection was lost: the daemon ended the lease")
+            return await request()
+
+        return on_link
+
+    def _on_link(self, connection: int) -> bool:
+        return self.link.connected and self.link.connects == connection
 
     # -- lookup and lock ----------------------------------------------------------------
 
@@ -269,7 +333,7 @@ class Space:
             self._release(hold)
 
     def _valid(self, hold: Hold) -> bool:
-        return self.link.connected and self.link.connects == hold.connection
+        return self._on_link(hold.connection)
 
     def _release(self, hold: Hold) -> None:
         if not self._valid(hold):
@@ -338,19 +402,42 @@ class Space:
     # -- the rest -------------------------------------------------------------------------
 
     def _ask(self, op: Callable[[Client], Awaitable[T]], expires: float) -> T:
-        """``link.ask``; a request sent but given up on drops its connection (and leases)."""
-        began: list[Client] = []
+        """``op(client)`` on the link, waited for until ``expires``, never longer:
+        :class:`DaemonSilent` then.
 
-        async def first_noted(client: Client) -> T:
-            began.append(client)
-            return await op(client)
-
+        The link gives up on its own a moment before (counting the silence, dropping the
+        connection), but raises only once it has let the silent connection go (closing
+        it, unmapping its pool), which a task does not wait for; nor for a link whose
+        thread is kept from running. A request given up on here that had begun drops its
+        connection (the daemon releases whatever it held, leases included) and counts for
+        the breaker as a silence; one that had not begun never does."""
+        asked = _Asked()
+        sent = time.monotonic()
+        future = self.link.start(asked.noted(op), _left(expires))
         try:
-            return self.link.ask(first_noted, _left(expires))
+            return future.result(max(0.0, expires - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            silent = DaemonSilent(
+                f"no answer from the daemon within the task's {self.settings.deadline_s:g} s"
+            )
+            began = asked.give_up()
+            if began:  # the link's call ends by itself (never sent again: noted refuses)
+                self.link.report_failure(silent_since=sent)
+            else:
+                future.cancel()
+            self._drop(began, silent)
+            raise silent from None
         except DaemonSilent as exc:
-            for client in began:
-                self.link.submit(self.link.failed(client, exc)).add_done_callback(_log_failure)
+            self._drop(asked.give_up(), exc)
             raise
+        except _NotSent as exc:
+            raise Unreachable(str(exc)) from None
+
+    def _drop(self, clients: list[Client], exc: BaseException) -> None:
+        """Drop the connections of requests given up on: the daemon then releases what
+        they held, an answer that comes later included."""
+        for client in clients:
+            self.link.submit(self.link.failed(client, exc)).add_done_callback(_log_failure)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark the blocks used, ``keys[0]`` the most recent (never blocks)."""
