@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -283,3 +284,66 @@ async def test_a_restarted_daemons_pool_never_unmaps_the_old_one_under_a_copy(
         calls.close()
         link.close()
     assert isinstance(outcome["a"], TierdError)
+
+
+class _SlowRows:
+    """The engine's rows, each block's copy in taking ``each_s`` (a busy engine thread)."""
+
+    def __init__(self, rows: np.ndarray, each_s: float) -> None:
+        self.rows = rows
+        self.each_s = each_s
+        self._blocks = RowBlocks(rows, np.arange(len(rows), dtype=np.intp))
+
+    def fill(self, positions: Any, source: Any) -> None:
+        for i in range(len(positions)):
+            time.sleep(self.each_s)
+            self._blocks.fill(positions[i : i + 1], source[i : i + 1])
+
+    def fill_one(self, position: int, block: memoryview) -> None:
+        time.sleep(self.each_s)
+        self._blocks.fill_one(position, block)
+
+    def gather(self, positions: Any, out: Any) -> None:
+        raise AssertionError("loads only")
+
+    gather_one = gather
+
+
+@pytest.mark.parametrize("calls_of", ["pool", "staged"])
+async def test_a_load_ends_within_its_deadline_and_one_block_however_slow_the_copy(
+    tmp_path: Path, spawn: Any, calls_of: str
+) -> None:
+    """A load of 24 blocks whose copy into the engine takes 20 ms a block, under a 100 ms
+    deadline: it used to run the round under way to its end (480 ms); now it stops
+    copying at the deadline, returns the blocks copied whole, and the connection (and
+    the lease it held) goes. Nothing is copied in after the call returned."""
+    daemon = await spawn(daemon_config(tmp_path, cpu_blocks=64, block_bytes=BLOCK))
+    link = link_to(daemon.socket_path)
+    if calls_of == "pool":
+        calls = pool_calls(link)
+    else:
+        calls = EngineCalls(link, "vllm", staging_rows=32, map_pool=False, regions=True)
+    try:
+        ks, source = keys("slow", 24), rows_of(24, seed=9)
+        stored = calls.store(ks, RowBlocks(source, np.arange(24, dtype=np.intp)), DEADLINE_S)
+        assert stored == [True] * 24
+        target = _SlowRows(np.zeros_like(source), each_s=0.02)
+        started = time.monotonic()
+        outcome = calls.load(ks, target, 0.1, cut_off=True)
+        took = time.monotonic() - started
+        assert took < 0.1 + 0.02 + 0.05, took  # the deadline, one block, the reply's close
+        copied = sorted(outcome.loaded)
+        assert len(copied) < 24 and outcome.error is not None
+        if calls_of == "pool":  # a block at a time: each one copied in time counts
+            assert copied
+        # (A staging round counts once whole: one cut short reports none of its rows.)
+        assert np.array_equal(target.rows[copied], source[copied])
+        after = target.rows.copy()
+        await asyncio.sleep(0.2)  # nothing lands late
+        assert np.array_equal(target.rows, after)
+        assert calls.load(
+            ks[:2], RowBlocks(np.zeros_like(source[:2]), np.arange(2)), DEADLINE_S
+        ).loaded == (0, 1)
+    finally:
+        calls.close()
+        link.close()

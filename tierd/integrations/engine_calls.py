@@ -47,7 +47,15 @@ from tierd.integrations.moves import (
 from tierd.integrations.route import Engine, Way, way
 from tierd.integrations.staging import NO_REGIONS
 
-__all__ = ["EngineCalls", "EngineMemfd", "RegionBlocks", "Unconfirmed", "leased_store"]
+__all__ = [
+    "CopyCutOff",
+    "DeadlineBlocks",
+    "EngineCalls",
+    "EngineMemfd",
+    "RegionBlocks",
+    "Unconfirmed",
+    "leased_store",
+]
 
 T = TypeVar("T")
 _REGION_WAYS = frozenset({Way.STAGED, Way.ENGINE_REGION})
@@ -116,25 +124,42 @@ class EngineCalls:
     # -- moving blocks ----------------------------------------------------------------
 
     def load(
-        self, keys: Sequence[bytes], blocks: Blocks, deadline_s: float, *, leading: bool = False
+        self,
+        keys: Sequence[bytes],
+        blocks: Blocks,
+        deadline_s: float,
+        *,
+        leading: bool = False,
+        cut_off: bool = False,
     ) -> LoadOutcome:
         """Copy the daemon's blocks of ``keys`` into ``blocks``; never raises: what was
-        copied, and why the rest was not (``None``: misses only)."""
+        copied, and why the rest was not (``None``: misses only). ``cut_off``: no block
+        is copied once the deadline has passed (:class:`DeadlineBlocks`), so the call
+        ends at most one block's copy after it; the blocks not copied by then are not
+        loaded (their lease goes with the connection)."""
         loaded: list[int] = []
 
-        def body(conn: Connection, deadline: float) -> None:
+        def body(conn: Connection, deadline: float) -> str | None:
             loaded.clear()  # a second attempt (a connection found lost) starts afresh
+            target = DeadlineBlocks(blocks, deadline) if cut_off else blocks
 
             def run(chosen: Way) -> None:
-                self._load(chosen, conn, keys, blocks, deadline, loaded, leading)
+                self._load(chosen, conn, keys, target, deadline, loaded, leading)
 
-            self._routed(conn, "load", run, loaded, in_memfd=False)
+            try:
+                self._routed(conn, "load", run, loaded, in_memfd=False)
+            except CopyCutOff as exc:
+                # The daemon answered; the copy ran out of time on the engine's side. The
+                # connection (a lease it may still hold) is closed: nothing late is read.
+                conn.client.close()
+                return str(exc)
+            return None
 
         try:
-            self.channel.call(deadline_s, body)
+            cut = self.channel.call(deadline_s, body)
         except (TierdError, OSError) as exc:
             return LoadOutcome(tuple(loaded), str(exc))
-        return LoadOutcome(tuple(loaded))
+        return LoadOutcome(tuple(loaded), cut)
 
     def store(self, keys: Sequence[bytes], blocks: Blocks, deadline_s: float) -> list[bool]:
         """Store ``blocks`` under ``keys``; per key, whether the daemon holds it now.
@@ -272,6 +297,42 @@ class EngineCalls:
 
     def close(self) -> None:
         self.channel.close()
+
+
+class CopyCutOff(TierdError):
+    """A load's deadline passed before its next block was copied into the engine."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineBlocks:
+    """``blocks`` (:class:`~tierd.integrations.moves.Blocks`) that take no block in once
+    ``deadline`` (a ``time.monotonic()`` second) has passed: each copy in starts only
+    before it, so a load ends at most one block's copy after its deadline, and a block
+    is either copied whole or not at all (:class:`CopyCutOff`)."""
+
+    blocks: Blocks
+    deadline: float
+
+    def _in_time(self) -> None:
+        if time.monotonic() >= self.deadline:
+            raise CopyCutOff("the load's deadline passed before its next block was copied")
+
+    def fill(self, positions: Any, source: Any) -> None:
+        # One block at a time: a batch (a staging round) is cut off between blocks too;
+        # the positions of a batch count as loaded only once all of it is copied.
+        for i in range(len(positions)):
+            self._in_time()
+            self.blocks.fill(positions[i : i + 1], source[i : i + 1])
+
+    def gather(self, positions: Any, out: Any) -> None:
+        self.blocks.gather(positions, out)
+
+    def fill_one(self, position: int, block: memoryview) -> None:
+        self._in_time()
+        self.blocks.fill_one(position, block)
+
+    def gather_one(self, position: int, out: memoryview) -> None:
+        self.blocks.gather_one(position, out)
 
 
 class Unconfirmed(DaemonSilent):

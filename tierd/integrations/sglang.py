@@ -260,7 +260,8 @@ class TierdHiCache(HiCacheStorage):
             # A call's pages (after SGLang's prefix keys, when it passes them) are one
             # sequence, just used: the daemon is told so, head most recent, so it drops
             # the sequence's tail before its head.
-            self._guarded(lambda: jobs.touch_sequence(prefix or [], raw[:pages]), None)
+            left = started + jobs.job_deadline_s - time.perf_counter()
+            self._guarded(lambda: jobs.touch_sequence(prefix or [], raw[:pages], left), None)
         elapsed = time.perf_counter() - started
         self.counters.moved(store, pages, pages * jobs.geometry.page_bytes, elapsed)
         return done

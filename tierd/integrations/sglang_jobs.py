@@ -83,17 +83,23 @@ class PageJobs:
         """How many leading keys the daemon holds ready."""
         return self.calls.leading(keys, self.lookup_deadline_s) if keys else 0
 
-    def touch_sequence(self, prefix: Sequence[str], pages: Sequence[bytes]) -> None:
+    def touch_sequence(
+        self, prefix: Sequence[str], pages: Sequence[bytes], deadline_s: float
+    ) -> None:
         """Mark SGLang's page sequence (the hashes ``prefix``, then the keys ``pages``;
         head first) used, without waiting for the answer: its head ends up the most
         recent at every level of the daemon that holds it, so the daemon drops the
         sequence's tail before its head (a kept tail whose head is gone is never
         served). The order only: a call is not a request, so no use is counted for
-        admission rules (a prefix would count once per call)."""
+        admission rules (a prefix would count once per call). Sent only on this thread's
+        open connection and within ``deadline_s`` (what is left of the call's own
+        deadline): a hint never costs the call a connection or its time."""
+        if deadline_s <= 0 or self.calls.channel.here() is None:
+            return
         keys = [page_key(k) for k in prefix]
         keys += pages
         try:
-            self.calls.touch(keys, self.lookup_deadline_s, uses=False)
+            self.calls.touch(keys, min(deadline_s, self.lookup_deadline_s), uses=False)
         except (TierdError, OSError) as exc:  # a hint: its loss changes nothing for SGLang
             log.debug("tierd touch not sent", error=str(exc))
 
@@ -113,7 +119,7 @@ class PageJobs:
     def _leading(self, keys: Sequence[bytes], blocks: Blocks) -> int:
         """How many leading blocks of ``keys`` were loaded into ``blocks``; a load that
         copied nothing for another reason than misses raises it (a failed call)."""
-        outcome = self.calls.load(keys, blocks, self.job_deadline_s, leading=True)
+        outcome = self.calls.load(keys, blocks, self.job_deadline_s, leading=True, cut_off=True)
         if outcome.error is not None and not outcome.loaded:
             raise _Failed(outcome.error)
         return len(outcome.loaded)
