@@ -10,14 +10,18 @@ every byte moves through the :class:`~tierd.transfer.TransferEngine`.
 - Evicting a clean block drops it; evicting a dirty block demotes it: its bytes are copied
   down (the level below may evict and demote in turn) before its slot is written again.
   A block demoted past the last level, or refused by the admission rule below, is dropped.
-- ``load`` promotes what lies below the target level up to it; the lower copy stays. Two
-  callers promoting the same block at once share one read.
+- ``load`` promotes what lies below the target level up to it; the lower copy stays, and
+  is the first its level drops when a demotion needs room there (``copies``). From a
+  full last level without such copies a promotion swaps instead (the block moves up, the
+  target's victim takes its slot: ``loads``), so reading back what a full chain holds
+  loses none of it. Two callers promoting the same block at once share one read.
 - After every operation each level's events are published on the chain's event bus.
 
 The chain is composed of parts, each owning its state and given what it calls in its
 constructor: the levels and their events (``levels.ChainLevels``), admission
 (``admit.Admissions``), writes in flight (``pending.PendingWrites``), writes and demotion
-(``moves.Movement``: levels, transfer, pending writes, admission), promotion
+(``moves.Movement``: levels, transfer, pending writes, admission, and
+``copies.UpperCopies``, the copies below of blocks held above), promotion
 (``loads.Loading``: levels, transfer, pending writes, movement) and lookups with their
 counts (``lookups.Lookups``: levels). :class:`TierChain` builds them, delegates to them
 and adds the whole-chain operations (store, flush, clear, delete, stats).
@@ -32,6 +36,7 @@ from typing import Any
 from tierd.chain.admit import Admissions
 from tierd.chain.behind import BATCH_BLOCKS, BATCH_BYTES, WriteBehind
 from tierd.chain.census import PrefixCensus
+from tierd.chain.copies import UpperCopies
 from tierd.chain.handles import LoadHandle, StoreHandle
 from tierd.chain.invariants import check_levels
 from tierd.chain.levels import ChainLevels
@@ -80,7 +85,8 @@ class TierChain:
         self.transfer = transfer
         self._admissions = Admissions(chain_levels, reuse_memory)
         self._writes = PendingWrites(chain_levels)
-        self._moves = Movement(chain_levels, transfer, self._writes, self._admissions)
+        copies = UpperCopies(chain_levels)
+        self._moves = Movement(chain_levels, transfer, self._writes, self._admissions, copies)
         self._loads = Loading(chain_levels, transfer, self._writes, self._moves)
         self._lookups = Lookups(chain_levels)
         self._behind = WriteBehind(chain_levels, self._moves)

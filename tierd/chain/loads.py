@@ -6,6 +6,12 @@ copy stays, so a promoted block is clean), and past the local levels the ones th
 level holds intact. Two callers promoting the same block share one read; a block another
 caller is still writing is waited for, until a deadline.
 
+The lower copy of a promoted block is the first its level drops when a demotion needs
+room there (:mod:`tierd.chain.copies`). When the level right below the target is full
+and holds no such copies for the victims the target must evict, the promotion is a
+swap instead: the blocks are read out into private buffers first, so that the victims
+demoted from the target take their slots below, rather than blocks held nowhere else.
+
 :class:`Loading` owns no state of its own: it is given the levels (where it pins), the
 transfer engine, the writes in flight (which it waits for) and :class:`Movement` (every
 promotion is a write into the target level, which may evict and demote there).
@@ -202,6 +208,9 @@ class Loading:
         keys = [k for k in keys if k in lower.tier]
         if not keys:
             return
+        if self._swaps(source, target, len(keys)):
+            await self._swap_up(source, target, keys, pinned)
+            return
         slots = dict(zip(keys, lower.tier.prepare_load(keys), strict=True))
         failed: list[BlockKey] = []
 
@@ -217,6 +226,81 @@ class Loading:
             levels.pin(target, moved, pinned)
         finally:
             levels.unpin(source, keys)
+        self._moves.copies.promoted(source, moved)
+        self._read_failed(source, failed)
+
+    def _swaps(self, source: int, target: int, count: int) -> bool:
+        """Whether promoting ``count`` blocks from ``source`` into ``target`` must swap:
+        ``source`` is the level the target's victims are demoted into, the last one
+        (what it evicts is lost: no level, local or remote, lies below), and it has
+        neither free slots nor copies of blocks held above (:mod:`tierd.chain.copies`)
+        for as many victims as ``target`` must evict. A copy would then evict a block
+        held nowhere else (the next one a sequential read-back asks for). Above the
+        last level a victim of the source is demoted on, not lost: no swap there; nor
+        into a target that copies its blocks down itself (write-through, write-behind):
+        its victims are clean, dropped without a demotion."""
+        levels = self._levels
+        upper = levels.levels[target]
+        if source != target + 1 or source != len(levels.levels) - 1 or levels.remote is not None:
+            return False
+        if upper.write_through or upper.write_behind:
+            return False
+        evict = count - self._levels.tiers[target].free
+        room = self._levels.tiers[source].free + self._moves.copies.spare(source)
+        return evict > 0 and room < evict
+
+    async def _swap_up(
+        self, source: int, target: int, keys: list[BlockKey], pinned: set[BlockKey]
+    ) -> None:
+        """Promote ``keys`` by a swap: once their slots at ``target`` are reserved (so a
+        second caller waits for this write rather than reading them again), read them
+        out of ``source`` into private buffers; then the target's victims are demoted
+        into ``source``, where the blocks read out are the first to make room (the
+        blocks move up, the victims down), and the buffers are written above. The
+        buffers cost one more copy of the promoted bytes, paid only when ``_swaps``
+        says so."""
+        levels, copies = self._levels, self._moves.copies
+        lower = levels.levels[source]
+        read: dict[BlockKey, bytearray] = {}
+        swapped: list[BlockKey] = []
+
+        async def read_out(plan: StorePlan) -> None:
+            wanted = [k for k in plan.keys if k in lower.tier]
+            if not wanted:
+                return
+            buffers = [bytearray(lower.store.block_bytes) for _ in wanted]
+            slots = lower.tier.prepare_load(wanted)
+            try:
+                ok = await lower.store.read(slots, wanted, buffers)
+            finally:
+                levels.unpin(source, wanted)
+            good = {k: buf for k, buf, flag in zip(wanted, buffers, ok, strict=True) if flag}
+            read.update(good)
+            swapped.extend(copies.swap(source, list(good)))
+            self._read_failed(source, [k for k in wanted if k not in good])
+
+        async def fill(store: BlockStore, plan: StorePlan) -> list[bool]:
+            ok = [k in read for k in plan.keys]  # a block not read out is not written
+            rows = [i for i, flag in enumerate(ok) if flag]
+            if rows:
+                chosen = [plan.keys[i] for i in rows]
+                slots = [plan.slots[i] for i in rows]
+                written = await store.write(slots, chosen, [read[k] for k in chosen])
+                for i, flag in zip(rows, written, strict=True):
+                    ok[i] = flag
+            return ok
+
+        try:
+            moved = await self._moves.store_into(target, keys, fill, read_out)
+        finally:
+            copies.end_swap(source, swapped)
+        levels.levels[target].promotions += len(moved)
+        levels.pin(target, moved, pinned)
+        copies.promoted(source, [k for k in moved if k in lower.tier])
+
+    def _read_failed(self, source: int, failed: list[BlockKey]) -> None:
+        """Blocks of ``source`` whose copy up failed."""
+        lower = self._levels.levels[source]
         if failed and lower.medium not in (Medium.MEMORY, Medium.CPU):
             # A block that cannot be read is useless below too (bad checksum, bad sector).
             # Host memory cannot fail a read: there the destination's write failed (it

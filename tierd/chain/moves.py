@@ -4,14 +4,17 @@
   evicts, fills them and completes (:meth:`Movement.store_into`).
 - Evicting a clean block drops it; evicting a dirty one demotes it: its bytes are copied
   to the level below (which may evict and demote in turn), subject to that level's
-  admission rule, before its slot is reused. Past the last local level a victim goes to
+  admission rule, before its slot is reused. The level below makes room by dropping
+  copies of blocks a level above holds first (:mod:`tierd.chain.copies`), and evicts
+  by its policy only for what is still missing. Past the last local level a victim goes to
   the remote level, queued, or is dropped.
 - Write-through levels copy a block down as soon as it is stored, so later evictions
   are free.
 
 :class:`Movement` owns no state of its own: it is given the levels, the transfer engine,
-the writes in flight (where every write it makes is registered and ended) and the
-admission answers, and is what loads (promotion) and the chain's stores and flushes call.
+the writes in flight (where every write it makes is registered and ended), the
+admission answers and the copies below of blocks held above, and is what loads
+(promotion) and the chain's stores and flushes call.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from itertools import chain
 
 from tierd.chain.admit import Admissions
+from tierd.chain.copies import UpperCopies
 from tierd.chain.levels import ChainLevels
 from tierd.chain.pending import PendingWrites
 from tierd.chain.remote import Landing
@@ -35,6 +39,8 @@ __all__ = ["STORE_PIECE", "Movement", "in_pieces"]
 
 STORE_PIECE = 512  # keys a store reserves, and ends, per turn of the event loop
 
+Prepared = Callable[[StorePlan], Awaitable[None]]  # told of a reservation before demotion
+
 
 class Movement:
     """Writes into a level, demotion and write-through."""
@@ -45,11 +51,13 @@ class Movement:
         transfer: TransferEngine,
         writes: PendingWrites,
         admissions: Admissions,
+        copies: UpperCopies,
     ) -> None:
         self.levels = levels
         self._transfer = transfer
         self._writes = writes
         self._admissions = admissions
+        self.copies = copies
         # Told of the keys each client store made ready (the chain's write-behind), and
         # asked to end its pins at a level where a reservation found no room.
         self.after_store: Callable[[int, list[BlockKey]], None] | None = None
@@ -112,16 +120,18 @@ class Movement:
         self._writes.release(index, slots)
 
     async def reserve(
-        self, index: int, keys: Sequence[BlockKey]
+        self, index: int, keys: Sequence[BlockKey], before_demote: Prepared | None = None
     ) -> tuple[StorePlan, list[asyncio.Future[bool]]] | None:
         """prepare_store at one level and demote its victims; ``None`` if there is no
         room. The keys stay in flight until the write is ended
         (:meth:`PendingWrites.end_store`). More than :data:`STORE_PIECE` keys are
         reserved a piece a turn of the loop (a big tier's maps cost a Python step a key),
         all or nothing still: the pieces reserved are ended unwritten if a later one
-        finds no room, or the reservation fails or is cancelled."""
+        finds no room, or the reservation fails or is cancelled. ``before_demote`` is
+        awaited with each piece's plan once its keys are in flight, before its victims
+        are demoted (a swap reads its blocks out then: see ``tierd.chain.loads``)."""
         if len(keys) <= STORE_PIECE:
-            return await self._reserve(index, keys, None)
+            return await self._reserve(index, keys, None, before_demote)
         keep = set(keys)  # no piece evicts a key of another
         plans: list[StorePlan] = []
         futures: list[asyncio.Future[bool]] = []
@@ -130,7 +140,8 @@ class Movement:
             for start in range(0, len(keys), STORE_PIECE):
                 if start:
                     await next_turn()
-                reserved = await self._reserve(index, keys[start : start + STORE_PIECE], keep)
+                piece = keys[start : start + STORE_PIECE]
+                reserved = await self._reserve(index, piece, keep, before_demote)
                 if reserved is None:
                     return None
                 plans.append(reserved[0])
@@ -143,7 +154,11 @@ class Movement:
         return _joined(plans), futures
 
     async def _reserve(
-        self, index: int, keys: Sequence[BlockKey], keep: Collection[BlockKey] | None
+        self,
+        index: int,
+        keys: Sequence[BlockKey],
+        keep: Collection[BlockKey] | None,
+        before_demote: Prepared | None,
     ) -> tuple[StorePlan, list[asyncio.Future[bool]]] | None:
         tier = self.levels.levels[index].tier
         plan = tier.prepare_store(keys, keep)
@@ -154,6 +169,8 @@ class Movement:
             return None
         futures = self._writes.register(index, plan.keys)
         try:
+            if before_demote is not None:
+                await before_demote(plan)
             if plan.evicted:
                 await self._demote(index, plan)
         except BaseException:
@@ -166,9 +183,11 @@ class Movement:
         index: int,
         keys: Sequence[BlockKey],
         fill: Callable[[BlockStore, StorePlan], Awaitable[list[bool]]],
+        before_demote: Prepared | None = None,
     ) -> list[BlockKey]:
-        """Reserve slots at one level, fill them, complete; ``[]`` if there is no room."""
-        reserved = await self.reserve(index, keys)
+        """Reserve slots at one level, fill them, complete; ``[]`` if there is no room.
+        ``before_demote``: see :meth:`reserve`."""
+        reserved = await self.reserve(index, keys, before_demote)
         if reserved is None:
             return []
         plan, futures = reserved
@@ -197,6 +216,7 @@ class Movement:
         if not admitted:
             return
 
+        self.copies.make_room(below, len(admitted))  # duplicates go before unique blocks
         planned = False  # fill only runs once the level below made room
 
         async def fill(store: BlockStore, down: StorePlan) -> list[bool]:

@@ -25,6 +25,7 @@ class Level:
     written_behind: int = 0  # blocks copied down from this level behind stores
     promotions: int = 0  # blocks copied up into this level
     dropped: int = 0  # dirty blocks lost at eviction (no level below, refused, or failed)
+    copies_dropped: int = 0  # copies of blocks held above dropped for a demotion (chain.copies)
     refused: int = 0  # demotions into this level refused by admission or capacity
     io_errors: int = 0  # blocks whose copy into or out of this level failed
 
