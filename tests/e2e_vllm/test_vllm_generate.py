@@ -262,24 +262,31 @@ CHUNK_TOKENS = 4 * BLOCK_TOKENS  # an offload chunk of 4 vLLM blocks: blocks_per
 LONG_PREFIX_TOKENS = LONG_CHUNKS * CHUNK_TOKENS  # 2048 of a 2088-token prompt
 
 
+@pytest.mark.parametrize("shape", ["main", "windows"], ids=["dense", "two-groups"])
 async def test_a_prefix_longer_than_the_cpu_tier_is_served_whole(
     tmp_path: Path,
     spawn: Spawn,  # noqa: F811
     models: dict[str, Path],
+    shape: str,
 ) -> None:
     """Issue 35, 1: a 16-chunk prefix (2,088 tokens, 4 vLLM blocks per chunk) with a
     12-block CPU tier over a disk tier and the daemon's default lease bounds (6 blocks
     per connection) was served 0 tokens: the load's requests raced for the bound and the
-    whole load failed. Now every token of the prefix is served, some from the disk tier."""
-    config = daemon_config(tmp_path, cpu_blocks=12, disk_blocks=64, block_bytes=4 * ROW_BYTES)
+    whole load failed. Now every token of the prefix is served, some from the disk tier,
+    for the dense shape and for the two-group one (issue 60, 1: a sliding-window group
+    and a full-attention group, each chunk a row of its own)."""
+    row = 4 * ROW_BYTES if shape == "main" else WINDOWS_ROW_BYTES
+    config = daemon_config(tmp_path, cpu_blocks=12, disk_blocks=64, block_bytes=row)
     config["limits"] = {"lease_blocks_per_connection": "50%", "lease_blocks_per_tenant": "75%"}
     daemon = await spawn(config)
     rng = random.Random(35)
     prompt = tmp_path / "long-prompt.txt"
     prompt.write_text(" ".join(str(4 + rng.randrange(250)) for _ in range(LONG_PREFIX_TOKENS + 40)))
     extra = ("--offload-block-tokens", str(CHUNK_TOKENS), "--max-model-len", "4096")
+    if shape == "windows":  # and vLLM's own CPU tier in front of tierd: 12 rows too
+        extra += ("--cpu-bytes", str(12 * 2 * row))
     out = await run_engine(
-        tmp_path, "long", models["main"], daemon.socket_path, prompt, "cold,reset,warm", *extra
+        tmp_path, "long", models[shape], daemon.socket_path, prompt, "cold,reset,warm", *extra
     )
     assert out["cold"]["num_cached_tokens"] == 0
     assert out["warm"]["num_cached_tokens"] == LONG_PREFIX_TOKENS
