@@ -39,3 +39,4 @@ async def test_a_daemon_serves_every_block_its_full_chain_holds(tmp_path: Path, 
             assert served == 48
             cpu, disk = (await client.stats())["tiers"]
             assert disk["used"] == 32 and cpu["used"] == 16
+            assert disk["copies_dropped"] > 0  # duplicates made room before any eviction

@@ -44,6 +44,7 @@ def collect_stats(chain: TierChain) -> dict[str, Any]:
                 "evictions": tier.evictions,
                 "demotions": level.demotions,
                 "written_behind": level.written_behind,
+                "copies_dropped": level.copies_dropped,
                 "behind": chain.behind_backlog(index),
                 "promotions": level.promotions,
                 "dropped": level.dropped,
