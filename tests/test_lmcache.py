@@ -634,5 +634,3 @@ async def test_a_busy_daemon_at_the_first_hello_is_asked_again_not_refused_for_g
     tasks._probed = 0.0  # asked again now, not a second later
     assert await asyncio.to_thread(tasks._probe, time.monotonic() + 5) == BLOCK
     tasks.close()
-
-
