@@ -26,8 +26,10 @@ This module needs vLLM (``scripts/setup_vllm``); nothing else in tierd imports i
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
+import threading
 import weakref
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -83,16 +85,25 @@ class _Lookups(AsyncLookupManager):
     references and ``mark_miss``), answered by the daemon.
 
     The base class posts each step's batch to a queue that its own thread serves, one
-    ``batch_lookup`` per request. Here the scheduler thread sends the batch itself, as
-    one ``lookup_each`` for every key of the step (or, while the breaker is open, answers
-    MISS on the spot): no hop through another thread, whose wake-up would wait on the GIL.
-    The base thread stays parked on the queue it was built with, until shutdown posts its
-    stop there.
+    ``batch_lookup`` per request. Here each step's batch goes to the daemon as one
+    ``lookup_each`` for every key of the step, sent from a lookup thread of the tier's
+    (or, while the breaker is open, answered MISS on the spot); the scheduler's step
+    waits for the answer at most :data:`STEP_WAIT_S` (a daemon that answers at once is
+    heard in the same step, without a thread's wake-up on the GIL), never a lookup
+    deadline: vLLM's step stays non-blocking, and an answer that comes later is taken at
+    a later step. At most :data:`LOOKUPS_QUEUED` steps' batches wait for the lookup
+    thread; past that a step's keys are misses. The base thread stays parked on the
+    queue it was built with, until shutdown posts its stop there.
+
+    The seam is vLLM's private ``_lookup_queue`` and ``_pending_results`` (vLLM 0.32 and
+    0.33): a vLLM without them stops the engine at start-up, saying so
+    (:func:`check_lookup_seam`).
     """
 
     def __init__(self, tier: TierdSecondaryTier, tier_type: str) -> None:
         self._tier = tier
         super().__init__(tier_type)
+        check_lookup_seam(self)
         self._parked: Any = self.__dict__["_lookup_queue"]
         self.__dict__["_lookup_queue"] = _StepBatches(self)
 
@@ -116,6 +127,25 @@ class _StepBatches:
         """The base class's thread may come here for its next batch if it started after
         the swap: it waits on the parked queue, as it would have."""
         return self._lookups._parked.get()
+
+
+STEP_WAIT_S = 0.002  # the longest a scheduler step waits for its lookups' answer
+LOOKUPS_QUEUED = 4  # steps' batches waiting for the lookup thread, at most
+_SEAM = ("_lookup_queue", "_pending_results")  # vLLM's AsyncLookupManager's, replaced/used
+
+
+def check_lookup_seam(lookups: Any) -> None:
+    """The private fields of vLLM's ``AsyncLookupManager`` the tier relies on are there;
+    else a ``RuntimeError`` naming them and the versions tierd supports."""
+    missing = [name for name in _SEAM if name not in vars(lookups)]
+    if missing:
+        import vllm
+
+        raise RuntimeError(
+            f"tierd's vLLM tier needs vLLM's AsyncLookupManager fields {missing}, which"
+            f" vLLM {getattr(vllm, '__version__', '?')} does not have: tierd supports vLLM"
+            " 0.33 and vLLM's CPU build 0.32 (docs/vllm.md)"
+        )
 
 
 def live_tiers() -> list[TierdSecondaryTier]:
@@ -212,6 +242,8 @@ class TierdSecondaryTier(SecondaryTierManager):
                 self._link.close()
                 raise refusal from exc
             engine_log.warning(missing_daemon(self.socket_path, exc))  # blocks miss till then
+        self._asker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierd-lookups")
+        self._asking = threading.BoundedSemaphore(LOOKUPS_QUEUED)
         self._lookups = _Lookups(self, tier_type)
         _LIVE.add(self)
         log.info(
@@ -234,9 +266,35 @@ class TierdSecondaryTier(SecondaryTierManager):
     def _lookup_step(
         self, batch: list[tuple[OffloadKey, ReqContext, int]], results: _Results
     ) -> None:
-        """One step's lookups (unique keys): one request, answered into ``results``."""
-        found = self._present([key for key, _, _ in batch])
-        results.put([(key, gen, hit) for (key, _, gen), hit in zip(batch, found, strict=True)])
+        """One step's lookups (unique keys): one request from the lookup thread, answered
+        into ``results``; the step waits for it at most :data:`STEP_WAIT_S`."""
+
+        def answer(found: list[bool]) -> None:
+            results.put([(k, gen, hit) for (k, _, gen), hit in zip(batch, found, strict=True)])
+
+        keys = [key for key, _, _ in batch]
+        if self._link.breaker.is_open:
+            self._link.breaker.refused()
+            answer([False] * len(keys))  # unsent: misses now, as an open breaker answers
+            return
+        if not self._asking.acquire(blocking=False):
+            answer([False] * len(keys))  # the daemon is behind on earlier steps' lookups
+            return
+        try:
+            future = self._asker.submit(self._present, keys)
+        except RuntimeError:  # shut down meanwhile
+            self._asking.release()
+            answer([False] * len(keys))
+            return
+
+        def done(f: concurrent.futures.Future[list[bool]]) -> None:
+            self._asking.release()
+            answer(
+                f.result() if not f.cancelled() and f.exception() is None else [False] * len(keys)
+            )
+
+        future.add_done_callback(done)
+        concurrent.futures.wait([future], timeout=STEP_WAIT_S)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         found = self._lookups.lookup(key, req_context)
@@ -306,6 +364,7 @@ class TierdSecondaryTier(SecondaryTierManager):
         _LIVE.discard(self)
         self.drain_jobs()
         self._lookups.shutdown()
+        self._asker.shutdown(wait=False, cancel_futures=True)
         self._calls.close()
         self._link.close()
         self._describer.close()
