@@ -5,7 +5,9 @@ That copy is a duplicate: dropping it loses nothing while a level above holds th
 block, whereas a victim chosen by the lower level's policy is, in a chain filled by
 demotions, a block held nowhere else. So when a demotion into a full level needs room,
 the level first drops copies of blocks a level above holds, and its policy chooses
-victims only for what is still missing. (Reading back everything a chain of 16 CPU
+victims only for what is still missing; only in a level whose admission is ``always``
+(under another rule the block, demoted again when the level above evicts it, would face
+admission again and could be refused). (Reading back everything a chain of 16 CPU
 over 32 disk blocks held, oldest first, served 32 of 48 when the disk's policy chose:
 each promotion's demotion evicted the disk's least recent block, the next one to read.)
 
@@ -43,7 +45,9 @@ class UpperCopies:
     def promoted(self, index: int, keys: Sequence[BlockKey]) -> None:
         """``keys`` of level ``index`` were copied to a level above; their copies at
         ``index`` go first when a demotion into it needs room."""
-        if not keys:
+        if not keys or not self._levels.levels[index].admission.always:
+            # Under another rule a dropped copy's block, demoted again later, would face
+            # admission again and might be refused: lost, where its copy would have hit.
             return
         queue = self._promoted.get(index)
         if queue is None:

@@ -238,13 +238,17 @@ class Loading:
         held nowhere else (the next one a sequential read-back asks for). Above the
         last level a victim of the source is demoted on, not lost: no swap there; nor
         into a target that copies its blocks down itself (write-through, write-behind):
-        its victims are clean, dropped without a demotion."""
+        its victims are clean, dropped without a demotion. Nor out of a level whose
+        admission is not ``always``: the block moved up, demoted again later, could be
+        refused, where its copy would have stayed."""
         levels = self._levels
         upper = levels.levels[target]
         if source != target + 1 or source != len(levels.levels) - 1 or levels.remote is not None:
             return False
         if upper.write_through or upper.write_behind:
             return False
+        if not levels.levels[source].admission.always:
+            return False  # a swapped block demoted again would face admission: maybe lost
         evict = count - self._levels.tiers[target].free
         room = self._levels.tiers[source].free + self._moves.copies.spare(source)
         return evict > 0 and room < evict
