@@ -213,7 +213,16 @@ async def test_the_docs_vllm_serve_of_the_cpu_build_is_served_from_tierd(
     cold, warm, status = await asyncio.to_thread(serve_twice, command, server_env, log, ask)
     text = log.read_text(errors="replace")
     assert "tierd on (TIERD): tierd's pool is vLLM's CPU tier" in text, text[-6000:]
-    assert "PackageNotFoundError" not in text and "Traceback" not in text, text[-6000:]
+    assert "PackageNotFoundError" not in text, text[-6000:]
+    # No traceback while it serves. Once SIGTERM is sent, vLLM's own shutdown may log one
+    # (its API server's output handler meeting the engine core it just killed, on a
+    # loaded machine): none of tierd's code may be in it.
+    stopping = text.find("signal=SIGTERM")
+    serving, shutdown = (text, "") if stopping < 0 else (text[:stopping], text[stopping:])
+    at = serving.find("Traceback")
+    assert at < 0, serving[max(0, at - 1500) : at + 4500]  # the traceback, whole
+    frames = [line for line in shutdown.splitlines() if 'File "' in line and "/tierd/" in line]
+    assert not frames, shutdown[-6000:]
     assert status == 0, f"the server exited {status} after SIGTERM:\n{text[-6000:]}"
 
     def cached(answer: dict[str, Any]) -> int:
