@@ -8,8 +8,16 @@ alternating rounds. The CPU tier is small enough that the stores evict and demot
 removals and moves are published too. Figures per round:
 
 - the daemon's CPU time (utime + stime from /proc) per stored block, and the ratio on/off;
-- with events on, the lag from a store's sending to a subscriber's receipt of its
-  ``BlockStored`` (the subscriber is in this process: the same clock), p50 and p99.
+- the blocks stored per second, against the engines' rate (``--engines`` x ``--rate``);
+- with events on, when a subscriber received each block's ``BlockStored`` (CPU; the
+  subscriber is in this process: the same clock), p50 and p99: after the store returned
+  to its engine (0 when it came before the reply), and after the describe was sent;
+- the time of a describe + put, p50, both ways.
+
+``--baseline DIR`` runs, in the same rounds, a daemon from the ``tierd`` package in DIR
+as well, off and on (another checkout: ``git worktree add /tmp/before HEAD~1``): on this
+shared VM a run's CPU figures move by a fifth from one run to the next, so a change is
+measured against its baseline in one run. The order of the daemons rotates each round.
 
 Medians over ``--rounds``. Results: docs/BENCHMARKS.md ("KV events").
 """
@@ -41,7 +49,7 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def _config(tmp: Path, on: bool) -> dict[str, Any]:
+def _config(tmp: Path, on: bool, batch_s: float | None = None) -> dict[str, Any]:
     (tmp / "disk").mkdir(mode=0o700, exist_ok=True)
     return {
         "block_bytes": BLOCK,
@@ -54,6 +62,7 @@ def _config(tmp: Path, on: bool) -> dict[str, Any]:
             "enabled": on,
             "endpoint": f"ipc://{tmp}/kv.pub",
             "replay_endpoint": None,
+            **({} if batch_s is None else {"batch_s": batch_s}),
         },
     }
 
@@ -63,6 +72,7 @@ class Listener:
 
     def __init__(self, endpoint: str) -> None:
         self.seen: dict[int, float] = {}
+        self.batches = 0
         self._stop = threading.Event()
         self._sock = zmq.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -78,6 +88,7 @@ class Listener:
             except zmq.Again:
                 continue
             now = time.monotonic()
+            self.batches += 1
             for event in msgpack.unpackb(payload)[1]:
                 if event.get("type") == "BlockStored" and event.get("medium") == "CPU":
                     for h in event["block_hashes"]:
@@ -123,11 +134,13 @@ async def _engine(
     return stored
 
 
-async def _round(on: bool, args: argparse.Namespace) -> dict[str, float]:
+async def _round(on: bool, args: argparse.Namespace, tree: Path | None) -> dict[str, float]:
+    """One round, events ``on`` or off, of a daemon of this checkout or of ``tree``'s."""
     with tempfile.TemporaryDirectory(prefix="tierd-kvb-", dir="/tmp") as d:
         tmp = Path(d)
-        config = _config(tmp, on)
-        with start_daemon(config, log=tmp / "tierd.log") as daemon:
+        config = _config(tmp, on, args.batch_s)
+        env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
+        with start_daemon(config, log=tmp / "tierd.log", env=env, cwd=tree) as daemon:
             listener = Listener(config["kv_events"]["endpoint"]) if on else None
             await asyncio.sleep(0.2)  # the subscription reaches the publisher
             sent: dict[int, float] = {}
@@ -139,41 +152,72 @@ async def _round(on: bool, args: argparse.Namespace) -> dict[str, float]:
                 *(_engine(sock, n, args, sent, acked, deadline) for n in range(args.engines))
             )
             cpu = _cpu_s(daemon.pid) - cpu0
-            out = {"blocks": float(sum(counts)), "cpu_us_per_block": 1e6 * cpu / sum(counts)}
+            blocks = sum(counts)
+            out = {
+                "blocks": float(blocks),
+                "rate": blocks / args.seconds,
+                "cpu_us_per_block": 1e6 * cpu / blocks,
+            }
+            stores = sorted(acked[h] - sent[h] for h in acked)
+            out["store_p50_ms"] = 1e3 * _at(stores, 0.5)
             if listener is not None:
                 await asyncio.sleep(0.5)  # the last batches reach the subscriber
                 listener.close()
-                lags = sorted(listener.seen[h] - t for h, t in sent.items() if h in listener.seen)
-                out["heard"] = len(lags) / len(sent)
-                out["lag_p50_ms"] = 1e3 * lags[len(lags) // 2]
-                out["lag_p99_ms"] = 1e3 * lags[int(len(lags) * 0.99)]
-                stores = sorted(acked[h] - t for h, t in sent.items())
-                out["store_p50_ms"] = 1e3 * stores[len(stores) // 2]
+                seen = listener.seen
+                heard = [h for h in acked if h in seen]
+                out["heard"] = len(heard) / len(acked)
+                out["batches_per_s"] = listener.batches / args.seconds
+                after_send = sorted(seen[h] - sent[h] for h in heard)
+                after_ack = sorted(max(0.0, seen[h] - acked[h]) for h in heard)
+                out["lag_p50_ms"] = 1e3 * _at(after_ack, 0.5)
+                out["lag_p99_ms"] = 1e3 * _at(after_ack, 0.99)
+                out["sent_p50_ms"] = 1e3 * _at(after_send, 0.5)
+                out["sent_p99_ms"] = 1e3 * _at(after_send, 0.99)
             return out
 
 
+def _at(values: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``values`` (NaN when there are none)."""
+    return values[min(len(values) - 1, int(len(values) * q))] if values else float("nan")
+
+
 async def run(args: argparse.Namespace) -> None:
-    off: list[dict[str, float]] = []
-    on: list[dict[str, float]] = []
-    for r in range(args.rounds):
-        off.append(await _round(False, args))
-        on.append(await _round(True, args))
-        print(f"round {r}: off {off[-1]}  on {on[-1]}", flush=True)
+    daemons: list[tuple[str, bool, Path | None]] = [("off", False, None), ("on", True, None)]
+    if args.baseline is not None:
+        daemons += [("baseline off", False, args.baseline), ("baseline on", True, args.baseline)]
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in daemons}
+    for r in range(args.rounds):  # bounded: --rounds rounds of --seconds each
+        k = r % len(daemons)
+        for name, on, tree in daemons[k:] + daemons[:k]:
+            rows[name].append(await _round(on, args, tree))
+            print(f"round {r}: {name} {rows[name][-1]}", flush=True)
 
-    def med(rows: list[dict[str, float]], name: str) -> float:
-        return median_of(row[name] for row in rows)
+    def med(name: str, figure: str) -> float:
+        return median_of(row[figure] for row in rows[name])
 
-    ratio = med(on, "cpu_us_per_block") / med(off, "cpu_us_per_block")
-    print(
-        f"\n{args.engines} engines x {args.rate} blocks/s, {args.rounds} rounds (medians):\n"
-        f"| events | blocks stored | daemon CPU per block | lag p50 | lag p99 | heard "
-        f"| describe+put p50 |\n"
-        f"|---|---|---|---|---|---|---|\n"
-        f"| off | {med(off, 'blocks'):.0f} | {med(off, 'cpu_us_per_block'):.1f} us | | | | |\n"
-        f"| on | {med(on, 'blocks'):.0f} | {med(on, 'cpu_us_per_block'):.1f} us "
-        f"({ratio:.2f}x) | {med(on, 'lag_p50_ms'):.2f} ms | {med(on, 'lag_p99_ms'):.2f} ms "
-        f"| {med(on, 'heard'):.3f} | {med(on, 'store_p50_ms'):.2f} ms |"
-    )
+    target = args.engines * args.rate
+    lines = [
+        f"\n{args.engines} engines x {args.rate} blocks/s, {args.rounds} rounds (medians):",
+        "| events | blocks/s | daemon CPU per block | lag after the store returned p50 "
+        "| p99 | after the describe was sent p50 | p99 | heard | batches/s "
+        "| describe+put p50 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, on, _ in daemons:
+        rate = f"{med(name, 'rate'):,.0f} of {target:,}"
+        cpu = f"{med(name, 'cpu_us_per_block'):.1f} us"
+        store = f"{med(name, 'store_p50_ms'):.2f} ms"
+        if not on:
+            lines.append(f"| {name} | {rate} | {cpu} | | | | | | | {store} |")
+            continue
+        ratio = med(name, "cpu_us_per_block") / med(name.replace("on", "off"), "cpu_us_per_block")
+        lines.append(
+            f"| {name} | {rate} | {cpu} ({ratio:.2f}x) "
+            f"| {med(name, 'lag_p50_ms'):.2f} ms | {med(name, 'lag_p99_ms'):.2f} ms "
+            f"| {med(name, 'sent_p50_ms'):.2f} ms | {med(name, 'sent_p99_ms'):.2f} ms "
+            f"| {med(name, 'heard'):.3f} | {med(name, 'batches_per_s'):.0f} | {store} |"
+        )
+    print("\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="keys per store")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--batch-s", type=float, default=None, help="kv_events.batch_s (default: the daemon's)"
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="a directory holding another tierd package: its daemon too, in the same rounds",
+    )
     args = parser.parse_args(argv)
     asyncio.run(run(args))
     return 0

@@ -9,11 +9,14 @@ import gc
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
+import pytest
+
 from tests.gc_walk import largest_dict, references_walked
 from tierd.keys import BlockKey
-from tierd.kvevents.book import ROW_PART_BUCKETS, DescriptorBook, Entry
-from tierd.kvevents.book_file import BookFile, read_book
-from tierd.kvevents.describe import parse_description
+from tierd.kvevents.book import FRESH_KEYS, FRESH_S, ROW_PART_BUCKETS, DescriptorBook, Entry
+from tierd.kvevents.book_file import HAND_S, BookFile, read_book
+from tierd.kvevents.describe import BadDescription, parse_description
 
 CPU, DISK = 1, 2
 
@@ -68,6 +71,66 @@ def test_a_description_of_a_block_never_stored_goes_after_its_wait() -> None:
     clock.now = 61.0
     book.sweep()
     assert len(book) == 0
+
+
+def test_a_description_waits_its_whole_wait_from_its_last_put_however_it_waited() -> None:
+    # A description waits first in a plain dict, passed whole to the queue of the unheld
+    # ones at most FRESH_S later or at FRESH_KEYS keys (a set and a pop, where the
+    # queue cost five times as much, for the common case of a store a moment later).
+    clock = Clock()
+    book = DescriptorBook(1 << 30, grace_s=2.0, unheld_s=60.0, clock=clock)
+    never = FRESH_KEYS + 10  # more than wait in the dict at once: a pass in a put
+    for i in range(never):
+        book.put(_key(i), _entry(i))
+    clock.now = 10.0
+    book.put(_key(5), _entry(5_000))  # described again: its wait starts over
+    book.put(_key(-1), _entry(-1))  # held nowhere since: its wait starts here
+    book.stored(_key(-1), CPU)
+    book.removed(_key(-1), CPU, last=True)
+    book.put(_key(-1), _entry(-2))
+    book.put(_key(-2), _entry(-3))  # stored a moment later: it waits for nothing
+    book.stored(_key(-2), CPU)
+    assert book.next_due() == FRESH_S  # the dict's pass (of those since 0), before any is due
+    clock.now = 59.5
+    assert book.sweep() == 0 and len(book) == never + 2
+    assert book.next_due() == 60.0
+    clock.now = 60.5
+    assert book.sweep() == never - 1 and sorted(book) == sorted(map(_key, (5, -1, -2)))
+    clock.now = 69.5
+    assert book.sweep() == 0
+    clock.now = 70.5  # 60 s after their last put
+    assert book.sweep() == 2 and list(book) == [_key(-2)]
+    assert book.next_due() is None
+    book.removed(_key(-2), CPU, last=False)  # evicted, never stored below: its grace
+    clock.now = 72.5
+    assert book.sweep() == 1 and len(book) == 0 and book.bytes_used == 0
+
+
+def test_a_pass_late_still_drops_at_once_what_is_due() -> None:
+    # No sweep for longer than the wait (an idle feed): the pass and the drop are one.
+    clock = Clock()
+    book = DescriptorBook(1 << 30, unheld_s=60.0, clock=clock)
+    book.put(_key(1), _entry(1))
+    clock.now = 61.0
+    assert book.sweep() == 1 and len(book) == 0
+
+
+def test_a_grace_shorter_than_the_pass_is_kept_to_the_letter() -> None:
+    clock = Clock()
+    book = DescriptorBook(1 << 30, grace_s=FRESH_S / 4, clock=clock)
+    book.put(_key(1), _entry(1))
+    book.stored(_key(1), CPU)
+    clock.now = 10.0
+    book.removed(_key(1), CPU, last=False)  # evicted: waits for its demotion
+    assert book.next_due() == 10.0 + FRESH_S / 4  # not the pass's time, later
+    clock.now = 10.0 + FRESH_S / 8
+    assert book.sweep() == 0 and len(book) == 1
+    book.stored(_key(1), DISK)  # demoted in time: it waits no more
+    clock.now = 20.0
+    assert book.sweep() == 0 and book.next_due() is None
+    book.removed(_key(1), DISK, last=False)
+    clock.now = 20.0 + FRESH_S / 4
+    assert book.sweep() == 1 and len(book) == 0
 
 
 def test_the_budget_pushes_out_the_oldest_and_counts_them() -> None:
@@ -177,6 +240,25 @@ async def test_a_rewrite_takes_the_descriptions_from_the_loop_a_part_a_turn(
     assert path.stat().st_size < 6 * book.bytes_used
 
 
+async def test_changes_made_on_the_loop_reach_the_file_gathered(tmp_path: Path) -> None:
+    # On the loop, the changes are handed to the writer together, HAND_S after the first
+    # (one wake-up of its thread and one write for many, not one each): they get there
+    # with no settle or close, and a close from another thread writes what is left.
+    path = tmp_path / "kv-descriptors.log"
+    book, file = _kept_in(path, 1 << 20)
+    for i in range(10):
+        book.put(_key(i), _entry(i))
+    book.drop(_key(3))
+    for _ in range(200):  # bounded: some 40 times HAND_S
+        await asyncio.sleep(HAND_S / 5)
+        if sorted(read_book(path)) == sorted(book):
+            break
+    assert sorted(read_book(path)) == sorted(book)
+    book.put(_key(3), _entry(30))  # gathered, not handed over yet when the close comes
+    await asyncio.to_thread(file.close)
+    assert read_book(path)[_key(3)].hashes == (30,)
+
+
 def test_a_collection_never_walks_the_descriptions() -> None:
     # A full book held as objects (an entry, its description, a list per hash: 1.7
     # million tracked objects at the default 256 MiB) held the loop 250-280 ms at every
@@ -267,3 +349,27 @@ def test_a_sweep_looks_at_the_due_descriptions_only() -> None:
     assert book.next_due() == Instant(61.0)
     clock.now = Instant(61.5)
     assert book.sweep() == 2000 and len(book) == 0 and book.next_due() is None
+
+
+@pytest.mark.parametrize(
+    ("hashes", "said"),
+    [
+        ([True], "a hash is a boolean"),
+        ([1 << 64], "out of the 64-bit range"),
+        ([-(1 << 63) - 1], "out of the 64-bit range"),
+        ([b""], "1-64 bytes"),
+        ([b"x" * 65], "1-64 bytes"),
+        ([7, 1.0], "not an integer"),
+    ],
+)
+def test_a_hash_is_a_64_bit_integer_or_1_to_64_bytes(hashes: list[object], said: str) -> None:
+    description = {"hashes": hashes, "tokens": [1] * len(hashes), "block_size": 1}
+    with pytest.raises(BadDescription, match=said):
+        parse_description(description)
+
+
+def test_every_kind_of_hash_is_kept_as_it_came() -> None:
+    hashes = [-(1 << 63), (1 << 64) - 1, 0, b"\x01" * 64]
+    entry = parse_description({"hashes": hashes, "tokens": [1] * 4, "block_size": 1})
+    assert entry.hashes == tuple(hashes)
+    assert msgpack.unpackb(entry.described.hashes) == hashes

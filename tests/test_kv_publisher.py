@@ -442,3 +442,34 @@ def test_a_batch_that_cannot_be_encoded_is_a_counted_drop_and_the_thread_goes_on
         assert (stats["dropped_batches"], stats["published_batches"]) == (1, 1)
     finally:
         publisher.close()
+
+
+LONG = wire.describe([7], 6, list(range(1 << 16)), 1 << 16, lora_name="x" * 200)  # bin32
+MID = wire.describe(list(range(40)), None, [2**32 - 1] * 640, 16, group_idx=2**40)  # bin16
+
+
+@pytest.mark.parametrize("described", [PLAIN, RICH, CHILD, LONG, MID])
+@pytest.mark.parametrize(
+    ("medium", "who"),
+    [
+        ("CPU", {}),
+        ("DISK", {"locality": None}),
+        ("EXTERNAL", {"locality": "REMOTE", "ownership": "tier-2"}),
+    ],
+)
+def test_a_framer_makes_from_a_row_the_very_bytes_of_stored_and_removed(
+    described: wire.Described, medium: str, who: dict[str, Any]
+) -> None:
+    # The feed makes each event from the book's row of the description (no decoding):
+    # the bytes must be those the engines' decoders were shown to read (above).
+    framer = wire.Framer(medium, **who)
+    row = wire.row(described)
+    assert framer.stored(row) == wire.stored(described, medium, **who)
+    assert framer.removed(row) == wire.removed(described, medium, **who)
+    event = msgpack.unpackb(framer.removed(row))
+    assert ("group_idx" in event) == (described.group_idx is not None)
+
+
+def test_a_framer_refuses_what_is_not_a_row() -> None:
+    with pytest.raises(ValueError, match="not a row"):
+        wire.Framer("CPU").stored(msgpack.packb(["fields", 6, b"", None]))

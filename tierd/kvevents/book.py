@@ -25,6 +25,17 @@ hash) was 1.7 million tracked objects at the default 256 MiB: every full collect
 a tenant describing blocks brings about, held the loop 250-280 ms for every tenant.
 :class:`Entry` objects are made on the way out, for the caller of the moment.
 
+A wait is usually short: a description comes a moment before its block's store, and a
+block evicted from a level is stored below a moment later. So a key waits first in a plain
+dict (``_fresh`` for its store, ``_fresh_grace`` for its demotion: a set and a pop, where
+the queues of :class:`~tierd.maps.Fifo` cost five times as much), which a *pass* empties
+into the queues whole, at most :data:`FRESH_S` after its first key came (and before the
+first of them is due) and at :data:`FRESH_KEYS` keys in both (so neither is ever a big
+dict, and a pass moves a bounded number). The store of a block takes it out of its dict,
+so a pass moves only the keys still waiting; their deadlines stay as they were, in the
+order they came. A key waits in one place at most, and only while held nowhere: a
+removal from a level of a block held there needs no look at where it waited.
+
 Its maps of keys (:mod:`tierd.kvevents.maps`) stay cheap at any size: the oldest
 description is found in constant time (at its budget a put took 83-93 us finding it past
 the deleted front of a dict, now 16-20 us, put and store together), and no map is one dict
@@ -42,6 +53,7 @@ from typing import Any
 import msgpack
 
 from tierd.keys import BlockKey
+from tierd.kvevents import wire
 from tierd.kvevents.wire import Described
 from tierd.maps import Fifo, Shards
 
@@ -62,15 +74,19 @@ __all__ = [
 ENTRY_OVERHEAD = 240
 HASH_OVERHEAD = 120
 ROW_PART_BUCKETS = 16  # of 1,024 rows: a part of row_parts
+FRESH_S = 1.0  # how long a description waits in the fresh dict at most before a pass,
+FRESH_KEYS = 1024  # and how many wait there at most
 
 
 @dataclass(slots=True)
 class Entry:
-    """One block's description and the chain levels holding it (bit ``i``: level ``i``)."""
+    """One block's description and the chain levels holding it (bit ``i``: level ``i``);
+    ``row``, once made (:func:`row_of`), its row, for the book and its file alike."""
 
     described: Described
     hashes: tuple[Hashable, ...]
     mask: int = 0
+    row: bytes | None = field(default=None, compare=False, repr=False)
 
     @property
     def cost(self) -> int:
@@ -78,15 +94,24 @@ class Entry:
 
 
 def row_of(entry: Entry) -> bytes:
-    """How the book keeps ``entry``'s description: its file record less the key."""
-    d = entry.described
-    return bytes(msgpack.packb([d.fields, d.pairs, d.hashes, d.group_idx]))
+    """How the book keeps ``entry``'s description (:func:`tierd.kvevents.wire.row`): its
+    file record less the key. Made once per entry."""
+    row = entry.row
+    if row is None:
+        row = entry.row = wire.row(entry.described)
+    return row
+
+
+# A file record's head and its key's bin header, by the key's length (a key is 1-64 bytes).
+_RECORD_HEADS = [b"\x95\xc4" + bytes((n,)) for n in range(256)]
 
 
 def record_of(key: BlockKey, row: bytes) -> bytes:
     """The file record of ``key``'s description (msgpack ``[key, fields, count, hashes,
     group_idx]``): the row's four items after the key, under a header of five."""
-    return b"\x95" + bytes(msgpack.packb(key)) + row[1:]  # a row opens with 0x94
+    if len(key) < 256:  # a row opens with 0x94, cut off
+        return b"".join((_RECORD_HEADS[len(key)], key, memoryview(row)[1:]))
+    return b"\x95" + bytes(msgpack.packb(key)) + row[1:]
 
 
 def described_of(items: Sequence[Any]) -> Described:
@@ -131,6 +156,11 @@ class DescriptorBook:
     # ones only (it looked at every pending one: 47-68 ms at 500,000, after every batch).
     _unheld: Fifo[BlockKey, float] = field(default_factory=Fifo)
     _grace: Fifo[BlockKey, float] = field(default_factory=Fifo)
+    # Held nowhere since the last pass: key -> its deadline, for its store, for its
+    # demotion (see above).
+    _fresh: dict[BlockKey, float] = field(default_factory=dict, repr=False)
+    _fresh_grace: dict[BlockKey, float] = field(default_factory=dict, repr=False)
+    _pass_at: float = 0.0  # when the fresh ones are passed at the latest
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -148,12 +178,12 @@ class DescriptorBook:
         all at once, 560,000 rows took 75-90 ms)."""
         return self._rows.item_parts(ROW_PART_BUCKETS)
 
-    def held_parts(self) -> Iterator[list[tuple[Described, int]]]:
-        """The description and levels of every block held somewhere, in the parts of
+    def held_parts(self) -> Iterator[list[tuple[bytes, int]]]:
+        """The row and levels of every block held somewhere, in the parts of
         :meth:`row_parts` (each read, and its levels looked up, as it is asked for)."""
         masks = self._masks
         for part in self.row_parts():
-            yield [(_described(row), mask) for key, row in part if (mask := masks.get(key, 0))]
+            yield [(row, mask) for key, row in part if (mask := masks.get(key, 0))]
 
     def get(self, key: BlockKey) -> Entry | None:
         row = self._rows.get(key)
@@ -166,18 +196,21 @@ class DescriptorBook:
     def put(self, key: BlockKey, entry: Entry) -> None:
         """Keep ``entry`` for ``key`` (a new description replaces the old one; the levels
         holding the block stay as they were)."""
-        old = self._rows.pop(key, None)
+        masks = self._masks.parts[hash(key) & self._masks.low]  # (a key is bytes)
+        # Described before? (A key has its levels exactly when it has its row.)
+        old = self._rows.pop(key) if key in masks else None
         if old is not None:
-            entry.mask = self._masks.pop(key)
+            entry.mask = masks.pop(key)
             self._unindex(key, old)
         self._keep(key, entry)
-        if entry.mask == 0 and old is None:  # new: waiting for nothing yet
-            self._unheld.put(key, self.clock() + self.unheld_s)
-        elif entry.mask == 0:
-            self._pend(self._unheld, key, self.unheld_s)
+        if entry.mask == 0:  # held nowhere: waits for its store
+            if old is not None:
+                self._unpend(key)
+            self._wait(key)
         if self.on_change is not None:
             self.on_change(key, entry)
-        self._enforce_budget(key)
+        if self.bytes_used > self.budget_bytes:
+            self._enforce_budget(key)
 
     def restore(self, entries: dict[BlockKey, Entry]) -> None:
         """Take the descriptions a restart read back (held nowhere yet: the feed settles
@@ -196,39 +229,67 @@ class DescriptorBook:
 
     def stored(self, key: BlockKey, bit: int) -> Described | None:
         """The block of ``key`` became ready at the level of ``bit``: its description."""
-        mask = self._masks.get(key)
-        if mask is None:
-            return None
-        self._masks[key] = mask | bit
-        if mask == 0:
-            self._unpend(key)
-        return _described(self._rows[key])
+        (row,) = self.stored_rows((key,), bit)
+        return None if row is None else _described(row)
 
-    def mark(self, key: BlockKey, bit: int) -> Described | None:
-        """:meth:`stored`, only where the level of ``bit`` was not counted yet: the
-        description when it was not (to announce), else None."""
+    def stored_rows(self, keys: Sequence[BlockKey], bit: int) -> list[bytes | None]:
+        """:meth:`stored` for each of ``keys``: the rows of their descriptions (None: not
+        described), for :class:`~tierd.kvevents.wire.Framer`."""
+        masks, low, rows = self._masks.parts, self._masks.low, self._rows
+        out: list[bytes | None] = []
+        for key in keys:  # (the maps' parts direct: a key is bytes, never an int)
+            part = masks[hash(key) & low]
+            mask = part.get(key)
+            if mask is None:
+                out.append(None)
+                continue
+            part[key] = mask | bit
+            if mask == 0:
+                self._unpend(key)
+            out.append(rows[key])
+        return out
+
+    def mark(self, key: BlockKey, bit: int) -> bytes | None:
+        """:meth:`stored`, only where the level of ``bit`` was not counted yet: the row
+        of its description when it was not (to announce), else None."""
         if self._masks.get(key, bit) & bit:
             return None
-        return self.stored(key, bit)
+        return self.stored_rows((key,), bit)[0]
 
     def removed(self, key: BlockKey, bit: int, *, last: bool) -> Described | None:
         """The block of ``key`` left the level of ``bit`` (``last``: the chain's last level,
         where nothing goes further down): its description. Held nowhere now, it goes at
         once from the last level, after ``grace_s`` from another."""
-        row = self._rows.get(key)
-        if row is None:
-            return None
-        mask = self._masks[key] & ~bit
-        self._masks[key] = mask
-        if mask == 0:
-            if last:
-                self.drop(key)
-            else:
-                self._pend(self._grace, key, self.grace_s)
-        return _described(row)
+        (row,) = self.removed_rows((key,), bit, last=last)
+        return None if row is None else _described(row)
+
+    def removed_rows(self, keys: Sequence[BlockKey], bit: int, *, last: bool) -> list[bytes | None]:
+        """:meth:`removed` for each of ``keys``: the rows of their descriptions (None: not
+        described)."""
+        masks, low, rows = self._masks.parts, self._masks.low, self._rows
+        out: list[bytes | None] = []
+        for key in keys:
+            row = rows.get(key)
+            out.append(row)
+            if row is None:
+                continue
+            part = masks[hash(key) & low]
+            held = part[key]
+            mask = held & ~bit
+            part[key] = mask
+            if mask == 0:
+                if last:
+                    self.drop(key)
+                else:
+                    if held == 0:  # (held somewhere, it waited nowhere)
+                        self._unpend(key)
+                    self._wait(key, grace=True)
+        return out
 
     def sweep(self) -> int:
         """Drop the descriptions of blocks held nowhere past their time; returns how many."""
+        if (self._fresh or self._fresh_grace) and not self.clock() < self._pass_at:
+            self._pass()
         if not self._unheld and not self._grace:
             return 0
         now = self.clock()
@@ -247,6 +308,8 @@ class DescriptorBook:
     def next_due(self) -> float | None:
         """When the first pending description is due (None: none is pending)."""
         firsts = [p[key] for p in (self._unheld, self._grace) if (key := p.oldest()) is not None]
+        if self._fresh or self._fresh_grace:
+            firsts.append(self._pass_at)  # (before any of them is due)
         return min(firsts, default=None)
 
     def held(self, hashes: Sequence[Hashable], medium_of: Callable[[int], str]) -> list[str]:
@@ -266,26 +329,51 @@ class DescriptorBook:
         for key in list(self._rows):
             self.drop(key)
 
-    def _pend(self, pending: Fifo[BlockKey, float], key: BlockKey, wait: float) -> None:
-        self._unpend(key)
-        pending.put(key, self.clock() + wait)
+    def _wait(self, key: BlockKey, *, grace: bool = False) -> None:
+        """``key``, held nowhere, waits ``unheld_s`` for its store, or ``grace_s`` for
+        its demotion (in a fresh dict)."""
+        if len(self._fresh) + len(self._fresh_grace) >= FRESH_KEYS:
+            self._pass()
+        fresh = self._fresh_grace if grace else self._fresh
+        now = self.clock()
+        due = now + (self.grace_s if grace else self.unheld_s)
+        if not self._fresh and not self._fresh_grace:
+            self._pass_at = min(now + FRESH_S, due)
+        elif not fresh:  # the first of its wait: it may be due before the pass
+            self._pass_at = min(self._pass_at, due)
+        fresh[key] = due
+
+    def _pass(self) -> None:
+        """The fresh keys, still held nowhere, to the queues of their waits."""
+        masks = self._masks
+        for fresh, pending in ((self._fresh, self._unheld), (self._fresh_grace, self._grace)):
+            for key, due in fresh.items():  # in the order they came: that of their deadlines
+                if masks.get(key) == 0:
+                    pending.put(key, due)
+        self._fresh, self._fresh_grace = {}, {}
 
     def _unpend(self, key: BlockKey) -> None:
-        if self._unheld.pop(key, None) is None:  # a key waits in one at most
-            self._grace.pop(key, None)
+        """``key`` waits no more (a key waits in one place at most)."""
+        if (
+            self._fresh.pop(key, None) is None
+            and self._fresh_grace.pop(key, None) is None
+            and self._grace.pop(key, None) is None
+        ):
+            self._unheld.pop(key, None)
 
     def _keep(self, key: BlockKey, entry: Entry) -> None:
         self._rows.put(key, row_of(entry))
-        self._masks[key] = entry.mask
+        self._masks.parts[hash(key) & self._masks.low][key] = entry.mask  # (a key is bytes)
         self.bytes_used += entry.cost
         for h in entry.hashes:
             had = self._by_hash.get(h)
             self._by_hash[h] = key if had is None else (*_listed(had), key)
 
     def _unindex(self, key: BlockKey, row: bytes) -> None:
-        entry = _entry(row, 0)
-        self.bytes_used -= entry.cost
-        for h in entry.hashes:
+        fields, _, encoded, _ = msgpack.unpackb(row)  # (an Entry's cost, without one)
+        hashes = msgpack.unpackb(encoded)
+        self.bytes_used -= len(fields) + len(encoded) + ENTRY_OVERHEAD + HASH_OVERHEAD * len(hashes)
+        for h in hashes:
             keys = [k for k in _listed(self._by_hash.get(h, ())) if k != key]
             if not keys:
                 self._by_hash.pop(h, None)

@@ -3,7 +3,9 @@
 The file (``kv-descriptors.log`` beside the tenant's first disk tier's slab: only that
 tier outlives the daemon) is a stream of msgpack records, one per change of the book:
 ``[key, fields, count, hashes, group_idx]`` for a description, ``[key]`` for one dropped.
-Appends go through one writer thread (the loop only queues them); a start reads the file
+Appends go through one writer thread (the loop gathers them and hands them over
+:data:`HAND_S` after the first, or at :data:`HAND_BYTES`: one write and one wake-up of
+the thread for many, not one each); a start reads the file
 in a thread, keeps the last record of each key, and the writer writes the survivors to a
 fresh file (then renamed over the old one). While running, when the file has grown past four times
 the live descriptions plus 8 MiB, it is rewritten the same way behind the appends: the
@@ -37,6 +39,8 @@ from tierd.logs import get_logger
 __all__ = ["FILE_NAME", "BookFile", "read_book"]
 
 FILE_NAME = "kv-descriptors.log"
+HAND_S = 0.05  # appends gathered on the loop for the writer at most this long,
+HAND_BYTES = 1 << 20  # or up to these bytes
 _SLACK = 8 << 20
 _BEGIN, _END = object(), object()  # a rewrite's bounds in the writer's queue
 _Rows = list[tuple[BlockKey, bytes]]
@@ -47,8 +51,20 @@ def _record(key: BlockKey, entry: Entry | None) -> bytes:
     return bytes(msgpack.packb([key])) if entry is None else record_of(key, row_of(entry))
 
 
-def _entry(record: Any) -> Entry:
-    return entry_of(record[1:])  # [key, fields, pairs, hashes, group_idx]
+def _entry(record: Any) -> Entry | None:
+    """The entry of a description's record (``[key, fields, pairs, hashes, group_idx]``),
+    None when its items are not what :func:`tierd.kvevents.wire.describe` makes (events
+    are made from them as they are)."""
+    _, fields, pairs, hashes, group = record
+    if (
+        type(fields) is not bytes
+        or type(hashes) is not bytes
+        or type(pairs) is not int
+        or not 0 < pairs < 128
+        or (group is not None and type(group) is not int)
+    ):
+        return None
+    return entry_of(record[1:])
 
 
 def read_book(path: Path) -> dict[BlockKey, Entry]:
@@ -63,8 +79,8 @@ def read_book(path: Path) -> dict[BlockKey, Entry]:
                 key = BlockKey(record[0])
                 if len(record) == 1:
                     out.pop(key, None)
-                elif len(record) == 5:
-                    out[key] = _entry(record)
+                elif len(record) == 5 and (entry := _entry(record)) is not None:
+                    out[key] = entry
                 else:
                     break
     except FileNotFoundError:
@@ -83,6 +99,9 @@ class BookFile:
         self._pending: Iterator[_Rows] | None = None  # a rewrite's parts not handed over yet
         self.size = 0
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._records: list[bytes] = []  # appends not handed to the writer yet
+        self._records_bytes = 0
+        self._hand: asyncio.TimerHandle | None = None
         self._thread: threading.Thread | None = None
         self.failed: str | None = None  # why writing stopped, if it did
 
@@ -98,7 +117,17 @@ class BookFile:
         """On the loop: queue one change (and a rewrite when the file has grown enough)."""
         record = _record(key, entry)
         self.size += len(record)
-        self._queue.put(record)
+        self._records.append(record)
+        self._records_bytes += len(record)
+        if self._records_bytes >= HAND_BYTES:
+            self._hand_records()
+        elif self._hand is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (the book used in-process): at once
+                self._hand_records()
+            else:
+                self._hand = loop.call_later(HAND_S, self._hand_records)
         if self.size > 4 * live_bytes + _SLACK and self._pending is None:
             self._begin_rewrite()
             try:
@@ -107,19 +136,39 @@ class BookFile:
                 self.settle()
 
     def settle(self) -> None:
-        """On the loop: hand over the parts of a rewrite under way at once (to close)."""
+        """On the loop: hand over the appends gathered and the parts of a rewrite under
+        way at once (to close)."""
+        self._hand_records()
         while self._pending is not None:
             self._hand_part()
 
     def close(self) -> None:
+        """From any thread (after :meth:`settle` on the loop): write what is queued, stop."""
         if self._thread is not None:
+            self._queue_records()  # (the loop's timer, if any, finds none left)
             self._queue.put(None)
             self._thread.join()
             self._thread = None
 
+    def _hand_records(self) -> None:
+        """On the loop: the appends gathered, to the writer as one."""
+        if self._hand is not None:
+            self._hand.cancel()
+            self._hand = None
+        self._queue_records()
+
+    def _queue_records(self) -> None:
+        if self._records:
+            records, self._records, self._records_bytes = self._records, [], 0
+            self._queue.put(b"".join(records))
+
+    def _put(self, item: Any) -> None:
+        self._hand_records()
+        self._queue.put(item)
+
     def _begin_rewrite(self) -> None:
         self.size = 0  # counted again by the rewrite
-        self._queue.put(_BEGIN)
+        self._put(_BEGIN)
         self._pending = iter(self._parts())
 
     def _part_a_turn(self) -> None:
@@ -134,9 +183,9 @@ class BookFile:
         part = next(self._pending, None)
         if part is None:
             self._pending = None
-            self._queue.put(_END)
+            self._put(_END)
         else:
-            self._queue.put(part)
+            self._put(part)
 
     def _run(self) -> None:
         tmp = self.path.with_suffix(".tmp")

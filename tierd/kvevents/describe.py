@@ -35,11 +35,14 @@ class BadDescription(ValueError):
     """A description that cannot be one (the message says why)."""
 
 
+_LOWEST, _PAST_HIGHEST = -(1 << 63), 1 << 64  # a hash, signed or unsigned 64-bit
+
+
 def _hash(value: Any, what: str) -> int | bytes:
     if isinstance(value, bool):
         raise BadDescription(f"{what} is a boolean, not a hash")
     if isinstance(value, int):
-        if not -(1 << 63) <= value < (1 << 64):
+        if not _LOWEST <= value < _PAST_HIGHEST:
             raise BadDescription(f"{what} is out of the 64-bit range")
         return value
     if isinstance(value, bytes) and 0 < len(value) <= 64:
@@ -105,32 +108,37 @@ def parse_description(raw: Any) -> Entry:
     :func:`unpack_description`); :class:`BadDescription` if it is not one."""
     if not isinstance(raw, dict):
         raise BadDescription("a description is a map")
-    unknown = set(raw) - _FIELDS
-    if unknown:
+    if not _FIELDS.issuperset(raw):
+        unknown = set(raw) - _FIELDS
         raise BadDescription(f"unknown field {sorted(map(str, unknown))[0]!r}")
-    hashes_raw = raw.get("hashes")
+    get = raw.get
+    hashes_raw = get("hashes")
     if not isinstance(hashes_raw, list) or not 0 < len(hashes_raw) <= MAX_HASHES:
         raise BadDescription(f"hashes is not a list of 1-{MAX_HASHES} hashes")
-    hashes = [_hash(h, "a hash") for h in hashes_raw]
-    parent = raw.get("parent")
+    hashes = hashes_raw  # (checked in place: a hash is kept as it came)
+    for h in hashes:
+        if type(h) is not int or not _LOWEST <= h < _PAST_HIGHEST:  # (the common case)
+            _hash(h, "a hash")
+    parent = get("parent")
     parent = None if parent is None else _hash(parent, "parent")
-    size = raw.get("block_size")
+    size = get("block_size")
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise BadDescription("block_size is not a positive integer")
     if size * len(hashes) > MAX_TOKENS:
         raise BadDescription(f"a block of more than {MAX_TOKENS} tokens")
-    tokens = _tokens(raw.get("tokens"), size * len(hashes))
-    lora_name = raw.get("lora_name")
+    tokens = _tokens(get("tokens"), size * len(hashes))
+    lora_name = get("lora_name")
     if lora_name is not None and (not isinstance(lora_name, str) or len(lora_name) > 256):
         raise BadDescription("lora_name is not a string of at most 256 characters")
+    lora_id, extra_keys, group = get("lora_id"), get("extra_keys"), get("group")
     described = wire.describe(
         hashes,
         parent,
         tokens,
         size,
-        lora_id=_opt_int(raw, "lora_id"),
+        lora_id=None if lora_id is None else _opt_int(raw, "lora_id"),
         lora_name=lora_name,
-        extra_keys=_extra_keys(raw.get("extra_keys"), len(hashes)),
-        group_idx=_opt_int(raw, "group"),
+        extra_keys=None if extra_keys is None else _extra_keys(extra_keys, len(hashes)),
+        group_idx=None if group is None else _opt_int(raw, "group"),
     )
     return Entry(described, tuple(hashes))

@@ -11,8 +11,13 @@ tokens is a placeholder routers drop); it is counted in ``undescribed``.
 Each tenant has a stream of its own (:class:`Stream`: its
 :class:`~tierd.kvevents.publisher.Publisher`, its sockets): a tenant's descriptions credit
 only its own stream, and who may read it is the operator's choice for that tenant. Events
-are gathered for ``batch_s`` (or ``max_batch_events``) and offered to the tenant's publisher
-as one batch: a sequence number each, a gap when the publisher's queue is full. Every start
+are gathered into one batch, offered to the tenant's publisher at the end of the loop's
+turn, or ``batch_s`` after the stream's last batch when that is later (so no event waits
+longer than ``batch_s``, and a busy stream sends a batch per ``batch_s``, not one per
+turn), or at once at ``max_batch_events``: a sequence number each, a gap when the
+publisher's queue is full. A block's events are made from its description's row by the
+level's :class:`~tierd.kvevents.wire.Framer`, the book's maps walked once per tier event
+(a store of 16 blocks is one), never decoding a description. Every start
 is a new incarnation: the first batch is ``AllBlocksCleared``, numbered past every batch of
 the incarnations before (a batch's number starts from the microseconds since the epoch at
 start: a consumer that stayed connected sees a gap forward, never a step back), and once
@@ -75,7 +80,8 @@ class Stream:
     publisher: Publisher
     subscribed: asyncio.Event = field(default_factory=asyncio.Event)
     out: list[bytes] = field(default_factory=list)
-    flush: asyncio.TimerHandle | None = None
+    flush: asyncio.Handle | None = None
+    sent_at: float = float("-inf")  # the loop's time of the last batch offered
     announced: int = 0
     snapshots: int = 0
 
@@ -93,14 +99,21 @@ class KvTenant:
     restored: list[BlockKey] = field(default_factory=list)
     bits: dict[str, int] = field(default_factory=dict)  # tier name -> its bit
     media: dict[int, str] = field(default_factory=dict)  # bit -> medium on the wire
+    framers: dict[int, wire.Framer] = field(default_factory=dict)  # bit -> its events
     last: int = 0  # bits of the levels a block leaves the node from
     sweeper: asyncio.TimerHandle | None = None  # the next look at the book's pending
 
-    def bit_of(self, event: TierEvent, names: dict[str, str]) -> int:
+    def add_level(self, tier: str, bit: int, medium: str, locality: str | None) -> None:
+        """The level of ``tier`` is ``bit``; its events name ``medium``."""
+        self.bits[tier] = bit
+        self.media[bit] = medium
+        self.framers[bit] = wire.Framer(medium, locality=locality)
+
+    def bit_of(self, event: TierEvent, settings: FeedSettings) -> int:
         bit = self.bits.get(event.tier)
         if bit is None:  # a remote level: its own bit, and the bottom of the node's reach
-            bit = self.bits[event.tier] = 1 << len(self.bits)
-            self.media[bit] = names[str(event.medium)]
+            bit = 1 << len(self.bits)
+            self.add_level(event.tier, bit, settings.media[str(event.medium)], settings.locality)
             self.last |= bit
         return bit
 
@@ -122,10 +135,9 @@ class EventFeed:
             self._map_levels(tenant)
 
     def _map_levels(self, tenant: KvTenant) -> None:
-        levels = tenant.chain.levels
+        levels, s = tenant.chain.levels, self.settings
         for i, level in enumerate(levels):
-            tenant.bits[level.tier.name] = 1 << i
-            tenant.media[1 << i] = self.settings.media[str(level.medium)]
+            tenant.add_level(level.tier.name, 1 << i, s.media[str(level.medium)], s.locality)
         if tenant.chain.remote is None:
             tenant.last = 1 << (len(levels) - 1)
 
@@ -164,6 +176,10 @@ class EventFeed:
     async def _follow(self, tenant: KvTenant, subscription: Subscription) -> None:
         async for batch in subscription:
             self._take(tenant, batch)
+            # What the chain published meanwhile, in this turn too (one sweep for all;
+            # bounded by what is queued: the bus queues at most queue_batches).
+            while (more := subscription.get_nowait()) is not None:
+                self._take(tenant, more)
             self._sweep(tenant)
 
     def _sweep(self, tenant: KvTenant) -> None:
@@ -188,28 +204,23 @@ class EventFeed:
         self._sweep(tenant)
 
     def _take(self, tenant: KvTenant, events: list[TierEvent]) -> None:
-        s, book, out = self.settings, tenant.book, tenant.stream.out
+        book, out, bits = tenant.book, tenant.stream.out, tenant.bits
         for event in events:
-            bit = tenant.bit_of(event, s.media)
-            medium = tenant.media[bit]
+            bit = bits.get(event.tier) or tenant.bit_of(event, self.settings)
+            framer = tenant.framers[bit]
             if event.kind is EventKind.STORED:
-                for key in event.keys:
-                    described = book.stored(key, bit)
-                    if described is None:
+                rows = book.stored_rows(event.keys, bit)
+                stored = framer.stored
+                for row in rows:
+                    if row is None:
                         self.undescribed += 1
-                        continue
-                    out.append(wire.stored(described, medium, **self._who))
+                    else:
+                        out.append(stored(row))
             else:
-                last = bool(bit & tenant.last)
-                for key in event.keys:
-                    described = book.removed(key, bit, last=last)
-                    if described is not None:
-                        out.append(wire.removed(described, medium, **self._who))
+                rows = book.removed_rows(event.keys, bit, last=bool(bit & tenant.last))
+                removed = framer.removed
+                out += [removed(row) for row in rows if row is not None]
         self._sent_soon(tenant.stream)
-
-    @property
-    def _who(self) -> dict[str, Any]:
-        return {"locality": self.settings.locality}
 
     def described(self, tenant: KvTenant, key: BlockKey, entry: Entry) -> None:
         """A description came for ``key``: announce the block where the chain holds it
@@ -220,9 +231,8 @@ class EventFeed:
 
     def _announce_held(self, tenant: KvTenant, key: BlockKey) -> None:
         for i, level in enumerate(tenant.chain.levels):
-            bit = 1 << i
-            if key in level.tier and (described := tenant.book.mark(key, bit)) is not None:
-                tenant.stream.out.append(wire.stored(described, tenant.media[bit], **self._who))
+            if key in level.tier and (row := tenant.book.mark(key, 1 << i)) is not None:
+                tenant.stream.out.append(tenant.framers[1 << i].stored(row))
 
     async def _settle_restored(self, tenant: KvTenant) -> None:
         """Once every level has adopted its kept blocks: announce the restored
@@ -265,37 +275,47 @@ class EventFeed:
         joins (or comes back, after a restart of either side) ends up with what the node
         holds, whatever it missed; one that was following gets it again. A block that
         changes meanwhile is announced live as well, in order."""
-        stream, who = tenant.stream, self._who
+        stream, framers = tenant.stream, tenant.framers
         self._send(stream)  # what was gathered before goes first
         stream.out.append(wire.cleared())
         for part in tenant.book.held_parts():
-            for described, mask in part:
+            for row, mask in part:
                 while mask:
                     bit = mask & -mask
                     mask ^= bit
-                    stream.out.append(wire.stored(described, tenant.media[bit], **who))
+                    stream.out.append(framers[bit].stored(row))
             self._sent_soon(stream)
             await next_turn()
         self._send(stream)
         stream.snapshots += 1
 
     def _sent_soon(self, stream: Stream) -> None:
+        """Plan the offer of what ``stream`` gathered: at the end of this turn, or
+        ``batch_s`` after its last batch if that is later; at once when it is full."""
         if len(stream.out) >= self.settings.max_batch_events:
             self._send(stream)
         elif stream.out and stream.flush is None:
             loop = asyncio.get_running_loop()
-            stream.flush = loop.call_later(self.settings.batch_s, self._send, stream)
+            wait = stream.sent_at + self.settings.batch_s - loop.time()
+            if wait > 0:
+                stream.flush = loop.call_later(wait, self._send, stream)
+            else:
+                stream.flush = loop.call_soon(self._send, stream)
 
     def _send(self, stream: Stream) -> None:
         if stream.flush is not None:
             stream.flush.cancel()
             stream.flush = None
         out, limit = stream.out, self.settings.max_batch_events
+        if not out:
+            return
         stream.out = []
         for start in range(0, len(out), limit):
-            chunk = out[start : start + limit]
+            chunk = out[start : start + limit] if len(out) > limit else out
             stream.announced += len(chunk)
             stream.publisher.offer(chunk)
+        with contextlib.suppress(RuntimeError):  # (no loop: closing)
+            stream.sent_at = asyncio.get_running_loop().time()
 
     # -- figures ------------------------------------------------------------------------
 

@@ -12,14 +12,17 @@ its last), at most :data:`MAX_REPLAYS` peers have one, and a replay not read to 
 peers it answers, never by the requests it is sent: 4,000 requests from 100 peers that
 never read once took it from 120 to 892 MiB, each queueing the whole kept history.
 
-Everything here runs on the publisher's thread.
+Everything here runs on the publisher's thread; the kept batches are the loop's too (it
+adds them), so they are read under the publisher's lock, a pipe's worth at a time.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from itertools import islice
 
 import zmq
 
@@ -77,12 +80,19 @@ class _Replay:
 class Replays:
     """The replays under way on one ROUTER socket."""
 
-    def __init__(self, router: zmq.Socket[bytes], topic: bytes, kept: Kept) -> None:
+    def __init__(
+        self,
+        router: zmq.Socket[bytes],
+        topic: bytes,
+        kept: Kept,
+        lock: threading.Lock | None = None,
+    ) -> None:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, PEER_HWM)
         router.setsockopt(zmq.RCVHWM, 64)
         router.setsockopt(zmq.MAXMSGSIZE, REQUEST_BYTES)
         self.router, self.topic, self.kept = router, topic, kept
+        self.lock = lock or threading.Lock()  # the kept batches'
         self.pending: OrderedDict[bytes, _Replay] = OrderedDict()
         self.counts = {"replays": 0, "replays_refused": 0, "replays_given_up": 0}
         self._warned = False
@@ -121,17 +131,19 @@ class Replays:
 
     def _advance(self, peer: bytes, replay: _Replay) -> bool:
         """True: the replay is over (answered to its end, or its peer is gone)."""
-        items = self.kept.items
-        at = self.kept.index_of(replay.next_seq)
         while not replay.done:
-            if at >= len(items):
+            with self.lock:  # (a pipe holds PEER_HWM at most: no more is taken at once)
+                at = self.kept.index_of(replay.next_seq)
+                batches = list(islice(self.kept.items, at, at + PEER_HWM))
+            if not batches:
                 replay.done = True
                 break
-            seq, payload = items[at]
-            sent = self._send(peer, [peer, b"", self.topic, seq.to_bytes(8, "big"), payload])
-            if sent is not True:
-                return sent is None
-            replay.next_seq, at = seq + 1, at + 1
+            for seq, payload in batches:
+                frames = [peer, b"", self.topic, seq.to_bytes(8, "big"), payload]
+                sent = self._send(peer, frames)
+                if sent is not True:
+                    return sent is None
+                replay.next_seq = seq + 1
         return self._send(peer, [peer, b"", b"", wire.END_SEQ, b""]) is not False
 
     def _send(self, peer: bytes, frames: list[bytes]) -> bool | None:
