@@ -162,7 +162,11 @@ async def test_a_replay_whose_daemon_stops_prints_what_it_has_cut_short(
         )
         try:
             async with asyncio.timeout(WAIT_S):
-                await anext(aiter(watcher.events()))  # the replay's first stores
+                # The replay's first stores: several, so that some of its requests are
+                # done (an ordered replay ends a request once its stores are settled).
+                pushes = aiter(watcher.events())
+                for _ in range(20):
+                    await anext(pushes)
             daemon.signal(signal.SIGTERM)  # by its pid, mid-replay
             assert await daemon.wait() == 0
             async with asyncio.timeout(WAIT_S):

@@ -54,7 +54,8 @@ pytestmark = [
 WAIT_S = 60.0  # the longest the test waits for an event to travel
 
 # One engine, TIERD in its environment, its KV events through zmq: steps "shift<k>"
-# (generate the prompt rotated by k tokens) and "gate:<path>" (wait for the file).
+# (generate the prompt rotated by k tokens) and "gate:<path>" (wait for the file, stepping:
+# an idle engine takes no events, the node's included).
 ENGINE = """
 import os, sys, time
 from run_engine import emit
@@ -72,10 +73,12 @@ config = llm.llm_engine.vllm_config.kv_transfer_config
 emit({"step": "config", "connector": config.kv_connector})
 ids = [int(t) for t in open(prompt_file).read().split()]
 params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+tick = SamplingParams(temperature=0.0, max_tokens=1)
 for step in steps.split(","):
-    if step.startswith("gate:"):
-        deadline = time.monotonic() + 300
+    if step.startswith("gate:"):  # the engine keeps stepping (its events are taken at
+        deadline = time.monotonic() + 300  # steps): a prompt of no full block, one token
         while not os.path.exists(step[5:]) and time.monotonic() < deadline:
+            llm.generate(TokensPrompt(prompt_token_ids=ids[:8]), tick, use_tqdm=False)
             time.sleep(0.05)
         emit({"step": step, "opened": os.path.exists(step[5:])})
         continue
