@@ -34,12 +34,11 @@ import asyncio
 import contextlib
 import functools
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import structlog
 
 from tierd.chain.levels import ChainLevels
-from tierd.chain.moves import Movement
 from tierd.errors import TierdError
 from tierd.keys import BlockKey
 from tierd.stores.base import next_turn
@@ -48,6 +47,10 @@ __all__ = ["BATCH_BLOCKS", "BATCH_BYTES", "WriteBehind"]
 
 log = structlog.get_logger("tierd.chain")
 
+CopyDown = Callable[[int, list[BlockKey]], Awaitable[list[BlockKey]]]
+"""Copies a batch of a level's ready blocks to the level below, pinned above meanwhile
+(:meth:`tierd.chain.moves.Movement.copy_down`); answers the keys moved."""
+
 BATCH_BYTES = 32 << 20  # bytes of blocks one copy down moves at most
 BATCH_BLOCKS = 512  # and blocks: the loop's share of a batch stays a short turn
 
@@ -55,9 +58,9 @@ BATCH_BLOCKS = 512  # and blocks: the loop's share of a batch stays a short turn
 class WriteBehind:
     """The write-behind queues and tasks of one chain's levels."""
 
-    def __init__(self, levels: ChainLevels, moves: Movement) -> None:
+    def __init__(self, levels: ChainLevels, copy_down: CopyDown) -> None:
         self._levels = levels
-        self._moves = moves
+        self._copy_down = copy_down
         self._queues: dict[int, deque[BlockKey]] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._copying: dict[int, int] = {}  # blocks in the batch being copied, per level
@@ -113,7 +116,7 @@ class WriteBehind:
                 continue
             self._copying[index] = len(batch)
             try:
-                moved = await self._moves.copy_down(index, batch)
+                moved = await self._copy_down(index, batch)
             except TierdError as exc:  # the blocks stay dirty: their eviction demotes them
                 log.warning("write-behind stopped", tier=level.tier.name, error=str(exc))
                 return

@@ -34,7 +34,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from tierd.chain.admit import Admissions
-from tierd.chain.behind import BATCH_BLOCKS, BATCH_BYTES, WriteBehind
+from tierd.chain.behind import BATCH_BLOCKS, BATCH_BYTES
 from tierd.chain.census import PrefixCensus
 from tierd.chain.copies import UpperCopies
 from tierd.chain.handles import LoadHandle, StoreHandle
@@ -89,9 +89,7 @@ class TierChain:
         self._moves = Movement(chain_levels, transfer, self._writes, self._admissions, copies)
         self._loads = Loading(chain_levels, transfer, self._writes, self._moves)
         self._lookups = Lookups(chain_levels)
-        self._behind = WriteBehind(chain_levels, self._moves)
-        self._moves.after_store = self._behind.stored
-        self._moves.unpin_behind = self._behind.unpin
+        self._behind = self._moves.behind
 
     async def close(self) -> None:
         """Stop copying behind stores (waiting for the copies under way); the stores are

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from itertools import chain
 
 from tierd.chain.admit import Admissions
+from tierd.chain.behind import WriteBehind
 from tierd.chain.copies import UpperCopies
 from tierd.chain.levels import ChainLevels
 from tierd.chain.pending import PendingWrites
@@ -58,10 +59,9 @@ class Movement:
         self._writes = writes
         self._admissions = admissions
         self.copies = copies
-        # Told of the keys each client store made ready (the chain's write-behind), and
-        # asked to end its pins at a level where a reservation found no room.
-        self.after_store: Callable[[int, list[BlockKey]], None] | None = None
-        self.unpin_behind: Callable[[int], Awaitable[bool]] | None = None
+        # Told of the keys each client store made ready, and asked to end its pins at a
+        # level where a reservation found no room: copies down with this movement's own.
+        self.behind = WriteBehind(levels, self.copy_down)
 
     async def commit_store(
         self,
@@ -74,8 +74,7 @@ class Movement:
         copy what became ready down where the chain writes through."""
         stored = await self._end_in_pieces(index, keys, ok, futures)
         await self.write_through(index, stored)
-        if self.after_store is not None:
-            self.after_store(index, stored)
+        self.behind.stored(index, stored)
         return stored
 
     async def _end_in_pieces(
@@ -162,7 +161,7 @@ class Movement:
     ) -> tuple[StorePlan, list[asyncio.Future[bool]]] | None:
         tier = self.levels.levels[index].tier
         plan = tier.prepare_store(keys, keep)
-        if plan is None and self.unpin_behind is not None and await self.unpin_behind(index):
+        if plan is None and await self.behind.unpin(index):
             plan = tier.prepare_store(keys, keep)  # at once: no new batch pinned meanwhile
         if plan is None:
             self.levels.publish()

@@ -264,12 +264,10 @@ class Connection(asyncio.Protocol):
 
     def _handle(self, message: Any) -> None:
         """One request to the session; a ``get`` reserves its reply's bytes until done."""
-        self.session.spawned = None
         registering = type(message) is dict and message.get("op") == "register_region"
         if registering:  # its descriptor comes next, on the socket itself
             self.registrations.begin(clean=not self.backlog and not self.decoder.buffered)
-        self.session.handle(message)
-        task = self.session.spawned
+        task = self.session.handle(message)
         if registering:
             self.registrations.follow(task)
         if task is None:

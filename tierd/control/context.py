@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sized
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,8 +75,10 @@ class ServerContext:
     timing: RequestTiming = field(default_factory=RequestTiming)
     copy_threads: FairThreads = field(default_factory=FairThreads)  # region jobs' copies
     region_jobs: TenantJobs = field(init=False)  # their turns, per tenant
+    # Every live connection's lease book (a :class:`~tierd.control.leases.Leases` adds
+    # itself when made and leaves when closed): the ``leases`` figure of ``stats``.
+    lease_books: set[Sized] = field(default_factory=set)
     _next_lease: int = 0
-    _open_leases: Callable[[], int] = lambda: 0
 
     def __post_init__(self) -> None:
         self.region_jobs = TenantJobs(lambda: self.limits.region_jobs_per_tenant)
@@ -151,7 +153,7 @@ class ServerContext:
             "errors": dict(self.errors),
             "refused": dict(self.refused),
             "dropped": dict(self.dropped),
-            "leases": self._open_leases(),
+            "leases": sum(len(book) for book in self.lease_books),
             "subscribers": sum(chain.bus.subscriber_count for chain in self.tenants.chains()),
             "shutting_down": self.shutting_down,
         }

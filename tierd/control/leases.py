@@ -66,6 +66,7 @@ class Leases:
         # Expired store leases whose slots the client may still touch, with their holds.
         self.quarantined: dict[int, tuple[StoreHandle, Hold | None]] = {}
         self._expired: dict[int, None] = {}  # recently expired lease ids, oldest first
+        ctx.lease_books.add(self)
 
     def __len__(self) -> int:
         """How many leases are open."""
@@ -182,6 +183,7 @@ class Leases:
         """The connection is gone: end every lease left (a piece a turn), free the slots
         of those that expired; refuse new ones."""
         self.closed = True
+        self.ctx.lease_books.discard(self)
         for lease in list(self.open):
             self._end_later(*self._forget(lease))
         quarantined, self.quarantined = self.quarantined, {}

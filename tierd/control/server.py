@@ -46,7 +46,6 @@ class Server:
         self.partial = PartialFrames(ctx.limits.partial_frame_bytes)
         self.refusals = RateLimitedLog(log, "connection refused")
         self.drops = RateLimitedLog(log, "connection dropped")
-        ctx._open_leases = lambda: sum(len(c.session.leases) for c in self.connections)
 
     def make_room(self) -> bool:
         """Close the oldest connection that has not said hello; False if there is none."""

@@ -109,7 +109,6 @@ class Session:
         self.figures = NamespaceFigures()  # its namespace's, once hello names one
         self.leases = Leases(ctx, conn)
         self.tasks: set[asyncio.Task[None]] = set()
-        self.spawned: asyncio.Task[None] | None = None  # the task of the last request handled
         self.closed = False
         self._stream: EventStream | None = None
         self._line = line  # the connection descriptors come on (None: they cannot)
@@ -179,8 +178,9 @@ class Session:
 
     # -- dispatch ---------------------------------------------------------------------
 
-    def handle(self, msg: Any) -> None:
-        """Answer one decoded message (a :class:`ProtocolError` for an undecodable one)."""
+    def handle(self, msg: Any) -> asyncio.Task[None] | None:
+        """Answer one decoded message (a :class:`ProtocolError` for an undecodable one);
+        returns the task answering it, where its answer comes later."""
         self.ctx.requests += 1
         started = time.perf_counter_ns()
         if type(msg) is dict and self.greeted:
@@ -195,15 +195,15 @@ class Session:
                         result = self._fail(request_id, exc)
                     else:
                         if not isinstance(fields, dict):
-                            self._spawn(request_id, fields, op, msg, started)
-                            return  # timed when it replies
+                            # timed when it replies
+                            return self._spawn(request_id, fields, op, msg, started)
                         self._reply(request_id, fields)
                         result = "ok"
                     self.ctx.timing.observe(self.conn, op, msg, started, result)
-                    return
-        self._dispatch(msg, started)
+                    return None
+        return self._dispatch(msg, started)
 
-    def _dispatch(self, msg: Any, started: int) -> None:
+    def _dispatch(self, msg: Any, started: int) -> asyncio.Task[None] | None:
         """Every other message: check it field by field, then answer or start it."""
         request_id = msg.get("id", 0) if isinstance(msg, dict) else 0
         if not isinstance(request_id, int) or isinstance(request_id, bool) or request_id < 0:
@@ -228,18 +228,16 @@ class Session:
                 raise ProtocolError("the daemon is shutting down", code=ErrorCode.SHUTTING_DOWN)
             opening = size_to_open(self.ctx, self.tenant, msg) if op == "hello" else None
             if opening is not None:  # a block size the tenant serves from now on
-                self._spawn(request_id, self._hello_at_new_size(msg, opening), op, msg, started)
-                return
+                hello = self._hello_at_new_size(msg, opening)
+                return self._spawn(request_id, hello, op, msg, started)
             sync = self._sync.get(op)
             if sync is not None:
                 fields = sync(msg)
                 if not isinstance(fields, dict):
-                    self._spawn(request_id, fields, op, msg, started)
-                    return  # timed when it replies
+                    return self._spawn(request_id, fields, op, msg, started)  # timed at reply
                 self._reply(request_id, fields)
             elif op in self._async:
-                self._spawn(request_id, self._async[op](msg), op, msg, started)
-                return  # timed when it replies
+                return self._spawn(request_id, self._async[op](msg), op, msg, started)
             else:
                 raise ProtocolError(f"unknown op {op[:64]!r}", code=ErrorCode.UNKNOWN_OP)
         except Exception as exc:  # every failure becomes a reply; cancellation propagates
@@ -248,10 +246,11 @@ class Session:
             result = "ok"
         if known is not None:
             self.ctx.timing.observe(self.conn, known, msg, started, result)
+        return None
 
     def _spawn(
         self, request_id: int, work: Awaitable[Reply], op: str, msg: Reply, started: int
-    ) -> None:
+    ) -> asyncio.Task[None]:
         async def run() -> None:
             medium = None
             try:
@@ -270,7 +269,7 @@ class Session:
         task = asyncio.get_running_loop().create_task(run())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-        self.spawned = task
+        return task
 
     def send(self, message: dict[str, Any]) -> None:
         """Write ``message`` to the client; while a reply goes out in pieces, after it."""

@@ -155,6 +155,7 @@ class DaemonLink:
         self.connects = 0  # successful connections so far (a reconnect adds one)
         self.breaker = Breaker(settings.breaker_failures)
         self._probe: asyncio.Task[None] | None = None
+        self._check_task: asyncio.Task[None] | None = None
         # Called on the link's loop with each new connection (subscribe to events, say).
         self.on_connect: list[Callable[[Client], None]] = []
         self._thread.start()
@@ -343,7 +344,7 @@ class DaemonLink:
             self.breaker.refused()
             raise BreakerOpen("the tierd breaker is open")
         sent = time.monotonic()
-        task = asyncio.ensure_future(self.run(op))
+        task = asyncio.get_running_loop().create_task(self.run(op))
         try:
             done, _ = await asyncio.wait({task}, timeout=deadline_s)
         except asyncio.CancelledError:
@@ -391,7 +392,11 @@ class DaemonLink:
         so, not at its next job)."""
         if not self._closed:
             with contextlib.suppress(RuntimeError):  # the loop has stopped meanwhile
-                self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._check()))
+                self._loop.call_soon_threadsafe(self._start_check)
+
+    def _start_check(self) -> None:
+        if self._check_task is None or self._check_task.done():  # one check at a time
+            self._check_task = asyncio.get_running_loop().create_task(self._check())
 
     async def _check(self) -> None:
         with contextlib.suppress(TierdError, OSError):
@@ -399,7 +404,7 @@ class DaemonLink:
 
     def _start_probe(self) -> None:
         if self._probe is None or self._probe.done():
-            self._probe = asyncio.ensure_future(self._probe_until_answered())
+            self._probe = asyncio.get_running_loop().create_task(self._probe_until_answered())
 
     async def _probe_until_answered(self) -> None:
         """Ask for ``health`` until the daemon answers, then close the breaker. A
