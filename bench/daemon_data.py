@@ -16,7 +16,7 @@ from bench.figures import median_of
 
 
 async def store_lookup_keys(path: str, count: int) -> None:
-    from tierd.control.client import Client
+    from tierd.control.clients.client import Client
 
     async with await Client.connect(path, namespace=NAMESPACE) as client:
         keys = lookup_keys(count)
@@ -28,7 +28,7 @@ async def store_lookup_keys(path: str, count: int) -> None:
 
 async def tierd_client_lookups(path: str, keys: int, n: int, window: int) -> tuple[float, float]:
     """``tierd.client`` figures: median ``lookup`` round trip (s), pipelined requests/s."""
-    from tierd.control.client import Client
+    from tierd.control.clients.client import Client
 
     batch = lookup_keys(keys)
     async with await Client.connect(path, namespace=NAMESPACE) as client:
@@ -63,7 +63,7 @@ class DataPlan:
 async def data_path(plan: DataPlan) -> dict[str, list[float]]:
     """Per run, bytes/s of: zero-copy store and load through the pool, and the two plain
     copies of the same bytes (into a preallocated buffer, and out of it)."""
-    from tierd.control.client import Client
+    from tierd.control.clients.client import Client
 
     # ``clear`` drops every namespace's blocks: only a connection without one may send it.
     async with (

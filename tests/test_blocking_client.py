@@ -21,8 +21,8 @@ import pytest
 import test_daemon_lifecycle
 
 from tierd.client import Client, DaemonError, Unreachable
-from tierd.control.blocking_client import BlockingClient
-from tierd.control.handshake import DaemonSilent
+from tierd.control.clients.blocking_client import BlockingClient
+from tierd.control.clients.handshake import DaemonSilent
 from tierd.testing import daemon_config
 
 spawn = test_daemon_lifecycle.spawn

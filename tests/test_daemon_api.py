@@ -26,7 +26,7 @@ import pytest
 import xxhash
 from prometheus_client.parser import text_string_to_metric_families
 
-import tierd.control.server as server_module
+import tierd.control.serving.server as server_module
 from tierd.client import Client, DaemonError, Unreachable
 from tierd.config import DaemonConfig
 from tierd.control.protocol import HEADER, PROTOCOL_VERSION, ErrorCode, encode
@@ -1245,10 +1245,10 @@ async def test_a_subscriber_that_never_reads_does_not_stall_the_daemon(tmp_path:
 
 
 def test_every_listed_operation_is_answered_and_no_other() -> None:
-    from tierd.control.context import ServerContext
     from tierd.control.protocol import OPERATIONS
-    from tierd.control.session import Session
-    from tierd.control.tenants import TenantTable
+    from tierd.control.state.context import ServerContext
+    from tierd.control.serving.session import Session
+    from tierd.control.state.tenant_table import TenantTable
 
     session = Session(ServerContext(TenantTable()), lambda message: None)
     assert set(session._sync) | set(session._async) == set(OPERATIONS)

@@ -27,7 +27,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tierd.control.server as server_module
+import tierd.control.serving.server as server_module
 from tierd.client import Client, DaemonError, LoadLease, StoreLease, Unreachable
 from tierd.control.protocol import (
     HEADER,

@@ -22,7 +22,7 @@ import pytest
 import test_daemon_lifecycle
 
 from tierd.client import Client
-from tierd.control.handshake import Unreachable
+from tierd.control.clients.handshake import Unreachable
 from tierd.errors import TierdError
 from tierd.integrations.channel import Connection
 from tierd.integrations.engine_calls import EngineCalls, leased_store

@@ -584,7 +584,7 @@ def test_an_unlock_during_a_load_keeps_the_pins_lease_until_the_copy_is_done(
 async def test_a_deadline_passing_during_a_stores_copy_aborts_its_reservation(
     tmp_path: Path, spawn: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tierd.control.handshake import DaemonSilent
+    from tierd.control.clients.handshake import DaemonSilent
     from tierd.integrations import lmcache_space
 
     limits = {"lease_blocks_per_connection": 1, "store_lease_ttl_s": 600}

@@ -37,7 +37,7 @@ from test_lmcache import (
 )
 
 from tierd.client import Client, Unreachable
-from tierd.control.handshake import DaemonSilent
+from tierd.control.clients.handshake import DaemonSilent
 from tierd.integrations import lmcache_space
 from tierd.integrations.lmcache_space import Space, SpaceSettings
 

@@ -36,11 +36,11 @@ import msgpack
 import pytest
 
 from tierd.client import Client, DaemonError
-from tierd.control import context
-from tierd.control.namespaces import NAMES_FILE
-from tierd.control.prometheus import render_prometheus as render
+from tierd.control.figures.namespaces import NAMES_FILE
+from tierd.control.figures.prometheus import render_prometheus as render
 from tierd.control.protocol import NAMESPACE_ID_BYTES
-from tierd.control.tenants import Tenant
+from tierd.control.state import context
+from tierd.control.state.tenant_table import Tenant
 from tierd.daemon import Daemon, metrics_http
 from tierd.keys import BlockKey
 from tierd.testing import daemon_config, running_daemon
@@ -240,7 +240,7 @@ async def test_a_describe_of_big_descriptions_takes_a_bounded_share_of_each_turn
     a p99 over a second). A turn now takes at most DESCRIBE_PIECE_BYTES of them: the
     request gives the loop a turn between every two such pieces, and a bystander's
     request is still answered first."""
-    from tierd.control import kv_requests
+    from tierd.control.requests import kv_requests
 
     given = turns_given(monkeypatch, kv_requests)
     events = {"enabled": True, "endpoint": f"ipc://{tmp_path}/kv.pub", "replay_endpoint": None}

@@ -55,8 +55,8 @@ GROWTH = 1.5
 _NOT_THE_DAEMON = (
     "/tierd/testing/",
     "/tierd/control/client",
-    "/tierd/control/handshake.py",
-    "/tierd/control/blocking_client.py",
+    "/tierd/control/clients/handshake.py",
+    "/tierd/control/clients/blocking_client.py",
 )
 
 

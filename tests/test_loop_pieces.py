@@ -34,8 +34,13 @@ import pytest
 
 from tests.test_loop_bounds import BLOCK, answered_first, connect, names, rows_of, turns_given
 from tierd.client import Client, DaemonError
-from tierd.control.frame_pieces import PIECE_BYTES, EncodedBins, encode_bins, frame_in_pieces
 from tierd.control.protocol import encode
+from tierd.control.requests.frame_pieces import (
+    PIECE_BYTES,
+    EncodedBins,
+    encode_bins,
+    frame_in_pieces,
+)
 from tierd.daemon import Daemon
 from tierd.testing import daemon_config, running_daemon
 from tierd.tier import Tier

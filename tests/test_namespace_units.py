@@ -19,8 +19,8 @@ import tierd
 from tests.test_chain import chain_config, content, cpu_over_disk, keys_of, store_all
 from tierd.chain import TierChain
 from tierd.config import DaemonConfig
-from tierd.control.namespaces import NAMES_FILE, NamespaceBook
-from tierd.control.prometheus import OTHER, top_namespaces
+from tierd.control.figures.namespaces import NAMES_FILE, NamespaceBook
+from tierd.control.figures.prometheus import OTHER, top_namespaces
 from tierd.control.protocol import NAMESPACE_ID_BYTES
 from tierd.daemon.reload import plan_reload
 from tierd.errors import ConfigError

@@ -25,7 +25,7 @@ import msgpack
 import numpy as np
 import pytest
 
-import tierd.control.regions as regions_module
+import tierd.control.engine_regions.requests as regions_module
 from tests.test_daemon_api import (
     _watch_connections,
     assert_idle,

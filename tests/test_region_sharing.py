@@ -26,13 +26,13 @@ from typing import Any
 
 import pytest
 
-import tierd.control.region_copy as region_copy
+import tierd.control.engine_regions.byte_moves as region_copy
 from tests.test_daemon_api import _watch_connections, connect_watched, serve
 from tests.test_region_attacks import held_disk_reads, refused
 from tests.test_regions import connect, memfd, pattern, put, read, rows
-from tierd.control.connection import MAX_REGION_JOBS
-from tierd.control.region_copy import CALL_BYTES, Layout, write_region
-from tierd.control.region_threads import FairThreads, slices
+from tierd.control.engine_regions.byte_moves import CALL_BYTES, Layout, write_region
+from tierd.control.state.copy_threads import FairThreads, slices
+from tierd.control.serving.connection import MAX_REGION_JOBS
 
 __all__ = ["_watch_connections"]  # the fixture: the daemon's connections, watched
 
@@ -299,7 +299,7 @@ async def test_a_connection_whose_copies_hang_leaves_threads_for_the_others(
             gate.wait(30)
         return real(address, *args)
 
-    monkeypatch.setattr("tierd.control.regions.write_region", copy)
+    monkeypatch.setattr("tierd.control.engine_regions.requests.write_region", copy)
     async with serve(tmp_path, cpu_blocks=64) as daemon:
         a, b = await connect(daemon), await connect(daemon)
         try:
@@ -369,7 +369,7 @@ async def test_a_connection_runs_a_few_region_jobs_at_once(
         gate.wait(30)
         return real(fd, *args)
 
-    monkeypatch.setattr("tierd.control.regions.write_region", copy)
+    monkeypatch.setattr("tierd.control.engine_regions.requests.write_region", copy)
     async with serve(tmp_path, cpu_blocks=64) as daemon:
         client, conn = await connect_watched(daemon)
         async with client:

@@ -112,7 +112,7 @@ async def test_a_tenants_region_jobs_run_a_few_at_a_time_and_each_ends_right(
 async def test_a_job_given_up_while_it_waits_passes_its_turn_on(tmp_path: Path) -> None:
     """A waiting job whose request is cancelled (its connection gone, the daemon
     stopping) never runs and leaves its place; the next one takes the turn."""
-    from tierd.control.region_threads import TenantJobs
+    from tierd.control.state.copy_threads import TenantJobs
 
     gate = TenantJobs(lambda: 1)
     order: list[str] = []

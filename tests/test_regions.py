@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from redis_kit import redis_server
 
-import tierd.control.region_copy as region_copy
+import tierd.control.engine_regions.byte_moves as region_copy
 from tests.test_daemon_api import (
     _watch_connections,
     connect_watched,

@@ -529,7 +529,7 @@ def test_config_check_accepts_a_stack(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_stats_of_several_tenants_keep_each_levels_latest_error() -> None:
     """Tenants' stats merged: each level of a stack keeps its latest error and its time
     (not the first tenant's, not a sum of times), and adds its counts up."""
-    from tierd.control.stats import merge_stats
+    from tierd.control.figures.stats import merge_stats
 
     def snapshot(at: float, error: str) -> dict[str, Any]:
         level = {"state": "closed", "errors": 1, "last_error": error, "last_error_at": at}

@@ -28,7 +28,7 @@ import pytest
 from tests.test_daemon_lifecycle import DEADLINE_S, Spawn, free_port, spawn
 from tests.test_status_page import raw_get as page_get
 from tests.test_tenants import tenants_config, users
-from tierd.control.prometheus import render_prometheus
+from tierd.control.figures.prometheus import render_prometheus
 from tierd.daemon import metrics_http, status_page
 from tierd.daemon.http_peer import View, shown_stats, socket_owner
 from tierd.testing import daemon_config, running_daemon

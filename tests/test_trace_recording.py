@@ -17,7 +17,7 @@ from tests.test_daemon_lifecycle import Spawn, spawn
 from tests.test_tenants import as_user, connect, tenants_config, users
 from tierd.cli import main
 from tierd.client import Client, DaemonError
-from tierd.control.recorder import RecorderSettings, TraceRecorder, hash_id
+from tierd.control.figures.recorder import RecorderSettings, TraceRecorder, hash_id
 from tierd.keys import int_key
 from tierd.testing import daemon_config
 from tierd.workload.curve import lru_curve

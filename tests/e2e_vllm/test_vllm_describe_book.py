@@ -18,7 +18,7 @@ import zmq
 from test_vllm_describe import replay, stored
 
 from tierd.client import Client
-from tierd.control.blocking_client import BlockingClient
+from tierd.control.clients.blocking_client import BlockingClient
 from tierd.integrations.vllm_describe import BlockBook, Describer, loopback_endpoint
 from tierd.testing import daemon_config, running_daemon
 

@@ -1,7 +1,7 @@
 """``tierd record on|off|status``: turn the recording of live traffic on or off.
 
 The daemon writes each sampled lookup as a Mooncake-format line per tenant (the config's
-``trace:`` section; :mod:`tierd.control.recorder`). Only an operator may send it. The
+``trace:`` section; :mod:`tierd.control.figures.recorder`). Only an operator may send it. The
 recorded files feed ``tierd simulate FILE --curve --config FILE`` (docs/sizing.md).
 ``status`` of a daemon whose config has no ``trace:`` section says what to add, and that
 the daemon must restart to take it. Exit status: 0 success, 1 an error reply (not an

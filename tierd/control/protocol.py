@@ -10,7 +10,7 @@ bytes are msgpack ``bin``; names are ``str``. ``docs/protocol.md`` lists every o
 This module owns no socket: :class:`FrameDecoder` turns received bytes into messages,
 :func:`encode` turns a message into a frame, and the ``*_field`` helpers validate request
 fields, raising :class:`~tierd.errors.ProtocolError` with the code the reply will carry.
-A frame encoded already, in pieces (:mod:`tierd.control.frame_pieces`: a ``get`` of
+A frame encoded already, in pieces (:mod:`tierd.control.requests.frame_pieces`: a ``get`` of
 64 MiB of blocks), is written a piece at a time, each as a message of the one field
 :data:`FRAME_PIECE`, which :func:`encode` returns as it is.
 """
@@ -63,7 +63,7 @@ PROTOCOL_VERSION = 2
 # that reply's frame (SCM_RIGHTS). Never sent as a field.
 PASS_FDS = "_pass_fds"
 # A message of this one field is bytes of a frame encoded already (a piece of a big
-# reply, :mod:`tierd.control.frame_pieces`): :func:`encode` returns them as they are.
+# reply, :mod:`tierd.control.requests.frame_pieces`): :func:`encode` returns them as they are.
 FRAME_PIECE = "_frame_piece"
 # Every operation a session answers (docs/protocol.md, section 5).
 OPERATIONS = (

@@ -1,7 +1,7 @@
 """The composition root: ``tierd serve``'s process, from config to exit status.
 
 :mod:`tierd.daemon.lifecycle` holds :class:`Daemon` (start-up, serving, shutdown, in the
-order its docstring gives) and :func:`run_daemon`; :mod:`tierd.daemon.tenants` opens each
+order its docstring gives) and :func:`run_daemon`; :mod:`tierd.daemon.tenant_chains` opens each
 tenant's chain and says who is which; :mod:`tierd.daemon.metrics_http` serves the
 Prometheus endpoint and the status page (:mod:`tierd.daemon.status_page`), each asker shown
 what its uid may see (:mod:`tierd.daemon.http_peer`: the uid from the kernel's TCP socket

@@ -30,8 +30,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from tierd.control.prometheus import OTHER
-from tierd.control.tenants import Grant
+from tierd.control.figures.prometheus import OTHER
+from tierd.control.state.tenant_table import Grant
 
 __all__ = ["OPERATOR", "PUBLIC", "View", "asker", "shown_stats", "socket_owner"]
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from tierd.config import DaemonConfig
 from tierd.control.socketfile import check_directory
-from tierd.control.tenants import TenantTable
-from tierd.daemon.tenants import names_file
+from tierd.control.state.tenant_table import TenantTable
+from tierd.daemon.tenant_chains import names_file
 from tierd.errors import ConfigError
 from tierd.kvevents.book import DescriptorBook
 from tierd.kvevents.book_file import FILE_NAME, BookFile, read_book

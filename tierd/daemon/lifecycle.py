@@ -5,7 +5,7 @@ Start-up, in order: configure logging; check the tiers' sizes against the machin
 socket path (so a second daemon fails with "already running" before it touches the pool or
 the disk tier) and write the pid file beside it (``<socket>.pid``, or ``socket.pid_file``);
 create the disk tiers' missing directories; open each tenant's chain
-(:mod:`tierd.daemon.tenants`; a disk tier reloads its index or rebuilds it); start the
+(:mod:`tierd.daemon.tenant_chains`; a disk tier reloads its index or rebuilds it); start the
 metrics endpoint (:mod:`tierd.daemon.metrics_http`) and serving; tell systemd
 ``READY=1`` (:mod:`tierd.daemon.service`). A start that fails removes what it created
 (the socket, the pid file, the directories) and raises, for its caller to report: ``tierd
@@ -45,11 +45,11 @@ import structlog
 from tierd.chain import FlushResult, TierChain
 from tierd.config import DaemonConfig, default_socket_path
 from tierd.config.daemon import TraceConfig
-from tierd.control.context import Limits, ServerContext
-from tierd.control.recorder import RecorderSettings, TraceRecorder
-from tierd.control.server import Server, bind_unix_socket
+from tierd.control.figures.recorder import RecorderSettings, TraceRecorder
+from tierd.control.serving.server import Server, bind_unix_socket
 from tierd.control.socketfile import check_directory, prepare_socket_directory
-from tierd.control.tenants import TenantTable
+from tierd.control.state.context import Limits, ServerContext
+from tierd.control.state.tenant_table import TenantTable
 from tierd.daemon.kv_events import open_kv_events
 from tierd.daemon.metrics_http import start_metrics_http
 from tierd.daemon.reload import ReloadPlan, plan_reload
@@ -60,7 +60,7 @@ from tierd.daemon.service import (
     start_progress,
     write_pid_file,
 )
-from tierd.daemon.tenants import apply_tenant_rules, open_tenants
+from tierd.daemon.tenant_chains import apply_tenant_rules, open_tenants
 from tierd.errors import ConfigError
 from tierd.preflight import check_machine, directories_to_create, private_directory_problem
 from tierd.settings import effective_config_dict

@@ -46,8 +46,8 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from tierd.config import MetricsConfig
-from tierd.control.context import ServerContext
-from tierd.control.prometheus import render_prometheus
+from tierd.control.figures.prometheus import render_prometheus
+from tierd.control.state.context import ServerContext
 from tierd.daemon import status_page
 from tierd.daemon.http_peer import View, asker, shown_stats
 from tierd.daemon.status_page import Peer, StatusFigures

@@ -35,8 +35,8 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tierd.control.context import ServerContext
-from tierd.control.prometheus import top_namespaces
+from tierd.control.figures.prometheus import top_namespaces
+from tierd.control.state.context import ServerContext
 from tierd.daemon.http_peer import View, shown_stats
 
 __all__ = ["CLIENTS_SHOWN", "RECENT_ERRORS", "TENANTS_SHOWN", "Peer", "StatusFigures"]

@@ -5,7 +5,7 @@ scheduler, SGLang's prefetch and backup threads), and a call that waits on the d
 gains nothing from hopping to an event loop on another thread: every hand-over waits for
 the interpreter lock, which a busy engine holds for its whole switch interval (5 ms).
 :class:`EngineChannel` makes each call on the calling thread, over a
-:class:`~tierd.control.blocking_client.BlockingClient` of that thread's own: the thread
+:class:`~tierd.control.clients.blocking_client.BlockingClient` of that thread's own: the thread
 sends, waits in ``recv`` (the lock released) and goes on. Threads never share a
 connection, so no call waits behind another's, and what a connection holds (its leases,
 its regions, a staging memfd) is one thread's.
@@ -38,9 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tierd.control.blocking_client import BlockingClient
-from tierd.control.client_pool import PoolMap, PoolShare
-from tierd.control.handshake import DaemonError, DaemonSilent, Unreachable
+from tierd.control.clients.blocking_client import BlockingClient
+from tierd.control.clients.handshake import DaemonError, DaemonSilent, Unreachable
+from tierd.control.clients.pool import PoolMap, PoolShare
 from tierd.errors import TierdError
 from tierd.integrations.link import BreakerOpen, DaemonLink
 
@@ -65,7 +65,7 @@ class Connection:
 
 class PoolUsers(PoolShare):
     """One mapping of a tenant's pool for every connection that passes it (as
-    :class:`~tierd.control.client_pool.PoolShare`), closed only when no connection uses
+    :class:`~tierd.control.clients.pool.PoolShare`), closed only when no connection uses
     it: each connection that took a mapping (:meth:`mapping`) uses it until it gives it
     back (:meth:`release`). Past the newest ``keep`` pools (a restarted daemon's), a
     pool is closed with its last user; :meth:`close` closes the pools nobody uses at

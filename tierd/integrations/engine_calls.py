@@ -29,9 +29,9 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from tierd.control.blocking_client import BlockingClient
-from tierd.control.client_regions import job_keys
-from tierd.control.handshake import DaemonError, DaemonSilent
+from tierd.control.clients.blocking_client import BlockingClient
+from tierd.control.clients.regions import job_keys
+from tierd.control.clients.handshake import DaemonError, DaemonSilent
 from tierd.errors import ProtocolError, TierdError
 from tierd.integrations.channel import Connection, EngineChannel
 from tierd.integrations.link import DaemonLink

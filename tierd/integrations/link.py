@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
-from tierd.control.blocking_client import BlockingClient
-from tierd.control.client_pool import PoolShare
-from tierd.control.handshake import DaemonSilent
+from tierd.control.clients.blocking_client import BlockingClient
+from tierd.control.clients.handshake import DaemonSilent
+from tierd.control.clients.pool import PoolShare
 from tierd.errors import TierdError
 from tierd.integrations.breaker import Breaker
 from tierd.integrations.params import BlockSizeMismatch
@@ -107,7 +107,7 @@ class LinkSettings:
     ) -> BlockingClient:
         """A blocking connection of the engine's (this socket, namespace, block size and
         trusted uids), said hello to before ``deadline``
-        (:meth:`~tierd.control.blocking_client.BlockingClient.connect`)."""
+        (:meth:`~tierd.control.clients.blocking_client.BlockingClient.connect`)."""
         return BlockingClient.connect(
             self.socket_path,
             namespace=self.namespace,

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tierd.client import Client, DaemonError, LoadLease, PoolMap, StoreLease, Unreachable
-from tierd.control.handshake import DaemonSilent
+from tierd.control.clients.handshake import DaemonSilent
 from tierd.integrations.link import DaemonLink, LinkSettings
 from tierd.integrations.sglang_log import SglangLog
 

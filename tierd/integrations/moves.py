@@ -38,8 +38,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from tierd.control.blocking_client import MAX_REPLY_BYTES, BlockingClient
-from tierd.control.client_regions import job_keys
+from tierd.control.clients.blocking_client import MAX_REPLY_BYTES, BlockingClient
+from tierd.control.clients.regions import job_keys
 from tierd.errors import TierdError
 from tierd.integrations.channel import Connection
 from tierd.integrations.staging import row_offsets, staging_memory
@@ -115,7 +115,7 @@ class _Staging:
 
 def staging_of(conn: Connection, rows: int, row_bytes: int, deadline: float) -> _Staging:
     """``conn``'s staging region of ``rows`` rows (registered on first use; a daemon
-    without regions answers a :class:`~tierd.control.handshake.DaemonError`)."""
+    without regions answers a :class:`~tierd.control.clients.handshake.DaemonError`)."""
     staging = conn.held.get("staging")
     if isinstance(staging, _Staging):
         return staging

@@ -62,7 +62,7 @@ Held = tuple[Any, Any, Any]  # (block hash, medium, group index)
 def stream_endpoint(socket_path: str) -> str | None:
     """The endpoint of the KV event stream of this user's tenant at the daemon at
     ``socket_path`` (None: no daemon answers, or it publishes none for the tenant)."""
-    from tierd.control.blocking_client import BlockingClient
+    from tierd.control.clients.blocking_client import BlockingClient
     from tierd.errors import TierdError
 
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from tierd.control.handshake import DaemonError, UntrustedDaemon
+from tierd.control.clients.handshake import DaemonError, UntrustedDaemon
 from tierd.errors import TierdError
 
 __all__ = ["BlockSizeMismatch", "checked_params", "size_advice", "start_refusal"]

@@ -192,7 +192,7 @@ def choose_vllm_mode(socket: str, environ: Mapping[str, str] | None = None) -> V
         return VllmMode(asked, f"{VLLM_MODE_ENV}={asked}")
     if asked != "auto":
         raise SwitchInvalid(f"{VLLM_MODE_ENV}={asked!r}: expected pool, secondary or auto")
-    from tierd.control.blocking_client import BlockingClient  # the engine's start only
+    from tierd.control.clients.blocking_client import BlockingClient  # the engine's start only
     from tierd.errors import TierdError
 
     try:

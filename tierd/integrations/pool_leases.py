@@ -44,9 +44,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierd.control.blocking_client import BlockingClient
-from tierd.control.client_pool import PoolMap
-from tierd.control.handshake import DaemonError, Unreachable
+from tierd.control.clients.blocking_client import BlockingClient
+from tierd.control.clients.handshake import DaemonError, Unreachable
+from tierd.control.clients.pool import PoolMap
 from tierd.errors import TierdError
 from tierd.integrations.channel import PoolUsers
 from tierd.integrations.link import DaemonLink

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tierd.control.handshake import DaemonError
+from tierd.control.clients.handshake import DaemonError
 from tierd.errors import TierdError
 from tierd.integrations.engine_calls import EngineCalls
 from tierd.integrations.moves import Positions, RowBlocks, Rows

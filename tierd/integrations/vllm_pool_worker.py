@@ -33,7 +33,7 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
-from tierd.control.client_pool import PoolMap, PoolShare
+from tierd.control.clients.pool import PoolMap, PoolShare
 from tierd.errors import TierdError
 from tierd.integrations.pool_leases import mapped_pool
 from tierd.integrations.vllm_cpu import RowCopies

@@ -82,8 +82,8 @@ def check_block_size(vllm_config: Any, socket: str) -> int | None:
     if wanted is None:
         log.info("tierd: this model's block size is checked when the engine connects")
         return None
-    from tierd.control.blocking_client import BlockingClient
-    from tierd.control.handshake import DaemonError
+    from tierd.control.clients.blocking_client import BlockingClient
+    from tierd.control.clients.handshake import DaemonError
     from tierd.errors import TierdError
 
     try:

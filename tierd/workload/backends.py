@@ -23,8 +23,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, cast
 
-from tierd.control.client import Client, DaemonError, Unreachable
-from tierd.control.stats import collect_stats
+from tierd.control.clients.client import Client, DaemonError, Unreachable
+from tierd.control.figures.stats import collect_stats
 from tierd.errors import BlockMissing, CapacityError
 from tierd.keys import BlockKey
 from tierd.workload.replay_figures import ReplaySummary
@@ -155,7 +155,7 @@ async def daemon_backends(
 ) -> AsyncIterator[list[DaemonBackend]]:
     """``clients`` connections to the daemon at ``socket``, closed on exit. A daemon that
     does not answer a connection's hello within ``connect_timeout`` seconds is
-    :class:`~tierd.control.client.Unreachable`."""
+    :class:`~tierd.control.clients.client.Unreachable`."""
     opened: list[DaemonBackend] = []
     try:
         for _ in range(clients):

@@ -41,7 +41,7 @@ class ReplayBackend(Protocol):
     ``lookup``: how many leading keys are cached, and the medium of each. ``load``: copies
     of the leading blocks it could load. ``store``: store blocks (``data`` co-indexed with
     ``keys``), returning how many were new; :class:`CapacityError` when there is no room.
-    ``stats``: the daemon's stats structure (:func:`tierd.control.stats.collect_stats`).
+    ``stats``: the daemon's stats structure (:func:`tierd.control.figures.stats.collect_stats`).
     ``settle``: wait until what the stores so far left running in the background (copies
     behind them, ``write_behind``; queued remote writes) is done; whether the cache was
     seen at rest (``False``: it cannot tell, or the wait passed its bound).

@@ -47,7 +47,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tierd.control.client import Unreachable
+from tierd.control.clients.client import Unreachable
 from tierd.errors import CapacityError, ResourceClosed, TierdError
 from tierd.keys import BlockKey
 from tierd.workload.replay_figures import (
