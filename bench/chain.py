@@ -36,7 +36,7 @@ from bench.fragment import default_out, write_fragment
 from tierd.chain import TierChain
 from tierd.keys import BlockKey, int_key
 from tierd.stores.cpu import CpuStore
-from tierd.stores.disk import DiskStore
+from tierd.stores.disk.store import DiskStore
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20

@@ -43,8 +43,8 @@ from bench.fragment import default_out, write_fragment
 from tierd.keys import BlockKey, int_key
 from tierd.stores.base import BlockStore
 from tierd.stores.cpu import CpuStore
-from tierd.stores.disk import DiskStore
-from tierd.stores.fileio import FileIO
+from tierd.stores.disk.io import FileIO
+from tierd.stores.disk.store import DiskStore
 from tierd.stores.gpu import GpuStore
 from tierd.stores.memory import MemoryStore
 from tierd.transfer import TransferEngine

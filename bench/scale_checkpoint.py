@@ -34,7 +34,7 @@ import structlog
 
 from bench.figures import median_of
 from tierd.keys import int_key
-from tierd.stores.disk import DiskStore
+from tierd.stores.disk.store import DiskStore
 
 ROOT = Path(__file__).resolve().parent.parent
 BB = 4096

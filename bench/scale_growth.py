@@ -40,7 +40,7 @@ _CHILD = r"""
 import asyncio, json, os, random, signal, sys, time
 from tierd.keys import Medium, int_key
 from tierd.library import restore_tier
-from tierd.stores.disk import DiskStore
+from tierd.stores.disk.store import DiskStore
 from tierd.tier import Tier
 
 def rss():

@@ -1,7 +1,7 @@
 """The restart part of ``scripts/bench scale``: a real daemon over a disk tier of N
 blocks, restarted after a clean stop and after a SIGKILL.
 
-The slab is filled through the library (a :class:`~tierd.stores.disk.DiskStore` of the
+The slab is filled through the library (a :class:`~tierd.stores.disk.store.DiskStore` of the
 daemon's geometry, keys prefixed with the namespace's id as the daemon prefixes them) and
 closed cleanly. Then, per restart kind: the daemon is started, the time to READY and to
 the first block served to a client (``get`` of a filled key, bytes checked) is taken,
@@ -27,7 +27,7 @@ import xxhash
 
 from tierd.client import Client
 from tierd.keys import int_key
-from tierd.stores.disk import DiskStore
+from tierd.stores.disk.store import DiskStore
 from tierd.testing import start_daemon
 
 BB = 4096

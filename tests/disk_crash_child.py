@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from tierd.keys import int_key
-from tierd.stores.disk import DiskStore
+from tierd.stores.disk.store import DiskStore
 
 BATCH = 4
 

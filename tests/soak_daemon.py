@@ -9,7 +9,7 @@ Run as a child process (``python tests/soak_daemon.py ...``):
     with its disk tier on a :class:`FaultFileIO` steered by the control file ``FAULTS``
     (see :class:`FaultControl`); prints ``ready PID`` on stdout once clients can connect
     and nothing else there. The disk store is built with the faulty layer by replacing
-    ``tierd.stores.disk.FileIO`` (what ``DiskStore`` instantiates when no ``fileio`` is
+    ``tierd.stores.disk.store.FileIO`` (what ``DiskStore`` instantiates when no ``fileio`` is
     given) before the chain opens: the daemon itself is unchanged.
 ``hold SOCKET NAMESPACE store|load KEY_HEX...``
     Connects and either reserves the keys (``prepare_store``) and scribbles wrong bytes
@@ -50,7 +50,7 @@ import numpy as np
 # Runnable as a script from anywhere: the repository root holds the tierd package.
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from tierd.stores.fileio import FileIO
+from tierd.stores.disk.io import FileIO
 
 WRITE_MODES = ("eio", "enospc", "short")
 COUNTERS = ("write_eio", "write_enospc", "write_short", "journal_enospc", "read_eio", "slow")
@@ -201,7 +201,7 @@ class FaultFileIO(FileIO):
 
 def install(control: FaultControl) -> None:
     """Make every disk store built from now on use a :class:`FaultFileIO` on ``control``."""
-    import tierd.stores.disk as disk
+    import tierd.stores.disk.store as disk
 
     disk.FileIO = functools.partial(FaultFileIO, control)  # type: ignore[misc]
 

@@ -26,8 +26,8 @@ from tierd.errors import BlockMissing, StoreIOError
 from tierd.keys import BlockKey, int_key
 from tierd.stores import BlockStore
 from tierd.stores.cpu import CpuStore
-from tierd.stores.disk import DiskStore
-from tierd.stores.fileio import ALIGN, FileIO
+from tierd.stores.disk.io import ALIGN, FileIO
+from tierd.stores.disk.store import DiskStore
 from tierd.stores.memory import MemoryStore
 from tierd.testing import FailingStore, as_bytes
 from tierd.tier import Tier

@@ -1,6 +1,6 @@
 """A big store through the chain, a piece a turn of the loop (issue 34, finding 5's kin).
 
-A store of more than ``STORE_PIECE`` keys reserves its slots and ends its write piece by
+A store of more than ``STORE_KEYS`` keys reserves its slots and ends its write piece by
 piece, the loop's other work between the pieces. What it promised as one step still
 holds: a reservation is all or nothing, and nothing is left half done when the caller
 gives up midway.
@@ -16,12 +16,12 @@ import pytest
 import tierd
 from tests.test_chain import chain_config, content, read_back
 from tierd.chain import TierChain
-from tierd.chain.moves import STORE_PIECE
 from tierd.errors import CapacityError
 from tierd.keys import BlockKey, int_key
+from tierd.turns import STORE_KEYS
 
-CAPACITY = 4 * STORE_PIECE
-BIG = 3 * STORE_PIECE  # three pieces
+CAPACITY = 4 * STORE_KEYS
+BIG = 3 * STORE_KEYS  # three pieces
 
 
 def keys_from(start: int, count: int) -> list[BlockKey]:
@@ -41,9 +41,9 @@ async def test_a_big_reservation_that_runs_out_of_room_midway_leaves_nothing_res
     config = chain_config(tmp_path, {"kind": "memory", "capacity": CAPACITY})
     async with tierd.open(config) as chain:
         tier = chain.levels[0].tier
-        held = keys_from(0, CAPACITY - STORE_PIECE - 8)
+        held = keys_from(0, CAPACITY - STORE_KEYS - 8)
         await chain.store(held, [content(k) for k in held])
-        pins = await chain.load(held)  # pinned: only STORE_PIECE + 8 slots are left
+        pins = await chain.load(held)  # pinned: only STORE_KEYS + 8 slots are left
         big = keys_from(10_000, BIG)
         with pytest.raises(CapacityError):
             await chain.begin_store(big)  # the first piece fits, the second does not
@@ -62,14 +62,14 @@ async def test_no_piece_of_a_big_store_evicts_a_key_the_store_names(tmp_path: Pa
     by evicting one of them, however old."""
     config = chain_config(tmp_path, {"kind": "memory", "capacity": CAPACITY})
     async with tierd.open(config) as chain:
-        oldest = keys_from(0, STORE_PIECE)  # the least recent blocks of the full tier
-        rest = keys_from(STORE_PIECE, CAPACITY - STORE_PIECE)
+        oldest = keys_from(0, STORE_KEYS)  # the least recent blocks of the full tier
+        rest = keys_from(STORE_KEYS, CAPACITY - STORE_KEYS)
         await chain.store(oldest, [content(k) for k in oldest])
         await chain.store(rest, [content(k) for k in rest])
         # New keys first, then the oldest: the new pieces must not evict the oldest.
-        big = keys_from(10_000, 2 * STORE_PIECE) + oldest
+        big = keys_from(10_000, 2 * STORE_KEYS) + oldest
         stored = await chain.store(big, [content(k) for k in big])
-        assert stored == big[: 2 * STORE_PIECE]
+        assert stored == big[: 2 * STORE_KEYS]
         await read_back(chain, big)
         chain.check_invariants(idle=True)
 
@@ -114,7 +114,7 @@ async def test_a_load_waiting_on_a_big_store_gets_the_block_its_writer_wrote(
     """A load of a key in flight waits for its write; the write's futures are resolved
     with the commit's last piece, so no load is woken to find its block still being
     written (a load of the last block alone then came back empty)."""
-    many = 8 * STORE_PIECE  # enough pieces for a waiter woken early to run between two
+    many = 8 * STORE_KEYS  # enough pieces for a waiter woken early to run between two
     config = chain_config(tmp_path, {"kind": "memory", "capacity": many})
     async with tierd.open(config) as chain:
         big = keys_from(0, many)
@@ -158,8 +158,8 @@ async def test_a_withdrawn_store_keeps_its_slots_until_aborted_even_mid_withdraw
         again.withdraw()
         assert tier.stats().quarantined == BIG
         assert not any(chain.lookup([key]).count for key in big[:3])
-        stored = await chain.store(big[:STORE_PIECE], [content(k) for k in big[:STORE_PIECE]])
-        assert stored == big[:STORE_PIECE]  # the keys are free, the slots are not
+        stored = await chain.store(big[:STORE_KEYS], [content(k) for k in big[:STORE_KEYS]])
+        assert stored == big[:STORE_KEYS]  # the keys are free, the slots are not
         assert not set(again.quarantined) & set(tier.slots_of(stored))
         again.abort()
         assert tier.stats().quarantined == 0

@@ -2,7 +2,7 @@
 rotated into the journal, written on a thread of their own, retried when they fail.
 
 A crash is a copy of the store's files taken while it is open (``crash_copy``); faults and
-holds come from :class:`~tierd.stores.fileio.FileIO` subclasses.
+holds come from :class:`~tierd.stores.disk.io.FileIO` subclasses.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-import tierd.stores.disk_walk
+import tierd.stores.disk.checkpoints
+import tierd.turns
 from tests.test_disk_store import block, crash_copy, get, put, store_at
 from tierd.errors import StoreIOError
 from tierd.keys import int_key
-from tierd.stores.disk import DiskStore
-from tierd.stores.disk_snapshot import load_snapshot
-from tierd.stores.disk_walk import IndexWalk
-from tierd.stores.fileio import FileIO
+from tierd.stores.disk.index import IndexWalk, load_snapshot
+from tierd.stores.disk.io import FileIO
+from tierd.stores.disk.store import DiskStore
 from tierd.testing.faults import corrupt_disk_block
 
 SNAPSHOT_TMP = "tierd-index.msgpack.tmp"
@@ -170,7 +170,7 @@ async def test_a_walk_takes_the_index_as_it_is_when_it_ends(
 ) -> None:
     # Slots changed behind the walk (deleted, rewritten, a write begun) and ahead of it:
     # the checkpoint holds each as it is when the walk ends, and the writes in flight.
-    monkeypatch.setattr(tierd.stores.disk_walk, "SLICE", 8)
+    monkeypatch.setattr(tierd.turns, "CHECKPOINT_SLOTS", 8)
     async with store_at(tmp_path, num_blocks=64) as store:
         assert await put(store, range(64)) == [True] * 64
         await store.sync()
@@ -199,9 +199,9 @@ async def test_a_walk_takes_the_index_as_it_is_when_it_ends(
 
 
 def test_which_journals_a_crash_after_a_rotation_replays() -> None:
-    from tierd.stores.disk_index import Op
-    from tierd.stores.disk_journal import Replay
-    from tierd.stores.disk_open import _after_rotation
+    from tierd.stores.disk.block_format import Op
+    from tierd.stores.disk.journal import Replay
+    from tierd.stores.disk.opening import _after_rotation
 
     old = Replay(4, {1: (Op.SET, 10, b"a"), 2: (Op.SET, 11, b"b")}, 500)
     new = Replay(5, {2: (Op.DEL, 11, b""), 3: (Op.BEGIN, 12, b"")}, 300)
@@ -299,7 +299,7 @@ async def test_a_crash_after_the_opening_snapshot_never_replays_a_stale_journal(
 async def test_a_write_goes_through_while_a_checkpoint_walks_a_big_index(tmp_path: Path) -> None:
     """A checkpoint walks the index a slice per loop turn. A block write made meanwhile
     runs on the store's writer thread, which needs the GIL: between two slices the loop
-    hands it over (``tierd.stores.base.next_turn``), so the write ends while the walk
+    hands it over (``tierd.turns.next_turn``), so the write ends while the walk
     still goes on. With ``asyncio.sleep(0)`` between slices the thread never got the GIL
     until the walk had ended (a write waited 200-300 ms at a million blocks)."""
     n = 400_000

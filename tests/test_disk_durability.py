@@ -4,7 +4,7 @@ A crash is a real SIGKILL of a child process that runs this module as a script: 
 a chain with :func:`tierd.open` (a memory tier over a disk tier in the mode asked for),
 stores and flushes blocks batch by batch, and prints ``ack I`` for every block whose
 flush returned. The parent reopens the same config and reads everything back. When each
-mode syncs is counted through a :class:`~tierd.stores.fileio.FileIO` that records syncs.
+mode syncs is counted through a :class:`~tierd.stores.disk.io.FileIO` that records syncs.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from tests.disk_crash_child import content, kill_after_acks
 from tierd.config import ChainConfig, load_config
 from tierd.errors import ConfigError
 from tierd.keys import int_key
-from tierd.stores.disk import DiskStore
-from tierd.stores.fileio import FileIO
+from tierd.stores.disk.io import FileIO
+from tierd.stores.disk.store import DiskStore
 
 BB = 4096
 BATCH = 8

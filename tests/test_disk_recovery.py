@@ -2,7 +2,7 @@
 
 A crash is a real SIGKILL of the writer child (``tests/disk_crash_child.py``) or a copy
 of the store's files taken while it is open. What the reopening store reads is counted
-through a :class:`~tierd.stores.fileio.FileIO` that records every ``preadv``.
+through a :class:`~tierd.stores.disk.io.FileIO` that records every ``preadv``.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from tests.disk_crash_child import content
 from tests.gc_walk import references_walked
 from tests.test_disk_store import BB, block, crash_copy, get, put, run_child_until_killed
 from tierd.keys import int_key
-from tierd.stores.disk import DiskStore
-from tierd.stores.disk_entries import SlotIndex
-from tierd.stores.disk_snapshot import take
-from tierd.stores.fileio import FileIO
+from tierd.stores.disk.index import SlotIndex, take
+from tierd.stores.disk.io import FileIO
+from tierd.stores.disk.store import DiskStore
 
 SNAPSHOT = "tierd-index.msgpack"
 
@@ -180,7 +179,7 @@ async def test_a_torn_block_the_journal_vouches_for_is_a_miss(tmp_path: Path) ->
 
 def _as_version_1(directory: Path) -> None:
     """Rewrite the snapshot in the format earlier releases wrote (version 1)."""
-    from tierd.stores.disk_snapshot import load_snapshot
+    from tierd.stores.disk.index import load_snapshot
 
     raw = (directory / SNAPSHOT).read_bytes()
     doc = msgpack.unpackb(raw[8:])

@@ -1,6 +1,6 @@
 """The disk store: round trips, restart, crash, corruption, faults, probing, cancellation.
 
-Faults come from :class:`FaultyIO`, a :class:`~tierd.stores.fileio.FileIO` subclass; a crash
+Faults come from :class:`FaultyIO`, a :class:`~tierd.stores.disk.io.FileIO` subclass; a crash
 is either a real SIGKILL of a child process or a copy of the store's files taken while it
 is open (what a kill at that moment would leave behind).
 """
@@ -26,9 +26,9 @@ from tests.disk_crash_child import content, kill_after_acks
 from tierd.errors import SlabInUse, SlotError, StoreClosed, StoreIOError
 from tierd.keys import int_key
 from tierd.stores.base import BlockStore
-from tierd.stores.disk import DiskStore
-from tierd.stores.disk_index import BlockHeader
-from tierd.stores.fileio import ALIGN, FileIO, address_of, aligned_buffer
+from tierd.stores.disk.block_format import BlockHeader
+from tierd.stores.disk.io import ALIGN, FileIO, address_of, aligned_buffer
+from tierd.stores.disk.store import DiskStore
 from tierd.testing import StoreConformance
 
 BB = 8192  # a multiple of 4096: caller buffers can be used without staging

@@ -539,7 +539,7 @@ def test_a_lease_chunk_leaves_room_for_every_worker_and_the_request_bound(
 def test_an_unlock_during_a_load_keeps_the_pins_lease_until_the_copy_is_done(
     tmp_path: Path,
 ) -> None:
-    from tierd.integrations.lmcache_space import Hold, Pin
+    from tierd.integrations.lmcache_space import LeaseShare, Pin
     from tierd.integrations.lmcache_tasks import Tasks
 
     class Settings:
@@ -562,9 +562,9 @@ def test_an_unlock_during_a_load_keeps_the_pins_lease_until_the_copy_is_done(
     tasks.block_bytes = BLOCK
     key = Key()
     space = tasks._space(key, BLOCK)
-    hold = Hold(Lease(), None, space.link.connects)  # type: ignore[arg-type]
+    hold = LeaseShare(Lease(), None, space.link.connects)  # type: ignore[arg-type]
     tasks._locks[key].append((space, Pin(hold, 0)))
-    released: list[Hold] = []
+    released: list[LeaseShare] = []
     lefts: list[int] = []
     space._release = released.append  # type: ignore[method-assign]
 

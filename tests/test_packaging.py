@@ -31,7 +31,7 @@ TEST_ONLY_MODULES = {
     "tierd/testing/conformance.py": ("test", "gpu"),
     "tierd/stores/gpu.py": ("gpu",),
     "tierd/stores/gpu_calls.py": ("gpu",),
-    "tierd/stores/gpu_staging.py": ("gpu",),
+    "tierd/stores/gpu_packing.py": ("gpu",),
 }
 # Import names whose distribution is not the import name with "_" read as "-".
 DISTRIBUTION_OF = {"yaml": "pyyaml", "zmq": "pyzmq"}
@@ -149,7 +149,7 @@ def test_the_import_audit_sees_an_undeclared_import(tmp_path: Path) -> None:
     assert without != text
     (tmp_path / "pyproject.toml").write_text(without)
     problems = undeclared_imports(tmp_path / "pyproject.toml")
-    assert any("tierd/stores/fileio.py" in p and ": numpy " in p for p in problems), problems
+    assert any("tierd/stores/disk/io.py" in p and ": numpy " in p for p in problems), problems
 
 
 def test_host_modules_are_modules_of_the_package() -> None:
@@ -160,7 +160,7 @@ def test_host_modules_are_modules_of_the_package() -> None:
 
 def test_the_import_audit_sorts_eager_and_lazy_imports() -> None:
     imports = {(i.path, i.module): i.eager for i in third_party_imports()}
-    assert imports[("tierd/stores/fileio.py", "numpy")] is True
+    assert imports[("tierd/stores/disk/io.py", "numpy")] is True
     # matplotlib (the plots extra) is imported only inside functions and for type checks.
     assert imports[("tierd/workload/plots.py", "matplotlib")] is False
 

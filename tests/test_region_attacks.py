@@ -38,7 +38,7 @@ from tests.test_regions import memfd, open_descriptors, pattern, put, read, rows
 from tierd.client import DaemonError, Unreachable
 from tierd.control.protocol import HEADER, PROTOCOL_VERSION, encode
 from tierd.daemon import Daemon
-from tierd.stores.disk import DiskStore
+from tierd.stores.disk.store import DiskStore
 
 __all__ = ["_watch_connections"]  # the fixture: the daemon's connections, watched
 

@@ -20,6 +20,7 @@ import pytest
 from redis.asyncio import Redis
 from redis_kit import RedisServer, free_port, redis_cluster, redis_server, require_redis
 
+from tierd.breaker import BreakerState, CircuitBreaker
 from tierd.chain import TierChain
 from tierd.config import ChainConfig
 from tierd.errors import BlockMissing
@@ -27,7 +28,6 @@ from tierd.events import EventKind
 from tierd.keys import BlockKey, Medium
 from tierd.library import open_chain
 from tierd.remote import HEADER_BYTES, decode_block, encode_block
-from tierd.remote.breaker import BreakerState, CircuitBreaker
 from tierd.remote.values import key_space
 
 BLOCK = 4096
@@ -120,19 +120,19 @@ def test_a_value_is_believed_only_whole() -> None:
 def test_breaker_opens_backs_off_and_probes() -> None:
     now = [0.0]
     breaker = CircuitBreaker(failures=2, backoff_s=1.0, max_backoff_s=3.0, clock=lambda: now[0])
-    breaker.failure()
+    breaker.failed()
     assert breaker.allow()
-    breaker.failure()
+    breaker.failed()
     assert breaker.state is BreakerState.OPEN and not breaker.allow()
     now[0] = 1.0
     assert breaker.allow() and breaker.state is BreakerState.PROBING
     assert not breaker.allow()  # one probe at a time
-    breaker.failure()  # the probe failed: open twice as long
+    breaker.failed()  # the probe failed: open twice as long
     now[0] = 2.5
     assert not breaker.allow()
     now[0] = 3.0
     assert breaker.allow()
-    breaker.success()
+    breaker.answered()
     assert breaker.state is BreakerState.CLOSED and breaker.allow()
     assert (breaker.opened, breaker.refused) == (2, 3)
 

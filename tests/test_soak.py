@@ -34,7 +34,7 @@ import pytest
 import soak_kit
 from soak_daemon import FaultControl, FaultFileIO, FaultPlan, content
 
-import tierd.stores.disk
+import tierd.stores.disk.store
 from tierd.client import Client
 from tierd.control.protocol import encode
 from tierd.daemon import Daemon
@@ -83,7 +83,7 @@ def tier(stats: dict[str, Any], name: str) -> dict[str, Any]:
 def faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultControl]:
     """A fault control file; every disk store built in this test uses the faulty layer."""
     control = FaultControl(tmp_path / "faults.bin", create=True)
-    monkeypatch.setattr(tierd.stores.disk, "FileIO", functools.partial(FaultFileIO, control))
+    monkeypatch.setattr(tierd.stores.disk.store, "FileIO", functools.partial(FaultFileIO, control))
     yield control
     control.close()
 

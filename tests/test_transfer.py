@@ -24,7 +24,7 @@ from tierd.errors import SlotError, TransferError
 from tierd.keys import BlockKey, Medium, int_key
 from tierd.stores.base import BlockStore, StoreStats
 from tierd.stores.cpu import CpuStore
-from tierd.stores.disk import DiskStore
+from tierd.stores.disk.store import DiskStore
 from tierd.stores.gpu import GpuStore
 from tierd.stores.memory import MemoryStore
 from tierd.transfer import ByteBudget, TransferEngine

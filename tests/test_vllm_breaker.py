@@ -91,14 +91,14 @@ async def test_a_stopped_daemon_costs_a_deadline_then_nothing(tmp_path, spawn) -
         assert took < BOUND * LOOKUP_S
         assert tier._link.breaker.is_open
         # Now every call answers at once, unsent: lookups miss, jobs fail.
-        refused = tier._link.breaker.snapshot().fast_failures
+        refused = tier._link.breaker.snapshot().refused
         for i in range(3):
             answer, took = timed(lambda i=i: ask(tier, ks, f"more-{i}"))
             assert answer == [MISS, MISS, MISS]
             assert took < BOUND * LOOKUP_S
         result, took = timed(lambda: run_job(tier, 2, ks, [3, 4, 5], load=True))
         assert not result.success and took < BOUND * LOOKUP_S
-        assert tier._link.breaker.snapshot().fast_failures >= refused + 4
+        assert tier._link.breaker.snapshot().refused >= refused + 4
         tier.touch(ks, ReqContext(req_id="t"))  # dropped, not queued behind the daemon
 
         daemon.signal(signal.SIGCONT)

@@ -23,7 +23,7 @@ from tierd.chain import TierChain
 from tierd.client import Client
 from tierd.config.chain import ChainConfig
 from tierd.library import open_chain
-from tierd.stores.disk import DiskStore
+from tierd.stores.disk.store import DiskStore
 from tierd.testing import daemon_config, start_daemon
 
 BLOCK = 4096

@@ -270,9 +270,11 @@ def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode) -> dict[Any, An
         seen.setdefault(key, line)
         if first is not None:  # on another line, or on the same one ({a: 1, a: 2})
             raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} is given twice (lines {first} and {line})",
+                None,
+                None,
+                f"key {key!r} is given twice (lines {first} and {line})",
                 key_node.start_mark,
-            )  # fmt: skip
+            )
     return loader.construct_mapping(node)
 
 

@@ -34,10 +34,11 @@ from tierd.remote.level import LevelBase
 from tierd.stores import BlockStore
 from tierd.stores.cpu import CpuStore, StartProgress
 from tierd.stores.cuda import torch_missing_reason
-from tierd.stores.disk import DiskStore
+from tierd.stores.disk.store import DiskStore
 from tierd.stores.memory import MemoryStore
 from tierd.tier import Tier, one_slot_per_key
 from tierd.transfer import TransferEngine
+from tierd.turns import ADOPT_BLOCKS
 
 __all__ = [
     "adopt_kept",
@@ -49,7 +50,6 @@ __all__ = [
 
 log = get_logger("tierd")
 Kept = tuple[BlockKey, int]  # (key, slot) of a block a persistent store kept across a restart
-_ADOPT_SLICE = 8192  # blocks adopted per loop turn: a few milliseconds
 _PROGRESS_EVERY_S = 5.0
 
 
@@ -138,7 +138,7 @@ async def adopt_kept(tier: Tier, rate: int) -> None:
     again, deleted or cleared meanwhile keeps its new state: the tier has the store
     forget the kept copy. Cancelled (the chain closing), the rest stays in the store for
     the next start."""
-    step = max(1, min(_ADOPT_SLICE, rate // 10)) if rate else _ADOPT_SLICE
+    step = max(1, min(ADOPT_BLOCKS, rate // 10)) if rate else ADOPT_BLOCKS
     started = last = time.monotonic()
     total, adopted = tier.adopting, 0
     while tier.adopting:
@@ -146,13 +146,15 @@ async def adopt_kept(tier: Tier, rate: int) -> None:
         adopted += took
         if time.monotonic() - last >= _PROGRESS_EVERY_S:
             last = time.monotonic()
-            log.info("adopting kept blocks", tier=tier.name, adopted=adopted,
-                     left=tier.adopting)  # fmt: skip
+            log.info("adopting kept blocks", tier=tier.name, adopted=adopted, left=tier.adopting)
         await asyncio.sleep(took / rate if rate else 0)  # paced by the blocks taken
     log.info(
-        "kept blocks adopted", tier=tier.name, blocks=adopted, dropped=total - adopted,
+        "kept blocks adopted",
+        tier=tier.name,
+        blocks=adopted,
+        dropped=total - adopted,
         seconds=round(time.monotonic() - started, 3),
-    )  # fmt: skip
+    )
 
 
 async def _stop_task(task: asyncio.Task[None]) -> None:

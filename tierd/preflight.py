@@ -37,8 +37,8 @@ from pathlib import Path
 from tierd.cgroups import cgroup_memory_left
 from tierd.config import ChainConfig, DaemonConfig, TierConfig, TierKind
 from tierd.errors import ConfigError
-from tierd.stores.disk_slab import SLAB_FILE, slab_file_bytes
-from tierd.stores.fileio import round_up
+from tierd.stores.disk.io import round_up
+from tierd.stores.disk.slab import SLAB_FILE, slab_file_bytes
 from tierd.units import format_bytes
 
 __all__ = ["CUDA_LIBRARY", "check_machine", "directories_to_create", "private_directory_problem"]

@@ -41,7 +41,7 @@ import structlog
 from tierd.chain.levels import ChainLevels
 from tierd.errors import TierdError
 from tierd.keys import BlockKey
-from tierd.stores.base import next_turn
+from tierd.turns import next_turn
 
 __all__ = ["BATCH_BLOCKS", "BATCH_BYTES", "WriteBehind"]
 

@@ -50,16 +50,13 @@ from tierd.errors import CapacityError
 from tierd.events import EventBus
 from tierd.keys import BlockKey, Medium
 from tierd.stores import Buffer
-from tierd.stores.base import next_turn
 from tierd.transfer import TransferEngine
+from tierd.turns import DELETE_KEYS, INDEX_KEYS, TOUCH_KEYS, next_turn
 
-__all__ = ["DELETE_PIECE", "SCAN_PIECE", "TOUCH_PIECE", "TierChain"]
+__all__ = ["TierChain"]
 
 _IN_USE = ("writing", "pinned")
-DELETE_PIECE = 256  # keys deleted per turn of the event loop (about 5 us a key)
-TOUCH_PIECE = 512  # keys touched per turn of the event loop (about 1 us a key)
 _REMOTE_BATCH = 256  # blocks per round trip when a flush sends the last level's blocks
-SCAN_PIECE = 4096  # keys of a level's index a flush or a clear looks at per turn
 
 
 class TierChain:
@@ -163,15 +160,15 @@ class TierChain:
             level.tier.touch(keys)
 
     async def touch_in_pieces(self, keys: Sequence[BlockKey], *, uses: bool = True) -> None:
-        """:meth:`touch`, :data:`TOUCH_PIECE` keys a turn of the event loop, the tail's
+        """:meth:`touch`, :data:`TOUCH_KEYS` keys a turn of the event loop, the tail's
         first (so ``keys[0]`` still ends up the most recent); uses counted once, first (a
         key in two pieces is still one use)."""
         if uses and self._admissions.tracks_uses:
             self._admissions.count_uses(keys)
-        for end in range(len(keys), 0, -TOUCH_PIECE):
+        for end in range(len(keys), 0, -TOUCH_KEYS):
             if end < len(keys):
                 await next_turn()
-            self.touch(keys[max(0, end - TOUCH_PIECE) : end], uses=False)
+            self.touch(keys[max(0, end - TOUCH_KEYS) : end], uses=False)
 
     async def store(self, keys: Sequence[BlockKey], data: Sequence[Buffer] | Any) -> list[BlockKey]:
         """Write blocks at the entry level; ``data`` is co-indexed with ``keys`` (buffers or
@@ -268,15 +265,15 @@ class TierChain:
 
     async def _walk(self, index: int) -> AsyncIterator[list[BlockKey]]:
         """The keys of level ``index`` (every state, kept ones not adopted yet last),
-        :data:`SCAN_PIECE` a turn of the loop: a pass over a big tier is never one turn
+        :data:`INDEX_KEYS` a turn of the loop: a pass over a big tier is never one turn
         (a flush's scan of 300,000 blocks was 0.8 s of it, a clear's 1.4 s)."""
         first = True
         for part in self._levels.tiers[index].key_parts():
-            for start in range(0, len(part), SCAN_PIECE):
+            for start in range(0, len(part), INDEX_KEYS):
                 if not first:
                     await next_turn()
                 first = False
-                yield part[start : start + SCAN_PIECE]
+                yield part[start : start + INDEX_KEYS]
 
     def _dirty_of(self, index: int, keys: list[BlockKey]) -> list[BlockKey]:
         """The ``keys`` ready at ``index`` that the level below neither holds nor writes."""
@@ -321,7 +318,7 @@ class TierChain:
         return removed
 
     async def clear_in_pieces(self, index: int | None = None) -> int:
-        """:meth:`clear`, :data:`SCAN_PIECE` keys of a level a turn of the loop; a block
+        """:meth:`clear`, :data:`INDEX_KEYS` keys of a level a turn of the loop; a block
         pinned or written meanwhile stays."""
         targets = range(len(self.levels)) if index is None else [index]
         removed = 0
@@ -365,14 +362,14 @@ class TierChain:
         return Deleted(len(removed), len(busy))
 
     async def delete_in_pieces(self, keys: Sequence[BlockKey]) -> Deleted:
-        """:meth:`delete`, :data:`DELETE_PIECE` keys a turn of the event loop (a key is
+        """:meth:`delete`, :data:`DELETE_KEYS` keys a turn of the event loop (a key is
         a Python step at every level: 4,096 at once held the loop 15-20 ms)."""
         asked = list(dict.fromkeys(keys))
         removed = busy = 0
-        for start in range(0, len(asked), DELETE_PIECE):
+        for start in range(0, len(asked), DELETE_KEYS):
             if start:
                 await next_turn()
-            done = self.delete(asked[start : start + DELETE_PIECE])
+            done = self.delete(asked[start : start + DELETE_KEYS])
             removed, busy = removed + done.removed, busy + done.busy
         return Deleted(removed, busy)
 

@@ -26,8 +26,8 @@ from tierd.chain.levels import ChainLevels
 from tierd.chain.moves import Movement, in_pieces
 from tierd.keys import BlockKey, Medium
 from tierd.stores import BlockStore, Buffer
-from tierd.stores.base import next_turn
 from tierd.tier import StorePlan
+from tierd.turns import next_turn
 
 __all__ = ["LoadHandle", "StoreHandle"]
 

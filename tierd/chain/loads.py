@@ -31,13 +31,11 @@ from tierd.chain.pending import PendingWrites
 from tierd.errors import BlockMissing
 from tierd.keys import BlockKey, Medium
 from tierd.stores import BlockStore
-from tierd.stores.base import next_turn
 from tierd.tier import StorePlan, Tier
 from tierd.transfer import TransferEngine
+from tierd.turns import LOAD_KEYS, next_turn
 
-__all__ = ["LOAD_PIECE", "Loading"]
-
-LOAD_PIECE = 512  # keys a load handles per turn of the event loop
+__all__ = ["Loading"]
 
 
 class Loading:
@@ -110,15 +108,15 @@ class Loading:
     async def _gather_pieces(
         self, target: int, keys: list[BlockKey], pinned: set[BlockKey], deadline: float | None
     ) -> int:
-        """:meth:`_gather` ``keys`` :data:`LOAD_PIECE` at a time, yielding to the loop
+        """:meth:`_gather` ``keys`` :data:`LOAD_KEYS` at a time, yielding to the loop
         between pieces (a 4,096-key load is eight bounded steps, not one long
         one); stops after the first piece that is not wholly pinned. Returns the slowest
         level read from."""
         deepest = target
-        for start in range(0, len(keys), LOAD_PIECE):
+        for start in range(0, len(keys), LOAD_KEYS):
             if start:
                 await next_turn()  # other clients' requests, and threads, between pieces
-            piece = keys[start : start + LOAD_PIECE]
+            piece = keys[start : start + LOAD_KEYS]
             deepest = max(deepest, await self._gather(target, piece, pinned, deadline))
             if _leading_run(piece, pinned) != len(piece):
                 break  # the prefix ends in this piece: nothing after it can be part of it

@@ -32,13 +32,12 @@ from tierd.chain.remote import Landing
 from tierd.chain.values import Level
 from tierd.keys import BlockKey
 from tierd.stores import BlockStore
-from tierd.stores.base import next_turn
 from tierd.tier import StorePlan
 from tierd.transfer import TransferEngine
+from tierd.turns import STORE_KEYS, next_turn
 
-__all__ = ["STORE_PIECE", "Movement", "in_pieces"]
+__all__ = ["Movement", "in_pieces"]
 
-STORE_PIECE = 512  # keys a store reserves, and ends, per turn of the event loop
 
 Prepared = Callable[[StorePlan], Awaitable[None]]  # told of a reservation before demotion
 
@@ -103,7 +102,7 @@ class Movement:
     async def abort_in_pieces(
         self, index: int, keys: Sequence[BlockKey], futures: list[asyncio.Future[bool]]
     ) -> None:
-        """:meth:`abort_store`, :data:`STORE_PIECE` keys a turn of the loop (each freed
+        """:meth:`abort_store`, :data:`STORE_KEYS` keys a turn of the loop (each freed
         slot is a Python step); what is left is ended at once if this is cancelled."""
         await self._end_in_pieces(index, keys, [False] * len(keys), futures)
 
@@ -123,23 +122,23 @@ class Movement:
     ) -> tuple[StorePlan, list[asyncio.Future[bool]]] | None:
         """prepare_store at one level and demote its victims; ``None`` if there is no
         room. The keys stay in flight until the write is ended
-        (:meth:`PendingWrites.end_store`). More than :data:`STORE_PIECE` keys are
+        (:meth:`PendingWrites.end_store`). More than :data:`STORE_KEYS` keys are
         reserved a piece a turn of the loop (a big tier's maps cost a Python step a key),
         all or nothing still: the pieces reserved are ended unwritten if a later one
         finds no room, or the reservation fails or is cancelled. ``before_demote`` is
         awaited with each piece's plan once its keys are in flight, before its victims
         are demoted (a swap reads its blocks out then: see ``tierd.chain.loads``)."""
-        if len(keys) <= STORE_PIECE:
+        if len(keys) <= STORE_KEYS:
             return await self._reserve(index, keys, None, before_demote)
         keep = set(keys)  # no piece evicts a key of another
         plans: list[StorePlan] = []
         futures: list[asyncio.Future[bool]] = []
         done = False
         try:
-            for start in range(0, len(keys), STORE_PIECE):
+            for start in range(0, len(keys), STORE_KEYS):
                 if start:
                     await next_turn()
-                piece = keys[start : start + STORE_PIECE]
+                piece = keys[start : start + STORE_KEYS]
                 reserved = await self._reserve(index, piece, keep, before_demote)
                 if reserved is None:
                     return None
@@ -306,7 +305,7 @@ async def in_pieces(
     futures: list[asyncio.Future[bool]],
     step: Callable[[slice, list[asyncio.Future[bool]]], None],
 ) -> None:
-    """Run ``step`` over ``count`` keys of a write, :data:`STORE_PIECE` keys a turn of
+    """Run ``step`` over ``count`` keys of a write, :data:`STORE_KEYS` keys a turn of
     the loop (a write of that many or fewer, at once). ``step`` gets the piece's slice
     and the futures to resolve with it: the write's, with its last piece only (a waiter
     woken sooner could find its key still being written). What is left is done at once
@@ -316,7 +315,7 @@ async def in_pieces(
         while start < count:
             if start:
                 await next_turn()
-            stop = start + STORE_PIECE
+            stop = start + STORE_KEYS
             step(slice(start, stop), futures if stop >= count else [])
             start = stop
     finally:

@@ -34,7 +34,7 @@ from tierd.control.state.tenant_table import Grant, PoolInfo, SizeClasses, Tenan
 from tierd.errors import ConfigError, TierdError
 from tierd.library import open_chain
 from tierd.stores.cpu import CpuStore, StartProgress
-from tierd.stores.disk_slab import SLAB_FILE
+from tierd.stores.disk.slab import SLAB_FILE
 from tierd.tenancy import TenantConfig
 from tierd.units import share_parts
 
@@ -155,8 +155,12 @@ async def _size_classes(
         try:
             chain = await _open_chain(cfg, spec, sized_cfg, own)
         except (TierdError, OSError) as exc:
-            log.error("a block size cannot be opened", tenant=spec.name, block_bytes=block_bytes,
-                      error=str(exc))  # fmt: skip
+            log.error(
+                "a block size cannot be opened",
+                tenant=spec.name,
+                block_bytes=block_bytes,
+                error=str(exc),
+            )
             raise
         closers[block_bytes] = own
         stack.push_async_callback(own.aclose)  # at the stop, unless given back before

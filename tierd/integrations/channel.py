@@ -13,7 +13,7 @@ its regions, a staging memfd) is one thread's.
 Every call is bounded by its deadline (:meth:`EngineChannel.call`). One that gets no
 answer in time closes its connection (a late answer, or a late copy into the old
 connection's staging memfd, is never read: the next connection brings fresh ones) and
-counts for the link's :class:`~tierd.integrations.breaker.Breaker`; so does a call that
+counts for the link's :class:`~tierd.breaker.CircuitBreaker`; so does a call that
 failed in any other way but an error answer (whatever it raised: the connection's state
 is then unknown, so it is closed too). While the breaker is open every call fails at
 once, unsent (:class:`~tierd.integrations.link.BreakerOpen`), and the link probes the
@@ -175,8 +175,7 @@ class EngineChannel:
         in an unknown state, is closed). ``answered=False``: the body only sends (a
         post), so its return is no sign of a daemon that answers."""
         breaker = self._link.breaker
-        if breaker.is_open:
-            breaker.refused()
+        if not breaker.allow():
             raise BreakerOpen("the tierd breaker is open")
         sent = time.monotonic()
         deadline = sent + deadline_s

@@ -24,7 +24,7 @@ Calls go through :meth:`DaemonLink.bounded` (on the link's loop), :meth:`DaemonL
 (a future, from any thread) or :meth:`DaemonLink.ask` (blocking, from any thread): each
 waits at most its deadline, then fails with :class:`DaemonSilent` and drops the
 connection (whatever it held in the daemon, leases included, is released when the
-daemon reads the close). The :class:`~tierd.integrations.breaker.Breaker` counts the
+daemon reads the close). The :class:`~tierd.breaker.CircuitBreaker` counts the
 failures (the engines' calls too); while it is open every call fails at once with
 :class:`BreakerOpen`, unsent, and one probe at a time asks the daemon for ``health``
 until it answers.
@@ -42,12 +42,12 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tierd.breaker import CircuitBreaker
 from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
 from tierd.control.clients.blocking_client import BlockingClient
 from tierd.control.clients.handshake import DaemonSilent
 from tierd.control.clients.pool import PoolShare
 from tierd.errors import TierdError
-from tierd.integrations.breaker import Breaker
 from tierd.integrations.params import BlockSizeMismatch
 from tierd.integrations.sglang_log import SglangLog
 
@@ -153,7 +153,7 @@ class DaemonLink:
         self._ever_connected = False
         self._closed = False
         self.connects = 0  # successful connections so far (a reconnect adds one)
-        self.breaker = Breaker(settings.breaker_failures)
+        self.breaker = CircuitBreaker(settings.breaker_failures, backoff_s=None)
         self._probe: asyncio.Task[None] | None = None
         self._check_task: asyncio.Task[None] | None = None
         # Called on the link's loop with each new connection (subscribe to events, say).
@@ -185,8 +185,7 @@ class DaemonLink:
     ) -> concurrent.futures.Future[T]:
         """``op(client)`` under ``deadline_s`` on the link's loop; never blocks. While
         the breaker is open the future is already failed with :class:`BreakerOpen`."""
-        if self.breaker.is_open:
-            self.breaker.refused()
+        if not self.breaker.allow():
             failed: concurrent.futures.Future[T] = concurrent.futures.Future()
             failed.set_exception(BreakerOpen("the tierd breaker is open"))
             return failed
@@ -251,9 +250,12 @@ class DaemonLink:
         s = self.settings
         try:  # the hello names the engine's size: a daemon of several sizes serves it so
             client = await Client.connect(
-                s.socket_path, namespace=s.namespace, block_bytes=s.block_bytes,
-                server_uids=s.server_uids, map_pool=self._map_pool,
-            )  # fmt: skip
+                s.socket_path,
+                namespace=s.namespace,
+                block_bytes=s.block_bytes,
+                server_uids=s.server_uids,
+                map_pool=self._map_pool,
+            )
         except DaemonError as exc:
             if exc.code != "block_size_mismatch":
                 raise
@@ -340,8 +342,7 @@ class DaemonLink:
         cancels ``op`` (it stops at its next await: a copy between two awaits is never
         cut), drops the connection and raises :class:`DaemonSilent`.
         """
-        if self.breaker.is_open:
-            self.breaker.refused()
+        if not self.breaker.allow():
             raise BreakerOpen("the tierd breaker is open")
         sent = time.monotonic()
         task = asyncio.get_running_loop().create_task(self.run(op))

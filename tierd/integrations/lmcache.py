@@ -67,10 +67,13 @@ class LmcacheSettings:
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> LmcacheSettings:
         given = checked_params(
-            cls, dict(params or {}), owner="tierd's L2 adapter",
+            cls,
+            dict(params or {}),
+            owner="tierd's L2 adapter",
             unknown_what="unknown adapter_params of tierd's L2 adapter",
-            doc="docs/lmcache.md", positive=("deadline_s", "reconnect_max_s"),
-        )  # fmt: skip
+            doc="docs/lmcache.md",
+            positive=("deadline_s", "reconnect_max_s"),
+        )
         for name in ("workers", "max_namespaces", "block_bytes"):
             if given.get(name) is not None and int(given[name]) < 1:
                 raise ValueError(f"tierd's L2 adapter: {name} must be >= 1")

@@ -31,7 +31,7 @@ from tierd.control.clients.handshake import DaemonSilent
 from tierd.integrations.link import DaemonLink, LinkSettings
 from tierd.integrations.sglang_log import SglangLog
 
-__all__ = ["Hold", "Pin", "Space", "SpaceSettings", "TooLate"]
+__all__ = ["LeaseShare", "Pin", "Space", "SpaceSettings", "TooLate"]
 
 T = TypeVar("T")
 log = SglangLog("tierd.integrations.lmcache")
@@ -52,7 +52,7 @@ class SpaceSettings:
     workers: int = 2  # the adapter's threads: each may hold a store or load lease
 
 
-class Hold:
+class LeaseShare:
     """One load lease, shared by the pins of its keys; released when the last is unlocked."""
 
     __slots__ = ("connection", "lease", "left", "pool")
@@ -66,7 +66,7 @@ class Hold:
 class Pin:
     """One locked key: the ``index``-th block of ``hold``'s lease."""
 
-    hold: Hold
+    hold: LeaseShare
     index: int
 
 
@@ -161,7 +161,7 @@ class Space:
             logger=log,
         )
         self._lock = threading.Lock()
-        self._unreleased: list[Hold] = []  # releases that could not be sent yet
+        self._unreleased: list[LeaseShare] = []  # releases that could not be sent yet
         self.used_bytes = 0  # the namespace's bytes in the daemon, at the last report
         self._usage_asked = 0.0
         self.lease_bound = self.request_bound = 0  # from the daemon's hello (0: none)
@@ -265,14 +265,14 @@ class Space:
         except BaseException:
             self._give_back(sum(len(run) for _, run in runs))
             raise
-        self._take(runs, leases, lambda lease: Hold(lease, pool, connection), pins)
+        self._take(runs, leases, lambda lease: LeaseShare(lease, pool, connection), pins)
         return found, pins
 
     def _take(
         self,
         runs: list[tuple[int, list[bytes]]],
         leases: list[Any],
-        hold_of: Callable[[LoadLease], Hold],
+        hold_of: Callable[[LoadLease], LeaseShare],
         pins: list[Pin | None],
     ) -> None:
         """``pins`` from the leases granted for ``runs``; what was not goes back to the budget."""
@@ -321,7 +321,7 @@ class Space:
 
     def unpin(self, pins: Sequence[Pin]) -> None:
         """Unlock: each pin's lease is released when its last key is (never blocks)."""
-        done: list[Hold] = []
+        done: list[LeaseShare] = []
         with self._lock:
             for pin in pins:
                 pin.hold.left -= 1
@@ -332,10 +332,10 @@ class Space:
         for hold in done:
             self._release(hold)
 
-    def _valid(self, hold: Hold) -> bool:
+    def _valid(self, hold: LeaseShare) -> bool:
         return self._on_link(hold.connection)
 
-    def _release(self, hold: Hold) -> None:
+    def _release(self, hold: LeaseShare) -> None:
         if not self._valid(hold):
             return  # the daemon released it with the connection
         future = self._send_on(hold.connection, hold.lease.release)
@@ -381,10 +381,10 @@ class Space:
         while start < len(run):
             keys = run[start:]
 
-            async def pin(client: Client, keys: list[bytes] = keys) -> tuple[int, Hold]:
+            async def pin(client: Client, keys: list[bytes] = keys) -> tuple[int, LeaseShare]:
                 asked = keys[: self.chunk()]
                 lease = await client.prepare_load(asked)
-                return len(asked), Hold(lease, client.require_pool(), self.link.connects)
+                return len(asked), LeaseShare(lease, client.require_pool(), self.link.connects)
 
             asked, hold = self._ask(pin, at)
             count = hold.lease.count

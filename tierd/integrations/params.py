@@ -20,9 +20,14 @@ _TRANSIENT = frozenset({"busy", "shutting_down"})
 
 
 def checked_params(
-    cls: type, given: dict[str, Any], *, owner: str, unknown_what: str, doc: str,
+    cls: type,
+    given: dict[str, Any],
+    *,
+    owner: str,
+    unknown_what: str,
+    doc: str,
     positive: tuple[str, ...],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """``given`` for the dataclass ``cls``; ``ValueError`` naming ``owner`` for a key
     ``cls`` lacks (listing what it has, and ``doc``) or a field of ``positive`` <= 0."""
     known = {f.name for f in fields(cls)}

@@ -273,8 +273,7 @@ class TierdSecondaryTier(SecondaryTierManager):
             results.put([(k, gen, hit) for (k, _, gen), hit in zip(batch, found, strict=True)])
 
         keys = [key for key, _, _ in batch]
-        if self._link.breaker.is_open:
-            self._link.breaker.refused()
+        if not self._link.breaker.allow():
             answer([False] * len(keys))  # unsent: misses now, as an open breaker answers
             return
         if not self._asking.acquire(blocking=False):

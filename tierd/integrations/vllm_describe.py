@@ -48,9 +48,16 @@ _POLL_MS = 100
 _FRAMES = 16  # how far up the callers engine_kv_events looks
 # BlockStored's fields in vLLM's order, for an array-encoded (array_like) event.
 _STORED_FIELDS = (
-    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-    "lora_name", "extra_keys", "group_idx",
-)  # fmt: skip
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
 Hash = int | bytes
 
 

@@ -147,8 +147,7 @@ class Jobs:
         rows: _StoreRows | None = None
         if self._calls.channel.breaker_open or is_load:
             future = concurrent.futures.Future()
-            if self._calls.channel.breaker_open:  # fail at once: nothing is sent
-                self._calls.link.breaker.refused()
+            if not self._calls.link.breaker.allow():  # fail at once: nothing is sent
                 future.set_result(Done(job_id, is_load, keys, 0.0, (), "breaker open"))
             else:  # a request waits for it: right here
                 future.set_result(self._load(job_id, keys, row_ids))

@@ -47,7 +47,7 @@ from tierd.kvevents import wire
 from tierd.kvevents.book import DescriptorBook, Entry
 from tierd.kvevents.book_file import BookFile
 from tierd.logs import get_logger
-from tierd.stores.base import next_turn
+from tierd.turns import INDEX_KEYS, next_turn
 
 if TYPE_CHECKING:
     from tierd.chain import TierChain
@@ -57,7 +57,6 @@ __all__ = ["EventFeed", "FeedSettings", "KvTenant", "Stream"]
 
 log = get_logger("tierd.kvevents")
 ADOPTION_POLL_S = 0.5
-SETTLE_SLICE = 4096  # restored descriptions settled per turn of the loop
 SNAPSHOT_GATHER_S = 0.2  # the subscriptions of one wave of (re)connections, one snapshot
 SNAPSHOT_GAP_S = 1.0  # between two snapshots at least,
 SNAPSHOT_SHARE = 0.05  # and long enough that snapshots take this share of the time at most
@@ -243,8 +242,8 @@ class EventFeed:
         while any(level.tier.adopting for level in levels):  # noqa: ASYNC110
             await asyncio.sleep(ADOPTION_POLL_S)
         keys, tenant.restored = tenant.restored, []
-        for start in range(0, len(keys), SETTLE_SLICE):  # the loop's turn between slices
-            for key in keys[start : start + SETTLE_SLICE]:
+        for start in range(0, len(keys), INDEX_KEYS):  # the loop's turn between slices
+            for key in keys[start : start + INDEX_KEYS]:
                 if key not in tenant.book:
                     continue
                 self._announce_held(tenant, key)

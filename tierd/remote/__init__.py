@@ -5,7 +5,7 @@ Importing this package loads no client library: :mod:`tierd.remote.redis_level` 
 (through :mod:`tierd.remote.calls`), when a chain with a remote level opens.
 """
 
-from tierd.remote.breaker import CircuitBreaker
+from tierd.breaker import CircuitBreaker
 from tierd.remote.values import HEADER_BYTES, decode_block, encode_block
 
 __all__ = ["HEADER_BYTES", "CircuitBreaker", "decode_block", "encode_block"]

@@ -7,7 +7,7 @@ on every call until it appears. Each call (:meth:`RemoteCalls.pipeline`) runs un
 ``deadline_s`` (``asyncio.timeout``; the client's connect timeout is set to it too, and
 its retries are off, so nothing waits behind a dead node; there is no per-reply socket
 timeout, which would cost a timer per key). A call that times out or cannot connect
-counts towards the :class:`~tierd.remote.breaker.CircuitBreaker` and comes back ``None``;
+counts towards the :class:`~tierd.breaker.CircuitBreaker` and comes back ``None``;
 while the breaker is open calls are refused at once. Error replies (``OOM``, say) come
 back in the list: the server is up, so they do not count against it.
 
@@ -193,7 +193,7 @@ class RemoteCalls(CallNotes):
             return None
         finally:
             if failed:
-                self.breaker.failure()
+                self.breaker.failed()
             else:
                 self.answered()
         return list(replies)

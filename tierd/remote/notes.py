@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from tierd.breaker import BreakerState, CircuitBreaker
 from tierd.logs import get_logger
-from tierd.remote.breaker import BreakerState, CircuitBreaker
 
 __all__ = ["CallNotes", "LevelSettings"]
 
@@ -74,7 +74,7 @@ class CallNotes:
 
     def answered(self) -> None:
         """A call was answered: the breaker closes, and stats may say the level works."""
-        self.breaker.success()
+        self.breaker.answered()
         self.last_ok_at = time.time()
 
     def note(self, exc: BaseException, what: str) -> None:
@@ -101,7 +101,7 @@ class CallNotes:
         if failed and not landed:
             self.writes_failed += 1
             was = self.write_breaker.state
-            self.write_breaker.failure()
+            self.write_breaker.failed()
             if was is BreakerState.CLOSED and self.write_breaker.state is BreakerState.OPEN:
                 log.warning(
                     "remote level refuses writes",
@@ -112,7 +112,7 @@ class CallNotes:
                 )
         else:
             self.writes_failed = 0
-            self.write_breaker.success()
+            self.write_breaker.answered()
 
     def problems(self) -> list[str]:
         """What keeps the level from working, in words (empty: nothing): an open breaker,

@@ -210,7 +210,7 @@ class S3Calls(CallNotes):
         if late:
             self.note(TimeoutError(f"{late} of {len(settled)} requests"), "timed out")
         if failed:
-            self.breaker.failure()
+            self.breaker.failed()
         else:
             self.answered()
         return results

@@ -10,7 +10,7 @@ from typing import Any
 from tierd.lazy import lazy_attribute
 from tierd.stores.base import BlockStore, Buffer, StoreStats
 from tierd.stores.cpu import CpuStore
-from tierd.stores.disk import DiskStore
+from tierd.stores.disk.store import DiskStore
 from tierd.stores.memory import HostPoolStore, MemoryStore
 
 __all__ = [

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import os
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -252,31 +251,6 @@ class StoreCounters:
 
 
 # -- copies off the loop ---------------------------------------------------------------
-
-GIL_NAP_S = 20e-6  # how long next_turn leaves the GIL to a thread that waits for it
-GIL_NAP_EVERY_S = 1e-3  # next_turn naps once this long has passed since its last nap
-_last_nap = 0.0  # monotonic time of next_turn's last nap (the GIL is the process's)
-
-
-async def next_turn() -> None:
-    """Yield to the loop's other work and to the threads that wait for the GIL, between
-    two slices of a long piece of loop work.
-
-    ``await asyncio.sleep(0)`` alone starves threads: a loop that always has work ready
-    never blocks, it lets go of the GIL only inside a poll of no timeout and takes it
-    straight back, and a thread waiting for the GIL sees it change hands and so never
-    asks for it. Measured on uvloop: a thread-pool hop waited 4 s (median) beside a
-    coroutine slicing work that way, and a disk write 200-300 ms, the length of a whole
-    checkpoint walk of a million blocks. A 20 us nap with the GIL let go hands it over
-    (the hop: 1.9 ms, about two slices). The nap is a system call, 60-80 us on a VM:
-    slices shorter than a millisecond nap only once a millisecond (a 4,096-key store
-    in 16 slices of 512 keys spent 1.1 ms of its 5-8 ms napping)."""
-    global _last_nap
-    now = time.monotonic()
-    if now - _last_nap >= GIL_NAP_EVERY_S:
-        time.sleep(GIL_NAP_S)  # noqa: ASYNC251  (on purpose: the GIL let go, not a wait)
-        _last_nap = time.monotonic()
-    await asyncio.sleep(0)
 
 
 async def settle(future: asyncio.Future[T], on_cancel: Callable[[], None] | None = None) -> T:

@@ -8,7 +8,7 @@ kernel is still writing into a slot view are not copied early, and a released sl
 overwritten under a kernel still reading it. Host tensors move straight into or out of
 pool rows (one DMA per consecutive run, or per block): no device temporary. Host buffers
 that are not tensors are packed into pinned staging of bounded size per launch (bigger
-batches go in pieces: :mod:`tierd.stores.gpu_staging`). Completion comes back to the event
+batches go in pieces: :mod:`tierd.stores.gpu_packing`). Completion comes back to the event
 loop through an :class:`~tierd.stores.cuda.EventWaiter` per stream: the loop never blocks
 or polls.
 
@@ -63,7 +63,7 @@ from tierd.stores.gpu_calls import host_pinned as _host_pinned
 from tierd.stores.gpu_calls import set_device as _set_device
 from tierd.stores.gpu_calls import stream_scope as _stream_scope
 from tierd.stores.gpu_calls import within as _within
-from tierd.stores.gpu_staging import new_staging, pack, pieces, tensor_if_array, unpack
+from tierd.stores.gpu_packing import new_staging, pack, pieces, tensor_if_array, unpack
 
 __all__ = ["COPY_TIMEOUT_S", "DeviceLost", "GpuStore", "is_device_error", "is_sticky"]
 

@@ -111,12 +111,12 @@ def corrupt_disk_block(store: BlockStore, slot: int, nbytes: int = 16) -> None:
     """Flip the first ``nbytes`` data bytes of ``slot`` in a disk store's slab file behind
     its back, as a bad sector would: the block's checksum no longer matches its bytes, so
     reading it must fail (never return the flipped bytes). The slab layout is the one
-    :mod:`tierd.stores.disk_slab` describes: a superblock page, then per slot one header
+    :mod:`tierd.stores.disk.slab` describes: a superblock page, then per slot one header
     page followed by the data; slot ``s`` lives in file ``s % len(files)``."""
     import os
 
-    from tierd.stores.disk import DiskStore
-    from tierd.stores.fileio import ALIGN
+    from tierd.stores.disk.io import ALIGN
+    from tierd.stores.disk.store import DiskStore
 
     if not isinstance(store, DiskStore):
         raise TypeError(f"not a disk store: {type(store).__name__}")

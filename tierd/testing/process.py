@@ -118,9 +118,13 @@ class DaemonProcess:
             with spec.log.open("wb") as log:
                 stdout = log if spec.stdout is None else spec.stdout
                 self.proc: subprocess.Popen[bytes] = subprocess.Popen(
-                    list(spec.command), stdin=subprocess.DEVNULL, stdout=stdout, stderr=log,
-                    env=env, cwd=spec.cwd,
-                )  # fmt: skip
+                    list(spec.command),
+                    stdin=subprocess.DEVNULL,
+                    stdout=stdout,
+                    stderr=log,
+                    env=env,
+                    cwd=spec.cwd,
+                )
         except BaseException:
             self._close_notify()
             raise

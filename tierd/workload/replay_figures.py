@@ -189,8 +189,7 @@ class Latencies:
             return ordered[max(0, math.ceil(q * count) - 1)] if count else 0.0
 
         mean = self.total / count if count else 0.0
-        return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "mean": mean,
-                "count": count}  # fmt: skip
+        return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "mean": mean, "count": count}
 
 
 def rate(amount: float, per: float) -> float:

@@ -133,13 +133,19 @@ class TraceRecorder:
         if self._limit < _SCALE and xxhash.xxh3_64_intdigest(keys[0]) >= self._limit:
             self.skipped += 1
             return
-        line = json.dumps({
-            "timestamp": int((time.monotonic() - self._began) * 1000),
-            "input_length": len(keys),
-            "output_length": 0,
-            "hash_ids": [hash_id(k) for k in keys],
-            "namespace": namespace_id.hex(),
-        }, separators=(",", ":")) + "\n"  # fmt: skip
+        line = (
+            json.dumps(
+                {
+                    "timestamp": int((time.monotonic() - self._began) * 1000),
+                    "input_length": len(keys),
+                    "output_length": 0,
+                    "hash_ids": [hash_id(k) for k in keys],
+                    "namespace": namespace_id.hex(),
+                },
+                separators=(",", ":"),
+            )
+            + "\n"
+        )
         try:
             self._write(tenant, line)
         except OSError as exc:
@@ -187,7 +193,12 @@ class TraceRecorder:
     def state(self) -> dict[str, Any]:
         s = self.settings
         return {
-            "enabled": self.enabled, "directory": str(s.directory), "sample": s.sample,
-            "max_bytes": s.max_bytes, "keep": s.keep, "recorded": self.recorded,
-            "skipped": self.skipped, "error": self.error,
-        }  # fmt: skip
+            "enabled": self.enabled,
+            "directory": str(s.directory),
+            "sample": s.sample,
+            "max_bytes": s.max_bytes,
+            "keep": s.keep,
+            "recorded": self.recorded,
+            "skipped": self.skipped,
+            "error": self.error,
+        }

@@ -25,8 +25,6 @@ from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar
 
 from tierd.chain import LoadHandle, StoreHandle, TierChain
-from tierd.chain.core import TOUCH_PIECE
-from tierd.chain.loads import LOAD_PIECE
 from tierd.control.figures.namespaces import NamespaceFigures
 from tierd.control.protocol import (
     ErrorCode,
@@ -43,7 +41,7 @@ from tierd.control.state.lease_ends import Lease, finish, finish_in_pieces, smal
 from tierd.control.state.tenant_table import Tenant
 from tierd.errors import BlockMissing, ProtocolError
 from tierd.keys import BlockKey, Medium
-from tierd.stores.base import next_turn
+from tierd.turns import LOAD_KEYS, TOUCH_KEYS, next_turn
 
 __all__ = ["LOADED_FROM", "BlockRequests", "Requester", "distinct"]
 
@@ -177,11 +175,11 @@ class BlockRequests:
         return _ended(self._take(msg, LoadHandle))
 
     def touch(self, msg: dict[str, Any]) -> Reply | Awaitable[Reply]:
-        """Mark the keys used at once; more than :data:`TOUCH_PIECE` keys, a piece a turn
+        """Mark the keys used at once; more than :data:`TOUCH_KEYS` keys, a piece a turn
         of the loop (the tail's first), answered when done."""
         chain = self.session.chain()
         keys, uses = self.session.keys(msg), bool_field(msg, "uses", True)
-        if len(keys) <= TOUCH_PIECE:
+        if len(keys) <= TOUCH_KEYS:
             chain.touch(keys, uses=uses)
             return {}
         return _answered_after(chain.touch_in_pieces(keys, uses=uses))
@@ -218,7 +216,7 @@ class BlockRequests:
         except BaseException:
             handle.release()
             raise
-        await handle.release_in_pieces(LOAD_PIECE)  # a Python step a key
+        await handle.release_in_pieces(LOAD_KEYS)  # a Python step a key
         return {"count": data.count, "data": data, LOADED_FROM: str(handle.source_medium)}
 
 

@@ -5,8 +5,8 @@
   router indexes. A block already held is announced at once. Without a ``kv_events:``
   section publishing the tenant, the answer is ``kept: 0`` and nothing is kept. A
   description costs the loop some 20 us to check and keep, more the bigger it is, so a
-  request is handled :data:`DESCRIBE_PIECE` descriptions a turn and at most
-  :data:`DESCRIBE_PIECE_BYTES` of them (256 small ones in one go held every other client
+  request is handled :data:`DESCRIPTIONS` descriptions a turn and at most
+  :data:`DESCRIPTION_BYTES` of them (256 small ones in one go held every other client
   5-7 ms; 933 of 16,809 bytes a request, 64 a turn, gave another tenant's lookups a p99
   over a second); all are checked before any is kept.
 - ``blocks_held``: the existence query of routers that ask instead of listen: lists of
@@ -30,15 +30,13 @@ from tierd.control.state.tenant_table import Grant, Tenant
 from tierd.errors import ProtocolError
 from tierd.keys import BlockKey
 from tierd.kvevents.describe import BadDescription, parse_description, unpack_description
-from tierd.stores.base import next_turn
+from tierd.turns import DESCRIPTION_BYTES, DESCRIPTIONS, next_turn
 
 if TYPE_CHECKING:
     from tierd.kvevents.feed import KvTenant
 
-__all__ = ["DESCRIBE_PIECE", "DESCRIBE_PIECE_BYTES", "KvRequests"]
+__all__ = ["KvRequests"]
 
-DESCRIBE_PIECE = 64  # descriptions checked, or kept, per turn of the loop, at most
-DESCRIBE_PIECE_BYTES = 32 << 10  # and their bytes (a piece holds one description at least)
 
 Reply = dict[str, Any]
 
@@ -153,13 +151,13 @@ def _requests(msg: dict[str, Any], max_keys: int) -> list[list[Any]]:
 
 def _pieces(blocks: list[Any]) -> list[slice]:
     """``blocks`` (packed descriptions) cut into the pieces of one turn each: at most
-    :data:`DESCRIBE_PIECE` of them and :data:`DESCRIBE_PIECE_BYTES` of their bytes, one at
+    :data:`DESCRIPTIONS` of them and :data:`DESCRIPTION_BYTES` of their bytes, one at
     least (a description that is not bytes fails its check in the first piece)."""
     pieces: list[slice] = []
     start = size = 0
     for i, raw in enumerate(blocks):
         grown = size + (len(raw) if isinstance(raw, bytes | bytearray) else 0)
-        if i > start and (i - start >= DESCRIBE_PIECE or grown > DESCRIBE_PIECE_BYTES):
+        if i > start and (i - start >= DESCRIPTIONS or grown > DESCRIPTION_BYTES):
             pieces.append(slice(start, i))
             start, grown = i, grown - size
         size = grown

@@ -32,12 +32,11 @@ from tierd.control.state.context import ServerContext
 from tierd.control.state.tenant_table import Grant, Tenant
 from tierd.errors import ProtocolError
 from tierd.keys import MAX_KEY_BYTES, BlockKey
-from tierd.stores.base import next_turn
+from tierd.turns import INDEX_KEYS, next_turn
 
-__all__ = ["WALK_SLICE", "NamespaceRequests"]
+__all__ = ["INDEX_KEYS", "NamespaceRequests"]
 
 Reply = dict[str, Any]
-WALK_SLICE = 4096  # keys of an index looked at per turn of the event loop (deleted: 256)
 
 
 class Asker(Protocol):
@@ -223,7 +222,7 @@ class NamespaceRequests:
 
 async def _delete_starting(tenant: Tenant, start: bytes) -> Deleted:
     """Delete every key of ``tenant`` that starts with ``start`` (a namespace id and
-    more), walking each level's keys :data:`WALK_SLICE` at a time and yielding to the
+    more), walking each level's keys :data:`INDEX_KEYS` at a time and yielding to the
     loop between slices, so other clients are served while a large namespace goes. A
     key stored after its level's keys were taken stays; one evicted meanwhile is skipped."""
     chain = tenant.chain
@@ -240,8 +239,8 @@ async def _delete_starting(tenant: Tenant, start: bytes) -> Deleted:
         else:  # no ready block of the namespace there: only its writes in flight can be
             key_parts = [tier.writing_keys()]
         for keys in key_parts:
-            for first in range(0, len(keys), WALK_SLICE):
-                part = keys[first : first + WALK_SLICE]
+            for first in range(0, len(keys), INDEX_KEYS):
+                part = keys[first : first + INDEX_KEYS]
                 found = [k for k in part if k[:size] == start and k not in handled]
                 if found:
                     done = await chain.delete_in_pieces(found)

@@ -65,7 +65,7 @@ from tierd.control.state.context import ServerContext
 from tierd.control.state.tenant_table import Grant, Tenant
 from tierd.errors import ProtocolError
 from tierd.keys import BlockKey
-from tierd.stores.base import next_turn
+from tierd.turns import next_turn
 
 __all__ = ["Session"]
 

@@ -26,9 +26,7 @@ from collections.abc import Callable
 import structlog
 
 from tierd.chain import LoadHandle, StoreHandle
-from tierd.chain.loads import LOAD_PIECE
-from tierd.chain.moves import STORE_PIECE
-from tierd.stores.base import next_turn
+from tierd.turns import LOAD_KEYS, STORE_KEYS, next_turn
 
 __all__ = ["Lease", "LeaseEnds", "finish", "finish_in_pieces", "small"]
 
@@ -51,12 +49,12 @@ async def finish_in_pieces(handle: Lease) -> None:
     if isinstance(handle, StoreHandle):
         await handle.abort_in_pieces()
     else:
-        await handle.release_in_pieces(LOAD_PIECE)
+        await handle.release_in_pieces(LOAD_KEYS)
 
 
 def small(handle: Lease) -> bool:
     """Whether ``handle`` is ended at once: no more keys than one piece."""
-    return len(handle.keys) <= min(STORE_PIECE, LOAD_PIECE)
+    return len(handle.keys) <= min(STORE_KEYS, LOAD_KEYS)
 
 
 class LeaseEnds:

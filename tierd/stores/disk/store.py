@@ -3,26 +3,26 @@
 Global slot ``s`` lives in slab ``s % len(directories)`` at local slot
 ``s // len(directories)``, so consecutive slots stripe across drives. Every block is
 written as one ``pwritev`` of a header page and its data, and read back checked against
-the expected key, generation and checksum (:mod:`tierd.stores.disk_block`): a torn, stale
+the expected key, generation and checksum (:mod:`tierd.stores.disk.block_format`): a torn, stale
 or corrupted block reads as failed, never as wrong bytes.
 
-Each slab (:mod:`tierd.stores.disk_slab`) keeps its slot index in memory, with a journal
+Each slab (:mod:`tierd.stores.disk.slab`) keeps its slot index in memory, with a journal
 of every BEGIN, SET and DEL since the last snapshot of that index
-(:mod:`tierd.stores.disk_journal`, :mod:`tierd.stores.disk_snapshot`); a write's BEGIN
+(:mod:`tierd.stores.disk.journal`, :mod:`tierd.stores.disk.index`); a write's BEGIN
 record is in the journal file before its block is written. Opening a slab
-(:mod:`tierd.stores.disk_open`) takes the snapshot a clean close wrote as it stands; after
+(:mod:`tierd.stores.disk.opening`) takes the snapshot a clean close wrote as it stands; after
 a crash it replays the snapshot and journal and reads only the slots they leave open
 (writes in flight); only without a usable snapshot and journal does it read every slot's
 header. :meth:`DiskStore.index` then lists what survived, for the tier above to adopt.
 Checkpoints are taken while serving, a slice per loop turn, and their snapshots written
-on a thread of their own, never inside a write (:mod:`tierd.stores.disk_checkpoint`).
+on a thread of their own, never inside a write (:mod:`tierd.stores.disk.checkpoints`).
 
 I/O runs on two thread pools, reads apart from writes, so loads never queue behind
 write-back; a batch is cut into chunks per slab of up to ``blocks_per_task`` blocks (by
 default :data:`READ_TASK_BLOCKS` for reads and :data:`WRITE_TASK_BYTES` of blocks for
 writes: each written chunk costs two syncs under ``fsync: always``), one thread hop per
 chunk, up to ``read_threads`` / ``write_threads`` chunks in flight
-(:mod:`tierd.stores.disk_threads`). O_DIRECT is used where the file system accepts it
+(:mod:`tierd.stores.disk.threads`). O_DIRECT is used where the file system accepts it
 (probed once per slab at open); caller buffers that are page-aligned and a multiple of
 4096 bytes long (CPU pool slots) are read into and written from directly, anything else
 goes through a per-thread aligned staging buffer. Under buffered I/O no staging is needed.
@@ -30,7 +30,7 @@ goes through a per-thread aligned staging buffer. Under buffered I/O no staging 
 Durability (``fsync``): ``"always"`` syncs the journal before a batch's data is written
 and fdatasyncs the slab after it, before the write is acknowledged; ``"batch"`` syncs
 data then journal at most ``fsync_interval`` seconds after a write; ``"none"`` leaves both
-to the page cache. What a crash loses in each mode is :mod:`tierd.stores.disk_sync`'s
+to the page cache. What a crash loses in each mode is :mod:`tierd.stores.disk.io`'s
 docstring; checksums make the worst case a miss.
 """
 
@@ -55,12 +55,11 @@ from tierd.stores.base import (
     block_views,
     device_rows,
 )
-from tierd.stores.disk_block import BAD_BLOCK, OK
-from tierd.stores.disk_checkpoint import Checkpoints
-from tierd.stores.disk_slab import Slab, SlabConfig
-from tierd.stores.disk_sync import Fsync, PeriodicSync
-from tierd.stores.disk_threads import Chunking, run_chunks
-from tierd.stores.fileio import FileIO
+from tierd.stores.disk.block_format import BAD_BLOCK, OK
+from tierd.stores.disk.checkpoints import Checkpoints
+from tierd.stores.disk.io import FileIO, Fsync, PeriodicSync
+from tierd.stores.disk.slab import Slab, SlabConfig
+from tierd.stores.disk.threads import Chunking, run_chunks
 
 _log = get_logger("tierd.disk")
 
@@ -137,10 +136,16 @@ class DiskStore(BlockStore):
         self._in_flight = InFlight()  # reads and writes in progress
         self._journal_flushes: set[Future[int]] = set()
         self._counts = dict.fromkeys(
-            ("bytes_written", "bytes_read", "write_errors", "read_errors", "checksum_failures",
-             "index_misses"),
+            (
+                "bytes_written",
+                "bytes_read",
+                "write_errors",
+                "read_errors",
+                "checksum_failures",
+                "index_misses",
+            ),
             0,
-        )  # fmt: skip
+        )
 
     def _make_slab(self, i: int, directory: str, o_direct: bool | str, io: FileIO) -> Slab:
         cfg = SlabConfig(
@@ -348,9 +353,13 @@ class DiskStore(BlockStore):
         c = self._counts
         slabs = self._slabs
         return StoreStats(
-            medium=self.medium, num_blocks=self.num_blocks, block_bytes=self.block_bytes,
-            bytes_written=c["bytes_written"], bytes_read=c["bytes_read"],
-            write_errors=c["write_errors"], read_errors=c["read_errors"],
+            medium=self.medium,
+            num_blocks=self.num_blocks,
+            block_bytes=self.block_bytes,
+            bytes_written=c["bytes_written"],
+            bytes_read=c["bytes_read"],
+            write_errors=c["write_errors"],
+            read_errors=c["read_errors"],
             details={
                 "o_direct": all(s.o_direct for s in slabs),
                 "reason": "; ".join(sorted({s.reason for s in slabs})),
@@ -368,7 +377,7 @@ class DiskStore(BlockStore):
                 "blocks": sum(len(s.entries) for s in slabs),
                 "dropped_blocks": sum(s.dropped for s in slabs),
             },
-        )  # fmt: skip
+        )
 
 
 def _flush(slab: Slab, sync: bool) -> list[int]:

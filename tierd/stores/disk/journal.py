@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tierd.stores.disk_index import Op, Record, private
-from tierd.stores.disk_snapshot import (
+from tierd.stores.disk.block_format import Op, Record, private
+from tierd.stores.disk.index import (
     Checkpoint,
     Piece,
     encode_pieces,
@@ -44,7 +44,7 @@ from tierd.stores.disk_snapshot import (
     save_snapshot,
     write_all,
 )
-from tierd.stores.fileio import FileIO
+from tierd.stores.disk.io import FileIO
 
 __all__ = ["Journal", "Replay"]
 

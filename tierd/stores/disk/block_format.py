@@ -1,7 +1,25 @@
-"""One block on a slab file: its header page and data moved in a single system call.
+"""A block of the disk store on disk: its header, its write and read, and the rule of
+recovery.
+
+**The header and recovery.**
+One slab directory holds the slab (``tierd-slab.bin``), the index snapshot
+(``tierd-index.msgpack``, :mod:`tierd.stores.disk.index`) and the journal
+(``tierd-journal.bin``, with ``tierd-journal.old.bin`` while a checkpoint is written:
+:mod:`tierd.stores.disk.journal`). This module owns the per-slot block header, the journal's
+operations, and the rule that rebuilds a slab's index from its headers when a crash left
+no usable snapshot and journal (:func:`reconcile`; :mod:`tierd.stores.disk.opening` decides
+when). The header is the truth about bytes; the snapshot and journal are the truth about
+intent (which slots the store invalidated).
+
+Block header (first 4096-byte page of every slot, little-endian; data follows at +4096)::
+
+    magic "TIERDBLK" | version u16 | key_len u16 | flags u32 | slot u64 | gen u64
+    | data_len u64 | data_xxh3 u64 | key 64s | header_xxh3 u64 (over all bytes before it)
+
+**A block's write and read**: its header page and data moved in a single system call.
 
 A block is written as one ``pwritev`` of a 4096-byte header page (slot, generation, key,
-length, xxh3 of the data, xxh3 of the header; :mod:`tierd.stores.disk_index`) and the
+length, xxh3 of the data, xxh3 of the header; :mod:`tierd.stores.disk.block_format`) and the
 data, and read back as one ``preadv`` whose header must name the expected slot, key,
 generation and length and whose data must match its checksum: a torn, stale or corrupted
 block reads as :data:`BAD_BLOCK`, never as wrong bytes. Blocks of adjacent slots are
@@ -12,32 +30,140 @@ own: at 128 KiB blocks a load or a store was one system call per block.
 This module owns that per-block routine and the per-thread, page-aligned staging page it
 goes through when O_DIRECT is on and the caller's buffer is not page-aligned and a
 multiple of 4096 bytes long. It runs on the disk store's I/O threads and holds no state
-but that staging page; which slot holds which generation is :class:`~tierd.stores.
-disk_slab.Slab`'s.
+but that staging page; which slot holds which generation is :class:`~tierd.stores.disk.slab.Slab`'s.
 """
 
 from __future__ import annotations
 
+import enum
 import errno
+import os
+import struct
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from tierd.stores import disk_index as di
-from tierd.stores.fileio import ALIGN, FileIO, address_of, aligned_buffer
+import xxhash
+
+from tierd.stores.disk.index import Entry
+from tierd.stores.disk.io import ALIGN, FileIO, address_of, aligned_buffer
 
 __all__ = [
     "BAD_BLOCK",
+    "BlockHeader",
+    "HEADER_BYTES",
     "OK",
+    "Op",
     "ReadJob",
+    "Record",
     "WriteJob",
+    "data_checksum",
     "read_block",
     "read_run",
+    "reconcile",
     "runs_with",
     "staging",
     "write_block",
     "write_run",
 ]
+
+_HDR = struct.Struct("<8sHHIQQQQ64s")
+HEADER_BYTES = _HDR.size + 8
+_BLOCK_MAGIC = b"TIERDBLK"
+_U64 = struct.Struct("<Q")
+_VERSION = 1  # of the block header
+
+
+def _xxh(data: bytes | memoryview) -> int:
+    return int(xxhash.xxh3_64_intdigest(data))
+
+
+def data_checksum(data: memoryview) -> int:
+    return _xxh(data)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """What a slot's header page says about the block behind it."""
+
+    slot: int
+    gen: int
+    key: bytes
+    data_len: int
+    data_xxh3: int
+
+    def pack_into(self, page: memoryview) -> None:
+        _HDR.pack_into(
+            page,
+            0,
+            _BLOCK_MAGIC,
+            _VERSION,
+            len(self.key),
+            0,
+            self.slot,
+            self.gen,
+            self.data_len,
+            self.data_xxh3,
+            self.key,
+        )
+        _U64.pack_into(page, _HDR.size, _xxh(page[: _HDR.size]))
+
+    @classmethod
+    def unpack(cls, page: memoryview) -> BlockHeader | None:
+        """The header in ``page``, or None when its magic, version or checksum is wrong
+        (never written, torn, or overwritten by something else)."""
+        fields = _HDR.unpack_from(page, 0)
+        if fields[0] != _BLOCK_MAGIC or fields[1] != _VERSION or fields[2] > 64:
+            return None
+        if _U64.unpack_from(page, _HDR.size)[0] != _xxh(page[: _HDR.size]):
+            return None
+        _, _, key_len, _, slot, gen, data_len, csum, key = fields
+        return cls(slot, gen, bytes(key[:key_len]), data_len, csum)
+
+
+class Op(enum.IntEnum):
+    BEGIN = 1  # a write to the slot started; its old contents are gone
+    SET = 2  # the write finished; the slot holds (key, gen)
+    DEL = 3  # the slot was invalidated (or its write failed) up to generation gen
+
+
+Record = tuple[Op, int, bytes]  # (op, gen, key) for one slot
+
+
+# -- recovery --------------------------------------------------------------------------
+
+
+def reconcile(
+    known: dict[int, Record], headers: dict[int, BlockHeader]
+) -> tuple[dict[int, Entry], dict[int, BlockHeader]]:
+    """Split the slots whose header is intact into (trusted, to verify).
+
+    Trusted: the journal's last word on the slot is SET with the header's generation (the
+    data was durable before that record was written). Dropped: the last word is DEL at or
+    after the header's generation (invalidated, or its write failed). Everything else (a
+    write in flight at the crash, a lost journal tail, no journal) must have its data
+    checksum verified before the block is readable again.
+    """
+    trusted: dict[int, Entry] = {}
+    verify: dict[int, BlockHeader] = {}
+    for slot, hdr in headers.items():
+        rec = known.get(slot)
+        if rec is not None and rec[0] is Op.SET and rec[1] == hdr.gen and rec[2] == hdr.key:
+            trusted[slot] = (hdr.key, hdr.gen)
+        elif rec is not None and rec[0] is Op.DEL and rec[1] >= hdr.gen:
+            continue
+        else:
+            verify[slot] = hdr
+    return trusted, verify
+
+
+def private(fd: int) -> None:
+    """Make a file of the disk tier readable and writable by its owner only: cached
+    blocks reveal the prompts they came from, and an older tierd created them 0644."""
+    if os.fstat(fd).st_mode & 0o077:
+        os.fchmod(fd, 0o600)
+
 
 OK = 0  # a chunk routine's per-block result; a positive value is an errno
 BAD_BLOCK = -1  # header, key, generation or checksum did not match
@@ -103,9 +229,9 @@ def write_run(
     return _one_by_one(write_block, io, fd, offset, jobs, data_io, o_direct)
 
 
-def _header(job: WriteJob) -> di.BlockHeader:
+def _header(job: WriteJob) -> BlockHeader:
     local, key, gen, data = job
-    return di.BlockHeader(local, gen, key, len(data), di.data_checksum(data))
+    return BlockHeader(local, gen, key, len(data), data_checksum(data))
 
 
 def read_block(io: FileIO, fd: int, offset: int, job: ReadJob, data_io: int, o_direct: bool) -> int:
@@ -210,9 +336,9 @@ def _checked(head: memoryview, job: ReadJob, body: memoryview) -> int:
     """Whether the header page and the data read match ``job``'s slot, key,
     generation, length and checksum: :data:`OK` or :data:`BAD_BLOCK`."""
     local, key, gen, out = job
-    hdr = di.BlockHeader.unpack(head)
+    hdr = BlockHeader.unpack(head)
     if hdr is None or (hdr.slot, hdr.key, hdr.gen, hdr.data_len) != (local, key, gen, len(out)):
         return BAD_BLOCK
-    if di.data_checksum(body) != hdr.data_xxh3:
+    if data_checksum(body) != hdr.data_xxh3:
         return BAD_BLOCK
     return OK

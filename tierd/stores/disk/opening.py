@@ -17,7 +17,7 @@ a slot's BEGIN record is always in the file before its block is written, so ever
 on disk is named by one). Only when there is no usable snapshot and journal (deleted,
 corrupted, or written by a release whose snapshot did not list the writes in flight)
 does it read every slot's header (:func:`scan_headers`) and verify what they do not
-vouch for (:func:`tierd.stores.disk_index.reconcile`). Headers and blocks are read
+vouch for (:func:`tierd.stores.disk.block_format.reconcile`). Headers and blocks are read
 through callables the slab passes in, so a clean open reads neither. Everything here
 runs on an I/O thread, at open.
 """
@@ -34,9 +34,10 @@ from dataclasses import dataclass, replace
 import xxhash
 
 from tierd.logs import get_logger
-from tierd.stores import disk_index as di
-from tierd.stores import disk_journal as dj
-from tierd.stores.fileio import ALIGN, FileIO, aligned_buffer
+from tierd.stores.disk import block_format as di
+from tierd.stores.disk import index as ix
+from tierd.stores.disk import journal as dj
+from tierd.stores.disk.io import ALIGN, FileIO, aligned_buffer
 
 __all__ = [
     "DirectProbe",
@@ -185,7 +186,7 @@ Resume = tuple[int | None, list[tuple[di.Op, int, int, bytes]]]
 class Recovered:
     """A reused slab's index as :func:`recover_index` found it."""
 
-    entries: di.SlotIndex
+    entries: ix.SlotIndex
     next_gen: int
     epoch: int
     recovery: str  # "clean" (the snapshot of a clean close) or "crash" (rebuilt)
@@ -240,7 +241,7 @@ def _recover(
     path: str,
 ) -> Recovered:
     """:func:`recover_index`'s index, at the epoch of the snapshot it started from."""
-    snap = di.load_snapshot(journal.snapshot_path, uuid)
+    snap = ix.load_snapshot(journal.snapshot_path, uuid)
     # A clean close removes the journal; any journal left, even one whose header is
     # unreadable (a checkpoint that failed to restart it), means the daemon died and
     # blocks may have been written after the snapshot.
@@ -286,7 +287,7 @@ def _after_rotation(
     return dj.Replay(epoch, {**old.records, **new.records}, None)
 
 
-def _from_journal(snap: di.Snapshot, replay: dj.Replay, check: Check, path: str) -> Recovered:
+def _from_journal(snap: ix.Snapshot, replay: dj.Replay, check: Check, path: str) -> Recovered:
     """The crash path: snapshot plus journal, checking only the slots left open. The
     journal is gone on with, the checked slots' outcomes appended to it."""
     entries = snap.entries
@@ -318,9 +319,13 @@ def _from_journal(snap: di.Snapshot, replay: dj.Replay, check: Check, path: str)
             outcomes.append((di.Op.SET, slot, gen, found))
     _log.info(
         "rebuilt disk index after an unclean shutdown",
-        path=path, source="journal", blocks=len(entries), journal_records=len(records),
-        verified=len(unsure), dropped=dropped,
-    )  # fmt: skip
+        path=path,
+        source="journal",
+        blocks=len(entries),
+        journal_records=len(records),
+        verified=len(unsure),
+        dropped=dropped,
+    )
     resume: Resume | None = (replay.length if current else None, outcomes)
     if current and replay.length is None:  # two journals: write a new snapshot at open
         resume = None
@@ -346,8 +351,9 @@ def scan_headers(
             found[local] = hdr
         if time.monotonic() - last >= _PROGRESS_EVERY_S:
             last = time.monotonic()
-            _log.info("scanning the slab's headers", slots=local + 1, of=local_slots,
-                      blocks=len(found))  # fmt: skip
+            _log.info(
+                "scanning the slab's headers", slots=local + 1, of=local_slots, blocks=len(found)
+            )
     return found
 
 
@@ -368,9 +374,13 @@ def _rebuild(
     gens = [h.gen for h in headers.values()] + [r[1] for r in known.values()]
     _log.info(
         "rebuilt disk index after an unclean shutdown",
-        path=path, source="scan", blocks=len(trusted), verified=len(unsure), dropped=dropped,
-    )  # fmt: skip
-    index, next_gen = di.SlotIndex(trusted), max(gens, default=0) + 1
+        path=path,
+        source="scan",
+        blocks=len(trusted),
+        verified=len(unsure),
+        dropped=dropped,
+    )
+    index, next_gen = ix.SlotIndex(trusted), max(gens, default=0) + 1
     return Recovered(index, next_gen, epoch, "crash", dropped, len(unsure), True)
 
 

@@ -3,14 +3,14 @@
 A :class:`Slab` owns the file descriptors and their lock, the in-memory slot index with
 its journal, the blocking per-chunk I/O routines that the store runs on its thread pools
 (each block's own write and checked read, alone or in a run of adjacent slots, are
-:mod:`tierd.stores.disk_block`'s), and the order of opening and closing. Everything here
+:mod:`tierd.stores.disk.block_format`'s), and the order of opening and closing. Everything here
 but the ``*_chunk``, ``*_sync`` and ``flush_journal`` methods runs on the event loop's
 thread and never blocks. What opening finds out (the superblock, the O_DIRECT probe, the
-index recovered after a crash) is :mod:`tierd.stores.disk_open`.
+index recovered after a crash) is :mod:`tierd.stores.disk.opening`.
 
 Slab layout: a 4096-byte superblock (magic ``TIERDSLB``, geometry, slab uuid, xxh3), then
 ``local_slots`` slots of ``slot_size`` bytes: one 4096-byte header page (see
-:mod:`tierd.stores.disk_index`) followed by the block's bytes, padded to 4096.
+:mod:`tierd.stores.disk.block_format`) followed by the block's bytes, padded to 4096.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from typing import Any
 
 from tierd.errors import SlabInUse, StoreIOError
 from tierd.logs import get_logger
-from tierd.stores import disk_index as di
-from tierd.stores import disk_journal as dj
-from tierd.stores.disk_block import (
+from tierd.stores.disk import block_format as di
+from tierd.stores.disk import index as ix
+from tierd.stores.disk import journal as dj
+from tierd.stores.disk.block_format import (
     BAD_BLOCK,
     OK,
     ReadJob,
@@ -41,7 +42,9 @@ from tierd.stores.disk_block import (
     write_block,
     write_run,
 )
-from tierd.stores.disk_open import (
+from tierd.stores.disk.index import Checkpoint, IndexWalk
+from tierd.stores.disk.io import ALIGN, FileIO, aligned_buffer, round_up
+from tierd.stores.disk.opening import (
     Resume,
     check_block,
     format_slab,
@@ -52,9 +55,6 @@ from tierd.stores.disk_open import (
     scan_headers,
     write_superblock,
 )
-from tierd.stores.disk_snapshot import Checkpoint
-from tierd.stores.disk_walk import IndexWalk
-from tierd.stores.fileio import ALIGN, FileIO, aligned_buffer, round_up
 
 __all__ = ["BAD_BLOCK", "OK", "SLAB_FILE", "Slab", "SlabConfig", "slab_file_bytes"]
 
@@ -92,7 +92,7 @@ class Slab:
         self.data_io = round_up(cfg.block_bytes)  # bytes moved per block under O_DIRECT
         self.slot_size = ALIGN + self.data_io
         self.file_bytes = slab_file_bytes(cfg.local_slots, cfg.block_bytes)
-        self.entries = di.SlotIndex()  # never tracked by the garbage collector
+        self.entries = ix.SlotIndex()  # never tracked by the garbage collector
         self.pending: dict[int, int] = {}  # local slot -> generation of the write in flight
         self.next_gen = 1
         self.epoch = 0
@@ -203,8 +203,9 @@ class Slab:
         now = time.monotonic()
         if now - self._warned >= _WARN_EVERY_S:
             self._warned = now
-            _log.warning(message, path=self.journal.path, error=str(exc),
-                         failures=self.journal_errors)  # fmt: skip
+            _log.warning(
+                message, path=self.journal.path, error=str(exc), failures=self.journal_errors
+            )
 
     def _retry_journal(self) -> None:
         if time.monotonic() - self._retried < _WARN_EVERY_S:
@@ -421,7 +422,7 @@ class Slab:
         return found.resume
 
     def _check(self, local: int, gen: int | None) -> bytes | None:
-        """:func:`~tierd.stores.disk_open.check_block` on this slab's ``local``."""
+        """:func:`~tierd.stores.disk.opening.check_block` on this slab's ``local``."""
         page = staging(ALIGN + self.data_io)
         return check_block(
             self.io, self._fd, page, self.offset(local), local, gen, self.cfg.block_bytes

@@ -8,7 +8,7 @@ reads and writes on pools of their own, so loads never queue behind write-back.
 This module owns that cutting and the waiting: results come back in job order, and a
 cancelled batch drops the chunks not yet started but waits for those already running, so
 no byte lands in a caller's buffer after the caller moved on. It holds no state; the pools
-and the slabs are :class:`~tierd.stores.disk.DiskStore`'s.
+and the slabs are :class:`~tierd.stores.disk.store.DiskStore`'s.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from tierd.stores.disk_block import OK
-from tierd.stores.disk_slab import Slab
+from tierd.stores.disk.block_format import OK
+from tierd.stores.disk.slab import Slab
 
 __all__ = ["Chunk", "Chunking", "run_chunks"]
 

@@ -2,9 +2,9 @@
 
 After each write the store asks :meth:`Checkpoints.after_write` to look at its slabs: a
 slab whose journal outgrew ``journal_limit_bytes`` starts an
-:class:`~tierd.stores.disk_walk.IndexWalk`; a task of this object takes one slice of it
+:class:`~tierd.stores.disk.index.IndexWalk`; a task of this object takes one slice of it
 per slab per loop turn, and once it is whole has a writer thread's flush rotate the
-journal at that point (:meth:`~tierd.stores.disk_journal.Journal.rotate`), then the
+journal at that point (:meth:`~tierd.stores.disk.journal.Journal.rotate`), then the
 snapshot written on a thread of its own. Nothing here grows with the index on the loop,
 and no write waits for a snapshot.
 
@@ -25,15 +25,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierd.logs import get_logger
-from tierd.stores.base import next_turn
-from tierd.stores.disk_walk import IndexWalk
+from tierd.stores.disk.index import IndexWalk
+from tierd.turns import next_turn
 
 if TYPE_CHECKING:
-    from tierd.stores.disk_slab import Slab
+    from tierd.stores.disk.slab import Slab
 
 __all__ = ["Checkpoints"]
 
 _log = get_logger("tierd.disk")
+
+
 _RETRY_S = (5.0, 300.0)  # the first retry after 5 s, doubling up to 5 minutes
 
 
@@ -124,8 +126,11 @@ class Checkpoints:
         finally:
             state.writing = False
         if state.failures:
-            _log.info("disk index snapshot written again", path=slab.journal.snapshot_path,
-                      failures=state.failures)  # fmt: skip
+            _log.info(
+                "disk index snapshot written again",
+                path=slab.journal.snapshot_path,
+                failures=state.failures,
+            )
             state.failures, state.retry_at = 0, 0.0
 
     def _failed(self, slab: Slab, state: _Snapshots, exc: OSError) -> None:
@@ -136,9 +141,11 @@ class Checkpoints:
             _log.warning(
                 "cannot write the disk index snapshot: the journal goes on growing (a crash"
                 " replays it, losing nothing) and the snapshot is retried with backoff",
-                path=slab.journal.snapshot_path, error=str(exc), errno=exc.errno or errno.EIO,
+                path=slab.journal.snapshot_path,
+                error=str(exc),
+                errno=exc.errno or errno.EIO,
                 retry_in_s=delay,
-            )  # fmt: skip
+            )
 
     def retry_now(self) -> None:
         """Forget the backoff: the next write retries at once (an operator freed space)."""

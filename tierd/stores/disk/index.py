@@ -1,4 +1,21 @@
-"""The disk store's slot-index snapshot: its byte format, atomic write and tolerant read.
+"""A slab's index in memory, its snapshot on disk, and the walk that takes one.
+
+**The index**, slot -> (key, generation), is kept where the garbage collector never walks.
+The index holds an entry per block: millions on a big disk tier. Held as one dict of
+``(key, generation)`` tuples it was a container of millions of children, and every
+collection of the generation it sat in walked them all: 30-70 ms of the event loop per
+million entries, and 65-150 ms for a full collection, at moments nobody chose. Freezing
+the daemon's objects once it is ready did not reliably spare it: a full collection
+untracks a dict whose tuples it has untracked, so a frozen daemon could miss the index,
+and the next write (a fresh tuple) tracked it again as a young object.
+
+A dict whose keys and values are ints and bytes is never tracked at all. So
+:class:`SlotIndex` keeps two of them, the keys and the generations of the same slots, and
+hands entries out as tuples made on the way. It is a mutable mapping of slot -> entry
+like the dict it replaces; :func:`~tierd.stores.disk.index.take` reads its two dicts
+directly, at C speed.
+
+**The snapshot**: its byte format, atomic write and tolerant read.
 
 A snapshot is ``xxh3 u64`` of the payload, then a msgpack map. Version 2 (written now)
 keeps the index as packed little-endian arrays, so that a million blocks load in a
@@ -22,6 +39,20 @@ A snapshot is taken as :class:`IndexPart` packed arrays (:func:`take`, at C spee
 bounded slice of slots at a time on the event loop) and written as those arrays: the
 msgpack frame around them is made by hand (:func:`encode_pieces`), so no step walks the
 entries one Python object at a time, and the big arrays are hashed and written as they are.
+
+**A walk** (:class:`IndexWalk`) takes a checkpoint of a slab's index on the event loop in
+bounded slices.
+A snapshot of a big index is never a copy of the whole dict on the loop, nor a per-entry
+encode on a thread that holds the GIL inside the next write. An :class:`IndexWalk` packs
+:data:`~tierd.turns.CHECKPOINT_SLOTS` slots' entries per loop turn (:func:`take`, at C
+speed), so a turn costs the same at any index size, and the index is never copied whole.
+
+The index changes between slices. A slot changed ahead of the walk is packed as it is
+when the walk reaches it; one changed behind it is *touched* (the slab calls
+:meth:`IndexWalk.touch` on every change), and :meth:`IndexWalk.finish` packs the current
+entries of the touched slots into a patch that replaces what the walk took for them. The
+checkpoint is therefore exactly the index at the moment ``finish`` runs, and it is queued
+with the journal records at that moment, as a checkpoint taken at once would be.
 """
 
 from __future__ import annotations
@@ -31,23 +62,24 @@ import os
 import struct
 import sys
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from itertools import accumulate, compress, pairwise
-from typing import Any
+from typing import Any, overload
 
 import msgpack
 import numpy as np
 import xxhash
 
+from tierd import turns
 from tierd.logs import get_logger
-from tierd.stores.disk_entries import Entry, SlotIndex
-from tierd.stores.fileio import FileIO
+from tierd.stores.disk.io import FileIO
 
 __all__ = [
     "Checkpoint",
     "Entry",
     "IndexPart",
+    "SlotIndex",
     "Snapshot",
     "encode_pieces",
     "fsync_dir",
@@ -55,6 +87,91 @@ __all__ = [
     "save_snapshot",
     "take",
 ]
+
+# A readable block: (key, generation its header must carry). A plain tuple, not a
+# dataclass: entries are made per lookup, and in millions at a restart.
+Entry = tuple[bytes, int]
+
+
+class SlotIndex(MutableMapping[int, Entry]):
+    """Slot -> :data:`Entry`, held as ``keys_of`` (slot -> key) and ``gens_of`` (slot ->
+    generation), which always hold the same slots in the same order."""
+
+    __slots__ = ("gens_of", "keys_of")
+
+    def __init__(self, entries: Mapping[int, Entry] | Iterable[tuple[int, Entry]] = ()) -> None:
+        self.keys_of: dict[int, bytes] = {}
+        self.gens_of: dict[int, int] = {}
+        self.update(entries)
+
+    @classmethod
+    def of(cls, entries: Mapping[int, Entry]) -> SlotIndex:
+        """``entries`` as a :class:`SlotIndex` (itself when it is one)."""
+        return entries if isinstance(entries, SlotIndex) else cls(entries)
+
+    @classmethod
+    def packed(cls, slots: Iterable[int], keys: Iterable[bytes], gens: Iterable[int]) -> SlotIndex:
+        """The index of parallel ``slots``, ``keys`` and ``gens`` (at C speed)."""
+        index = cls()
+        slots = list(slots)
+        index.keys_of = dict(zip(slots, keys, strict=True))
+        index.gens_of = dict(zip(slots, gens, strict=True))
+        if len(index.keys_of) != len(slots):
+            raise ValueError("a slot is listed twice")
+        return index
+
+    def __getitem__(self, slot: int) -> Entry:
+        return self.keys_of[slot], self.gens_of[slot]
+
+    @overload
+    def get(self, slot: int) -> Entry | None: ...
+    @overload
+    def get(self, slot: int, default: Any) -> Any: ...
+    def get(self, slot: int, default: Any = None) -> Any:
+        key = self.keys_of.get(slot)
+        return default if key is None else (key, self.gens_of[slot])
+
+    def __setitem__(self, slot: int, entry: Entry) -> None:
+        key, gen = entry
+        self.keys_of[slot] = key
+        self.gens_of[slot] = gen
+
+    def __delitem__(self, slot: int) -> None:
+        del self.keys_of[slot]
+        del self.gens_of[slot]
+
+    def pop(self, slot: int, *default: Any) -> Any:
+        if slot in self.keys_of:
+            return self.keys_of.pop(slot), self.gens_of.pop(slot)
+        if default:
+            return default[0]
+        raise KeyError(slot)
+
+    def update(  # type: ignore[override]  # no keyword form: slots are ints
+        self, entries: Mapping[int, Entry] | Iterable[tuple[int, Entry]] = ()
+    ) -> None:
+        keys, gens = self.keys_of, self.gens_of
+        pairs = entries.items() if isinstance(entries, Mapping) else entries
+        for slot, (key, gen) in pairs:
+            keys[slot] = key
+            gens[slot] = gen
+
+    def clear(self) -> None:
+        self.keys_of.clear()
+        self.gens_of.clear()
+
+    def __contains__(self, slot: object) -> bool:
+        return slot in self.keys_of
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.keys_of)
+
+    def __len__(self) -> int:
+        return len(self.keys_of)
+
+    def __repr__(self) -> str:
+        return f"SlotIndex({len(self)} entries)"
+
 
 VERSION = 2
 _U64 = struct.Struct("<Q")
@@ -197,11 +314,17 @@ def encode_pieces(cp: Checkpoint, uuid: bytes) -> list[Piece]:
     width = _width(parts)
     pending = b"".join(_PENDING.pack(s, g) for s, g in cp.pending.items())
     fields: list[tuple[str, object]] = [
-        ("version", VERSION), ("uuid", uuid), ("epoch", cp.epoch), ("next_gen", cp.next_gen),
-        ("clean", cp.clean), ("slots", _bin(_little([p.slots for p in parts], "<u4"))),
-        ("gens", _bin(_little([p.gens for p in parts], "<u8"))), ("key_bytes", width),
-        ("keys", _bin([p.keys for p in parts])), ("pending", _bin([pending])),
-    ]  # fmt: skip
+        ("version", VERSION),
+        ("uuid", uuid),
+        ("epoch", cp.epoch),
+        ("next_gen", cp.next_gen),
+        ("clean", cp.clean),
+        ("slots", _bin(_little([p.slots for p in parts], "<u4"))),
+        ("gens", _bin(_little([p.gens for p in parts], "<u8"))),
+        ("key_bytes", width),
+        ("keys", _bin([p.keys for p in parts])),
+        ("pending", _bin([pending])),
+    ]
     if not width:
         fields.append(("lens", _bin([p.lens.tobytes() for p in parts])))
     pieces: list[Piece] = [struct.pack(">B", 0x80 | len(fields))]  # fixmap: <= 15 fields
@@ -344,3 +467,43 @@ def fsync_dir(io: FileIO, directory: str) -> None:
         io.fsync(fd)
     finally:
         io.close(fd)
+
+
+class IndexWalk:
+    """Slots ``0 .. local_slots - 1`` packed a piece a turn (loop thread only)."""
+
+    def __init__(self, local_slots: int) -> None:
+        self.cursor = 0
+        self.end = local_slots
+        self._parts: list[IndexPart] = []
+        self._touched: set[int] = set()
+
+    @property
+    def done(self) -> bool:
+        return self.cursor >= self.end
+
+    def step(self, entries: Mapping[int, Entry]) -> bool:
+        """Pack the next slice; whether the walk is done."""
+        start, stop = self.cursor, min(self.end, self.cursor + turns.CHECKPOINT_SLOTS)
+        self._parts.append(take(entries, range(start, stop)))
+        self.cursor = stop
+        return self.done
+
+    def touch(self, local: int) -> None:
+        """``local`` changed: if the walk has passed it, the patch will carry it."""
+        if local < self.cursor:
+            self._touched.add(local)
+
+    def finish(
+        self, epoch: int, next_gen: int, entries: Mapping[int, Entry], pending: Mapping[int, int]
+    ) -> Checkpoint:
+        """The checkpoint of the index as it is now (costs the slots touched meanwhile)."""
+        touched = sorted(self._touched)
+        return Checkpoint(
+            epoch,
+            next_gen,
+            tuple(self._parts),
+            dict(pending),
+            replaced=np.fromiter(touched, dtype=np.uint32, count=len(touched)),
+            patch=take(entries, touched),
+        )
