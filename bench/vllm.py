@@ -30,6 +30,18 @@ output token (TTFT):
   tierd's disk tier reads them (O_DIRECT). tierd's ``served*`` rows also give their ratio
   to fs's same row ("x fs").
 
+Besides TTFT, every row of an engine with a secondary tier (fs, tierd) gives what that
+tier's calls and jobs took during the ``generate``, timed the same way for both tiers by
+a wrapper on the tier manager's methods inside the worker (``TierClock`` in
+``bench/vllm_worker.py``), per request of the ``generate`` (``tier`` in the JSON; the
+table prints the ``served*`` rows' loads): ``load_job`` (a load job's submit to the poll
+that hands back its result, summed), ``load_tier`` (the ``transfer_time`` the tier reports
+in its results: what vLLM's ``kv_offload_tiering_read_time`` counter adds up), ``sched``
+(time inside the tier's methods on vLLM's scheduler thread), ``lookup_wait`` (a request's
+first lookup in the tier to its last answer not RETRY); per ``generate``: ``load_span``
+(first load submitted to last load seen done) and its share of the TTFT. tierd's rows
+give each figure's ratio to fs's same row.
+
 Then ``--hung-runs`` rounds with the daemon stopped (SIGSTOP): three fresh prompts in one
 generate (``hung3``, against plain's ``burst3``) and a ``reset_prefix_cache`` (``reset``).
 Medians over the runs (the first run warms up and is not counted); ratios to plain.
@@ -70,6 +82,10 @@ WORKER = "bench.vllm_worker"  # run with -m; PYTHONPATH holds the repository roo
 START_DEADLINE_S = 900.0  # building six engines on a loaded 2-core machine
 STEP_DEADLINE_S = 300.0
 KINDS = ("plain", "fs", "tierd")
+# (shape, kind, measure) -> (seconds, cached tokens per prompt, the worker's tier figures)
+Sample = dict[tuple[str, str, str], tuple[float, list[int], dict[str, Any] | None]]
+# What the table prints of a served row's tier figures, in order (ms per request).
+TIER_SHOWN = ("load_job_ms", "load_tier_ms", "sched_ms", "lookup_wait_ms", "load_span_ms")
 DESCRIBE_KINDS = ("plain", "tierd-ev", "tierd-desc")
 
 
@@ -237,10 +253,11 @@ def one_run(
     rng: random.Random,
     run: int,
     directory: Path,
-) -> dict[tuple[str, str, str], tuple[float, list[int]]]:
-    """Every engine's figures for one run: (shape, kind, measure) -> (seconds, cached)."""
+) -> Sample:
+    """Every engine's figures for one run: (shape, kind, measure) -> (seconds, cached,
+    tier figures)."""
     print(f"bench_vllm: run {run}", file=sys.stderr, flush=True)
-    out: dict[tuple[str, str, str], tuple[float, list[int]]] = {}
+    out: Sample = {}
     cold = prompt(rng, args.prompt_tokens)
     burst = [prompt(rng, args.prompt_tokens) for _ in range(8)]
     kinds = kinds_of(args)
@@ -257,7 +274,9 @@ def one_run(
                 s: str = shape.name,
             ) -> None:
                 answer = w.ask(op="gen", prompts=prompts)
-                out[s, k, measure] = (answer["seconds"], answer["cached"])
+                if k != "plain" and "tier" not in answer:
+                    raise SystemExit(f"bench_vllm: {k}'s worker found no secondary tier to time")
+                out[s, k, measure] = (answer["seconds"], answer["cached"], answer.get("tier"))
 
             gen("cold", [cold])
             gen("burst8", burst)
@@ -286,35 +305,68 @@ def hung_run(
     workers: dict[tuple[str, str], Worker],
     daemon: DaemonProcess,
     rng: random.Random,
-) -> dict[tuple[str, str, str], tuple[float, list[int]]]:
+) -> Sample:
     print("bench_vllm: a round with the daemon stopped", file=sys.stderr, flush=True)
-    out: dict[tuple[str, str, str], tuple[float, list[int]]] = {}
+    out: Sample = {}
     three = [prompt(rng, args.prompt_tokens) for _ in range(3)]
     for shape in SHAPES:
         answer = workers[shape.name, "plain"].ask(op="gen", prompts=three)
-        out[shape.name, "plain", "burst3"] = (answer["seconds"], answer["cached"])
+        out[shape.name, "plain", "burst3"] = (answer["seconds"], answer["cached"], None)
         reset = workers[shape.name, "plain"].ask(op="reset")
-        out[shape.name, "plain", "reset"] = (reset["seconds"], [])
+        out[shape.name, "plain", "reset"] = (reset["seconds"], [], None)
         daemon.signal(signal.SIGSTOP)
         try:
             w = workers[shape.name, "tierd"]
             answer = w.ask(op="gen", prompts=three)
-            out[shape.name, "tierd", "hung3"] = (answer["seconds"], answer["cached"])
+            out[shape.name, "tierd", "hung3"] = (
+                answer["seconds"],
+                answer["cached"],
+                answer.get("tier"),
+            )
             reset = w.ask(op="reset")
-            out[shape.name, "tierd", "reset"] = (reset["seconds"], [])
+            out[shape.name, "tierd", "reset"] = (reset["seconds"], [], None)
         finally:
             daemon.signal(signal.SIGCONT)
     return out
 
 
-def summarize(samples: list[dict[tuple[str, str, str], tuple[float, list[int]]]]) -> dict[str, Any]:
+def tier_figures(seconds: float, requests: int, tier: dict[str, Any]) -> dict[str, float]:
+    """One ``generate``'s tier figures as the report gives them: milliseconds per request
+    of the ``generate`` (``load_span_ms`` for the whole ``generate``, ``load_span_pct`` its
+    share of the TTFT), from the worker's seconds (``TierClock.figures``)."""
+    per = max(requests, 1)
+    return {
+        "load_job_ms": tier["load_wall_s"] * 1000 / per,
+        "load_tier_ms": tier["load_tier_s"] * 1000 / per,
+        "sched_ms": tier["sched_s"] * 1000 / per,
+        "lookup_wait_ms": tier["lookup_wait_s"] * 1000 / per,
+        "load_span_ms": tier["load_span_s"] * 1000,
+        "load_span_pct": 100 * tier["load_span_s"] / seconds if seconds else 0.0,
+        "store_job_ms": tier["store_wall_s"] * 1000 / per,
+        "store_tier_ms": tier["store_tier_s"] * 1000 / per,
+        "loads": tier["loads"],
+        "load_keys": tier["load_keys"],
+        "load_failed": tier["load_failed"],
+    }
+
+
+def summarize(samples: list[Sample]) -> dict[str, Any]:
     collected: dict[tuple[str, str, str], list[float]] = {}
     cached: dict[tuple[str, str, str], list[int]] = {}
+    tiers: dict[tuple[str, str, str], dict[str, list[float]]] = {}
     for sample in samples:
-        for key, (seconds, tokens) in sample.items():
+        for key, (seconds, tokens, tier) in sample.items():
             collected.setdefault(key, []).append(seconds)
             cached.setdefault(key, []).extend(tokens)
+            if tier is not None:
+                figures = tier_figures(seconds, len(tokens), tier)
+                for name, value in figures.items():
+                    tiers.setdefault(key, {}).setdefault(name, []).append(value)
     medians = {k: median_of(v) for k, v in collected.items()}
+    tier_medians = {
+        key: {name: median_of(values) for name, values in figures.items()}
+        for key, figures in tiers.items()
+    }
     result: dict[str, Any] = {}
     for shape in SHAPES:
         rows: dict[str, Any] = {}
@@ -324,23 +376,44 @@ def summarize(samples: list[dict[tuple[str, str, str], tuple[float, list[int]]]]
             base = {"burst8": "burst8", "hung3": "burst3", "reset": "reset", "burst3": "burst3"}
             base |= {"served8": "burst8", "served8_disk": "burst8"}
             plain = medians.get((s, "plain", base.get(measure, "cold")))
-            rows[f"{kind}.{measure}"] = {
+            row: dict[str, Any] = {
                 "median_ms": round(value * 1000, 1),
                 "runs_ms": [round(x * 1000, 1) for x in collected[s, kind, measure]],
                 "ratio_to_plain": round(value / plain, 3) if plain else None,
                 "cached_tokens": sorted(set(cached[s, kind, measure])),
             }
+            rows[f"{kind}.{measure}"] = row
             # tierd's tier against vLLM's fs tier, the same measure: served from
             # tierd's CPU tier against fs from the page cache, from tierd's disk tier
             # against fs with its files dropped from the cache (``_disk``).
             fs_tier = medians.get((s, "fs", measure))
             if kind == "tierd" and measure.startswith("served") and fs_tier:
-                rows[f"{kind}.{measure}"]["ratio_to_fs"] = round(value / fs_tier, 3)
+                row["ratio_to_fs"] = round(value / fs_tier, 3)
             events_only = medians.get((s, "tierd-ev", measure))
             if kind == "tierd-desc" and events_only:
-                rows[f"{kind}.{measure}"]["ratio_to_tierd_ev"] = round(value / events_only, 3)
+                row["ratio_to_tierd_ev"] = round(value / events_only, 3)
+            mine = tier_medians.get((s, kind, measure))
+            if mine is not None:
+                row["tier"] = tier_row(mine, tiers[s, kind, measure])
+                fs_figures = tier_medians.get((s, "fs", measure))
+                if kind == "tierd" and measure.startswith("served") and fs_figures:
+                    row["tier"]["ratio_to_fs"] = {
+                        name: round(mine[name] / fs_figures[name], 3)
+                        for name in TIER_SHOWN
+                        if fs_figures.get(name)
+                    }
         result[shape.name] = rows
     return result
+
+
+def tier_row(medians: dict[str, float], runs: dict[str, list[float]]) -> dict[str, Any]:
+    """A row's tier figures: each one's median and its samples, rounded."""
+    row: dict[str, Any] = {}
+    for name, value in medians.items():
+        digits = 0 if name in ("loads", "load_keys", "load_failed") else 2
+        row[name] = round(value, digits)
+        row[f"{name}_runs"] = [round(x, digits) for x in runs[name]]
+    return row
 
 
 def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
@@ -355,6 +428,39 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
             print(
                 f"  {name:<24} {row['median_ms']:9.1f} ms  {ratio:6.2f}x{beside}  "
                 f"cached {row['cached_tokens']}"
+            )
+    print_tier_table(result, args)
+
+
+def print_tier_table(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """The served rows' secondary-tier figures: ms per served request (load_span: per
+    generate, with its share of the TTFT), medians of the runs; tierd's ratio to fs."""
+    served = [
+        (shape, name, row)
+        for shape, rows in result.items()
+        for name, row in rows.items()
+        if "tier" in row and name.split(".", 1)[1].startswith("served")
+    ]
+    if not served:
+        return
+    print(
+        f"\nThe secondary tier's loads per served request, medians of {args.runs} runs "
+        "(ms; load_span per generate, % of its TTFT; tierd x fs)"
+    )
+    head = "".join(f"{name.removesuffix('_ms'):>11}        " for name in TIER_SHOWN)
+    for shape in result:
+        print(f"\n{shape + ':':<26}{head}{'TTFT':>9}  keys  span/TTFT")
+        for s, name, row in served:
+            if s != shape:
+                continue
+            tier, to_fs = row["tier"], row["tier"].get("ratio_to_fs", {})
+            cells = ""
+            for figure in TIER_SHOWN:
+                beside = f" ({to_fs[figure]:.2f}x)" if figure in to_fs else "        "
+                cells += f"{tier[figure]:11.2f}{beside}"
+            print(
+                f"  {name:<24}{cells} {row['median_ms']:8.1f}  {int(tier['load_keys'])}"
+                f"  {tier['load_span_pct']:.1f}%"
             )
 
 

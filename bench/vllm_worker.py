@@ -18,7 +18,9 @@ It prints ``{"ready": true}`` once the engine is built, then answers each comman
 one JSON line:
 
 - ``{"op": "gen", "prompts": [[ids...], ...]}``: one ``generate`` of every prompt with one
-  output token (the prefill: TTFT); ``{"seconds", "cached": [num_cached_tokens, ...]}``;
+  output token (the prefill: TTFT); ``{"seconds", "cached": [num_cached_tokens, ...]}``,
+  and for an engine with secondary tiers ``"tier"``: what their calls and jobs took during
+  that ``generate`` (:class:`TierClock`, the same wrapper for vLLM's fs tier and tierd's);
 - ``{"op": "reset"}``: ``reset_prefix_cache(reset_connector=True)`` (vLLM's prefix cache
   and its CPU tier emptied; secondary tiers kept); ``{"seconds", "ok"}``;
   ``{"op": "resetgpu"}`` the same with vLLM's CPU tier kept; ``{"op": "held"}``: the rows
@@ -41,6 +43,101 @@ import os
 import sys
 import time
 from typing import Any
+
+
+class TierClock:
+    """Times vLLM's secondary tiers from outside, the same way for every tier (vLLM's fs
+    tier, tierd's): each tier's methods are wrapped on the instance, on vLLM's scheduler
+    thread, where vLLM's tiering manager calls them.
+
+    - a job's wall time runs from just before ``submit_load`` / ``submit_store`` to the
+      return of the ``get_finished_jobs`` that hands its result back (so it includes the
+      wait for the manager's next poll, at most a scheduler step, as vLLM sees it);
+    - ``transfer_time`` is what the tier itself reported in the job's ``JobResult``: the
+      value vLLM's ``vllm:kv_offload_tiering_read_time`` / ``write_time`` counters add up
+      (the fs tier: its pool thread's run of the job's one task; tierd: its load, done in
+      ``submit_load``, or its store on its store thread);
+    - ``sched`` is the time spent inside any of the tier's methods, which blocks vLLM's
+      scheduler thread (lookups, submits, polls, ``on_schedule_end``);
+    - a request's lookup wait runs from its first lookup in the tier to its last answer
+      that was not RETRY (the tier's lookups are asynchronous: RETRY until resolved).
+    """
+
+    WRAPPED = ("lookup", "submit_load", "submit_store", "get_finished_jobs", "on_schedule_end")
+
+    def __init__(self, tiers: list[Any]) -> None:
+        self.tiers = tiers
+        self._pending: dict[int, tuple[float, bool, int]] = {}  # job -> (submit, load, keys)
+        self.clear()
+        for tier in tiers:
+            for name in self.WRAPPED:
+                setattr(tier, name, self._wrap(name, getattr(tier, name)))
+
+    def clear(self) -> None:
+        self._jobs: list[tuple[bool, int, float, float, float | None, bool]] = []
+        self._sched_s = 0.0
+        self._lookups: dict[str, list[float]] = {}  # request -> [first, last resolved]
+
+    def _wrap(self, name: str, method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                result = method(*args, **kwargs)
+                if name == "get_finished_jobs":
+                    result = list(result)
+                    self._finished(result, time.perf_counter())
+                elif name == "lookup":
+                    self._looked_up(args[1].req_id, start, result)
+                return result
+            finally:
+                self._sched_s += time.perf_counter() - start
+                if name in ("submit_load", "submit_store"):
+                    job = args[0]
+                    self._pending[job.job_id] = (start, name == "submit_load", len(job.keys))
+
+        return call
+
+    def _looked_up(self, request: str, start: float, result: Any) -> None:
+        span = self._lookups.setdefault(request, [start, start])
+        if getattr(result, "name", "") != "RETRY":
+            span[1] = time.perf_counter()
+
+    def _finished(self, results: list[Any], now: float) -> None:
+        for done in results:
+            pending = self._pending.pop(done.job_id, None)
+            if pending is None:
+                continue
+            submitted, is_load, keys = pending
+            self._jobs.append(
+                (is_load, keys, submitted, now, done.transfer_time, bool(done.success))
+            )
+
+    def figures(self) -> dict[str, Any]:
+        """What the tiers' calls and jobs took since :meth:`clear` (seconds)."""
+        out: dict[str, Any] = {"sched_s": self._sched_s}
+        for kind, is_load in (("load", True), ("store", False)):
+            jobs = [j for j in self._jobs if j[0] == is_load]
+            out[f"{kind}s"] = len(jobs)
+            out[f"{kind}_keys"] = sum(j[1] for j in jobs)
+            out[f"{kind}_failed"] = sum(1 for j in jobs if not j[5])
+            out[f"{kind}_wall_s"] = sum(j[3] - j[2] for j in jobs)
+            out[f"{kind}_span_s"] = (
+                max(j[3] for j in jobs) - min(j[2] for j in jobs) if jobs else 0.0
+            )
+            out[f"{kind}_tier_s"] = sum(j[4] or 0.0 for j in jobs)
+        out["lookup_wait_s"] = sum(last - first for first, last in self._lookups.values())
+        out["lookup_requests"] = len(self._lookups)
+        return out
+
+
+def tier_clock(llm: Any) -> TierClock | None:
+    """A clock on the secondary tiers of ``llm``'s tiering manager (vLLM's private
+    fields, read for these figures only); None for an engine with none."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    connector = getattr(scheduler, "connector", None)
+    manager = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
+    tiers = list(getattr(manager, "secondary_tiers", None) or [])
+    return TierClock(tiers) if tiers else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     llm = run_engine.engine(options)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    clock = tier_clock(llm)
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
     out.flush()
@@ -95,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
         op = command["op"]
         if op == "quit":
             break
+        if clock is not None:
+            clock.clear()
         start = time.perf_counter()
         if op == "gen":
             prompts = [TokensPrompt(prompt_token_ids=ids) for ids in command["prompts"]]
             results = llm.generate(prompts, params, use_tqdm=False)
             answer: dict[str, Any] = {"cached": [r.num_cached_tokens for r in results]}
+            if clock is not None:
+                answer["tier"] = clock.figures()
         elif op == "settle":
             for _ in range(3):
                 llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7, 8])], params, use_tqdm=False)
