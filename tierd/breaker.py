@@ -1,4 +1,6 @@
-"""The one circuit breaker: after a few failed calls in a row, stop calling for a while.
+"""The one circuit breaker, and the one backoff of connection attempts.
+
+**The breaker**: after a few failed calls in a row, stop calling for a while.
 
 A server that does not answer (the daemon, for an engine; Redis or S3, for the daemon's
 remote levels) must cost a call at most one deadline, and then nothing: while the
@@ -23,6 +25,10 @@ breaker is open every call is refused at once, unsent, and counted.
 ``failures=0`` disables it (it never opens). The state is changed from several threads
 (an engine's, and its link's loop), so every change holds a lock; reading
 :attr:`~CircuitBreaker.is_open` takes none.
+
+**The backoff** (:class:`Backoff`): after a failed connection attempt the next one waits,
+twice as long each time up to a ceiling; a success, or a connection lost (rather than
+refused), lets the next attempt go at once. Its owner holds the lock its threads share.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["BreakerSnapshot", "BreakerState", "CircuitBreaker"]
+__all__ = ["Backoff", "BreakerSnapshot", "BreakerState", "CircuitBreaker"]
+
+FIRST_BACKOFF_S = 0.05  # the wait after a first failed connection attempt
 
 
 class BreakerState(StrEnum):
@@ -172,3 +180,42 @@ class CircuitBreaker:
         self._consecutive = 0
         self._backoff = self._initial or 0.0
         self._closed_event.set()
+
+
+class Backoff:
+    """When the next connection attempt may be made."""
+
+    def __init__(
+        self,
+        max_s: float,
+        *,
+        first_s: float = FIRST_BACKOFF_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._first = min(first_s, max_s)
+        self._max = max_s
+        self._clock = clock
+        self._wait = self._first
+        self._next = 0.0
+
+    def due(self) -> bool:
+        """Whether an attempt may be made now."""
+        return self._clock() >= self._next
+
+    def failed(self) -> None:
+        """An attempt failed: the next one waits, longer than the last."""
+        self._next = self._clock() + self._wait
+        self._wait = min(self._wait * 2, self._max)
+
+    def hold_off(self) -> None:
+        """The server answered but cannot serve us: the next attempt waits the longest."""
+        self._next = self._clock() + self._max
+
+    def succeeded(self) -> None:
+        """An attempt succeeded: the waits start again from the first."""
+        self._wait = self._first
+        self._next = 0.0
+
+    def at_once(self) -> None:
+        """A connection was lost, not refused: the next attempt may be made now."""
+        self._next = 0.0

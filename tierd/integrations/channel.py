@@ -25,6 +25,16 @@ The threads' connections share one mapping of the daemon's pool (:class:`PoolUse
 mapping is closed only once no connection uses it (a restarted daemon's new pool does
 not unmap the old one under a thread still copying into it).
 
+Threads. Each calling thread owns its :class:`Connection` (found through a
+``threading.local``): its client, what it holds and whether it was used; no other thread
+calls on it. Shared, under the channel's one lock: the list of open connections, the
+connect backoff, whether the channel is closed, and each connection's ``busy``,
+``dropped`` and ``released`` (:meth:`EngineChannel.close`, on any thread, may drop a
+connection under its thread's call; whichever of the two comes last gives back its use of
+the pool mapping, once). The mappings and their users are :class:`PoolUsers`', under its
+own lock; a mapping is closed outside it. The breaker is the link's, under its own lock,
+counted from every thread.
+
 Which data path a call takes is :mod:`tierd.integrations.route`'s to say.
 """
 
@@ -38,8 +48,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from tierd.breaker import Backoff
 from tierd.control.clients.blocking_client import BlockingClient
-from tierd.control.clients.handshake import DaemonError, DaemonSilent, Unreachable
+from tierd.control.clients.handshake import DaemonSilent, Unreachable
 from tierd.control.clients.pool import PoolMap, PoolShare
 from tierd.errors import TierdError
 from tierd.integrations.link import BreakerOpen, DaemonLink
@@ -47,7 +58,6 @@ from tierd.integrations.link import BreakerOpen, DaemonLink
 __all__ = ["Connection", "EngineChannel", "PoolUsers"]
 
 T = TypeVar("T")
-_FIRST_BACKOFF_S = 0.05
 
 
 @dataclass(slots=True)
@@ -143,8 +153,7 @@ class EngineChannel:
         self._local = threading.local()
         self._lock = threading.Lock()  # the connections, the backoff
         self._connections: list[Connection] = []
-        self._next_attempt = 0.0
-        self._backoff = _FIRST_BACKOFF_S
+        self._backoff = Backoff(link.settings.reconnect_max_s)
         self._closed = False
 
     @property
@@ -181,14 +190,13 @@ class EngineChannel:
         deadline = sent + deadline_s
         try:
             result = self._attempts(deadline, body)
-        except DaemonError as exc:
-            self._answered(exc, sent)
-            raise
         except BaseException as exc:  # a bug or an interrupt too: the connection is unknown
-            self._failed(exc, sent)
+            conn: Connection | None = getattr(self._local, "conn", None)
+            lost = conn is not None and conn.client.closed
+            if self._link.count_call(exc, sent, lost=lost):
+                self._drop()
             raise
-        if answered:
-            breaker.answered()
+        self._link.count_call(None, sent, answered=answered)
         return result
 
     def close(self) -> None:
@@ -244,21 +252,20 @@ class EngineChannel:
         with self._lock:
             if self._closed:
                 raise Unreachable("the tierd channel is closed")
-            if time.monotonic() < self._next_attempt:
+            if not self._backoff.due():
                 raise Unreachable("the daemon is unreachable; reconnecting with backoff")
         s = self.settings
         try:
             client = s.blocking(deadline, map_pool=self.map_pool, pools=self._pools)
         except (TierdError, OSError):
             with self._lock:
-                self._next_attempt = time.monotonic() + self._backoff
-                self._backoff = min(self._backoff * 2, s.reconnect_max_s)
+                self._backoff.failed()
             raise
         conn = Connection(client)
         with self._lock:
             closed = conn.dropped = self._closed
             if not closed:
-                self._backoff = _FIRST_BACKOFF_S
+                self._backoff.succeeded()
                 self._connections.append(conn)
         if closed:
             client.close()
@@ -266,19 +273,6 @@ class EngineChannel:
             raise Unreachable("the tierd channel is closed")
         self._local.conn = conn
         return conn
-
-    def _answered(self, exc: DaemonError, sent: float) -> None:
-        """An error answer: the daemon is there (unless it is shutting down)."""
-        conn: Connection | None = getattr(self._local, "conn", None)
-        if exc.code == "shutting_down" or (conn is not None and conn.client.closed):
-            self._failed(exc, sent)
-        else:
-            self._link.breaker.answered()
-
-    def _failed(self, exc: BaseException, sent: float) -> None:
-        self._drop()
-        silent = isinstance(exc, DaemonSilent)
-        self._link.report_failure(silent_since=sent if silent else None)
 
     def _drop(self) -> None:
         """Close this thread's connection (whatever it held in the daemon goes with it)."""

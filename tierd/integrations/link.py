@@ -28,6 +28,16 @@ daemon reads the close). The :class:`~tierd.breaker.CircuitBreaker` counts the
 failures (the engines' calls too); while it is open every call fails at once with
 :class:`BreakerOpen`, unsent, and one probe at a time asks the daemon for ``health``
 until it answers.
+
+Threads. The link's own thread runs its event loop and owns what lives there: the
+client and its connection, the connect lock and backoff, the lines said of a loss and a
+return, the probe and check tasks, and the ``on_connect`` callbacks (called there). Other
+threads reach it only through the loop (:meth:`DaemonLink.submit`,
+``call_soon_threadsafe``), and read ``connected`` (one reference) without a lock: a
+moment's view. The breaker is shared by every thread (engine threads' calls count on it
+too) under its own lock. :meth:`DaemonLink.close` runs on its caller's thread: it marks
+the link closed (other threads only read that flag, to stop handing work over) and waits
+for the loop to disconnect before stopping it.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tierd.breaker import CircuitBreaker
+from tierd.breaker import Backoff, CircuitBreaker
 from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
 from tierd.control.clients.blocking_client import BlockingClient
 from tierd.control.clients.handshake import DaemonSilent
@@ -64,7 +74,6 @@ T = TypeVar("T")
 # format, its level); structlog's calling style (``log.warning("event", key=value)``).
 log = SglangLog("tierd.integrations.link")
 
-_FIRST_BACKOFF_S = 0.05
 _CLOSE_TIMEOUT_S = 10.0
 _DROP_TIMEOUT_S = 1.0  # closing a connection to a silent daemon must not wait on it
 
@@ -146,8 +155,7 @@ class DaemonLink:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._client: Client | None = None
         self._connecting = asyncio.Lock()  # binds to the link's loop on first use
-        self._next_attempt = 0.0
-        self._backoff = min(_FIRST_BACKOFF_S, settings.reconnect_max_s)
+        self._backoff = Backoff(settings.reconnect_max_s)
         self._lost_reported = False
         self._said_at_start = said_at_start
         self._ever_connected = False
@@ -233,7 +241,7 @@ class DaemonLink:
         async with self._connecting:
             if self._client is not None:
                 return self._client
-            if time.monotonic() < self._next_attempt:
+            if not self._backoff.due():
                 raise Unreachable("the daemon is unreachable; reconnecting with backoff")
             try:
                 client = await self._connect()
@@ -270,10 +278,9 @@ class DaemonLink:
         """After a failed connect, the next attempt waits (longer each time); after a
         lost connection (``at_once``), the next one may be made at once."""
         if at_once:
-            self._next_attempt = 0.0
+            self._backoff.at_once()
         else:
-            self._next_attempt = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, self.settings.reconnect_max_s)
+            self._backoff.failed()
         if self._lost_reported:
             return
         if _is_refusal(exc) and not self._ever_connected:
@@ -303,8 +310,7 @@ class DaemonLink:
             self.log.info("tierd daemon reachable again", socket=self.settings.socket_path)
         self._lost_reported = False
         self._ever_connected = True
-        self._backoff = min(_FIRST_BACKOFF_S, self.settings.reconnect_max_s)
-        self._next_attempt = 0.0
+        self._backoff.succeeded()
 
     async def run(self, op: Callable[[Client], Awaitable[T]]) -> T:
         """``await op(client)``; if the connection turns out lost (the daemon restarted
@@ -356,22 +362,39 @@ class DaemonLink:
         if not task.done():
             task.cancel()
             await asyncio.wait({task})  # op has stopped: nothing of it runs after this
-            self.report_failure(silent_since=sent)
+            silent = DaemonSilent(f"no answer from the daemon within {deadline_s:g} s")
+            self.count_call(silent, sent)
             await self._drop()
-            raise DaemonSilent(f"no answer from the daemon within {deadline_s:g} s")
+            raise silent
         try:
             result = task.result()
-        except DaemonError as exc:
-            if exc.code == "shutting_down":
-                self.report_failure()
-            else:
-                self.breaker.answered()
+        except BaseException as exc:
+            self.count_call(exc, sent)
             raise
-        except (TierdError, OSError):
-            self.report_failure()
-            raise
-        self.breaker.answered()
+        self.count_call(None, sent)
         return result
+
+    def count_call(
+        self, exc: BaseException | None, sent: float, *, answered: bool = True, lost: bool = False
+    ) -> bool:
+        """Count one bounded call's outcome for the breaker, the same whichever way the
+        call was made (:meth:`bounded` on the link's loop, an engine thread's
+        :class:`~tierd.integrations.channel.EngineChannel`). ``exc`` is what it raised
+        (None: it returned; ``answered=False``: it only sent, so its return is no
+        answer). An answer, an error answer included, is the daemon's; a
+        ``shutting_down`` answer, an error answer on a connection found closed
+        (``lost``), no answer in time (:class:`DaemonSilent`, counted as a silence since
+        ``sent``) and any other failure count against it. Returns whether the call's
+        connection must be dropped."""
+        if exc is None:
+            if answered:
+                self.breaker.answered()
+            return False
+        if isinstance(exc, DaemonError) and exc.code != "shutting_down" and not lost:
+            self.breaker.answered()
+            return False
+        self.report_failure(silent_since=sent if isinstance(exc, DaemonSilent) else None)
+        return True
 
     def report_failure(self, *, silent_since: float | None = None) -> None:
         """A call failed (on any thread; ``silent_since``: when it was sent, if it got no

@@ -33,6 +33,15 @@ names the pool it lies in (the daemon's pool name): a restarted daemon has anoth
 which the workers map when they first meet it (:func:`mapped_pool`, for workers in this
 process: the scheduler's connections map each pool and keep it here, a pool until no
 connection with leases on it is open, the newest two at least). Needs no engine.
+
+Threads. A :class:`PoolLeases` is called from one thread, the scheduler's, which owns
+its connections (current and retired), their leases, the commits in flight and the
+connect backoff, all unlocked. Shared: the replies that came after their asks were given
+up on (filled by a handler wherever the connection's replies are read, taken by the
+scheduler's next call), under the instance's lock; the process's pool mappings
+(``_HERE``, read by workers of this process through :func:`mapped_pool`), under
+:class:`~tierd.integrations.channel.PoolUsers`' own lock; and the link's breaker, under
+its own.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierd.breaker import Backoff
 from tierd.control.clients.blocking_client import BlockingClient
 from tierd.control.clients.handshake import DaemonError, Unreachable
 from tierd.control.clients.pool import PoolMap
@@ -55,8 +65,6 @@ from tierd.logs import get_logger
 __all__ = ["NoPool", "PoolLeases", "Rows", "mapped_pool"]
 
 log = get_logger("tierd.integrations.pool")
-
-_FIRST_BACKOFF_S = 0.05
 
 
 class NoPool(TierdError):
@@ -118,8 +126,7 @@ class PoolLeases:
         self._line: _Line | None = None
         self._retired: list[_Line] = []
         self._late: list[tuple[_Line, str, Any]] = []  # replies given up on: (line, op, reply)
-        self._next_attempt = 0.0
-        self._backoff = _FIRST_BACKOFF_S
+        self._backoff = Backoff(link.settings.reconnect_max_s)
         self._lock = threading.Lock()  # _late is filled while replies are read
         self._commits: list[tuple[_Line, int, Rows, float]] = []  # sent, not answered
         self._failed: list[Rows] = []  # commits that could not be sent
@@ -145,22 +152,21 @@ class PoolLeases:
             return line
         if line is not None:
             self._retire(line)
-        if self.closed or self._link.breaker.is_open or time.monotonic() < self._next_attempt:
+        if self.closed or self._link.breaker.is_open or not self._backoff.due():
             return None
         s = self.settings
         try:
             client = s.blocking(deadline, map_pool=True, pools=_HERE, retain=True)
         except (TierdError, OSError) as exc:
-            self._next_attempt = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, s.reconnect_max_s)
+            self._backoff.failed()
             if not isinstance(exc, DaemonError):
                 self._link.report_failure()
             raise
-        self._backoff = _FIRST_BACKOFF_S
+        self._backoff.succeeded()
         pool = client.info.get("pool")
         if client.pool is None or not isinstance(pool, dict):
             _close(_Line(client, ""))
-            self._next_attempt = time.monotonic() + s.reconnect_max_s
+            self._backoff.hold_off()
             raise NoPool(
                 "the daemon has no shared-memory pool for this engine (its entry tier is"
                 " not a CPU tier): it cannot be the engine's CPU tier"

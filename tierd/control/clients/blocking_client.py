@@ -50,6 +50,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tierd.control.clients.handshake import (
+    HANGS_UP,
     HELLO_ID,
     DaemonError,
     DaemonSilent,
@@ -71,7 +72,6 @@ if TYPE_CHECKING:
 __all__ = ["MAX_REPLY_BYTES", "BlockingClient"]
 
 MAX_REPLY_BYTES = 16 << 20  # mostly flags and counts; an inline get stays under it
-_HANGS_UP = frozenset({"not_allowed", "busy", "shutting_down", "frame_too_large"})
 
 
 class BlockingClient:
@@ -345,9 +345,9 @@ class BlockingClient:
             if isinstance(message, dict) and "push" in message:
                 continue  # not subscribed: nothing else is pushed to this connection
             request_id = message.get("id") if isinstance(message, dict) else None
-            if isinstance(message, dict) and message.get("error") in _HANGS_UP:
+            if isinstance(message, dict) and message.get("error") in HANGS_UP:
                 self._broken()  # the daemon hangs up after this (id 0: a frame it refused)
-                raise DaemonError(str(message["error"]), str(message.get("message")))
+                raise DaemonError.of(message)
             if request_id in self._started:  # started by another call: kept for it
                 self._arrived[request_id] = message
                 continue
@@ -363,10 +363,10 @@ class BlockingClient:
             raise ProtocolError(f"the daemon answered another request: {message!r:.200}")
         if message.get("ok"):
             return message
-        code = str(message.get("error"))
-        if code in _HANGS_UP:
+        error = DaemonError.of(message)
+        if error.hangs_up:
             self._broken()
-        raise DaemonError(code, str(message.get("message")))
+        raise error
 
     def _next_reply(self, deadline: float) -> Any:
         """The next message that is not the reply to a posted request."""
@@ -385,9 +385,9 @@ class BlockingClient:
         handler = self._unawaited.pop(request_id)
         if handler is not None:
             handler(message)
-        if message.get("error") in _HANGS_UP:
+        if message.get("error") in HANGS_UP:
             self._broken()
-            raise DaemonError(str(message["error"]), str(message.get("message")))
+            raise DaemonError.of(message)
         return True
 
     def _next_message(self, deadline: float, fds: list[int] | None = None) -> Any:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
 from tierd.control.clients.handshake import (
+    HANGS_UP,
     HELLO_ID,
     DaemonError,
     Unreachable,
@@ -70,7 +71,6 @@ __all__ = [
 
 Buffer = bytes | bytearray | memoryview
 # Error codes the daemon sends with id 0 just before it closes the connection.
-_FATAL = frozenset({"not_allowed", "busy", "shutting_down", "frame_too_large"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,17 +179,15 @@ class Client(ControlRequests):
             return
         future = self._waiting.pop(message.get("id", -1), None)
         if future is None:
-            if message.get("error") in _FATAL:  # the daemon hangs up after these
-                self._lost(DaemonError(str(message.get("error")), str(message.get("message"))))
+            if message.get("error") in HANGS_UP:
+                self._lost(DaemonError.of(message))
             return
         if future.done():
             return
         if message.get("ok"):
             future.set_result(message)
         else:
-            future.set_exception(
-                DaemonError(str(message.get("error")), str(message.get("message")))
-            )
+            future.set_exception(DaemonError.of(message))
 
     def _lost(self, exc: BaseException | None) -> None:
         if self._closed is None:

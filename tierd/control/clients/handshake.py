@@ -28,6 +28,7 @@ from tierd.control.socketfile import peer_credentials
 from tierd.errors import ProtocolError, TierdError
 
 __all__ = [
+    "HANGS_UP",
     "HELLO_ID",
     "DaemonError",
     "DaemonSilent",
@@ -53,6 +54,20 @@ class DaemonError(TierdError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+
+    @classmethod
+    def of(cls, reply: dict[str, Any]) -> DaemonError:
+        """The error an error reply carries."""
+        return cls(str(reply.get("error")), str(reply.get("message")))
+
+    @property
+    def hangs_up(self) -> bool:
+        """Whether the daemon closes the connection after this error (:data:`HANGS_UP`)."""
+        return self.code in HANGS_UP
+
+
+# The errors after which the daemon closes the connection (id 0: a frame it refused).
+HANGS_UP = frozenset({"not_allowed", "busy", "shutting_down", "frame_too_large"})
 
 
 class Unreachable(TierdError):
@@ -212,5 +227,5 @@ def hello_reply(message: Any) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ProtocolError("the daemon's first reply is not a map")
     if not message.get("ok"):
-        raise DaemonError(str(message.get("error")), str(message.get("message")))
+        raise DaemonError.of(message)
     return message
