@@ -3,18 +3,17 @@ found in constant time (the KV events' book), and :class:`Shards`, a dict that n
 resizes all at once (the book, a tier's slots, the LRU policy's order).
 
 A big dict that grows past its table is copied whole into one twice the size, in the
-turn of the loop that put the key that did not fit: 25 ms a dict at 350,000 keys on a
-2-core VM, and a book's four dicts of keys (the descriptions, the levels holding each,
-the hash index, the waiting ones) grow in step, so the put that made them all resize
-held the loop 97 ms. A dict that churns at its size is copied the same way, to sweep out
-its deleted slots. :class:`Shards` cuts a dict into parts by the keys' hashes (64, or as
-many as keep a part near 16,384 keys for a map of known size): each part resizes on its
-own, at its own time, with its share of the keys.
+turn of the loop that put the key that did not fit, and a book's four dicts of keys (the
+descriptions, the levels holding each, the hash index, the waiting ones) grow in step, so
+one put would make them all resize at once. A dict that churns at its size is copied
+the same way, to sweep out its deleted slots. :class:`Shards` cuts a dict into parts by
+the keys' hashes (64, or as many as keep a part near 16,384 keys for a map of known
+size): each part resizes on its own, at its own time, with its share of the keys.
 
 A plain dict keeps insertion order, but taking its front out leaves a hole there that
 the next look at its front (``next(iter(d))``) steps over again, until the dict next
-resizes: a book at its budget, evicting its oldest description for each new one, spent
-126 us a put so (p99 319 us) at 144,000 descriptions, against 10 us below its budget.
+resizes: a book at its budget, evicting its oldest description for each new one, would
+step over ever more holes at every put.
 
 Here each key has a sequence number, and the front is a cursor over the numbers that
 only moves forward, so each number is stepped over once in all. The numbers' keys and
@@ -43,9 +42,9 @@ _ABSENT: Any = object()
 _SHIFT = 10  # a bucket holds the numbers sharing all but their low 10 bits
 _PARTS = 64  # of a Shards by default (and of a Fifo's): a power of two
 _LOW = _PARTS - 1  # the bits of a key's hash that pick its part
-PART_KEYS = 16_384  # about the most keys a part of a sized map holds: a resize of ~1 ms
-# The biggest map kept in one dict: its resize, 7 ms at 87,000 keys on a 2-core VM (an
-# OrderedDict's), is short enough, and a dict's steps are cheaper than parts'.
+PART_KEYS = 16_384  # about the most keys a part of a sized map holds: its resize is short
+# The biggest map kept in one dict: its resize (an OrderedDict's) is still short enough,
+# and a dict's steps are cheaper than parts'.
 ONE_DICT_KEYS = 65_536
 MAX_PARTS = 1024  # the most parts a sized map is cut into (a power of two)
 _SALT = int.from_bytes(os.urandom(8), "little")
@@ -55,7 +54,7 @@ def _part(key: object) -> int:
     """The part of ``key``: its hash's low bits. Bytes and strings hash at random, so the
     parts fill at slightly different rates and resize at different times; ints hash to
     themselves, so consecutive ones would fill all 64 in step (all resizing within 64
-    puts: 10.6 ms at 600,000) and are mixed with a salt first."""
+    puts, as costly as one big dict's resize) and are mixed with a salt first."""
     if type(key) is int:
         return hash((_SALT, key)) & _LOW
     return hash(key) & _LOW
@@ -65,8 +64,8 @@ def part_count(size: int, part_keys: int = PART_KEYS, one_dict: int = ONE_DICT_K
     """How many parts (a power of two, at most :data:`MAX_PARTS`) keep a map of ``size``
     keys at about ``part_keys`` a part; one for a map of up to ``one_dict`` keys, whose
     resize is short enough, and which keeps its keys in the order they came (walks of
-    its keys then read memory in the order it was allocated: a walk of 240,000 keys in
-    hash order took 1.4 times as long)."""
+    its keys then read memory in the order it was allocated, faster than in hash
+    order)."""
     if part_keys <= 0:
         raise ValueError(f"part_keys must be positive, got {part_keys}")
     if size <= one_dict:

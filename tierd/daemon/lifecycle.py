@@ -183,9 +183,9 @@ class Daemon:
             metrics = await start_metrics_http(self.config.metrics, server.ctx, server.connections)
             await server.start()
             log.info("ready", socket=str(self.config.socket.path), pid=os.getpid())
-            # Every object made so far (modules, config, tiers: ~50,000) lives as long as
-            # the daemon: a full collection walked them all, 35-80 ms of the loop each time
-            # churn (a flood of connections) triggered one. Frozen, they are never walked
+            # Every object made so far (modules, config, tiers) lives as long as the
+            # daemon, and a full collection, which churn (a flood of connections) triggers,
+            # would walk them all on the loop each time. Frozen, they are never walked
             # again (until the stop: a daemon run in a test's process gives them back).
             gc.freeze()
             self.ready.set()

@@ -15,8 +15,8 @@ Prometheus text follows the same rule (its tenant and namespace labels).
 What a request costs the event loop is bounded, not left to the clients: the figures
 are read on the loop at most once per ``metrics.cache`` seconds (one snapshot for the
 metrics, one for the page), and each view's text and JSON made from them at most once
-per interval, in a thread (with 1,000 tenants the text is about 0.4 MB and 70 ms: on the
-loop it held every client); later requests in the interval get the same bytes, and
+per interval, in a thread (the text grows with the tenants: made on the loop, it would
+hold every client); later requests in the interval get the same bytes, and
 requests that come while they are made wait for them. A request is routed and rendered
 in one of :data:`MAX_SCRAPES` slots (the others wait their turn). A connection holds no
 slot while it sends its request (whole within :data:`HEAD_DEADLINE_S`, at most
@@ -295,7 +295,7 @@ def _metrics_snapshot(ctx: ServerContext) -> tuple[dict[str, Any], _Frozen, int]
 
 
 def _render(snapshot: tuple[dict[str, Any], _Frozen, int], view: View) -> bytes:
-    """One view's exposition text (in a thread: 70 ms at 1,000 tenants)."""
+    """One view's exposition text (in a thread: it grows with the tenants)."""
     stats, histograms, top = snapshot
     return render_prometheus(shown_stats(stats, view), [histograms], top=top).encode()
 

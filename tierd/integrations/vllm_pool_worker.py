@@ -24,6 +24,18 @@ by anyone). A load whose pool this process cannot map (the daemon that pinned it
 before this rank ever mapped it, and restarted since) fails loudly: vLLM has no way to
 recompute a failed load, and copying nothing would serve whatever the engine's blocks
 held.
+
+Threads. vLLM calls a :class:`TierdPoolWorker` from one thread of its rank (its
+offloading connector's worker side), which owns the pools mapped, their views and copy
+handlers, and the results not collected yet, all unlocked; the copies run on vLLM's CUDA
+streams (on the CPU build they are done when ``submit_*`` returns), and their ends are
+read on that same thread (``get_finished``, ``wait``). Shared with other threads: the
+scheduler's mappings when it runs in this process
+(:func:`~tierd.integrations.pool_leases.mapped_pool`), under their
+:class:`~tierd.integrations.channel.PoolUsers`' lock, and this rank's own
+:class:`~tierd.control.clients.pool.PoolShare`, under its own. A pool's rows are shared
+with the daemon, another process, only through leases: the daemon never gives a row to
+another block while a job may use it.
 """
 
 from __future__ import annotations

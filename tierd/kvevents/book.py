@@ -21,14 +21,14 @@ one is kept as its file record's bytes (a *row*: msgpack of ``[fields, count, ha
 group_idx]``), the levels holding it as an int, and the hash index maps a hash to the
 key's bytes (a tuple of keys, rarely, when keys share a hash). A full book held as
 objects (an :class:`Entry`, its :class:`~tierd.kvevents.wire.Described` and a list per
-hash) was 1.7 million tracked objects at the default 256 MiB: every full collection, which
-a tenant describing blocks brings about, held the loop 250-280 ms for every tenant.
+hash) would be several tracked objects per description, all walked, on the loop every
+tenant shares, by each full collection (which a tenant describing blocks brings about).
 :class:`Entry` objects are made on the way out, for the caller of the moment.
 
 A wait is usually short: a description comes a moment before its block's store, and a
 block evicted from a level is stored below a moment later. So a key waits first in a plain
-dict (``_fresh`` for its store, ``_fresh_grace`` for its demotion: a set and a pop, where
-the queues of :class:`~tierd.maps.Fifo` cost five times as much), which a *pass* empties
+dict (``_fresh`` for its store, ``_fresh_grace`` for its demotion: a set and a pop, far
+cheaper than the queues of :class:`~tierd.maps.Fifo`), which a *pass* empties
 into the queues whole, at most :data:`FRESH_S` after its first key came (and before the
 first of them is due) and at :data:`FRESH_KEYS` keys in both (so neither is ever a big
 dict, and a pass moves a bounded number). The store of a block takes it out of its dict,
@@ -36,11 +36,10 @@ so a pass moves only the keys still waiting; their deadlines stay as they were, 
 order they came. A key waits in one place at most, and only while held nowhere: a
 removal from a level of a block held there needs no look at where it waited.
 
-Its maps of keys (:mod:`tierd.kvevents.maps`) stay cheap at any size: the oldest
-description is found in constant time (at its budget a put took 83-93 us finding it past
-the deleted front of a dict, now 16-20 us, put and store together), and no map is one dict
-that a put copies whole when it outgrows its table (97 ms for the book's four at 350,000
-descriptions).
+Its maps of keys (:mod:`tierd.maps`) stay cheap at any size: the oldest description is
+found in constant time (never by stepping past the deleted front of a dict, which a book
+at its budget does at every put), and no map is one dict that a put copies whole when it
+outgrows its table.
 """
 
 from __future__ import annotations
@@ -67,10 +66,9 @@ __all__ = [
     "row_of",
 ]
 
-# What an entry is counted beyond its encoded bytes, and each hash in the index: measured
-# with tracemalloc on CPython 3.11 when entries were objects (620 B in all for a 16-token
-# block). Kept as rows, in the maps of tierd.kvevents.maps, they take 414 B in all, so the
-# budget counts more than is used; docs/events.md quotes them.
+# What an entry is counted beyond its encoded bytes, and each hash in the index: at least
+# what an entry takes as a row in the maps of tierd.maps, so the budget never counts less
+# than is used; docs/events.md quotes them.
 ENTRY_OVERHEAD = 240
 HASH_OVERHEAD = 120
 ROW_PART_BUCKETS = 16  # of 1,024 rows: a part of row_parts
@@ -152,8 +150,8 @@ class DescriptorBook:
     _masks: Shards[BlockKey, int] = field(default_factory=Shards)  # the same keys
     _by_hash: Shards[Hashable, _Keys] = field(default_factory=Shards)
     # Held nowhere, until when: one queue per wait, so each is in the order of its
-    # deadlines (a key is taken out before it is put back) and a sweep looks at the due
-    # ones only (it looked at every pending one: 47-68 ms at 500,000, after every batch).
+    # deadlines (a key is taken out before it is put back) and a sweep, after every batch,
+    # looks at the due ones only, never at every pending one.
     _unheld: Fifo[BlockKey, float] = field(default_factory=Fifo)
     _grace: Fifo[BlockKey, float] = field(default_factory=Fifo)
     # Held nowhere since the last pass: key -> its deadline, for its store, for its
@@ -175,7 +173,7 @@ class DescriptorBook:
     def row_parts(self) -> Iterator[list[tuple[BlockKey, bytes]]]:
         """Every (key, row), oldest first (:func:`record_of` makes a file record of one),
         in parts of some 16,000, each read as it is asked for (on the loop, a part a turn:
-        all at once, 560,000 rows took 75-90 ms)."""
+        a full book's rows all at once would hold the loop every tenant shares)."""
         return self._rows.item_parts(ROW_PART_BUCKETS)
 
     def held_parts(self) -> Iterator[list[tuple[bytes, int]]]:

@@ -10,7 +10,7 @@ in a thread, keeps the last record of each key, and the writer writes the surviv
 fresh file (then renamed over the old one). While running, when the file has grown past four times
 the live descriptions plus 8 MiB, it is rewritten the same way behind the appends: the
 thread starts a fresh file, the loop hands it the live descriptions a part a turn (some
-16,000: taken at once, 560,000 took the loop 75-90 ms), and the thread renames it over
+16,000: a full book's taken at once would hold the loop), and the thread renames it over
 the old one after the last part. Appends meanwhile go to the fresh file, between the
 parts: each part is the book as it is when taken, and each change after the rewrite
 began has its record after it, so the last record of each key is still its last word.
@@ -18,6 +18,15 @@ began has its record after it, so the last record of each key is still its last 
 Nothing is fsynced: a description lost in a crash only means its block is not announced
 (a router then does not credit the node for it), never a wrong announcement; a record
 cut short at the end of the file is ignored.
+
+Threads. The loop owns the appends gathered, their hand-over timer and a rewrite's parts
+not handed over yet (the book's rows are read a part at a time on the loop, never by the
+writer). The writer thread owns the file and its temporary. They share the writer's queue
+(a ``queue.SimpleQueue``, locked by itself), which carries appends, a rewrite's parts
+(lists the loop no longer touches) and its bounds, in order; and two fields written
+without a lock: ``size`` (the loop adds each record, the writer sets the file's size at a
+rewrite's end: an estimate of when to rewrite, no more) and ``failed`` (set by the writer,
+read by anyone).
 """
 
 from __future__ import annotations

@@ -7,13 +7,12 @@ batch still uses its number, so a subscriber sees the gap and asks ROUTER (frame
 :mod:`tierd.kvevents.wire`). The thread takes what peers send (subscriptions, replay
 requests) and answers replays. The PUB socket is shared by the two under one lock (ZMQ
 lets a socket change threads across a full barrier, which a lock is), so a batch costs the
-loop a send and no wake-up of the thread: handed to the thread, each batch was a write
-to its pipe, a wake-up, a round of its poll and two hand-overs of the GIL, and the thread
-took 4-9 us of CPU per stored block at 60 batches a second, more than the batches' own
-encoding and sending. When the lock is taken (the thread is reading a subscription or a
-replay's batches) or batches wait already, ``offer`` queues the batch (at most
-``queue_batches``; past it the batch is dropped, counted) and the thread sends it, in
-order. The thread polls the PUB socket's own descriptor (ZMQ's ``FD``), not the socket,
+loop a send and no wake-up of the thread: handed to the thread, each batch would be a
+write to its pipe, a wake-up, a round of its poll and two hand-overs of the GIL, which
+cost more than the batches' own encoding and sending. When the lock is taken (the thread
+is reading a subscription or a replay's batches) or batches wait already, ``offer`` queues
+the batch (at most ``queue_batches``; past it the batch is dropped, counted) and the thread
+sends it, in order. The thread polls the PUB socket's own descriptor (ZMQ's ``FD``), not the socket,
 and as ZMQ's notice that something came may be taken by a send, the loop looks after each
 send whether a subscription waits, and wakes the thread if one does.
 
@@ -22,7 +21,17 @@ What a peer of either socket can cost the daemon is bounded: connections
 message it sends (a subscription, a request), and subscriptions: the PUB side is an XPUB
 that applies a subscription only when it is a prefix of the stream's topic (the only
 ones that select anything), so a peer holds at most ``len(topic) + 1`` of them, however
-many it sends (one 128 MiB subscription once cost the daemon 128 MiB).
+many it sends, and none bigger than the topic.
+
+Threads. The loop (``offer``'s one caller) owns the batch numbers, the drops it counts
+and the appends to the queue of waiting batches. The publisher's thread owns the ROUTER
+socket, the replays under way, the peers' monitors and counts, and the queue's other end
+(it pops, under the lock). Shared under the one lock: the PUB socket, the batches kept
+for replay (replays read them under it too), the send counters and whether the sockets
+are gone. The wake-up flag is written by both without it (the thread clears it before it
+looks at the queue, so a batch queued meanwhile is never missed), and
+:meth:`Publisher.stats` reads the counters and the peers' counts without it: figures of a
+moment.
 """
 
 from __future__ import annotations

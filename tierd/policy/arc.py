@@ -8,8 +8,8 @@ when the preferred one has nothing evictable. Each ghost list is bounded by the 
 
 Each of the four lists is an ``OrderedDict`` for a small tier and a
 :class:`~tierd.policy.order.PartedOrder` (generations over parts) for a big one, which
-never copies a dict of all its keys (an ``OrderedDict`` of 1,400,000 keys took 250 ms to
-resize, in the put that outgrew it). Both answer the mapping methods used key by key
+never copies a dict of all its keys (an ``OrderedDict`` copies them all, on the loop, in
+the put that outgrows its table). Both answer the mapping methods used key by key
 here; a batch goes in at C speed into an ``OrderedDict`` (:func:`_append`, :func:`_take`,
 :func:`_forget_oldest`).
 """

@@ -1,12 +1,12 @@
 """Least-recently-used: the tracked keys least recent first, in one ``OrderedDict`` for a
 small tier, and for a big one in a :class:`~tierd.policy.order.PartedOrder`, whose parts
-each resize on their own (one dict was copied whole, 250 ms at 1,400,000 keys, in the
-put that outgrew it).
+each resize on their own (one dict is copied whole, on the loop, in the put that outgrows
+it).
 
 Pinned keys stay where they are, marked in a set; a release moves its key to the recent
-end. (Deleting a key from a dict leaves a dead entry that the dict reclaims by rebuilding
-itself whole: 33-48 ms at 240,000 keys in one dict, which loads of a few thousand keys
-used to bring about every few dozen loads.) Eviction skips held keys; those it had to
+end. (Taking pinned keys out of the order would delete keys from it at every load, and a
+dict reclaims the dead entries deletions leave by rebuilding itself whole, on the loop.)
+Eviction skips held keys; those it had to
 step over go to the recent end, so each is stepped over once until the whole order has
 turned over again: a pin costs a set insert, and the move a pin needs is paid only if
 eviction reaches its key while it is held.

@@ -84,9 +84,9 @@ class DictOrder(Generic[K]):
 class PartedOrder(Generic[K]):
     """Keys least recent first, kept in pieces none of which grows with them all.
 
-    A big tier's order as one ``OrderedDict`` was copied whole in the put that outgrew
-    its table or filled it with the holes its deletions leave (a tier churning at its
-    capacity does both): 78 ms at 700,000 keys and 250 ms at 1,400,000 on a 2-core VM.
+    A big tier's order as one ``OrderedDict`` would be copied whole, on the loop, in the
+    put that outgrew its table or filled it with the holes its deletions leave (a tier
+    churning at its capacity does both).
 
     Here the order is a run of generations, each a dict of at most ``generation`` keys
     (4,096) in the order they came (dicts keep insertion order), the oldest generation
@@ -98,8 +98,8 @@ class PartedOrder(Generic[K]):
     copied into a fresh dict (its order kept) each time its keys halve below half a
     generation, so that a table never holds more than twice its keys' worth of holes
     (its front, where eviction reads, included), and no copy is bigger than a
-    generation. The price is a second dict step a key: an insert, touch or eviction of
-    64 keys costs 1.6 to 4 times the one ``OrderedDict``'s (10 to 40 us more).
+    generation. The price is a second dict step a key, on every insert, touch and
+    eviction: this is for orders too big for one dict (:data:`ONE_DICT_KEYS`).
     """
 
     __slots__ = ("_fill", "_gen_of", "_gens", "_newest", "_open", "_size", "_thin")

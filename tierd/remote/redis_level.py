@@ -45,8 +45,8 @@ __all__ = ["RedisLevel"]
 log = get_logger("tierd.remote")
 
 # What asking EXISTS for one block costs, in bytes of payload that are as costly to send:
-# redis-py's work for one more command and reply (about 30 us here) and its share of a
-# round trip (scripts/bench remote). A write asks first while the expected bytes saved
+# redis-py's work for one more command and reply and its share of a round trip (measured
+# with scripts/bench remote: docs/BENCHMARKS.md). A write asks first while the expected bytes saved
 # per block, the share of blocks recent writes found there times the block size, exceed it.
 CHECK_COST_BYTES = 32 << 10
 _HELD_WEIGHT = 0.25  # each write's weight in the moving average of that share

@@ -75,9 +75,8 @@ T = TypeVar("T")
 
 # The niceness of the daemon's threads of bulk work (region copies, disk writes) above
 # its own: where the machine's cores are all busy, the event loop (every tenant's
-# requests) is scheduled before them. On 2 cores, three threads copying for one tenant
-# left the loop half a core: another tenant's lookups p99 9.8-13.5 ms; so, 4.0-4.5 ms
-# (scripts/bench neighbours_regions).
+# requests) is scheduled before them: one tenant's copies never take the loop's share of
+# the cores from the other tenants' lookups.
 BACKGROUND_NICENESS = 10
 
 

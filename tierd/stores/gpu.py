@@ -67,7 +67,7 @@ from tierd.stores.gpu_packing import new_staging, pack, pieces, tensor_if_array,
 
 __all__ = ["COPY_TIMEOUT_S", "DeviceLost", "GpuStore", "is_device_error", "is_sticky"]
 
-# A copy not done after this long means a hung device (a copy of 512 MiB takes ~20 ms).
+# A copy not done after this long means a hung device: it is far beyond any batch's copy.
 COPY_TIMEOUT_S = 60.0
 
 

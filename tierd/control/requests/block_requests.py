@@ -11,8 +11,8 @@
   fits in one frame). A get's blocks are copied out while pinned, encoded for the reply
   as they are copied (:func:`~tierd.control.requests.frame_pieces.encode_bins`), 256 KiB a turn of
   the loop, then unpinned 512 a turn, and the session writes the reply a piece a turn
-  (``frame_in_pieces``): copied, packed and written at once, a 4,096-key get of 16 KiB
-  blocks (64 MiB) held the loop 200-300 ms.
+  (``frame_in_pieces``): copied, packed and written at once, a get of a frame of blocks
+  would hold the loop, every tenant's, for as long as all of it takes.
 
 ``lookup`` and ``touch`` move no bytes: the session answers them itself, on its fast path.
 A :class:`BlockRequests` knows its session only through :class:`Requester`.

@@ -2,8 +2,8 @@
 pieces: its blocks a piece at a time (:func:`encode_bins`, into :class:`EncodedBins`),
 then its frame (:func:`frame_in_pieces`): the same bytes :func:`~tierd.control.protocol.encode`
 would make of the whole message, each piece written as it is (a message of the one field
-:data:`~tierd.control.protocol.FRAME_PIECE`). Packed and written at once, a 4,096-key get
-of 16 KiB blocks (64 MiB) held the event loop 200-300 ms.
+:data:`~tierd.control.protocol.FRAME_PIECE`). Packed and written at once, a frame of
+blocks would hold the event loop (every tenant's) for as long as all of it takes.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from tierd.control.protocol import HEADER
 __all__ = ["PIECE_BYTES", "EncodedBins", "encode_bins", "frame_in_pieces"]
 
 # Bytes of blocks one piece of a reply encoded in pieces holds (one block at least): a
-# piece is copied, then written, in a turn of the loop each (at 1 MiB a turn took up to
-# 5 ms of CPU on a 2-core VM, fresh pages faulted in; at 256 KiB, 1-2 ms).
+# piece is copied, then written, in a turn of the loop each, so this bounds what such a
+# turn costs the loop (fresh pages faulted in included).
 PIECE_BYTES = 1 << 18
 
 

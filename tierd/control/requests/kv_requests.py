@@ -4,11 +4,10 @@
   description per key, :mod:`tierd.kvevents.describe`), so that their events carry what a
   router indexes. A block already held is announced at once. Without a ``kv_events:``
   section publishing the tenant, the answer is ``kept: 0`` and nothing is kept. A
-  description costs the loop some 20 us to check and keep, more the bigger it is, so a
-  request is handled :data:`DESCRIPTIONS` descriptions a turn and at most
-  :data:`DESCRIPTION_BYTES` of them (256 small ones in one go held every other client
-  5-7 ms; 933 of 16,809 bytes a request, 64 a turn, gave another tenant's lookups a p99
-  over a second); all are checked before any is kept.
+  description costs the loop time to check and keep, more the bigger it is, so a request
+  is handled :data:`DESCRIPTIONS` descriptions a turn and at most
+  :data:`DESCRIPTION_BYTES` of them (a bound on their number alone would let big
+  descriptions hold every other client); all are checked before any is kept.
 - ``blocks_held``: the existence query of routers that ask instead of listen: lists of
   engine block hashes in (one list per request, prefix order), for each the number of
   leading blocks the node holds and the medium of each, in one tenant's blocks: a tenant's

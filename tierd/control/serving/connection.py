@@ -43,11 +43,11 @@ __all__ = ["MAX_REGION_JOBS", "Connection", "Listener"]
 
 # Region jobs one connection runs at once; more wait in its backlog (and reading pauses):
 # what a queued job holds (its pins, its offsets) is bounded per connection, and so is
-# how much of the loop and of the copy queues one connection's pipeline takes. At 8, a
-# neighbour with 64 loads of 4,096 keys in flight kept a bystander's 4-key load at a
-# p50 of 10.6 ms (p99 40, max 69): its jobs beyond the lease bounds were refused and
-# sent again at once, each costing the loop a parse of 4,096 keys; at 4, 2.0 ms (p99
-# 8.4, max 13), and 8 MiB jobs through the disk tier, 8 in flight, moved as fast.
+# how much of the loop and of the copy queues one connection's pipeline takes. A job
+# beyond the lease bounds is refused and may be sent again at once, each time costing the
+# loop a parse of all its keys: the more a connection runs at once, the more a busy
+# neighbour slows a bystander's loads. 4 keeps that small and big jobs through the disk
+# tier as fast as more in flight would.
 MAX_REGION_JOBS = 4
 _JOB_OPS = frozenset({"region_load", "region_store"})
 

@@ -1,10 +1,10 @@
 """The threads that copy region jobs, shared fairly between tenants and connections.
 
 A region job's bytes move in a thread (positional syscalls on the engine's descriptor).
-One first-come-first-served pool let one tenant's backlog decide everyone's wait: 64
-loads of 4,096 pieces in flight moved another tenant's 4-key load from 1 ms to 80 s, and
-a tenant writing into its own memfd while the daemon copied into it held every thread on
-that file's inode lock. So work is queued per tenant, and within a tenant per connection,
+One first-come-first-served pool would let one tenant's backlog decide everyone's wait
+(a few keys' load behind another tenant's thousands of pieces), and a tenant writing into
+its own memfd while the daemon copies into it would hold every thread on that file's
+inode lock. So work is queued per tenant, and within a tenant per connection,
 and handed to threads in turn:
 
 - A job is cut into *slices* by its caller (:func:`slices`, a few MiB each) and each
@@ -17,14 +17,19 @@ and handed to threads in turn:
   inode lock, a slow fault), threads are left for the other tenants, and for the other
   connections of its tenant (an untenanted daemon is one tenant: every engine of it).
 
-Everything here runs on the event loop except the slices themselves; the loop's work per
-slice is constant.
-
 The loop's own share of a job (its pins, slots, slices' hand-overs and replies) is fair
 per tenant too (:class:`TenantJobs`): at most ``limits.region_jobs_per_tenant`` jobs of
 one tenant run at once, the others wait their turn in order, costing the loop nothing.
-Per connection alone, one tenant's 40 engines with jobs in flight took 40 times the loop
-of one: another tenant's lookups went from p99 0.4 ms to 18 ms (max 215 ms).
+Bounded per connection alone, a tenant with many engines would take as many connections'
+share of the loop, at the cost of the other tenants' lookups.
+
+Threads. The event loop owns all the bookkeeping: the queues per tenant and connection,
+the counts of slices running, the threads' start and stop, and :class:`TenantJobs`. The
+copy threads own nothing: each takes a slice (its callable and how to report it) from a
+``queue.SimpleQueue`` (locked by itself), runs it, and hands the outcome back to the loop
+with ``call_soon_threadsafe``; the loop's work per slice is constant. What a slice
+touches (the engine's descriptor, a store's buffers) its caller keeps still until it has
+ended: :meth:`FairThreads.run` returns only then, even when cancelled.
 """
 
 from __future__ import annotations
@@ -66,9 +71,9 @@ class FairThreads:
         self.per_tenant = max(1, threads - 1)
         self.per_connection = max(1, threads - 2)
         # Threads of our own, all started at once: work is handed over only when one is
-        # free, so none ever waits in a queue behind another's. (An executor's lazily
-        # started threads were seen to stay at three of four while three waited on a
-        # client's file lock, and the fourth tenant's slice then waited with them.)
+        # free, so none ever waits in a queue behind another's. (An executor starts its
+        # threads lazily, and may stay short of its number while those it has wait on a
+        # client's file lock: another tenant's slice would then wait with them.)
         self._work: queue.SimpleQueue[_Handed] = queue.SimpleQueue()
         self._name = name
         self._started = False

@@ -6,8 +6,8 @@ open, and when a store lease outlives ``store_lease_ttl_s`` (then it is *withdra
 keys go, and its slots stay out of use until the client is done with them or gone:
 :mod:`tierd.control.requests.leases`). Ending a lease is a Python
 step per key (a reserved slot freed, a pinned key moved to its policy's recent end), and
-a connection may hold half the entry tier in leases: ended at once, 40 leases of 4,096
-keys held the loop that every tenant shares for 200-270 ms on a 2-core machine.
+a connection may hold half the entry tier in leases: ended at once, they would hold the
+loop that every tenant shares for as long as all their keys' steps take.
 
 :func:`finish` ends a handle at once; :func:`finish_in_pieces` ends it 512 keys a turn
 (a client's own ``abort_store`` and ``complete_load`` too, when not :func:`small`).

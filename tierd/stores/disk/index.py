@@ -2,12 +2,11 @@
 
 **The index**, slot -> (key, generation), is kept where the garbage collector never walks.
 The index holds an entry per block: millions on a big disk tier. Held as one dict of
-``(key, generation)`` tuples it was a container of millions of children, and every
-collection of the generation it sat in walked them all: 30-70 ms of the event loop per
-million entries, and 65-150 ms for a full collection, at moments nobody chose. Freezing
-the daemon's objects once it is ready did not reliably spare it: a full collection
-untracks a dict whose tuples it has untracked, so a frozen daemon could miss the index,
-and the next write (a fresh tuple) tracked it again as a young object.
+``(key, generation)`` tuples it would be a container of millions of children, and every
+collection of the generation it sat in would walk them all on the event loop, at moments
+nobody chose. Freezing the daemon's objects once it is ready does not reliably spare it:
+a full collection untracks a dict whose tuples it has untracked, so a frozen daemon could
+miss the index, and the next write (a fresh tuple) tracks it again as a young object.
 
 A dict whose keys and values are ints and bytes is never tracked at all. So
 :class:`SlotIndex` keeps two of them, the keys and the generations of the same slots, and

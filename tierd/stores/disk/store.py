@@ -32,6 +32,19 @@ and fdatasyncs the slab after it, before the write is acknowledged; ``"batch"`` 
 data then journal at most ``fsync_interval`` seconds after a write; ``"none"`` leaves both
 to the page cache. What a crash loses in each mode is :mod:`tierd.stores.disk.io`'s
 docstring; checksums make the worst case a miss.
+
+Threads. The event loop owns the bookkeeping: each slab's slot index (a write's
+generation begun and committed, an invalidation, a read's look-up), the counters, the
+operations in flight and the checkpoints' walks. The reader and writer threads run only
+the blocking routines (:class:`~tierd.stores.disk.slab.Slab`'s ``*_chunk``, ``*_sync``
+and ``flush_journal``) on the slots and buffers the loop handed them, and never touch an
+index. Shared: each slab's journal, whose records the loop queues and a writer thread
+writes, in order, under the journal's lock; its snapshots, written one at a time under
+the journal's snapshot lock on the snapshot thread; a slab's journal error count and
+read-only reason, set by the thread that met the error and read on the loop without a
+lock (a figure and a flag); and the set of background journal flushes, added to on the
+loop and discarded from by each flush's done callback (single set operations, atomic
+under the GIL).
 """
 
 from __future__ import annotations
