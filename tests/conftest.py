@@ -13,6 +13,15 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
+# The fixtures that more than one module uses, from the kits that hold them: a test module
+# asks for them by name and imports none.
+from s3_kit import moto_fixture, s3_proxy_fixture, seaweed_fixture  # noqa: F401  (S3 servers)
+from users_kit import attacker  # noqa: F401  (a throwaway local user)
+
+from tests.daemon_kit import spawn  # noqa: F401  (`tierd serve` children, killed at the end)
+from tests.loop_daemon_kit import _watch_connections  # noqa: F401  (usefixtures: watched)
+from tests.squatting_kit import impostor  # noqa: F401  (a socket bound first by user nobody)
+from tests.tenants_kit import daemon, users  # noqa: F401  (the tenants' users and daemon)
 from tierd.control.socketfile import CONFIG_ENV
 from tierd.settings import env_overrides
 

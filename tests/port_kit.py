@@ -52,3 +52,9 @@ def running(server: S) -> Iterator[S]:
         yield server
     finally:
         server.stop()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

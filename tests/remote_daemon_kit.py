@@ -8,11 +8,14 @@ import asyncio
 import contextlib
 import io
 import random
+from pathlib import Path
+from typing import Any
 
-from tests.test_daemon_lifecycle import DaemonProcess
+from tests.daemon_kit import DaemonProcess
 from tierd.cli import main
 from tierd.client import Client
 from tierd.keys import BlockKey
+from tierd.testing import daemon_config
 
 BLOCK = 16 << 10
 NAMESPACE = "model-x"
@@ -40,3 +43,13 @@ async def cli(*argv: str) -> tuple[int, str]:
 
     status = await asyncio.to_thread(run)
     return status, out.getvalue()
+
+
+def node_config(home: Path, remote_url: str) -> dict[str, Any]:
+    """A daemon of its own CPU and disk tiers over the shared remote level at ``remote_url``."""
+    home.mkdir(mode=0o700)
+    config = daemon_config(home, cpu_blocks=16, disk_blocks=64, block_bytes=BLOCK)
+    # A generous deadline: this asserts hits, not latency, on a busy CI machine.
+    config["remote"] = {"url": remote_url, "deadline": "2s"}
+    config["logging"] = {"level": "warning"}
+    return config

@@ -14,7 +14,7 @@ import pytest
 from xxhash import xxh3_64_intdigest
 
 import tierd
-from tests.test_admission import chain_yaml, write_trace
+from tests.admission_kit import chain_yaml, write_trace
 from tierd.cli import main
 from tierd.config import ChainConfig, load_config
 from tierd.errors import ConfigError

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_soak import NS, blocks, make_keys, store_batches, tier
+from tests.soak_daemon_kit import NS, blocks, make_keys, store_batches, tier
 from tierd.client import Client
 from tierd.testing import daemon_config, running_daemon
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
+from daemon_kit import Spawn
 
 from tierd.client import Client, DaemonError
 from tierd.config import DaemonConfig, size_class_chain
@@ -43,7 +43,7 @@ async def connect(path: str, size: int) -> Client:
 
 async def test_two_sizes_share_one_daemon_each_at_its_own_size_through_a_restart(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
 ) -> None:
     config = sized_config(tmp_path)
     daemon = await spawn(config)
@@ -113,7 +113,7 @@ async def test_two_sizes_share_one_daemon_each_at_its_own_size_through_a_restart
 
 async def test_a_size_past_the_limit_is_refused_with_what_to_change(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
 ) -> None:
     daemon = await spawn(sized_config(tmp_path))
     async with await connect(daemon.socket_path, LARGE):
@@ -139,7 +139,7 @@ async def test_a_size_past_the_limit_is_refused_with_what_to_change(
 
 async def test_one_size_refuses_another_and_says_how_to_serve_several(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
 ) -> None:
     daemon = await spawn(daemon_config(tmp_path))
     with pytest.raises(DaemonError, match=r"does not match the daemon's 4096.*block_sizes: 2"):
@@ -150,7 +150,7 @@ async def test_one_size_refuses_another_and_says_how_to_serve_several(
 
 async def test_clients_naming_a_new_size_at_once_get_one_chain(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
 ) -> None:
     daemon = await spawn(sized_config(tmp_path))
     clients = await asyncio.gather(*(connect(daemon.socket_path, LARGE) for _ in range(4)))
@@ -187,7 +187,7 @@ def test_a_size_class_is_an_equal_share_of_every_tier_in_its_own_place(tmp_path:
 
 async def test_a_new_sizes_pool_is_allocated_while_the_daemon_answers_others(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
 ) -> None:
     """Opening a size allocates and populates its share of the CPU tier (256 MiB here):
     on the loop, every other client waited for it. A bystander's health requests, one
@@ -211,7 +211,7 @@ async def test_a_new_sizes_pool_is_allocated_while_the_daemon_answers_others(
 
 async def test_a_tenants_sizes_live_in_its_own_directory(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
 ) -> None:
     tenants = [{"name": "team-a", "uids": [os.getuid()], "operator": True}]
     daemon = await spawn(sized_config(tmp_path, tenants=tenants))
@@ -227,7 +227,7 @@ async def test_a_tenants_sizes_live_in_its_own_directory(
 
 async def test_a_size_that_cannot_be_recorded_is_served_all_the_same(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
 ) -> None:
     daemon = await spawn(sized_config(tmp_path))
     (tmp_path / "disk" / "block_sizes.json").mkdir()  # the record cannot replace it
@@ -242,7 +242,7 @@ async def test_a_size_that_cannot_be_recorded_is_served_all_the_same(
 
 async def test_a_size_opens_to_its_end_when_the_client_that_named_it_is_gone(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
 ) -> None:
     config = daemon_config(tmp_path, cpu_blocks=512, disk_blocks=None, block_sizes=2)
     config["block_bytes"] = 1 << 20  # 256 MiB a size: its pool takes a while to make
@@ -282,7 +282,7 @@ async def sizes_open(path: str) -> dict[str, dict[str, object]]:
 
 async def test_a_size_unused_for_a_while_makes_room_for_a_new_one_and_is_gone_after_a_restart(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
 ) -> None:
     config = three_sizes(tmp_path, idle_s=0.3)
     daemon = await spawn(config)
@@ -317,7 +317,7 @@ async def test_a_size_unused_for_a_while_makes_room_for_a_new_one_and_is_gone_af
 
 async def test_a_size_in_use_or_used_lately_is_never_given_back(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
 ) -> None:
     daemon = await spawn(three_sizes(tmp_path, idle_s=60))
     held = await connect(daemon.socket_path, THROWAWAY[0])
@@ -344,7 +344,7 @@ async def test_a_size_in_use_or_used_lately_is_never_given_back(
 
 async def test_an_operator_gives_a_size_back_with_its_blocks(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
 ) -> None:
     daemon = await spawn(three_sizes(tmp_path, idle_s=3600))
     size = THROWAWAY[0]
@@ -377,7 +377,7 @@ async def test_an_operator_gives_a_size_back_with_its_blocks(
 
 async def test_a_member_sees_its_own_sizes_and_may_not_give_one_back(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
 ) -> None:
     tenants = [{"name": "team-a", "uids": [os.getuid()], "operator": False}]
     daemon = await spawn({**three_sizes(tmp_path, idle_s=0), "tenants": tenants})
@@ -396,7 +396,7 @@ async def test_a_member_sees_its_own_sizes_and_may_not_give_one_back(
 
 async def test_a_hello_that_waits_past_the_hello_bound_for_its_size_is_told_so(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
 ) -> None:
     """A hello whose block size takes longer to open than ``limits.hello_timeout_s`` was
     answered "no hello within ..." though it had come: it is now told its size is still
@@ -423,7 +423,7 @@ async def test_a_hello_that_waits_past_the_hello_bound_for_its_size_is_told_so(
 
 async def test_serving_a_second_size_keeps_what_the_disk_tier_held(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
 ) -> None:
     """``block_sizes: 1`` to ``2`` halves the configured size's share of the disk tier: its
     slab shrinks in place and keeps every block whose slot remains (here all of them),

@@ -18,14 +18,12 @@ import time
 
 import numpy as np
 import pytest
-import test_daemon_lifecycle
 
 from tierd.client import Client, DaemonError, Unreachable
 from tierd.control.clients.blocking_client import BlockingClient
 from tierd.control.clients.handshake import DaemonSilent
 from tierd.testing import daemon_config
 
-spawn = test_daemon_lifecycle.spawn
 BLOCK = 4096
 NS = "blocking"
 DEADLINE_S = 0.2

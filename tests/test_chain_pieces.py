@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import tierd
-from tests.test_chain import chain_config, content, read_back
+from tests.chain_kit import chain_config, content, read_back
 from tierd.chain import TierChain
 from tierd.errors import CapacityError
 from tierd.keys import BlockKey, int_key

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import tierd
-from tests.test_chain import chain_config, content, cpu_over_disk, store_all
+from tests.chain_kit import chain_config, content, cpu_over_disk, store_all
 from tierd.chain import TierChain
 from tierd.errors import BlockMissing
 from tierd.events import EventKind

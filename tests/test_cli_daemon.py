@@ -30,6 +30,7 @@ import pytest
 import structlog
 import yaml
 
+from tests.loop_daemon_kit import serve_in_thread
 from tierd.cli import main
 from tierd.client import Client
 from tierd.testing import (
@@ -91,36 +92,10 @@ def live(tmp_path: Path) -> Iterator[Live]:
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
     )
-    ready = threading.Event()
-    handle: dict[str, Any] = {}
-    failures: list[BaseException] = []
-
-    async def serve() -> None:
-        stop = asyncio.Event()
-        handle["loop"], handle["stop"] = asyncio.get_running_loop(), stop
-        async with running_daemon(config):
-            ready.set()
-            await stop.wait()
-
-    def thread_main() -> None:
-        try:
-            asyncio.run(serve())
-        except BaseException as exc:  # handed to the test thread
-            failures.append(exc)
-        finally:
-            ready.set()
-
-    thread = threading.Thread(target=thread_main, name="tierd-daemon", daemon=True)
-    thread.start()
-    assert ready.wait(DEADLINE_S), "the daemon did not start"
-    if failures:
-        raise failures[0]
-    yield Live(str(config["socket"]["path"]), config)
-    handle["loop"].call_soon_threadsafe(handle["stop"].set)
-    thread.join(EXIT_DEADLINE_S)
-    assert not thread.is_alive(), "the daemon did not stop"
-    if failures:
-        raise failures[0]
+    with serve_in_thread(
+        config, start_s=DEADLINE_S, stop_s=EXIT_DEADLINE_S, name="tierd-daemon"
+    ) as daemon:
+        yield Live(daemon.path, config)
 
 
 def with_client(

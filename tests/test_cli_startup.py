@@ -17,11 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_daemon_lifecycle import Spawn, child_env, spawn
+from tests.daemon_kit import Spawn, child_env
 from tierd.cli import FAMILY_OF, build_parser
 from tierd.testing import daemon_config
-
-__all__ = ["spawn"]  # the fixture, imported for the tests below
 
 # What no command that only talks to the daemon needs: the config models (pydantic,
 # YAML), the daemon and what it is built of, numpy, structlog (and rich, which it loads

@@ -3,8 +3,9 @@
 Each test starts a daemon with :func:`tierd.testing.running_daemon` and talks to it over its
 Unix socket, with :class:`tierd.client.Client` or, where the client cannot express the bad
 input, with raw frames. Nothing waits on time: the daemon's connections are wrapped (see
-:class:`_WatchedConnection`) so that a test can await the moment the daemon has noticed a
-client going away, and in-flight disk reads are held at a gate where a test needs one.
+:class:`loop_daemon_kit._WatchedConnection`) so that a test can await the moment the daemon
+has noticed a client going away, and in-flight disk reads are held at a gate where a test
+needs one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import random
 import stat
 import sys
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +26,25 @@ import pytest
 import xxhash
 from prometheus_client.parser import text_string_to_metric_families
 
-import tierd.control.serving.server as server_module
+from tests.loop_daemon_kit import (
+    BLOCK,
+    NS,
+    assert_idle,
+    chain_of,
+    connect,
+    connect_watched,
+    daemon_noticed_close,
+    serve,
+    socket_of,
+)
 from tierd.client import Client, DaemonError, Unreachable
 from tierd.config import DaemonConfig
 from tierd.control.protocol import HEADER, PROTOCOL_VERSION, ErrorCode, encode
 from tierd.daemon import Daemon
-from tierd.testing import corrupt_disk_block, daemon_config, running_daemon
+from tierd.testing import corrupt_disk_block
 
-BLOCK = 4096
-NS = "tenant-a"
+# The daemon's connections, watched (conftest's fixture).
+pytestmark = pytest.mark.usefixtures("_watch_connections")
 
 
 def content(key: bytes, size: int = BLOCK) -> bytes:
@@ -49,87 +59,6 @@ def make_keys(tag: str, count: int, start: int = 0) -> list[bytes]:
 # -- harness ---------------------------------------------------------------------------------
 
 
-class _WatchedConnection(server_module.Connection):
-    """The daemon's connection, plus an event set once the daemon has handled the close
-    (leases released) and the requests that were still running at that moment."""
-
-    def __init__(self, server: server_module.Server) -> None:
-        super().__init__(server)
-        self.gone = asyncio.Event()
-        self.running_at_close: set[asyncio.Task[None]] = set()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.running_at_close = set(self.session.tasks)
-        super().connection_lost(exc)
-        self.gone.set()
-
-
-@pytest.fixture(autouse=True)
-def _watch_connections(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The server builds each connection from the module's ``Connection`` when a client
-    # connects, so replacing the name is enough.
-    monkeypatch.setattr(server_module, "Connection", _WatchedConnection)
-
-
-@asynccontextmanager
-async def serve(tmp_path: Path, **options: Any) -> AsyncIterator[Daemon]:
-    """A daemon in this loop; afterwards, nothing may have reached the loop's exception
-    handler (an exception that escaped a protocol callback or a task: asyncio would
-    only log it, and drop the connection)."""
-    options.setdefault("logging", {"level": "warning"})
-    loop = asyncio.get_running_loop()
-    errors: list[str] = []
-    previous = loop.get_exception_handler()
-    loop.set_exception_handler(
-        lambda loop, context: errors.append(
-            f"{context.get('message')}: {context.get('exception')!r}"
-        )
-    )
-    try:
-        async with (
-            asyncio.timeout(60),
-            running_daemon(daemon_config(tmp_path, **options)) as daemon,
-        ):
-            yield daemon
-    finally:
-        loop.set_exception_handler(previous)
-    assert not errors, errors
-
-
-def socket_of(daemon: Daemon) -> str:
-    return str(daemon.config.socket.path)
-
-
-async def connect(daemon: Daemon, namespace: str | None = NS, **options: Any) -> Client:
-    return await Client.connect(socket_of(daemon), namespace=namespace, **options)
-
-
-async def connect_watched(
-    daemon: Daemon, namespace: str | None = NS, **options: Any
-) -> tuple[Client, _WatchedConnection]:
-    """A client and the daemon's side of its connection."""
-    server = daemon.server
-    assert server is not None
-    before = set(server.connections)
-    client = await connect(daemon, namespace, **options)
-    (conn,) = server.connections - before
-    assert isinstance(conn, _WatchedConnection)
-    return client, conn
-
-
-async def daemon_noticed_close(conn: _WatchedConnection) -> None:
-    """Wait until the daemon handled the close and every request that was running then ended."""
-    async with asyncio.timeout(30):
-        await conn.gone.wait()
-        if conn.running_at_close:
-            await asyncio.wait(conn.running_at_close)
-
-
-def chain_of(daemon: Daemon) -> Any:
-    assert daemon.chain is not None
-    return daemon.chain
-
-
 def tier_stats(stats: dict[str, Any], name: str) -> dict[str, Any]:
     (tier,) = [t for t in stats["tiers"] if t["name"] == name]
     return tier
@@ -140,15 +69,6 @@ async def expect_error(code: ErrorCode, awaitable: Awaitable[Any]) -> DaemonErro
         await awaitable
     assert info.value.code == code, info.value
     return info.value
-
-
-async def assert_idle(daemon: Daemon, client: Client) -> None:
-    """No pin, no reservation, no lease left; the chain's invariants hold."""
-    stats = await client.stats()
-    for tier in stats["tiers"]:
-        assert (tier["name"], tier["pinned"], tier["writing"]) == (tier["name"], 0, 0)
-    assert stats["server"]["leases"] == 0
-    chain_of(daemon).check_invariants(idle=True)
 
 
 async def store_via_pool(client: Client, keys: Sequence[bytes]) -> int:
@@ -1246,8 +1166,8 @@ async def test_a_subscriber_that_never_reads_does_not_stall_the_daemon(tmp_path:
 
 def test_every_listed_operation_is_answered_and_no_other() -> None:
     from tierd.control.protocol import OPERATIONS
-    from tierd.control.state.context import ServerContext
     from tierd.control.serving.session import Session
+    from tierd.control.state.context import ServerContext
     from tierd.control.state.tenant_table import TenantTable
 
     session = Session(ServerContext(TenantTable()), lambda message: None)

@@ -17,10 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import glob
-import itertools
 import json
 import os
-import random
 import secrets
 import shutil
 import signal
@@ -28,162 +26,44 @@ import socket
 import subprocess
 import sys
 import tempfile
-import urllib.error
-import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import daemon_kit
 import pytest
+from daemon_kit import (
+    BLOCK,
+    DEADLINE_S,
+    EXIT_DEADLINE_S,
+    NAMESPACE,
+    DaemonProcess,
+    Spawn,
+    block,
+    child_env,
+    exists,
+    http_get,
+    keys,
+    medium_of,
+    store_all,
+)
+from port_kit import free_port
 
 from tierd.chain import FlushResult
 from tierd.client import Client, DaemonError, Unreachable
 from tierd.config import DaemonConfig
 from tierd.daemon import Daemon
-from tierd.testing import DaemonProcess as ChildDaemon
-from tierd.testing import daemon_config, short_socket_path, start_daemon
+from tierd.testing import daemon_config, short_socket_path
 
 TESTS = Path(__file__).resolve().parent
-NAMESPACE = "lifecycle"
-BLOCK = 4096
-DEADLINE_S = 30.0  # safety net for anything a test waits on
-EXIT_DEADLINE_S = 60.0  # a daemon's exit: its grace period plus room for a loaded machine
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    """This process's environment without anything that would configure the daemon."""
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("TIERD_") and k != "NOTIFY_SOCKET"
-    }
-    return {**env, **extra}
-
-
-def block(key: bytes) -> bytes:
-    """The deterministic content stored under ``key``."""
-    return random.Random(key).randbytes(BLOCK)
-
-
-def keys(prefix: str, count: int) -> list[bytes]:
-    return [f"{prefix}-{i}".encode() for i in range(count)]
-
-
-def exists(path: str | os.PathLike[str]) -> bool:
-    return os.path.exists(path)
-
-
-def dead_pid() -> int:
-    """The pid of a process that has exited and been reaped."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    with pytest.raises(ProcessLookupError):
-        os.kill(proc.pid, 0)
-    return proc.pid
-
-
-def memfd_pools(pid: int) -> set[str]:
-    """The memfd pools process ``pid`` maps (none once it is gone)."""
-    try:
-        maps = Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return set()
-    return {
-        line.split("/memfd:", 1)[1].split(" ")[0]
-        for line in maps.splitlines()
-        if "/memfd:tierd" in line
-    }
+# The fixture is conftest's; test_sglang.py, test_engine_call_faults.py and
+# e2e_vllm/test_vllm_node_events.py still take it from here.
+spawn = daemon_kit.spawn
 
 
 def shm_pools() -> set[str]:
     """tierd's files in /dev/shm (a daemon makes none: its pools are memfds)."""
     return {os.path.basename(p) for p in glob.glob("/dev/shm/tierd-*")}
-
-
-class DaemonProcess:
-    """A daemon started by the ``spawn`` fixture (:func:`tierd.testing.start_daemon`), with
-    this suite's async waits and a client of :data:`NAMESPACE`."""
-
-    def __init__(self, process: ChildDaemon, config: dict[str, Any]) -> None:
-        self.process = process
-        self.proc = process.proc
-        self.config = config
-
-    @property
-    def socket_path(self) -> str:
-        return str(self.config["socket"]["path"])
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def stderr(self) -> str:
-        return self.process.log_text()
-
-    def signal(self, sig: int = signal.SIGTERM) -> None:
-        self.process.signal(sig)
-
-    async def wait(self) -> int:
-        """The exit status (a safety-net deadline, not a timed assertion)."""
-        return await self.process.wait_async(EXIT_DEADLINE_S)
-
-    async def stop(self) -> int:
-        """SIGTERM; the exit status (SIGKILL past the safety net)."""
-        return await self.process.stop_async(EXIT_DEADLINE_S)
-
-    async def connect(self) -> Client:
-        return await Client.connect(self.socket_path, namespace=NAMESPACE, block_bytes=BLOCK)
-
-    async def wait_ready(self) -> None:
-        """Until the daemon's READY=1; fails at once, with its log, if it exits first."""
-        await self.process.wait_ready_async(DEADLINE_S)
-
-
-Spawn = Callable[..., Awaitable[DaemonProcess]]
-
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Spawn]:
-    """``await spawn(config, env=..., ready=True, wrap=None)`` starts a daemon from
-    ``config`` (a mapping written as YAML; ``None``: ``tierd serve`` with no file, its
-    socket from ``env``; ``wrap``: a command to run it under, such as ``unshare``); an
-    ``env`` with its own ``NOTIFY_SOCKET`` keeps it. At the end every daemon still
-    running is killed."""
-    started: list[DaemonProcess] = []
-    numbers = itertools.count()
-
-    async def start(
-        config: dict[str, Any] | None,
-        *,
-        env: dict[str, str] | None = None,
-        ready: bool = True,
-        wrap: list[str] | None = None,
-    ) -> DaemonProcess:
-        env = child_env() if env is None else env
-        process = start_daemon(
-            config,
-            wrap=wrap or (),
-            env=env,
-            log=tmp_path / f"tierd-{next(numbers)}.stderr",
-            notify="NOTIFY_SOCKET" not in env,
-            wait=False,
-        )
-        known = config if config is not None else {"socket": {"path": process.socket}}
-        daemon = DaemonProcess(process, known)
-        started.append(daemon)
-        if ready:
-            await daemon.wait_ready()
-        return daemon
-
-    yield start
-    for daemon in started:
-        daemon.process.kill()
-        shutil.rmtree(os.path.dirname(daemon.socket_path), ignore_errors=True)
-
-
-async def store_all(client: Client, names: list[bytes], batch: int) -> None:
-    """Store ``names`` in batches that fit the CPU tier."""
-    for i in range(0, len(names), batch):
-        part = names[i : i + batch]
-        assert await client.store(part, [block(k) for k in part]) == len(part)
 
 
 async def load_all(client: Client, names: list[bytes], batch: int) -> list[bytes]:
@@ -192,11 +72,6 @@ async def load_all(client: Client, names: list[bytes], batch: int) -> list[bytes
     for i in range(0, len(names), batch):
         out += await client.load(names[i : i + batch])
     return out
-
-
-async def medium_of(client: Client, key: bytes) -> str | None:
-    found = await client.lookup([key])
-    return found.media[0] if found.count else None
 
 
 # -- 1. serving ----------------------------------------------------------------------------
@@ -585,20 +460,6 @@ async def test_killed_client_releases_its_leases(tmp_path: Path, spawn: Spawn) -
 
 
 # -- 10. metrics over HTTP -----------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def http_get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=DEADLINE_S) as reply:
-            return int(reply.status), reply.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 async def test_metrics_over_http(tmp_path: Path, spawn: Spawn) -> None:

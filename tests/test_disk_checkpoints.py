@@ -20,7 +20,7 @@ import pytest
 
 import tierd.stores.disk.checkpoints
 import tierd.turns
-from tests.test_disk_store import block, crash_copy, get, put, store_at
+from tests.disk_store_kit import block, crash_copy, get, put, store_at
 from tierd.errors import StoreIOError
 from tierd.keys import int_key
 from tierd.stores.disk.index import IndexWalk, load_snapshot

@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.disk_crash_child import content
+from tests.disk_store_kit import BB, block, crash_copy, get, put, run_child_until_killed
 from tests.gc_walk import references_walked
-from tests.test_disk_store import BB, block, crash_copy, get, put, run_child_until_killed
 from tierd.keys import int_key
 from tierd.stores.disk.index import SlotIndex, take
 from tierd.stores.disk.io import FileIO
@@ -231,7 +231,7 @@ async def test_a_daemon_killed_under_load_recovers_from_its_journal(tmp_path: Pa
     # demoted while it dies. The restart rebuilds the index from the snapshot and the
     # journal (no slot scan), checks at most the writes in flight, and serves every
     # flushed block byte for byte.
-    from tests.test_soak import NS, blocks, make_keys, store_batches, unleashed_daemon
+    from tests.soak_daemon_kit import NS, blocks, make_keys, store_batches, unleashed_daemon
     from tierd.client import Client
 
     daemon = unleashed_daemon(tmp_path, cpu_blocks=64, disk_blocks=4096)
@@ -272,7 +272,7 @@ async def test_a_daemon_serves_while_it_adopts_kept_blocks(tmp_path: Path) -> No
     # adopted so far, stores new blocks into free slots only (never a slot whose block
     # waits to be adopted), and a second SIGKILL mid-adoption loses nothing: the third
     # start (adopting at once) serves every block, byte for byte.
-    from tests.test_soak import NS, blocks, make_keys, store_batches, tier, unleashed_daemon
+    from tests.soak_daemon_kit import NS, blocks, make_keys, store_batches, tier, unleashed_daemon
     from tierd.client import Client
 
     daemon = unleashed_daemon(tmp_path, cpu_blocks=64, disk_blocks=4096)

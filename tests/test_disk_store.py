@@ -11,7 +11,6 @@ import asyncio
 import errno
 import os
 import shutil
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
@@ -22,7 +21,16 @@ import numpy as np
 import pytest
 import torch
 
-from tests.disk_crash_child import content, kill_after_acks
+from tests.disk_store_kit import (
+    BB,
+    FILES,
+    block,
+    crash_copy,
+    get,
+    put,
+    run_child_until_killed,
+    store_at,
+)
 from tierd.errors import SlabInUse, SlotError, StoreClosed, StoreIOError
 from tierd.keys import int_key
 from tierd.stores.base import BlockStore
@@ -31,9 +39,7 @@ from tierd.stores.disk.io import ALIGN, FileIO, address_of, aligned_buffer
 from tierd.stores.disk.store import DiskStore
 from tierd.testing import StoreConformance
 
-BB = 8192  # a multiple of 4096: caller buffers can be used without staging
 SLOT = ALIGN + BB
-FILES = ("tierd-slab.bin", "tierd-index.msgpack", "tierd-journal.bin", "tierd-journal.old.bin")
 
 
 class FaultyIO(FileIO):
@@ -71,35 +77,6 @@ class FaultyIO(FileIO):
         if len(buffers) >= 2:
             self.data_addresses += [address_of(body) for body in buffers[1::2]]
         return super().preadv(fd, buffers, offset)
-
-
-def block(i: int) -> bytes:
-    return content(i, BB)
-
-
-def store_at(dirs: Path | list[Path], num_blocks: int = 16, **kw: Any) -> DiskStore:
-    directories = dirs if isinstance(dirs, list) else [dirs]
-    return DiskStore(num_blocks=num_blocks, block_bytes=BB, directories=directories, **kw)
-
-
-async def put(store: DiskStore, ids: Sequence[int], slots: Sequence[int] | None = None) -> list:
-    slots = list(ids) if slots is None else slots
-    return await store.write(slots, [int_key(i) for i in ids], [block(i) for i in ids])
-
-
-async def get(store: DiskStore, slot: int, i: int) -> bytes | None:
-    out = bytearray(BB)
-    (ok,) = await store.read([slot], [int_key(i)], [out])
-    return bytes(out) if ok else None
-
-
-def crash_copy(src: Path, dst: Path) -> Path:
-    """The store's files as they are now, as a kill at this moment would leave them."""
-    dst.mkdir()
-    for name in FILES:
-        if (src / name).exists():
-            shutil.copyfile(src / name, dst / name)
-    return dst
 
 
 # -- round trips -----------------------------------------------------------------------
@@ -263,16 +240,6 @@ async def test_same_directory_twice_is_refused(tmp_path: Path) -> None:
 
 
 # -- crash -----------------------------------------------------------------------------
-
-CHILD = Path(__file__).resolve().parent / "disk_crash_child.py"
-
-
-async def run_child_until_killed(
-    dirs: list[Path], num_blocks: int, fsync: str, acks: int
-) -> list[int]:
-    """Start the writer child, SIGKILL it once it acknowledged ``acks`` blocks; the acks."""
-    argv = [sys.executable, str(CHILD), ",".join(map(str, dirs)), str(num_blocks), str(BB)]
-    return await kill_after_acks([*argv, fsync], CHILD.parent.parent, acks)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import test_daemon_lifecycle
 
 from tierd.integrations.engine_calls import EngineCalls, EngineMemfd
 from tierd.integrations.link import DaemonLink, LinkSettings
@@ -23,7 +22,6 @@ from tierd.integrations.route import PREFERENCES, Way, way
 from tierd.integrations.sglang_pages import PageBlocks
 from tierd.testing import daemon_config
 
-spawn = test_daemon_lifecycle.spawn  # real `tierd serve` processes, killed at the end
 BLOCK = 16 << 10
 DEADLINE_S = 5.0
 

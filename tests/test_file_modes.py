@@ -12,13 +12,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from users_kit import Attacker, as_user, attacker
+from users_kit import Attacker, as_user
 
-from tests.test_daemon_lifecycle import BLOCK, Spawn, block, keys, spawn
+from tests.daemon_kit import BLOCK, Spawn, block, keys
 from tierd.client import Client
 from tierd.testing import daemon_config
-
-__all__ = ["attacker", "spawn"]
 
 FILES = ("tierd-slab.bin", "tierd-journal.bin", "tierd-index.msgpack")
 

@@ -19,12 +19,10 @@ from typing import Any
 
 import pytest
 
-from tests.test_daemon_lifecycle import BLOCK, Spawn, spawn
-from tests.test_operator import HUGE_DISK, tierd, write_config
+from tests.cli_kit import HUGE_DISK, tierd, write_config
+from tests.daemon_kit import BLOCK, Spawn
 from tierd.client import Client
 from tierd.testing import daemon_config, short_socket_path
-
-__all__ = ["spawn"]  # the fixture, imported for the tests below
 
 ROOT = Path(__file__).resolve().parent.parent
 

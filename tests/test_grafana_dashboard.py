@@ -3,7 +3,7 @@ grafana-tierd.json`` in a wheel): every metric name a panel's query (or a templa
 variable) names is exported by a real daemon's ``/metrics``.
 
 The daemon runs as a real ``tierd serve`` process (the ``spawn`` fixture of
-test_daemon_lifecycle.py) with a remote level whose server is absent (its families are
+tests/daemon_kit.py) with a remote level whose server is absent (its families are
 exposed all the same), and enough traffic that every labelled family has samples.
 """
 
@@ -19,12 +19,11 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_daemon_lifecycle import Spawn, block, free_port, http_get, keys
-from tests.test_daemon_lifecycle import spawn as spawn_fixture
+from tests.daemon_kit import Spawn, block, http_get, keys
+from tests.port_kit import free_port
 from tierd.share import shipped
 from tierd.testing import daemon_config
 
-spawn = spawn_fixture
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "config" / "grafana" / "tierd.json"
 

@@ -23,12 +23,11 @@ from typing import Any
 import msgpack
 import pytest
 
-from tests.test_daemon_lifecycle import BLOCK, DaemonProcess, Spawn, block, keys, spawn
+from tests.daemon_kit import BLOCK, DaemonProcess, Spawn, block, keys
+from tests.wire_kit import replies_from
 from tierd.client import Client, DaemonError
 from tierd.control.protocol import HEADER, PROTOCOL_VERSION, FrameDecoder, encode
 from tierd.testing import daemon_config
-
-__all__ = ["spawn"]  # the fixture, re-exported for pytest
 
 NS = "hostile"
 WAIT_S = 30.0  # safety net for anything a test waits on; never a timed assertion
@@ -55,18 +54,6 @@ def raw_connect(daemon: DaemonProcess, *, hello: bool = True) -> socket.socket:
 def read_replies(sock: socket.socket, count: int) -> list[dict[str, Any]]:
     """The next ``count`` messages (fewer if the daemon closes the connection)."""
     return replies_from(sock, FrameDecoder(1 << 30), count)
-
-
-def replies_from(sock: socket.socket, decoder: FrameDecoder, count: int) -> list[Any]:
-    """The next ``count`` messages through ``decoder``, which keeps what arrived past them
-    for the next call (fewer if the daemon closes the connection)."""
-    out: list[Any] = []
-    while len(out) < count:
-        data = sock.recv(1 << 20)
-        if not data:
-            break
-        out += decoder.feed(data)
-    return out
 
 
 def closed_by_daemon(sock: socket.socket) -> bool:

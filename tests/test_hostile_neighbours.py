@@ -22,11 +22,9 @@ import pytest
 import yaml
 from redis_kit import free_port
 
-from tests.test_daemon_lifecycle import Spawn, child_env, spawn
+from tests.daemon_kit import Spawn, child_env
 from tierd.cli import main
 from tierd.testing import daemon_config
-
-__all__ = ["spawn"]  # the fixture, re-exported for pytest
 
 
 def write(tmp_path: Path, config: dict[str, object]) -> Path:

@@ -14,6 +14,7 @@ import msgpack
 import pytest
 import yaml
 import zmq
+from kv_events_kit import BS, NS, _chain, _config, _description, _put
 
 from tierd.cli.control_text import stats_text
 from tierd.client import Client, DaemonError
@@ -21,43 +22,9 @@ from tierd.testing import config_check, daemon_config, kv_replay, running_daemon
 
 pytestmark = pytest.mark.asyncio
 
-NS = "model-a"
-BS = 4  # tokens per engine block
-
-
-def _config(tmp_path: Path, **kv: Any) -> dict[str, Any]:
-    section = {
-        "enabled": True,  # each tenant's own ipc sockets, beside the control socket
-        "topic": "kv@node:n1@m",
-        "batch_s": 0.001,
-        **kv,
-    }
-    return daemon_config(tmp_path, cpu_blocks=4, disk_blocks=16, kv_events=section)
-
-
-def _description(i: int, parent: int | None = None) -> dict[str, Any]:
-    return {
-        "hashes": [1000 + i],
-        "parent": parent,
-        "tokens": [i * 10 + t for t in range(BS)],
-        "block_size": BS,
-        "lora_name": None,
-    }
-
-
-def _chain(n: int) -> tuple[list[bytes], list[dict[str, Any]]]:
-    keys = [f"k{i}".encode() for i in range(n)]
-    descs = [_description(i, None if i == 0 else 1000 + i - 1) for i in range(n)]
-    return keys, descs
-
 
 async def _connect(daemon: Any, namespace: str | None = NS) -> Client:
     return await Client.connect(str(daemon.config.socket.path), namespace=namespace)
-
-
-async def _put(client: Client, keys: list[bytes], fill: bytes = b"x") -> None:
-    for i in range(0, len(keys), 2):  # the CPU tier holds 4: each store evicts the oldest
-        await client.put(keys[i : i + 2], [fill * 4096] * len(keys[i : i + 2]))
 
 
 async def _kv(client: Client) -> dict[str, Any]:

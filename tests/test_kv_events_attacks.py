@@ -32,12 +32,10 @@ import pytest
 import zmq
 from cgroup_kit import memory_cgroup
 
-from tests.test_daemon_lifecycle import DaemonProcess, Spawn, spawn
+from tests.daemon_kit import DaemonProcess, Spawn
 from tierd.client import Client
 from tierd.kvevents.wire import END_SEQ
 from tierd.testing import daemon_config
-
-__all__ = ["spawn"]
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="a memory cgroup needs root")
 

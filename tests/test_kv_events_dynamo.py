@@ -10,27 +10,18 @@ tests/dynamo_driver.py does the work there and prints what it saw.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kv_events_kit import DRIVER, DYNAMO_PYTHON, _unshare_works
 
 ROOT = Path(__file__).resolve().parent.parent
-DRIVER = ROOT / "tests" / "dynamo_driver.py"
-DYNAMO_PYTHON = ROOT / ".venv-dynamo" / "bin" / "python"
 RESULT = "dynamo-driver-result: "
 BLOCK_SIZE = 4  # the driver's engine block, in tokens
 ON_DISK = 4  # of the chain of 6 over a CPU tier of 2
-
-
-def _unshare_works() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True, timeout=30)
-    return probe.returncode == 0
 
 
 pytestmark = [

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -27,12 +26,12 @@ from typing import Any
 
 import pytest
 
-from tests.test_daemon_lifecycle import free_port
+from tests.kv_events_kit import SMG_PYTHON
+from tests.port_kit import free_port
 from tierd.client import Client
 from tierd.testing import daemon_config, start_daemon
 
 ROOT = Path(__file__).resolve().parents[1]
-SMG_PYTHON = Path(os.environ.get("TIERD_SMG_PYTHON", ROOT / ".venv-smg" / "bin" / "python"))
 NS = "model-a"
 CHAIN = 6  # described blocks; a CPU tier of 2 leaves 4 on disk only
 WAIT_S = 30.0  # liveness bound on the gateway catching up

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_kv_events import NS, _chain, _config, _put
-from test_kv_publisher import decode, engine_python
+from kv_events_kit import NS, _chain, _config, _put, decode, engine_python
 
 from tierd.client import Client
 from tierd.testing import kv_replay, running_daemon

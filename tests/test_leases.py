@@ -9,16 +9,14 @@ The daemon runs in the test's event loop (``running_daemon``), on a real socket.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.loop_daemon_kit import serve
 from tierd.client import Client, DaemonError
 from tierd.daemon import Daemon
-from tierd.testing import daemon_config, running_daemon
 
 BLOCK = 4096
 NS = "leases"
@@ -33,17 +31,16 @@ def data(keys: list[bytes]) -> list[bytes]:
     return [bytes([len(k)]) * BLOCK for k in keys]
 
 
-@asynccontextmanager
-async def serve(tmp_path: Path, **limits: Any) -> AsyncIterator[Daemon]:
-    """A daemon with an 8-block CPU tier and the default lease bounds, unless given."""
-    cfg = daemon_config(tmp_path, cpu_blocks=8, disk_blocks=None)
-    cfg["limits"] = {
-        "lease_blocks_per_connection": "50%",
-        "lease_blocks_per_tenant": "75%",
-        **limits,
+def bounded(**limits: Any) -> dict[str, Any]:
+    """The options of this module's daemons: an 8-block CPU tier and the default lease
+    bounds, unless given."""
+    bounds = {"lease_blocks_per_connection": "50%", "lease_blocks_per_tenant": "75%"}
+    return {
+        "cpu_blocks": 8,
+        "disk_blocks": None,
+        "limits": {**bounds, **limits},
+        "watch_loop": False,
     }
-    async with asyncio.timeout(60), running_daemon(cfg) as daemon:
-        yield daemon
 
 
 async def connect(daemon: Daemon) -> Client:
@@ -51,7 +48,7 @@ async def connect(daemon: Daemon) -> Client:
 
 
 async def test_one_connection_cannot_reserve_the_whole_entry_tier(tmp_path: Path) -> None:
-    async with serve(tmp_path) as daemon, await connect(daemon) as greedy:
+    async with serve(tmp_path, **bounded()) as daemon, await connect(daemon) as greedy:
         with pytest.raises(DaemonError) as refused:
             await greedy.prepare_store(names("all", 8))
         assert refused.value.code == "capacity"
@@ -76,7 +73,7 @@ async def test_one_connection_cannot_reserve_the_whole_entry_tier(tmp_path: Path
 
 
 async def test_concurrent_requests_cannot_pass_the_bound_together(tmp_path: Path) -> None:
-    async with serve(tmp_path) as daemon, await connect(daemon) as client:
+    async with serve(tmp_path, **bounded()) as daemon, await connect(daemon) as client:
         sent = [client.send("prepare_store", keys=names(f"p{i}", 2)) for i in range(4)]
         replies = await asyncio.gather(*sent, return_exceptions=True)
         granted = [r for r in replies if isinstance(r, dict)]
@@ -86,7 +83,10 @@ async def test_concurrent_requests_cannot_pass_the_bound_together(tmp_path: Path
 
 async def test_a_reservation_never_committed_expires(tmp_path: Path) -> None:
     ttl = 0.3
-    async with serve(tmp_path, store_lease_ttl_s=ttl) as daemon, await connect(daemon) as sitter:
+    async with (
+        serve(tmp_path, **bounded(store_lease_ttl_s=ttl)) as daemon,
+        await connect(daemon) as sitter,
+    ):
         lease = await sitter.prepare_store(names("sit", 4))
         assert lease.lease is not None
         # The daemon runs in this loop: its expiry timer (due at ttl) fires before this
@@ -120,7 +120,7 @@ async def test_a_reservation_never_committed_expires(tmp_path: Path) -> None:
 
 async def test_a_load_waiting_on_another_clients_store_has_a_deadline(tmp_path: Path) -> None:
     async with (
-        serve(tmp_path, load_wait_s=0.3, store_lease_ttl_s=600) as daemon,
+        serve(tmp_path, **bounded(load_wait_s=0.3, store_lease_ttl_s=600)) as daemon,
         await connect(daemon) as writer,
         await connect(daemon) as reader,
     ):
@@ -141,7 +141,7 @@ async def test_a_load_that_asks_not_to_wait_stops_at_once_before_a_block_being_w
     once, however long ``load_wait_s`` is; a bad value is refused. ``lookup: true``
     counts the pin as a lookup (the hits of an engine whose lookups are its pins)."""
     async with (
-        serve(tmp_path, load_wait_s=600, store_lease_ttl_s=600) as daemon,
+        serve(tmp_path, **bounded(load_wait_s=600, store_lease_ttl_s=600)) as daemon,
         await connect(daemon) as writer,
         await connect(daemon) as reader,
     ):

@@ -12,13 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_daemon_lifecycle
 
 from tierd.client import Client, Unreachable
 from tierd.integrations.link import DaemonLink, LinkSettings
 from tierd.testing import daemon_config
 
-spawn = test_daemon_lifecycle.spawn  # real `tierd serve` processes, killed at the end
 BLOCK = 4096
 DEADLINE_S = 5.0
 

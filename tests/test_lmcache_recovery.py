@@ -24,17 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_daemon_lifecycle
 from lmcache_driver import adapter_json
-from test_lmcache import (
-    BLOCK,
-    LIVENESS_S,
-    REASON,
-    Lmcache,
-    all_identical,
-    config,
-    delete_from,
-)
+from lmcache_kit import BLOCK, LIVENESS_S, REASON, Lmcache, all_identical, config, delete_from
 
 from tierd.client import Client, Unreachable
 from tierd.control.clients.handshake import DaemonSilent
@@ -42,7 +33,6 @@ from tierd.integrations import lmcache_space
 from tierd.integrations.lmcache_space import Space, SpaceSettings
 
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
-spawn = test_daemon_lifecycle.spawn
 
 DEADLINE_S = 0.5
 STOPPED_S = 3.0

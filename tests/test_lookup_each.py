@@ -9,19 +9,15 @@ found with one batched existence check.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
+from loop_daemon_kit import serve
 from redis_kit import redis_server
 
 from tierd.client import Client, DaemonError
 from tierd.daemon import Daemon
-from tierd.testing import daemon_config, running_daemon
 
 BLOCK = 4096
 NS = "model-a"
@@ -35,19 +31,12 @@ def names(tag: str, count: int) -> list[bytes]:
     return [f"{tag}-{i}".encode() for i in range(count)]
 
 
-@asynccontextmanager
-async def serve(tmp_path: Path, **options: Any) -> AsyncIterator[Daemon]:
-    options.setdefault("logging", {"level": "warning"})
-    async with asyncio.timeout(60), running_daemon(daemon_config(tmp_path, **options)) as daemon:
-        yield daemon
-
-
 async def connect(daemon: Daemon, namespace: str | None = NS) -> Client:
     return await Client.connect(str(daemon.config.socket.path), namespace=namespace)
 
 
 async def test_holes_and_misses_are_answered_per_key(tmp_path: Path) -> None:
-    async with serve(tmp_path) as daemon, await connect(daemon) as client:
+    async with serve(tmp_path, watch_loop=False) as daemon, await connect(daemon) as client:
         keys = names("k", 8)
         held = [keys[i] for i in (0, 2, 3, 7)]
         assert await client.store(held, [block(k) for k in held]) == 4
@@ -61,7 +50,10 @@ async def test_holes_and_misses_are_answered_per_key(tmp_path: Path) -> None:
 
 
 async def test_blocks_held_only_by_the_disk_tier_count(tmp_path: Path) -> None:
-    async with serve(tmp_path, cpu_blocks=4) as daemon, await connect(daemon) as client:
+    async with (
+        serve(tmp_path, watch_loop=False, cpu_blocks=4) as daemon,
+        await connect(daemon) as client,
+    ):
         keys = names("d", 12)  # 12 blocks through a 4-block CPU tier: most are demoted
         for start in range(0, 12, 4):
             part = keys[start : start + 4]
@@ -72,7 +64,7 @@ async def test_blocks_held_only_by_the_disk_tier_count(tmp_path: Path) -> None:
 
 
 async def test_a_block_still_being_written_is_not_held(tmp_path: Path) -> None:
-    async with serve(tmp_path) as daemon, await connect(daemon) as client:
+    async with serve(tmp_path, watch_loop=False) as daemon, await connect(daemon) as client:
         lease = await client.prepare_store([b"w"])
         assert await client.lookup_each([b"w"]) == [False]
         await lease.commit()
@@ -81,7 +73,7 @@ async def test_a_block_still_being_written_is_not_held(tmp_path: Path) -> None:
 
 async def test_namespaces_are_kept_apart(tmp_path: Path) -> None:
     async with (
-        serve(tmp_path) as daemon,
+        serve(tmp_path, watch_loop=False) as daemon,
         await connect(daemon, "model-a") as a,
         await connect(daemon, "model-b") as b,
     ):
@@ -94,7 +86,7 @@ async def test_namespaces_are_kept_apart(tmp_path: Path) -> None:
 async def test_the_key_bound_holds_and_the_client_splits(tmp_path: Path) -> None:
     limits = {"max_keys_per_request": 8}
     async with (
-        serve(tmp_path, cpu_blocks=32, limits=limits) as daemon,
+        serve(tmp_path, watch_loop=False, cpu_blocks=32, limits=limits) as daemon,
         await connect(daemon) as client,
     ):
         keys = names("s", 20)
@@ -112,7 +104,10 @@ async def test_the_key_bound_holds_and_the_client_splits(tmp_path: Path) -> None
 async def test_keys_only_the_remote_level_holds_are_found(tmp_path: Path) -> None:
     with redis_server(tmp_path / "redis") as server:
         remote = {"url": server.url, "deadline": "2s"}
-        async with serve(tmp_path, remote=remote) as daemon, await connect(daemon) as client:
+        async with (
+            serve(tmp_path, watch_loop=False, remote=remote) as daemon,
+            await connect(daemon) as client,
+        ):
             keys = names("r", 6)
             sent = keys[:4]
             await client.store(sent, [block(k) for k in sent])

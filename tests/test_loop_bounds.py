@@ -34,6 +34,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from loop_turns_kit import BLOCK, answered_first, connect, names, rows_of, turns_given
 
 from tierd.client import Client, DaemonError
 from tierd.control.figures.namespaces import NAMES_FILE
@@ -46,16 +47,7 @@ from tierd.keys import BlockKey
 from tierd.testing import daemon_config, running_daemon
 from tierd.tier import Tier
 
-BLOCK = 1024
 WALK_SLICE = 4096  # what the daemon promises: keys of an index looked at per loop turn
-
-
-def names(prefix: str, count: int) -> list[bytes]:
-    return [f"{prefix}-{i}".encode() for i in range(count)]
-
-
-def rows_of(keys: list[bytes]) -> list[bytes]:
-    return [bytes([len(k) % 251]) * BLOCK for k in keys]
 
 
 @asynccontextmanager
@@ -65,29 +57,9 @@ async def serve(tmp_path: Path, **config: Any) -> AsyncIterator[Daemon]:
         yield daemon
 
 
-async def connect(daemon: Daemon, namespace: str | None) -> Client:
-    return await Client.connect(
-        str(daemon.config.socket.path), namespace=namespace, block_bytes=BLOCK
-    )
-
-
 def tenant_of(daemon: Daemon) -> Tenant:
     assert daemon.server is not None
     return daemon.server.ctx.tenants.tenants[0]
-
-
-def turns_given(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[int]:
-    """Count the turns ``module`` gives the loop (its ``next_turn`` calls), from now on:
-    ``[count]``, reset by the caller as it likes."""
-    given = [0]
-    real_turn = module.next_turn
-
-    async def counted() -> None:
-        given[0] += 1
-        await real_turn()
-
-    monkeypatch.setattr(module, "next_turn", counted)
-    return given
 
 
 @contextmanager
@@ -105,19 +77,6 @@ def loop_turns() -> Iterator[list[int]]:
         yield turns
     finally:
         task.cancel()
-
-
-async def answered_first(
-    big: asyncio.Future[dict[str, Any]], small: asyncio.Future[dict[str, Any]]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The replies to ``big`` and to ``small`` (sent after it), once both came; checks
-    that ``small``'s came first."""
-    order: list[str] = []
-    big.add_done_callback(lambda _: order.append("big"))
-    small.add_done_callback(lambda _: order.append("bystander"))
-    replies = await big, await small
-    assert order == ["bystander", "big"]
-    return replies
 
 
 # -- finding 5: a load of many keys ------------------------------------------------------

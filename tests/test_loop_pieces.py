@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgpack
 import pytest
 
-from tests.test_loop_bounds import BLOCK, answered_first, connect, names, rows_of, turns_given
+from tests.loop_daemon_kit import serve
+from tests.loop_turns_kit import BLOCK, answered_first, connect, names, rows_of, turns_given
 from tierd.client import Client, DaemonError
 from tierd.control.protocol import encode
 from tierd.control.requests.frame_pieces import (
@@ -51,15 +52,17 @@ DELETE_PIECE = 256  # and keys deleted per turn
 LEASE_KEYS = 4096
 
 
-@asynccontextmanager
-async def serve(
-    tmp_path: Path, cpu_blocks: int, disk_blocks: int | None = None, **limits: Any
-) -> AsyncIterator[Daemon]:
-    cfg = daemon_config(
-        tmp_path, block_bytes=BLOCK, cpu_blocks=cpu_blocks, disk_blocks=disk_blocks, limits=limits
-    )
-    async with asyncio.timeout(120), running_daemon(cfg) as daemon:
-        yield daemon
+def pieces(cpu_blocks: int, disk_blocks: int | None = None, **limits: Any) -> dict[str, Any]:
+    """The options of this module's daemons: 1 KiB blocks, a CPU tier of ``cpu_blocks``
+    (over a disk tier of ``disk_blocks``), ``limits``."""
+    return {
+        "timeout_s": 120,
+        "block_bytes": BLOCK,
+        "cpu_blocks": cpu_blocks,
+        "disk_blocks": disk_blocks,
+        "limits": limits,
+        "watch_loop": False,
+    }
 
 
 def entry_tier(daemon: Daemon) -> Tier:
@@ -115,7 +118,7 @@ async def test_a_bystanders_request_is_answered_before_a_4096_key_abort_sent_ahe
     """An abort of 4,096 reserved slots frees them 512 a turn; a bystander's request sent
     behind it is answered first, and every slot is free for the next store."""
     async with (
-        serve(tmp_path, cpu_blocks=2 * LEASE_KEYS) as daemon,
+        serve(tmp_path, **pieces(cpu_blocks=2 * LEASE_KEYS)) as daemon,
         await connect(daemon, "hostile") as hostile,
         await connect(daemon, "bystander") as bystander,
     ):
@@ -138,7 +141,7 @@ async def test_a_bystanders_request_is_answered_before_a_4096_key_abort_sent_ahe
 async def test_a_closed_connections_leases_are_ended_a_piece_a_turn(tmp_path: Path) -> None:
     """A client closes its connection holding three store leases and two load leases of
     4,096 keys: the daemon ends them a piece a turn, and then holds nothing of them."""
-    async with serve(tmp_path, cpu_blocks=6 * LEASE_KEYS) as daemon:
+    async with serve(tmp_path, **pieces(cpu_blocks=6 * LEASE_KEYS)) as daemon:
         tier = entry_tier(daemon)
         assert daemon.server is not None
         tenant = daemon.server.ctx.tenants.tenants[0]
@@ -174,7 +177,9 @@ async def test_store_leases_expiring_together_are_ended_a_piece_a_turn(tmp_path:
     """Four store leases of 4,096 keys left unfinished past ``store_lease_ttl_s`` expire
     together: their writes are withdrawn a piece a turn (the slots stay quarantined while
     the client may still write), and each lease is refused after, which frees its slots."""
-    async with serve(tmp_path, cpu_blocks=5 * LEASE_KEYS, store_lease_ttl_s=0.5) as daemon:
+    async with serve(
+        tmp_path, **pieces(cpu_blocks=5 * LEASE_KEYS, store_lease_ttl_s=0.5)
+    ) as daemon:
         tier = entry_tier(daemon)
         async with await connect(daemon, "hostile") as hostile:
             leases = []
@@ -202,7 +207,7 @@ async def test_store_leases_expiring_together_are_ended_a_piece_a_turn(tmp_path:
 async def test_a_stop_ends_at_once_what_closed_connections_left(tmp_path: Path) -> None:
     """The daemon stops while a closed connection's leases are still being ended: the
     stop ends the rest at once, and every slot is free before the chain closes."""
-    async with serve(tmp_path, cpu_blocks=5 * LEASE_KEYS) as daemon:
+    async with serve(tmp_path, **pieces(cpu_blocks=5 * LEASE_KEYS)) as daemon:
         assert daemon.server is not None
         tier, tenant = entry_tier(daemon), daemon.server.ctx.tenants.tenants[0]
         hostile = await connect(daemon, "hostile")
@@ -228,7 +233,7 @@ async def test_a_bystanders_request_is_answered_before_a_4096_key_delete_sent_ah
     """A delete of 4,096 named keys (15-20 ms of the loop at once at a million blocks)
     goes 256 keys a turn: a bystander's request sent behind it is answered first."""
     async with (
-        serve(tmp_path, cpu_blocks=4 * LEASE_KEYS) as daemon,
+        serve(tmp_path, **pieces(cpu_blocks=4 * LEASE_KEYS)) as daemon,
         await connect(daemon, "hostile") as hostile,
         await connect(daemon, "bystander") as bystander,
     ):
@@ -250,7 +255,7 @@ async def test_deleting_a_whole_namespace_removes_256_keys_a_turn(tmp_path: Path
     gone in one turn of the loop, and every one gone at the end."""
     doomed = names("doomed", 4 * LEASE_KEYS)
     async with (
-        serve(tmp_path, cpu_blocks=len(doomed) + 64) as daemon,
+        serve(tmp_path, **pieces(cpu_blocks=len(doomed) + 64)) as daemon,
         await connect(daemon, "hostile") as hostile,
     ):
         assert await hostile.store(doomed, rows_of(doomed)) == len(doomed)
@@ -273,7 +278,7 @@ async def test_a_bystanders_request_is_answered_before_a_4096_key_touch_sent_ahe
     first, and ``keys[0]`` still ends up the most recent."""
     touched = names("t", LEASE_KEYS)
     async with (
-        serve(tmp_path, cpu_blocks=LEASE_KEYS + 1) as daemon,
+        serve(tmp_path, **pieces(cpu_blocks=LEASE_KEYS + 1)) as daemon,
         await connect(daemon, "hostile") as hostile,
         await connect(daemon, "bystander") as bystander,
     ):
@@ -301,7 +306,7 @@ async def test_a_flush_leaves_room_for_the_stores_beside_it(tmp_path: Path) -> N
     while it runs is stored."""
     full = 4096
     async with (
-        serve(tmp_path, cpu_blocks=full, disk_blocks=4 * full) as daemon,
+        serve(tmp_path, **pieces(cpu_blocks=full, disk_blocks=4 * full)) as daemon,
         await connect(daemon, "ns") as writer,
         await connect(daemon, None) as operator,
     ):
@@ -339,7 +344,7 @@ async def test_a_flush_and_a_clear_walk_a_big_tier_a_piece_a_turn(
 
     turns = turns_given(monkeypatch, core)
     blocks = 5 * 4096
-    async with serve(tmp_path, cpu_blocks=blocks, disk_blocks=2 * blocks) as daemon:
+    async with serve(tmp_path, **pieces(cpu_blocks=blocks, disk_blocks=2 * blocks)) as daemon:
         async with await connect(daemon, "ns") as writer:
             keys = names("big", blocks)
             for start in range(0, blocks, 4096):
@@ -420,7 +425,7 @@ async def test_replies_answered_while_a_get_is_written_in_pieces_follow_its_fram
     inside it: every reply decodes, each with its own fields."""
     keys = names("p", LEASE_KEYS)
     async with (
-        serve(tmp_path, cpu_blocks=LEASE_KEYS, output_buffer_bytes=6 << 20) as daemon,
+        serve(tmp_path, **pieces(cpu_blocks=LEASE_KEYS, output_buffer_bytes=6 << 20)) as daemon,
         await connect(daemon, "ns") as client,
     ):
         assert await client.store(keys, rows_of(keys)) == LEASE_KEYS

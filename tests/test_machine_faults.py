@@ -22,11 +22,9 @@ import msgpack
 import pytest
 import xxhash
 
-from tests.test_daemon_lifecycle import BLOCK, DaemonProcess, Spawn, block, keys, spawn
+from tests.daemon_kit import BLOCK, DaemonProcess, Spawn, block, keys
 from tierd.client import Client
 from tierd.testing import daemon_config
-
-__all__ = ["spawn"]
 
 NS = "machine"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")

@@ -1,7 +1,7 @@
 """Latency histograms, their documentation, per-request debug lines and a quiet library.
 
 Each test runs the daemon as a real ``tierd serve`` process (the ``spawn`` fixture of
-test_daemon_lifecycle.py), talks to it with :class:`tierd.client.Client` over its Unix
+tests/daemon_kit.py), talks to it with :class:`tierd.client.Client` over its Unix
 socket and scrapes its loopback ``/metrics`` endpoint over HTTP; log lines are read from
 the daemon's stderr file once it has exited.
 """
@@ -22,22 +22,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from tests.test_daemon_lifecycle import (
-    DEADLINE_S,
-    Spawn,
-    block,
-    child_env,
-    free_port,
-    http_get,
-    keys,
-)
-from tests.test_daemon_lifecycle import spawn as spawn_fixture
+from tests.daemon_kit import DEADLINE_S, Spawn, block, child_env, http_get, keys
+from tests.port_kit import free_port
 from tierd.client import DaemonError
 from tierd.testing import daemon_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "metrics.md"
-spawn = spawn_fixture  # ``await spawn(config)``: a daemon process, killed after the test
 REQUESTS = "tierd_request_duration_seconds"
 LOADS = "tierd_load_duration_seconds"
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import tierd
-from tests.test_chain import chain_config, content, cpu_over_disk, keys_of, store_all
+from tests.chain_kit import chain_config, content, cpu_over_disk, keys_of, store_all
 from tierd.chain import TierChain
 from tierd.config import DaemonConfig
 from tierd.control.figures.namespaces import NAMES_FILE, NamespaceBook

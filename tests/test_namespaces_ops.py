@@ -16,12 +16,10 @@ from typing import Any
 
 import pytest
 
-from tests.test_daemon_lifecycle import BLOCK, DaemonProcess, Spawn, block, keys, spawn
-from tests.test_operator import tierd
+from tests.cli_kit import tierd
+from tests.daemon_kit import BLOCK, DaemonProcess, Spawn, block, keys
 from tierd.client import Client, DaemonError
 from tierd.testing import daemon_config
-
-__all__ = ["spawn"]  # the fixture, imported for the tests below
 
 NS_A, NS_B, NS_C = "model-a", "model-b", "model-c"
 
@@ -225,7 +223,7 @@ async def test_delete_needs_a_namespace_and_one_kind_of_target(daemon: DaemonPro
 async def test_members_act_on_their_own_tenant_and_operators_on_any(
     tmp_path: Path, spawn: Spawn
 ) -> None:
-    from tests.test_tenants import system_users
+    from tests.tenants_kit import system_users
 
     run = secrets.token_hex(3)
     with system_users([f"tierd-test-{role}-{run}" for role in ("alpha", "beta")]) as made:
@@ -236,7 +234,7 @@ async def test_members_act_on_their_own_tenant_and_operators_on_any(
 async def _members_and_operators(
     tmp_path: Path, spawn: Spawn, users: dict[str, tuple[int, int]]
 ) -> None:
-    from tests.test_tenants import as_user, tenants_config
+    from tests.tenants_kit import as_user, tenants_config
 
     running = await spawn(tenants_config(tmp_path, {**users, "stranger": (0, 0)}))
     os.chmod(os.path.dirname(running.socket_path), 0o711)

@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_daemon_lifecycle
-from test_daemon_lifecycle import child_env
+from daemon_kit import child_env
 
 from tierd.control.socketfile import default_socket_path
 from tierd.integrations.plugin import (
@@ -39,7 +38,6 @@ from tierd.integrations.plugin import (
 from tierd.testing import daemon_config
 
 ROOT = Path(__file__).resolve().parent.parent
-spawn = test_daemon_lifecycle.spawn  # real `tierd serve` processes, killed at the end
 BLOCK = 32768
 OLD_SOCKET = "/run/user/1000/tierd.sock"  # what the docs used to paste: no daemon's path
 

@@ -10,18 +10,15 @@ ones a shell would see.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
-from tests.test_daemon_lifecycle import (
+from tests.cli_kit import HUGE_DISK, tierd, write_config
+from tests.daemon_kit import (
     BLOCK,
     DaemonProcess,
     Spawn,
@@ -32,30 +29,13 @@ from tests.test_daemon_lifecycle import (
     keys,
     medium_of,
     memfd_pools,
-    spawn,
     store_all,
 )
 from tierd.client import Client, DaemonError
 from tierd.testing import daemon_config, short_socket_path
 
-__all__ = ["spawn"]  # the fixture, imported for the tests below
-
 ROOT = Path(__file__).resolve().parent.parent
-HUGE_DISK = "1024TiB"  # more than any file system here has free
 HUGE_CPU = "100TiB"  # more than any machine here has memory
-
-
-async def tierd(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``tierd ARGV`` as a child process (a safety-net timeout, not a timed assertion)."""
-    command = [sys.executable, "-m", "tierd", *argv]
-    return await asyncio.to_thread(
-        subprocess.run,
-        command,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=child_env() if env is None else env,
-    )
 
 
 def read(path: Path) -> str:
@@ -64,12 +44,6 @@ def read(path: Path) -> str:
 
 def pid_file(daemon: DaemonProcess) -> Path:
     return Path(f"{daemon.socket_path}.pid")
-
-
-def write_config(tmp_path: Path, config: Any, name: str = "c.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def start_failures(daemon: DaemonProcess) -> list[str]:

@@ -29,16 +29,13 @@ from typing import Any
 
 import pytest
 
-from tests.test_daemon_lifecycle import DaemonProcess, Spawn, child_env, spawn
-from tests.test_operator import tierd, write_config
-from tests.test_reload import reload, rewrite
+from tests.cli_kit import reload, rewrite, tierd, write_config
+from tests.daemon_kit import DaemonProcess, Spawn, child_env
 from tierd.client import Client
 from tierd.share import shipped
 from tierd.testing import daemon_config, short_socket_path
 from tierd.workload.generate import GeneratorConfig, generate
 from tierd.workload.trace import write_trace
-
-__all__ = ["spawn"]  # the fixture, imported for the tests below
 
 WAIT_S = 60.0  # a safety net for what a test waits on, never a timed assertion
 NAMESPACE = "words"

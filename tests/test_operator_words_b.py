@@ -30,16 +30,14 @@ from typing import Any
 
 import pytest
 
-from tests.test_daemon_lifecycle import DaemonProcess, Spawn, child_env, spawn
-from tests.test_operator import tierd, write_config
+from tests.cli_kit import tierd, write_config
+from tests.daemon_kit import DaemonProcess, Spawn, child_env
 from tierd.cli import build_parser
 from tierd.client import Client
 from tierd.testing import daemon_config
 from tierd.units import format_bytes
 from tierd.workload.generate import GeneratorConfig, generate
 from tierd.workload.trace import read_trace, write_trace
-
-__all__ = ["spawn"]  # the fixture, imported for the tests below
 
 BLOCK = 4096
 WAIT_S = 60.0  # a safety net for what a test waits on, never a timed assertion

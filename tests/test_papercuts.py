@@ -21,7 +21,7 @@ import pytest
 from redis_kit import RedisServer, free_port
 
 import tierd
-from tests.test_daemon_lifecycle import Spawn, spawn
+from tests.daemon_kit import Spawn
 from tierd.cli import main
 from tierd.cli.replay_report import describe
 from tierd.keys import BlockKey
@@ -31,8 +31,6 @@ from tierd.testing import daemon_config, running_daemon, short_socket_path
 from tierd.workload.backends import ChainBackend
 from tierd.workload.replayer import replay
 from tierd.workload.trace import TraceRecord, read_trace, write_trace
-
-__all__ = ["spawn"]  # the fixture, re-exported for pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW_S = 0.05  # a lookup of the slow backend takes at least this long

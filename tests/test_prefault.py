@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_daemon_api import connect, serve
+from loop_daemon_kit import connect, serve
 
 from tierd.prefault import Prefault
 

@@ -26,30 +26,25 @@ import numpy as np
 import pytest
 
 import tierd.control.engine_regions.requests as regions_module
-from tests.test_daemon_api import (
-    _watch_connections,
-    assert_idle,
-    connect,
-    connect_watched,
-    serve,
-    socket_of,
+from tests.loop_daemon_kit import assert_idle, connect, connect_watched, serve, socket_of
+from tests.regions_kit import (
+    held_disk_reads,
+    memfd,
+    open_descriptors,
+    pattern,
+    put,
+    read,
+    refused,
+    rows,
 )
-from tests.test_regions import memfd, open_descriptors, pattern, put, read, rows
 from tierd.client import DaemonError, Unreachable
 from tierd.control.protocol import HEADER, PROTOCOL_VERSION, encode
 from tierd.daemon import Daemon
-from tierd.stores.disk.store import DiskStore
 
-__all__ = ["_watch_connections"]  # the fixture: the daemon's connections, watched
+# The daemon's connections, watched (conftest's fixture).
+pytestmark = pytest.mark.usefixtures("_watch_connections")
 
 BLOCK = 4096
-
-
-async def refused(call: Any, code: str = "bad_request") -> str:
-    with pytest.raises(DaemonError) as info:
-        await call
-    assert info.value.code == code, info.value
-    return str(info.value)
 
 
 def tenants_of(daemon: Daemon) -> list[Any]:
@@ -497,21 +492,3 @@ async def test_a_load_in_pieces_cancelled_ends_after_every_piece_has(
             await client.close()
             with pytest.raises(Unreachable):
                 await pending
-
-
-def held_disk_reads(
-    monkeypatch: pytest.MonkeyPatch, suffix: bytes
-) -> tuple[asyncio.Event, asyncio.Event]:
-    """Hold every disk-tier read of a batch with a key ending in ``suffix`` until the
-    second event is set; the first is set when one starts."""
-    reading, gate = asyncio.Event(), asyncio.Event()
-    real = DiskStore._read
-
-    async def held(store: DiskStore, slots: Any, keys: Any, out: Any) -> list[bool]:
-        if any(key.endswith(suffix) for key in keys):
-            reading.set()
-            await gate.wait()
-        return await real(store, slots, keys, out)
-
-    monkeypatch.setattr(DiskStore, "_read", held)
-    return reading, gate

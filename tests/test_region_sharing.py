@@ -27,14 +27,14 @@ from typing import Any
 import pytest
 
 import tierd.control.engine_regions.byte_moves as region_copy
-from tests.test_daemon_api import _watch_connections, connect_watched, serve
-from tests.test_region_attacks import held_disk_reads, refused
-from tests.test_regions import connect, memfd, pattern, put, read, rows
+from tests.loop_daemon_kit import connect_watched, serve
+from tests.regions_kit import connect, held_disk_reads, memfd, pattern, put, read, refused, rows
 from tierd.control.engine_regions.byte_moves import CALL_BYTES, Layout, write_region
-from tierd.control.state.copy_threads import FairThreads, slices
 from tierd.control.serving.connection import MAX_REGION_JOBS
+from tierd.control.state.copy_threads import FairThreads, slices
 
-__all__ = ["_watch_connections"]  # the fixture: the daemon's connections, watched
+# The daemon's connections, watched (conftest's fixture).
+pytestmark = pytest.mark.usefixtures("_watch_connections")
 
 BLOCK = 4096
 MiB = 1 << 20

@@ -3,15 +3,15 @@
 A region belongs to the connection that registered it: another tenant's client naming its
 id gets ``unknown_region`` (it has no such region), and with a region of its own it loads
 nothing of the first tenant's blocks, even under the same namespace and keys. Uses the
-daemon, users and client children of ``tests/test_tenants.py`` (root only).
+daemon, users and client children of ``tests/tenants_kit.py`` (root only).
 """
 
 from __future__ import annotations
 
-from tests.test_daemon_lifecycle import spawn
-from tests.test_tenants import DaemonProcess, as_user, connect, daemon, pytestmark, users
+from tests.daemon_kit import DaemonProcess
+from tests.tenants_kit import NEEDS_ROOT, as_user, connect
 
-__all__ = ["daemon", "pytestmark", "spawn", "users"]  # fixtures and marks, for pytest
+pytestmark = NEEDS_ROOT
 
 
 async def test_a_tenant_cannot_reach_another_tenants_region_or_blocks(

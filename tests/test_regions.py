@@ -10,37 +10,31 @@ belong to the connection that registered them (other connections and other tenan
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 from redis_kit import redis_server
 
-import tierd.control.engine_regions.byte_moves as region_copy
-from tests.test_daemon_api import (
-    _watch_connections,
-    connect_watched,
-    daemon_noticed_close,
-    serve,
+from tests.loop_daemon_kit import connect_watched, daemon_noticed_close, serve
+from tests.regions_kit import (
+    BLOCK,
+    NS,
+    connect,
+    memfd,
+    open_descriptors,
+    pattern,
+    put,
+    read,
+    rows,
+    touch,
 )
-from tierd.client import Client, DaemonError
-from tierd.daemon import Daemon
+from tierd.client import DaemonError
 
-__all__ = ["_watch_connections"]  # the fixture: the daemon's connections, watched
-
-BLOCK = 4096
-NS = "model-a"
-
-
-def pattern(tag: bytes, size: int) -> bytes:
-    """Bytes derived from ``tag`` alone, so any mix-up shows."""
-    return (tag * (size // len(tag) + 1))[:size]
+# The daemon's connections, watched (conftest's fixture).
+pytestmark = pytest.mark.usefixtures("_watch_connections")
 
 
 def write_patterns(fd: int, tag: bytes, count: int) -> list[bytes]:
@@ -48,66 +42,6 @@ def write_patterns(fd: int, tag: bytes, count: int) -> list[bytes]:
     for i in range(count):
         put(fd, pattern(b"%s%d-" % (tag, i), BLOCK), i * BLOCK)
     return [b"%s%d" % (tag, i) for i in range(count)]
-
-
-async def connect(daemon: Daemon, namespace: str | None = NS) -> Client:
-    return await Client.connect(str(daemon.config.socket.path), namespace=namespace)
-
-
-# Each memfd's mapping here (address, size), made before it is registered: once the
-# daemon has sealed it for loads, its owner writes it through mappings made before
-# (write() is refused). Mapped with libc's mmap: Python's keeps a duplicate descriptor,
-# and the tests count the descriptors of a memfd.
-_OWN: dict[int, tuple[int, int]] = {}
-_LIBC = region_copy._libc()  # mmap and munmap with their types declared
-
-
-@contextmanager
-def memfd(size: int, name: str = "engine-kv") -> Iterator[int]:
-    """An engine's memory: a sealable memfd of ``size`` bytes, mapped here, every page
-    allocated (the engine pays for its memory; the daemon writes only where pages
-    exist)."""
-    fd = os.memfd_create(name, os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        address = _LIBC.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        _OWN[fd] = (int(address), size)
-        touch(fd, size)
-        yield fd
-    finally:
-        own = _OWN.pop(fd, None)
-        if own is not None:
-            _LIBC.munmap(ctypes.c_void_p(own[0]), own[1])
-        os.close(fd)
-
-
-def put(fd: int, data: bytes, offset: int) -> None:
-    """Write ``data`` at ``offset`` of an engine's memory, as the engine does: through
-    its mapping (a memfd of :func:`memfd`), else with ``pwrite``."""
-    own = _OWN.get(fd)
-    if own is None:
-        os.pwrite(fd, data, offset)
-        return
-    address, size = own
-    assert offset >= 0 and offset + len(data) <= size
-    ctypes.memmove(address + offset, bytes(data), len(data))
-
-
-def touch(fd: int, size: int) -> None:
-    """Write zeros over the file: its pages exist (fallocated pages are holes still)."""
-    zeros = bytes(min(size, 1 << 20))
-    for at in range(0, size, len(zeros)):
-        put(fd, zeros[: size - at], at)
-
-
-def rows(*indices: int, size: int = BLOCK) -> np.ndarray:
-    """One piece per key: key i's block at row ``indices[i]``."""
-    return np.array([[i * size] for i in indices], dtype=np.uint64)
-
-
-def read(fd: int, offset: int, size: int = BLOCK) -> bytes:
-    return os.pread(fd, size, offset)
 
 
 async def test_one_piece_round_trip_is_byte_exact(tmp_path: Path) -> None:
@@ -300,18 +234,6 @@ async def test_a_region_belongs_to_its_connection(tmp_path: Path) -> None:
             with pytest.raises(DaemonError) as info:
                 await owner.region_load(region, [b"x"], rows(1))
             assert info.value.code == "unknown_region"
-
-
-def open_descriptors(name: str) -> int:
-    """How many of this process's descriptors name the memfd ``name``."""
-    count = 0
-    for entry in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{entry}") == f"/memfd:{name} (deleted)":
-                count += 1
-        except OSError:
-            continue  # closed meanwhile (listdir's own descriptor)
-    return count
 
 
 async def test_the_descriptor_is_closed_on_unregister_and_disconnect(tmp_path: Path) -> None:

@@ -20,46 +20,16 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.test_daemon_lifecycle import BLOCK, DaemonProcess, Spawn, block, keys, spawn
-from tests.test_hostile_clients import replies_from
-from tests.test_operator import tierd
-from tests.test_service_unit import UNIT, parse_unit
+from tests.cli_kit import config_file, reload, rewrite, tierd
+from tests.daemon_kit import BLOCK, DaemonProcess, Spawn, block, keys
+from tests.service_unit_kit import UNIT, parse_unit
+from tests.wire_kit import replies_from
 from tierd.cli import main
 from tierd.client import Client, DaemonError
 from tierd.control.protocol import PROTOCOL_VERSION, FrameDecoder, encode
 from tierd.testing import daemon_config
 
-__all__ = ["spawn"]  # the fixture, imported for the tests below
-
 WAIT_S = 30.0  # a safety net for what a test waits on, never a timed assertion
-
-
-def config_file(daemon: DaemonProcess) -> Path:
-    """The file the spawn fixture wrote for ``daemon`` (its command line's ``-c``)."""
-    args = daemon.proc.args
-    assert isinstance(args, list)
-    return Path(args[args.index("-c") + 1])
-
-
-def rewrite(daemon: DaemonProcess, change: dict[str, Any]) -> None:
-    """Write ``change`` (a nested mapping) over the daemon's config file."""
-    path = config_file(daemon)
-    data = yaml.safe_load(path.read_text())
-    merge(data, change)
-    path.write_text(yaml.safe_dump(data))
-
-
-def merge(base: dict[str, Any], top: dict[str, Any]) -> None:
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            merge(base[key], value)
-        else:
-            base[key] = value
-
-
-async def reload(daemon: DaemonProcess) -> tuple[int, str, str]:
-    done = await tierd("reload", "--socket", daemon.socket_path, "--json")
-    return done.returncode, done.stdout, done.stderr
 
 
 async def running_config(daemon: DaemonProcess) -> dict[str, Any]:

@@ -20,28 +20,14 @@ import random
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 from redis_kit import RedisServer, redis_server
 
-from tests.remote_daemon_kit import BLOCK, block, cli, connect, names
-from tests.test_daemon_lifecycle import DaemonProcess, Spawn, spawn
+from tests.daemon_kit import DaemonProcess, Spawn
+from tests.remote_daemon_kit import BLOCK, block, cli, connect, names, node_config
 from tierd.remote.calls import RemoteSettings
 from tierd.remote.redis_level import RedisLevel
-from tierd.testing import daemon_config
-
-__all__ = ["spawn"]  # the fixture, re-exported for pytest
-
-
-def node_config(home: Path, remote_url: str) -> dict[str, Any]:
-    """A daemon of its own CPU and disk tiers over the shared remote level at ``remote_url``."""
-    home.mkdir(mode=0o700)
-    config = daemon_config(home, cpu_blocks=16, disk_blocks=64, block_bytes=BLOCK)
-    # A generous deadline: this asserts hits, not latency, on a busy CI machine.
-    config["remote"] = {"url": remote_url, "deadline": "2s"}
-    config["logging"] = {"level": "warning"}
-    return config
 
 
 @pytest.fixture

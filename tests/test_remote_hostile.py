@@ -20,7 +20,7 @@ from fake_redis import fake_redis
 from redis.exceptions import InvalidResponse
 from redis_kit import RedisServer, redis_server
 
-from tests.test_daemon_lifecycle import Spawn, spawn
+from tests.daemon_kit import Spawn
 from tierd.client import Client
 from tierd.config import ChainConfig
 from tierd.errors import BlockMissing
@@ -28,8 +28,6 @@ from tierd.keys import BlockKey
 from tierd.library import open_chain
 from tierd.remote.guard import ReplyGuard
 from tierd.testing import daemon_config
-
-__all__ = ["spawn"]  # the fixture, re-exported for pytest
 
 BLOCK = 4096
 NAMESPACE = "model-x"

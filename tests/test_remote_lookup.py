@@ -12,12 +12,9 @@ from pathlib import Path
 import pytest
 from redis_kit import RedisServer, redis_server
 
-from tests.remote_daemon_kit import block, connect, names
-from tests.test_daemon_lifecycle import DaemonProcess, Spawn, spawn
-from tests.test_remote_daemons import node_config
+from tests.daemon_kit import DaemonProcess, Spawn
+from tests.remote_daemon_kit import block, connect, names, node_config
 from tierd.client import Client
-
-__all__ = ["spawn"]  # the fixture, re-exported for pytest
 
 
 async def clear_local_tiers(daemon: DaemonProcess) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chain_kit import assert_found_below, load_bytes
 from redis.asyncio import Redis
 from redis_kit import RedisServer, free_port, redis_cluster, redis_server, require_redis
 
@@ -64,25 +65,6 @@ async def node(remote: dict[str, Any], **kw: Any) -> AsyncIterator[TierChain]:
     """One node's chain: a small memory tier over the shared remote level."""
     async with open_chain(config(remote, **kw)) as chain:
         yield chain
-
-
-async def load_bytes(chain: TierChain, keys: list[BlockKey]) -> list[bytes]:
-    async with chain.loading(keys) as handle:
-        return [bytes(view) for view in handle.views()]
-
-
-async def assert_found_below(
-    chain: TierChain, keys: list[BlockKey], medium: Medium, data: list[bytes]
-) -> None:
-    """A node that never stored them finds the first ``len(data)`` of ``keys`` in the level
-    of ``medium`` alone, loads ``data`` from it and promotes the blocks into its local tier."""
-    count = len(data)
-    found = await chain.find(keys)
-    assert found.count == count
-    assert found.media == (medium,) * count
-    assert chain.lookup(keys).count == 0  # the local lookup alone sees nothing
-    assert await load_bytes(chain, keys[:count]) == data
-    assert chain.lookup(keys[:count]).count == count  # promoted into the local tier
 
 
 async def settle(chain: TierChain) -> None:

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.test_daemon_lifecycle import Spawn, spawn
-from tests.test_operator import tierd
-from tests.test_write_behind import block, chain_at, held_disk_writes
+from tests.cli_kit import tierd
+from tests.daemon_kit import Spawn
+from tests.write_behind_kit import block, chain_at, held_disk_writes
 from tierd.cli import main
 from tierd.cli.replay_report import describe
 from tierd.keys import BlockKey
@@ -36,8 +36,6 @@ from tierd.workload.backends import ChainBackend
 from tierd.workload.generate import GeneratorConfig, generate
 from tierd.workload.replayer import replay
 from tierd.workload.trace import read_trace, write_trace
-
-__all__ = ["spawn"]  # the fixture, imported for the tests below
 
 BLOCK = 4096
 FIGURES = ("hits", "hits_by_medium", "loaded_blocks", "stored_blocks", "load_shortfalls")

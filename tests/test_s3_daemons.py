@@ -28,14 +28,12 @@ from typing import Any
 
 import obstore
 import pytest
-from s3_kit import S3FaultProxy, SeaweedServer, s3_proxy_fixture, seaweed_fixture
+from s3_kit import S3FaultProxy, SeaweedServer
 
+from tests.daemon_kit import DaemonProcess, Spawn, child_env
 from tests.remote_daemon_kit import BLOCK, block, cli, connect, names
-from tests.test_daemon_lifecycle import DaemonProcess, Spawn, child_env, spawn
 from tierd.keys import BlockKey
 from tierd.testing import daemon_config
-
-__all__ = ["s3_proxy_fixture", "seaweed_fixture", "spawn"]  # the fixtures, for pytest
 
 
 def s3_section(server: SeaweedServer, prefix: str, **extra: Any) -> dict[str, Any]:

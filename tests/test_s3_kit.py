@@ -16,9 +16,7 @@ from typing import Any
 import obstore
 import pytest
 from obstore.exceptions import AlreadyExistsError, GenericError
-from s3_kit import S3FaultProxy, SeaweedServer, s3_proxy_fixture, seaweed_fixture
-
-__all__ = ["s3_proxy_fixture", "seaweed_fixture"]  # the fixtures this module uses
+from s3_kit import S3FaultProxy, SeaweedServer
 
 # One try, short timeouts: a fault shows itself at once instead of after obstore's retries.
 NO_RETRY: dict[str, Any] = {

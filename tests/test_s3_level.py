@@ -26,9 +26,9 @@ import obstore
 import pytest
 import yaml
 from redis_kit import RedisServer, redis_server
-from s3_kit import S3FaultProxy, SeaweedServer, s3_proxy_fixture, seaweed_fixture
+from s3_kit import S3FaultProxy, SeaweedServer
 
-from tests.test_remote_tier import assert_found_below, load_bytes
+from tests.chain_kit import assert_found_below, load_bytes
 from tierd.chain import TierChain
 from tierd.cli import main
 from tierd.config import ChainConfig
@@ -38,8 +38,6 @@ from tierd.library import open_chain
 from tierd.remote import encode_block
 from tierd.remote.s3_level import S3Level
 from tierd.remote.stack import RemoteStack
-
-__all__ = ["s3_proxy_fixture", "seaweed_fixture"]  # the fixtures this module uses
 
 BLOCK = 16 << 10
 DEADLINE = 0.5  # where the server hangs: a short wait, then misses

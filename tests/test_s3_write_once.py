@@ -27,17 +27,9 @@ from typing import Any
 
 import obstore
 import pytest
-from s3_kit import (
-    MotoServer,
-    S3FaultProxy,
-    SeaweedServer,
-    fault_proxy,
-    moto_fixture,
-    s3_proxy_fixture,
-    seaweed_fixture,
-)
+from s3_kit import MotoServer, S3FaultProxy, SeaweedServer, fault_proxy
 
-from tests.test_daemon_lifecycle import Spawn, spawn
+from tests.daemon_kit import Spawn
 from tierd.chain import TierChain
 from tierd.config import ChainConfig
 from tierd.errors import ConfigError
@@ -45,8 +37,6 @@ from tierd.keys import BlockKey
 from tierd.library import open_chain
 from tierd.remote.s3_level import S3Level
 from tierd.testing import daemon_config
-
-__all__ = ["moto_fixture", "s3_proxy_fixture", "seaweed_fixture", "spawn"]
 
 BLOCK = 16 << 10
 DEADLINE = 2.0  # generous: these tests assert answers on a busy machine

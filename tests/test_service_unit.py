@@ -10,39 +10,16 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from service_unit_kit import ROOT, UNIT, parse_unit
 
 from tierd.config import DaemonConfig
 
-ROOT = Path(__file__).resolve().parent.parent
-UNIT = ROOT / "config" / "tierd.service"
 CONFIG = ROOT / "config" / "tierd.yaml"  # what the unit's install notes put in /etc/tierd
 DEADLINE_S = 60.0
 TIERD = [sys.executable, "-m", "tierd"]
-
-
-def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
-    """section -> key -> values (a key may repeat), with continuation lines joined."""
-    sections: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    section = ""
-    pending = ""
-    for raw in text.splitlines():
-        line = pending + raw.strip()
-        pending = ""
-        if line.endswith("\\"):
-            pending = line[:-1] + " "
-            continue
-        if not line or line.startswith(("#", ";")):
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            section = line[1:-1]
-            continue
-        key, _, value = line.partition("=")
-        sections[section][key.strip()].append(value.strip())
-    return sections
 
 
 @pytest.fixture(scope="module")

@@ -25,58 +25,22 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import soak_kit
+from loop_daemon_kit import serve
 from soak_daemon import FaultControl, FaultFileIO, FaultPlan, content
+from soak_daemon_kit import BLOCK, NS, blocks, make_keys, store_batches, tier, unleashed_daemon
 
 import tierd.stores.disk.store
 from tierd.client import Client
 from tierd.control.protocol import encode
 from tierd.daemon import Daemon
-from tierd.testing import daemon_config, running_daemon, short_socket_path
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCK = 4096
-NS = soak_kit.NAMESPACE
-
-
-def make_keys(tag: str, count: int) -> list[bytes]:
-    return [f"{tag}-{i}".encode() for i in range(count)]
-
-
-def blocks(keys: Sequence[bytes]) -> list[bytes]:
-    return [content(k, BLOCK) for k in keys]
-
-
-async def store_batches(client: Client, keys: Sequence[bytes], batch: int = 8) -> None:
-    for i in range(0, len(keys), batch):
-        part = keys[i : i + batch]
-        assert await client.store(part, blocks(part)) == len(part)
-
-
-def unleashed_daemon(tmp_path: Path, cpu_blocks: int, disk_blocks: int) -> soak_kit.DaemonProcess:
-    """A soak daemon process (not started) over a CPU and a disk tier, its leases
-    limited by nothing but the tiers."""
-    settings = soak_kit.Settings(
-        block_bytes=BLOCK,
-        cpu_blocks=cpu_blocks,
-        disk_blocks=disk_blocks,
-        lease_per_connection="100%",
-        lease_per_tenant="100%",
-    )
-    return soak_kit.DaemonProcess(
-        tmp_path, soak_kit.soak_config(tmp_path, short_socket_path(), settings)
-    )
-
-
-def tier(stats: dict[str, Any], name: str) -> dict[str, Any]:
-    (found,) = [t for t in stats["tiers"] if t["name"] == name]
-    return found
 
 
 @pytest.fixture
@@ -86,24 +50,6 @@ def faults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultCon
     monkeypatch.setattr(tierd.stores.disk.store, "FileIO", functools.partial(FaultFileIO, control))
     yield control
     control.close()
-
-
-@asynccontextmanager
-async def serve(tmp_path: Path, **options: Any) -> AsyncIterator[Daemon]:
-    """A daemon in this loop (4 KiB blocks, 8 CPU and 64 disk blocks by default);
-    nothing may reach the loop's exception handler meanwhile."""
-    options = {"cpu_blocks": 8, "disk_blocks": 64, "block_bytes": BLOCK, **options}
-    options.setdefault("logging", {"level": "warning"})
-    loop = asyncio.get_running_loop()
-    errors: list[str] = []
-    previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _, ctx: errors.append(f"{ctx.get('message')}"))
-    try:
-        async with asyncio.timeout(120), running_daemon(daemon_config(tmp_path, **options)) as d:
-            yield d
-    finally:
-        loop.set_exception_handler(previous)
-    assert not errors, errors
 
 
 async def connect(daemon: Daemon, namespace: str | None = NS) -> Client:
@@ -258,7 +204,7 @@ async def test_client_killed_holding_a_lease_leaves_nothing_behind(
     """A client SIGKILLed holding a store lease (its slots full of wrong bytes) or a load
     lease: every pin and lease comes back, the aborted blocks are never visible, and the
     whole CPU tier can be stored into and read back right after."""
-    async with serve(tmp_path) as daemon, await connect(daemon) as client:
+    async with serve(tmp_path, timeout_s=120) as daemon, await connect(daemon) as client:
         path = str(daemon.config.socket.path)
         held = make_keys(f"held-{mode}", 4)
         proc, line = await soak_kit.spawn_holder(path, mode, held, tmp_path / "holder.log")
@@ -294,7 +240,7 @@ async def test_failed_demotion_writes_drop_the_blocks(
     tier (io_errors), never served; the daemon keeps serving, and demotes again once the
     disk is healthy."""
     keys = make_keys("demote", 32)
-    async with serve(tmp_path) as daemon, await connect(daemon) as client:
+    async with serve(tmp_path, timeout_s=120) as daemon, await connect(daemon) as client:
         faults.set(FaultPlan(write_rate=1.0, write_mode=mode))
         await store_batches(client, keys[:24])  # batches 2 and 3 demote 16 blocks
         stats = await client.stats()
@@ -320,7 +266,7 @@ async def test_flush_on_a_full_disk_says_what_stayed_dirty(
     """A flush whose writes fail reports the blocks left dirty and why, and ``tierd flush``
     exits 1 saying so; once the disk has room again, a flush leaves nothing dirty."""
     keys = make_keys("flush", 8)
-    async with serve(tmp_path) as daemon, await connect(daemon) as client:
+    async with serve(tmp_path, timeout_s=120) as daemon, await connect(daemon) as client:
         await store_batches(client, keys)
         faults.set(FaultPlan(write_rate=1.0, write_mode="enospc", journal_rate=1.0))
         done = await client.flush()
@@ -353,7 +299,7 @@ async def test_failed_promotion_reads_are_a_miss(tmp_path: Path, faults: FaultCo
     """Reading the DISK tier fails: the load comes back short (here: empty), never with
     wrong bytes; the DISK tier counts the errors and drops the unreadable blocks."""
     keys = make_keys("promote", 16)
-    async with serve(tmp_path) as daemon, await connect(daemon) as client:
+    async with serve(tmp_path, timeout_s=120) as daemon, await connect(daemon) as client:
         await store_batches(client, keys)  # the first 8 now live on DISK only
         assert (await client.lookup(keys[:8])).media == ("DISK",) * 8
         before = tier(await client.stats(), "disk")["io_errors"]
@@ -377,7 +323,7 @@ async def test_failed_promotion_reads_are_a_miss(tmp_path: Path, faults: FaultCo
 async def test_slow_disk_keeps_every_byte_right(tmp_path: Path, faults: FaultControl) -> None:
     faults.set(FaultPlan(slow_s=0.005))
     keys = make_keys("slow", 32)
-    async with serve(tmp_path) as daemon, await connect(daemon) as client:
+    async with serve(tmp_path, timeout_s=120) as daemon, await connect(daemon) as client:
         others = await asyncio.gather(*(connect(daemon) for _ in range(3)))
         try:
             await store_batches(client, keys)
@@ -406,7 +352,7 @@ async def test_stuck_subscriber_and_failing_disk_leave_other_clients_unaffected(
     tally, gate = soak_kit.Tally(BLOCK), soak_kit.Gate()
     keys = soak_kit.KeySpace(sequences=64, seq_len=4)
     options: dict[str, Any] = {"cpu_blocks": 16, "events": {"queue_batches": 4}}
-    async with serve(tmp_path, **options) as daemon, await connect(daemon) as client:
+    async with serve(tmp_path, timeout_s=120, **options) as daemon, await connect(daemon) as client:
         path = str(daemon.config.socket.path)
         stuck = soak_kit.StuckSubscriber(path)
         try:
@@ -435,7 +381,7 @@ async def test_stuck_subscriber_and_failing_disk_leave_other_clients_unaffected(
 async def test_fuzzer_beside_verifying_clients_never_costs_a_byte(tmp_path: Path) -> None:
     tally, gate = soak_kit.Tally(BLOCK), soak_kit.Gate()
     keys = soak_kit.KeySpace(sequences=32, seq_len=4)
-    async with serve(tmp_path, cpu_blocks=16) as daemon:
+    async with serve(tmp_path, timeout_s=120, cpu_blocks=16) as daemon:
         path = str(daemon.config.socket.path)
         fuzzer = soak_kit.Fuzzer(path, random.Random(11), gate, BLOCK, rate=1e6)
         workers = [soak_kit.Worker(path, keys, tally, gate, random.Random(i)) for i in range(2)]
@@ -462,7 +408,7 @@ async def test_fuzzer_disconnect_never_waits_on_a_stuck_peer(tmp_path: Path) -> 
     and had requests left unsent while the daemon, its replies unread, had stopped reading
     too. A graceful close waits for those requests to go out, which never happens. The
     fuzzer aborts the connection instead."""
-    async with serve(tmp_path) as daemon:
+    async with serve(tmp_path, timeout_s=120) as daemon:
         fuzzer = soak_kit.Fuzzer(
             str(daemon.config.socket.path), random.Random(1), soak_kit.Gate(), BLOCK
         )

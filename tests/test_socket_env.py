@@ -24,14 +24,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_daemon_lifecycle import Spawn, child_env, spawn
-from tests.test_operator import tierd
+from tests.cli_kit import tierd
+from tests.daemon_kit import Spawn, child_env
 from tierd.cli.connection import socket_path
 from tierd.control.socketfile import default_socket_path, socket_path_setting
 from tierd.integrations.plugin import resolve_socket
 from tierd.testing import daemon_config, short_socket_path
-
-__all__ = ["spawn"]  # the fixture, imported for the tests below
 
 ROOT = Path(__file__).resolve().parent.parent
 

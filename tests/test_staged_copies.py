@@ -10,14 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import test_daemon_lifecycle
 
 from tierd.integrations.engine_calls import EngineCalls
 from tierd.integrations.link import DaemonLink, LinkSettings
 from tierd.integrations.moves import RowBlocks
 from tierd.testing import daemon_config
 
-spawn = test_daemon_lifecycle.spawn  # real `tierd serve` processes, killed at the end
 BLOCK = 512 << 10  # the rows; far above what reading replies allocates
 DEADLINE_S = 5.0
 STAGING_ROWS = 4  # fewer than a load's keys: a load takes several rounds

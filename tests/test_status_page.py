@@ -2,7 +2,7 @@
 ``stats`` answers, who it answers, and the page itself in a real headless Chromium.
 
 Each test runs the daemon as a real ``tierd serve`` process (the ``spawn`` fixture of
-test_daemon_lifecycle.py) with ``metrics.http_port`` on a free loopback port, and talks to
+tests/daemon_kit.py) with ``metrics.http_port`` on a free loopback port, and talks to
 it with :class:`tierd.client.Client`. The browser is Debian's ``chromium-headless-shell``
 (or ``chromium``; ``scripts/setup`` installs it), driven over the DevTools protocol on a
 pipe (``--remote-debugging-pipe``): the test waits in the page for what it expects (a
@@ -18,7 +18,6 @@ import json
 import os
 import select
 import shutil
-import socket
 import subprocess
 import threading
 from collections.abc import AsyncIterator
@@ -28,24 +27,23 @@ from typing import Any
 
 import pytest
 
-from tests.test_daemon_lifecycle import (
+from tests.daemon_kit import (
     BLOCK,
     DEADLINE_S,
     NAMESPACE,
     DaemonProcess,
     Spawn,
     block,
-    free_port,
     http_get,
     keys,
+    raw_get,
 )
-from tests.test_daemon_lifecycle import spawn as spawn_fixture
+from tests.port_kit import free_port
 from tierd.client import Client, DaemonError
 from tierd.daemon import metrics_http, status_page
 from tierd.daemon.http_peer import View
 from tierd.testing import daemon_config, running_daemon
 
-spawn = spawn_fixture
 WIDTH, HEIGHT = 1280, 900
 
 
@@ -78,17 +76,6 @@ async def status_json(port: int) -> dict[str, Any]:
     status, text = await asyncio.to_thread(http_get, f"http://127.0.0.1:{port}/status.json")
     assert status == 200, text
     return dict(json.loads(text))
-
-
-def raw_get(port: int, path: str, host: str) -> tuple[str, bytes]:
-    """The status line and body of ``GET path`` sent with the given ``Host`` header."""
-    with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S) as conn:
-        conn.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
-        reply = b""
-        while chunk := conn.recv(65536):
-            reply += chunk
-    head, _, body = reply.partition(b"\r\n\r\n")
-    return head.split(b"\r\n", 1)[0].decode(), body
 
 
 # -- /status.json --------------------------------------------------------------------------

@@ -3,7 +3,7 @@ shown, and scrapes answered beside clients that are slow on purpose.
 
 Who asks is the uid the kernel recorded for the client's socket, decided as the control
 socket decides it: the privacy tests run a real ``tierd serve`` (as root) with the
-tenants of tests/test_tenants.py (``ops``: root, the operator; ``alpha`` and ``beta``:
+tenants of tests/tenants_kit.py (``ops``: root, the operator; ``alpha`` and ``beta``:
 users made with ``useradd``) and fetch ``/status.json`` and ``/metrics`` from processes
 that dropped to those users (and to a user of no tenant) while each tenant's client is
 connected. The slow-client tests hold dozens of real TCP connections that send their
@@ -25,15 +25,14 @@ from typing import Any
 
 import pytest
 
-from tests.test_daemon_lifecycle import DEADLINE_S, Spawn, free_port, spawn
-from tests.test_status_page import raw_get as page_get
-from tests.test_tenants import tenants_config, users
+from tests.daemon_kit import DEADLINE_S, Spawn
+from tests.daemon_kit import raw_get as page_get
+from tests.port_kit import free_port
+from tests.tenants_kit import tenants_config
 from tierd.control.figures.prometheus import render_prometheus
 from tierd.daemon import metrics_http, status_page
 from tierd.daemon.http_peer import View, shown_stats, socket_owner
 from tierd.testing import daemon_config, running_daemon
-
-__all__ = ["spawn", "users"]
 
 as_root = pytest.mark.skipif(
     os.getuid() != 0, reason="clients of other users (useradd, os.setuid) need root"

@@ -12,77 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import grp
-import json
 import os
 import pwd
 import secrets
-import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.test_daemon_lifecycle import DaemonProcess, Spawn, spawn
+from tests.daemon_kit import DaemonProcess
+from tests.tenants_kit import NEEDS_ROOT, QUOTA, as_user, connect, system_users
 from tierd.client import Client
-from tierd.testing import daemon_config, short_socket_path
+from tierd.testing import short_socket_path
 
-__all__ = ["spawn"]
-
-pytestmark = pytest.mark.skipif(
-    os.getuid() != 0, reason="clients of other users (useradd, os.setuid) need root"
-)
-
-CHILD = Path(__file__).with_name("tenant_child.py")
-ROLES = ("alpha", "beta", "stranger")  # users of this run: tierd-test-<role>-<random>
-QUOTA = {"cpu": 8, "disk": 32}  # each tenant's: 24 CPU blocks and 96 disk blocks in all
-
-
-@contextmanager
-def system_users(names: Sequence[str]) -> Iterator[dict[str, tuple[int, int]]]:
-    """Real system users (uid, primary gid) by name, created when missing; the ones
-    created here are removed again on exit (with their groups), so a run as root leaves
-    no ``tierd-test-*`` user behind. Users that existed before are left alone."""
-    created: list[str] = []
-    try:
-        found = {}
-        for name in names:
-            try:
-                entry = pwd.getpwnam(name)
-            except KeyError:
-                _useradd(name)
-                created.append(name)
-                entry = pwd.getpwnam(name)
-            found[name] = (entry.pw_uid, entry.pw_gid)
-        yield found
-    finally:
-        userdel = shutil.which("userdel")
-        for name in created:
-            if userdel is not None:
-                subprocess.run([userdel, name], check=True, capture_output=True)
-
-
-def _useradd(name: str) -> None:
-    useradd = shutil.which("useradd")
-    if useradd is None:
-        pytest.skip("useradd is not installed: cannot create the tenants' users")
-    command = [useradd, "--system", "--user-group", "--no-create-home"]
-    subprocess.run(
-        [*command, "--shell", "/usr/sbin/nologin", name], check=True, capture_output=True
-    )
-
-
-@pytest.fixture(scope="module")
-def users() -> Iterator[dict[str, tuple[int, int]]]:
-    # Names of this run only: two runs at once (or a run's leftovers) never share a user
-    # that one of them removes.
-    run = secrets.token_hex(3)
-    with system_users([f"tierd-test-{role}-{run}" for role in ROLES]) as found:
-        yield {role: found[f"tierd-test-{role}-{run}"] for role in ROLES}
+pytestmark = NEEDS_ROOT
 
 
 def test_the_users_the_tests_create_are_removed() -> None:
@@ -96,56 +41,9 @@ def test_the_users_the_tests_create_are_removed() -> None:
         grp.getgrnam(group)
 
 
-def tenants_config(tmp_path: Path, users: dict[str, tuple[int, int]]) -> dict[str, Any]:
-    cfg = daemon_config(tmp_path, cpu_blocks=24, disk_blocks=96, socket={"mode": 0o666})
-    cfg["tenants"] = [
-        {"name": "ops", "uids": [0], "operator": True, "quota": QUOTA},
-        {
-            "name": "alpha",
-            "uids": [users["alpha"][0]],
-            "namespaces": ["model-*"],
-            "quota": QUOTA,
-        },
-        {"name": "beta", "uids": [users["beta"][0]]},  # the rest: 8 and 32 blocks
-    ]
-    return cfg
-
-
-@pytest.fixture
-async def daemon(tmp_path: Path, spawn: Spawn, users: dict[str, tuple[int, int]]) -> DaemonProcess:
-    running = await spawn(tenants_config(tmp_path, users))
-    os.chmod(os.path.dirname(running.socket_path), 0o711)  # others may reach the socket
-    return running
-
-
-async def as_user(
-    daemon: DaemonProcess, user: tuple[int, int], *steps: dict[str, Any]
-) -> list[Any]:
-    """Run ``steps`` in a client process of ``user``; one result per step."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(CHILD),
-        str(user[0]),
-        str(user[1]),
-        daemon.socket_path,
-        json.dumps(list(steps)),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    async with asyncio.timeout(60):
-        out, err = await process.communicate()
-    assert process.returncode == 0, err.decode()
-    results: list[Any] = json.loads(out)
-    return results
-
-
 def maps_of(pid: int) -> str:
     with open(f"/proc/{pid}/maps") as maps:
         return maps.read()
-
-
-def connect(namespace: str | None = "model-x") -> dict[str, Any]:
-    return {"do": "connect", "namespace": namespace}
 
 
 async def operator(daemon: DaemonProcess) -> Client:
@@ -309,11 +207,11 @@ def test_the_shipped_config_keeps_other_users_out_of_its_blocks(
     """config/tierd.yaml, opened to another user the way the attacks needed it
     (``socket.mode: 0o666``, that user in ``allow_uids``): the pool is no file anyone can
     open, a user not allowed is refused, an allowed one is a member, not an operator."""
-    from tests.test_walkthrough import serve
+    from tests.daemon_kit import serve_shipped
 
     socket_path = short_socket_path()
     disk = tmp_path / "disk"
-    served = serve(
+    served = serve_shipped(
         [
             f"socket.path={socket_path}",
             "socket.mode=0o666",

@@ -3,26 +3,24 @@ real daemon (running in a background thread with its own event loop)."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
 
+from tests.loop_daemon_kit import ThreadDaemon, serve_in_thread
 from tierd.cli import main
 from tierd.cli.top_frame import render_frame
 from tierd.client import Client, LoadLease
-from tierd.testing import daemon_config, running_daemon, short_socket_path
+from tierd.testing import daemon_config, short_socket_path
 
-T = TypeVar("T")
 MiB = 1 << 20
 
 
@@ -262,58 +260,11 @@ def test_frame_of_an_empty_snapshot() -> None:
 # -- the command against a real daemon -------------------------------------------------------
 
 
-@dataclass
-class BackgroundDaemon:
-    """A daemon serving in another thread's event loop."""
-
-    config: dict[str, Any]
-    loop: asyncio.AbstractEventLoop
-    stop: asyncio.Event
-
-    @property
-    def path(self) -> str:
-        return str(self.config["socket"]["path"])
-
-    def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` in the daemon's loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
-
-
 @pytest.fixture
-def background_daemon(tmp_path: Path) -> Iterator[BackgroundDaemon]:
-    config = daemon_config(tmp_path, cpu_blocks=8, disk_blocks=64)
-    started = threading.Event()
-    outcome: dict[str, Any] = {}
-
-    async def serve() -> None:
-        stop = asyncio.Event()
-        async with running_daemon(config):
-            outcome["daemon"] = BackgroundDaemon(config, asyncio.get_running_loop(), stop)
-            started.set()
-            await stop.wait()
-
-    def thread_main() -> None:
-        try:
-            asyncio.run(serve())
-        except BaseException as exc:
-            outcome["error"] = exc
-        finally:
-            started.set()
-
-    thread = threading.Thread(target=thread_main, name="tierd-test-daemon", daemon=True)
-    thread.start()
-    assert started.wait(60), "the daemon did not start"
-    if "error" in outcome:
-        raise outcome["error"]
-    daemon: BackgroundDaemon = outcome["daemon"]
-    try:
+def background_daemon(tmp_path: Path) -> Iterator[ThreadDaemon]:
+    """A daemon serving in another thread's event loop."""
+    with serve_in_thread(daemon_config(tmp_path, cpu_blocks=8, disk_blocks=64)) as daemon:
         yield daemon
-    finally:
-        daemon.loop.call_soon_threadsafe(daemon.stop.set)
-        thread.join(60)
-        assert not thread.is_alive(), "the daemon did not stop"
-        if "error" in outcome:
-            raise outcome["error"]
 
 
 @dataclass
@@ -342,7 +293,7 @@ async def _finish(activity: Activity) -> None:
 
 
 def test_top_plain_into_a_closed_pipe_ends_quietly_with_status_0(
-    background_daemon: BackgroundDaemon,
+    background_daemon: ThreadDaemon,
 ) -> None:
     argv = ["top", "--plain", "--interval", "0.05", "--socket", background_daemon.path]
     proc = subprocess.Popen(
@@ -359,7 +310,7 @@ def test_top_plain_into_a_closed_pipe_ends_quietly_with_status_0(
 
 @pytest.mark.parametrize("how", ["--socket", "TIERD_SOCKET", "-c"])
 def test_top_plain_shows_the_running_daemon(
-    background_daemon: BackgroundDaemon,
+    background_daemon: ThreadDaemon,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,

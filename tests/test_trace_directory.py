@@ -17,12 +17,10 @@ from typing import Any
 
 import pytest
 
-from tests.test_daemon_lifecycle import BLOCK, Spawn, spawn
-from tests.test_operator import tierd
+from tests.cli_kit import tierd
+from tests.daemon_kit import BLOCK, Spawn
 from tierd.client import Client
 from tierd.testing import daemon_config
-
-__all__ = ["spawn"]  # the fixture
 
 NOBODY = 65534
 NS = "traced"

@@ -13,8 +13,8 @@ import pytest
 import xxhash
 import yaml
 
-from tests.test_daemon_lifecycle import Spawn, spawn
-from tests.test_tenants import as_user, connect, tenants_config, users
+from tests.daemon_kit import Spawn
+from tests.tenants_kit import as_user, connect, tenants_config
 from tierd.cli import main
 from tierd.client import Client, DaemonError
 from tierd.control.figures.recorder import RecorderSettings, TraceRecorder, hash_id
@@ -23,8 +23,6 @@ from tierd.testing import daemon_config
 from tierd.workload.curve import lru_curve
 from tierd.workload.generate import GeneratorConfig, generate
 from tierd.workload.trace import TraceRecord, read_trace, write_trace
-
-__all__ = ["spawn", "users"]  # fixtures
 
 SAMPLE = 0.5
 

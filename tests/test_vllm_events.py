@@ -18,7 +18,6 @@ pytest.importorskip(
     "vllm.v1.kv_offload.tiering.base", reason="vLLM is not installed: run scripts/setup_vllm"
 )
 
-import test_daemon_lifecycle
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium
 from vllm_kit import (
     DEADLINE_S,
@@ -37,7 +36,6 @@ from tierd.integrations.vllm import TierdSecondaryTier
 from tierd.testing import daemon_config
 
 HIT = LookupResult.HIT
-spawn = test_daemon_lifecycle.spawn
 
 
 def events_tier(socket_path: str, rows: np.ndarray, **config: object) -> TierdSecondaryTier:

@@ -15,14 +15,12 @@ pytest.importorskip(
     "vllm.v1.kv_offload.tiering.base", reason="vLLM is not installed: run scripts/setup_vllm"
 )
 
-import test_daemon_lifecycle
 from vllm.v1.kv_offload.base import LookupResult
 from vllm_kit import ROW, ask, captured_logs, fill, keys, make_tier, primary_rows, run_job
 
 from tierd.testing import daemon_config
 
 HIT = LookupResult.HIT
-spawn = test_daemon_lifecycle.spawn
 # The daemon's own default bounds (the test config lifts them to the whole tier).
 DEFAULT_LEASES = {"lease_blocks_per_connection": "50%", "lease_blocks_per_tenant": "75%"}
 CHUNKS = 16  # a 12-block CPU tier: 6 per request, and 4 of them come from the disk tier

@@ -20,14 +20,12 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed: scripts/setup_vllm")
 
-import test_daemon_lifecycle
 from pool_engine_kit import PAGE, STEP, Engine, keys, page
 
 from tierd.client import Client
 from tierd.integrations.pool_leases import mapped_pool
 from tierd.testing import daemon_config
 
-spawn = test_daemon_lifecycle.spawn
 LIVENESS_S = 30.0  # a bound on what must come back (many times every deadline)
 
 

@@ -18,14 +18,12 @@ pytest.importorskip(
     "vllm.v1.kv_offload.tiering.base", reason="vLLM is not installed: run scripts/setup_vllm"
 )
 
-import test_daemon_lifecycle
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm_kit import ROW, fill, keys, offloading_spec, run_job
 
 from tierd.integrations.vllm import TierdSecondaryTier
 from tierd.testing import daemon_config
 
-spawn = test_daemon_lifecycle.spawn
 CHUNKS = 8
 
 

@@ -27,8 +27,6 @@ pytest.importorskip(
     "vllm.v1.kv_offload.tiering.base", reason="vLLM is not installed: run scripts/setup_vllm"
 )
 
-import test_daemon_lifecycle
-import test_squatting
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -52,8 +50,6 @@ from tierd.integrations.vllm import BlockSizeMismatch, TierdSecondaryTier
 from tierd.testing import corrupt_disk_block, daemon_config, running_daemon
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
-spawn = test_daemon_lifecycle.spawn  # real `tierd serve` processes, killed at the end
-impostor = test_squatting.impostor  # a socket bound first by user nobody
 
 
 def config(tmp_path, **kw):

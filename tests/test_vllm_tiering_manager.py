@@ -18,7 +18,6 @@ pytest.importorskip(
     "vllm.v1.kv_offload.tiering.manager", reason="vLLM is not installed: run scripts/setup_vllm"
 )
 
-import test_daemon_lifecycle
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.tiering.manager import (
     CPUPrimaryTierOffloadingManager,
@@ -30,7 +29,6 @@ from tierd.client import Client
 from tierd.integrations.vllm import TierdSecondaryTier
 from tierd.testing import daemon_config
 
-spawn = test_daemon_lifecycle.spawn  # real `tierd serve` processes, killed at the end
 CHUNKS = 6
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 

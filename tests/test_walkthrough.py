@@ -14,12 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from daemon_kit import ROOT, serve_shipped
 
-from tierd.testing import DaemonProcess, short_socket_path, start_daemon
+from tierd.testing import short_socket_path
 
-ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-DEFAULT_CONFIG = ROOT / "config" / "tierd.yaml"
 EXAMPLE = ROOT / "examples" / "client_demo.py"
 
 
@@ -33,12 +32,6 @@ def run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and done.returncode != 0:
         raise AssertionError(f"{argv} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
     return done
-
-
-def serve(sets: list[str], tmp: Path) -> DaemonProcess:
-    """`tierd serve -c config/tierd.yaml --set ...` in a child process, ready once it said
-    so (READY=1) to a notify socket; its output in ``tmp``."""
-    return start_daemon(DEFAULT_CONFIG, sets=sets, log=tmp / "serve.log", cwd=tmp)
 
 
 @pytest.fixture
@@ -56,7 +49,7 @@ def settings(tmp_path: Path) -> tuple[list[str], str]:
 
 def test_first_session_from_the_readme(tmp_path: Path, settings: tuple[list[str], str]) -> None:
     sets, socket_path = settings
-    daemon = serve(sets, tmp_path)
+    daemon = serve_shipped(sets, tmp_path)
     tierd = [sys.executable, "-m", "tierd"]
     events = subprocess.Popen(
         [*tierd, "events", "--count", "1", "--socket", socket_path],
@@ -130,7 +123,7 @@ def test_the_readme_replays_a_trace_it_makes(
     argv[1] = str(trace)
     argv[argv.index("--out") + 1] = str(out)
     sets, socket_path = settings
-    daemon = serve(sets, tmp_path)
+    daemon = serve_shipped(sets, tmp_path)
     try:
         done = subprocess.run(
             [sys.executable, "-m", "tierd", *argv, "--socket", socket_path],

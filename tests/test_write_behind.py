@@ -11,50 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from write_behind_kit import BLOCK, block, chain_at, chain_config, held_disk_writes
 
-from tierd.chain import TierChain
 from tierd.client import Client
 from tierd.config.chain import ChainConfig
 from tierd.library import open_chain
-from tierd.stores.disk.store import DiskStore
 from tierd.testing import daemon_config, start_daemon
-
-BLOCK = 4096
-
-
-def block(key: bytes) -> bytes:
-    return (key * (BLOCK // len(key) + 1))[:BLOCK]
-
-
-def chain_config(tmp_path: Path, *, behind: bool = True, admission: str = "always") -> dict:
-    directory = tmp_path / "disk"
-    directory.mkdir(mode=0o700, exist_ok=True)
-    return {
-        "block_bytes": BLOCK,
-        "tiers": [
-            {"name": "cpu", "kind": "cpu", "capacity": 8, "write_behind": behind},
-            {
-                "name": "disk",
-                "kind": "disk",
-                "capacity": 64,
-                "directories": [str(directory)],
-                "admission": admission,
-            },
-        ],
-    }
-
-
-@asynccontextmanager
-async def chain_at(tmp_path: Path, **options: Any) -> AsyncIterator[TierChain]:
-    async with asyncio.timeout(60), open_chain(chain_config(tmp_path, **options)) as chain:
-        yield chain
 
 
 async def until(check: Callable[[], bool], seconds: float = 10.0) -> bool:
@@ -64,20 +31,6 @@ async def until(check: Callable[[], bool], seconds: float = 10.0) -> bool:
             return True
         await asyncio.sleep(0.01)
     return check()
-
-
-def held_disk_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, asyncio.Event]:
-    """Every disk-tier write waits for the second event; the first is set when one does."""
-    writing, gate = asyncio.Event(), asyncio.Event()
-    real = DiskStore._write
-
-    async def held(store: DiskStore, slots: Any, keys: Any, data: Any) -> list[bool]:
-        writing.set()
-        await gate.wait()
-        return await real(store, slots, keys, data)
-
-    monkeypatch.setattr(DiskStore, "_write", held)
-    return writing, gate
 
 
 async def test_stored_blocks_go_down_behind_and_leave_as_drops(tmp_path: Path) -> None:

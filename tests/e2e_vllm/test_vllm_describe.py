@@ -15,17 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-import msgpack
 import pytest
-import zmq
-from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
-from test_vllm_generate import (
+from daemon_kit import Spawn
+from vllm_e2e_kit import (
     BLOCK_TOKENS,
     E2E_MARKS,
     ENGINE_TIMEOUT_S,
@@ -34,17 +28,17 @@ from test_vllm_generate import (
     PREFIX_TOKENS,
     ROW_BYTES,
     VLLM_PYTHON,
-    prompt_file,  # noqa: F401
+    listening,
+    replay,
     run_engine,
+    stored,
     vllm_env,
 )
 
 from tierd.client import Client
-from tierd.testing import daemon_config, kv_replay
+from tierd.testing import daemon_config
 
 pytestmark = E2E_MARKS
-
-MAX_BATCHES = 100_000  # bound on what one listener or replay reads
 
 
 @pytest.fixture(scope="module")
@@ -58,48 +52,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@contextmanager
-def listening(endpoint: str) -> Iterator[list[Any]]:
-    """Every batch published at ``endpoint`` (decoded) while the block runs."""
-    batches: list[Any] = []
-    stop = threading.Event()
-    sock = zmq.Context.instance().socket(zmq.SUB)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.connect(endpoint)  # before vLLM binds: zmq connects once it does
-
-    def run() -> None:
-        while not stop.is_set() and len(batches) < MAX_BATCHES:
-            if sock.poll(100):
-                batches.append(msgpack.unpackb(sock.recv_multipart()[-1]))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        yield batches
-    finally:
-        stop.set()
-        thread.join(timeout=10)
-        sock.close()
-
-
-def replay(endpoint: str) -> list[Any]:
-    """Every batch the daemon's publisher keeps, asked of its ROUTER from sequence 0."""
-    batches = kv_replay(endpoint, timeout_ms=10_000, limit=MAX_BATCHES)
-    return [msgpack.unpackb(payload) for _, _, payload in batches]
-
-
-def stored(batches: list[Any]) -> list[dict[str, Any]]:
-    return [e for b in batches for e in b[1] if isinstance(e, dict) and e["type"] == "BlockStored"]
-
-
 @pytest.mark.parametrize("per_chunk", [1, 4], ids=["block-chunks", "4-block-chunks"])
 async def test_tierd_events_carry_the_hashes_and_tokens_vllm_published(
     per_chunk: int,
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     tiny_model: Path,
-    prompt_file: Path,  # noqa: F811
+    prompt_file: Path,
 ) -> None:
     kv = {"enabled": True}
     config = daemon_config(

@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from test_vllm_describe import replay, stored
+from vllm_e2e_kit import replay, stored
 
 from tierd.client import Client
 from tierd.control.clients.blocking_client import BlockingClient

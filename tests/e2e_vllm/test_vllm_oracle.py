@@ -21,19 +21,17 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
-from test_vllm_generate import (
+from daemon_kit import Spawn
+from vllm_e2e_kit import (
     E2E_MARKS,
     ENGINE_TIMEOUT_S,
     HERE,
     PREFIX_TOKENS,
     ROW_BYTES,
     VLLM_PYTHON,
-    prompt_file,  # noqa: F401
     tier_stats,
     vllm_env,
 )
-from test_vllm_one_flag import model  # noqa: F401
 
 from tierd.testing import daemon_config
 
@@ -96,9 +94,9 @@ async def generations(
 
 async def test_a_tierd_hit_is_bit_for_bit_vllms_own_cpu_tier_hit(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
-    model: Path,  # noqa: F811
-    prompt_file: Path,  # noqa: F811
+    spawn: Spawn,
+    model: Path,
+    prompt_file: Path,
 ) -> None:
     daemon = await spawn(
         daemon_config(tmp_path, cpu_blocks=256, disk_blocks=None, block_bytes=ROW_BYTES)

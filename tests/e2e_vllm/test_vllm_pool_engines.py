@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
-from test_vllm_generate import (
+from daemon_kit import Spawn
+from vllm_e2e_kit import (
     ENGINE_TIMEOUT_S,
     HERE,
     PREFIX_BLOCKS,
@@ -199,7 +199,7 @@ async def until_released(socket: str) -> tuple[int, int, int, int]:
 
 async def test_a_prefix_one_engine_computed_is_another_engines_cpu_tier_hit_held_once(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     model: Path,
     prompt: Path,
 ) -> None:
@@ -234,7 +234,7 @@ async def test_a_prefix_one_engine_computed_is_another_engines_cpu_tier_hit_held
 
 async def test_the_pool_full_demotes_to_disk_and_a_restart_keeps_the_blocks(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     model: Path,
     prompt: Path,
 ) -> None:
@@ -263,7 +263,7 @@ async def test_the_pool_full_demotes_to_disk_and_a_restart_keeps_the_blocks(
 
 async def test_an_engine_stopped_past_its_store_lease_never_writes_into_another_engines_rows(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     model: Path,
     prompt: Path,
 ) -> None:
@@ -312,7 +312,7 @@ async def test_an_engine_stopped_past_its_store_lease_never_writes_into_another_
 
 async def test_an_engine_stopped_in_a_load_keeps_its_rows_through_pressure_and_a_daemon_restart(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     model: Path,
     prompt: Path,
 ) -> None:
@@ -352,7 +352,7 @@ async def test_an_engine_stopped_in_a_load_keeps_its_rows_through_pressure_and_a
 
 async def test_a_stopped_daemon_costs_a_deadline_and_every_removal_is_a_cpu_event(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     model: Path,
     prompt: Path,
 ) -> None:
@@ -385,7 +385,7 @@ DP_READY_S = 600.0  # an API server and two engine cores on a loaded 2-core mach
 
 async def test_two_data_parallel_replicas_of_one_server_share_the_pool(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
+    spawn: Spawn,
     model: Path,
     prompt: Path,
 ) -> None:

@@ -29,7 +29,7 @@ pytest.importorskip(
     "vllm.v1.kv_offload.tiering.manager", reason="vLLM is not installed: run scripts/setup_vllm"
 )
 
-import test_daemon_lifecycle
+from daemon_kit import DaemonProcess
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.manager import (
@@ -42,7 +42,6 @@ from tierd.client import Client
 from tierd.integrations.vllm import TierdSecondaryTier
 from tierd.testing import daemon_config
 
-spawn = test_daemon_lifecycle.spawn  # real `tierd serve` processes, killed at the end
 CHUNKS = 8
 LOOKUP_S = 0.1
 JOB_S = 4.0
@@ -115,9 +114,9 @@ def engine_over(memory: np.ndarray | mmap.mmap, socket_path: str) -> Engine:
 
 
 @pytest.fixture
-def stops() -> Iterator[list[test_daemon_lifecycle.DaemonProcess]]:
+def stops() -> Iterator[list[DaemonProcess]]:
     """Daemons a test stopped: resumed at its end, whatever failed."""
-    stopped: list[test_daemon_lifecycle.DaemonProcess] = []
+    stopped: list[DaemonProcess] = []
     yield stopped
     for daemon in stopped:
         daemon.signal(signal.SIGCONT)

@@ -30,8 +30,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from test_daemon_lifecycle import Spawn, spawn  # noqa: F401
-from test_vllm_generate import (
+from daemon_kit import Spawn
+from port_kit import free_port
+from vllm_e2e_kit import (
     E2E_MARKS,
     ENGINE_TIMEOUT_S,
     HERE,
@@ -40,11 +41,9 @@ from test_vllm_generate import (
     ROOT,
     ROW_BYTES,
     VLLM_PYTHON,
-    prompt_file,  # noqa: F401
     tier_stats,
     vllm_env,
 )
-from test_vllm_one_flag import free_port, model  # noqa: F401
 
 from tierd.testing import daemon_config
 
@@ -184,9 +183,9 @@ def serve_twice(
 
 async def test_the_docs_vllm_serve_of_the_cpu_build_is_served_from_tierd(
     tmp_path: Path,
-    spawn: Spawn,  # noqa: F811
-    model: Path,  # noqa: F811
-    prompt_file: Path,  # noqa: F811
+    spawn: Spawn,
+    model: Path,
+    prompt_file: Path,
 ) -> None:
     config = daemon_config(tmp_path, cpu_blocks=64, disk_blocks=None, block_bytes=ROW_BYTES)
     daemon = await spawn(config)
