@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +39,12 @@ async def test_the_daemon_lost_and_the_breaker_open_are_standard_logging_records
     settings = LinkSettings(daemon.socket_path, "logs", BLOCK, breaker_failures=1)
     link = DaemonLink(settings, name="tierd-test-logs", map_pool=False)
     try:
-        await asyncio.to_thread(link.ask, health, DEADLINE_S)  # connected
+        await asyncio.to_thread(link.ask, health, time.monotonic() + DEADLINE_S)  # connected
         assert said(caplog, "tierd.integrations.link") == []
         daemon.signal(signal.SIGKILL)
         await daemon.wait()
         with pytest.raises(Unreachable):
-            await asyncio.to_thread(link.ask, health, DEADLINE_S)
+            await asyncio.to_thread(link.ask, health, time.monotonic() + DEADLINE_S)
         lines = said(caplog, "tierd.integrations.link")
         assert ("WARNING", "tierd daemon lost") in lines, lines
         assert ("WARNING", "tierd breaker open") in lines, lines
@@ -65,7 +66,7 @@ async def test_a_standard_logger_the_engine_hands_over_gets_the_lines(
     link = DaemonLink(settings, name="tierd-test-logs", logger=engine_log, map_pool=False)
     try:
         with pytest.raises(Unreachable):
-            await asyncio.to_thread(link.ask, health, DEADLINE_S)
+            await asyncio.to_thread(link.ask, health, time.monotonic() + DEADLINE_S)
         lines = said(caplog, "an_engine.tierd")
         assert ("WARNING", "tierd daemon unreachable") in lines, lines
         assert ("WARNING", "tierd breaker open") in lines, lines

@@ -490,6 +490,7 @@ async def test_a_deadline_passing_during_a_stores_copy_aborts_its_reservation(
     tmp_path: Path, spawn: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tierd.control.clients.handshake import DaemonSilent
+    from tierd.integrations import link as link_module
     from tierd.integrations import lmcache_space
 
     limits = {"lease_blocks_per_connection": 1, "store_lease_ttl_s": 600}
@@ -503,6 +504,7 @@ async def test_a_deadline_passing_during_a_stores_copy_aborts_its_reservation(
 
     clock = type("Clock", (), {"monotonic": staticmethod(lambda: time.monotonic() + skew[0])})
     monkeypatch.setattr(lmcache_space, "time", clock)
+    monkeypatch.setattr(link_module, "time", clock)  # the link's bounded ask reads it too
     monkeypatch.setattr(lmcache_space, "copy_bytes", slow_copy)
     space = _space(tmp_path, socket_path=daemon.socket_path)
     try:

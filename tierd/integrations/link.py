@@ -35,7 +35,9 @@ return, the probe and check tasks, and the ``on_connect`` callbacks (called ther
 threads reach it only through the loop (:meth:`DaemonLink.submit`,
 ``call_soon_threadsafe``), and read ``connected`` (one reference) without a lock: a
 moment's view. The breaker is shared by every thread (engine threads' calls count on it
-too) under its own lock. :meth:`DaemonLink.close` runs on its caller's thread: it marks
+too) under its own lock; a request of :meth:`DaemonLink.ask` keeps the connections it
+began on under a lock of its own, noted on the loop and taken by the asking thread when
+it gives up. :meth:`DaemonLink.close` runs on its caller's thread: it marks
 the link closed (other threads only read that flag, to stop handing work over) and waits
 for the loop to disconnect before stopping it.
 """
@@ -67,6 +69,9 @@ __all__ = [
     "DaemonLink",
     "DaemonSilent",
     "LinkSettings",
+    "NotSent",
+    "TooLate",
+    "log_unanswered",
 ]
 
 T = TypeVar("T")
@@ -127,6 +132,56 @@ class LinkSettings:
             pools=pools,
             retain=retain,
         )
+
+
+ASK_LEAST_S = 0.02  # a request with less time left is not sent (its answer could not come)
+ASK_LAND_S = 0.02  # the link gives up this long before its caller: its verdict reaches it
+
+
+class TooLate(DaemonSilent):
+    """The caller's deadline passed before the request was sent."""
+
+
+class NotSent(Exception):
+    """A request not sent: its caller gave up waiting for it first, or the lease it names
+    went with its connection. Not a :class:`~tierd.errors.TierdError`, so the link
+    neither counts it for the breaker nor sends it again on a fresh connection."""
+
+
+class _Asked:
+    """One request a task hands to the link: the connections it began on, until the task
+    stops waiting for it (from then on it begins on none)."""
+
+    __slots__ = ("_began", "_gave_up", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._began: list[Client] = []
+        self._gave_up = False
+
+    def noted(self, op: Callable[[Client], Awaitable[T]]) -> Callable[[Client], Awaitable[T]]:
+        async def begin(client: Client) -> T:
+            with self._lock:
+                if self._gave_up:
+                    raise NotSent("its task stopped waiting before it was sent")
+                self._began.append(client)
+            return await op(client)
+
+        return begin
+
+    def give_up(self) -> list[Client]:
+        """Stop waiting: the connections it began on."""
+        with self._lock:
+            self._gave_up = True
+            return list(self._began)
+
+
+def _left(expires: float) -> float:
+    """The time the link gives a request whose caller waits until ``expires``."""
+    left = expires - time.monotonic() - ASK_LAND_S
+    if left <= ASK_LEAST_S:
+        raise TooLate("the caller's deadline passed before the daemon was asked")
+    return left
 
 
 class DaemonLink:
@@ -199,19 +254,41 @@ class DaemonLink:
             return failed
         return self.submit(self.bounded(op, deadline_s))
 
-    def ask(self, op: Callable[[Client], Awaitable[T]], deadline_s: float) -> T:
-        """``op(client)`` under ``deadline_s``, waited for on the calling thread.
+    def ask(self, op: Callable[[Client], Awaitable[T]], expires: float) -> T:
+        """``op(client)`` on the link, waited for from the calling thread until ``expires``
+        (a ``time.monotonic()`` time), never longer: :class:`DaemonSilent` then.
 
-        Returns within about twice ``deadline_s`` whatever the daemon does (the second
-        half is for the link's thread to get the GIL back from a busy engine);
-        :class:`DaemonSilent` or :class:`BreakerOpen` (both :class:`Unreachable`) else.
-        """
-        future = self.start(op, deadline_s)
+        The link gives up on its own a moment before (counting the silence, dropping the
+        connection), but raises only once it has let the silent connection go (closing
+        it, unmapping its pool), which the caller does not wait for; nor for a link whose
+        thread is kept from running. A request given up on here that had begun drops its
+        connection (the daemon releases whatever it held, leases included) and counts for
+        the breaker as a silence; one that had not begun never does."""
+        asked = _Asked()
+        sent = time.monotonic()
+        future = self.start(asked.noted(op), _left(expires))
         try:
-            return future.result(2 * deadline_s)
+            return future.result(max(0.0, expires - time.monotonic()))
         except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise DaemonSilent(f"no answer from the daemon within {deadline_s:g} s") from None
+            silent = DaemonSilent("no answer from the daemon before the caller's deadline")
+            began = asked.give_up()
+            if began:  # the link's call ends by itself (never sent again: noted refuses)
+                self.report_failure(silent_since=sent)
+            else:
+                future.cancel()
+            self._drop_given_up(began, silent)
+            raise silent from None
+        except DaemonSilent as exc:
+            self._drop_given_up(asked.give_up(), exc)
+            raise
+        except NotSent as exc:
+            raise Unreachable(str(exc)) from None
+
+    def _drop_given_up(self, clients: list[Client], exc: BaseException) -> None:
+        """Drop the connections of requests given up on: the daemon then releases what
+        they held, an answer that comes later included."""
+        for client in clients:
+            self.submit(self.failed(client, exc)).add_done_callback(log_unanswered)
 
     def close(self) -> None:
         """Close the connection, stop the loop and join its thread (idempotent)."""
@@ -466,3 +543,9 @@ class DaemonLink:
             with contextlib.suppress(TierdError, OSError, TimeoutError):
                 async with asyncio.timeout(_DROP_TIMEOUT_S):
                     await client.close()
+
+
+def log_unanswered(future: Any) -> None:
+    """A done-callback for a request nobody waits on: its failure, said at debug."""
+    if not future.cancelled() and future.exception() is not None:
+        log.debug("tierd request not answered", error=str(future.exception()))

@@ -16,7 +16,6 @@ connection go, and raises only :class:`~tierd.errors.TierdError` and ``OSError``
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,17 +26,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tierd.client import Client, DaemonError, LoadLease, PoolMap, StoreLease, Unreachable
-from tierd.control.clients.handshake import DaemonSilent
-from tierd.integrations.link import DaemonLink, LinkSettings
+from tierd.integrations.link import DaemonLink, LinkSettings, NotSent, TooLate, log_unanswered
 from tierd.integrations.sglang_log import SglangLog
 
-__all__ = ["LeaseShare", "Pin", "Space", "SpaceSettings", "TooLate"]
+__all__ = ["LeaseShare", "Pin", "Space", "SpaceSettings"]
 
 T = TypeVar("T")
 log = SglangLog("tierd.integrations.lmcache")
 _RUN_MAX = 1024  # keys per lease (the daemon's max_keys_per_request may be lower)
-_LEAST_S = 0.02  # a request with less time left is not sent (its answer could not come)
-_LAND_S = 0.02  # the link gives up this long before the task: its verdict reaches the worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,52 +69,6 @@ class Pin:
 def copy_bytes(dst: Any, src: Any) -> None:
     """Copy one block between two buffers of the same size."""
     np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
-
-
-class TooLate(DaemonSilent):
-    """The task's deadline passed before the request was sent."""
-
-
-class _NotSent(Exception):
-    """A request not sent: the task gave up waiting for it first, or the lease it names
-    went with its connection. Not a :class:`~tierd.errors.TierdError`, so the link
-    neither counts it for the breaker nor sends it again on a fresh connection."""
-
-
-class _Asked:
-    """One request a task hands to the link: the connections it began on, until the task
-    stops waiting for it (from then on it begins on none)."""
-
-    __slots__ = ("_began", "_gave_up", "_lock")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._began: list[Client] = []
-        self._gave_up = False
-
-    def noted(self, op: Callable[[Client], Awaitable[T]]) -> Callable[[Client], Awaitable[T]]:
-        async def begin(client: Client) -> T:
-            with self._lock:
-                if self._gave_up:
-                    raise _NotSent("its task stopped waiting before it was sent")
-                self._began.append(client)
-            return await op(client)
-
-        return begin
-
-    def give_up(self) -> list[Client]:
-        """Stop waiting: the connections it began on."""
-        with self._lock:
-            self._gave_up = True
-            return list(self._began)
-
-
-def _left(expires: float) -> float:
-    """The time the link gives a request of a task that ends at ``expires``."""
-    left = expires - time.monotonic() - _LAND_S
-    if left <= _LEAST_S:
-        raise TooLate("the task's deadline passed before the daemon was asked")
-    return left
 
 
 def _runs(
@@ -202,7 +152,7 @@ class Space:
         async def reserve(client: Client) -> tuple[int, StoreLease]:
             return self.link.connects, await client.prepare_store(keys[: self.chunk()])
 
-        connection, lease = self._ask(reserve, expires)
+        connection, lease = self.link.ask(reserve, expires)
         if lease.finished:
             return len(lease.keys), 0
         try:
@@ -213,7 +163,7 @@ class Space:
             self._send_on(connection, lease.abort)
             raise
         try:
-            stored = self._ask(self._on_connection(connection, lease.commit), expires)
+            stored = self.link.ask(self._on_connection(connection, lease.commit), expires)
         except TooLate:  # the deadline passed during the copy: not committed, aborted
             self._send_on(connection, lease.abort)
             raise
@@ -231,7 +181,7 @@ class Space:
 
         async def on_link(client: Client) -> T:
             if not self._on_link(connection):
-                raise _NotSent("the lease's connection was lost: the daemon ended the lease")
+                raise NotSent("the lease's connection was lost: the daemon ended the lease")
             return await request()
 
         return on_link
@@ -248,7 +198,7 @@ class Space:
         for hold in holds:
             self._release(hold)
 
-        found = self._ask(lambda client: client.lookup_each(keys), expires)
+        found = self.link.ask(lambda client: client.lookup_each(keys), expires)
         pins: list[Pin | None] = [None] * len(keys)
         runs = self._budget(_runs(keys, found, self.chunk()))
         if not runs:
@@ -261,7 +211,7 @@ class Space:
             return connection, client.require_pool(), list(leases)
 
         try:
-            connection, pool, leases = self._ask(pin, expires)
+            connection, pool, leases = self.link.ask(pin, expires)
         except BaseException:
             self._give_back(sum(len(run) for _, run in runs))
             raise
@@ -386,7 +336,7 @@ class Space:
                 lease = await client.prepare_load(asked)
                 return len(asked), LeaseShare(lease, client.require_pool(), self.link.connects)
 
-            asked, hold = self._ask(pin, at)
+            asked, hold = self.link.ask(pin, at)
             count = hold.lease.count
             try:
                 if hold.lease.keys != keys[:count]:
@@ -401,44 +351,6 @@ class Space:
 
     # -- the rest -------------------------------------------------------------------------
 
-    def _ask(self, op: Callable[[Client], Awaitable[T]], expires: float) -> T:
-        """``op(client)`` on the link, waited for until ``expires``, never longer:
-        :class:`DaemonSilent` then.
-
-        The link gives up on its own a moment before (counting the silence, dropping the
-        connection), but raises only once it has let the silent connection go (closing
-        it, unmapping its pool), which a task does not wait for; nor for a link whose
-        thread is kept from running. A request given up on here that had begun drops its
-        connection (the daemon releases whatever it held, leases included) and counts for
-        the breaker as a silence; one that had not begun never does."""
-        asked = _Asked()
-        sent = time.monotonic()
-        future = self.link.start(asked.noted(op), _left(expires))
-        try:
-            return future.result(max(0.0, expires - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            silent = DaemonSilent(
-                f"no answer from the daemon within the task's {self.settings.deadline_s:g} s"
-            )
-            began = asked.give_up()
-            if began:  # the link's call ends by itself (never sent again: noted refuses)
-                self.link.report_failure(silent_since=sent)
-            else:
-                future.cancel()
-            self._drop(began, silent)
-            raise silent from None
-        except DaemonSilent as exc:
-            self._drop(asked.give_up(), exc)
-            raise
-        except _NotSent as exc:
-            raise Unreachable(str(exc)) from None
-
-    def _drop(self, clients: list[Client], exc: BaseException) -> None:
-        """Drop the connections of requests given up on: the daemon then releases what
-        they held, an answer that comes later included."""
-        for client in clients:
-            self.link.submit(self.link.failed(client, exc)).add_done_callback(_log_failure)
-
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark the blocks used, ``keys[0]`` the most recent (never blocks)."""
         self._fire(lambda client: client.touch(keys))
@@ -448,7 +360,7 @@ class Space:
         self._fire(lambda client: client.delete(keys))
 
     def _fire(self, op: Callable[[Client], Awaitable[Any]]) -> None:
-        self.link.start(op, self.settings.deadline_s).add_done_callback(_log_failure)
+        self.link.start(op, self.settings.deadline_s).add_done_callback(log_unanswered)
 
     def refresh_usage(self) -> None:
         """Have :attr:`used_bytes` take the namespace's bytes (asked at most once a second)."""
@@ -475,13 +387,8 @@ class Space:
             return await op()
 
         future = self.link.start(on_link, self.settings.deadline_s)
-        future.add_done_callback(_log_failure)
+        future.add_done_callback(log_unanswered)
         return future
 
     def close(self) -> None:
         self.link.close()
-
-
-def _log_failure(future: Any) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.debug("tierd request not answered", error=str(future.exception()))
