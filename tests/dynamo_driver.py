@@ -7,15 +7,26 @@ which binds 0.0.0.0 with no host option, is reachable from nowhere else. The dae
 this process's loop (``tierd.testing.running_daemon``), the indexer as a child process
 stopped by its PID. Prints one JSON object: what tierd holds where, the indexer's answers.
 
-Usage: python tests/dynamo_driver.py DYNAMO_PYTHON WORKDIR [--restarts]
+Usage: python tests/dynamo_driver.py DYNAMO_PYTHON WORKDIR [--restarts | --follow]
 
 With ``--restarts`` the daemon is a process of its own, restarted four ways under the one
 indexer (``restarts``): what the indexer credits after each.
+
+With ``--follow`` there is no daemon: the indexer follows an engine's own publisher (mode
+1, tests/e2e_vllm/test_vllm_node_events.py), as ``WORKDIR/follow.json`` says
+(``endpoint``, ``replay_endpoint``: ipc sockets, which a network namespace does not
+hide; ``block_size``: the engine's; ``queries``: token lists by name). Until SIGTERM,
+every 0.1 s, the indexer's answer to each query goes to ``WORKDIR/follow-state.json``
+(written whole, then renamed): ``{"answers": {name: /query body}, "connected": n,
+"registered": ...}``, ``connected`` the indexer's sockets connected to the engine's
+publisher (the accepted end of a unix socket belongs to the namespace of the socket that
+dialed: it is listed here, not in the engine's).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import fcntl
 import json
@@ -95,9 +106,11 @@ def http(method: str, path: str, body: Any = None) -> tuple[int, Any]:
         return status, raw
 
 
-def start_indexer(dynamo_python: str, log: Path) -> subprocess.Popen[bytes]:
+def start_indexer(
+    dynamo_python: str, log: Path, block_size: int = BLOCK_SIZE
+) -> subprocess.Popen[bytes]:
     """The indexer with no worker yet: ``register`` adds tierd with its replay endpoint."""
-    cmd = [dynamo_python, "-m", "dynamo.indexer", "--block-size", str(BLOCK_SIZE)]
+    cmd = [dynamo_python, "-m", "dynamo.indexer", "--block-size", str(block_size)]
     cmd += ["--port", str(HTTP_PORT), "--threads", "1", "--model-name", MODEL]
     with log.open("wb") as out:
         return subprocess.Popen(
@@ -380,10 +393,55 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=10)
 
 
+def connections(endpoint: str) -> int:
+    """Sockets of this network namespace connected to the ipc socket at ``endpoint``: the
+    accepted ends (state 03), which /proc/net/unix lists under the socket's path."""
+    path = endpoint.removeprefix("ipc://")
+    rows = (line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:])
+    return sum(1 for row in rows if len(row) >= 8 and row[7] == path and row[5] == "03")
+
+
+async def follow(dynamo_python: str, work: Path) -> dict[str, Any]:
+    """The indexer on an engine's publisher (see the module's docstring), until SIGTERM."""
+    spec = json.loads((work / "follow.json").read_text())
+    block_size = int(spec["block_size"])
+    proc = start_indexer(dynamo_python, work / "indexer.log", block_size)
+    stopped = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
+    state = work / "follow-state.json"
+    try:
+        await wait_healthy(proc)
+        worker = {
+            "instance_id": WORKER_ID,
+            "model_name": MODEL,
+            "endpoint": spec["endpoint"],
+            "replay_endpoint": spec["replay_endpoint"],
+            "block_size": block_size,
+        }
+        registered = await asyncio.to_thread(http, "POST", "/register", worker)
+        if registered[0] not in (200, 201):
+            raise RuntimeError(f"the indexer refused the worker: {registered}")
+        while not stopped.is_set():
+            answers = {}
+            for name, tokens in spec["queries"].items():
+                answers[name] = (await asyncio.to_thread(query, tokens))[1]
+            connected = connections(spec["endpoint"])
+            partial = state.with_suffix(".tmp")
+            now = {"answers": answers, "connected": connected, "registered": registered}
+            partial.write_text(json.dumps(now))
+            partial.replace(state)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopped.wait(), 0.1)
+        return {"registered": registered}
+    finally:
+        stop(proc)
+
+
 def main() -> int:
     dynamo_python, work = sys.argv[1], Path(sys.argv[2])
     loopback_up()
-    mode = restarts if sys.argv[3:] == ["--restarts"] else run
+    modes = {"--restarts": restarts, "--follow": follow}
+    mode = modes[sys.argv[3]] if sys.argv[3:] else run
     result = asyncio.run(mode(dynamo_python, work))
     print(RESULT + json.dumps(result))
     return 0

@@ -7,10 +7,14 @@ described (A's KV events told tierd what each is). Engine B, started afterwards,
 computes that prompt; yet its own stream carries A's blocks, fully described (A's hashes,
 parent, tokens, block size), medium ``CPU``, from its first step. When tierd lets them go,
 B's stream says so at B's next step. SMG's relay (its gateway as it runs in SMG, on B's
-publisher and replay socket) credits B with A's blocks, then with none of them.
+publisher and replay socket) credits B with A's blocks, then with none of them; so does
+NVIDIA Dynamo's standalone KV indexer (B's publisher registered as its worker, with B's
+replay socket and block size), from the tokens: A's prefix in tierd's CPU tier, none of
+it on B's GPU, then none of it.
 
-About two minutes on 2 cores; skipped, saying why, where vLLM's CPU build or SMG's relay
-is missing (``TIERD_REQUIRE_ENGINES=1`` turns a skip into a failure).
+About two minutes on 2 cores; skipped, saying why, where vLLM's CPU build, SMG's relay,
+Dynamo's indexer or ``unshare -rn`` is missing (``TIERD_REQUIRE_ENGINES=1`` turns a skip
+into a failure).
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from daemon_kit import Spawn
-from kv_events_kit import SMG_PYTHON
+from kv_events_kit import DRIVER, DYNAMO_PYTHON, SMG_PYTHON, _unshare_works
 from vllm_e2e_kit import (
     BLOCK_TOKENS,
     E2E_MARKS,
@@ -49,8 +54,9 @@ pytestmark = E2E_MARKS
 WAIT_S = 60.0  # the longest the test waits for an event to travel
 
 # One engine, TIERD in its environment, its KV events through zmq: steps "shift<k>"
-# (generate the prompt rotated by k tokens) and "gate:<path>" (wait for the file, stepping:
-# an idle engine takes no events, the node's included).
+# (generate the prompt rotated by k tokens), "gate:<path>" (wait for the file, stepping:
+# an idle engine takes no events, the node's included) and "wait:<path>" (wait for the
+# file without a step: nothing published until then).
 ENGINE = """
 import os, sys, time
 from run_engine import emit
@@ -70,6 +76,12 @@ ids = [int(t) for t in open(prompt_file).read().split()]
 params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 tick = SamplingParams(temperature=0.0, max_tokens=1)
 for step in steps.split(","):
+    if step.startswith("wait:"):
+        deadline = time.monotonic() + 300
+        while not os.path.exists(step[5:]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        emit({"step": step, "opened": os.path.exists(step[5:])})
+        continue
     if step.startswith("gate:"):  # the engine keeps stepping (its events are taken at
         deadline = time.monotonic() + 300  # steps): a prompt of no full block, one token
         while not os.path.exists(step[5:]) and time.monotonic() < deadline:
@@ -164,6 +176,60 @@ class Gateway:
             self.proc.wait(timeout=10)
 
 
+class Indexer:
+    """NVIDIA Dynamo's standalone KV indexer on one engine's publisher, the engine its
+    worker 1 (tests/dynamo_driver.py ``--follow``, in a private network namespace: the
+    engine's ipc sockets are files, which the namespace does not hide)."""
+
+    def __init__(
+        self, tmp_path: Path, pub: str, replay_endpoint: str, queries: dict[str, list[int]]
+    ) -> None:
+        self.work = tmp_path / "dynamo"
+        self.work.mkdir()
+        spec: dict[str, Any] = {"endpoint": pub, "replay_endpoint": replay_endpoint}
+        spec |= {"block_size": BLOCK_TOKENS, "queries": queries}
+        (self.work / "follow.json").write_text(json.dumps(spec))
+        self.state = self.work / "follow-state.json"
+        argv = ["unshare", "-rn", sys.executable, str(DRIVER), str(DYNAMO_PYTHON)]
+        self.proc = subprocess.Popen(
+            [*argv, str(self.work), "--follow"],
+            stdout=subprocess.DEVNULL,
+            stderr=(self.work / "driver.log").open("wb"),
+            cwd=ROOT,
+        )
+
+    def matched(self, name: str) -> dict[str, int]:
+        """Worker 1's tokens matched in the indexer's last answer to query ``name``
+        (``longest_matched``, ``gpu``, ``cpu``, ``disk``; 0 where it credits none)."""
+        answer = json.loads(self.state.read_text())["answers"][name] if self.state.exists() else {}
+        mine = answer.get("instances", {}).get("1", {}) if isinstance(answer, dict) else {}
+        fields = ("longest_matched", "gpu", "cpu", "disk")
+        return {field: int(mine.get(field, 0)) for field in fields}
+
+    def connected(self) -> bool:
+        """Whether the indexer's socket is connected to the engine's publisher."""
+        state = json.loads(self.state.read_text()) if self.state.exists() else {}
+        return int(state.get("connected", 0)) > 0
+
+    def wait_for(self, check: Any, what: str) -> Any:
+        """``wait_for``, with the indexer's log and last answers when it fails."""
+        try:
+            return wait_for(check, what)
+        except AssertionError as exc:
+            log = self.work / "indexer.log"
+            said = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
+            answers = self.state.read_text()[-2000:] if self.state.exists() else "(none)"
+            raise AssertionError(f"{exc}\nanswers: {answers}\nindexer: {said}") from None
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
 async def test_an_engine_announces_the_blocks_another_engine_left_in_tierd(
     tmp_path: Path,
     spawn: Spawn,
@@ -172,6 +238,10 @@ async def test_an_engine_announces_the_blocks_another_engine_left_in_tierd(
 ) -> None:
     if not SMG_PYTHON.is_file():
         pytest.skip(f"SMG's relay is not installed ({SMG_PYTHON} missing): run scripts/setup_smg")
+    if not DYNAMO_PYTHON.exists():
+        pytest.skip(f"Dynamo's indexer is not installed ({DYNAMO_PYTHON} missing)")
+    if not _unshare_works():
+        pytest.skip("Dynamo's indexer: `unshare -rn` (a private network namespace) does not work")
     config = daemon_config(
         tmp_path,
         cpu_blocks=64,
@@ -208,14 +278,27 @@ async def test_an_engine_announces_the_blocks_another_engine_left_in_tierd(
 
     # Engine B: its own stream, and SMG's gateway on it.
     b_pub, b_replay = f"ipc://{tmp_path}/b-pub", f"ipc://{tmp_path}/b-replay"
-    gone, end = tmp_path / "gone", tmp_path / "end"
+    started, gone, end = tmp_path / "started", tmp_path / "gone", tmp_path / "end"
     gateway = Gateway(tmp_path, b_pub, b_replay)
+    b7 = prompt[7:] + prompt[:7]
+    queries = {"a": prompt[:PREFIX_TOKENS], "b": b7[:PREFIX_TOKENS]}
+    indexer = Indexer(tmp_path, b_pub, b_replay, queries)
     try:
         with listening(b_pub) as b_batches:
-            b = engine(
-                tmp_path, "b", model, prompt_file, f"shift7,gate:{gone},shift13,gate:{end}", sock
-            )
+            steps = f"wait:{started},shift7,gate:{gone},shift13,gate:{end}"
+            b = engine(tmp_path, "b", model, prompt_file, steps, sock)
             try:
+                # B publishes nothing until Dynamo's indexer is connected to it. The
+                # indexer asks for a replay only when a live batch's sequence shows a gap,
+                # and its zmq socket, dialing before B binds, retries with a back-off (up
+                # to 5 s): B's first batches went out before it was connected, B idled (no
+                # batch), and the indexer held nothing of B's until B's next batch, after
+                # tierd had evicted A's blocks. (This test's socket retries every 0.1 s;
+                # SMG's relay asks for a replay from 0 when it subscribes.)
+                await asyncio.to_thread(
+                    indexer.wait_for, indexer.connected, "Dynamo's indexer connected to B"
+                )
+                started.touch()
                 b_cpu = await asyncio.to_thread(
                     wait_for,
                     lambda: (h := held_by_node(b_batches, "CPU")) and set(a_hashes) <= set(h) and h,
@@ -232,6 +315,19 @@ async def test_an_engine_announces_the_blocks_another_engine_left_in_tierd(
                 # SMG's relay credits B with A's blocks.
                 await asyncio.to_thread(
                     wait_for, lambda: set(a_hashes) <= gateway.held(), "SMG crediting B"
+                )
+                # So does Dynamo's indexer, from the tokens: A's prompt is B's, in tierd's
+                # CPU tier (Dynamo's host_pinned), none of it on B's GPU.
+                a_credit = await asyncio.to_thread(
+                    indexer.wait_for,
+                    lambda: (m := indexer.matched("a"))["longest_matched"] == PREFIX_TOKENS and m,
+                    "Dynamo crediting B",
+                )
+                assert a_credit["cpu"] == PREFIX_TOKENS and a_credit["gpu"] == 0, a_credit
+                await asyncio.to_thread(  # and B's own blocks, on its GPU
+                    indexer.wait_for,
+                    lambda: indexer.matched("b")["gpu"] == PREFIX_TOKENS,
+                    "Dynamo crediting B's GPU blocks",
                 )
                 # tierd lets A's blocks go (another client fills the pool).
                 async with await Client.connect(sock) as operator:
@@ -256,12 +352,20 @@ async def test_an_engine_announces_the_blocks_another_engine_left_in_tierd(
                 await asyncio.to_thread(
                     wait_for, lambda: not set(a_hashes) & gateway.held(), "SMG no longer crediting"
                 )
+                await asyncio.to_thread(
+                    indexer.wait_for,
+                    lambda: indexer.matched("a")["longest_matched"] == 0,
+                    "Dynamo no longer crediting",
+                )
+                assert indexer.matched("b")["gpu"] == PREFIX_TOKENS
             finally:
+                started.touch()
                 gone.touch()
                 end.touch()
             out_b = await asyncio.to_thread(lines_of, b, tmp_path, "b")
     finally:
         gateway.close()
+        indexer.close()
     assert out_b["shift7"]["cached"] == 0  # B never computed A's prompt, nor found it cached
     # B's GPU blocks are its own: none of A's hashes among them.
     gpu = [
