@@ -15,7 +15,7 @@ its socket, or an in-process chain). ``len(backends)`` workers take requests
 in trace order; request *i* starts no earlier than ``start + (ts_i - ts_0) / speed``
 (``speed=None``: as fast as the workers go), and requests start (send their lookup) in
 trace order even when many run at once. ``ordered`` (the default): the workers call one
-at a time in a fixed rotation (:mod:`tierd.workload.turns`), and each store is followed,
+at a time in a fixed rotation (:mod:`tierd.workload.rotation`), and each store is followed,
 in the same turn, by :meth:`ReplayBackend.settle`: the cache's background copies of what
 it stored (``write_behind``, queued remote writes) end before the next call. So the same
 trace from the same starting state always gives the same figures, however fast the disk
@@ -61,8 +61,8 @@ from tierd.workload.replay_figures import (
     rate,
     slowest_medium,
 )
+from tierd.workload.rotation import InTurn, Turns
 from tierd.workload.trace import Trace, TraceRequest
-from tierd.workload.turns import InTurn, Turns
 
 __all__ = [
     "ReplayBackend",
