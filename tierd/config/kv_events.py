@@ -81,7 +81,7 @@ class KvEventsConfig(StrictModel):
     # Dropped: no router credits a node by an owner identity (docs/events.md, "Identity").
     ownership: None = None
     data_parallel_rank: int | None = Field(default=None, ge=0)
-    batch_s: Seconds = Field(default=0.01, gt=0, le=10)
+    batch_s: Seconds = Field(default=0.005, gt=0, le=10)
     max_batch_events: int = Field(default=1024, ge=1, le=1 << 16)
     queue_batches: int = Field(default=1024, ge=1, le=1 << 20)
     buffer_batches: int = Field(default=10_000, ge=1, le=1 << 22)

@@ -66,7 +66,7 @@ SNAPSHOT_SHARE = 0.05  # and long enough that snapshots take this share of the t
 class FeedSettings:
     media: dict[str, str]  # tierd's medium -> the engines' name for it
     locality: str | None = "LOCAL"
-    batch_s: float = 0.01
+    batch_s: float = 0.005  # the config's default (tierd.config.kv_events)
     max_batch_events: int = 1024
     queue_batches: int = 4096  # of the chain's bus, per tenant
 
