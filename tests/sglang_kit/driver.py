@@ -20,6 +20,9 @@ the specs); the other commands name the engine they address:
   as a debugger, a cgroup freeze or a swap storm holds a process) after N page copies
   into (write) or out of (read) the daemon's pool, in the middle of the call, until the
   test sends SIGCONT. Only where it stops is chosen here; the stop is the kernel's.
+  ``"stop_daemon": [PID, N]`` stops the daemon (process PID) so instead.
+- ``{"op": "trace"}``: from then on, where each backend call of this process spends
+  its time (``LookupTrace``); each answer takes the calls traced since the last.
 - ``{"op": "clear"}``: what SGLang's ``POST /hicache/storage-backend/clear`` runs
   (``clear_storage_backend``); answers what SGLang would tell the operator.
 - ``{"op": "close_and_call"}``: SGLang's detach (it closes the backend), then every
@@ -375,9 +378,10 @@ class Engine:
         return answers
 
 
-def freeze_after(copies: int, method: str) -> None:
-    """Stop this process after ``copies`` calls of ``PageBlocks.<method>`` (a page copied
-    into the daemon's pool: ``gather_one``; out of it: ``fill_one``), before the last."""
+def freeze_after(copies: int, method: str, pid: int | None = None) -> None:
+    """Stop this process (or process ``pid``: the daemon) after ``copies`` calls of
+    ``PageBlocks.<method>`` (a page copied into the daemon's pool: ``gather_one``; out
+    of it: ``fill_one``), before the last."""
     from tierd.integrations import sglang_pages
 
     original = getattr(sglang_pages.PageBlocks, method)
@@ -388,15 +392,158 @@ def freeze_after(copies: int, method: str) -> None:
         count += 1
         if count == copies:
             setattr(sglang_pages.PageBlocks, method, original)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            os.kill(os.getpid() if pid is None else pid, signal.SIGSTOP)
         original(self, position, view)
 
+    counted.unarmed = original  # type: ignore[attr-defined]
     setattr(sglang_pages.PageBlocks, method, counted)
+
+
+class LookupTrace:
+    """Where each ``batch_exists`` of this process spends its time, on the engine's
+    side: ``(enter, connected, sent, replied, returned)`` as ``time.monotonic()``
+    seconds (``connected``: after the thread's connection was found or made; ``sent``:
+    the lookup request written; ``replied``: its reply read), the deadline it was given
+    (``deadline_s``), the thread's own CPU seconds over the call, whether it made a new
+    connection, and what it answered; ``batch_get_v1`` and ``batch_set_v1`` calls with
+    their ``enter``, ``returned`` and ``job_deadline_s``. Every call's ``steps``: the
+    client's requests, posts, connects and closes, the channel's drops, the link's
+    failure reports and each page copy, as ``[name, began, ended, outcome]`` (seconds
+    after ``enter``)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self._local = threading.local()
+        self._installed = False
+
+    def install(self) -> None:
+        if self._installed:
+            return
+        self._installed = True
+        from tierd.control.clients.blocking_client import BlockingClient
+        from tierd.integrations import sglang_pages
+        from tierd.integrations.channel import EngineChannel
+        from tierd.integrations.link import DaemonLink
+        from tierd.integrations.sglang import TierdHiCache
+        from tierd.integrations.sglang_jobs import PageJobs
+
+        trace = self
+        exists, connected = TierdHiCache.batch_exists, EngineChannel._connected
+        lookup_deadline = getattr(PageJobs, "lookup_deadline", None)  # None: before the fix
+        requests = BlockingClient.requests
+        send, replies = BlockingClient._send, BlockingClient._replies
+
+        def timed(op: str, method: Any) -> Any:
+            def call(backend: Any, keys: list[str], *args: Any, **kwargs: Any) -> Any:
+                record: dict[str, Any] = {"op": op, "enter": time.monotonic(), "keys": len(keys)}
+                record["job_deadline_s"] = backend.settings.job_deadline_s
+                cpu = time.thread_time()
+                trace._local.record = record
+                try:
+                    record["found"] = method(backend, keys, *args, **kwargs)
+                finally:
+                    record["returned"] = time.monotonic()
+                    record["thread_cpu"] = time.thread_time() - cpu
+                    trace._local.record = None
+                    trace.calls.append(record)
+                return record["found"]
+
+            return call
+
+        def deadline_of(jobs: Any) -> float:
+            value = float(lookup_deadline(jobs)) if lookup_deadline else jobs.lookup_deadline_s
+            record = getattr(trace._local, "record", None)
+            if record is not None:
+                record["deadline_s"] = value
+            return value
+
+        def made(channel: Any, deadline: float) -> Any:
+            record = getattr(trace._local, "record", None)
+            before = channel.here()
+            conn = connected(channel, deadline)
+            if record is not None:
+                record["connected"] = time.monotonic()
+                record["new_connection"] = conn is not before
+            return conn
+
+        def traced(method: Any, name: str) -> Any:
+            def wrapper(client: Any, *args: Any) -> Any:
+                out = method(client, *args)
+                record = getattr(trace._local, "record", None)
+                if record is not None and getattr(trace._local, "lookup", False):
+                    record[name] = time.monotonic()
+                return out
+
+            return wrapper
+
+        def lookup_requests(client: Any, op: str, each: Any, deadline: float) -> Any:
+            trace._local.lookup = op == "lookup"
+            try:
+                return requests(client, op, each, deadline)
+            finally:
+                trace._local.lookup = False
+
+        def step(owner: Any, name: str) -> None:
+            method = getattr(owner, name, None)
+            if method is None:  # not in this version of tierd
+                return
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                record = getattr(trace._local, "record", None)
+                began, outcome = time.monotonic(), "ok"
+                try:
+                    return method(*args, **kwargs)
+                except BaseException as exc:
+                    outcome = type(exc).__name__
+                    raise
+                finally:
+                    if record is not None:
+                        label = name if name != "requests" else f"requests:{args[1]}"
+                        ended = time.monotonic() - record["enter"]
+                        began_at = round(began - record["enter"], 4)
+                        step = [label, began_at, round(ended, 4), outcome]
+                        record.setdefault("steps", []).append(step)
+
+            setattr(owner, name, wrapper)
+
+        TierdHiCache.batch_exists = timed("batch_exists", exists)  # type: ignore[method-assign]
+        for op in ("batch_get_v1", "batch_set_v1"):
+            setattr(TierdHiCache, op, timed(op, getattr(TierdHiCache, op)))
+        EngineChannel._connected = made  # type: ignore[method-assign]
+        BlockingClient.requests = lookup_requests  # type: ignore[method-assign]
+        if lookup_deadline is not None:
+            PageJobs.lookup_deadline = deadline_of  # type: ignore[method-assign]
+        BlockingClient._send = traced(send, "sent")  # type: ignore[method-assign]
+        BlockingClient._replies = traced(replies, "replied")  # type: ignore[method-assign]
+
+        for owner, name in [
+            (BlockingClient, "requests"),
+            (BlockingClient, "post"),
+            (BlockingClient, "close"),
+            (EngineChannel, "_drop"),
+            (EngineChannel, "_release"),
+            (DaemonLink, "report_failure"),
+            (DaemonLink, "count_call"),
+            (BlockingClient, "connect"),
+            (sglang_pages.PageBlocks, "gather_one"),
+            (sglang_pages.PageBlocks, "fill_one"),
+        ]:
+            step(owner, name)
+
+    def take(self) -> list[dict[str, Any]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+TRACE = LookupTrace()
 
 
 def serve(engines: dict[str, Engine], command: dict[str, Any]) -> dict[str, Any]:
     """One command; SGLang's own exceptions propagate (the caller reports them)."""
     op, name = command["op"], command.get("engine", "main")
+    if op == "trace":  # LookupTrace: installed at the first, each answer takes its calls
+        TRACE.install()
+        return {"calls": TRACE.take()}
     if op == "open":
         spec = command["spec"]
         env = dict(spec.get("env", {}))  # SGLang reads its injector's variables at attach
@@ -412,8 +559,19 @@ def serve(engines: dict[str, Engine], command: dict[str, Any]) -> dict[str, Any]
     if op == "log":
         return {"tierd_logs": list(TIERD_LINES.lines)}
     engine = engines[name]
+    method = "gather_one" if op == "write" else "fill_one"
     if command.get("freeze_after"):
-        freeze_after(command["freeze_after"], "gather_one" if op == "write" else "fill_one")
+        freeze_after(command["freeze_after"], method)
+    if command.get("stop_daemon"):  # [pid, copies]: the daemon stopped mid-transfer
+        pid, copies = command["stop_daemon"]
+        freeze_after(copies, method, pid)
+        try:  # a transfer that copied fewer pages leaves no stop armed for the next one
+            return serve(engines, {k: v for k, v in command.items() if k != "stop_daemon"})
+        finally:
+            from tierd.integrations import sglang_pages
+
+            original = getattr(sglang_pages.PageBlocks, method)
+            setattr(sglang_pages.PageBlocks, method, getattr(original, "unarmed", original))
     if op == "write":
         return engine.write(command["seed"], command["pages"], command.get("start", 0))
     if op == "read":

@@ -23,6 +23,7 @@ turns them into misses and failed sets.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ from tierd.integrations.moves import Blocks
 from tierd.integrations.sglang_log import SglangLog
 from tierd.integrations.sglang_pages import FlatBlock, PageBlocks, PageGeometry, page_key
 
-__all__ = ["PageJobs"]
+__all__ = ["PageJobs", "cpu_demand"]
 
 log = SglangLog("tierd.integrations.sglang")
 Offsets = npt.NDArray[np.uint64]
@@ -80,8 +81,19 @@ class PageJobs:
     # -- lookups --------------------------------------------------------------------
 
     def leading(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys the daemon holds ready."""
-        return self.calls.leading(keys, self.lookup_deadline_s) if keys else 0
+        """How many leading keys the daemon holds ready, waiting at most
+        :meth:`lookup_deadline`."""
+        return self.calls.leading(keys, self.lookup_deadline()) if keys else 0
+
+    def lookup_deadline(self) -> float:
+        """``lookup_deadline_s`` of the engine's own time: stretched by how many times
+        over the node's CPUs are asked for now (:func:`cpu_demand`), up to
+        ``job_deadline_s``. A lookup's round trip is almost all waiting for a CPU on a
+        busy node (the daemon's work is a fraction of a millisecond; docs/sglang.md), and
+        SGLang's own threads wait as long: on an idle node a stopped daemon costs the
+        deadline itself."""
+        base = self.lookup_deadline_s
+        return min(base * cpu_demand(), max(base, self.job_deadline_s))
 
     def touch_sequence(
         self, prefix: Sequence[str], pages: Sequence[bytes], deadline_s: float
@@ -148,6 +160,22 @@ class PageJobs:
     def close(self) -> None:
         """Close every thread's connection (the daemon drops their regions and leases)."""
         self.calls.close()
+
+
+def cpu_demand(loadavg: str = "/proc/loadavg") -> float:
+    """How many times over the CPUs this process may run on are asked for: the node's
+    runnable tasks now or its load over the last minute, whichever is higher, over those
+    CPUs; at least 1 (a CPU to spare, or no ``/proc``). The count is the node's, not
+    a container's: a cpuset smaller than the node reads as busier than it is (a longer
+    wait, within ``job_deadline_s``), a CPU quota not at all."""
+    try:
+        with open(loadavg, "rb") as f:
+            fields = f.read().split()
+        running = int(fields[3].split(b"/")[0])
+        demand = max(float(fields[0]), running - 1)  # less the reader itself
+    except (OSError, IndexError, ValueError):
+        return 1.0
+    return max(1.0, demand / len(os.sched_getaffinity(0)))
 
 
 class _Failed(TierdError):
