@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, settings
 # The fixtures that more than one module uses, from the kits that hold them: a test module
 # asks for them by name and imports none.
 from s3_kit import moto_fixture, s3_proxy_fixture, seaweed_fixture  # noqa: F401  (S3 servers)
+from sglang_kit.shared import pair, sglang_daemon  # noqa: F401  (SGLang engines, their daemon)
 from users_kit import attacker  # noqa: F401  (a throwaway local user)
 
 from tests.daemon_kit import spawn  # noqa: F401  (`tierd serve` children, killed at the end)

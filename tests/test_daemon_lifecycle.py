@@ -30,7 +30,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import daemon_kit
 import pytest
 from daemon_kit import (
     BLOCK,
@@ -58,7 +57,6 @@ from tierd.testing import daemon_config, short_socket_path
 TESTS = Path(__file__).resolve().parent
 # The fixture is conftest's; test_sglang.py, test_engine_call_faults.py and
 # e2e_vllm/test_vllm_node_events.py still take it from here.
-spawn = daemon_kit.spawn
 
 
 def shm_pools() -> set[str]:

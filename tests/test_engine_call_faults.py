@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import test_daemon_lifecycle
 
 from tierd.client import Client
 from tierd.control.clients.handshake import Unreachable
@@ -30,7 +29,6 @@ from tierd.integrations.link import DaemonLink, LinkSettings
 from tierd.integrations.moves import RowBlocks, inline_store
 from tierd.testing import daemon_config
 
-spawn = test_daemon_lifecycle.spawn  # real `tierd serve` processes, killed at the end
 BLOCK = 16 << 10
 DEADLINE_S = 5.0
 NAMESPACE = "faults"

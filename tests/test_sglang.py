@@ -18,47 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_daemon_lifecycle
 from sglang_kit.engines import Engines, file_spec, missing_reason, page_bytes, tierd_spec
+from sglang_kit.shared import BLOCK, LIVENESS_S, PAGES, config, loaded_all, until
 
 from tierd.client import Client
 from tierd.testing import daemon_config
 
 REASON = missing_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
-spawn = test_daemon_lifecycle.spawn
 
-PAGES = 24
-BLOCK = page_bytes()  # 768: one page_first / layer_first page of the MHA geometry
 MLA = {"mla": True, "lora": 24, "rope": 8}  # (24 + 8) x 3 layers x 2 B x 4 tokens = 768
 FAST = {"lookup_deadline_s": 0.2, "job_deadline_s": 0.5}
-LIVENESS_S = 30.0  # a call on a stopped daemon returns long before this (it used to hang)
 RECONNECT_WITHIN_S = 30.0  # the link's backoff is at most 10 s (reconnect_max_s)
-
-
-@pytest.fixture(scope="module")
-def pair() -> Any:
-    """Two engine processes, ``a`` and ``b``, for the whole module (SGLang imports once)."""
-    a, b = Engines(), Engines()
-    yield a, b
-    a.close()
-    b.close()
-
-
-def config(tmp_path: Path, **over: Any) -> dict[str, Any]:
-    return daemon_config(
-        tmp_path, block_bytes=BLOCK, **{"cpu_blocks": 64, "disk_blocks": 256, **over}
-    )
-
-
-@pytest.fixture
-async def daemon(tmp_path: Path, spawn: Any) -> Any:
-    """A ``tierd serve`` process of the default :func:`config`, for one test."""
-    return await spawn(config(tmp_path))
-
-
-def loaded_all(answer: dict[str, Any], pages: int) -> bool:
-    return answer["hit_pages"] == answer["loaded_pages"] == answer["identical"] == pages
 
 
 def eventually_loaded(engines: Engines, name: str, seed: int, tries: int = 20) -> bool:
@@ -88,10 +59,10 @@ async def daemon_stats(socket_path: str) -> dict[str, Any]:
 
 
 async def test_two_engines_share_pages_byte_for_byte_in_every_layout_and_allocator(
-    tmp_path: Path, spawn: Any, pair: Any, daemon: Any
+    tmp_path: Path, spawn: Any, pair: Any, sglang_daemon: Any
 ) -> None:
     a, b = pair
-    sock = daemon.socket_path
+    sock = sglang_daemon.socket_path
     opened = {
         ("a", "pf"): a.open("pf", tierd_spec(sock)),
         ("b", "pf"): b.open("pf", tierd_spec(sock, allocator="shm")),
@@ -117,10 +88,10 @@ async def test_two_engines_share_pages_byte_for_byte_in_every_layout_and_allocat
     # layer_first bytes never load into a page_first pool.
     assert b.read("pf", seed=2, pages=PAGES)["hit_pages"] == 0
 
-    # `tierd stop` and a new daemon: the pages come back from its disk tier (the memfd
+    # `tierd stop` and a new sglang_daemon: the pages come back from its disk tier (the memfd
     # region is registered again on the new connection).
-    assert await daemon.stop() == 0
-    daemon = await spawn(config(tmp_path, socket={"path": sock}))
+    assert await sglang_daemon.stop() == 0
+    sglang_daemon = await spawn(config(tmp_path, socket={"path": sock}))
     assert eventually_loaded(b, "pf", seed=1)  # the first lookup may spend its deadline
     assert eventually_loaded(a, "pf", seed=3)  # reconnecting: a miss, then hits
     assert eventually_loaded(a, "lf", seed=2)
@@ -132,9 +103,9 @@ async def test_two_engines_share_pages_byte_for_byte_in_every_layout_and_allocat
         engines.ask("close", name)
 
 
-async def test_namespaces_mla_writer_rank_and_other_shapes(pair: Any, daemon: Any) -> None:
+async def test_namespaces_mla_writer_rank_and_other_shapes(pair: Any, sglang_daemon: Any) -> None:
     a, b = pair
-    sock = daemon.socket_path
+    sock = sglang_daemon.socket_path
     # MLA: ranks hold the same pages, so they share a namespace; rank 1 never writes.
     r1 = a.open("mla1", tierd_spec(sock, tp_rank=1, tp_size=2, **MLA))
     r0 = b.open("mla0", tierd_spec(sock, tp_rank=0, tp_size=2, allocator="shm", **MLA))
@@ -172,7 +143,7 @@ async def test_namespaces_mla_writer_rank_and_other_shapes(pair: Any, daemon: An
         engines.ask("close", name)
     for name in ("rank1", "named", "generic"):
         b.ask("close", name)
-    assert daemon.proc.poll() is None
+    assert sglang_daemon.proc.poll() is None
 
 
 async def test_a_stopped_or_killed_daemon_costs_a_deadline_and_sglang_never_sees_an_error(
@@ -396,19 +367,6 @@ FROZEN_PAGES = 256
 # Long enough that no copy of a running engine outlives it on a loaded 2-core machine:
 # only the stopped one's lease expires.
 FROZEN_TTL_S = 2.0
-
-
-async def until(check: Any, what: str, within_s: float = LIVENESS_S) -> None:
-    """Until ``check()`` (sync or async) is true, looked at every 20 ms, at most ``within_s``."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        got = check()
-        if asyncio.iscoroutine(got):
-            got = await got
-        if got:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"not within {within_s} s: {what}")
 
 
 async def lease_figures(socket_path: str) -> tuple[int, int]:

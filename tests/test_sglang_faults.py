@@ -19,12 +19,10 @@ from typing import Any
 
 import pytest
 from sglang_kit.engines import Engines, missing_reason, tierd_spec
-from test_sglang import PAGES, config, loaded_all, pair, spawn, until
-from test_sglang_ops import namespace_row
+from sglang_kit.shared import PAGES, config, loaded_all, namespace_row, until
 
 REASON = missing_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
-__all__ = ["pair", "spawn"]  # fixtures, shared with tests/test_sglang.py
 
 GENERIC = {"interface_v1": 0}  # SGLang's generic calls: get/set, a page as a flat tensor
 OWN_CODE = "tierd HiCache call failed in tierd's own code"

@@ -27,13 +27,10 @@ from sglang_kit.engines import (
     sglang_site,
     tierd_spec,
 )
-from test_sglang import PAGES, config, daemon, loaded_all, pair, spawn
-
-from tierd.client import Client
+from sglang_kit.shared import PAGES, config, loaded_all, namespace_row
 
 REASON = missing_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
-__all__ = ["daemon", "pair", "spawn"]  # fixtures, shared with tests/test_sglang.py
 
 
 def tierd_lines(engines: Engines, name: str, level: str) -> list[str]:
@@ -41,24 +38,13 @@ def tierd_lines(engines: Engines, name: str, level: str) -> list[str]:
     return [text for lvl, text in engines.stats(name)["tierd_logs"] if lvl == level]
 
 
-async def namespace_row(socket_path: str, namespace: str) -> dict[str, Any]:
-    client = await Client.connect(socket_path)
-    try:
-        tenants = await client.namespaces()
-    finally:
-        await client.close()
-    rows = [row for rows in tenants.values() for row in rows if row["namespace"] == namespace]
-    assert len(rows) == 1, tenants
-    return rows[0]
-
-
 async def test_clear_removes_the_namespaces_pages_for_every_engine_and_says_so(
-    pair: Any, daemon: Any
+    pair: Any, sglang_daemon: Any
 ) -> None:
     """SGLang answers POST /hicache/storage-backend/clear with "cleared" whatever the
     backend does: tierd must then serve none of the namespace's pages."""
     a, b = pair
-    sock = daemon.socket_path
+    sock = sglang_daemon.socket_path
     ns = a.open("c", tierd_spec(sock, allocator="shm"))["namespace"]
     b.open("c", tierd_spec(sock))
     b.open("c-other", tierd_spec(sock, model="other-model"))
@@ -76,9 +62,9 @@ async def test_clear_removes_the_namespaces_pages_for_every_engine_and_says_so(
     assert loaded_all(b.read("c-other", seed=61, pages=8), 8)  # another namespace's
     assert any(f"cleared: namespace={ns}" in line for line in tierd_lines(a, "c", "INFO"))
 
-    # A daemon that cannot clear: SGLang still says "cleared", tierd says why not.
-    daemon.signal(signal.SIGKILL)
-    await daemon.wait()
+    # A sglang_daemon that cannot clear: SGLang still says "cleared", tierd says why not.
+    sglang_daemon.signal(signal.SIGKILL)
+    await sglang_daemon.wait()
     a.ask("clear", "c")
     assert any("not cleared" in line for line in tierd_lines(a, "c", "WARNING"))
     for engines, name in [(a, "c"), (b, "c"), (b, "c-other")]:
@@ -116,10 +102,10 @@ def tierd_lines_all(engines: Engines) -> list[list[str]]:
 
 
 async def test_namespaces_count_memfd_stores_and_calls_after_close_miss(
-    pair: Any, daemon: Any
+    pair: Any, sglang_daemon: Any
 ) -> None:
     a, b = pair
-    sock = daemon.socket_path
+    sock = sglang_daemon.socket_path
     ns = a.open("m", tierd_spec(sock, allocator="shm"))["namespace"]
     assert a.stats("m")["memfd"]
     b.open("d", tierd_spec(sock))
