@@ -8,6 +8,7 @@ touch forwarding go through vLLM's orchestration code, unchanged.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -161,7 +162,7 @@ async def test_touch_is_forwarded_to_the_daemon(setup: Setup) -> None:
         setup.manager.touch([ks[0]], ctx)  # vLLM's touch: tierd makes k0 the newest
     async with await Client.connect(setup.socket, namespace=setup.tier.namespace) as c:
         # The touch went out on the tier's link before this health request did.
-        setup.tier._link.ask(lambda link_client: link_client.health(), 10.0)
+        setup.tier._link.ask(lambda link_client: link_client.health(), time.monotonic() + 10.0)
         await c.store([b"newcomer"], [b"\x01" * ROW])  # evicts the least recent: k1
         present = [(await c.lookup([bytes(k)])).count for k in ks]
     assert present == [1, 0, 1, 1]

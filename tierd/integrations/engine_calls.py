@@ -30,8 +30,8 @@ import numpy as np
 import numpy.typing as npt
 
 from tierd.control.clients.blocking_client import BlockingClient
-from tierd.control.clients.regions import job_keys
 from tierd.control.clients.handshake import DaemonError, DaemonSilent
+from tierd.control.clients.regions import job_keys
 from tierd.errors import ProtocolError, TierdError
 from tierd.integrations.channel import Connection, EngineChannel
 from tierd.integrations.link import DaemonLink

@@ -59,10 +59,10 @@ from tierd.control.clients.handshake import (
     hello_reply,
     hello_request,
     recv_with_fds,
-    touch_requests,
 )
 from tierd.control.clients.pool import PoolMap, PoolShare
 from tierd.control.clients.regions import region_requests
+from tierd.control.clients.requests import key_parts, lookup_count, present, touch_requests
 from tierd.control.protocol import FrameDecoder, encode
 from tierd.errors import ProtocolError
 
@@ -262,15 +262,9 @@ class BlockingClient:
         keys than one request takes go as several, sent together."""
         if not keys:
             return 0
-        step = int(self.info.get("max_keys_per_request") or len(keys))
-        parts = [list(keys[i : i + step]) for i in range(0, len(keys), step)]
+        parts = key_parts(self.info, keys)
         replies = self.requests("lookup", [{"keys": part} for part in parts], deadline)
-        found = 0
-        for part, reply in zip(parts, replies, strict=True):
-            found += int(reply["count"])
-            if int(reply["count"]) < len(part):
-                break
-        return found
+        return lookup_count(parts, replies)
 
     def touch(self, keys: Sequence[bytes], deadline: float, *, uses: bool = True) -> None:
         """Mark ``keys`` used (as :meth:`Client.touch`: ``keys[0]`` ends up the most
@@ -287,10 +281,8 @@ class BlockingClient:
         """Per key, whether the daemon holds it ready (as :meth:`Client.lookup_each`)."""
         if not keys:
             return []
-        step = int(self.info.get("max_keys_per_request") or len(keys))
-        parts = [{"keys": list(keys[i : i + step])} for i in range(0, len(keys), step)]
-        replies = self.requests("lookup_each", parts, deadline)
-        return [bool(flag) for reply in replies for flag in reply["present"]]
+        parts = [{"keys": part} for part in key_parts(self.info, keys)]
+        return present(self.requests("lookup_each", parts, deadline))
 
     def region_load(
         self, region: int, keys: Sequence[bytes], offsets: npt.ArrayLike, deadline: float

@@ -45,11 +45,11 @@ from tierd.control.clients.handshake import (
     check_server,
     greet,
     open_socket,
-    touch_requests,
 )
 from tierd.control.clients.operator import ControlRequests, Flushed
 from tierd.control.clients.pool import LoadLease, PoolMap, StoreLease
 from tierd.control.clients.regions import Registration, move_blocks, register_region
+from tierd.control.clients.requests import key_parts, present, touch_requests
 from tierd.control.clients.wire import ClientWire
 from tierd.control.protocol import encode
 from tierd.errors import ProtocolError, TierdError
@@ -216,13 +216,8 @@ class Client(ControlRequests):
         ``max_keys_per_request`` keys (the daemon's limit, from hello), sent together."""
         if not keys:
             return []
-        step = int(self.info.get("max_keys_per_request") or len(keys))
-        asked = [
-            self.send("lookup_each", keys=list(keys[start : start + step]))
-            for start in range(0, len(keys), step)
-        ]
-        replies = await asyncio.gather(*asked)
-        return [bool(flag) for reply in replies for flag in reply["present"]]
+        asked = [self.send("lookup_each", keys=part) for part in key_parts(self.info, keys)]
+        return present(await asyncio.gather(*asked))
 
     async def touch(self, keys: Sequence[bytes], *, uses: bool = True) -> None:
         """Mark ``keys`` used, tail to head: ``keys[0]`` ends up the most recent. More

@@ -18,7 +18,7 @@ import contextlib
 import os
 import socket
 from array import array
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,6 @@ __all__ = [
     "hello_request",
     "open_socket",
     "recv_with_fds",
-    "touch_requests",
 ]
 
 HELLO_ID = 1  # the request id of hello; a client's later requests count on from it
@@ -180,19 +179,6 @@ def recv_with_fds(sock: socket.socket, fds: list[int]) -> bytes:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
     return data
-
-
-def touch_requests(info: dict[str, Any], keys: Sequence[bytes], uses: bool) -> list[dict[str, Any]]:
-    """The fields of the ``touch`` requests that mark ``keys`` used, ``keys[0]`` the most
-    recent: more keys than one request takes (the hello's ``max_keys_per_request``) go
-    as several, the tail's first, so the order holds across them. ``uses=False``: the
-    order only, no use counted for admission rules."""
-    step = int(info.get("max_keys_per_request") or len(keys) or 1)
-    extra = {} if uses else {"uses": False}
-    return [
-        {"keys": list(keys[max(0, end - step) : end]), **extra}
-        for end in range(len(keys), 0, -step)
-    ]
 
 
 async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
