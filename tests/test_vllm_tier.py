@@ -28,7 +28,6 @@ pytest.importorskip(
 )
 
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
-from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm_kit import (
     DEADLINE_S,
@@ -42,6 +41,7 @@ from vllm_kit import (
     primary_rows,
     resolve,
     run_job,
+    transfer_job,
 )
 
 from tierd.client import Client
@@ -303,7 +303,7 @@ async def test_drain_jobs_stats_touch_and_shutdown(tmp_path, spawn) -> None:
         ks = keys("t", 5)
         fill(rows, range(5), seed=7)
         for i in range(4):
-            tier.submit_store(_job(i, [ks[i]], [i]))
+            tier.submit_store(transfer_job(i, [ks[i]], [i], load=False))
         assert tier.has_pending_work()
         tier.drain_jobs()
         assert sorted(r.job_id for r in tier.get_finished_jobs() if r.success) == [0, 1, 2, 3]
@@ -321,16 +321,6 @@ async def test_drain_jobs_stats_touch_and_shutdown(tmp_path, spawn) -> None:
         tier.shutdown()
     link_threads = [t for t in threading.enumerate() if t.name.startswith("tierd-vllm")]
     assert link_threads == []
-
-
-def _job(job_id, key_list, row_ids):
-    return TransferJob(
-        job_id=job_id,
-        keys=key_list,
-        chunk_ids=np.asarray(row_ids, dtype=np.int64),
-        is_promotion=False,
-        req_context=ReqContext(req_id=f"job-{job_id}"),
-    )
 
 
 async def test_a_block_failing_its_checksum_is_a_short_load(tmp_path) -> None:

@@ -145,6 +145,19 @@ def resolve(tier: TierdSecondaryTier, key_list: Sequence[OffloadKey], ctx: ReqCo
     return [tier.lookup(k, ctx) for k in key_list]
 
 
+def transfer_job(
+    job_id: int, key_list: Sequence[OffloadKey], row_ids: Sequence[int], *, load: bool
+) -> TransferJob:
+    """One transfer job as vLLM's scheduler makes it: a load (promotion) or a store."""
+    return TransferJob(
+        job_id=job_id,
+        keys=list(key_list),
+        chunk_ids=np.asarray(row_ids, dtype=np.int64),
+        is_promotion=load,
+        req_context=ReqContext(req_id=f"job-{job_id}"),
+    )
+
+
 def run_job(
     tier: TierdSecondaryTier,
     job_id: int,
@@ -154,13 +167,7 @@ def run_job(
     load: bool,
 ) -> JobResult:
     """Submit one job, wait for it (``drain_jobs``) and return its result."""
-    job = TransferJob(
-        job_id=job_id,
-        keys=list(key_list),
-        chunk_ids=np.asarray(row_ids, dtype=np.int64),
-        is_promotion=load,
-        req_context=ReqContext(req_id=f"job-{job_id}"),
-    )
+    job = transfer_job(job_id, key_list, row_ids, load=load)
     (tier.submit_load if load else tier.submit_store)(job)
     tier.drain_jobs()
     results = list(tier.get_finished_jobs())

@@ -9,17 +9,20 @@ vLLM loads the class by module path (``docs/vllm.md`` has the config to paste)::
 
 vLLM's scheduler calls every method synchronously. Every call to the daemon goes through
 the tier's :class:`~tierd.integrations.engine_calls.EngineCalls`: on the calling thread's
-own blocking connection, bounded by a short deadline. What a request waits for is done on
-the scheduler's thread: the lookups of a scheduler step go to the daemon as one request
+own blocking connection, bounded by a short deadline. vLLM's scheduler step does not wait
+on the daemon (a step waits :data:`STEP_WAIT_S` at most for its lookups' answer, a poll 1
+ms at most for a load in flight, a touch is only sent, ``drain_jobs`` is bounded): the
+lookups of a scheduler step go to the daemon as one request from the tier's lookup thread
 when the step ends (vLLM's ``AsyncLookupManager``: RETRY until the answer, then HIT or
-MISS), and a load is one region request, the daemon copying the blocks, the thread
-waiting in ``recv``. Stores, which nobody waits for, run on the tier's store thread;
-where each job runs and how it ends is :mod:`tierd.integrations.vllm_jobs`'. The
+MISS); a load is one region request sent from one of the tier's load threads (several side
+by side), the daemon copying the blocks, the thread waiting in ``recv``; stores run on the
+tier's store thread. ``submit_load`` and ``submit_store`` return at once; where each job
+runs and how it ends is :mod:`tierd.integrations.vllm_jobs`'. The
 :class:`~tierd.integrations.link.DaemonLink` carries no job: it watches the daemon (the
-breaker's probe) and follows its events. Jobs are reported by
-``get_finished_jobs``. Any failure (daemon down, stopped, killed, restarted,
-``capacity``, a block evicted or failing its checksum) is a failed job or a miss, never an
-exception in vLLM; past a few failures a breaker answers at once until the daemon is back.
+breaker's probe) and follows its events. Jobs are reported by ``get_finished_jobs``. Any
+failure (daemon down, stopped, killed, restarted, ``capacity``, a block evicted or failing
+its checksum) is a failed job or a miss, never an exception in vLLM; past a few failures a
+breaker answers at once until the daemon is back.
 
 This module needs vLLM (``scripts/setup_vllm``); nothing else in tierd imports it.
 """
@@ -216,7 +219,9 @@ class TierdSecondaryTier(SecondaryTierManager):
             logger=engine_log,
             said_at_start=True,
         )
-        # Half of staging_bytes for the store thread's connection, half for the scheduler's.
+        # Half of staging_bytes for the store thread's connection, half for each load
+        # thread's (a thread's connection maps its own on its first job; the pool starts
+        # a thread only when every running one is busy, LOAD_THREADS at most).
         per_round = max(1, min(len(self._rows), staging_bytes // 2 // row_bytes))
         self._calls = EngineCalls(
             self._link, "vllm", staging_rows=per_round, map_pool=not regions, regions=regions
