@@ -6,7 +6,7 @@ engine's KV memory is a memfd of rows; a job stores or loads 32 rows:
 - **regions**: ``region_store`` / ``region_load`` of (key, offset) descriptors; the daemon
   copies between the memfd and its pool with ``preadv``/``pwritev`` in its own threads;
 - **leases**: ``Client.storing`` / ``Client.loading``, the way SGLang's loads take
-  (``tierd.integrations.route``): a lease per job, and this process copies each row into
+  (``tierd.integrations.core.route``): a lease per job, and this process copies each row into
   or out of the mapped pool slots.
 
 With ``--busy``, a thread of this process runs Python without pause meanwhile, as an

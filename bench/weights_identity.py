@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """What the vLLM tier's weights identity costs at start-up (issue 35, point 3).
 
-``tierd.integrations.naming.weights_identity`` reads, per weight file, its header and a
-fixed number of small slices (:func:`~tierd.integrations.naming._sample_ranges`), so its
+``tierd.integrations.core.naming.weights_identity`` reads, per weight file, its header and a
+fixed number of small slices (:func:`~tierd.integrations.core.naming._sample_ranges`), so its
 cost should not grow with the file's size. This builds a model directory of one
 safetensors-shaped file per size asked (sparse: a header, then holes), and, with
 ``--written``, one file of real bytes whose pages are dropped from the page cache
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from bench.figures import median_of
-from tierd.integrations.naming import weights_identity
+from tierd.integrations.core.naming import weights_identity
 
 
 def safetensors(path: Path, size: int, *, written: bool) -> None:

@@ -20,7 +20,7 @@ NS = "model-a"
 BS = 4  # tokens per engine block
 
 
-def _config(tmp_path: Path, **kv: Any) -> dict[str, Any]:
+def events_config(tmp_path: Path, **kv: Any) -> dict[str, Any]:
     section = {
         "enabled": True,  # each tenant's own ipc sockets, beside the control socket
         "topic": "kv@node:n1@m",
@@ -30,7 +30,7 @@ def _config(tmp_path: Path, **kv: Any) -> dict[str, Any]:
     return daemon_config(tmp_path, cpu_blocks=4, disk_blocks=16, kv_events=section)
 
 
-def _description(i: int, parent: int | None = None) -> dict[str, Any]:
+def description(i: int, parent: int | None = None) -> dict[str, Any]:
     return {
         "hashes": [1000 + i],
         "parent": parent,
@@ -40,13 +40,13 @@ def _description(i: int, parent: int | None = None) -> dict[str, Any]:
     }
 
 
-def _chain(n: int) -> tuple[list[bytes], list[dict[str, Any]]]:
+def described_chain(n: int) -> tuple[list[bytes], list[dict[str, Any]]]:
     keys = [f"k{i}".encode() for i in range(n)]
-    descs = [_description(i, None if i == 0 else 1000 + i - 1) for i in range(n)]
+    descs = [description(i, None if i == 0 else 1000 + i - 1) for i in range(n)]
     return keys, descs
 
 
-async def _put(client: Client, keys: list[bytes], fill: bytes = b"x") -> None:
+async def put_blocks(client: Client, keys: list[bytes], fill: bytes = b"x") -> None:
     for i in range(0, len(keys), 2):  # the CPU tier holds 4: each store evicts the oldest
         await client.put(keys[i : i + 2], [fill * 4096] * len(keys[i : i + 2]))
 
@@ -82,7 +82,7 @@ def decode(python: Path, engine: str, payloads: list[bytes]) -> list[dict[str, A
     return lines
 
 
-def _unshare_works() -> bool:
+def unshare_works() -> bool:
     if shutil.which("unshare") is None:
         return False
     probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True, timeout=30)

@@ -1,5 +1,5 @@
 """A vLLM engine in miniature over tierd's pool as its CPU tier, for the tests of
-``tierd.integrations.vllm_pool``: vLLM's own config, spec and manager seams, the
+``tierd.integrations.vllm.pool_spec``: vLLM's own config, spec and manager seams, the
 worker over KV tensors in host memory, and the connector's part (the job specs, the
 step's end, completion after the copies) written out small.
 
@@ -31,8 +31,8 @@ from vllm.v1.kv_offload.config import (
     OffloadingParallelConfig,
 )
 
-from tierd.integrations.vllm_pool import TierdPoolSpec
-from tierd.integrations.vllm_pool_manager import TierdPoolManager
+from tierd.integrations.vllm.pool_manager import TierdPoolManager
+from tierd.integrations.vllm.pool_spec import TierdPoolSpec
 
 PAGE = 4096  # one KV block of the engine, one row of the pool (blocks_per_chunk 1)
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())

@@ -23,10 +23,10 @@ import pytest
 from tierd.client import Client
 from tierd.control.clients.handshake import Unreachable
 from tierd.errors import TierdError
-from tierd.integrations.channel import Connection
-from tierd.integrations.engine_calls import EngineCalls, leased_store
-from tierd.integrations.link import DaemonLink, LinkSettings
-from tierd.integrations.moves import RowBlocks, inline_store
+from tierd.integrations.core.channel import ThreadConnection
+from tierd.integrations.core.data_paths import RowBlocks, inline_store
+from tierd.integrations.core.engine_calls import EngineCalls, leased_store
+from tierd.integrations.core.link import DaemonLink, LinkSettings
 from tierd.testing import daemon_config
 
 BLOCK = 16 << 10
@@ -124,7 +124,7 @@ def test_a_lease_stored_short_reports_only_the_keys_the_daemon_holds() -> None:
     it (the store used to answer True for all four)."""
     ks = keys("s", 4)
     daemon = _ShortDaemon(ready={ks[0], ks[1]})
-    conn = Connection(daemon)  # type: ignore[arg-type]
+    conn = ThreadConnection(daemon)  # type: ignore[arg-type]
     source = RowBlocks(rows_of(4, seed=2), np.arange(4, dtype=np.intp))
     assert leased_store(conn, ks, source, deadline=0.0) == [True, True, False, False]
     assert daemon.asked == ["prepare_store", "complete_store", "lookup_each"]
@@ -156,12 +156,12 @@ def test_an_inline_store_stored_short_reports_only_the_keys_the_daemon_holds() -
     every key it sent)."""
     ks = keys("i", 4)
     daemon = _ShortPut(ready={ks[0], ks[2]})
-    conn = Connection(daemon)  # type: ignore[arg-type]
+    conn = ThreadConnection(daemon)  # type: ignore[arg-type]
     source = RowBlocks(rows_of(4, seed=4), np.arange(4, dtype=np.intp))
     assert inline_store(conn, ks, source, deadline=0.0) == [True, False, True, False]
     assert daemon.asked == ["put", "lookup_each"]
     whole = _ShortPut(ready=set(ks))
-    assert inline_store(Connection(whole), ks, source, deadline=0.0) == [True] * 4  # type: ignore[arg-type]
+    assert inline_store(ThreadConnection(whole), ks, source, deadline=0.0) == [True] * 4  # type: ignore[arg-type]
     assert whole.asked == ["put"]
 
 

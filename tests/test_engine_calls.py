@@ -1,7 +1,7 @@
-"""The engines' one transport (``tierd.integrations.engine_calls``) against a real daemon.
+"""The engines' one transport (``tierd.integrations.core.engine_calls``) against a real daemon.
 
 Every engine call runs on the calling thread's own blocking connection and goes down the
-data path ``tierd.integrations.route`` picks: each way moves blocks byte for byte, each
+data path ``tierd.integrations.core.route`` picks: each way moves blocks byte for byte, each
 thread has its connection, and a way the daemon refuses is routed around at once.
 """
 
@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierd.integrations.engine_calls import EngineCalls, EngineMemfd
-from tierd.integrations.link import DaemonLink, LinkSettings
-from tierd.integrations.moves import RowBlocks
-from tierd.integrations.route import PREFERENCES, Way, way
-from tierd.integrations.sglang_pages import PageBlocks
+from tierd.integrations.core.data_paths import RowBlocks
+from tierd.integrations.core.engine_calls import EngineCalls, EngineMemfd
+from tierd.integrations.core.link import DaemonLink, LinkSettings
+from tierd.integrations.core.route import PREFERENCES, Way, way
+from tierd.integrations.sglang.pages import PageBlocks
 from tierd.testing import daemon_config
 
 BLOCK = 16 << 10

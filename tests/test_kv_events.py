@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import yaml
 import zmq
-from kv_events_kit import BS, NS, _chain, _config, _description, _put
+from kv_events_kit import BS, NS, described_chain, description, events_config, put_blocks
 
 from tierd.cli.control_text import stats_text
 from tierd.client import Client, DaemonError
@@ -59,10 +59,10 @@ def _by(events: list[dict[str, Any]], kind: str, medium: str) -> list[list[Any]]
 
 
 async def test_described_blocks_are_announced_as_they_enter_move_and_leave(tmp_path: Path) -> None:
-    keys, descs = _chain(6)
-    async with running_daemon(_config(tmp_path)) as daemon, await _connect(daemon) as client:
+    keys, descs = described_chain(6)
+    async with running_daemon(events_config(tmp_path)) as daemon, await _connect(daemon) as client:
         assert await client.describe(keys, descs) == 6
-        await _put(client, keys)  # 4 CPU slots: 2 demoted
+        await put_blocks(client, keys)  # 4 CPU slots: 2 demoted
         events = await _until(
             client, lambda ev: len(_by(ev, "BlockStored", "DISK")) >= 2, "demotions"
         )
@@ -104,8 +104,8 @@ async def test_described_blocks_are_announced_as_they_enter_move_and_leave(tmp_p
 
 
 async def test_a_block_described_after_its_store_is_announced_at_once(tmp_path: Path) -> None:
-    keys, descs = _chain(2)
-    async with running_daemon(_config(tmp_path)) as daemon, await _connect(daemon) as client:
+    keys, descs = described_chain(2)
+    async with running_daemon(events_config(tmp_path)) as daemon, await _connect(daemon) as client:
         await client.put(keys, [b"x" * 4096] * 2)
         assert (await _kv(client))["undescribed"] == 2
         assert _by(_events(await _replayed(client)), "BlockStored", "CPU") == []
@@ -115,10 +115,10 @@ async def test_a_block_described_after_its_store_is_announced_at_once(tmp_path: 
 
 
 async def test_blocks_held_answers_the_longest_prefix_and_each_medium(tmp_path: Path) -> None:
-    keys, descs = _chain(6)
-    async with running_daemon(_config(tmp_path)) as daemon, await _connect(daemon) as client:
+    keys, descs = described_chain(6)
+    async with running_daemon(events_config(tmp_path)) as daemon, await _connect(daemon) as client:
         await client.describe(keys, descs)
-        await _put(client, keys)
+        await put_blocks(client, keys)
         asked = [[1000 + i for i in range(6)], [1000, 1001, 999, 1003], [555], []]
         for _ in range(200):  # the feed follows the chain's events within a batch
             media = await client.blocks_held(asked)
@@ -150,17 +150,17 @@ async def test_blocks_held_answers_the_longest_prefix_and_each_medium(tmp_path: 
 async def test_a_bad_description_is_refused_and_nothing_is_kept(
     tmp_path: Path, bad: Any, said: str
 ) -> None:
-    async with running_daemon(_config(tmp_path)) as daemon, await _connect(daemon) as client:
+    async with running_daemon(events_config(tmp_path)) as daemon, await _connect(daemon) as client:
         with pytest.raises(DaemonError, match=said):
-            await client.describe([b"a", b"b"], [_description(0), bad])
+            await client.describe([b"a", b"b"], [description(0), bad])
         assert (await _kv(client))["described"] == 0
-        assert await client.describe([b"a"], [_description(0)]) == 1  # still serving
+        assert await client.describe([b"a"], [description(0)]) == 1  # still serving
 
 
 async def test_off_by_default_nothing_is_kept_and_the_query_says_why(tmp_path: Path) -> None:
     config = daemon_config(tmp_path, cpu_blocks=4, disk_blocks=None)
     async with running_daemon(config) as daemon, await _connect(daemon) as client:
-        assert await client.describe([b"a"], [_description(0)]) == 0
+        assert await client.describe([b"a"], [description(0)]) == 0
         assert "kv_events" not in await client.stats()
         with pytest.raises(DaemonError, match="KV events are off"):
             await client.blocks_held([[1000]])
@@ -169,15 +169,15 @@ async def test_off_by_default_nothing_is_kept_and_the_query_says_why(tmp_path: P
 async def test_a_restart_is_a_new_incarnation_and_kept_blocks_are_announced_again(
     tmp_path: Path,
 ) -> None:
-    keys, descs = _chain(3)
-    async with running_daemon(_config(tmp_path)) as daemon, await _connect(daemon) as client:
+    keys, descs = described_chain(3)
+    async with running_daemon(events_config(tmp_path)) as daemon, await _connect(daemon) as client:
         await client.describe(keys, descs)
         await client.put(keys, [b"z" * 4096] * 3)
         before = (await _kv(client))["incarnation"]
         await _until(client, lambda ev: len(_by(ev, "BlockStored", "CPU")) == 3, "stores")
         last = (await _replayed(client))[-1][1]
     # The shutdown flushed the CPU tier down: the disk tier keeps all three.
-    async with running_daemon(_config(tmp_path)) as daemon, await _connect(daemon) as client:
+    async with running_daemon(events_config(tmp_path)) as daemon, await _connect(daemon) as client:
         assert (await _kv(client))["incarnation"] != before
         events = await _until(
             client, lambda ev: len(_by(ev, "BlockStored", "DISK")) == 3, "kept blocks"
@@ -194,9 +194,9 @@ async def test_an_unreadable_descriptions_file_costs_the_descriptions_not_the_st
 ) -> None:
     (tmp_path / "disk").mkdir(mode=0o700)
     (tmp_path / "disk" / "kv-descriptors.log").write_bytes(b"\xc1garbage" * 100)
-    async with running_daemon(_config(tmp_path)) as daemon, await _connect(daemon) as client:
+    async with running_daemon(events_config(tmp_path)) as daemon, await _connect(daemon) as client:
         assert (await _kv(client))["described"] == 0
-        assert await client.describe([b"a"], [_description(0)]) == 1
+        assert await client.describe([b"a"], [description(0)]) == 1
 
 
 @contextlib.contextmanager
@@ -215,10 +215,10 @@ def _subscriber(endpoint: str, *, hwm: int = 1000) -> Iterator[zmq.Socket[bytes]
 async def test_a_subscriber_that_never_reads_costs_the_daemon_nothing(tmp_path: Path) -> None:
     """A connected SUB that never reads: the daemon keeps answering and its publisher's
     queue and replay buffer stay within their bounds."""
-    config = _config(tmp_path, queue_batches=8, buffer_batches=16, hwm=4, max_batch_events=1)
+    config = events_config(tmp_path, queue_batches=8, buffer_batches=16, hwm=4, max_batch_events=1)
     n = 64
     keys = [f"s{i}".encode() for i in range(n)]
-    descs = [_description(i) for i in range(n)]
+    descs = [description(i) for i in range(n)]
     async with running_daemon(config) as daemon, await _connect(daemon) as client:
         with _subscriber((await _kv(client))["endpoint"], hwm=1):
             await client.describe(keys, descs)
@@ -237,10 +237,10 @@ async def test_a_subscriber_that_joins_gets_what_the_chain_holds_at_most_once_a_
     """A snapshot (``AllBlocksCleared``, then every held block on each medium) follows a
     subscription, so a router that (re)joins learns what it missed; 40 subscribers
     joining over 3 s cost a few snapshots, not 40."""
-    keys, descs = _chain(6)
-    async with running_daemon(_config(tmp_path)) as daemon, await _connect(daemon) as client:
+    keys, descs = described_chain(6)
+    async with running_daemon(events_config(tmp_path)) as daemon, await _connect(daemon) as client:
         await client.describe(keys, descs)
-        await _put(client, keys)  # 4 CPU, 2 on disk only
+        await put_blocks(client, keys)  # 4 CPU, 2 on disk only
         await _until(client, lambda ev: len(_by(ev, "BlockStored", "DISK")) >= 2, "demotions")
         with _subscriber((await _kv(client))["endpoint"]) as sub:
             heard: list[dict[str, Any]] = []
@@ -262,7 +262,7 @@ async def test_a_subscriber_that_joins_gets_what_the_chain_holds_at_most_once_a_
 
 async def test_an_owner_identity_is_refused_saying_no_router_credits_it(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
-    config = _config(tmp_path)
+    config = events_config(tmp_path)
     config["kv_events"]["ownership"] = "tierd-node-1"
     path.write_text(yaml.safe_dump(config))
     out = await asyncio.to_thread(config_check, path)

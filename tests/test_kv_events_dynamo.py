@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kv_events_kit import DRIVER, DYNAMO_PYTHON, _unshare_works
+from kv_events_kit import DRIVER, DYNAMO_PYTHON, unshare_works
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = "dynamo-driver-result: "
@@ -30,7 +30,7 @@ pytestmark = [
         reason=f"dynamo: {DYNAMO_PYTHON} is missing (scripts/setup_dynamo installs it)",
     ),
     pytest.mark.skipif(
-        not _unshare_works(),
+        not unshare_works(),
         reason="dynamo: `unshare -rn` (a private network namespace) does not work here",
     ),
 ]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kv_events_kit import NS, _chain, _config, _put, decode, engine_python
+from kv_events_kit import NS, decode, described_chain, engine_python, events_config, put_blocks
 
 from tierd.client import Client
 from tierd.testing import kv_replay, running_daemon
@@ -39,13 +39,13 @@ def payloads(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     tmp = tmp_path_factory.mktemp("kv")
 
     async def run() -> list[bytes]:
-        keys, descs = _chain(6)
-        config = _config(tmp)
+        keys, descs = described_chain(6)
+        config = events_config(tmp)
         async with running_daemon(config) as daemon:
             sock = str(daemon.config.socket.path)
             async with await Client.connect(sock, namespace=NS) as client:
                 await client.describe(keys, descs)
-                await _put(client, keys)
+                await put_blocks(client, keys)
                 await client.delete(keys[:1])
                 async with await Client.connect(sock) as operator:
                     await operator.clear()

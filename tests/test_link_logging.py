@@ -1,4 +1,4 @@
-"""The link's lines for an engine's operator (``tierd.integrations.link``: the daemon lost,
+"""The link's lines for an engine's operator (``tierd.integrations.core.link``: the daemon lost,
 unreachable, back; the breaker open) are records of Python's standard ``logging``, the
 one engines show (SGLang its root logger's handlers, vLLM its ``vllm`` logger's), not
 structlog lines, which no engine shows."""
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tierd.client import Client, Unreachable
-from tierd.integrations.link import DaemonLink, LinkSettings
+from tierd.integrations.core.link import DaemonLink, LinkSettings
 from tierd.testing import daemon_config
 
 BLOCK = 4096
@@ -40,12 +40,12 @@ async def test_the_daemon_lost_and_the_breaker_open_are_standard_logging_records
     link = DaemonLink(settings, name="tierd-test-logs", map_pool=False)
     try:
         await asyncio.to_thread(link.ask, health, time.monotonic() + DEADLINE_S)  # connected
-        assert said(caplog, "tierd.integrations.link") == []
+        assert said(caplog, "tierd.integrations.core.link") == []
         daemon.signal(signal.SIGKILL)
         await daemon.wait()
         with pytest.raises(Unreachable):
             await asyncio.to_thread(link.ask, health, time.monotonic() + DEADLINE_S)
-        lines = said(caplog, "tierd.integrations.link")
+        lines = said(caplog, "tierd.integrations.core.link")
         assert ("WARNING", "tierd daemon lost") in lines, lines
         assert ("WARNING", "tierd breaker open") in lines, lines
         lost = next(r for r in caplog.records if r.getMessage().startswith("tierd daemon lost"))
@@ -70,6 +70,6 @@ async def test_a_standard_logger_the_engine_hands_over_gets_the_lines(
         lines = said(caplog, "an_engine.tierd")
         assert ("WARNING", "tierd daemon unreachable") in lines, lines
         assert ("WARNING", "tierd breaker open") in lines, lines
-        assert said(caplog, "tierd.integrations.link") == []
+        assert said(caplog, "tierd.integrations.core.link") == []
     finally:
         link.close()

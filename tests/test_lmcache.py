@@ -40,7 +40,7 @@ from lmcache_kit import (
 )
 
 from tierd.client import Client
-from tierd.integrations.lmcache_keys import block_key
+from tierd.integrations.lmcache.object_keys import block_key
 
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
@@ -400,14 +400,14 @@ async def test_lmcache_server_builds_the_adapter_from_the_documented_json(
 
 
 def _space(tmp_path: Path, workers: int = 2, socket_path: str = "") -> Any:
-    from tierd.integrations.lmcache_space import Space, SpaceSettings
+    from tierd.integrations.lmcache.space import Space, SpaceSettings
 
     path = socket_path or str(tmp_path / "no-daemon.sock")
     return Space(SpaceSettings(path, "ns", BLOCK, 5.0, 3, 1.0, (), workers))
 
 
 def test_a_closed_event_fd_is_never_written_again_whatever_reused_its_number() -> None:
-    from tierd.integrations.lmcache_book import Book, StoreOutcome
+    from tierd.integrations.lmcache.task_book import Book, StoreOutcome
 
     book = Book()
     task = book.new_task()
@@ -444,8 +444,8 @@ def test_a_lease_chunk_leaves_room_for_every_worker_and_the_request_bound(
 def test_an_unlock_during_a_load_keeps_the_pins_lease_until_the_copy_is_done(
     tmp_path: Path,
 ) -> None:
-    from tierd.integrations.lmcache_space import LeaseShare, Pin
-    from tierd.integrations.lmcache_tasks import Tasks
+    from tierd.integrations.lmcache.space import LeaseShare, Pin
+    from tierd.integrations.lmcache.tasks import Tasks
 
     class Settings:
         namespace, block_bytes, deadline_s, breaker_failures = "ns", BLOCK, DEADLINE_S, 3
@@ -490,8 +490,8 @@ async def test_a_deadline_passing_during_a_stores_copy_aborts_its_reservation(
     tmp_path: Path, spawn: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tierd.control.clients.handshake import DaemonSilent
-    from tierd.integrations import link as link_module
-    from tierd.integrations import lmcache_space
+    from tierd.integrations.core import link as link_module
+    from tierd.integrations.lmcache import space as lmcache_space
 
     limits = {"lease_blocks_per_connection": 1, "store_lease_ttl_s": 600}
     daemon = await spawn(config(tmp_path, limits=limits))
@@ -523,7 +523,7 @@ async def test_a_busy_daemon_at_the_first_hello_is_asked_again_not_refused_for_g
     tmp_path: Path, spawn: Any
 ) -> None:
     from tierd.client import Unreachable
-    from tierd.integrations.lmcache_tasks import Tasks
+    from tierd.integrations.lmcache.tasks import Tasks
 
     class Settings:
         namespace, block_bytes, deadline_s, breaker_failures = "ns", None, 5.0, 3

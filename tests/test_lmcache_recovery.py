@@ -6,7 +6,7 @@ ends within its deadline, and the adapter serves again within a second of the da
    in flight; LMCache keeps storing and loading meanwhile (the breaker answers). After
    SIGCONT the first load that finds and copies every object must come back within a
    second of SIGCONT.
-2. The adapter's namespace (:class:`~tierd.integrations.lmcache_space.Space`) directly,
+2. The adapter's namespace (:class:`~tierd.integrations.lmcache.space.Space`) directly,
    on a real daemon: a store whose daemon stops between its reservation and its commit
    ends within its deadline, however long the link takes to let the silent connection
    go; a lock whose pins are granted after it gave up (the link's thread stalled) ends
@@ -29,8 +29,8 @@ from lmcache_kit import BLOCK, LIVENESS_S, REASON, Lmcache, all_identical, confi
 
 from tierd.client import Client, Unreachable
 from tierd.control.clients.handshake import DaemonSilent
-from tierd.integrations import lmcache_space
-from tierd.integrations.lmcache_space import Space, SpaceSettings
+from tierd.integrations.lmcache import space as lmcache_space
+from tierd.integrations.lmcache.space import Space, SpaceSettings
 
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 

@@ -27,7 +27,7 @@ import pytest
 from daemon_kit import child_env
 
 from tierd.control.socketfile import default_socket_path
-from tierd.integrations.plugin import (
+from tierd.integrations.core.one_flag import (
     Switch,
     SwitchInvalid,
     read_switch,
@@ -223,7 +223,7 @@ def engine_args_class(monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_vllm_plugin_changes_nothing_without_tierd(engine_args_class: Any) -> None:
     from types import SimpleNamespace
 
-    from tierd.integrations import vllm_plugin
+    from tierd.integrations.vllm import plugin as vllm_plugin
 
     before = engine_args_class.create_engine_config
     vllm_plugin.register()
@@ -241,7 +241,7 @@ def test_vllm_plugin_fills_in_the_config_only_when_none_was_given(
     from vllm.config import KVTransferConfig
     from vllm.platforms import current_platform
 
-    from tierd.integrations import vllm_plugin
+    from tierd.integrations.vllm import plugin as vllm_plugin
 
     monkeypatch.setenv("TIERD", "/srv/tierd/tierd.sock")
     vllm_plugin.register()
@@ -256,7 +256,7 @@ def test_vllm_plugin_fills_in_the_config_only_when_none_was_given(
     filled = args.kv_transfer_config
     assert isinstance(filled, KVTransferConfig)
     assert (filled.kv_connector, filled.kv_role) == ("TierdConnector", "kv_both")
-    assert filled.kv_connector_module_path == "tierd.integrations.vllm_node"
+    assert filled.kv_connector_module_path == "tierd.integrations.vllm.connector"
     assert filled.kv_connector_extra_config == expected["kv_connector_extra_config"]
 
     given = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
@@ -392,7 +392,7 @@ def test_sglang_without_its_daemon_says_so_once_through_sglangs_logging(tmp_path
 
 
 def test_missing_daemon_message_says_default_start_for_the_default_path() -> None:
-    from tierd.integrations.plugin import missing_daemon
+    from tierd.integrations.core.one_flag import missing_daemon
 
     refused = ConnectionRefusedError(111, "Connection refused")
     text = missing_daemon(str(default_socket_path()), refused)
@@ -410,8 +410,8 @@ async def test_tierd_picks_the_pool_mode_when_the_daemon_serves_a_pool_and_says_
     (vLLM's own CPU tier sized) keeps vLLM's own CPU tier with tierd behind it."""
     from types import SimpleNamespace
 
-    from tierd.integrations import vllm_plugin
-    from tierd.integrations.plugin import choose_vllm_mode
+    from tierd.integrations.core.one_flag import choose_vllm_mode
+    from tierd.integrations.vllm import plugin as vllm_plugin
 
     daemon = await spawn(daemon_config(tmp_path, block_bytes=BLOCK))
     sock = daemon.socket_path

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tierd.integrations import sglang_jobs
-from tierd.integrations.sglang_jobs import PageJobs, cpu_demand
+from tierd.integrations.sglang import page_jobs as sglang_jobs
+from tierd.integrations.sglang.page_jobs import PageJobs, cpu_demand
 
 CPUS = len(os.sched_getaffinity(0))
 

@@ -1,4 +1,4 @@
-"""Keys, namespaces and page offsets of tierd.integrations.sglang_pages (no SGLang needed:
+"""Keys, namespaces and page offsets of tierd.integrations.sglang.pages (no SGLang needed:
 SGLang's own objects drive them in tests/test_sglang.py)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tierd.integrations import naming
-from tierd.integrations.sglang_pages import (
+from tierd.integrations.core import naming
+from tierd.integrations.sglang.pages import (
     PageGeometry,
     UnsupportedPool,
     derive_namespace,

@@ -28,7 +28,7 @@ from tests.cli_kit import tierd
 from tests.daemon_kit import Spawn, child_env
 from tierd.cli.connection import socket_path
 from tierd.control.socketfile import default_socket_path, socket_path_setting
-from tierd.integrations.plugin import resolve_socket
+from tierd.integrations.core.one_flag import resolve_socket
 from tierd.testing import daemon_config, short_socket_path
 
 ROOT = Path(__file__).resolve().parent.parent

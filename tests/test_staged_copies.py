@@ -1,4 +1,4 @@
-"""The staged way's loads (``tierd.integrations.moves.staged_load``, vLLM's first way)
+"""The staged way's loads (``tierd.integrations.core.data_paths.staged_load``, vLLM's first way)
 copy each byte once, on the scheduler's thread: from the staging memfd straight into the
 engine's rows, with no temporary copy of the load in between, and byte for byte.
 """
@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from tierd.integrations.engine_calls import EngineCalls
-from tierd.integrations.link import DaemonLink, LinkSettings
-from tierd.integrations.moves import RowBlocks
+from tierd.integrations.core.data_paths import RowBlocks
+from tierd.integrations.core.engine_calls import EngineCalls
+from tierd.integrations.core.link import DaemonLink, LinkSettings
 from tierd.testing import daemon_config
 
 BLOCK = 512 << 10  # the issue's rows; far above what reading replies allocates

@@ -28,7 +28,7 @@ from vllm.distributed.kv_events import (
     ZmqEventPublisher,
 )
 
-from tierd.integrations.vllm_describe import Describer, describer_for, rank_endpoint
+from tierd.integrations.vllm.block_descriptions import Describer, describer_for, rank_endpoint
 
 RANK = 2
 

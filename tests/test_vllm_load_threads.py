@@ -37,7 +37,7 @@ from vllm_kit import (
 )
 
 from tierd.integrations.vllm import TierdSecondaryTier
-from tierd.integrations.vllm_jobs import LOAD_THREADS
+from tierd.integrations.vllm.tier_jobs import LOAD_THREADS
 from tierd.testing import daemon_config
 
 HIT = LookupResult.HIT

@@ -22,7 +22,7 @@ pytest.importorskip(
 
 from vllm_kit import ROW, offloading_spec
 
-from tierd.integrations.naming import derive_namespace, weights_identity
+from tierd.integrations.core.naming import derive_namespace, weights_identity
 
 
 def checkpoint(directory: Path, weights: bytes) -> Path:

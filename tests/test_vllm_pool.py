@@ -23,7 +23,7 @@ pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed: sc
 from pool_engine_kit import PAGE, STEP, Engine, keys, page
 
 from tierd.client import Client
-from tierd.integrations.pool_leases import mapped_pool
+from tierd.integrations.core.pool_leases import mapped_pool
 from tierd.testing import daemon_config
 
 LIVENESS_S = 30.0  # a bound on what must come back (many times every deadline)

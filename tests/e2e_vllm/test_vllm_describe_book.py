@@ -1,4 +1,5 @@
-"""The vLLM tier's block book and describer without vLLM (``tierd.integrations.vllm_describe``):
+"""The vLLM tier's block book and describer without vLLM
+(``tierd.integrations.vllm.block_descriptions``):
 a real zmq publisher on an ipc socket in tmp sends batches in vLLM's wire form (events as
 tagged maps or as tagged arrays), a real in-loop daemon with ``kv_events:`` on takes the
 descriptions. A chunk is described only when every block of it is known."""
@@ -19,7 +20,7 @@ from vllm_e2e_kit import replay, stored
 
 from tierd.client import Client
 from tierd.control.clients.blocking_client import BlockingClient
-from tierd.integrations.vllm_describe import BlockBook, Describer, loopback_endpoint
+from tierd.integrations.vllm.block_descriptions import BlockBook, Describer, loopback_endpoint
 from tierd.testing import daemon_config, running_daemon
 
 BS = 4

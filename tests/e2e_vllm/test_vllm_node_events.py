@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from daemon_kit import Spawn
-from kv_events_kit import DRIVER, DYNAMO_PYTHON, SMG_PYTHON, _unshare_works
+from kv_events_kit import DRIVER, DYNAMO_PYTHON, SMG_PYTHON, unshare_works
 from vllm_e2e_kit import (
     BLOCK_TOKENS,
     E2E_MARKS,
@@ -240,7 +240,7 @@ async def test_an_engine_announces_the_blocks_another_engine_left_in_tierd(
         pytest.skip(f"SMG's relay is not installed ({SMG_PYTHON} missing): run scripts/setup_smg")
     if not DYNAMO_PYTHON.exists():
         pytest.skip(f"Dynamo's indexer is not installed ({DYNAMO_PYTHON} missing)")
-    if not _unshare_works():
+    if not unshare_works():
         pytest.skip("Dynamo's indexer: `unshare -rn` (a private network namespace) does not work")
     config = daemon_config(
         tmp_path,

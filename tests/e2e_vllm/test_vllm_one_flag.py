@@ -5,7 +5,7 @@ tierd's ``vllm.general_plugins`` entry point is installed in ``.venv-vllm-cpu`` 
 entry point into the venv's metadata). The engine process here builds its ``LLM`` with
 no transfer config at all and ``TIERD=<the daemon's socket>`` in its environment; the
 plugin fills in the config (on this CPU platform with tierd's plain-torch copy worker,
-``tierd.integrations.vllm_cpu``). Proof that tierd served it: after vLLM's own prefix
+``tierd.integrations.vllm.cpu_spec``). Proof that tierd served it: after vLLM's own prefix
 cache and CPU tier are emptied the prompt's six full blocks come back cached, and the
 daemon counts six stores and six hits. The same engine without ``TIERD`` gets no transfer
 config (the plugin changes nothing). With the daemon serving a pool, ``TIERD`` makes it
@@ -103,7 +103,7 @@ async def test_tierd_on_with_only_the_environment_variable(
     # The daemon serves a pool: it becomes vLLM's CPU tier (one copy on the node).
     out = await run(tmp_path, "one-flag", model, prompt_file, "cold,reset,warm", TIERD=sock)
     extra = out["config"]["kv_transfer_config"]["kv_connector_extra_config"]
-    assert extra["spec_module_path"] == "tierd.integrations.vllm_pool"
+    assert extra["spec_module_path"] == "tierd.integrations.vllm.pool_spec"
     assert extra["tierd"]["socket"] == sock
     assert "tierd on (TIERD): tierd's pool is vLLM's CPU tier" in out["log"]["text"]
     cold, warm = out["cold"], out["warm"]
@@ -125,7 +125,7 @@ async def test_tierd_on_with_only_the_environment_variable(
         TIERD_VLLM_MODE="secondary",
     )
     extra = behind["config"]["kv_transfer_config"]["kv_connector_extra_config"]
-    assert extra["spec_module_path"] == "tierd.integrations.vllm_cpu"
+    assert extra["spec_module_path"] == "tierd.integrations.vllm.cpu_spec"
     assert extra["secondary_tiers"][0]["socket"] == sock
     assert "tierd on (TIERD): secondary KV tier" in behind["log"]["text"]
     assert behind["cold"]["num_cached_tokens"] == PREFIX_TOKENS  # the pool's blocks: shared

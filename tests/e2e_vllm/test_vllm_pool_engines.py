@@ -400,7 +400,7 @@ async def test_two_data_parallel_replicas_of_one_server_share_the_pool(
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "spec_name": "TierdPoolSpec",
-                "spec_module_path": "tierd.integrations.vllm_pool",
+                "spec_module_path": "tierd.integrations.vllm.pool_spec",
                 "tierd": {"socket": daemon.socket_path, "job_deadline_s": 2},
             },
         }

@@ -382,7 +382,7 @@ def freeze_after(copies: int, method: str, pid: int | None = None) -> None:
     """Stop this process (or process ``pid``: the daemon) after ``copies`` calls of
     ``PageBlocks.<method>`` (a page copied into the daemon's pool: ``gather_one``; out
     of it: ``fill_one``), before the last."""
-    from tierd.integrations import sglang_pages
+    from tierd.integrations.sglang import pages as sglang_pages
 
     original = getattr(sglang_pages.PageBlocks, method)
     count = 0
@@ -421,11 +421,11 @@ class LookupTrace:
             return
         self._installed = True
         from tierd.control.clients.blocking_client import BlockingClient
-        from tierd.integrations import sglang_pages
-        from tierd.integrations.channel import EngineChannel
-        from tierd.integrations.link import DaemonLink
+        from tierd.integrations.core.channel import EngineChannel
+        from tierd.integrations.core.link import DaemonLink
         from tierd.integrations.sglang import TierdHiCache
-        from tierd.integrations.sglang_jobs import PageJobs
+        from tierd.integrations.sglang import pages as sglang_pages
+        from tierd.integrations.sglang.page_jobs import PageJobs
 
         trace = self
         exists, connected = TierdHiCache.batch_exists, EngineChannel._connected
@@ -568,7 +568,7 @@ def serve(engines: dict[str, Engine], command: dict[str, Any]) -> dict[str, Any]
         try:  # a transfer that copied fewer pages leaves no stop armed for the next one
             return serve(engines, {k: v for k, v in command.items() if k != "stop_daemon"})
         finally:
-            from tierd.integrations import sglang_pages
+            from tierd.integrations.sglang import pages as sglang_pages
 
             original = getattr(sglang_pages.PageBlocks, method)
             setattr(sglang_pages.PageBlocks, method, getattr(original, "unarmed", original))

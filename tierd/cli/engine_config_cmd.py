@@ -9,7 +9,7 @@ engine checks at start-up, unless the daemon serves several sizes (``block_sizes
 daemon that does not answer is a warning on stderr, with the path tried and how to start
 one; the flags are printed all the same (exit status 0), for a daemon started later.
 
-The configs are :mod:`tierd.integrations.plugin`'s, the very ones ``TIERD=1`` turns on
+The configs are :mod:`tierd.integrations.core.one_flag`'s, the very ones ``TIERD=1`` turns on
 inside vLLM. For vLLM there are two: tierd's pool as vLLM's CPU tier (``pool``: one copy
 of each prefix on the node) and tierd behind vLLM's own CPU tier (``secondary``); both
 are printed, ``--mode`` picks one. ``--json`` prints only the JSON value to paste
@@ -35,7 +35,7 @@ from tierd.cli.connection import (
 )
 from tierd.client import Client, DaemonError
 from tierd.control.socketfile import default_socket_path
-from tierd.integrations.plugin import (
+from tierd.integrations.core.one_flag import (
     SWITCH_ENV,
     VLLM_CPU_BYTES,
     VLLM_MODE_ENV,

@@ -6,12 +6,12 @@
   deadlines) have no engine imports.
 - :mod:`tierd.integrations.lmcache`: LMCache's L2 adapter (needs LMCache); its tasks run
   on a link, as LMCache's interface is asynchronous (submit, then an event fd).
-- :mod:`tierd.integrations.engine_calls`: every call of vLLM's tier and SGLang's backend,
+- :mod:`tierd.integrations.core.engine_calls`: every call of vLLM's tier and SGLang's backend,
   on the calling thread's own blocking connection (``channel``), down the data path
   ``route`` picks (``moves``) (no engine imports).
-- :mod:`tierd.integrations.link`: a daemon connection on a thread and event loop of its
+- :mod:`tierd.integrations.core.link`: a daemon connection on a thread and event loop of its
   own, reconnecting with backoff; it watches the daemon for the engines (the breaker's
   probe) and carries LMCache's tasks and the events vLLM's tier follows (no engine imports).
-- :mod:`tierd.integrations.naming`: namespaces derived from what makes KV bytes
+- :mod:`tierd.integrations.core.naming`: namespaces derived from what makes KV bytes
   interchangeable (no engine imports).
 """

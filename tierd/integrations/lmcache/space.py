@@ -1,6 +1,6 @@
 """One namespace of the LMCache adapter: its daemon connection and the work on it.
 
-A :class:`Space` owns a :class:`~tierd.integrations.link.DaemonLink` (its connection) and
+A :class:`Space` owns a :class:`~tierd.integrations.core.link.DaemonLink` (its connection) and
 moves bytes through leases on the daemon's pool, mapped into this process: a store reserves
 slots, copies LMCache's bytes in and commits; a lookup-and-lock pins the blocks it finds as
 :class:`Pin` s, which a load copies from and an unlock releases. Copies run on the calling
@@ -26,13 +26,13 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tierd.client import Client, DaemonError, LoadLease, PoolMap, StoreLease, Unreachable
-from tierd.integrations.link import DaemonLink, LinkSettings, NotSent, TooLate, log_unanswered
-from tierd.integrations.sglang_log import SglangLog
+from tierd.integrations.core.engine_log import EngineLog
+from tierd.integrations.core.link import DaemonLink, LinkSettings, NotSent, TooLate, log_unanswered
 
 __all__ = ["LeaseShare", "Pin", "Space", "SpaceSettings"]
 
 T = TypeVar("T")
-log = SglangLog("tierd.integrations.lmcache")
+log = EngineLog("tierd.integrations.lmcache")
 _RUN_MAX = 1024  # keys per lease (the daemon's max_keys_per_request may be lower)
 
 

@@ -38,9 +38,9 @@ from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInter
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
 from tierd.config import default_socket_path
-from tierd.integrations.lmcache_book import Book, StoreOutcome
-from tierd.integrations.lmcache_tasks import Tasks
-from tierd.integrations.params import checked_params
+from tierd.integrations.core.params import checked_params
+from tierd.integrations.lmcache.task_book import Book, StoreOutcome
+from tierd.integrations.lmcache.tasks import Tasks
 
 try:  # LMCache 0.5.7 tags every adapter's medium; 0.5.6 has no such types
     from lmcache.v1.distributed.api import MemoryResidency, MemorySegment, MemoryTags

@@ -127,7 +127,7 @@ def weights_identity(model: str | None) -> dict[str, Any] | None:
     hub id) at a cost that does not grow with the model's size: per file a ``stat`` and
     a fixed number of small reads (:func:`_sampled_digest`). Every engine's namespace
     takes its weights' identity from here (vLLM's :func:`kv_layout_facts`, SGLang's
-    :func:`tierd.integrations.sglang_pages.page_facts`), so they tell weights apart alike.
+    :func:`tierd.integrations.sglang.pages.page_facts`), so they tell weights apart alike.
 
     A local directory: its weight and config files' names, sizes, times and sampled
     content. A file (a GGUF): its own. A hub id: the commit every ref of its cache entry

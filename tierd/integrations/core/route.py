@@ -1,8 +1,8 @@
 """Which way each engine call takes: the one place that decides.
 
 Every engine call goes over one transport, the calling thread's blocking connection
-(:class:`~tierd.integrations.channel.EngineChannel`), and down one data path
-(:mod:`tierd.integrations.moves`), the first of the engine's preferences that its
+(:class:`~tierd.integrations.core.channel.EngineChannel`), and down one data path
+(:mod:`tierd.integrations.core.data_paths`), the first of the engine's preferences that its
 connection offers (:data:`PREFERENCES`, :func:`way`):
 
 ====================  ==========================================  =========================
@@ -36,7 +36,7 @@ engine region: not refused yet), the engine's memfd (engine region), the daemon'
 mapped (lease); inline always. A load never reads into the engine's own memfd: a copy
 under way at the deadline could land in pages the engine has reused, so loads copy on
 the caller's thread. While the breaker is open no call is sent
-(:meth:`~tierd.integrations.channel.EngineChannel.call`).
+(:meth:`~tierd.integrations.core.channel.EngineChannel.call`).
 """
 
 from __future__ import annotations

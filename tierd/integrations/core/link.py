@@ -3,7 +3,7 @@
 :class:`DaemonLink` runs a :class:`~tierd.client.Client` on its own thread and loop;
 callers hand it coroutines (:meth:`DaemonLink.submit`) and get a
 ``concurrent.futures.Future`` back at once. vLLM's tier and SGLang's backend make their
-calls elsewhere (:mod:`tierd.integrations.engine_calls`, blocking, on their own
+calls elsewhere (:mod:`tierd.integrations.core.engine_calls`, blocking, on their own
 threads): for them the link watches the daemon (its :class:`Breaker`'s probe, the lines
 logged when the daemon goes and comes back) and follows its events. LMCache's adapter
 makes its calls here.
@@ -17,7 +17,7 @@ These lines are for the engine's operator, so they go through Python's standard
 ``logging``, the one engines configure and show (SGLang its root logger, vLLM its
 ``vllm`` logger), never through structlog, which no engine configures (``tierd.logs``
 drops its info lines there, and prints its warnings past the engine's handlers): to the
-logger an engine hands the link, else to ``tierd.integrations.link`` (whose warnings
+logger an engine hands the link, else to ``tierd.integrations.core.link`` (whose warnings
 reach the root logger's handlers, or Python's last-resort one on stderr).
 
 Calls go through :meth:`DaemonLink.bounded` (on the link's loop), :meth:`DaemonLink.start`
@@ -60,8 +60,8 @@ from tierd.control.clients.blocking_client import BlockingClient
 from tierd.control.clients.handshake import DaemonSilent
 from tierd.control.clients.pool import PoolShare
 from tierd.errors import TierdError
-from tierd.integrations.params import BlockSizeMismatch
-from tierd.integrations.sglang_log import SglangLog
+from tierd.integrations.core.engine_log import EngineLog
+from tierd.integrations.core.params import BlockSizeMismatch
 
 __all__ = [
     "BlockSizeMismatch",
@@ -77,7 +77,7 @@ __all__ = [
 T = TypeVar("T")
 # The link's lines, through the standard logging every engine shows (its handlers, its
 # format, its level); structlog's calling style (``log.warning("event", key=value)``).
-log = SglangLog("tierd.integrations.link")
+log = EngineLog("tierd.integrations.core.link")
 
 _CLOSE_TIMEOUT_S = 10.0
 _DROP_TIMEOUT_S = 1.0  # closing a connection to a silent daemon must not wait on it
@@ -197,14 +197,14 @@ class DaemonLink:
         said_at_start: bool = False,
     ) -> None:
         """``said_at_start``: the engine's start-up says itself that no daemon answers
-        (:func:`~tierd.integrations.plugin.missing_daemon`); the link then says nothing
+        (:func:`~tierd.integrations.core.one_flag.missing_daemon`); the link then says nothing
         of a daemon it never reached, and says when one answers."""
         self.settings = settings
         self._map_pool = map_pool
         # The engine's logger, if it has one of its own (vLLM's "vllm.tierd"): a standard
-        # logger, or anything called as log.warning("event", k=v) (SglangLog).
+        # logger, or anything called as log.warning("event", k=v) (EngineLog).
         if isinstance(logger, logging.Logger):
-            logger = SglangLog(logger.name)
+            logger = EngineLog(logger.name)
         self.log = logger if logger is not None else log
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -456,7 +456,7 @@ class DaemonLink:
     ) -> bool:
         """Count one bounded call's outcome for the breaker, the same whichever way the
         call was made (:meth:`bounded` on the link's loop, an engine thread's
-        :class:`~tierd.integrations.channel.EngineChannel`). ``exc`` is what it raised
+        :class:`~tierd.integrations.core.channel.EngineChannel`). ``exc`` is what it raised
         (None: it returned; ``answered=False``: it only sent, so its return is no
         answer). An answer, an error answer included, is the daemon's; a
         ``shutting_down`` answer, an error answer on a connection found closed

@@ -9,8 +9,8 @@ them) and swaps only the worker for :class:`TorchCopyWorker`, which copies the s
 synchronously with tensor indexing. The rows are vLLM's direct layout: chunk ``c`` holds,
 for each KV tensor in order, ``blocks_per_chunk`` consecutive pages of that tensor.
 
-``TIERD=1`` picks it on a CPU platform (:mod:`tierd.integrations.vllm_plugin`); by hand:
-``"spec_name": "TierdCpuTieringSpec", "spec_module_path": "tierd.integrations.vllm_cpu"``.
+``TIERD=1`` picks it on a CPU platform (:mod:`tierd.integrations.vllm.plugin`); by hand:
+``"spec_name": "TierdCpuTieringSpec", "spec_module_path": "tierd.integrations.vllm.cpu_spec"``.
 Needs vLLM (and its torch); nothing else in tierd imports it.
 """
 

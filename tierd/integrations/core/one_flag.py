@@ -7,7 +7,7 @@ would use (``TIERD_SOCKET``, else the ``socket.path`` of ``$TIERD_CONFIG``, else
 ``TIERD_SOCKET__PATH``, else the daemon's default path). An absolute path: on, with that
 socket. Anything else is refused with what to write instead.
 
-The engines' plugin seams use it (:mod:`tierd.integrations.vllm_plugin` for vLLM's
+The engines' plugin seams use it (:mod:`tierd.integrations.vllm.plugin` for vLLM's
 ``vllm.general_plugins``; :func:`register_sglang` for SGLang's ``sglang.srt.plugins``), and
 ``tierd engine-config`` prints the same configs for those who paste them. The configs are
 built here once, so that the printed flags and what the variable turns on never differ.
@@ -120,10 +120,10 @@ def start_hint(socket: str) -> str:
 
 
 # vLLM's offloading connector whose KV events also announce the node's blocks
-# (tierd.integrations.vllm_node): the connector of both modes.
+# (tierd.integrations.vllm.connector): the connector of both modes.
 VLLM_CONNECTOR = {
     "kv_connector": "TierdConnector",
-    "kv_connector_module_path": "tierd.integrations.vllm_node",
+    "kv_connector_module_path": "tierd.integrations.vllm.connector",
 }
 
 
@@ -136,7 +136,7 @@ def vllm_transfer_config(
 ) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` with tierd as the secondary tier of its offloading.
     ``cpu_build``: vLLM's CPU build, whose own offload worker refuses the platform, gets
-    tierd's plain-torch copy worker (:mod:`tierd.integrations.vllm_cpu`)."""
+    tierd's plain-torch copy worker (:mod:`tierd.integrations.vllm.cpu_spec`)."""
     tier: dict[str, Any] = {
         "type": "TierdSecondaryTier",
         "module_path": "tierd.integrations.vllm",
@@ -148,7 +148,7 @@ def vllm_transfer_config(
     if cpu_build:
         extra = {
             "spec_name": "TierdCpuTieringSpec",
-            "spec_module_path": "tierd.integrations.vllm_cpu",
+            "spec_module_path": "tierd.integrations.vllm.cpu_spec",
         }
     extra.update(cpu_bytes_to_use=cpu_bytes, secondary_tiers=[tier])
     return {**VLLM_CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": extra}
@@ -156,7 +156,7 @@ def vllm_transfer_config(
 
 def vllm_pool_config(socket: str, *, namespace: str | None = None) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` with tierd's pool as vLLM's CPU tier (one copy of
-    each prefix on the node: :mod:`tierd.integrations.vllm_pool`); the same on vLLM's GPU
+    each prefix on the node: :mod:`tierd.integrations.vllm.pool_spec`); the same on vLLM's GPU
     and CPU builds."""
     tierd: dict[str, Any] = {"socket": socket}
     if namespace:
@@ -166,7 +166,7 @@ def vllm_pool_config(socket: str, *, namespace: str | None = None) -> dict[str, 
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "spec_name": "TierdPoolSpec",
-            "spec_module_path": "tierd.integrations.vllm_pool",
+            "spec_module_path": "tierd.integrations.vllm.pool_spec",
             "tierd": tierd,
         },
     }

@@ -9,14 +9,14 @@ SGLang loads the class by module path (``docs/sglang.md`` has the flags to paste
 
 SGLang calls a backend synchronously from its storage threads (prefetch and backup).
 Every call runs on the calling thread's own blocking connection, down the data path
-:mod:`tierd.integrations.route` picks (:mod:`tierd.integrations.sglang_jobs`), and waits
+:mod:`tierd.integrations.core.route` picks (:mod:`tierd.integrations.sglang.page_jobs`), and waits
 on the daemon at most a short deadline (``lookup_deadline_s`` for ``batch_exists``,
 ``job_deadline_s`` for the rest), then answers a miss or a failed set; after repeated
 failures a breaker answers at once until the daemon is back (the
-:class:`~tierd.integrations.link.DaemonLink` probes it). No call raises into SGLang (after
+:class:`~tierd.integrations.core.link.DaemonLink` probes it). No call raises into SGLang (after
 ``close()`` too): a daemon that did not serve a call costs a miss, counted; an error of
 the backend's own code (a bug) costs a miss too, counted and logged with its traceback
-(:class:`~tierd.integrations.sglang_log.Faults`), never a quiet one. A page is only
+(:class:`~tierd.integrations.core.engine_log.Faults`), never a quiet one. A page is only
 reported loaded when its bytes are the daemon's bytes for that key, and stored when the
 daemon holds it. ``clear()`` deletes the namespace's blocks from the daemon. The backend
 logs through the standard logging SGLang configures (``sglang_log``).
@@ -40,13 +40,13 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
-from tierd.integrations.engine_calls import Unconfirmed
-from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
-from tierd.integrations.params import checked_params, size_advice, start_refusal
-from tierd.integrations.plugin import missing_daemon
-from tierd.integrations.sglang_jobs import PageJobs
-from tierd.integrations.sglang_log import Faults, SglangLog
-from tierd.integrations.sglang_pages import (
+from tierd.integrations.core.engine_calls import Unconfirmed
+from tierd.integrations.core.engine_log import EngineLog, Faults
+from tierd.integrations.core.link import BlockSizeMismatch, DaemonLink, LinkSettings
+from tierd.integrations.core.one_flag import missing_daemon
+from tierd.integrations.core.params import checked_params, size_advice, start_refusal
+from tierd.integrations.sglang.page_jobs import PageJobs
+from tierd.integrations.sglang.pages import (
     PageGeometry,
     UnsupportedPool,
     derive_namespace,
@@ -55,12 +55,12 @@ from tierd.integrations.sglang_pages import (
     page_key,
     prefix_keys,
 )
-from tierd.integrations.sglang_stats import Counters, tensor_bytes
+from tierd.integrations.sglang.storage_metrics import Counters, tensor_bytes
 
 __all__ = ["SglangSettings", "TierdHiCache", "UnsupportedPool"]
 
 # SGLang configures the standard logging, not structlog: the lines go where SGLang's do.
-log = SglangLog("tierd.integrations.sglang")
+log = EngineLog("tierd.integrations.sglang")
 T = TypeVar("T")
 
 # Keys of the extra config that SGLang itself reads; they are not ours to check.

@@ -1,6 +1,6 @@
 """Leases on the daemon's pool for an engine whose own workers copy into its rows.
 
-When tierd's pool is an engine's CPU tier (vLLM's, :mod:`tierd.integrations.vllm_pool`),
+When tierd's pool is an engine's CPU tier (vLLM's, :mod:`tierd.integrations.vllm.pool_spec`),
 the engine's scheduler asks the daemon for rows and the engine's workers copy between
 their KV cache and those rows of the mapped pool, later, on other threads or in other
 processes. The daemon must not give a row to another block while such a copy may still
@@ -27,7 +27,7 @@ until the engine reports the copy done, and that holds however the connection fa
   pool (still mapped by the engine's workers) is never written again by anyone: a copy
   in flight reads the right bytes or writes bytes nobody reads.
 
-The breaker is the link's (:class:`~tierd.integrations.link.DaemonLink`): while it is
+The breaker is the link's (:class:`~tierd.integrations.core.link.DaemonLink`): while it is
 open nothing is sent, asks are misses and reservations fail at once. Every row handed out
 names the pool it lies in (the daemon's pool name): a restarted daemon has another pool,
 which the workers map when they first meet it (:func:`mapped_pool`, for workers in this
@@ -40,7 +40,7 @@ connect backoff, all unlocked. Shared: the replies that came after their asks we
 up on (filled by a handler wherever the connection's replies are read, taken by the
 scheduler's next call), under the instance's lock; the process's pool mappings
 (``_HERE``, read by workers of this process through :func:`mapped_pool`), under
-:class:`~tierd.integrations.channel.PoolUsers`' own lock; and the link's breaker, under
+:class:`~tierd.integrations.core.channel.PoolUsers`' own lock; and the link's breaker, under
 its own.
 """
 
@@ -58,8 +58,8 @@ from tierd.control.clients.blocking_client import BlockingClient
 from tierd.control.clients.handshake import DaemonError, Unreachable
 from tierd.control.clients.pool import PoolMap
 from tierd.errors import TierdError
-from tierd.integrations.channel import PoolUsers
-from tierd.integrations.link import DaemonLink
+from tierd.integrations.core.channel import PoolUsers
+from tierd.integrations.core.link import DaemonLink
 from tierd.logs import get_logger
 
 __all__ = ["NoPool", "PoolLeases", "Rows", "mapped_pool"]

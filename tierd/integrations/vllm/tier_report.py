@@ -14,7 +14,7 @@ operator must see that without turning on debug logs.
 
 Events (vLLM's ``enable_kv_events``): *stored* for every block of a successful store job,
 *removed* when the daemon's event stream says a block this engine stored left its last
-tier (:class:`~tierd.integrations.residency.Residency`), both with the tier's configured
+tier (:class:`~tierd.integrations.core.residency.Residency`), both with the tier's configured
 medium and locality.
 """
 
@@ -42,8 +42,8 @@ from vllm.v1.kv_offload.base import (
 
 from tierd.client import Client
 from tierd.errors import TierdError
-from tierd.integrations.link import DaemonLink
-from tierd.integrations.residency import Residency
+from tierd.integrations.core.link import DaemonLink
+from tierd.integrations.core.residency import Residency
 from tierd.logs import get_logger
 
 __all__ = [

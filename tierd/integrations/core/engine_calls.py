@@ -1,12 +1,12 @@
 """An engine's calls to the daemon: one transport, one data path each, chosen in one place.
 
 :class:`EngineCalls` is what vLLM's tier and SGLang's backend call. Each call runs on
-the calling thread's own connection (:class:`~tierd.integrations.channel.EngineChannel`:
+the calling thread's own connection (:class:`~tierd.integrations.core.channel.EngineChannel`:
 a deadline, a breaker, one retry on a connection found lost) and a load or a store goes
-down the way :func:`tierd.integrations.route.way` picks for the engine
-(:mod:`tierd.integrations.moves` does the moving). A daemon that refuses regions is
+down the way :func:`tierd.integrations.core.route.way` picks for the engine
+(:mod:`tierd.integrations.core.data_paths` does the moving). A daemon that refuses regions is
 remembered: later calls route around them, and the call that found out is routed again
-at once. The daemon's link (:class:`~tierd.integrations.link.DaemonLink`) carries no
+at once. The daemon's link (:class:`~tierd.integrations.core.link.DaemonLink`) carries no
 engine call: it watches the daemon (the breaker's probe, its log lines) and carries the
 events an integration subscribes to.
 
@@ -33,9 +33,9 @@ from tierd.control.clients.blocking_client import BlockingClient
 from tierd.control.clients.handshake import DaemonError, DaemonSilent
 from tierd.control.clients.regions import job_keys
 from tierd.errors import ProtocolError, TierdError
-from tierd.integrations.channel import Connection, EngineChannel
-from tierd.integrations.link import DaemonLink
-from tierd.integrations.moves import (
+from tierd.integrations.core.channel import EngineChannel, ThreadConnection
+from tierd.integrations.core.data_paths import (
+    NO_REGIONS,
     Blocks,
     LoadOutcome,
     copied_load,
@@ -44,8 +44,8 @@ from tierd.integrations.moves import (
     staged_load,
     staged_store,
 )
-from tierd.integrations.route import Engine, Way, way
-from tierd.integrations.staging import NO_REGIONS
+from tierd.integrations.core.link import DaemonLink
+from tierd.integrations.core.route import Engine, Way, way
 
 __all__ = [
     "CopyCutOff",
@@ -139,7 +139,7 @@ class EngineCalls:
         loaded (their lease goes with the connection)."""
         loaded: list[int] = []
 
-        def body(conn: Connection, deadline: float) -> str | None:
+        def body(conn: ThreadConnection, deadline: float) -> str | None:
             loaded.clear()  # a second attempt (a connection found lost) starts afresh
             target = DeadlineBlocks(blocks, deadline) if cut_off else blocks
 
@@ -168,7 +168,7 @@ class EngineCalls:
         # Only blocks that lie in the engine's memfd can be read out of it by the daemon.
         in_memfd = isinstance(blocks, RegionBlocks)
 
-        def body(conn: Connection, deadline: float) -> list[bool]:
+        def body(conn: ThreadConnection, deadline: float) -> list[bool]:
             def run(chosen: Way) -> list[bool]:
                 return self._store(chosen, conn, keys, blocks, deadline)
 
@@ -178,7 +178,7 @@ class EngineCalls:
 
     def _routed(
         self,
-        conn: Connection,
+        conn: ThreadConnection,
         op: Any,
         run: Callable[[Way], T],
         moved: list[Any],
@@ -227,7 +227,7 @@ class EngineCalls:
     def _load(
         self,
         chosen: Way,
-        conn: Connection,
+        conn: ThreadConnection,
         keys: Sequence[bytes],
         blocks: Blocks,
         deadline: float,
@@ -242,7 +242,12 @@ class EngineCalls:
             copied_load(conn, keys, blocks, deadline, loaded, leading=leading, lease=lease)
 
     def _store(
-        self, chosen: Way, conn: Connection, keys: Sequence[bytes], blocks: Blocks, deadline: float
+        self,
+        chosen: Way,
+        conn: ThreadConnection,
+        keys: Sequence[bytes],
+        blocks: Blocks,
+        deadline: float,
     ) -> list[bool]:
         if chosen is Way.ENGINE_REGION:
             region = self._engine_region(conn, deadline)
@@ -254,7 +259,7 @@ class EngineCalls:
             return leased_store(conn, keys, blocks, deadline)
         return inline_store(conn, keys, blocks, deadline)
 
-    def _engine_region(self, conn: Connection, deadline: float) -> int:
+    def _engine_region(self, conn: ThreadConnection, deadline: float) -> int:
         """This connection's id of the engine's memfd (registered on first use)."""
         region = conn.held.get("engine")
         if isinstance(region, int):
@@ -278,7 +283,7 @@ class EngineCalls:
         answered within the deadline raises :class:`Unconfirmed`: the daemon may still
         carry it out (a stopped daemon does once it resumes)."""
 
-        def body(conn: Connection, deadline: float) -> tuple[int, int]:
+        def body(conn: ThreadConnection, deadline: float) -> tuple[int, int]:
             removed = busy = 0
             for attempt in range(tries):
                 if attempt:
@@ -305,7 +310,7 @@ class CopyCutOff(TierdError):
 
 @dataclass(frozen=True, slots=True)
 class DeadlineBlocks:
-    """``blocks`` (:class:`~tierd.integrations.moves.Blocks`) that take no block in once
+    """``blocks`` (:class:`~tierd.integrations.core.data_paths.Blocks`) that take no block in once
     ``deadline`` (a ``time.monotonic()`` second) has passed: each copy in starts only
     before it, so a load ends at most one block's copy after its deadline, and a block
     is either copied whole or not at all (:class:`CopyCutOff`)."""
@@ -341,7 +346,7 @@ class Unconfirmed(DaemonSilent):
 
 
 def leased_store(
-    conn: Connection, keys: Sequence[bytes], blocks: Blocks, deadline: float
+    conn: ThreadConnection, keys: Sequence[bytes], blocks: Blocks, deadline: float
 ) -> list[bool]:
     """Store ``blocks`` under ``keys`` through pool slots, a lease at a time; per key,
     whether the daemon holds it now. A key given a slot counts once ``complete_store``

@@ -2,8 +2,8 @@
 
 A call moves blocks between the daemon and an engine's memory, named by their position
 in the call (:class:`Blocks`: vLLM's rows, :class:`RowBlocks`; SGLang's pages of pieces,
-:class:`~tierd.integrations.sglang_blocks.PageBlocks`). Which path a call takes is
-:func:`tierd.integrations.route.way`'s choice; the paths are here:
+:class:`~tierd.integrations.sglang.pages.PageBlocks`). Which path a call takes is
+:func:`tierd.integrations.core.route.way`'s choice; the paths are here:
 
 - **staged** (:func:`staged_load`, :func:`staged_store`): region requests into, or out
   of, a memfd of the connection's own (registered on its first use), and one copy
@@ -15,7 +15,7 @@ in the call (:class:`Blocks`: vLLM's rows, :class:`RowBlocks`; SGLang's pages of
   nothing read past it). Never for loads: a copy under way at the deadline could land
   in memory the engine has reused.
 - **lease** (:func:`copied_load`, and for stores
-  :func:`~tierd.integrations.engine_calls.leased_store`): the daemon's pool is mapped
+  :func:`~tierd.integrations.core.engine_calls.leased_store`): the daemon's pool is mapped
   here; slots are pinned or reserved, and the caller's thread copies. A load's release
   is posted (not waited for).
 - **inline** (:func:`copied_load` without a lease, :func:`inline_store`): the bytes in
@@ -25,11 +25,19 @@ So a byte of the daemon's lands in an engine's memory only from the caller's thr
 inside the call. A load fills ``loaded`` (positions) as it goes, so a failure partway
 keeps what was copied before it; ``leading`` loads stop at the first miss (SGLang uses
 the leading pages only), the others skip it.
+
+**A connection's private staging memory** (:func:`staging_memory`): the staged way moves
+an engine's blocks through a memfd of the connection's own, not through the engine's
+memory: a job the engine gave up on (a daemon stopped past the deadline, then resumed)
+may still be copied by the daemon later, and it must land where nobody reads or writes
+again. A staging memfd belongs to one connection; when a call times out the connection
+is dropped, and the next connection gets a fresh memfd.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,22 +49,50 @@ import numpy.typing as npt
 from tierd.control.clients.blocking_client import MAX_REPLY_BYTES, BlockingClient
 from tierd.control.clients.regions import job_keys
 from tierd.errors import TierdError
-from tierd.integrations.channel import Connection
-from tierd.integrations.staging import row_offsets, staging_memory
+from tierd.integrations.core.channel import ThreadConnection
 
 __all__ = [
     "Blocks",
     "LoadOutcome",
+    "NO_REGIONS",
     "RowBlocks",
-    "engine_region_store",
     "copied_load",
+    "engine_region_store",
     "inline_store",
+    "row_offsets",
     "staged_load",
     "staged_store",
+    "staging_memory",
 ]
 
 Rows = npt.NDArray[np.uint8]
 Positions = npt.NDArray[np.intp]
+
+# What a daemon without engine regions answers a registration with.
+NO_REGIONS = frozenset({"unknown_op", "bad_region", "not_allowed"})
+
+
+def staging_memory(rows: int, row_bytes: int) -> tuple[int, Rows]:
+    """A memfd of ``rows`` rows of ``row_bytes``, mapped here with every page faulted in
+    (not in the first job): its descriptor (the caller closes it once the daemon has it;
+    the mapping keeps the memory) and the rows."""
+    size = rows * row_bytes
+    # Sealable: the daemon seals a region it loads into (its pages cannot go meanwhile).
+    fd = os.memfd_create("tierd-engine-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        os.close(fd)
+        raise
+    array = np.frombuffer(mapping, dtype=np.uint8).reshape(rows, row_bytes)
+    array[:] = 0
+    return fd, array
+
+
+def row_offsets(rows: int, row_bytes: int) -> npt.NDArray[np.uint64]:
+    """The byte offset of each of ``rows`` rows."""
+    return np.arange(rows, dtype=np.uint64) * np.uint64(row_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +149,7 @@ class _Staging:
     offsets: npt.NDArray[np.uint64]
 
 
-def staging_of(conn: Connection, rows: int, row_bytes: int, deadline: float) -> _Staging:
+def staging_of(conn: ThreadConnection, rows: int, row_bytes: int, deadline: float) -> _Staging:
     """``conn``'s staging region of ``rows`` rows (registered on first use; a daemon
     without regions answers a :class:`~tierd.control.clients.handshake.DaemonError`)."""
     staging = conn.held.get("staging")
@@ -129,7 +165,7 @@ def staging_of(conn: Connection, rows: int, row_bytes: int, deadline: float) -> 
 
 
 def staged_load(
-    conn: Connection,
+    conn: ThreadConnection,
     keys: Sequence[bytes],
     blocks: Blocks,
     deadline: float,
@@ -167,7 +203,7 @@ def _runs(rows: Positions) -> list[Positions]:
 
 
 def staged_store(
-    conn: Connection, keys: Sequence[bytes], blocks: Blocks, deadline: float, *, rows: int
+    conn: ThreadConnection, keys: Sequence[bytes], blocks: Blocks, deadline: float, *, rows: int
 ) -> list[bool]:
     """Store ``blocks`` under ``keys`` through the staging memfd; per key, whether the
     daemon holds it now."""
@@ -190,7 +226,7 @@ def staged_store(
 
 
 def engine_region_store(
-    conn: Connection,
+    conn: ThreadConnection,
     region: int,
     keys: Sequence[bytes],
     offsets: npt.NDArray[np.uint64],
@@ -203,7 +239,7 @@ def engine_region_store(
 
 
 def copied_load(
-    conn: Connection,
+    conn: ThreadConnection,
     keys: Sequence[bytes],
     blocks: Blocks,
     deadline: float,
@@ -263,7 +299,7 @@ def _load_in_rounds(
 
 
 def inline_store(
-    conn: Connection, keys: Sequence[bytes], blocks: Blocks, deadline: float
+    conn: ThreadConnection, keys: Sequence[bytes], blocks: Blocks, deadline: float
 ) -> list[bool]:
     """Store ``blocks`` in the messages themselves (no pool, no regions); per key, whether
     the daemon holds it now (a request stored short is looked up)."""

@@ -4,7 +4,7 @@ vLLM runs every ``vllm.general_plugins`` entry point in each of its processes, f
 ``EngineArgs.__post_init__`` (and, for ``vllm serve``, while it builds its argument
 parser), that is before ``EngineArgs.create_engine_config`` builds the ``VllmConfig``
 the engine core and its workers receive. :func:`register` wraps that method, once per
-process: when ``TIERD`` is on (:mod:`tierd.integrations.plugin`) and the user gave no
+process: when ``TIERD`` is on (:mod:`tierd.integrations.core.one_flag`) and the user gave no
 ``--kv-transfer-config`` (nor another offloading backend), it fills in the config
 ``tierd engine-config vllm`` prints, with the socket resolved here, in the process that
 parses the flags. The engine core and the workers get the finished config; the wrapper is
@@ -17,11 +17,11 @@ this logs nothing); one that renames the fields it reads (``kv_transfer_config``
 ``TIERD`` is on. With ``TIERD`` unset :func:`register` returns before importing vLLM.
 
 Once the config is built, and before any weight loads, the wrapper asks the daemon
-whether it serves the engine's block size (:mod:`tierd.integrations.vllm_size`): a
+whether it serves the engine's block size (:mod:`tierd.integrations.vllm.block_size`): a
 daemon that does not stops the start in one line that says what to change.
 
 vLLM's ``--kv-offloading-size GiB`` (its native backend) sizes vLLM's own CPU tier in front
-of tierd; without it the tier is :data:`~tierd.integrations.plugin.VLLM_CPU_BYTES`.
+of tierd; without it the tier is :data:`~tierd.integrations.core.one_flag.VLLM_CPU_BYTES`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tierd.integrations.plugin import (
+from tierd.integrations.core.one_flag import (
     VLLM_MODE_ENV,
     VllmMode,
     choose_vllm_mode,
@@ -66,7 +66,7 @@ def _wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
         config = original(self, *args, **kwargs)
         switch = read_switch()
         if filled and switch is not None:  # before the weights load: a size refused stops
-            from tierd.integrations.vllm_size import SizeRefused, check_block_size, refuse
+            from tierd.integrations.vllm.block_size import SizeRefused, check_block_size, refuse
 
             try:
                 check_block_size(config, switch.socket)
@@ -81,7 +81,7 @@ def _wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
 def fill_in(engine_args: Any) -> bool:
     """Give ``engine_args`` tierd's transfer config if ``TIERD`` is on and the user chose
     no other; whether it did. The switch is read again: a refused value stops here. The
-    mode is :func:`~tierd.integrations.plugin.choose_vllm_mode`'s: tierd's pool as vLLM's
+    mode is :func:`~tierd.integrations.core.one_flag.choose_vllm_mode`'s: tierd's pool as vLLM's
     CPU tier when the daemon serves one, else tierd behind vLLM's own CPU tier; a
     ``--kv-offloading-size`` sizes vLLM's own CPU tier, so it asks for the second."""
     switch = read_switch()

@@ -21,14 +21,14 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Faults", "SglangLog"]
+__all__ = ["Faults", "EngineLog"]
 
 # Kinds of fault told apart (type and where it was raised); past this many, one more.
 _KINDS_MAX = 64
 _REPEAT_EVERY_S = 60.0
 
 
-class SglangLog:
+class EngineLog:
     """structlog's calling style (``log.info("event", key=value)``) over a standard
     logger named ``name``."""
 
@@ -71,7 +71,7 @@ class Faults:
     ones of that kind as one WARNING line at most every ``every_s``, with how many came
     meanwhile. Thread-safe (SGLang's storage threads call the backend at once)."""
 
-    def __init__(self, log: SglangLog, every_s: float = _REPEAT_EVERY_S) -> None:
+    def __init__(self, log: EngineLog, every_s: float = _REPEAT_EVERY_S) -> None:
         self._log = log
         self._every_s = every_s
         self._lock = threading.Lock()

@@ -5,16 +5,16 @@ vLLM's scheduler publishes, at each step, the KV events of its prefix cache and 
 connector's ``take_events()`` returns. :class:`TierdConnector` is the offloading
 connector unchanged (the same specs, tierd's pool or tierd behind vLLM's CPU tier), plus,
 when the engine's KV events are on, the daemon's own stream for this user's tenant merged
-in (:class:`~tierd.integrations.node_events.NodeEvents`): a prefix another engine stored
+in (:class:`~tierd.integrations.core.node_events.NodeEvents`): a prefix another engine stored
 in tierd appears, fully described (hashes, parent, tokens, block size, medium ``CPU`` or
 ``DISK``), in this engine's stream, and its removal when the node lets it go. Routers
 follow each engine's stream and credit the engine for it: every engine of the namespace
 is credited for the node's blocks, each under its own identity.
 
-``TIERD=1`` picks it (:mod:`tierd.integrations.vllm_plugin`); by hand::
+``TIERD=1`` picks it (:mod:`tierd.integrations.vllm.plugin`); by hand::
 
     --kv-transfer-config '{"kv_connector": "TierdConnector",
-      "kv_connector_module_path": "tierd.integrations.vllm_node", ...}'
+      "kv_connector_module_path": "tierd.integrations.vllm.connector", ...}'
 
 with the ``kv_connector_extra_config`` of either mode. ``"node_events": false`` in that
 extra config leaves the engine's stream as the plain ``OffloadingConnector`` makes it.
@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
-from tierd.integrations.node_events import NodeEvents
+from tierd.integrations.core.node_events import NodeEvents
 
 __all__ = ["TierdConnector", "socket_of"]
 

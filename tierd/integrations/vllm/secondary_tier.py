@@ -5,10 +5,10 @@ vLLM loads the class by module path (``docs/vllm.md`` has the config to paste)::
     {"type": "TierdSecondaryTier", "module_path": "tierd.integrations.vllm",
      "socket": "/run/user/1000/tierd/tierd.sock"}
 
-(or none of it: ``TIERD=1`` in vLLM's environment, :mod:`tierd.integrations.vllm_plugin`).
+(or none of it: ``TIERD=1`` in vLLM's environment, :mod:`tierd.integrations.vllm.plugin`).
 
 vLLM's scheduler calls every method synchronously. Every call to the daemon goes through
-the tier's :class:`~tierd.integrations.engine_calls.EngineCalls`: on the calling thread's
+the tier's :class:`~tierd.integrations.core.engine_calls.EngineCalls`: on the calling thread's
 own blocking connection, bounded by a short deadline. vLLM's scheduler step does not wait
 on the daemon (a step waits :data:`STEP_WAIT_S` at most for its lookups' answer, a poll 1
 ms at most for a load in flight, a touch is only sent, ``drain_jobs`` is bounded): the
@@ -17,8 +17,8 @@ when the step ends (vLLM's ``AsyncLookupManager``: RETRY until the answer, then 
 MISS); a load is one region request sent from one of the tier's load threads (several side
 by side), the daemon copying the blocks, the thread waiting in ``recv``; stores run on the
 tier's store thread. ``submit_load`` and ``submit_store`` return at once; where each job
-runs and how it ends is :mod:`tierd.integrations.vllm_jobs`'. The
-:class:`~tierd.integrations.link.DaemonLink` carries no job: it watches the daemon (the
+runs and how it ends is :mod:`tierd.integrations.vllm.tier_jobs`'. The
+:class:`~tierd.integrations.core.link.DaemonLink` carries no job: it watches the daemon (the
 breaker's probe) and follows its events. Jobs are reported by ``get_finished_jobs``. Any
 failure (daemon down, stopped, killed, restarted, ``capacity``, a block evicted or failing
 its checksum) is a failed job or a miss, never an exception in vLLM; past a few failures a
@@ -58,14 +58,14 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from tierd.client import Unreachable
 from tierd.config import default_socket_path
 from tierd.errors import TierdError
-from tierd.integrations.engine_calls import EngineCalls
-from tierd.integrations.link import BlockSizeMismatch, DaemonLink, LinkSettings
-from tierd.integrations.naming import derive_namespace
-from tierd.integrations.params import start_refusal
-from tierd.integrations.plugin import missing_daemon
-from tierd.integrations.vllm_describe import describer_for
-from tierd.integrations.vllm_jobs import Done, Jobs
-from tierd.integrations.vllm_report import EventFollower, TierReport, event_config
+from tierd.integrations.core.engine_calls import EngineCalls
+from tierd.integrations.core.link import BlockSizeMismatch, DaemonLink, LinkSettings
+from tierd.integrations.core.naming import derive_namespace
+from tierd.integrations.core.one_flag import missing_daemon
+from tierd.integrations.core.params import start_refusal
+from tierd.integrations.vllm.block_descriptions import describer_for
+from tierd.integrations.vllm.tier_jobs import Done, Jobs
+from tierd.integrations.vllm.tier_report import EventFollower, TierReport, event_config
 from tierd.logs import get_logger
 
 if TYPE_CHECKING:
@@ -358,7 +358,7 @@ class TierdSecondaryTier(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         """Wait for every submitted job; never on a daemon that does not answer
-        (:meth:`~tierd.integrations.vllm_jobs.Jobs.drain`)."""
+        (:meth:`~tierd.integrations.vllm.tier_jobs.Jobs.drain`)."""
         self._jobs.drain()
 
     def take_events(self) -> Iterable[OffloadingEvent]:

@@ -46,7 +46,7 @@ from tierd.logs import get_logger
 
 __all__ = ["MAX_ANNOUNCED", "MAX_QUEUED", "NodeEvents", "RETRY_S", "STALE_S", "stream_endpoint"]
 
-log = get_logger("tierd.integrations.node_events")
+log = get_logger("tierd.integrations.core.node_events")
 
 MAX_QUEUED = 4096  # batches of the node's events not yet taken by an engine step
 MAX_ANNOUNCED = 1 << 20  # (hash, medium, group) the merge keeps as announced

@@ -6,19 +6,19 @@ region of the engine's own, and a manager that decides what lives there). With
 decides hits, placement, eviction and demotion to its disk tier, and a block one engine
 stored is at once a CPU-tier hit for every engine of the same namespace. vLLM's own
 copies move the bytes straight between its KV cache and rows of the mapped pool
-(:mod:`tierd.integrations.vllm_pool_worker`): no staging file, no second copy, no CPU
+(:mod:`tierd.integrations.vllm.pool_worker`): no staging file, no second copy, no CPU
 region of the engine's own. vLLM loads the spec by name::
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"spec_name": "TierdPoolSpec",
-        "spec_module_path": "tierd.integrations.vllm_pool",
+        "spec_module_path": "tierd.integrations.vllm.pool_spec",
         "tierd": {"socket": "/run/tierd/tierd.sock"}}}'
 
-(or ``TIERD=1``: :mod:`tierd.integrations.vllm_plugin` picks this mode when the daemon
+(or ``TIERD=1``: :mod:`tierd.integrations.vllm.plugin` picks this mode when the daemon
 serves a pool). This module is the spec: its options (the ``tierd`` entry) and the
-geometry of a row. The scheduler's side is :mod:`tierd.integrations.vllm_pool_manager`
+geometry of a row. The scheduler's side is :mod:`tierd.integrations.vllm.pool_manager`
 (with the rows it hands vLLM, naming the pool they lie in), the workers'
-:mod:`tierd.integrations.vllm_pool_worker`. No row is handed out but under a lease, and
+:mod:`tierd.integrations.vllm.pool_worker`. No row is handed out but under a lease, and
 no lease ends while vLLM's copy may run: the rule and each fault are in ``docs/vllm.md``
 ("tierd's pool as vLLM's CPU tier").
 """
@@ -36,10 +36,10 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tierd.config import default_socket_path
-from tierd.integrations.link import LinkSettings
-from tierd.integrations.naming import derive_namespace
-from tierd.integrations.params import checked_params
-from tierd.integrations.vllm_report import TierReport
+from tierd.integrations.core.link import LinkSettings
+from tierd.integrations.core.naming import derive_namespace
+from tierd.integrations.core.params import checked_params
+from tierd.integrations.vllm.tier_report import TierReport
 from tierd.logs import get_logger
 
 if TYPE_CHECKING:
@@ -128,14 +128,14 @@ class TierdPoolSpec(OffloadingSpec):  # type: ignore[misc]
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            from tierd.integrations.vllm_pool_manager import TierdPoolManager
+            from tierd.integrations.vllm.pool_manager import TierdPoolManager
 
             self._manager = TierdPoolManager(self)
         return self._manager
 
     def get_worker(self, kv_caches: Any) -> Any:
         if self._worker is None:
-            from tierd.integrations.vllm_pool_worker import TierdPoolWorker
+            from tierd.integrations.vllm.pool_worker import TierdPoolWorker
 
             self._worker = TierdPoolWorker(self, kv_caches)
         return self._worker

@@ -13,7 +13,7 @@ vLLM's own business, checked when the engine connects instead).
 
 :func:`check_block_size` asks the daemon, with the hello the engine will send anyway:
 served, or refused with the daemon's words. With ``TIERD`` on,
-:mod:`tierd.integrations.vllm_plugin` runs it as the config is built, so that a daemon
+:mod:`tierd.integrations.vllm.plugin` runs it as the config is built, so that a daemon
 that does not serve the engine's size stops the start at once, in one line.
 """
 
@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from tierd.integrations.params import size_advice
+from tierd.integrations.core.params import size_advice
 
 __all__ = ["SizeRefused", "check_block_size", "predicted_block_bytes", "refuse"]
 

@@ -38,7 +38,7 @@ __all__ = [
     "rank_endpoint",
 ]
 
-log = get_logger("tierd.integrations.vllm_describe")
+log = get_logger("tierd.integrations.vllm.block_descriptions")
 
 # Remembered engine blocks: about 316 bytes + 4 per token each (measured: 380 B at 16
 # tokens, 444 at 32), so about 100 MB at 16 tokens a block.

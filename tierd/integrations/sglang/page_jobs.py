@@ -1,9 +1,9 @@
 """Moving SGLang's host pages to and from the daemon, each call under a deadline.
 
-Every call goes through the backend's :class:`~tierd.integrations.engine_calls.EngineCalls`:
+Every call goes through the backend's :class:`~tierd.integrations.core.engine_calls.EngineCalls`:
 on the calling SGLang thread's own blocking connection (SGLang's prefetch and backup
 threads never wait on each other, nor on an event loop's thread), down the way
-:mod:`tierd.integrations.route` picks for SGLang:
+:mod:`tierd.integrations.core.route` picks for SGLang:
 
 - **loads** copy out of the daemon's pool (leases, mapped into this process) on the
   caller's thread, inside the call. Nothing of the daemon's lands in SGLang's pages once
@@ -31,15 +31,15 @@ import numpy as np
 import numpy.typing as npt
 
 from tierd.errors import TierdError
-from tierd.integrations.engine_calls import EngineCalls, memfd_of
-from tierd.integrations.link import DaemonLink
-from tierd.integrations.moves import Blocks
-from tierd.integrations.sglang_log import SglangLog
-from tierd.integrations.sglang_pages import FlatBlock, PageBlocks, PageGeometry, page_key
+from tierd.integrations.core.data_paths import Blocks
+from tierd.integrations.core.engine_calls import EngineCalls, memfd_of
+from tierd.integrations.core.engine_log import EngineLog
+from tierd.integrations.core.link import DaemonLink
+from tierd.integrations.sglang.pages import FlatBlock, PageBlocks, PageGeometry, page_key
 
 __all__ = ["PageJobs", "cpu_demand"]
 
-log = SglangLog("tierd.integrations.sglang")
+log = EngineLog("tierd.integrations.sglang")
 Offsets = npt.NDArray[np.uint64]
 # A clear asks again while some blocks are in use (a load lease lives for one copy): at
 # most this many times, pausing a little longer each time.

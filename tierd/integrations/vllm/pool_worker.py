@@ -1,7 +1,7 @@
 """vLLM's workers copying straight between their KV cache and rows of tierd's pool.
 
 :class:`TierdPoolWorker` is the worker side of
-:class:`~tierd.integrations.vllm_pool.TierdPoolSpec`: each rank maps the daemon's pool
+:class:`~tierd.integrations.vllm.pool_spec.TierdPoolSpec`: each rank maps the daemon's pool
 (the scheduler's mapping when it runs in this process, else one of its own, from the
 descriptor the daemon passes) and views each KV tensor's part of every row, as vLLM views
 its own shared region: row ``r`` at ``r * stride``, rank ``k``'s part at
@@ -14,10 +14,10 @@ rank), in it ``blocks_per_chunk`` pages of each KV tensor in turn.
   (``SingleDirectionOffloadingHandler``: its batched copies on its streams, an event per
   job to know when it is done).
 - **On vLLM's CPU build** the copies are plain torch
-  (:class:`~tierd.integrations.vllm_cpu.RowCopies`), done when ``submit_*`` returns.
+  (:class:`~tierd.integrations.vllm.cpu_spec.RowCopies`), done when ``submit_*`` returns.
 
 Every job names the pool its rows lie in
-(:class:`~tierd.integrations.vllm_pool_manager.TierdRowsSpec`): a restarted daemon has a new
+(:class:`~tierd.integrations.vllm.pool_manager.TierdRowsSpec`): a restarted daemon has a new
 pool, which the worker maps when a job first names it; the old one stays mapped while
 jobs may use it (its rows, pinned or reserved before the daemon went, are never reused
 by anyone). A load whose pool this process cannot map (the daemon that pinned it gone
@@ -31,8 +31,8 @@ handlers, and the results not collected yet, all unlocked; the copies run on vLL
 streams (on the CPU build they are done when ``submit_*`` returns), and their ends are
 read on that same thread (``get_finished``, ``wait``). Shared with other threads: the
 scheduler's mappings when it runs in this process
-(:func:`~tierd.integrations.pool_leases.mapped_pool`), under their
-:class:`~tierd.integrations.channel.PoolUsers`' lock, and this rank's own
+(:func:`~tierd.integrations.core.pool_leases.mapped_pool`), under their
+:class:`~tierd.integrations.core.channel.PoolUsers`' lock, and this rank's own
 :class:`~tierd.control.clients.pool.PoolShare`, under its own. A pool's rows are shared
 with the daemon, another process, only through leases: the daemon never gives a row to
 another block while a job may use it.
@@ -47,8 +47,8 @@ from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from tierd.control.clients.pool import PoolMap, PoolShare
 from tierd.errors import TierdError
-from tierd.integrations.pool_leases import mapped_pool
-from tierd.integrations.vllm_cpu import RowCopies
+from tierd.integrations.core.pool_leases import mapped_pool
+from tierd.integrations.vllm.cpu_spec import RowCopies
 from tierd.logs import get_logger
 
 __all__ = ["TierdPoolWorker"]

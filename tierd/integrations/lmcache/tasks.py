@@ -26,9 +26,9 @@ from typing import Any, Protocol, TypeVar
 
 from tierd.client import Client, DaemonError, Unreachable, UntrustedDaemon
 from tierd.errors import TierdError
-from tierd.integrations.lmcache_keys import SpaceFacts, block_key, namespace_of
-from tierd.integrations.lmcache_space import Pin, Space, SpaceSettings, log
-from tierd.integrations.params import size_advice
+from tierd.integrations.core.params import size_advice
+from tierd.integrations.lmcache.object_keys import SpaceFacts, block_key, namespace_of
+from tierd.integrations.lmcache.space import Pin, Space, SpaceSettings, log
 
 __all__ = ["Tasks"]
 

@@ -16,7 +16,7 @@ connection's staging memfd, is never read: the next connection brings fresh ones
 counts for the link's :class:`~tierd.breaker.CircuitBreaker`; so does a call that
 failed in any other way but an error answer (whatever it raised: the connection's state
 is then unknown, so it is closed too). While the breaker is open every call fails at
-once, unsent (:class:`~tierd.integrations.link.BreakerOpen`), and the link probes the
+once, unsent (:class:`~tierd.integrations.core.link.BreakerOpen`), and the link probes the
 daemon until it is back. A lost connection (the daemon restarted since the last call) is
 tried once more on a fresh one. Connecting backs off exponentially after a failure, for
 every thread at once.
@@ -25,7 +25,7 @@ The threads' connections share one mapping of the daemon's pool (:class:`PoolUse
 mapping is closed only once no connection uses it (a restarted daemon's new pool does
 not unmap the old one under a thread still copying into it).
 
-Threads. Each calling thread owns its :class:`Connection` (found through a
+Threads. Each calling thread owns its :class:`ThreadConnection` (found through a
 ``threading.local``): its client, what it holds and whether it was used; no other thread
 calls on it. Shared, under the channel's one lock: the list of open connections, the
 connect backoff, whether the channel is closed, and each connection's ``busy``,
@@ -35,7 +35,7 @@ the pool mapping, once). The mappings and their users are :class:`PoolUsers`', u
 own lock; a mapping is closed outside it. The breaker is the link's, under its own lock,
 counted from every thread.
 
-Which data path a call takes is :mod:`tierd.integrations.route`'s to say.
+Which data path a call takes is :mod:`tierd.integrations.core.route`'s to say.
 """
 
 from __future__ import annotations
@@ -53,15 +53,15 @@ from tierd.control.clients.blocking_client import BlockingClient
 from tierd.control.clients.handshake import DaemonSilent, Unreachable
 from tierd.control.clients.pool import PoolMap, PoolShare
 from tierd.errors import TierdError
-from tierd.integrations.link import BreakerOpen, DaemonLink
+from tierd.integrations.core.link import BreakerOpen, DaemonLink
 
-__all__ = ["Connection", "EngineChannel", "PoolUsers"]
+__all__ = ["ThreadConnection", "EngineChannel", "PoolUsers"]
 
 T = TypeVar("T")
 
 
 @dataclass(slots=True)
-class Connection:
+class ThreadConnection:
     """One thread's connection and what it holds in the daemon (``held``: an engine's
     regions, a staging memfd, by the name the caller gives them; they die with it)."""
 
@@ -152,7 +152,7 @@ class EngineChannel:
         self._pools = PoolUsers()  # one mapping of the pool for every thread's connection
         self._local = threading.local()
         self._lock = threading.Lock()  # the connections, the backoff
-        self._connections: list[Connection] = []
+        self._connections: list[ThreadConnection] = []
         self._backoff = Backoff(link.settings.reconnect_max_s)
         self._closed = False
 
@@ -164,18 +164,22 @@ class EngineChannel:
     def connected(self) -> bool:
         return bool(self.snapshot())
 
-    def here(self) -> Connection | None:
+    def here(self) -> ThreadConnection | None:
         """The calling thread's connection, if it has one open."""
-        conn: Connection | None = getattr(self._local, "conn", None)
+        conn: ThreadConnection | None = getattr(self._local, "conn", None)
         return conn if conn is not None and not conn.client.closed else None
 
-    def snapshot(self) -> list[Connection]:
+    def snapshot(self) -> list[ThreadConnection]:
         """Every thread's open connection."""
         with self._lock:
             return [c for c in self._connections if not c.client.closed]
 
     def call(
-        self, deadline_s: float, body: Callable[[Connection, float], T], *, answered: bool = True
+        self,
+        deadline_s: float,
+        body: Callable[[ThreadConnection, float], T],
+        *,
+        answered: bool = True,
     ) -> T:
         """``body(connection, deadline)`` on this thread's connection, ``deadline`` a
         ``time.monotonic()`` second ``deadline_s`` from now; raises what the daemon or
@@ -191,7 +195,7 @@ class EngineChannel:
         try:
             result = self._attempts(deadline, body)
         except BaseException as exc:  # a bug or an interrupt too: the connection is unknown
-            conn: Connection | None = getattr(self._local, "conn", None)
+            conn: ThreadConnection | None = getattr(self._local, "conn", None)
             lost = conn is not None and conn.client.closed
             if self._link.count_call(exc, sent, lost=lost):
                 self._drop()
@@ -215,7 +219,7 @@ class EngineChannel:
 
     # -- inside a call ----------------------------------------------------------------
 
-    def _attempts(self, deadline: float, body: Callable[[Connection, float], T]) -> T:
+    def _attempts(self, deadline: float, body: Callable[[ThreadConnection, float], T]) -> T:
         """``body`` once more on a fresh connection if the one it used was found lost
         (the daemon restarted since the last call), the link told to look."""
         for attempt in range(2):
@@ -232,7 +236,9 @@ class EngineChannel:
                 self._link.check_soon()  # its own connection is likely gone too: say so
         raise AssertionError("unreachable: the loop returns or raises")
 
-    def _on(self, conn: Connection, deadline: float, body: Callable[[Connection, float], T]) -> T:
+    def _on(
+        self, conn: ThreadConnection, deadline: float, body: Callable[[ThreadConnection, float], T]
+    ) -> T:
         """``body`` on ``conn``, which is busy meanwhile: its pool mapping stays, even if
         :meth:`close` closes it under the call."""
         conn.busy = True
@@ -244,8 +250,8 @@ class EngineChannel:
             if conn.dropped:
                 self._release(conn)
 
-    def _connected(self, deadline: float) -> Connection:
-        conn: Connection | None = getattr(self._local, "conn", None)
+    def _connected(self, deadline: float) -> ThreadConnection:
+        conn: ThreadConnection | None = getattr(self._local, "conn", None)
         if conn is not None and not conn.client.closed:
             return conn
         self._drop()
@@ -261,7 +267,7 @@ class EngineChannel:
             with self._lock:
                 self._backoff.failed()
             raise
-        conn = Connection(client)
+        conn = ThreadConnection(client)
         with self._lock:
             closed = conn.dropped = self._closed
             if not closed:
@@ -276,7 +282,7 @@ class EngineChannel:
 
     def _drop(self) -> None:
         """Close this thread's connection (whatever it held in the daemon goes with it)."""
-        conn: Connection | None = getattr(self._local, "conn", None)
+        conn: ThreadConnection | None = getattr(self._local, "conn", None)
         self._local.conn = None
         if conn is None:
             return
@@ -288,7 +294,7 @@ class EngineChannel:
             conn.client.close()
         self._release(conn)
 
-    def _release(self, conn: Connection) -> None:
+    def _release(self, conn: ThreadConnection) -> None:
         """Give back a dropped connection's use of the pool mapping, once, when no call
         runs on it."""
         with self._lock:

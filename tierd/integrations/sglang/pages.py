@@ -15,7 +15,7 @@ backends use (``get_page_buffer_meta``, ``kv_buffer``, ``layout``).
   two engines' page bytes interchangeable (:func:`page_facts`), the byte order of a block
   among them (``interface_v1``'s pieces or the generic calls' flat page); a user-given
   name is one more fact, never a replacement. The weights are identified as vLLM's are,
-  by the one :func:`tierd.integrations.naming.weights_identity` (names, sizes, times and
+  by the one :func:`tierd.integrations.core.naming.weights_identity` (names, sizes, times and
   sampled content of the weight and config files), so weights re-published at the same
   path with the same sizes and times get a new namespace.
 """
@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tierd.errors import TierdError
-from tierd.integrations import naming
+from tierd.integrations.core import naming
 
 __all__ = [
     "FlatBlock",
@@ -187,7 +187,7 @@ def scatter_page(
 
 @dataclass(frozen=True, slots=True)
 class PageBlocks:
-    """One call's pages as blocks (:class:`~tierd.integrations.moves.Blocks`): page ``i``
+    """One call's pages as blocks (:class:`~tierd.integrations.core.data_paths.Blocks`): page ``i``
     is the pieces at ``offsets[i]`` of the host pool's ``memory``."""
 
     memory: npt.NDArray[np.uint8]

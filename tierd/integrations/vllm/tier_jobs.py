@@ -1,7 +1,7 @@
 """The transfer jobs of tierd's vLLM secondary tier: where each one runs and how it ends.
 
-Every job is a call of the tier's :class:`~tierd.integrations.engine_calls.EngineCalls`
-(one blocking connection per thread, the way :mod:`tierd.integrations.route` picks):
+Every job is a call of the tier's :class:`~tierd.integrations.core.engine_calls.EngineCalls`
+(one blocking connection per thread, the way :mod:`tierd.integrations.core.route` picks):
 
 - a **load**, which a request waits for, runs on one of the tier's load threads (at
   most :data:`LOAD_THREADS`, so the loads of a step run side by side, and ``submit_load``
@@ -44,9 +44,9 @@ import numpy as np
 
 from tierd.control.clients.handshake import DaemonError
 from tierd.errors import TierdError
-from tierd.integrations.engine_calls import EngineCalls
-from tierd.integrations.moves import Positions, RowBlocks, Rows
-from tierd.integrations.vllm_describe import Describer
+from tierd.integrations.core.data_paths import Positions, RowBlocks, Rows
+from tierd.integrations.core.engine_calls import EngineCalls
+from tierd.integrations.vllm.block_descriptions import Describer
 from tierd.logs import get_logger
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """The scheduler's side of tierd's pool as vLLM's CPU tier: vLLM's ``OffloadingManager``
-whose decisions are the daemon's (:class:`~tierd.integrations.pool_leases.PoolLeases`).
+whose decisions are the daemon's (:class:`~tierd.integrations.core.pool_leases.PoolLeases`).
 
 - **lookup** answers RETRY for a key it has not asked about yet; the step's keys go to
   the daemon when the step ends, as one pin request per request and KV group, sent
@@ -16,9 +16,9 @@ whose decisions are the daemon's (:class:`~tierd.integrations.pool_leases.PoolLe
   event when the daemon lets one of them go (its event stream), medium ``CPU``.
 - **descriptions**: with vLLM's KV events published through zmq, each committed store's
   blocks are described to the daemon (what they are in the engine's terms:
-  :mod:`tierd.integrations.vllm_describe`), from a thread of its own, so that the daemon's
+  :mod:`tierd.integrations.vllm.block_descriptions`), from a thread of its own, so that the daemon's
   KV events announce them, fully described, to routers and to every engine's stream
-  (:mod:`tierd.integrations.vllm_node`). At most :data:`DESCRIBING` stores wait to be
+  (:mod:`tierd.integrations.vllm.connector`). At most :data:`DESCRIBING` stores wait to be
   described; past it a store goes undescribed (counted by the describer as unknown).
 """
 
@@ -45,12 +45,12 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tierd.errors import TierdError
-from tierd.integrations.link import BlockSizeMismatch, DaemonLink
-from tierd.integrations.params import start_refusal
-from tierd.integrations.plugin import missing_daemon
-from tierd.integrations.pool_leases import Asked, NoPool, PoolLeases, Rows
-from tierd.integrations.vllm_describe import describer_for
-from tierd.integrations.vllm_report import EventFollower, TierReport, event_config
+from tierd.integrations.core.link import BlockSizeMismatch, DaemonLink
+from tierd.integrations.core.one_flag import missing_daemon
+from tierd.integrations.core.params import start_refusal
+from tierd.integrations.core.pool_leases import Asked, NoPool, PoolLeases, Rows
+from tierd.integrations.vllm.block_descriptions import describer_for
+from tierd.integrations.vllm.tier_report import EventFollower, TierReport, event_config
 from tierd.logs import get_logger
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class TierdPoolManager(OffloadingManager):  # type: ignore[misc]
     """vLLM's CPU-tier manager whose decisions are the daemon's (module docstring)."""
 
     def __init__(self, spec: Any) -> None:
-        """``spec``: the engine's :class:`~tierd.integrations.vllm_pool.TierdPoolSpec`."""
+        """``spec``: the engine's :class:`~tierd.integrations.vllm.pool_spec.TierdPoolSpec`."""
         self.spec = spec
         self.settings = spec.settings()
         self.namespace = self.settings.namespace
