@@ -197,24 +197,33 @@ class Backoff:
         self._clock = clock
         self._wait = self._first
         self._next = 0.0
+        self._failed_at = 0.0
 
-    def due(self) -> bool:
-        """Whether an attempt may be made now."""
+    def due(self, answered_at: float | None = None) -> bool:
+        """Whether an attempt may be made now: its wait has passed, or the server
+        answered (``answered_at``, on the same clock: another connection's answer, the
+        breaker's :attr:`~CircuitBreaker.last_answer`) since the last attempt failed."""
+        if answered_at is not None and answered_at > self._failed_at:
+            return True
         return self._clock() >= self._next
 
     def failed(self) -> None:
         """An attempt failed: the next one waits, longer than the last."""
-        self._next = self._clock() + self._wait
+        self._failed_at = now = self._clock()
+        self._next = now + self._wait
         self._wait = min(self._wait * 2, self._max)
 
     def hold_off(self) -> None:
-        """The server answered but cannot serve us: the next attempt waits the longest."""
+        """The server answered but cannot serve us: the next attempt waits the longest,
+        whatever it answers meanwhile."""
+        self._failed_at = float("inf")
         self._next = self._clock() + self._max
 
     def succeeded(self) -> None:
         """An attempt succeeded: the waits start again from the first."""
         self._wait = self._first
         self._next = 0.0
+        self._failed_at = 0.0
 
     def at_once(self) -> None:
         """A connection was lost, not refused: the next attempt may be made now."""

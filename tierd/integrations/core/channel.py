@@ -258,7 +258,7 @@ class EngineChannel:
         with self._lock:
             if self._closed:
                 raise Unreachable("the tierd channel is closed")
-            if not self._backoff.due():
+            if not self._backoff.due(self._link.breaker.last_answer):
                 raise Unreachable("the daemon is unreachable; reconnecting with backoff")
         s = self.settings
         try:

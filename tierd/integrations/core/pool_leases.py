@@ -152,7 +152,8 @@ class PoolLeases:
             return line
         if line is not None:
             self._retire(line)
-        if self.closed or self._link.breaker.is_open or not self._backoff.due():
+        breaker = self._link.breaker
+        if self.closed or breaker.is_open or not self._backoff.due(breaker.last_answer):
             return None
         s = self.settings
         try:
