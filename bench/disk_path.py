@@ -146,11 +146,18 @@ def device(directory: Path, args: argparse.Namespace) -> dict[str, float]:
     target = directory / "fio.bin"
     for name, rw in (("store", "randwrite"), ("load", "randread")):
         command = [
-            "fio", "--name=ref", f"--filename={target}", f"--rw={rw}", "--direct=1",
-            "--ioengine=psync", f"--bs={args.block_kib}k", f"--numjobs={args.in_flight}",
-            f"--size={args.total_mib // args.in_flight}m", "--group_reporting",
+            "fio",
+            "--name=ref",
+            f"--filename={target}",
+            f"--rw={rw}",
+            "--direct=1",
+            "--ioengine=psync",
+            f"--bs={args.block_kib}k",
+            f"--numjobs={args.in_flight}",
+            f"--size={args.total_mib // args.in_flight}m",
+            "--group_reporting",
             "--output-format=json",
-        ]  # fmt: skip
+        ]
         if rw == "randwrite" and args.fsync != "none":
             command.append("--end_fsync=1")
         report = json.loads(subprocess.run(command, check=True, capture_output=True).stdout)
@@ -170,13 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=Path("/var/tmp"))
     parser.add_argument(
-        "--fsync", choices=["always", "batch", "none"], default="always",
+        "--fsync",
+        choices=["always", "batch", "none"],
+        default="always",
         help="the disk tier's durability mode (fio syncs once at the end unless none)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--write-behind", action="store_true",
+        "--write-behind",
+        action="store_true",
         help="the CPU tier copies stored blocks down behind the stores (write_behind)",
-    )  # fmt: skip
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     figures: dict[str, list[float]] = {}

@@ -240,10 +240,15 @@ async def bench_fsync(
     where = Path(tempfile.mkdtemp(prefix=f"fsync-{bb}-", dir=plan.directory))
     counts = {mode: _SyncCount() for mode in FSYNC_MODES}
     disks = {
-        mode: DiskStore(num_blocks=n, block_bytes=bb, directories=[where / mode], fsync=mode,
-                        fileio=counts[mode])
+        mode: DiskStore(
+            num_blocks=n,
+            block_bytes=bb,
+            directories=[where / mode],
+            fsync=mode,
+            fileio=counts[mode],
+        )
         for mode in FSYNC_MODES
-    }  # fmt: skip
+    }
     for mode in FSYNC_MODES:
         (where / mode).mkdir()
     try:
@@ -268,10 +273,15 @@ async def bench_fsync(
     base = rates[FSYNC_MODES.index("none")]
     facts = {"o_direct": details["o_direct"], "reason": details.get("reason", "")}
     return [
-        Row(f"cpu -> disk, fsync: {mode}", bb, rate, base,
-            f"vs fsync: none; {syncs[mode]:.0f} syncs per {plan.volume // MiB} MiB")
+        Row(
+            f"cpu -> disk, fsync: {mode}",
+            bb,
+            rate,
+            base,
+            f"vs fsync: none; {syncs[mode]:.0f} syncs per {plan.volume // MiB} MiB",
+        )
         for mode, rate in zip(FSYNC_MODES, rates, strict=True)
-    ], facts  # fmt: skip
+    ], facts
 
 
 # -- (c) gpu -----------------------------------------------------------------------------

@@ -219,10 +219,14 @@ async def describe_round(client: Client, round_no: int) -> None:
     names = [f"crowd-{i}".encode() for i in range(first, first + DESCRIBED)]
     base = round_no * DESCRIBED + 1
     blocks = [
-        {"hashes": [base + i], "parent": base + i - 1, "tokens": [i % 50_000] * 16,
-         "block_size": 16}
+        {
+            "hashes": [base + i],
+            "parent": base + i - 1,
+            "tokens": [i % 50_000] * 16,
+            "block_size": 16,
+        }
         for i in range(DESCRIBED)
-    ]  # fmt: skip
+    ]
     await client.describe(names, blocks)
 
 

@@ -394,8 +394,11 @@ def commit(given: str) -> str:
     )
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=no"],
-        cwd=ROOT, capture_output=True, text=True, check=False,
-    ).stdout.strip()  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
     return done.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
 
 
@@ -424,8 +427,10 @@ def orchestrate(args: argparse.Namespace) -> None:
         "load_average_after": os.getloadavg()[0],
         "phases": phases,
     }
-    print(f"commit {report['commit']}; tenants: {report['tenants']}; blocks of"
-          f" {args.block_kib} KiB; neighbour: {args.in_flight} jobs in flight")  # fmt: skip
+    print(
+        f"commit {report['commit']}; tenants: {report['tenants']}; blocks of"
+        f" {args.block_kib} KiB; neighbour: {args.in_flight} jobs in flight"
+    )
     print(table(phases))
     print(f"load average {report['load_average_after']:.1f} on {os.cpu_count()} CPUs")
     wrong = [p["phase"] for p in phases if not p["bystander"]["byte_exact"]]

@@ -55,15 +55,23 @@ class RedisServer:
         workdir.mkdir(parents=True, exist_ok=True)
         command = [
             binary,
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--save", "",
-            "--appendonly", "no",
-            "--maxmemory", maxmemory,
-            "--maxmemory-policy", policy,
-            "--dir", str(workdir),
-            "--logfile", str(workdir / "redis.log"),
-        ]  # fmt: skip
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory",
+            maxmemory,
+            "--maxmemory-policy",
+            policy,
+            "--dir",
+            str(workdir),
+            "--logfile",
+            str(workdir / "redis.log"),
+        ]
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.sync = redis.Redis(host="127.0.0.1", port=self.port)
         deadline = time.monotonic() + 10

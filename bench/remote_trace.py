@@ -142,11 +142,19 @@ def _replay_once(
         started = time.perf_counter()
         for daemon, trace in zip(pair, files, strict=True):
             command = [
-                sys.executable, "-m", "tierd", "replay", str(trace),
-                "--socket", daemon.socket,
-                "--clients", str(args.clients), "--unordered",  # calls overlap, as measured
-                "--json", "--no-progress",
-            ]  # fmt: skip
+                sys.executable,
+                "-m",
+                "tierd",
+                "replay",
+                str(trace),
+                "--socket",
+                daemon.socket,
+                "--clients",
+                str(args.clients),
+                "--unordered",  # calls overlap, as measured
+                "--json",
+                "--no-progress",
+            ]
             replays.append(
                 subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             )

@@ -27,19 +27,26 @@ import bench.scale_restart as bench_scale_restart
 
 
 def restart_table(res: dict[str, Any]) -> str:
-    rows = ["| start | disk tier open s | READY s | first block served s | all adopted s"
-            " | daemon CPU s to READY | read syscalls | MiB read | RSS MiB | blocks lost"
-            " | bad reads |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for label, key in (("100 blocks (what every start costs)", "empty_tier"),
-                       ("after a clean stop", "after_clean_close"),
-                       ("after a SIGKILL under load", "after_sigkill"),
-                       ("after a SIGTERM", "after_sigterm")):  # fmt: skip
+    rows = [
+        "| start | disk tier open s | READY s | first block served s | all adopted s"
+        " | daemon CPU s to READY | read syscalls | MiB read | RSS MiB | blocks lost"
+        " | bad reads |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, key in (
+        ("100 blocks (what every start costs)", "empty_tier"),
+        ("after a clean stop", "after_clean_close"),
+        ("after a SIGKILL under load", "after_sigkill"),
+        ("after a SIGTERM", "after_sigterm"),
+    ):
         r = res[key]
         lost = r["lost"] if key != "empty_tier" else "-"
-        rows.append(f"| {label} | {r['disk_open_s']} | {r['ready_s']} | {r['first_block_s']} |"
-                    f" {r.get('all_adopted_s', '-')} | {r['cpu_s']} |"
-                    f" {r['read_syscalls']:,} | {r['read_mib']} | {r['rss_mib']} | {lost} |"
-                    f" {r['bad']} |")  # fmt: skip
+        rows.append(
+            f"| {label} | {r['disk_open_s']} | {r['ready_s']} | {r['first_block_s']} |"
+            f" {r.get('all_adopted_s', '-')} | {r['cpu_s']} |"
+            f" {r['read_syscalls']:,} | {r['read_mib']} | {r['rss_mib']} | {lost} |"
+            f" {r['bad']} |"
+        )
     return "\n".join(rows)
 
 
@@ -74,22 +81,39 @@ def plot(out: Path, target: Path) -> Path:
         rows = json.loads((out / "disk.json").read_text())["rows"]
         n = [r["blocks"] for r in rows]
         for key, label in (("clean", "clean open"), ("crash", "crash open")):
-            axes[0].plot(n, [r[key]["open_cpu_s"] / r["blocks"] * 1e6 for r in rows], "o-",
-                         label=f"{label}: CPU us per block")  # fmt: skip
-        axes[0].plot(n, [r["clean"]["bytes_per_block"] / 100 for r in rows], "s--",
-                     label="RSS per block / 100 (bytes)")  # fmt: skip
+            axes[0].plot(
+                n,
+                [r[key]["open_cpu_s"] / r["blocks"] * 1e6 for r in rows],
+                "o-",
+                label=f"{label}: CPU us per block",
+            )
+        axes[0].plot(
+            n,
+            [r["clean"]["bytes_per_block"] / 100 for r in rows],
+            "s--",
+            label="RSS per block / 100 (bytes)",
+        )
         axes[0].set(xscale="log", xlabel="blocks in the disk tier", title="disk tier index")
         axes[0].legend(fontsize=8)
     if (out / "keys.json").exists():
         rows = json.loads((out / "keys.json").read_text())["rows"]
         axes[1].plot([r["keys"] for r in rows], [r["p50_us"] for r in rows], "o-")
-        axes[1].set(xscale="log", yscale="log", xlabel="keys per lookup",
-                    ylabel="p50 round trip (us)", title="keys per lookup")  # fmt: skip
+        axes[1].set(
+            xscale="log",
+            yscale="log",
+            xlabel="keys per lookup",
+            ylabel="p50 round trip (us)",
+            title="keys per lookup",
+        )
     if (out / "clients.json").exists():
         rows = json.loads((out / "clients.json").read_text())["rows"]
         c = [r["clients"] for r in rows]
-        axes[2].plot(c, [r["daemon_cpu_us_per_request"] for r in rows], "o-",
-                     label="daemon CPU per request (us)")  # fmt: skip
+        axes[2].plot(
+            c,
+            [r["daemon_cpu_us_per_request"] for r in rows],
+            "o-",
+            label="daemon CPU per request (us)",
+        )
         axes[2].plot(c, [r["p50_ms"] * 100 for r in rows], "s--", label="p50 step x 100 (ms)")
         axes[2].set(xscale="log", xlabel="engine-like connections", title="clients")
         axes[2].legend(fontsize=8)

@@ -64,9 +64,13 @@ async def run(
 ) -> dict[str, Any]:
     limit = (limit_records or 1 << 40) * RECORD
     store = DiskStore(
-        num_blocks=n, block_bytes=BB, directories=[directory], o_direct=o_direct,
-        fsync="never", journal_limit_bytes=limit,  # "never": what older stores call "none"
-    )  # fmt: skip
+        num_blocks=n,
+        block_bytes=BB,
+        directories=[directory],
+        o_direct=o_direct,
+        fsync="never",
+        journal_limit_bytes=limit,  # "never": what older stores call "none"
+    )
     await store.open()
     direct = store.stats().details["o_direct"]
     slab = store._slabs[0]  # the index, filled the way a long-running store fills it
@@ -99,15 +103,18 @@ async def run(
     gc.collect()  # this store's index is freed here, not in the next run's timing
     ms = 1000.0
     return {
-        "blocks": n, "checkpoints": limit_records is not None, "writes": writes,
+        "blocks": n,
+        "checkpoints": limit_records is not None,
+        "writes": writes,
         "o_direct": direct,
-        "seconds": round(elapsed, 2), "snapshots_seen": changes,
+        "seconds": round(elapsed, 2),
+        "snapshots_seen": changes,
         "write_p50_ms": round(median_of(latencies) * ms, 2),
         "write_p99_ms": round(_pct(latencies, 0.99) * ms, 2),
         "write_max_ms": round(max(latencies) * ms, 2),
         "loop_late_p99_ms": round(_pct(lateness, 0.99) * ms, 2),
         "loop_late_max_ms": round(max(lateness) * ms, 2),
-    }  # fmt: skip
+    }
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:

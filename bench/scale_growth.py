@@ -96,8 +96,10 @@ print(json.dumps(asyncio.run(main())), flush=True)
 def _child(mode: str, directory: Path, n: int) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, mode, str(directory), str(n)],
-        capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if mode != "crash" and proc.returncode != 0:
         raise RuntimeError(f"{mode} {n}: {proc.stderr[-2000:]}")
@@ -207,13 +209,16 @@ def clients_growth(work: Path, counts: list[int], requests: int = 3000) -> list[
             wall, lats, reqs = asyncio.run(_clients(sock, n, steps))
             cpu = proc_costs(started.pid)["cpu_s"] - before
             lats.sort()
-            rows.append({
-                "clients": n, "steps_per_s": round(len(lats) / wall, 1),
-                "p50_ms": round(lats[len(lats) // 2] * 1e3, 2),
-                "p99_ms": round(lats[int(len(lats) * 0.99)] * 1e3, 2),
-                "daemon_cpu_us_per_request": round(cpu / reqs * 1e6, 1),
-                "daemon_cpu_share": round(cpu / wall, 2),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "clients": n,
+                    "steps_per_s": round(len(lats) / wall, 1),
+                    "p50_ms": round(lats[len(lats) // 2] * 1e3, 2),
+                    "p99_ms": round(lats[int(len(lats) * 0.99)] * 1e3, 2),
+                    "daemon_cpu_us_per_request": round(cpu / reqs * 1e6, 1),
+                    "daemon_cpu_share": round(cpu / wall, 2),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     finally:
         started.stop()
@@ -242,10 +247,16 @@ def pool_growth(work: Path, sizes: list[str]) -> list[dict[str, Any]]:
             after = proc_costs(started.pid)
         finally:
             started.stop()
-        rows.append({"pool": size, "ready_s": round(started.ready_s or 0.0, 2),
-                     "rss_at_ready_mib": costs["rss_mib"], "cpu_to_ready_s": costs["cpu_s"],
-                     "store_first_64mib_s": round(first, 3),
-                     "rss_after_64mib": after["rss_mib"]})  # fmt: skip
+        rows.append(
+            {
+                "pool": size,
+                "ready_s": round(started.ready_s or 0.0, 2),
+                "rss_at_ready_mib": costs["rss_mib"],
+                "cpu_to_ready_s": costs["cpu_s"],
+                "store_first_64mib_s": round(first, 3),
+                "rss_after_64mib": after["rss_mib"],
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

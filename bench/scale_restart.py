@@ -61,9 +61,13 @@ async def fill(work: Path, blocks: int) -> float:
     """Write ``blocks`` blocks into the daemon's slab through the library; seconds."""
     (work / "disk").mkdir(mode=0o700, exist_ok=True)
     store = DiskStore(
-        num_blocks=blocks + SPARE, block_bytes=BB, directories=[work / "disk"],
-        o_direct=False, fsync="none", blocks_per_task=256,
-    )  # fmt: skip
+        num_blocks=blocks + SPARE,
+        block_bytes=BB,
+        directories=[work / "disk"],
+        o_direct=False,
+        fsync="none",
+        blocks_per_task=256,
+    )
     t0 = time.perf_counter()
     async with store:
         for start in range(0, blocks, 4096):
@@ -172,9 +176,10 @@ def proc_costs(pid: int) -> dict[str, Any]:
     ticks = os.sysconf("SC_CLK_TCK")
     io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
     rss = next(
-        int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        int(line.split()[1])
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
         if line.startswith("VmRSS:")
-    )  # fmt: skip
+    )
     return {
         "cpu_s": round((int(fields[11]) + int(fields[12])) / ticks, 2),
         "read_syscalls": int(io["syscr"]),

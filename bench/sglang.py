@@ -333,11 +333,21 @@ def main(argv: list[str] | None = None) -> int:
             ("cpu tier", reps * n + n, None, False, ""),
             ("disk tier", 4, reps * n + n, False, ""),
             ("disk tier under a CPU tier of one call", n + 4, under, True, ""),
-            ("disk tier under a write-through CPU tier of one call", n + 4, under, True,
-             "write_through"),
-            ("disk tier under a write-behind CPU tier of one call", n + 4, under, True,
-             "write_behind"),
-        ]  # fmt: skip
+            (
+                "disk tier under a write-through CPU tier of one call",
+                n + 4,
+                under,
+                True,
+                "write_through",
+            ),
+            (
+                "disk tier under a write-behind CPU tier of one call",
+                n + 4,
+                under,
+                True,
+                "write_behind",
+            ),
+        ]
         for label, cpu, disk, push, through in daemons:
             proc, sock = serve(work, block, cpu, disk, through)
             try:

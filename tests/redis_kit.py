@@ -62,15 +62,22 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         command = [
             self.binary,
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--save", "",
-            "--appendonly", "no",
-            "--daemonize", "no",
-            "--dir", str(self.workdir),
-            "--logfile", str(self.workdir / f"redis-{self.port}.log"),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--logfile",
+            str(self.workdir / f"redis-{self.port}.log"),
             *self.args,
-        ]  # fmt: skip
+        ]
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -139,12 +146,15 @@ def redis_cluster(workdir: Path, nodes: int = 3) -> Iterator[Sequence[RedisServe
             servers.append(
                 RedisServer(
                     workdir / f"node{index}",
-                    "--cluster-enabled", "yes",
-                    "--cluster-config-file", f"nodes-{port}.conf",
-                    "--cluster-node-timeout", "2000",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    f"nodes-{port}.conf",
+                    "--cluster-node-timeout",
+                    "2000",
                     port=port,
                 ).start()
-            )  # fmt: skip
+            )
         servers[0].cli("--cluster", "create", *(s.node for s in servers), "--cluster-yes")
         deadline = time.monotonic() + 20
         while not all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in servers):

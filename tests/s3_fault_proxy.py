@@ -149,8 +149,10 @@ class S3FaultProxy:
         self._lock = threading.Condition()
         self._fault: tuple[str | None, frozenset[str] | None, str | None] = (None, None, None)
         self._counts: dict[str, Counter[str]] = {
-            "requests": Counter(), "forwarded": Counter(), "faulted": Counter()
-        }  # fmt: skip
+            "requests": Counter(),
+            "forwarded": Counter(),
+            "faulted": Counter(),
+        }
         self._errors: list[BaseException] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -99,8 +99,10 @@ class SeaweedPorts:
     def local_sockets(self) -> list[Path]:
         """The Unix sockets SeaweedFS makes in /tmp for these ports (removed on SIGTERM,
         left behind by SIGKILL)."""
-        names = [f"{name}-grpc-{getattr(self, name) + GRPC_OFFSET}" for name in
-                 ("master", "volume", "filer", "s3", "admin")]  # fmt: skip
+        names = [
+            f"{name}-grpc-{getattr(self, name) + GRPC_OFFSET}"
+            for name in ("master", "volume", "filer", "s3", "admin")
+        ]
         names += [f"filer-{self.filer}", f"s3-{self.s3}"]
         return [Path("/tmp") / f"seaweedfs-{name}.sock" for name in names]
 
@@ -202,18 +204,22 @@ class SeaweedServer(_ServerProcess):
 
     def command(self) -> list[str]:
         return [
-            self.binary, "mini",
+            self.binary,
+            "mini",
             f"-dir={self.workdir / 'data'}",
-            "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
             *self.ports.flags(),
             f"-s3.config={self.workdir / 's3.json'}",
-            "-admin.ui=false", "-webdav=false",
-            "-s3.port.iceberg=0", "-s3.port.lance=0",
+            "-admin.ui=false",
+            "-webdav=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
             "-master.telemetry=false",
             f"-master.volumeSizeLimitMB={self.volume_mb}",
             f"-volume.max={self.volumes}",
             f"-bucket={self.bucket}",
-        ]  # fmt: skip
+        ]
 
     def _write_identity(self) -> None:
         identity = {

@@ -304,9 +304,12 @@ async def test_a_write_goes_through_while_a_checkpoint_walks_a_big_index(tmp_pat
     until the walk had ended (a write waited 200-300 ms at a million blocks)."""
     n = 400_000
     store = DiskStore(
-        num_blocks=n, block_bytes=4096, directories=[tmp_path], fsync="none",
+        num_blocks=n,
+        block_bytes=4096,
+        directories=[tmp_path],
+        fsync="none",
         journal_limit_bytes=4 * 88,  # a few journal records: a checkpoint is due at once
-    )  # fmt: skip
+    )
     await store.open()
     try:
         slab = store._slabs[0]  # an index as a long-running store fills it (no data)

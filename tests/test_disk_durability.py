@@ -40,10 +40,16 @@ def chain_config(directory: Path, fsync: str, **disk: Any) -> dict[str, Any]:
         "block_bytes": BB,
         "tiers": [
             {"name": "mem", "kind": "memory", "capacity": 64},
-            {"name": "disk", "kind": "disk", "capacity": DISK_BLOCKS,
-             "directories": [str(directory)], "fsync": fsync, **disk},
+            {
+                "name": "disk",
+                "kind": "disk",
+                "capacity": DISK_BLOCKS,
+                "directories": [str(directory)],
+                "fsync": fsync,
+                **disk,
+            },
         ],
-    }  # fmt: skip
+    }
 
 
 async def _child(config: dict[str, Any]) -> None:
@@ -136,8 +142,15 @@ async def _write_batches(store: DiskStore, batches: int) -> None:
 @pytest.mark.parametrize(("fsync", "interval"), [("always", 1.0), ("batch", 3600.0), ("none", 1.0)])
 async def test_each_mode_syncs_when_it_says(tmp_path: Path, fsync: str, interval: float) -> None:
     io = SyncCounter(asyncio.get_running_loop())
-    store = DiskStore(num_blocks=256, block_bytes=BB, directories=[tmp_path], fsync=fsync,
-                      fsync_interval=interval, fileio=io, blocks_per_task=BATCH)  # fmt: skip
+    store = DiskStore(
+        num_blocks=256,
+        block_bytes=BB,
+        directories=[tmp_path],
+        fsync=fsync,
+        fsync_interval=interval,
+        fileio=io,
+        blocks_per_task=BATCH,
+    )
     async with store:
         opened = io.syncs
         await _write_batches(store, 10)
@@ -152,8 +165,14 @@ async def test_each_mode_syncs_when_it_says(tmp_path: Path, fsync: str, interval
 
 async def test_batch_mode_syncs_data_then_journal_after_its_interval(tmp_path: Path) -> None:
     io = SyncCounter(asyncio.get_running_loop())
-    store = DiskStore(num_blocks=64, block_bytes=BB, directories=[tmp_path], fsync="batch",
-                      fsync_interval=0.01, fileio=io)  # fmt: skip
+    store = DiskStore(
+        num_blocks=64,
+        block_bytes=BB,
+        directories=[tmp_path],
+        fsync="batch",
+        fsync_interval=0.01,
+        fileio=io,
+    )
     async with store:
         before = len(io.files)
         await _write_batches(store, 1)
@@ -262,9 +281,16 @@ async def test_a_power_cut_loses_what_its_mode_says_and_never_serves_wrong_bytes
     live.mkdir()
     io = PowerCut()
     latest: dict[int, int] = {}
-    store = DiskStore(num_blocks=slots, block_bytes=BB, directories=[live], fsync=fsync,
-                      fsync_interval=3600, o_direct=False, journal_limit_bytes=4096,
-                      fileio=io)  # fmt: skip
+    store = DiskStore(
+        num_blocks=slots,
+        block_bytes=BB,
+        directories=[live],
+        fsync=fsync,
+        fsync_interval=3600,
+        o_direct=False,
+        journal_limit_bytes=4096,
+        fileio=io,
+    )
     async with store:
         for n in range(300):
             slot_ids, ids, data = _writes(range(4 * n, 4 * n + 4), 0 if n < 200 else 32, 32)

@@ -86,14 +86,20 @@ def test_sglang_decodes_every_payload_the_daemon_sends(payloads: list[bytes]) ->
 
 def test_smg_forwards_every_event_with_its_tier(payloads: list[bytes], tmp_path: Path) -> None:
     if not SMG_PYTHON.is_file():
-        pytest.skip(f"SMG (SGLang's model gateway relay) is not installed ({SMG_PYTHON} missing):"
-                    " run scripts/setup_smg")  # fmt: skip
+        pytest.skip(
+            f"SMG (SGLang's model gateway relay) is not installed ({SMG_PYTHON} missing):"
+            " run scripts/setup_smg"
+        )
     path = tmp_path / "payloads.bin"
     path.write_bytes(b"".join(len(p).to_bytes(4, "big") + p for p in payloads))
     done = subprocess.run(
         [str(SMG_PYTHON), str(ROOT / "tests" / "smg_driver.py"), "--payloads", str(path)],
-        capture_output=True, text=True, timeout=300, cwd="/", check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert lines and [x for x in lines if x["verdict"] != "forwarded"] == []

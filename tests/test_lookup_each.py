@@ -41,8 +41,15 @@ async def test_holes_and_misses_are_answered_per_key(tmp_path: Path) -> None:
         held = [keys[i] for i in (0, 2, 3, 7)]
         assert await client.store(held, [block(k) for k in held]) == 4
         assert await client.lookup_each(keys) == [
-            True, False, True, True, False, False, False, True,
-        ]  # fmt: skip
+            True,
+            False,
+            True,
+            True,
+            False,
+            False,
+            False,
+            True,
+        ]
         # The prefix lookup stops at the first hole; lookup_each does not.
         assert (await client.lookup(keys)).count == 1
         assert await client.lookup_each([b"absent"]) == [False]

@@ -266,9 +266,16 @@ async def _members_and_operators(
     _, beta_left = await as_user(running, users["beta"], connect_step(), lookup(names))
     assert beta_left == 2  # alpha's delete never reached beta's blocks
     done = await tierd(
-        "delete", "--namespace", "model-x", "--tenant", "alpha", "--all",
-        "--socket", running.socket_path, "--json",
-    )  # fmt: skip
+        "delete",
+        "--namespace",
+        "model-x",
+        "--tenant",
+        "alpha",
+        "--all",
+        "--socket",
+        running.socket_path,
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["removed"] == 1
     _, alpha_left = await as_user(running, users["alpha"], connect_step(), lookup(names))

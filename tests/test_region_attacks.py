@@ -204,8 +204,11 @@ async def test_a_region_truncated_after_registering_fails_its_keys(tmp_path: Pat
             os.ftruncate(fd, 2 * BLOCK + 100)  # the engine shrinks its memory under us
             keys = [b"k0", b"k1", b"k2", b"k5"]
             assert await client.region_store(region, keys, rows(0, 1, 2, 5)) == [
-                True, True, False, False,
-            ]  # fmt: skip
+                True,
+                True,
+                False,
+                False,
+            ]
             assert await client.lookup_each(keys) == [True, True, False, False]
             # A load into a file shrunk below its registered size is refused whole (the
             # daemon seals the file first: it can neither shrink further nor grow), and

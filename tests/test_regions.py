@@ -106,8 +106,13 @@ async def test_loads_are_per_key_and_come_from_every_tier(tmp_path: Path) -> Non
             asked = [keys[0], b"absent-1", keys[9], keys[5], b"absent-2", keys[11]]
             dest = rows(*range(16, 22))
             assert await client.region_load(region, asked, dest) == [
-                True, False, True, True, False, True,
-            ]  # fmt: skip
+                True,
+                False,
+                True,
+                True,
+                False,
+                True,
+            ]
             for j, i in ((0, 0), (2, 9), (3, 5), (5, 11)):
                 assert read(fd, (16 + j) * BLOCK) == pattern(b"blk%d-" % i, BLOCK)
             # A missed key's destination is untouched.

@@ -52,8 +52,19 @@ async def test_a_staged_load_copies_each_byte_once_and_exactly(tmp_path: Path, s
         stored = [f"b-{i}".encode() for i in range(8)]
         assert calls.store(stored, RowBlocks(source, np.arange(8, dtype=np.intp)), DEADLINE_S)
         # Misses between hits (vLLM's jobs skip them): runs of rows in each round.
-        keys = [stored[0], stored[1], b"miss-a", stored[2], stored[3], stored[4],
-                b"miss-b", b"miss-c", stored[5], stored[6], stored[7]]  # fmt: skip
+        keys = [
+            stored[0],
+            stored[1],
+            b"miss-a",
+            stored[2],
+            stored[3],
+            stored[4],
+            b"miss-b",
+            b"miss-c",
+            stored[5],
+            stored[6],
+            stored[7],
+        ]
         hits = [i for i, key in enumerate(keys) if key in stored]
         target = np.full((16, BLOCK), 0xA5, dtype=np.uint8)
         ids = np.asarray([15, 3, 9, 0, 12, 6, 1, 14, 4, 11, 7], dtype=np.intp)  # scattered

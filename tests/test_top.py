@@ -234,12 +234,38 @@ def test_the_header_fits_80_columns_without_losing_a_word() -> None:
     assert all(len(line) <= 80 for line in lines)
     words = " ".join(header).split()
     for expected in [
-        "tierd", "10.20.30", "up", "3d", "04h", "clients", "1,024", "leases", "65,536",
-        "subscribers", "12", "requests", "123,456,789", "(122,456,789.0/s)", "errors",
-        "12,345", "(capacity", "chain", "hit", "ratio", "88.9%", "(987,654,321", "of",
-        "1,111,111,110", "looked-up", "blocks)", "lookups", "55,555,555", "events",
-        "dropped", "1,234,567",
-    ]:  # fmt: skip
+        "tierd",
+        "10.20.30",
+        "up",
+        "3d",
+        "04h",
+        "clients",
+        "1,024",
+        "leases",
+        "65,536",
+        "subscribers",
+        "12",
+        "requests",
+        "123,456,789",
+        "(122,456,789.0/s)",
+        "errors",
+        "12,345",
+        "(capacity",
+        "chain",
+        "hit",
+        "ratio",
+        "88.9%",
+        "(987,654,321",
+        "of",
+        "1,111,111,110",
+        "looked-up",
+        "blocks)",
+        "lookups",
+        "55,555,555",
+        "events",
+        "dropped",
+        "1,234,567",
+    ]:
         assert expected in words, f"{expected!r} missing from the header:\n" + "\n".join(header)
     assert not any(line.endswith(" ") for line in header)
 

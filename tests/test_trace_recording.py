@@ -46,9 +46,11 @@ async def test_a_recorded_replay_has_the_curve_of_the_sampled_requests(
     write_trace(source, records)
     traces = tmp_path / "traces"
     cfg = daemon_config(
-        tmp_path, cpu_blocks=256, disk_blocks=None,
+        tmp_path,
+        cpu_blocks=256,
+        disk_blocks=None,
         trace={"directory": str(traces), "sample": SAMPLE, "max_bytes": "1MiB"},
-    )  # fmt: skip
+    )
     daemon = await spawn(cfg)
     socket = daemon.socket_path
     assert (await trace_op(socket))["enabled"] is False  # off by default
@@ -95,9 +97,12 @@ async def test_recording_is_per_tenant_and_only_an_operator_turns_it_on(
     os.chmod(os.path.dirname(daemon.socket_path), 0o711)
     keys = [[f"{who}-{i}" for i in range(3)] for who in ("alpha", "beta")]
     alpha = await as_user(
-        daemon, users["alpha"], connect(), {"do": "lookup", "keys": keys[0]},
+        daemon,
+        users["alpha"],
+        connect(),
+        {"do": "lookup", "keys": keys[0]},
         {"do": "op", "name": "trace"},
-    )  # fmt: skip
+    )
     beta = await as_user(daemon, users["beta"], connect("m"), {"do": "lookup", "keys": keys[1]})
     assert alpha[2]["error"] == "not_allowed"
     assert alpha[1] == beta[1] == 0  # looked up: nothing cached yet

@@ -86,8 +86,10 @@ async def test_submit_load_returns_at_once_and_the_loads_are_reported_later(
 
         daemon.signal(signal.SIGSTOP)  # every load now waits on the daemon
         stopped.append(daemon)
-        targets = [list(range((LOADS + i + 1) * BLOCKS - 1, (LOADS + i) * BLOCKS - 1, -1))
-                   for i in range(LOADS)]  # fmt: skip
+        targets = [
+            list(range((LOADS + i + 1) * BLOCKS - 1, (LOADS + i) * BLOCKS - 1, -1))
+            for i in range(LOADS)
+        ]
         for i in range(LOADS):
             start = time.monotonic()
             tier.submit_load(transfer_job(i, prefixes[i], targets[i], load=True))

@@ -235,8 +235,9 @@ class EngineCalls:
         leading: bool,
     ) -> None:
         if chosen is Way.STAGED:
-            staged_load(conn, keys, blocks, deadline, loaded, rows=self.staging_rows,
-                        leading=leading)  # fmt: skip
+            staged_load(
+                conn, keys, blocks, deadline, loaded, rows=self.staging_rows, leading=leading
+            )
         else:
             lease = chosen is Way.LEASE
             copied_load(conn, keys, blocks, deadline, loaded, leading=leading, lease=lease)

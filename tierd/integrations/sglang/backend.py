@@ -91,13 +91,18 @@ class SglangSettings:
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> SglangSettings:
         ours = checked_params(
-            cls, {k: v for k, v in (extra or {}).items() if k not in _SGLANG_KEYS},
+            cls,
+            {k: v for k, v in (extra or {}).items() if k not in _SGLANG_KEYS},
             owner="tierd's HiCache extra config",
-            unknown_what="unknown keys in tierd's HiCache extra config", doc="docs/sglang.md",
+            unknown_what="unknown keys in tierd's HiCache extra config",
+            doc="docs/sglang.md",
             positive=(
-                "lookup_deadline_s", "job_deadline_s", "clear_deadline_s", "connect_timeout_s"
+                "lookup_deadline_s",
+                "job_deadline_s",
+                "clear_deadline_s",
+                "connect_timeout_s",
             ),
-        )  # fmt: skip
+        )
         return cls(**ours)
 
 
