@@ -19,7 +19,7 @@ the backend's own code (a bug) costs a miss too, counted and logged with its tra
 (:class:`~tierd.integrations.core.engine_log.Faults`), never a quiet one. A page is only
 reported loaded when its bytes are the daemon's bytes for that key, and stored when the
 daemon holds it. ``clear()`` deletes the namespace's blocks from the daemon. The backend
-logs through the standard logging SGLang configures (``sglang_log``).
+logs through the standard logging SGLang configures (:mod:`~tierd.integrations.core.engine_log`).
 
 This module needs SGLang (``scripts/setup_sglang``); nothing else in tierd imports it.
 """
