@@ -4,13 +4,11 @@ The daemon serves every client from one event loop, so no request may hold it fo
 work that walks many keys or blocks (a store's reservations, a load's pins, a clear, a
 delete, a scan of an index, a checkpoint, restored descriptions) is cut into pieces, and
 :func:`next_turn` runs between two pieces. Every piece is sized from one budget,
-:data:`TURN_BUDGET_S` of loop time a turn, and the cost of one item of its work
+:data:`TURN_BUDGET_S` of loop time a turn, and the cost one item of its work is allowed
 (:func:`per_turn`): a costlier step gets fewer items a turn, never a longer turn. The
-sizes below are the only ones; a module that walks blocks takes its size from here, and
-:func:`pieces` walks a sequence with them.
-
-What each size is sized for (the cost of one item, upper bounds of what the loop-bound
-tests saw on a loaded 2-core VM):
+sizes below are the only ones; a module that walks blocks takes its size from here.
+The allowed costs are not measurements: they keep the sizes each walk had before it took
+its size from here, which the loop-bound tests (``tests/test_loop_*.py``) hold to.
 
 ============================  =======  ======================================================
 size                          items    one item
@@ -33,8 +31,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import TypeVar
 
 __all__ = [
     "ADOPT_BLOCKS",
@@ -51,10 +47,7 @@ __all__ = [
     "TURN_BUDGET_S",
     "next_turn",
     "per_turn",
-    "pieces",
 ]
-
-T = TypeVar("T")
 
 TURN_BUDGET_S = 1e-3  # the loop time one piece of a long walk may take
 
@@ -95,11 +88,3 @@ async def next_turn() -> None:
         time.sleep(GIL_NAP_S)  # noqa: ASYNC251  (on purpose: the GIL let go, not a wait)
         _last_nap = time.monotonic()
     await asyncio.sleep(0)
-
-
-async def pieces(items: Sequence[T], size: int) -> AsyncIterator[Sequence[T]]:
-    """``items`` in slices of ``size``, with :func:`next_turn` between two slices."""
-    for start in range(0, len(items), size):
-        if start:
-            await next_turn()
-        yield items[start : start + size]
