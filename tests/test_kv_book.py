@@ -31,7 +31,7 @@ class Clock:
 
 def _entry(i: int, tokens: int = 4) -> Entry:
     return parse_description(
-        {"hashes": [i], "parent": None, "tokens": [1] * tokens, "block_size": tokens}
+        msgpack.packb({"hashes": [i], "parent": None, "tokens": [1] * tokens, "block_size": tokens})
     )
 
 
@@ -354,22 +354,21 @@ def test_a_sweep_looks_at_the_due_descriptions_only() -> None:
 @pytest.mark.parametrize(
     ("hashes", "said"),
     [
-        ([True], "a hash is a boolean"),
-        ([1 << 64], "out of the 64-bit range"),
-        ([-(1 << 63) - 1], "out of the 64-bit range"),
-        ([b""], "1-64 bytes"),
-        ([b"x" * 65], "1-64 bytes"),
-        ([7, 1.0], "not an integer"),
+        ([True], r"`int \| bytes`, got `bool` - at `\$.hashes\[0\]`"),
+        ([b""], r"length >= 1 - at `\$.hashes\[0\]`"),
+        ([b"x" * 65], r"length <= 64 - at `\$.hashes\[0\]`"),
+        ([7, 1.0], r"`int \| bytes`, got `float` - at `\$.hashes\[1\]`"),
+        (["7"], r"`int \| bytes`, got `str` - at `\$.hashes\[0\]`"),
     ],
 )
 def test_a_hash_is_a_64_bit_integer_or_1_to_64_bytes(hashes: list[object], said: str) -> None:
     description = {"hashes": hashes, "tokens": [1] * len(hashes), "block_size": 1}
     with pytest.raises(BadDescription, match=said):
-        parse_description(description)
+        parse_description(msgpack.packb(description))
 
 
 def test_every_kind_of_hash_is_kept_as_it_came() -> None:
     hashes = [-(1 << 63), (1 << 64) - 1, 0, b"\x01" * 64]
-    entry = parse_description({"hashes": hashes, "tokens": [1] * 4, "block_size": 1})
+    entry = parse_description(msgpack.packb({"hashes": hashes, "tokens": [1] * 4, "block_size": 1}))
     assert entry.hashes == tuple(hashes)
     assert msgpack.unpackb(entry.described.hashes) == hashes

@@ -140,11 +140,18 @@ async def test_blocks_held_answers_the_longest_prefix_and_each_medium(tmp_path: 
         ({"hashes": [], "tokens": [], "block_size": 4}, "hashes"),
         ({"hashes": [1], "tokens": [1, 2], "block_size": 4}, "tokens"),
         ({"hashes": [1], "tokens": [1, 2, 3, 4], "block_size": 0}, "block_size"),
-        ({"hashes": [1.5], "tokens": [1, 2, 3, 4], "block_size": 4}, "not an integer"),
-        ({"hashes": [1], "tokens": [1, 2, 3, -4], "block_size": 4}, "token id"),
+        ({"hashes": [1.5], "tokens": [1, 2, 3, 4], "block_size": 4}, "got `float`"),
+        (
+            {"hashes": [1], "tokens": [1, 2, 3, -4], "block_size": 4},
+            r"`int` >= 0 - at `\$.tokens\[3\]`",
+        ),
+        (
+            {"hashes": [1], "tokens": [1, 2, 3, 1 << 32], "block_size": 4},
+            r"`int` <= 4294967295 - at `\$.tokens\[3\]`",
+        ),
         ({"hashes": [1], "tokens": [1, 2, 3, 4], "block_size": 4, "evil": 1}, "unknown field"),
         ({"hashes": [1], "tokens": [1, 2, 3, 4], "block_size": 4, "extra_keys": [[{}]]}, "extra"),
-        ("not a map", "a map"),
+        ("not a map", "Expected `object`, got `str`"),
     ],
 )
 async def test_a_bad_description_is_refused_and_nothing_is_kept(

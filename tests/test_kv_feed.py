@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
-from typing import Any
 
 import msgpack
 import pytest
@@ -32,8 +31,8 @@ class Tier:
         self.name = name
         self.adopting = False
 
-    def __contains__(self, key: object) -> bool:
-        return False
+    def ready(self, keys: list[BlockKey]) -> list[BlockKey]:
+        return []  # (nothing is held before its store)
 
 
 class Offers:
@@ -56,8 +55,8 @@ def _key(i: int) -> BlockKey:
     return BlockKey(f"k{i}".encode())
 
 
-def _description(i: int) -> dict[str, Any]:
-    return {"hashes": [i], "parent": None, "tokens": [i, i + 1], "block_size": 2}
+def _description(i: int) -> bytes:
+    return msgpack.packb({"hashes": [i], "parent": None, "tokens": [i, i + 1], "block_size": 2})
 
 
 @pytest.fixture
@@ -97,7 +96,7 @@ async def test_an_idle_streams_batch_goes_out_at_the_end_of_the_turn_then_one_pe
     feed, tenant, offers = fed
     entries = {i: parse_description(_description(i)) for i in range(3)}
     for i, entry in entries.items():
-        feed.described(tenant, _key(i), entry)
+        feed.described(tenant, [_key(i)], [entry])
     assert len(offers.batches) == 1  # the incarnation's AllBlocksCleared
     _store(tenant, range(1))
     assert await _turns(offers, 2) < TURNS  # not a gathering interval later
@@ -120,7 +119,7 @@ async def test_a_full_batch_goes_out_at_once_and_none_is_bigger_than_the_bound(
 ) -> None:
     feed, tenant, offers = fed
     for i in range(11):
-        feed.described(tenant, _key(i), parse_description(_description(i)))
+        feed.described(tenant, [_key(i)], [parse_description(_description(i))])
     _store(tenant, range(1))
     assert await _turns(offers, 2) < TURNS
     _store(tenant, range(1, 11))  # 10 events within batch_s of the last batch: past the

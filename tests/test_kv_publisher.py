@@ -19,6 +19,8 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kv_events_kit import ROOT, decode, engine_python
 
 from tierd.errors import ConfigError
@@ -398,6 +400,69 @@ def test_describe_refuses_impossible_input() -> None:
         wire.describe([2**64], None, [1], 16)
     assert PLAIN.size == len(PLAIN.fields) + len(PLAIN.hashes)
     assert msgpack.unpackb(PLAIN.hashes) == INT_HASHES
+
+
+_HASH = st.one_of(st.integers(-(2**63), 2**64 - 1), st.binary(min_size=1, max_size=64))
+_SCALAR = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(),
+    st.text(max_size=40),
+    st.binary(max_size=40),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    hashes=st.lists(_HASH, min_size=1, max_size=4),
+    parent=st.one_of(st.none(), _HASH),
+    size=st.integers(1, 3),
+    token=st.integers(0, 2**32 - 1),
+    lora_id=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+    lora_name=st.one_of(st.none(), st.text(max_size=300)),
+    extra=st.one_of(st.none(), st.lists(st.one_of(st.none(), st.lists(_SCALAR, max_size=3)))),
+    group=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+)
+def test_a_description_is_encoded_as_msgpack_encodes_the_map_vllm_sends(
+    hashes: list[Any],
+    parent: Any,
+    size: int,
+    token: int,
+    lora_id: int | None,
+    lora_name: str | None,
+    extra: list[Any] | None,
+    group: int | None,
+) -> None:
+    # The oracle is the reference msgpack implementation's encoding of the BlockStored
+    # fields in vLLM's order: every encoding choice (int widths, str8, bin, float64) the
+    # same bytes, not only the same values.
+    tokens = [token] * (size * len(hashes))
+    described = wire.describe(
+        hashes,
+        parent,
+        tokens,
+        size,
+        lora_id=lora_id,
+        lora_name=lora_name,
+        extra_keys=extra,
+        group_idx=group,
+    )
+    fields: dict[str, Any] = {
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": size,
+        "lora_id": lora_id,
+        "lora_name": lora_name,
+    }
+    if extra is not None:
+        fields["extra_keys"] = extra
+    if group is not None:
+        fields["group_idx"] = group
+    expected = msgpack.packb(fields, use_bin_type=True)
+    assert wire.map_header(described.pairs) + described.fields == expected
+    assert described.hashes == msgpack.packb(hashes, use_bin_type=True)
 
 
 def test_a_batch_that_cannot_be_encoded_is_a_counted_drop_and_the_thread_goes_on(

@@ -89,10 +89,14 @@ class Shards(Generic[K, V]):
         self.parts: tuple[dict[K, V], ...] = tuple({} for _ in range(parts))
         self.low = parts - 1
 
-    def _part(self, key: object) -> dict[K, V]:
+    def part_of(self, key: object) -> dict[K, V]:
+        """The part ``key`` is in, or goes to (a dict: several steps on one key cost
+        one look for its part)."""
         if type(key) is int:  # as _part: ints hash to themselves
             return self.parts[hash((_SALT, key)) & self.low]
         return self.parts[hash(key) & self.low]
+
+    _part = part_of
 
     def __len__(self) -> int:
         return sum(map(len, self.parts))
@@ -112,6 +116,13 @@ class Shards(Generic[K, V]):
         if not low:
             return list(filterfalse(parts[0].__contains__, keys))
         return [key for key in keys if key not in parts[hash(key) & low]]
+
+    def present(self, keys: Iterable[K]) -> list[K]:
+        """Those of ``keys`` that are here, in order."""
+        parts, low = self.parts, self.low
+        if not low:
+            return list(filter(parts[0].__contains__, keys))
+        return [key for key in keys if key in parts[hash(key) & low]]
 
     def leading(self, keys: Iterable[K]) -> int:
         """How many of ``keys``, from the first on, are here."""
@@ -179,7 +190,8 @@ class Shards(Generic[K, V]):
 
 class Fifo(Generic[K, V]):
     """Keys and their values in the order they were last put (:meth:`put` moves a key to
-    the back); :meth:`oldest` is the front."""
+    the back); :meth:`oldest` is the front. (A key's part is found inline, not by a call
+    of :func:`_part`: the book looks up its keys several times per event.)"""
 
     __slots__ = ("_buckets", "_count", "_head", "_next", "_seq")
 
@@ -198,10 +210,10 @@ class Fifo(Generic[K, V]):
         return self._count > 0
 
     def __contains__(self, key: object) -> bool:
-        return key in self._seq.parts[_part(key)]
+        return key in self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW]
 
     def __getitem__(self, key: K) -> V:
-        seq = self._seq.parts[_part(key)][key]
+        seq = self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW][key]
         return self._buckets[seq >> _SHIFT][1][seq]
 
     def __iter__(self) -> Iterator[K]:
@@ -227,12 +239,14 @@ class Fifo(Generic[K, V]):
             yield part
 
     def get(self, key: K, default: V | None = None) -> V | None:
-        seq = self._seq.parts[_part(key)].get(key)
+        seq = self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW].get(key)
         return default if seq is None else self._buckets[seq >> _SHIFT][1][seq]
 
     def put(self, key: K, value: V) -> None:
         """Set ``key`` to ``value``, at the back."""
-        numbers = self._seq.parts[_part(key)]  # (the parts direct: half the calls)
+        numbers = self._seq.parts[
+            _part(key) if type(key) is int else hash(key) & _LOW
+        ]  # (the parts direct: half the calls)
         if key in numbers:
             self.pop(key)
         seq = self._next
@@ -247,7 +261,7 @@ class Fifo(Generic[K, V]):
 
     def pop(self, key: K, default: V | None = None) -> V | None:
         """Take ``key`` out: its value (``default`` when it was not in)."""
-        seq = self._seq.parts[_part(key)].pop(key, None)
+        seq = self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW].pop(key, None)
         if seq is None:
             return default
         self._count -= 1

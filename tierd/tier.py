@@ -19,7 +19,7 @@ they are given out, and what a restart brings back is :mod:`tierd.tier_slots`'s.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice, takewhile
 from operator import itemgetter
@@ -108,6 +108,13 @@ class Tier:
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is present and ready (pinned or not)."""
         return key in self._slots and key not in self._writing
+
+    def ready(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
+        """Those of ``keys`` present and ready, in order (:meth:`__contains__` of each,
+        at C speed in one part)."""
+        present = self._slots.present(keys)
+        writing = self._writing
+        return [key for key in present if key not in writing] if writing else present
 
     @property
     def adopting(self) -> int:

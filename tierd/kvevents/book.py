@@ -221,9 +221,13 @@ class DescriptorBook:
         if row is not None:
             if self._masks.pop(key) == 0:  # only a description held nowhere waits
                 self._unpend(key)
-            self._unindex(key, row)
-            if self.on_change is not None:
-                self.on_change(key, None)
+            self._forget(key, row)
+
+    def _forget(self, key: BlockKey, row: bytes) -> None:
+        """The rest of a drop, once ``key``'s row and levels are out."""
+        self._unindex(key, row)
+        if self.on_change is not None:
+            self.on_change(key, None)
 
     def stored(self, key: BlockKey, bit: int) -> Described | None:
         """The block of ``key`` became ready at the level of ``bit``: its description."""
@@ -233,7 +237,8 @@ class DescriptorBook:
     def stored_rows(self, keys: Sequence[BlockKey], bit: int) -> list[bytes | None]:
         """:meth:`stored` for each of ``keys``: the rows of their descriptions (None: not
         described), for :class:`~tierd.kvevents.wire.Framer`."""
-        masks, low, rows = self._masks.parts, self._masks.low, self._rows
+        masks, low, row_of_key = self._masks.parts, self._masks.low, self._rows.__getitem__
+        fresh, fresh_grace = self._fresh, self._fresh_grace
         out: list[bytes | None] = []
         for key in keys:  # (the maps' parts direct: a key is bytes, never an int)
             part = masks[hash(key) & low]
@@ -242,9 +247,11 @@ class DescriptorBook:
                 out.append(None)
                 continue
             part[key] = mask | bit
-            if mask == 0:
+            # Held nowhere, it waited: nearly always still in a fresh dict (its
+            # description came a moment before, or its demotion left a moment ago).
+            if mask == 0 and fresh.pop(key, None) is None and fresh_grace.pop(key, None) is None:
                 self._unpend(key)
-            out.append(rows[key])
+            out.append(row_of_key(key))
         return out
 
     def mark(self, key: BlockKey, bit: int) -> bytes | None:
@@ -274,14 +281,18 @@ class DescriptorBook:
             part = masks[hash(key) & low]
             held = part[key]
             mask = held & ~bit
+            if mask == 0 and last:  # gone from the node: dropped
+                del part[key]
+                rows.pop(key)
+                if held == 0:  # (held nowhere before either, it waited; held, it did not)
+                    self._unpend(key)
+                self._forget(key, row)
+                continue
             part[key] = mask
-            if mask == 0:
-                if last:
-                    self.drop(key)
-                else:
-                    if held == 0:  # (held somewhere, it waited nowhere)
-                        self._unpend(key)
-                    self._wait(key, grace=True)
+            if mask == 0:  # below, a moment later, or gone after grace_s
+                if held == 0:
+                    self._unpend(key)
+                self._wait(key, grace=True)
         return out
 
     def sweep(self) -> int:
@@ -363,20 +374,34 @@ class DescriptorBook:
         self._rows.put(key, row_of(entry))
         self._masks.parts[hash(key) & self._masks.low][key] = entry.mask  # (a key is bytes)
         self.bytes_used += entry.cost
+        part_of = self._by_hash.part_of
         for h in entry.hashes:
-            had = self._by_hash.get(h)
-            self._by_hash[h] = key if had is None else (*_listed(had), key)
+            part = part_of(h)
+            had = part.get(h)
+            part[h] = key if had is None else (*_listed(had), key)
 
     def _unindex(self, key: BlockKey, row: bytes) -> None:
-        fields, _, encoded, _ = msgpack.unpackb(row)  # (an Entry's cost, without one)
-        hashes = msgpack.unpackb(encoded)
-        self.bytes_used -= len(fields) + len(encoded) + ENTRY_OVERHEAD + HASH_OVERHEAD * len(hashes)
+        # (an Entry's cost, without one: the row's two bins found, only the hashes read)
+        fields_at, fields_end = wire.bin_at(row, 1)
+        hashes_at, hashes_end = wire.bin_at(row, fields_end + 1)  # past the pairs (a fixint)
+        hashes = msgpack.unpackb(row[hashes_at:hashes_end])
+        self.bytes_used -= (
+            fields_end
+            - fields_at
+            + hashes_end
+            - hashes_at
+            + ENTRY_OVERHEAD
+            + HASH_OVERHEAD * len(hashes)
+        )
+        part_of = self._by_hash.part_of
         for h in hashes:
-            keys = [k for k in _listed(self._by_hash.get(h, ())) if k != key]
-            if not keys:
-                self._by_hash.pop(h, None)
-            else:
-                self._by_hash[h] = keys[0] if len(keys) == 1 else tuple(keys)
+            part = part_of(h)
+            had = part.pop(h, None)
+            if had is None or had == key:
+                continue
+            keys = tuple(k for k in _listed(had) if k != key)
+            if keys:
+                part[h] = keys[0] if len(keys) == 1 else keys
 
     def _enforce_budget(self, keep: BlockKey) -> None:
         while self.bytes_used > self.budget_bytes and len(self._rows) > 1:

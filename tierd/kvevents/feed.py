@@ -221,17 +221,30 @@ class EventFeed:
                 out += [removed(row) for row in rows if row is not None]
         self._sent_soon(tenant.stream)
 
-    def described(self, tenant: KvTenant, key: BlockKey, entry: Entry) -> None:
-        """A description came for ``key``: announce the block where the chain holds it
-        already (it was stored before it was described)."""
-        tenant.book.put(key, entry)
-        self._announce_held(tenant, key)
+    def described(
+        self, tenant: KvTenant, keys: Sequence[BlockKey], entries: Sequence[Entry]
+    ) -> None:
+        """Descriptions came for ``keys``: keep them, and announce each block where the
+        chain holds it already (it was stored before it was described)."""
+        put = tenant.book.put
+        for key, entry in zip(keys, entries, strict=True):
+            put(key, entry)
+        self._announce_held(tenant, keys)
         self._sent_soon(tenant.stream)
 
-    def _announce_held(self, tenant: KvTenant, key: BlockKey) -> None:
+    @staticmethod
+    def _announce_held(tenant: KvTenant, keys: Sequence[BlockKey]) -> None:
+        """A ``BlockStored`` for each level holding each of ``keys`` that the book has
+        not counted there yet (each key's, top level first)."""
+        book, out = tenant.book, tenant.stream.out
         for i, level in enumerate(tenant.chain.levels):
-            if key in level.tier and (row := tenant.book.mark(key, 1 << i)) is not None:
-                tenant.stream.out.append(tenant.framers[1 << i].stored(row))
+            held = level.tier.ready(keys)
+            if held:
+                bit = 1 << i
+                stored = tenant.framers[bit].stored
+                for key in held:
+                    if (row := book.mark(key, bit)) is not None:
+                        out.append(stored(row))
 
     async def _settle_restored(self, tenant: KvTenant) -> None:
         """Once every level has adopted its kept blocks: announce the restored
@@ -243,12 +256,12 @@ class EventFeed:
             await asyncio.sleep(ADOPTION_POLL_S)
         keys, tenant.restored = tenant.restored, []
         for start in range(0, len(keys), INDEX_KEYS):  # the loop's turn between slices
-            for key in keys[start : start + INDEX_KEYS]:
-                if key not in tenant.book:
-                    continue
-                self._announce_held(tenant, key)
-                if tenant.book.mask_of(key) == 0:
-                    tenant.book.drop(key)
+            book = tenant.book
+            kept = [key for key in keys[start : start + INDEX_KEYS] if key in book]
+            self._announce_held(tenant, kept)
+            for key in kept:
+                if book.mask_of(key) == 0:
+                    book.drop(key)
             self._sent_soon(tenant.stream)
             await next_turn()
         log.info(

@@ -25,12 +25,14 @@ from functools import lru_cache
 from typing import Any, NamedTuple
 
 import msgpack
+import msgspec
 
 __all__ = [
     "END_SEQ",
     "Described",
     "Framer",
     "batch",
+    "bin_at",
     "cleared",
     "describe",
     "removed",
@@ -100,6 +102,23 @@ class Described(NamedTuple):
     size: int  # bytes this costs (len(fields) + len(hashes)), for the book's budget
 
 
+class _Stored(msgspec.Struct, omit_defaults=True):
+    """A BlockStored map's fields after its type, in vLLM's order (``extra_keys`` and
+    ``group_idx`` only when given: their defaults are left out)."""
+
+    block_hashes: Any
+    parent_block_hash: Any
+    token_ids: Any
+    block_size: int
+    lora_id: Any
+    lora_name: Any
+    extra_keys: Any = None
+    group_idx: Any = None
+
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
 def describe(
     hashes: Sequence[int | bytes],
     parent: int | bytes | None,
@@ -119,28 +138,29 @@ def describe(
     """
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, not {block_size}")
-    rest: dict[str, Any] = {
-        "parent_block_hash": parent,
-        "token_ids": tokens if isinstance(tokens, list) else list(tokens),
-        "block_size": block_size,
-        "lora_id": lora_id,
-        "lora_name": lora_name,
-    }
-    if extra_keys is not None:
-        rest["extra_keys"] = list(extra_keys)
-    if group_idx is not None:
-        rest["group_idx"] = group_idx
+    hashes = hashes if isinstance(hashes, list) else list(hashes)
     try:
-        encoded_hashes = _pack(hashes if isinstance(hashes, list) else list(hashes))
-        # One packing of the map, its header cut off: the pairs, in order (at most 7
-        # pairs: a fixmap's header is one byte).
-        body = memoryview(_pack(rest))[1:]
-    except (OverflowError, TypeError, ValueError) as exc:
+        # One encoding of the map (at most 8 pairs: a fixmap, its header one byte, cut
+        # off), its hashes once more alone (for removals).
+        encoded = _encode(
+            _Stored(
+                hashes,
+                parent,
+                tokens if isinstance(tokens, list) else list(tokens),
+                block_size,
+                lora_id,
+                lora_name,
+                None if extra_keys is None else list(extra_keys),
+                group_idx,
+            )
+        )
+        encoded_hashes = _encode(hashes)
+    except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
         raise ValueError(f"a block description msgpack cannot encode: {exc}") from exc
-    fields = b"".join((_HASHES, encoded_hashes, body))
+    fields = encoded[1:]
     size = len(fields) + len(encoded_hashes)
     # (positional: a named tuple made with keywords took twice as long)
-    return Described(fields, len(rest) + 1, encoded_hashes, group_idx, size)
+    return Described(fields, encoded[0] & 0x0F, encoded_hashes, group_idx, size)
 
 
 def row(d: Described) -> bytes:
@@ -148,7 +168,7 @@ def row(d: Described) -> bytes:
     return _pack([d.fields, d.pairs, d.hashes, d.group_idx])
 
 
-def _bin_at(data: bytes, at: int) -> tuple[int, int]:
+def bin_at(data: bytes, at: int) -> tuple[int, int]:
     """Where the bytes of the msgpack bin at ``at`` start and end."""
     tag = data[at]
     if tag == 0xC4:
@@ -178,13 +198,13 @@ class Framer:
 
     def stored(self, data: bytes) -> bytes:
         """The BlockStored event of the block whose row is ``data``."""
-        start, end = _bin_at(data, 1)
+        start, end = bin_at(data, 1)
         return b"".join((self._stored[data[end]], data[start:end], self._tail))
 
     def removed(self, data: bytes) -> bytes:
         """The BlockRemoved event of the block whose row is ``data``."""
-        _, fields_end = _bin_at(data, 1)
-        start, end = _bin_at(data, fields_end + 1)  # past the pairs (a fixint)
+        _, fields_end = bin_at(data, 1)
+        start, end = bin_at(data, fields_end + 1)  # past the pairs (a fixint)
         if data[end] == 0xC0:  # no group
             return b"".join((self._removed, data[start:end], self._tail))
         return b"".join((self._group, data[start:end], self._tail, _GROUP, data[end:]))

@@ -28,7 +28,7 @@ from tierd.control.state.context import ServerContext
 from tierd.control.state.tenant_table import Grant, Tenant
 from tierd.errors import ProtocolError
 from tierd.keys import BlockKey
-from tierd.kvevents.describe import BadDescription, parse_description, unpack_description
+from tierd.kvevents.describe import BadDescription, parse_description
 from tierd.turns import DESCRIPTION_BYTES, DESCRIPTIONS, next_turn
 
 if TYPE_CHECKING:
@@ -78,14 +78,13 @@ class KvRequests:
             if n:
                 await next_turn()
             try:
-                entries += [parse_description(unpack_description(raw)) for raw in blocks[piece]]
+                entries += [parse_description(raw) for raw in blocks[piece]]
             except BadDescription as exc:
                 raise _bad(f"a description: {exc}") from None
         for piece in pieces:
             if len(pieces) > 1:  # (a request of one piece is one turn)
                 await next_turn()
-            for key, entry in zip(keys[piece], entries[piece], strict=True):
-                feed.described(published, key, entry)  # type: ignore[union-attr]
+            feed.described(published, keys[piece], entries[piece])  # type: ignore[union-attr]
         return {"kept": len(entries)}
 
     def blocks_held(self, msg: dict[str, Any]) -> Reply:
