@@ -194,21 +194,29 @@ class DescriptorBook:
     def put(self, key: BlockKey, entry: Entry) -> None:
         """Keep ``entry`` for ``key`` (a new description replaces the old one; the levels
         holding the block stay as they were)."""
-        masks = self._masks.parts[hash(key) & self._masks.low]  # (a key is bytes)
-        # Described before? (A key has its levels exactly when it has its row.)
-        old = self._rows.pop(key) if key in masks else None
-        if old is not None:
-            entry.mask = masks.pop(key)
-            self._unindex(key, old)
-        self._keep(key, entry)
-        if entry.mask == 0:  # held nowhere: waits for its store
+        self.put_all((key,), (entry,))
+
+    def put_all(self, keys: Sequence[BlockKey], entries: Sequence[Entry]) -> None:
+        """:meth:`put` for each of ``keys`` and its entry, in order."""
+        parts, low, on_change = self._masks.parts, self._masks.low, self.on_change
+        waiting: list[BlockKey] = []
+        for key, entry in zip(keys, entries, strict=True):
+            masks = parts[hash(key) & low]  # (a key is bytes)
+            # Described before? (A key has its levels exactly when it has its row.)
+            old = self._rows.pop(key) if key in masks else None
             if old is not None:
-                self._unpend(key)
-            self._wait(key)
-        if self.on_change is not None:
-            self.on_change(key, entry)
-        if self.bytes_used > self.budget_bytes:
-            self._enforce_budget(key)
+                entry.mask = masks.pop(key)
+                self._unindex(key, old)
+            self._keep(key, entry)
+            if entry.mask == 0:  # held nowhere: waits for its store
+                if old is not None:
+                    self._unpend(key)
+                waiting.append(key)
+            if on_change is not None:
+                on_change(key, entry)
+        self._wait_all(waiting)
+        if keys and self.bytes_used > self.budget_bytes:
+            self._enforce_budget(keys[-1])
 
     def restore(self, entries: dict[BlockKey, Entry]) -> None:
         """Take the descriptions a restart read back (held nowhere yet: the feed settles
@@ -273,6 +281,7 @@ class DescriptorBook:
         described)."""
         masks, low, rows = self._masks.parts, self._masks.low, self._rows
         out: list[bytes | None] = []
+        waiting: list[BlockKey] = []
         for key in keys:
             row = rows.get(key)
             out.append(row)
@@ -292,7 +301,9 @@ class DescriptorBook:
             if mask == 0:  # below, a moment later, or gone after grace_s
                 if held == 0:
                     self._unpend(key)
-                self._wait(key, grace=True)
+                waiting.append(key)
+        if waiting:
+            self._wait_all(waiting, grace=True)
         return out
 
     def sweep(self) -> int:
@@ -341,16 +352,22 @@ class DescriptorBook:
     def _wait(self, key: BlockKey, *, grace: bool = False) -> None:
         """``key``, held nowhere, waits ``unheld_s`` for its store, or ``grace_s`` for
         its demotion (in a fresh dict)."""
-        if len(self._fresh) + len(self._fresh_grace) >= FRESH_KEYS:
-            self._pass()
-        fresh = self._fresh_grace if grace else self._fresh
-        now = self.clock()
-        due = now + (self.grace_s if grace else self.unheld_s)
-        if not self._fresh and not self._fresh_grace:
-            self._pass_at = min(now + FRESH_S, due)
-        elif not fresh:  # the first of its wait: it may be due before the pass
-            self._pass_at = min(self._pass_at, due)
-        fresh[key] = due
+        self._wait_all((key,), grace=grace)
+
+    def _wait_all(self, keys: Sequence[BlockKey], *, grace: bool = False) -> None:
+        """:meth:`_wait` for each of ``keys`` (one look at the clock for all)."""
+        for start in range(0, len(keys), FRESH_KEYS):  # (one pass, as a rule)
+            piece = keys[start : start + FRESH_KEYS] if len(keys) > FRESH_KEYS else keys
+            if len(self._fresh) + len(self._fresh_grace) + len(piece) > FRESH_KEYS:
+                self._pass()
+            fresh = self._fresh_grace if grace else self._fresh
+            now = self.clock()
+            due = now + (self.grace_s if grace else self.unheld_s)
+            if not self._fresh and not self._fresh_grace:
+                self._pass_at = min(now + FRESH_S, due)
+            elif not fresh:  # the first of its wait: it may be due before the pass
+                self._pass_at = min(self._pass_at, due)
+            fresh.update(dict.fromkeys(piece, due))
 
     def _pass(self) -> None:
         """The fresh keys, still held nowhere, to the queues of their waits."""

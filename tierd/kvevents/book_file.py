@@ -57,7 +57,11 @@ log = get_logger("tierd.kvevents")
 
 
 def _record(key: BlockKey, entry: Entry | None) -> bytes:
-    return bytes(msgpack.packb([key])) if entry is None else record_of(key, row_of(entry))
+    if entry is not None:
+        return record_of(key, row_of(entry))
+    if len(key) < 256:  # [key]: an array of one bin 8
+        return b"\x91\xc4" + bytes((len(key),)) + key
+    return bytes(msgpack.packb([key]))
 
 
 def _entry(record: Any) -> Entry | None:

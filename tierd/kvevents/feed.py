@@ -209,16 +209,11 @@ class EventFeed:
             framer = tenant.framers[bit]
             if event.kind is EventKind.STORED:
                 rows = book.stored_rows(event.keys, bit)
-                stored = framer.stored
-                for row in rows:
-                    if row is None:
-                        self.undescribed += 1
-                    else:
-                        out.append(stored(row))
+                self.undescribed += rows.count(None)
+                out += map(framer.stored, filter(None, rows))
             else:
                 rows = book.removed_rows(event.keys, bit, last=bool(bit & tenant.last))
-                removed = framer.removed
-                out += [removed(row) for row in rows if row is not None]
+                out += map(framer.removed, filter(None, rows))
         self._sent_soon(tenant.stream)
 
     def described(
@@ -226,9 +221,7 @@ class EventFeed:
     ) -> None:
         """Descriptions came for ``keys``: keep them, and announce each block where the
         chain holds it already (it was stored before it was described)."""
-        put = tenant.book.put
-        for key, entry in zip(keys, entries, strict=True):
-            put(key, entry)
+        tenant.book.put_all(keys, entries)
         self._announce_held(tenant, keys)
         self._sent_soon(tenant.stream)
 
