@@ -8,6 +8,8 @@ alternating rounds. The CPU tier is small enough that the stores evict and demot
 removals and moves are published too. Figures per round:
 
 - the daemon's CPU time (utime + stime from /proc) per stored block, and the ratio on/off;
+  and its loop's alone (the main thread's: where the events' work is; the disk tier's
+  threads, the same both ways, add their share, and the noise of their I/O, to the whole);
 - the blocks stored per second, against the engines' rate (``--engines`` x ``--rate``);
 - with events on, when a subscriber received each block's ``BlockStored`` (CPU; the
   subscriber is in this process: the same clock), p50 and p99: after the store returned
@@ -44,8 +46,10 @@ BLOCK = 16 << 10
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _cpu_s(pid: int, thread: int | None = None) -> float:
+    """utime + stime of process ``pid`` (all its threads), or of its thread ``thread``."""
+    stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
@@ -145,18 +149,20 @@ async def _round(on: bool, args: argparse.Namespace, tree: Path | None) -> dict[
             await asyncio.sleep(0.2)  # the subscription reaches the publisher
             sent: dict[int, float] = {}
             acked: dict[int, float] = {}
-            cpu0 = _cpu_s(daemon.pid)
+            cpu0, loop0 = _cpu_s(daemon.pid), _cpu_s(daemon.pid, daemon.pid)
             deadline = time.monotonic() + args.seconds
             sock = config["socket"]["path"]
             counts = await asyncio.gather(
                 *(_engine(sock, n, args, sent, acked, deadline) for n in range(args.engines))
             )
             cpu = _cpu_s(daemon.pid) - cpu0
+            loop = _cpu_s(daemon.pid, daemon.pid) - loop0
             blocks = sum(counts)
             out = {
                 "blocks": float(blocks),
                 "rate": blocks / args.seconds,
                 "cpu_us_per_block": 1e6 * cpu / blocks,
+                "loop_us_per_block": 1e6 * loop / blocks,
             }
             stores = sorted(acked[h] - sent[h] for h in acked)
             out["store_p50_ms"] = 1e3 * _at(stores, 0.5)
@@ -198,21 +204,24 @@ async def run(args: argparse.Namespace) -> None:
     target = args.engines * args.rate
     lines = [
         f"\n{args.engines} engines x {args.rate} blocks/s, {args.rounds} rounds (medians):",
-        "| events | blocks/s | daemon CPU per block | lag after the store returned p50 "
-        "| p99 | after the describe was sent p50 | p99 | heard | batches/s "
+        "| events | blocks/s | daemon CPU per block | its loop's | lag after the store returned"
+        " p50 | p99 | after the describe was sent p50 | p99 | heard | batches/s "
         "| describe+put p50 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, on, _ in daemons:
         rate = f"{med(name, 'rate'):,.0f} of {target:,}"
         cpu = f"{med(name, 'cpu_us_per_block'):.1f} us"
+        loop = f"{med(name, 'loop_us_per_block'):.1f} us"
         store = f"{med(name, 'store_p50_ms'):.2f} ms"
         if not on:
-            lines.append(f"| {name} | {rate} | {cpu} | | | | | | | {store} |")
+            lines.append(f"| {name} | {rate} | {cpu} | {loop} | | | | | | | {store} |")
             continue
-        ratio = med(name, "cpu_us_per_block") / med(name.replace("on", "off"), "cpu_us_per_block")
+        off = name.replace("on", "off")
+        ratio = med(name, "cpu_us_per_block") / med(off, "cpu_us_per_block")
+        loop_ratio = med(name, "loop_us_per_block") / med(off, "loop_us_per_block")
         lines.append(
-            f"| {name} | {rate} | {cpu} ({ratio:.2f}x) "
+            f"| {name} | {rate} | {cpu} ({ratio:.2f}x) | {loop} ({loop_ratio:.2f}x) "
             f"| {med(name, 'lag_p50_ms'):.2f} ms | {med(name, 'lag_p99_ms'):.2f} ms "
             f"| {med(name, 'sent_p50_ms'):.2f} ms | {med(name, 'sent_p99_ms'):.2f} ms "
             f"| {med(name, 'heard'):.3f} | {med(name, 'batches_per_s'):.0f} | {store} |"
