@@ -367,6 +367,18 @@ def test_a_hash_is_a_64_bit_integer_or_1_to_64_bytes(hashes: list[object], said:
         parse_description(msgpack.packb(description))
 
 
+def test_a_description_nested_past_any_need_is_refused_not_raised() -> None:
+    # extra_keys' entries are decoded as any msgpack before their check: a description
+    # of 100,000 nested arrays reached the decoder's recursion bound and raised
+    # RecursionError, past the request's handling of a bad description.
+    head = msgpack.packb({"hashes": [1], "tokens": [1], "block_size": 1})
+    deep = b"\x84" + head[1:] + msgpack.packb("extra_keys") + b"\x91" * 100_000 + b"\xc0"
+    with pytest.raises(BadDescription, match="its containers nest too deep"):
+        parse_description(deep)
+    entry = parse_description(b"\x84" + head[1:] + msgpack.packb("extra_keys") + b"\x91\xc0")
+    assert entry.hashes == (1,)  # (one hash, its entry null: still a description)
+
+
 def test_every_kind_of_hash_is_kept_as_it_came() -> None:
     hashes = [-(1 << 63), (1 << 64) - 1, 0, b"\x01" * 64]
     entry = parse_description(msgpack.packb({"hashes": hashes, "tokens": [1] * 4, "block_size": 1}))

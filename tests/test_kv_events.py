@@ -164,6 +164,20 @@ async def test_a_bad_description_is_refused_and_nothing_is_kept(
         assert await client.describe([b"a"], [description(0)]) == 1  # still serving
 
 
+async def test_a_description_nested_100000_deep_is_a_bad_request_and_the_daemon_serves_on(
+    tmp_path: Path,
+) -> None:
+    head = msgpack.packb({"hashes": [1], "tokens": [1, 2, 3, 4], "block_size": 4})
+    deep = b"\x84" + head[1:] + msgpack.packb("extra_keys") + b"\x91" * 100_000 + b"\xc0"
+    async with running_daemon(events_config(tmp_path)) as daemon, await _connect(daemon) as client:
+        with pytest.raises(
+            DaemonError, match="bad_request: a description: its containers nest too deep"
+        ):
+            await client.request("describe", keys=[b"a"], blocks=[deep])
+        assert (await _kv(client))["described"] == 0
+        assert await client.describe([b"a"], [description(0)]) == 1  # still serving
+
+
 async def test_off_by_default_nothing_is_kept_and_the_query_says_why(tmp_path: Path) -> None:
     config = daemon_config(tmp_path, cpu_blocks=4, disk_blocks=None)
     async with running_daemon(config) as daemon, await _connect(daemon) as client:

@@ -86,7 +86,9 @@ def parse_description(packed: Any) -> Entry:
     except msgspec.ValidationError as exc:
         raise BadDescription(str(exc)) from None
     except msgspec.DecodeError:
-        raise BadDescription("a description is not msgpack") from None
+        raise BadDescription("not msgpack") from None
+    except RecursionError:  # (extra_keys' entries, any msgpack at first: nested deep)
+        raise BadDescription("its containers nest too deep") from None
     hashes, size = d.hashes, d.block_size
     expected = size * len(hashes)
     if expected > MAX_TOKENS:
