@@ -96,8 +96,6 @@ class Shards(Generic[K, V]):
             return self.parts[hash((_SALT, key)) & self.low]
         return self.parts[hash(key) & self.low]
 
-    _part = part_of
-
     def __len__(self) -> int:
         return sum(map(len, self.parts))
 
@@ -106,7 +104,7 @@ class Shards(Generic[K, V]):
         return chain.from_iterable(self.parts)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._part(key)
+        return key in self.part_of(key)
 
     # Batches of keys that are not ints (a tier's: bytes), at C speed in one part.
 
@@ -160,27 +158,27 @@ class Shards(Generic[K, V]):
         return [parts[hash(key) & low].pop(key) for key in keys]
 
     def __getitem__(self, key: K) -> V:
-        return self._part(key)[key]
+        return self.part_of(key)[key]
 
     def __setitem__(self, key: K, value: V) -> None:
-        self._part(key)[key] = value
+        self.part_of(key)[key] = value
 
     def __delitem__(self, key: K) -> None:
-        del self._part(key)[key]
+        del self.part_of(key)[key]
 
     @overload
     def get(self, key: K) -> V | None: ...
     @overload
     def get(self, key: K, default: D) -> V | D: ...
     def get(self, key: K, default: Any = None) -> Any:
-        return self._part(key).get(key, default)
+        return self.part_of(key).get(key, default)
 
     @overload
     def pop(self, key: K) -> V: ...
     @overload
     def pop(self, key: K, default: D) -> V | D: ...
     def pop(self, key: K, default: Any = _ABSENT) -> Any:
-        part = self._part(key)
+        part = self.part_of(key)
         return part.pop(key) if default is _ABSENT else part.pop(key, default)
 
     def clear(self) -> None:

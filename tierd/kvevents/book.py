@@ -349,13 +349,9 @@ class DescriptorBook:
         for key in list(self._rows):
             self.drop(key)
 
-    def _wait(self, key: BlockKey, *, grace: bool = False) -> None:
-        """``key``, held nowhere, waits ``unheld_s`` for its store, or ``grace_s`` for
-        its demotion (in a fresh dict)."""
-        self._wait_all((key,), grace=grace)
-
     def _wait_all(self, keys: Sequence[BlockKey], *, grace: bool = False) -> None:
-        """:meth:`_wait` for each of ``keys`` (one look at the clock for all)."""
+        """``keys``, held nowhere, wait ``unheld_s`` for their store, or ``grace_s`` for
+        their demotion (in a fresh dict; one look at the clock for all)."""
         for start in range(0, len(keys), FRESH_KEYS):  # (one pass, as a rule)
             piece = keys[start : start + FRESH_KEYS] if len(keys) > FRESH_KEYS else keys
             if len(self._fresh) + len(self._fresh_grace) + len(piece) > FRESH_KEYS:
