@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -137,7 +138,9 @@ def freeze_before(kind: str) -> None:
     def copy(self: Any, engine_spec: Any, host_spec: Any, *, store: bool) -> int:
         if store == (kind == "store"):
             RowCopies.copy = original  # type: ignore[method-assign]
-            os.kill(os.getpid(), signal.SIGSTOP)
+            # to this thread: sent to the process, another thread may take the stop while
+            # this one goes on copying (tests/sglang_kit/driver.py, stop_this_thread)
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
         return original(self, engine_spec, host_spec, store=store)
 
     RowCopies.copy = copy  # type: ignore[method-assign]
