@@ -83,7 +83,10 @@ async def test_config_check_is_quiet_when_the_remote_level_takes_a_connection(
 
 def unusable_socket(tmp_path: Path, config: dict[str, Any]) -> tuple[str, str]:
     """A socket in a directory that is not there: refused as the daemon binds it."""
-    config["socket"]["path"] = str(tmp_path / "no-such-dir" / "t.sock")
+    # under a short directory: pytest's tmp_path (longer still under a worker, popen-gw0/)
+    # can pass the 107 bytes of a socket path, a refusal of its own
+    short = Path(short_socket_path()).parent
+    config["socket"]["path"] = str(short / "no-such-dir" / "t.sock")
     return "no-such-dir", "tierd: error: cannot start the daemon: "
 
 
