@@ -158,7 +158,7 @@ def _kept_in(path: Path, budget_bytes: int) -> tuple[DescriptorBook, BookFile]:
     book = DescriptorBook(budget_bytes)
     file = BookFile(path, book.row_parts)
     file.start()
-    book.on_change = lambda key, entry: file.changed(key, entry, book.bytes_used)
+    book.on_records = lambda records: file.changed(records, book.bytes_used)
     return book, file
 
 
@@ -210,7 +210,7 @@ async def test_a_rewrite_takes_the_descriptions_from_the_loop_a_part_a_turn(
 
     file = BookFile(path, parts)
     file.start()
-    book.on_change = lambda key, entry: file.changed(key, entry, book.bytes_used)
+    book.on_records = lambda records: file.changed(records, book.bytes_used)
     live = 17_000
     for i in range(live):
         book.put(_key(i), _entry(i))

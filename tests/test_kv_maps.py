@@ -49,6 +49,8 @@ def test_a_fifo_behaves_as_an_ordered_dict_whose_front_is_taken_out(
         assert len(fifo) == len(model) and bool(fifo) == bool(model)
     assert list(fifo) == list(model) and fifo.items() == list(model.items())
     assert [fifo[k] for k in model] == list(model.values())
+    asked = [b"k%d" % i for _, i in ops] + [b"absent"]
+    assert fifo.get_all(asked) == [model.get(k) for k in asked]
 
 
 def test_a_long_queue_evicted_from_its_front_keeps_its_order_and_is_not_walked() -> None:

@@ -240,6 +240,15 @@ class Fifo(Generic[K, V]):
         seq = self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW].get(key)
         return default if seq is None else self._buckets[seq >> _SHIFT][1][seq]
 
+    def get_all(self, keys: Iterable[K]) -> list[V | None]:
+        """:meth:`get` of each of ``keys`` (None where it is not in), in one call."""
+        parts, buckets = self._seq.parts, self._buckets
+        out: list[V | None] = []
+        for key in keys:
+            seq = parts[_part(key) if type(key) is int else hash(key) & _LOW].get(key)
+            out.append(None if seq is None else buckets[seq >> _SHIFT][1][seq])
+        return out
+
     def put(self, key: K, value: V) -> None:
         """Set ``key`` to ``value``, at the back."""
         numbers = self._seq.parts[

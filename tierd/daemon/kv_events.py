@@ -133,5 +133,5 @@ async def _keep(tenant: KvTenant, where: Path) -> None:
     tenant.restored = list(restored)
     file = BookFile(where, book.row_parts)
     await asyncio.to_thread(file.start)
-    book.on_change = lambda key, entry: file.changed(key, entry, book.bytes_used)
+    book.on_records = lambda records: file.changed(records, book.bytes_used)
     tenant.file = file

@@ -61,6 +61,7 @@ __all__ = [
     "HASH_OVERHEAD",
     "DescriptorBook",
     "Entry",
+    "dropped_record",
     "entry_of",
     "record_of",
     "row_of",
@@ -112,6 +113,13 @@ def record_of(key: BlockKey, row: bytes) -> bytes:
     return b"\x95" + bytes(msgpack.packb(key)) + row[1:]
 
 
+def dropped_record(key: BlockKey) -> bytes:
+    """The file record of ``key``'s description dropped (msgpack ``[key]``)."""
+    if len(key) < 256:  # an array of one bin 8
+        return b"\x91\xc4" + bytes((len(key),)) + key
+    return bytes(msgpack.packb([key]))
+
+
 def described_of(items: Sequence[Any]) -> Described:
     """The description of a row's (or a file record's, after its key) four items."""
     fields, pairs, hashes, group_idx = items
@@ -143,7 +151,9 @@ class DescriptorBook:
     grace_s: float = 2.0
     unheld_s: float = 60.0
     clock: Callable[[], float] = time.monotonic
-    on_change: Callable[[BlockKey, Entry | None], None] | None = None  # the book's file
+    # The book's file: the records of each change (record_of, dropped_record), in order,
+    # those of one call together.
+    on_records: Callable[[list[bytes]], None] | None = None
     bytes_used: int = 0
     evicted: int = 0  # descriptions pushed out by the budget
     _rows: Fifo[BlockKey, bytes] = field(default_factory=Fifo)  # oldest first
@@ -198,8 +208,9 @@ class DescriptorBook:
 
     def put_all(self, keys: Sequence[BlockKey], entries: Sequence[Entry]) -> None:
         """:meth:`put` for each of ``keys`` and its entry, in order."""
-        parts, low, on_change = self._masks.parts, self._masks.low, self.on_change
+        parts, low = self._masks.parts, self._masks.low
         waiting: list[BlockKey] = []
+        records: list[bytes] = []
         for key, entry in zip(keys, entries, strict=True):
             masks = parts[hash(key) & low]  # (a key is bytes)
             # Described before? (A key has its levels exactly when it has its row.)
@@ -207,13 +218,13 @@ class DescriptorBook:
             if old is not None:
                 entry.mask = masks.pop(key)
                 self._unindex(key, old)
-            self._keep(key, entry)
+            records.append(record_of(key, self._keep(key, entry)))
             if entry.mask == 0:  # held nowhere: waits for its store
                 if old is not None:
                     self._unpend(key)
                 waiting.append(key)
-            if on_change is not None:
-                on_change(key, entry)
+        if records and self.on_records is not None:
+            self.on_records(records)
         self._wait_all(waiting)
         if keys and self.bytes_used > self.budget_bytes:
             self._enforce_budget(keys[-1])
@@ -229,13 +240,9 @@ class DescriptorBook:
         if row is not None:
             if self._masks.pop(key) == 0:  # only a description held nowhere waits
                 self._unpend(key)
-            self._forget(key, row)
-
-    def _forget(self, key: BlockKey, row: bytes) -> None:
-        """The rest of a drop, once ``key``'s row and levels are out."""
-        self._unindex(key, row)
-        if self.on_change is not None:
-            self.on_change(key, None)
+            self._unindex(key, row)
+            if self.on_records is not None:
+                self.on_records([dropped_record(key)])
 
     def stored(self, key: BlockKey, bit: int) -> Described | None:
         """The block of ``key`` became ready at the level of ``bit``: its description."""
@@ -245,22 +252,20 @@ class DescriptorBook:
     def stored_rows(self, keys: Sequence[BlockKey], bit: int) -> list[bytes | None]:
         """:meth:`stored` for each of ``keys``: the rows of their descriptions (None: not
         described), for :class:`~tierd.kvevents.wire.Framer`."""
-        masks, low, row_of_key = self._masks.parts, self._masks.low, self._rows.__getitem__
+        masks, low = self._masks.parts, self._masks.low
         fresh, fresh_grace = self._fresh, self._fresh_grace
-        out: list[bytes | None] = []
-        for key in keys:  # (the maps' parts direct: a key is bytes, never an int)
-            part = masks[hash(key) & low]
-            mask = part.get(key)
-            if mask is None:
-                out.append(None)
+        rows = self._rows.get_all(keys)
+        for key, row in zip(keys, rows, strict=True):  # (a key has levels iff it has a row)
+            if row is None:
                 continue
+            part = masks[hash(key) & low]  # (the maps' parts direct: a key is bytes)
+            mask = part[key]
             part[key] = mask | bit
             # Held nowhere, it waited: nearly always still in a fresh dict (its
             # description came a moment before, or its demotion left a moment ago).
             if mask == 0 and fresh.pop(key, None) is None and fresh_grace.pop(key, None) is None:
                 self._unpend(key)
-            out.append(row_of_key(key))
-        return out
+        return rows
 
     def mark(self, key: BlockKey, bit: int) -> bytes | None:
         """:meth:`stored`, only where the level of ``bit`` was not counted yet: the row
@@ -280,11 +285,10 @@ class DescriptorBook:
         """:meth:`removed` for each of ``keys``: the rows of their descriptions (None: not
         described)."""
         masks, low, rows = self._masks.parts, self._masks.low, self._rows
-        out: list[bytes | None] = []
+        out = rows.get_all(keys)
         waiting: list[BlockKey] = []
-        for key in keys:
-            row = rows.get(key)
-            out.append(row)
+        dropped: list[bytes] = []
+        for key, row in zip(keys, out, strict=True):
             if row is None:
                 continue
             part = masks[hash(key) & low]
@@ -295,13 +299,16 @@ class DescriptorBook:
                 rows.pop(key)
                 if held == 0:  # (held nowhere before either, it waited; held, it did not)
                     self._unpend(key)
-                self._forget(key, row)
+                self._unindex(key, row)
+                dropped.append(dropped_record(key))
                 continue
             part[key] = mask
             if mask == 0:  # below, a moment later, or gone after grace_s
                 if held == 0:
                     self._unpend(key)
                 waiting.append(key)
+        if dropped and self.on_records is not None:
+            self.on_records(dropped)
         if waiting:
             self._wait_all(waiting, grace=True)
         return out
@@ -383,8 +390,10 @@ class DescriptorBook:
         ):
             self._unheld.pop(key, None)
 
-    def _keep(self, key: BlockKey, entry: Entry) -> None:
-        self._rows.put(key, row_of(entry))
+    def _keep(self, key: BlockKey, entry: Entry) -> bytes:
+        """Keep ``entry`` for ``key`` (not described now); returns its row."""
+        row = row_of(entry)
+        self._rows.put(key, row)
         self._masks.parts[hash(key) & self._masks.low][key] = entry.mask  # (a key is bytes)
         self.bytes_used += entry.cost
         part_of = self._by_hash.part_of
@@ -392,11 +401,11 @@ class DescriptorBook:
             part = part_of(h)
             had = part.get(h)
             part[h] = key if had is None else (*_listed(had), key)
+        return row
 
     def _unindex(self, key: BlockKey, row: bytes) -> None:
         # (an Entry's cost, without one: the row's two bins found, only the hashes read)
-        fields_at, fields_end = wire.bin_at(row, 1)
-        hashes_at, hashes_end = wire.bin_at(row, fields_end + 1)  # past the pairs (a fixint)
+        fields_at, fields_end, hashes_at, hashes_end = wire.spans(row)
         hashes = msgpack.unpackb(row[hashes_at:hashes_end])
         self.bytes_used -= (
             fields_end

@@ -42,7 +42,7 @@ from typing import Any, BinaryIO
 import msgpack
 
 from tierd.keys import BlockKey
-from tierd.kvevents.book import Entry, entry_of, record_of, row_of
+from tierd.kvevents.book import Entry, entry_of, record_of
 from tierd.logs import get_logger
 
 __all__ = ["FILE_NAME", "BookFile", "read_book"]
@@ -54,14 +54,6 @@ _SLACK = 8 << 20
 _BEGIN, _END = object(), object()  # a rewrite's bounds in the writer's queue
 _Rows = list[tuple[BlockKey, bytes]]
 log = get_logger("tierd.kvevents")
-
-
-def _record(key: BlockKey, entry: Entry | None) -> bytes:
-    if entry is not None:
-        return record_of(key, row_of(entry))
-    if len(key) < 256:  # [key]: an array of one bin 8
-        return b"\x91\xc4" + bytes((len(key),)) + key
-    return bytes(msgpack.packb([key]))
 
 
 def _entry(record: Any) -> Entry | None:
@@ -126,12 +118,13 @@ class BookFile:
         self._thread = threading.Thread(target=self._run, name="tierd-kv-book", daemon=True)
         self._thread.start()
 
-    def changed(self, key: BlockKey, entry: Entry | None, live_bytes: int) -> None:
-        """On the loop: queue one change (and a rewrite when the file has grown enough)."""
-        record = _record(key, entry)
-        self.size += len(record)
-        self._records.append(record)
-        self._records_bytes += len(record)
+    def changed(self, records: list[bytes], live_bytes: int) -> None:
+        """On the loop: queue the records of some changes (the book's ``on_records``), and
+        a rewrite when the file has grown enough."""
+        size = sum(map(len, records))
+        self.size += size
+        self._records += records
+        self._records_bytes += size
         if self._records_bytes >= HAND_BYTES:
             self._hand_records()
         elif self._hand is None:

@@ -96,14 +96,12 @@ def parse_description(packed: Any) -> Entry:
     if len(d.tokens) != expected:
         raise BadDescription(f"tokens is not a list of {expected} (block_size per hash)")
     extra_keys = d.extra_keys
-    described = wire.describe(
-        hashes,
-        d.parent,
-        d.tokens,
-        size,
-        lora_id=d.lora_id,
-        lora_name=d.lora_name,
-        extra_keys=None if extra_keys is None else _extra_keys(extra_keys, len(hashes)),
-        group_idx=d.group,
-    )
+    if extra_keys is not None:
+        _extra_keys(extra_keys, len(hashes))
+    try:
+        described = wire.described(
+            hashes, d.parent, d.tokens, size, d.lora_id, d.lora_name, extra_keys, d.group
+        )
+    except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
+        raise BadDescription(f"msgpack cannot encode it: {exc}") from None
     return Entry(described, tuple(hashes))
