@@ -12,25 +12,35 @@ removals and moves are published too. Figures per round:
   threads, the same both ways, add their share, and the noise of their I/O, to the whole);
 - the blocks stored per second, against the engines' rate (``--engines`` x ``--rate``);
 - with events on, when a subscriber received each block's ``BlockStored`` (CPU; the
-  subscriber is in this process: the same clock), p50 and p99: after the store returned
-  to its engine (0 when it came before the reply), and after the describe was sent;
+  subscriber is a process of its own, so that decoding the batches takes nothing from
+  the engines' loop here; CLOCK_MONOTONIC is the node's), p50 and p99: after the store
+  returned to its engine (0 when it came before the reply), and after the describe was
+  sent;
 - the time of a describe + put, p50, both ways.
+
+The engines all start at once: each round, their stores bunch in each period as their
+connections' timing puts them, and a round's CPU per block moves with that (its batches a
+second with it: 60-93 in rounds of one run). ``--spread`` spreads them evenly over the
+period instead (independent engines at a steady rate): every store then comes in a turn
+of the loop of its own, and is a batch of its own.
 
 ``--baseline DIR`` runs, in the same rounds, a daemon from the ``tierd`` package in DIR
 as well, off and on (another checkout: ``git worktree add /tmp/before HEAD~1``): on this
 shared VM a run's CPU figures move by a fifth from one run to the next, so a change is
 measured against its baseline in one run. The order of the daemons rotates each round.
 
-Medians over ``--rounds``. Results: docs/BENCHMARKS.md ("KV events").
+Medians over ``--rounds``; the ratio on/off is given twice: of the medians, and the
+median of each round's (its "on" and "off" ran back to back: the VM's speed, which drifts
+by a fifth within minutes, moves both alike). Results: docs/BENCHMARKS.md ("KV events").
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -71,37 +81,56 @@ def _config(tmp: Path, on: bool, batch_s: float | None = None) -> dict[str, Any]
     }
 
 
+def _listen(endpoint: str, ready: Any, stop: Any, out: Any) -> None:
+    """The subscriber's process: until ``stop``, when each hash's ``BlockStored`` (CPU)
+    arrived; then ``(seen, batches)`` to ``out``."""
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.setsockopt(zmq.RCVTIMEO, 100)
+    sock.connect(endpoint)
+    ready.set()
+    seen: dict[int, float] = {}
+    batches = 0
+    while not stop.is_set():
+        try:
+            _, _, payload = sock.recv_multipart()
+        except zmq.Again:
+            continue
+        now = time.monotonic()
+        batches += 1
+        for event in msgpack.unpackb(payload)[1]:
+            if event.get("type") == "BlockStored" and event.get("medium") == "CPU":
+                for h in event["block_hashes"]:
+                    seen.setdefault(h, now)
+    sock.close(linger=0)
+    out.send((seen, batches))
+
+
 class Listener:
-    """A subscriber in a thread: when each hash's ``BlockStored`` (CPU) arrived."""
+    """A subscriber in a process of its own (:func:`_listen`)."""
 
     def __init__(self, endpoint: str) -> None:
-        self.seen: dict[int, float] = {}
-        self.batches = 0
-        self._stop = threading.Event()
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.setsockopt(zmq.RCVTIMEO, 100)
-        self._sock.connect(endpoint)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        ctx = multiprocessing.get_context("spawn")
+        ready, self._stop = ctx.Event(), ctx.Event()
+        self._out, sent = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=_listen, args=(endpoint, ready, self._stop, sent))
+        self._process.start()
+        if not ready.wait(30):
+            self._process.kill()
+            raise RuntimeError("the subscriber's process did not start")
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                _, _, payload = self._sock.recv_multipart()
-            except zmq.Again:
-                continue
-            now = time.monotonic()
-            self.batches += 1
-            for event in msgpack.unpackb(payload)[1]:
-                if event.get("type") == "BlockStored" and event.get("medium") == "CPU":
-                    for h in event["block_hashes"]:
-                        self.seen.setdefault(h, now)
-
-    def close(self) -> None:
+    def close(self) -> tuple[dict[int, float], int]:
+        """Stop it: when each hash was heard, and the batches heard."""
         self._stop.set()
-        self._thread.join()
-        self._sock.close(linger=0)
+        try:
+            if not self._out.poll(30):
+                raise RuntimeError("the subscriber's process gave no answer")
+            seen, batches = self._out.recv()
+        finally:
+            self._process.join(5)
+            if self._process.is_alive():
+                self._process.kill()
+        return seen, batches
 
 
 async def _engine(
@@ -116,7 +145,8 @@ async def _engine(
     data = [bytes([n]) * BLOCK] * args.batch
     async with await Client.connect(sock, namespace=f"engine{n}") as client:
         period = args.batch / args.rate
-        next_at = time.monotonic()
+        # --spread: each engine's first store a share of the period after the last's.
+        next_at = time.monotonic() + (period * n / args.engines if args.spread else 0.0)
         while time.monotonic() < deadline and i < 1_000_000:  # bounded in time and count
             hashes = [(n << 40) | (i + j) for j in range(args.batch)]
             keys = [h.to_bytes(8, "big") for h in hashes]
@@ -168,11 +198,10 @@ async def _round(on: bool, args: argparse.Namespace, tree: Path | None) -> dict[
             out["store_p50_ms"] = 1e3 * _at(stores, 0.5)
             if listener is not None:
                 await asyncio.sleep(0.5)  # the last batches reach the subscriber
-                listener.close()
-                seen = listener.seen
+                seen, batches = listener.close()
                 heard = [h for h in acked if h in seen]
                 out["heard"] = len(heard) / len(acked)
-                out["batches_per_s"] = listener.batches / args.seconds
+                out["batches_per_s"] = batches / args.seconds
                 after_send = sorted(seen[h] - sent[h] for h in heard)
                 after_ack = sorted(max(0.0, seen[h] - acked[h]) for h in heard)
                 out["lag_p50_ms"] = 1e3 * _at(after_ack, 0.5)
@@ -201,13 +230,17 @@ async def run(args: argparse.Namespace) -> None:
     def med(name: str, figure: str) -> float:
         return median_of(row[figure] for row in rows[name])
 
+    def paired(on: str, off: str, figure: str) -> float:
+        """The median of each round's ratio (its "on" and "off" back to back)."""
+        return median_of(a[figure] / b[figure] for a, b in zip(rows[on], rows[off], strict=True))
+
     target = args.engines * args.rate
     lines = [
         f"\n{args.engines} engines x {args.rate} blocks/s, {args.rounds} rounds (medians):",
-        "| events | blocks/s | daemon CPU per block | its loop's | lag after the store returned"
-        " p50 | p99 | after the describe was sent p50 | p99 | heard | batches/s "
-        "| describe+put p50 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| events | blocks/s | daemon CPU per block | its loop's | on/off, each round's"
+        " | lag after the store returned p50 | p99 | after the describe was sent p50 | p99"
+        " | heard | batches/s | describe+put p50 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, on, _ in daemons:
         rate = f"{med(name, 'rate'):,.0f} of {target:,}"
@@ -215,13 +248,16 @@ async def run(args: argparse.Namespace) -> None:
         loop = f"{med(name, 'loop_us_per_block'):.1f} us"
         store = f"{med(name, 'store_p50_ms'):.2f} ms"
         if not on:
-            lines.append(f"| {name} | {rate} | {cpu} | {loop} | | | | | | | {store} |")
+            lines.append(f"| {name} | {rate} | {cpu} | {loop} | | | | | | | | {store} |")
             continue
         off = name.replace("on", "off")
         ratio = med(name, "cpu_us_per_block") / med(off, "cpu_us_per_block")
         loop_ratio = med(name, "loop_us_per_block") / med(off, "loop_us_per_block")
+        each = paired(name, off, "cpu_us_per_block")
+        each_loop = paired(name, off, "loop_us_per_block")
         lines.append(
             f"| {name} | {rate} | {cpu} ({ratio:.2f}x) | {loop} ({loop_ratio:.2f}x) "
+            f"| {each:.2f}x ({each_loop:.2f}x) "
             f"| {med(name, 'lag_p50_ms'):.2f} ms | {med(name, 'lag_p99_ms'):.2f} ms "
             f"| {med(name, 'sent_p50_ms'):.2f} ms | {med(name, 'sent_p99_ms'):.2f} ms "
             f"| {med(name, 'heard'):.3f} | {med(name, 'batches_per_s'):.0f} | {store} |"
@@ -238,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--batch-s", type=float, default=None, help="kv_events.batch_s (default: the daemon's)"
+    )
+    parser.add_argument(
+        "--spread",
+        action="store_true",
+        help="the engines' stores spread evenly over each period (by default they all start"
+        " at once, each period's stores as close together as their connections put them)",
     )
     parser.add_argument(
         "--baseline",
