@@ -61,6 +61,19 @@ def test_a_block_demoted_keeps_its_description_and_one_gone_loses_it() -> None:
     assert book.held([1], str) == []
 
 
+def test_a_key_twice_in_one_removal_from_the_last_level_is_removed_once() -> None:
+    # The rows of a tier event are read in one call: a key named twice, dropped at its
+    # first, must not be read again at its second (an error there would stop the feed).
+    book = DescriptorBook(1 << 20)
+    dropped: list[bytes] = []
+    book.put(_key(1), _entry(1))
+    book.on_records = dropped.extend
+    (row,) = book.stored_rows([_key(1)], DISK)
+    assert book.removed_rows([_key(1), _key(1)], DISK, last=True) == [row, None]
+    assert _key(1) not in book and book.bytes_used == 0
+    assert [msgpack.unpackb(r) for r in dropped] == [[_key(1)]]
+
+
 def test_a_description_of_a_block_never_stored_goes_after_its_wait() -> None:
     clock = Clock()
     book = DescriptorBook(1 << 20, unheld_s=60.0, clock=clock)

@@ -288,11 +288,14 @@ class DescriptorBook:
         out = rows.get_all(keys)
         waiting: list[BlockKey] = []
         dropped: list[bytes] = []
-        for key, row in zip(keys, out, strict=True):
+        for i, (key, row) in enumerate(zip(keys, out, strict=True)):
             if row is None:
                 continue
             part = masks[hash(key) & low]
-            held = part[key]
+            held = part.get(key)
+            if held is None:  # (a key twice: dropped at its first, as if read after it)
+                out[i] = None
+                continue
             mask = held & ~bit
             if mask == 0 and last:  # gone from the node: dropped
                 del part[key]
