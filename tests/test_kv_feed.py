@@ -59,18 +59,29 @@ def _description(i: int) -> bytes:
     return msgpack.packb({"hashes": [i], "parent": None, "tokens": [i, i + 1], "block_size": 2})
 
 
-@pytest.fixture
-async def fed() -> AsyncIterator[tuple[EventFeed, KvTenant, Offers]]:
+def _feed(
+    queue_batches: int = 4096, book: DescriptorBook | None = None
+) -> tuple[EventFeed, KvTenant, Offers]:
     levels = [
         SimpleNamespace(tier=Tier("cpu"), medium=Medium.CPU),
         SimpleNamespace(tier=Tier("disk"), medium=Medium.DISK),
     ]
     chain = SimpleNamespace(levels=levels, remote=None, bus=EventBus())
     offers = Offers()
-    tenant = KvTenant("t", chain, DescriptorBook(1 << 20), Stream(offers))  # type: ignore[arg-type]
+    book = DescriptorBook(1 << 20) if book is None else book
+    tenant = KvTenant("t", chain, book, Stream(offers))  # type: ignore[arg-type]
     media = {"CPU": "CPU", "DISK": "DISK"}
-    feed = EventFeed([tenant], FeedSettings(media=media, batch_s=BATCH_S, max_batch_events=4))
+    settings = FeedSettings(
+        media=media, batch_s=BATCH_S, max_batch_events=4, queue_batches=queue_batches
+    )
+    feed = EventFeed([tenant], settings)
     feed.start()
+    return feed, tenant, offers
+
+
+@pytest.fixture
+async def fed() -> AsyncIterator[tuple[EventFeed, KvTenant, Offers]]:
+    feed, tenant, offers = _feed()
     yield feed, tenant, offers
     await feed.close()
 
@@ -128,3 +139,61 @@ async def test_a_full_batch_goes_out_at_once_and_none_is_bigger_than_the_bound(
     assert sizes == [1, 1, 4, 4, 2]
     hashes = [msgpack.unpackb(e)["block_hashes"] for _, b in offers.batches[1:] for e in b]
     assert hashes == [[i] for i in range(11)]
+
+
+async def test_a_turns_tier_events_are_taken_together_in_order_and_past_the_bound_dropped() -> None:
+    """The feed is handed what the chain published in a turn in one call, after it (the
+    chain's own call never runs the feed's code): in order, at most ``queue_batches`` of
+    them, the rest dropped and counted; once closed, it is handed nothing."""
+    feed, tenant, offers = _feed(queue_batches=3)
+    try:
+        for i in range(8):
+            feed.described(tenant, [_key(i)], [parse_description(_description(i))])
+        for i in range(5):  # five of the chain's batches in one turn: two past the bound
+            _store(tenant, range(i, i + 1))
+        assert len(offers.batches) == 1  # (AllBlocksCleared) nothing taken in the turn
+        assert await _turns(offers, 2) < TURNS
+        hashes = [msgpack.unpackb(e)["block_hashes"] for _, b in offers.batches[1:] for e in b]
+        assert hashes == [[0], [1], [2]]
+        assert tenant.chain.bus.dropped == 2
+        _store(tenant, range(5, 6))  # the next turn's are taken as well
+        for _ in range(100):  # bounded: some 10 times batch_s
+            if len(offers.batches) == 3:
+                break
+            await asyncio.sleep(BATCH_S / 10)
+        assert [msgpack.unpackb(e)["block_hashes"] for e in offers.batches[2][1]] == [[5]]
+    finally:
+        await feed.close()
+    assert tenant.chain.bus.subscriber_count == 0
+    _store(tenant, range(6, 7))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert len(offers.batches) == 3
+
+
+async def test_a_description_held_nowhere_goes_after_its_grace_while_events_keep_coming() -> None:
+    """The feed looks at the book's waits when one is due, however busy: a block that
+    left the CPU level and was never stored below is forgotten ``grace_s`` later while
+    other blocks' events come every few milliseconds (the feed skips a look only when
+    the one planned comes first)."""
+    grace_s = 0.2
+    feed, tenant, _ = _feed(book=DescriptorBook(1 << 20, grace_s=grace_s))
+    try:
+        for i in range(200):
+            feed.described(tenant, [_key(i)], [parse_description(_description(i))])
+        _store(tenant, range(2))
+        await asyncio.sleep(0.01)
+        left = TierEvent(EventKind.REMOVED, (_key(0),), Medium.CPU, "cpu")
+        tenant.chain.bus.publish([left])
+        began = asyncio.get_running_loop().time()
+        for i in range(2, 200):  # bounded: 198 stores, 5 ms apart (about a second)
+            _store(tenant, range(i, i + 1))
+            await asyncio.sleep(0.005)
+            if _key(0) not in tenant.book:
+                break
+        took = asyncio.get_running_loop().time() - began
+        assert _key(0) not in tenant.book
+        assert grace_s <= took < grace_s + 0.3
+        assert _key(1) in tenant.book  # (held on the CPU level: kept)
+    finally:
+        await feed.close()

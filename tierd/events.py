@@ -2,18 +2,21 @@
 
 A tier buffers :class:`TierEvent` values as its bookkeeping changes; whoever drives the
 tier drains them with ``take_events()`` and publishes them on an :class:`EventBus`, whose
-subscribers read through bounded queues.
+subscribers read through bounded queues (:class:`Subscription`, iterated by a task) or are
+handed each turn's batches in one call (:class:`Listener`, for a subscriber that keeps up
+at the loop's pace: no task, future or queue per wake-up).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
 from tierd.keys import BlockKey, Medium
 
-__all__ = ["EventBus", "EventKind", "Subscription", "TierEvent"]
+__all__ = ["EventBus", "EventKind", "Listener", "Subscription", "TierEvent"]
 
 
 class EventKind(StrEnum):
@@ -72,11 +75,53 @@ class Subscription:
         return await self.get()
 
 
+class Listener:
+    """A subscriber handed the batches published in one turn of the loop together, in a
+    callback of its own soon after (``take``, in the loop's next round of callbacks, as a
+    task waiting on a queue would be woken; never within the publisher's call, so the data
+    path never runs a subscriber's code). At most ``maxsize`` batches wait for that call:
+    past it, new batches are dropped and ``dropped`` counts their events."""
+
+    def __init__(
+        self, bus: EventBus, take: Callable[[list[list[TierEvent]]], None], maxsize: int
+    ) -> None:
+        self._bus = bus
+        self._take = take
+        self._maxsize = maxsize
+        self._waiting: list[list[TierEvent]] = []
+        self._planned = False
+        self.dropped = 0
+        self.closed = False
+
+    def _offer(self, batch: list[TierEvent]) -> None:
+        waiting = self._waiting
+        if len(waiting) >= self._maxsize:
+            self.dropped += len(batch)
+            return
+        waiting.append(batch)
+        if not self._planned:
+            self._planned = True
+            asyncio.get_running_loop().call_soon(self._hand_over)
+
+    def _hand_over(self) -> None:
+        self._planned = False
+        batches, self._waiting = self._waiting, []
+        if not self.closed:
+            self._take(batches)
+
+    def close(self) -> None:
+        """No more calls (batches waiting for one are dropped, uncounted: the subscriber
+        is gone)."""
+        if not self.closed:
+            self.closed = True
+            self._bus._unsubscribe(self)
+
+
 class EventBus:
     """Fans event batches out to subscribers without ever blocking the publisher."""
 
     def __init__(self) -> None:
-        self._subscribers: list[Subscription] = []
+        self._subscribers: list[Subscription | Listener] = []
         self.published = 0
         self._dropped_gone = 0  # drops of subscriptions closed since: the total never falls
 
@@ -85,6 +130,15 @@ class EventBus:
         subscription = Subscription(self, maxsize)
         self._subscribers.append(subscription)
         return subscription
+
+    def listen(
+        self, take: Callable[[list[list[TierEvent]]], None], maxsize: int = 1024
+    ) -> Listener:
+        """A new :class:`Listener`: ``take`` is called after each turn in which batches
+        were published, with them (at most ``maxsize``)."""
+        listener = Listener(self, take, maxsize)
+        self._subscribers.append(listener)
+        return listener
 
     def publish(self, batch: list[TierEvent]) -> None:
         if not batch:
@@ -102,7 +156,7 @@ class EventBus:
     def subscriber_count(self) -> int:
         return len(self._subscribers)
 
-    def _unsubscribe(self, subscription: Subscription) -> None:
+    def _unsubscribe(self, subscription: Subscription | Listener) -> None:
         if subscription in self._subscribers:
             self._subscribers.remove(subscription)
             self._dropped_gone += subscription.dropped

@@ -335,6 +335,12 @@ class DescriptorBook:
                 self._unpend(key)
         return len(due)
 
+    @property
+    def soonest_s(self) -> float:
+        """How soon, at the earliest, a change made now can make anything due (a pass of
+        the fresh keys, or a wait's end): a look planned sooner misses nothing new."""
+        return min(FRESH_S, self.grace_s, self.unheld_s)
+
     def next_due(self) -> float | None:
         """When the first pending description is due (None: none is pending)."""
         firsts = [p[key] for p in (self._unheld, self._grace) if (key := p.oldest()) is not None]

@@ -1,12 +1,13 @@
 """From the tiers' events to the routers' wire: :class:`EventFeed`.
 
-The feed follows each published tenant's chain (a bounded subscription of its event bus,
-like any subscriber: a feed that falls behind loses batches, counted, and never slows the
-chain), keeps the tenant's :class:`~tierd.kvevents.book.DescriptorBook` up to date with
-where each described block is, and turns each tier event into ``BlockStored`` /
-``BlockRemoved`` events of the engines' own format, the tier's medium named as the engines
-name it (``media``). A block that was never described is not announced (a store without
-tokens is a placeholder routers drop); it is counted in ``undescribed``.
+The feed follows each published tenant's chain (a bounded listener of its event bus,
+handed each turn's batches in one call: a feed that falls behind loses batches, counted,
+and never slows the chain), keeps the tenant's
+:class:`~tierd.kvevents.book.DescriptorBook` up to date with where each described block
+is, and turns each tier event into ``BlockStored`` / ``BlockRemoved`` events of the
+engines' own format, the tier's medium named as the engines name it (``media``). A block
+that was never described is not announced (a store without tokens is a placeholder
+routers drop); it is counted in ``undescribed``.
 
 Each tenant has a stream of its own (:class:`Stream`: its
 :class:`~tierd.kvevents.publisher.Publisher`, its sockets): a tenant's descriptions credit
@@ -35,13 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tierd.events import EventKind, Subscription, TierEvent
+from tierd.events import EventKind, Listener, TierEvent
 from tierd.keys import BlockKey
 from tierd.kvevents import wire
 from tierd.kvevents.book import DescriptorBook, Entry
@@ -129,7 +131,7 @@ class EventFeed:
         self.incarnation = secrets.token_hex(8)
         self.undescribed = 0
         self._tasks: list[asyncio.Task[None]] = []
-        self._subscriptions: list[Subscription] = []
+        self._listeners: list[Listener] = []
         for tenant in tenants:
             self._map_levels(tenant)
 
@@ -147,15 +149,19 @@ class EventFeed:
         loop = asyncio.get_running_loop()
         for tenant in self.tenants.values():
             tenant.stream.publisher.offer([wire.cleared()])
-            subscription = tenant.chain.bus.subscribe(self.settings.queue_batches)
-            self._subscriptions.append(subscription)
-            self._tasks.append(loop.create_task(self._follow(tenant, subscription)))
+            self._listeners.append(
+                tenant.chain.bus.listen(
+                    functools.partial(self._follow, tenant), self.settings.queue_batches
+                )
+            )
             self._tasks.append(loop.create_task(self._snapshots(tenant)))
             if tenant.restored:
                 self._tasks.append(loop.create_task(self._settle_restored(tenant)))
         log.info("kv events on", incarnation=self.incarnation, tenants=list(self.tenants))
 
     async def close(self) -> None:
+        for listener in self._listeners:
+            listener.close()
         for tenant in self.tenants.values():
             if tenant.sweeper is not None:
                 tenant.sweeper.cancel()
@@ -164,21 +170,21 @@ class EventFeed:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for subscription in self._subscriptions:
-            subscription.close()
         for tenant in self.tenants.values():
             self._send(tenant.stream)
             if tenant.file is not None:
                 tenant.file.settle()  # a rewrite's parts left, at once: the book is still
                 await asyncio.to_thread(tenant.file.close)
 
-    async def _follow(self, tenant: KvTenant, subscription: Subscription) -> None:
-        async for batch in subscription:
+    def _follow(self, tenant: KvTenant, batches: list[list[TierEvent]]) -> None:
+        """What the chain published in one turn; then a sweep, unless the one planned
+        comes before anything these changes can make due."""
+        for batch in batches:
             self._take(tenant, batch)
-            # What the chain published meanwhile, in this turn too (one sweep for all;
-            # bounded by what is queued: the bus queues at most queue_batches).
-            while (more := subscription.get_nowait()) is not None:
-                self._take(tenant, more)
+        timer = tenant.sweeper
+        if timer is None or (
+            timer.when() - asyncio.get_running_loop().time() > tenant.book.soonest_s
+        ):
             self._sweep(tenant)
 
     def _sweep(self, tenant: KvTenant) -> None:
@@ -352,7 +358,7 @@ class EventFeed:
             **totals,
             "streams": streams,
             "undescribed": self.undescribed,
-            "bus_dropped": sum(s.dropped for s in self._subscriptions),
+            "bus_dropped": sum(s.dropped for s in self._listeners),
             "described": sum(len(b) for b in books),
             "descriptor_bytes": sum(b.bytes_used for b in books),
             "descriptors_evicted": sum(b.evicted for b in books),
