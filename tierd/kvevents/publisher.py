@@ -13,8 +13,12 @@ cost more than the batches' own encoding and sending. When the lock is taken (th
 is reading a subscription or a replay's batches) or batches wait already, ``offer`` queues
 the batch (at most ``queue_batches``; past it the batch is dropped, counted) and the thread
 sends it, in order. The thread polls the PUB socket's own descriptor (ZMQ's ``FD``), not the socket,
-and as ZMQ's notice that something came may be taken by a send, the loop looks after each
-send whether a subscription waits, and wakes the thread if one does.
+and as ZMQ's notice that something came may be taken by a send, the loop looks after a
+send whether a subscription waits, and wakes the thread if one does: at most every
+:data:`LOOK_S` (the look costs the loop some 35 us after an idle moment, as much as a
+third of the send itself), and the thread looks every :data:`IDLE_LOOK_S` when nothing
+woke it (for a notice taken by the last send of a burst). A subscription waits that long
+at most to be applied.
 
 What a peer of either socket can cost the daemon is bounded: connections
 (:mod:`tierd.kvevents.peers`), replays (:mod:`tierd.kvevents.replay`), the size of any
@@ -61,6 +65,8 @@ _DROPS = ("dropped_batches", "dropped_events")
 _COUNTS = ("published_batches", "published_events", *_DROPS)
 SUBSCRIPTION_BYTES = 512  # the longest subscription message taken (a topic is 256 at most)
 RETRY_S = 0.01  # how soon the thread looks again at replays waiting on a full pipe
+LOOK_S = 0.05  # how often, at most, a send is followed by a look for a subscription waiting
+IDLE_LOOK_S = 0.5  # and the thread's look when nothing woke it
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +144,7 @@ class Publisher:
             self._peers.append(PeerBound(self._router, settings.max_peers))
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._woken = self._closed = False
+        self._look_at = 0.0  # (the loop's) when a send is next followed by a look
         self._gone = False  # the sockets are closed (under the lock)
         self._deadline: float | None = None
         self._thread: threading.Thread | None = None
@@ -175,10 +182,13 @@ class Publisher:
             try:
                 if not self._gone:
                     self._send(seq, time.time(), events)
-                    waits = self._readable(self._pub)  # a subscription its notice lost
-                    if waits and not self._woken:
-                        self._woken = True
-                        self._wake()
+                    now = time.monotonic()
+                    # A subscription whose notice the send took? (Looked for now and then.)
+                    if now >= self._look_at:
+                        self._look_at = now + LOOK_S
+                        if self._readable(self._pub) and not self._woken:
+                            self._woken = True
+                            self._wake()
                     return True
             finally:
                 self._lock.release()
@@ -246,14 +256,16 @@ class Publisher:
                     return
                 replays = self._replays
                 waiting = replays is not None and bool(replays.pending)
-                ready = dict(poller.poll(int(RETRY_S * 1000) if waiting else None))
+                ready = dict(poller.poll(int((RETRY_S if waiting else IDLE_LOOK_S) * 1000)))
                 if self._wake_r in ready:
                     os.read(self._wake_r, 4096)
                 for bound in self._peers:
                     if bound.monitor in ready:
                         bound.take()  # (connections first: a new one's count starts here)
-                if self._pub_fd in ready or self._wake_r in ready:
-                    with self._lock:  # (the loop wakes this thread when one waits)
+                # (The loop wakes this thread when one waits, now and then; the idle look
+                # finds one whose notice the last send took.)
+                if self._pub_fd in ready or self._wake_r in ready or not ready:
+                    with self._lock:
                         self._subscriptions()
                 if replays is not None:
                     if self._router in ready:
