@@ -197,3 +197,35 @@ async def test_a_description_held_nowhere_goes_after_its_grace_while_events_keep
         assert _key(1) in tenant.book  # (held on the CPU level: kept)
     finally:
         await feed.close()
+
+
+async def test_a_tier_event_that_fails_is_counted_and_the_turns_others_are_taken(
+    fed: tuple[EventFeed, KvTenant, Offers],
+) -> None:
+    """A failure taking one of the chain's batches (none is expected: a bug) costs that
+    batch's events, logged and counted, never the feed: the turn's other batches and
+    every later one are published."""
+    feed, tenant, offers = fed
+    for i in range(3):
+        feed.described(tenant, [_key(i)], [parse_description(_description(i))])
+    framer = tenant.framers[1]
+    failures = iter([True])
+
+    class FailingOnce:
+        def stored(self, row: bytes) -> bytes:
+            if next(failures, False):
+                raise RuntimeError("a bug")
+            return framer.stored(row)
+
+    tenant.framers[1] = FailingOnce()  # type: ignore[assignment]
+    _store(tenant, range(1))  # fails
+    _store(tenant, range(1, 2))  # the same turn's next batch
+    assert await _turns(offers, 2) < TURNS
+    _store(tenant, range(2, 3))  # a later turn's
+    for _ in range(100):  # bounded: some 10 times batch_s
+        if len(offers.batches) == 3:
+            break
+        await asyncio.sleep(BATCH_S / 10)
+    hashes = [msgpack.unpackb(e)["block_hashes"] for _, b in offers.batches[1:] for e in b]
+    assert hashes == [[1], [2]]
+    assert feed.tier_events_failed == 1

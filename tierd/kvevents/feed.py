@@ -130,6 +130,7 @@ class EventFeed:
         self.settings = settings
         self.incarnation = secrets.token_hex(8)
         self.undescribed = 0
+        self.tier_events_failed = 0  # not published: their taking failed (logged)
         self._tasks: list[asyncio.Task[None]] = []
         self._listeners: list[Listener] = []
         for tenant in tenants:
@@ -178,9 +179,14 @@ class EventFeed:
 
     def _follow(self, tenant: KvTenant, batches: list[list[TierEvent]]) -> None:
         """What the chain published in one turn; then a sweep, unless the one planned
-        comes before anything these changes can make due."""
+        comes before anything these changes can make due. (A batch that fails is logged
+        and the others are taken: the feed goes on.)"""
         for batch in batches:
-            self._take(tenant, batch)
+            try:
+                self._take(tenant, batch)
+            except Exception:
+                self.tier_events_failed += len(batch)
+                log.exception("kv events: tier events not published", tenant=tenant.name)
         timer = tenant.sweeper
         if timer is None or (
             timer.when() - asyncio.get_running_loop().time() > tenant.book.soonest_s
@@ -358,6 +364,7 @@ class EventFeed:
             **totals,
             "streams": streams,
             "undescribed": self.undescribed,
+            "tier_events_failed": self.tier_events_failed,
             "bus_dropped": sum(s.dropped for s in self._listeners),
             "described": sum(len(b) for b in books),
             "descriptor_bytes": sum(b.bytes_used for b in books),
