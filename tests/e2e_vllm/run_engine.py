@@ -147,7 +147,10 @@ def freeze_before(kind: str) -> None:
 
 
 def emit(obj: dict[str, Any]) -> None:
-    print(json.dumps(obj), flush=True)
+    # One write, its newline in it: print's two writes let a log line from another of
+    # the engine's threads (vLLM's logger writes to stdout) in between them.
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
 
 
 def control_step(step: str, llm: Any, args: argparse.Namespace, counts: Any) -> dict | None:

@@ -27,6 +27,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -155,11 +156,16 @@ def reset(port: int) -> int:
 
 
 def serve_twice(
-    command: list[str], env: dict[str, str], log: Path, ask: dict[str, Any]
+    command: list[str],
+    env: dict[str, str],
+    log: Path,
+    ask: dict[str, Any],
+    stored: Callable[[], None],
 ) -> tuple[Any, Any, int]:
     """Start the server (in a session of its own), once healthy send ``ask`` as a
-    completion, reset the prefix cache, send it again; stop the server by its PID. The
-    two answers and the server's exit status."""
+    completion, wait until its blocks are ``stored`` (vLLM stores them as the request
+    ends, not before its answer), reset the prefix cache, send it again; stop the server
+    by its PID. The two answers and the server's exit status."""
     port = int(command[command.index("--port") + 1])
     with log.open("wb") as out:
         server = subprocess.Popen(
@@ -174,6 +180,7 @@ def serve_twice(
     try:
         wait_healthy(server, port, log)
         cold = http(port, "POST", "/v1/completions", ask)
+        stored()
         reset(port)
         warm = http(port, "POST", "/v1/completions", ask)
     finally:
@@ -203,7 +210,16 @@ async def test_the_docs_vllm_serve_of_the_cpu_build_is_served_from_tierd(
     log = tmp_path / "vllm-serve.log"
     ids = [int(t) for t in (await asyncio.to_thread(prompt_file.read_text)).split()]
     ask = {"model": str(model), "prompt": ids, "max_tokens": 8, "temperature": 0.0}
-    cold, warm, status = await asyncio.to_thread(serve_twice, command, server_env, log, ask)
+    loop = asyncio.get_running_loop()
+
+    def stored() -> None:
+        for _ in range(300):  # bounded: 30 s (a loaded machine's)
+            stats = asyncio.run_coroutine_threadsafe(tier_stats(daemon), loop).result(30)
+            if stats["cpu"]["stores"] >= PREFIX_BLOCKS:
+                return
+            time.sleep(0.1)
+
+    cold, warm, status = await asyncio.to_thread(serve_twice, command, server_env, log, ask, stored)
     text = log.read_text(errors="replace")
     assert "tierd on (TIERD): tierd's pool is vLLM's CPU tier" in text, text[-6000:]
     assert "PackageNotFoundError" not in text, text[-6000:]
