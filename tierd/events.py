@@ -34,17 +34,35 @@ class TierEvent:
     tier: str
 
 
-class Subscription:
+class _Subscriber:
+    """What every subscriber of a bus has: the events it lost (``dropped``), and its
+    ``close``."""
+
+    def __init__(self, bus: EventBus) -> None:
+        self._bus = bus
+        self.dropped = 0
+        self.closed = False
+
+    def _offer(self, batch: list[TierEvent]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Unsubscribed: nothing more comes (what waits is dropped, uncounted: the
+        subscriber is gone)."""
+        if not self.closed:
+            self.closed = True
+            self._bus._unsubscribe(self)
+
+
+class Subscription(_Subscriber):
     """One subscriber's bounded queue of event batches; iterate it with ``async for``.
 
     When the queue is full, new batches are dropped and ``dropped`` counts the events lost:
     the data path never waits for a slow subscriber."""
 
     def __init__(self, bus: EventBus, maxsize: int) -> None:
-        self._bus = bus
+        super().__init__(bus)
         self._queue: asyncio.Queue[list[TierEvent]] = asyncio.Queue(maxsize)
-        self.dropped = 0
-        self.closed = False
 
     def _offer(self, batch: list[TierEvent]) -> None:
         try:
@@ -63,11 +81,6 @@ class Subscription:
         except asyncio.QueueEmpty:
             return None
 
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._bus._unsubscribe(self)
-
     def __aiter__(self) -> Subscription:
         return self
 
@@ -75,7 +88,7 @@ class Subscription:
         return await self.get()
 
 
-class Listener:
+class Listener(_Subscriber):
     """A subscriber handed the batches published in one turn of the loop together, in a
     callback of its own soon after (``take``, in the loop's next round of callbacks, as a
     task waiting on a queue would be woken; never within the publisher's call, so the data
@@ -85,13 +98,11 @@ class Listener:
     def __init__(
         self, bus: EventBus, take: Callable[[list[list[TierEvent]]], None], maxsize: int
     ) -> None:
-        self._bus = bus
+        super().__init__(bus)
         self._take = take
         self._maxsize = maxsize
         self._waiting: list[list[TierEvent]] = []
         self._planned = False
-        self.dropped = 0
-        self.closed = False
 
     def _offer(self, batch: list[TierEvent]) -> None:
         waiting = self._waiting
@@ -109,19 +120,12 @@ class Listener:
         if not self.closed:
             self._take(batches)
 
-    def close(self) -> None:
-        """No more calls (batches waiting for one are dropped, uncounted: the subscriber
-        is gone)."""
-        if not self.closed:
-            self.closed = True
-            self._bus._unsubscribe(self)
-
 
 class EventBus:
     """Fans event batches out to subscribers without ever blocking the publisher."""
 
     def __init__(self) -> None:
-        self._subscribers: list[Subscription | Listener] = []
+        self._subscribers: list[_Subscriber] = []
         self.published = 0
         self._dropped_gone = 0  # drops of subscriptions closed since: the total never falls
 
@@ -156,7 +160,7 @@ class EventBus:
     def subscriber_count(self) -> int:
         return len(self._subscribers)
 
-    def _unsubscribe(self, subscription: Subscription | Listener) -> None:
+    def _unsubscribe(self, subscription: _Subscriber) -> None:
         if subscription in self._subscribers:
             self._subscribers.remove(subscription)
             self._dropped_gone += subscription.dropped
