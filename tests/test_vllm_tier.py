@@ -16,7 +16,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest.mock import MagicMock
 
@@ -81,6 +82,19 @@ def link_lines() -> Iterator[list[logging.LogRecord]]:
 def events_of(lines: list[logging.LogRecord], *levels: int) -> list[str]:
     """The event of each line at one of ``levels``: its text before the fields."""
     return [r.getMessage().split(":")[0] for r in lines if r.levelno in levels]
+
+
+BACK = "tierd daemon reachable again"
+
+
+def waited_for(done: Callable[[], bool], timeout_s: float) -> bool:
+    """Whether ``done()`` came true within ``timeout_s`` (looked at every 10 ms)."""
+    end = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def staged(tier: TierdSecondaryTier) -> bool:
@@ -265,11 +279,15 @@ async def test_killed_mid_run_then_restarted_with_write_back(tmp_path, spawn) ->
             assert np.array_equal(rows[5:8], expected)
             # Lookups and loads have their own connection; stores find the restart too.
             assert run_job(tier, 6, keys("y", 1), [7], load=False).success
+            # The connection that found the daemon gone has the link look now; the line
+            # of its return comes from the link's thread: wait for it, not for shutdown.
+            said_again = lambda: events_of(lines, logging.INFO).count(BACK) == 2  # noqa: E731
+            assert waited_for(said_again, DEADLINE_S)
         finally:
             tier.shutdown()
     events = events_of(lines, logging.WARNING, logging.INFO)
     assert events.count("tierd daemon lost") == 2  # the kill and the clean stop
-    assert events.count("tierd daemon reachable again") == 2
+    assert events.count(BACK) == 2
 
 
 async def test_block_size_mismatch_is_refused_at_start_up(tmp_path, spawn) -> None:
