@@ -281,8 +281,7 @@ async def test_killed_mid_run_then_restarted_with_write_back(tmp_path, spawn) ->
             assert run_job(tier, 6, keys("y", 1), [7], load=False).success
             # The connection that found the daemon gone has the link look now; the line
             # of its return comes from the link's thread: wait for it, not for shutdown.
-            said_again = lambda: events_of(lines, logging.INFO).count(BACK) == 2  # noqa: E731
-            assert waited_for(said_again, DEADLINE_S)
+            assert waited_for(lambda: events_of(lines, logging.INFO).count(BACK) == 2, DEADLINE_S)
         finally:
             tier.shutdown()
     events = events_of(lines, logging.WARNING, logging.INFO)
