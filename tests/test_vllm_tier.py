@@ -16,8 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from unittest.mock import MagicMock
 
@@ -48,7 +47,7 @@ from vllm_kit import (
 from tierd.client import Client
 from tierd.integrations.core.naming import derive_namespace
 from tierd.integrations.vllm import BlockSizeMismatch, TierdSecondaryTier
-from tierd.testing import corrupt_disk_block, daemon_config, running_daemon
+from tierd.testing import corrupt_disk_block, daemon_config, poll_until, running_daemon
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
@@ -85,16 +84,6 @@ def events_of(lines: list[logging.LogRecord], *levels: int) -> list[str]:
 
 
 BACK = "tierd daemon reachable again"
-
-
-def waited_for(done: Callable[[], bool], timeout_s: float) -> bool:
-    """Whether ``done()`` came true within ``timeout_s`` (looked at every 10 ms)."""
-    end = time.monotonic() + timeout_s
-    while not done():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def staged(tier: TierdSecondaryTier) -> bool:
@@ -281,7 +270,9 @@ async def test_killed_mid_run_then_restarted_with_write_back(tmp_path, spawn) ->
             assert run_job(tier, 6, keys("y", 1), [7], load=False).success
             # The connection that found the daemon gone has the link look now; the line
             # of its return comes from the link's thread: wait for it, not for shutdown.
-            assert waited_for(lambda: events_of(lines, logging.INFO).count(BACK) == 2, DEADLINE_S)
+            poll_until(
+                lambda: events_of(lines, logging.INFO).count(BACK) == 2, DEADLINE_S, "the return"
+            )
         finally:
             tier.shutdown()
     events = events_of(lines, logging.WARNING, logging.INFO)

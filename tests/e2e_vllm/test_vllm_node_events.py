@@ -23,7 +23,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ from vllm_e2e_kit import (
 )
 
 from tierd.client import Client
-from tierd.testing import daemon_config
+from tierd.testing import daemon_config, poll_until
 
 pytestmark = E2E_MARKS
 
@@ -123,12 +122,7 @@ def lines_of(proc: subprocess.Popen[str], tmp_path: Path, name: str) -> dict[str
 
 def wait_for(check: Any, what: str) -> Any:
     """Poll ``check()`` (bounded) until it returns something true; that."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        if got := check():
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {WAIT_S:g} s")
+    return poll_until(check, WAIT_S, what, every_s=0.1)
 
 
 def held_by_node(batches: list[Any], medium: str) -> dict[Any, dict[str, Any]]:

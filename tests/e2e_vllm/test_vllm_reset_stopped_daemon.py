@@ -40,7 +40,7 @@ from vllm_kit import DEADLINE_S, ROW, fill, keys, offloading_spec, run_job
 
 from tierd.client import Client
 from tierd.integrations.vllm import TierdSecondaryTier
-from tierd.testing import daemon_config
+from tierd.testing import daemon_config, poll_until
 
 CHUNKS = 8
 LOOKUP_S = 0.1
@@ -124,10 +124,12 @@ def stops() -> Iterator[list[DaemonProcess]]:
 
 def wait_store_started(tier: TierdSecondaryTier) -> None:
     """Until the store thread has taken the job (bounded): a store in flight, not queued."""
-    limit = time.monotonic() + DEADLINE_S
-    while not any(p.future.running() for p in tier._jobs._jobs.values()):
-        assert time.monotonic() < limit, "the store never started"
-        time.sleep(0.005)
+    poll_until(
+        lambda: any(p.future.running() for p in tier._jobs._jobs.values()),
+        DEADLINE_S,
+        "the store thread taking the job",
+        every_s=0.005,
+    )
 
 
 def store_until_taken(tier: TierdSecondaryTier, key_list: list[OffloadKey]) -> bool:

@@ -21,7 +21,8 @@ Modules: :mod:`~tierd.testing.conformance` (the suite), :mod:`~tierd.testing.fau
 (stores that fail, bytes flipped on disk), :mod:`~tierd.testing.daemon` (configs, socket
 paths, a daemon in the test's loop), :mod:`~tierd.testing.process` (a daemon in a child
 process, awaited through sd_notify), :mod:`~tierd.testing.blocks` (keys and block bytes),
-:mod:`~tierd.testing.kv_replay` (a KV-event publisher's replay, asked).
+:mod:`~tierd.testing.kv_replay` (a KV-event publisher's replay, asked),
+:mod:`~tierd.testing.polling` (a bounded wait for a condition).
 Import every name from here: ``from tierd.testing import FailingStore``.
 """
 
@@ -32,6 +33,7 @@ from tierd.testing.blocks import as_bytes, keys_for, random_blocks
 from tierd.testing.daemon import daemon_config, running_daemon, short_socket_path
 from tierd.testing.faults import FailingStore, corrupt_disk_block
 from tierd.testing.kv_replay import kv_replay
+from tierd.testing.polling import poll_until
 from tierd.testing.process import (
     DaemonNotReady,
     DaemonProcess,
@@ -56,6 +58,7 @@ __all__ = [
     "daemon_config",
     "keys_for",
     "kv_replay",
+    "poll_until",
     "random_blocks",
     "running_daemon",
     "config_check",
