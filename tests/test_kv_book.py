@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -272,6 +273,60 @@ async def test_changes_made_on_the_loop_reach_the_file_gathered(tmp_path: Path) 
     assert read_book(path)[_key(3)].hashes == (30,)
 
 
+def test_the_hash_index_built_while_the_book_changes_answers_as_one_kept_all_along() -> None:
+    # The index is built at the first ask, a part of the book a turn, and the book goes
+    # on changing between the parts: keys described again with other hashes, dropped,
+    # put new (some into the last bucket the build reads), on a part read already or not
+    # yet. Once built it answers what an index kept from the start would.
+    rng = random.Random(59)
+    book = DescriptorBook(1 << 34)
+    hash_of: dict[int, int] = {}  # key -> its hash (the described ones)
+    levels: dict[int, int] = {}
+    universe = set()
+
+    def describe(k: int, h: int) -> None:
+        book.put(_key(k), _entry(h))
+        hash_of[k] = h
+        universe.add(h)
+        levels.setdefault(k, 0)
+
+    count = ROW_PART_BUCKETS * 1024 * 2 + 500  # three parts
+    for k in range(count):
+        describe(k, k % 9000)  # hashes shared by up to five keys
+        if k % 3:
+            book.stored(_key(k), CPU)
+            levels[k] = CPU
+    assert not book.indexed
+    assert book.bytes_used == sum(_entry(h).cost for h in hash_of.values())
+    parts = 0
+    while not book.index_part():
+        parts += 1
+        for _ in range(400):
+            k = rng.randrange(count + 2000)
+            choice = rng.random()
+            if choice < 0.4:
+                describe(k, rng.randrange(12000))  # again, or new at the back
+            elif choice < 0.6 and k in hash_of:
+                book.drop(_key(k))
+                del hash_of[k], levels[k]
+            elif k in hash_of:
+                book.stored(_key(k), DISK)
+                levels[k] |= DISK
+    assert parts == 3 and book.indexed
+    assert book.bytes_used == sum(_entry(h).cost for h in hash_of.values())
+    holders: dict[int, int] = {}
+    for k, h in hash_of.items():
+        holders[h] = holders.get(h, 0) | levels[k]
+    for h in sorted(universe):
+        expected = (
+            [{CPU: "CPU", DISK: "DISK", CPU | DISK: "CPU"}[holders[h]]] if holders.get(h) else []
+        )
+        assert book.held([h], lambda mask: "CPU" if mask & CPU else "DISK") == expected, h
+    for k in list(hash_of):  # every key's hashes leave the index with it
+        book.drop(_key(k))
+    assert all(book.held([h], str) == [] for h in universe) and book.bytes_used == 0
+
+
 def test_a_collection_never_walks_the_descriptions() -> None:
     # A full book held as objects (an entry, its description, a list per hash: 1.7
     # million tracked objects at the default 256 MiB) held the loop 250-280 ms at every
@@ -287,6 +342,7 @@ def test_a_collection_never_walks_the_descriptions() -> None:
         book.stored(_key(i), CPU if i % 2 else DISK)
     for i in range(100, 200):
         book.removed(_key(i), CPU, last=False)
+    assert book.held([120], str) != []  # the hash index, built at the first ask
     gc.collect()
     for i in range(400, 500):
         book.put(_key(i), _entry(i))

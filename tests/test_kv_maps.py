@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.gc_walk import references_walked
-from tierd.maps import Fifo, Shards
+from tierd.maps import TAG_BITS, Fifo, Shards
 
 _OPS = st.lists(
     st.tuples(st.sampled_from(["put", "pop", "evict", "clear"]), st.integers(0, 40)),
@@ -51,6 +51,59 @@ def test_a_fifo_behaves_as_an_ordered_dict_whose_front_is_taken_out(
     assert [fifo[k] for k in model] == list(model.values())
     asked = [b"k%d" % i for _, i in ops] + [b"absent"]
     assert fifo.get_all(asked) == [model.get(k) for k in asked]
+
+
+_TAG_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "retag", "pop", "evict"]),
+        st.lists(st.integers(0, 20), min_size=1, max_size=4),  # keys (repeats too)
+        st.integers(0, (1 << TAG_BITS) - 1),
+        st.integers(0, (1 << TAG_BITS) - 1),
+    ),
+    max_size=200,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_TAG_OPS, spread=st.integers(0, 3000))
+def test_a_fifos_tags_are_kept_with_its_keys_and_changed_in_order(
+    ops: list[tuple[str, list[int], int, int]], spread: int
+) -> None:
+    """Tags live in the low bits of a key's number: they never leak into its value, its
+    place in the order or another key's tag, at any number."""
+    fifo: Fifo[bytes, int] = Fifo()
+    model: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+    for _ in range(spread):
+        fifo.put(b"warm", 0, (1 << TAG_BITS) - 1)
+    fifo.pop(b"warm")
+    for n, (op, ids, a, b) in enumerate(ops):
+        keys = [b"k%d" % i for i in ids]
+        if op == "put":
+            fifo.put(keys[0], n, a)
+            model.pop(keys[0], None)
+            model[keys[0]] = (n, a)
+        elif op == "retag":
+            expected: tuple[list[int | None], list[int]] = ([], [])
+            for key in keys:  # in order: a key twice sees its first change
+                value, tag = model.get(key, (None, -1))
+                expected[0].append(value)
+                expected[1].append(tag)
+                if key in model:
+                    model[key] = (value, (tag | a) & ~b)  # type: ignore[assignment]
+            assert fifo.retag_all(keys, add=a, remove=b) == expected
+        elif op == "pop":
+            assert fifo.pop_tagged(keys[0]) == model.pop(keys[0], None)
+        else:
+            oldest = fifo.oldest()
+            assert oldest == next(iter(model), None)
+            if oldest is not None:
+                assert fifo.pop_tagged(oldest) == model.pop(oldest)
+        for key in keys:
+            assert fifo.tag(key, -1) == model.get(key, (0, -1))[1]
+    assert fifo.items() == [(k, v) for k, (v, _) in model.items()]
+    assert fifo.tagged_items(fifo.items()) == [(k, v, t) for k, (v, t) in model.items()]
+    with pytest.raises(ValueError, match="tag"):
+        fifo.put(b"big", 0, 1 << TAG_BITS)
 
 
 def test_a_long_queue_evicted_from_its_front_keeps_its_order_and_is_not_walked() -> None:

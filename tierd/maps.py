@@ -3,9 +3,9 @@ found in constant time (the KV events' book), and :class:`Shards`, a dict that n
 resizes all at once (the book, a tier's slots, the LRU policy's order).
 
 A big dict that grows past its table is copied whole into one twice the size, in the
-turn of the loop that put the key that did not fit, and a book's four dicts of keys (the
-descriptions, the levels holding each, the hash index, the waiting ones) grow in step, so
-one put would make them all resize at once. A dict that churns at its size is copied
+turn of the loop that put the key that did not fit, and a book's dicts of keys (the
+descriptions, the hash index, the waiting ones) grow in step, so one put would make them
+all resize at once. A dict that churns at its size is copied
 the same way, to sweep out its deleted slots. :class:`Shards` cuts a dict into parts by
 the keys' hashes (64, or as many as keep a part near 16,384 keys for a map of known
 size): each part resizes on its own, at its own time, with its share of the keys.
@@ -20,6 +20,10 @@ only moves forward, so each number is stepped over once in all. The numbers' key
 values are kept in buckets of 1,024 consecutive numbers, dropped once empty: they never
 grow past 1,024, so none is ever copied big. The keys' numbers are :class:`Shards`.
 
+A :class:`Fifo` key may carry a *tag* as well, a small int kept in the low bits of its
+number (the book's levels holding a block): found, and changed, by the one look that
+finds the key's number, with no map of its own.
+
 Both hold ints, the caller's keys and its values only: with bytes keys and atomic values
 (ints, floats, bytes) the garbage collector tracks a tuple of parts and a dict of buckets,
 and nothing per key.
@@ -32,7 +36,7 @@ from collections.abc import Hashable, Iterable, Iterator
 from itertools import chain, filterfalse, takewhile
 from typing import Any, Generic, TypeVar, overload
 
-__all__ = ["MAX_PARTS", "ONE_DICT_KEYS", "PART_KEYS", "Fifo", "Shards", "part_count"]
+__all__ = ["MAX_PARTS", "ONE_DICT_KEYS", "PART_KEYS", "TAG_BITS", "Fifo", "Shards", "part_count"]
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -40,6 +44,9 @@ D = TypeVar("D")
 _ABSENT: Any = object()
 
 _SHIFT = 10  # a bucket holds the numbers sharing all but their low 10 bits
+TAG_BITS = 16  # a Fifo key's tag: below 1 << TAG_BITS, in the low bits of its number
+_TAGS = (1 << TAG_BITS) - 1
+_BUCKET = _SHIFT + TAG_BITS  # a tagged number's bucket: the bits above these
 _PARTS = 64  # of a Shards by default (and of a Fifo's): a power of two
 _LOW = _PARTS - 1  # the bits of a key's hash that pick its part
 PART_KEYS = 16_384  # about the most keys a part of a sized map holds: its resize is short
@@ -188,13 +195,14 @@ class Shards(Generic[K, V]):
 
 class Fifo(Generic[K, V]):
     """Keys and their values in the order they were last put (:meth:`put` moves a key to
-    the back); :meth:`oldest` is the front. (A key's part is found inline, not by a call
-    of :func:`_part`: the book looks up its keys several times per event.)"""
+    the back); :meth:`oldest` is the front. Each key has a tag (0 unless put with one or
+    changed by :meth:`retag_all`). (A key's part is found inline, not by a call of
+    :func:`_part`: the book looks up its keys several times per event.)"""
 
     __slots__ = ("_buckets", "_count", "_head", "_next", "_seq")
 
     def __init__(self) -> None:
-        self._seq: Shards[K, int] = Shards()  # key -> its number
+        self._seq: Shards[K, int] = Shards()  # key -> its number << TAG_BITS | its tag
         # number >> _SHIFT -> ({number: key}, {number: value}), in the order of the numbers
         self._buckets: dict[int, tuple[dict[int, K], dict[int, V]]] = {}
         self._head = 0  # no live number is below it
@@ -211,8 +219,8 @@ class Fifo(Generic[K, V]):
         return key in self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW]
 
     def __getitem__(self, key: K) -> V:
-        seq = self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW][key]
-        return self._buckets[seq >> _SHIFT][1][seq]
+        tagged = self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW][key]
+        return self._buckets[tagged >> _BUCKET][1][tagged >> TAG_BITS]
 
     def __iter__(self) -> Iterator[K]:
         """The keys, oldest first (of a copy)."""
@@ -237,20 +245,63 @@ class Fifo(Generic[K, V]):
             yield part
 
     def get(self, key: K, default: V | None = None) -> V | None:
-        seq = self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW].get(key)
-        return default if seq is None else self._buckets[seq >> _SHIFT][1][seq]
+        tagged = self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW].get(key)
+        return (
+            default if tagged is None else self._buckets[tagged >> _BUCKET][1][tagged >> TAG_BITS]
+        )
 
     def get_all(self, keys: Iterable[K]) -> list[V | None]:
         """:meth:`get` of each of ``keys`` (None where it is not in), in one call."""
         parts, buckets = self._seq.parts, self._buckets
         out: list[V | None] = []
         for key in keys:
-            seq = parts[_part(key) if type(key) is int else hash(key) & _LOW].get(key)
-            out.append(None if seq is None else buckets[seq >> _SHIFT][1][seq])
+            tagged = parts[_part(key) if type(key) is int else hash(key) & _LOW].get(key)
+            out.append(
+                None if tagged is None else buckets[tagged >> _BUCKET][1][tagged >> TAG_BITS]
+            )
         return out
 
-    def put(self, key: K, value: V) -> None:
-        """Set ``key`` to ``value``, at the back."""
+    def tag(self, key: K, default: int = 0) -> int:
+        """``key``'s tag (``default`` when it is not in)."""
+        tagged = self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW].get(key)
+        return default if tagged is None else tagged & _TAGS
+
+    def retag_all(
+        self, keys: Iterable[K], add: int = 0, remove: int = 0
+    ) -> tuple[list[V | None], list[int]]:
+        """For each of ``keys``, in order: its value and its tag before (None and -1 where
+        it is not in); its tag then gets the bits of ``add`` and loses those of
+        ``remove``. (The book's levels at a tier event: one look per key for both.)"""
+        parts, buckets = self._seq.parts, self._buckets
+        values: list[V | None] = []
+        tags: list[int] = []
+        keep = _TAGS & ~remove | ~_TAGS
+        for key in keys:
+            part = parts[_part(key) if type(key) is int else hash(key) & _LOW]
+            tagged = part.get(key)
+            if tagged is None:
+                values.append(None)
+                tags.append(-1)
+                continue
+            part[key] = (tagged | add) & keep
+            values.append(buckets[tagged >> _BUCKET][1][tagged >> TAG_BITS])
+            tags.append(tagged & _TAGS)
+        return values, tags
+
+    def tagged_items(self, pairs: Iterable[tuple[K, V]]) -> list[tuple[K, V, int]]:
+        """Each (key, value) of ``pairs`` that is still in, with its tag."""
+        parts = self._seq.parts
+        out: list[tuple[K, V, int]] = []
+        for key, value in pairs:
+            tagged = parts[_part(key) if type(key) is int else hash(key) & _LOW].get(key)
+            if tagged is not None:
+                out.append((key, value, tagged & _TAGS))
+        return out
+
+    def put(self, key: K, value: V, tag: int = 0) -> None:
+        """Set ``key`` to ``value`` (with ``tag``, below ``1 << TAG_BITS``), at the back."""
+        if not 0 <= tag <= _TAGS:
+            raise ValueError(f"a tag is below {1 << TAG_BITS}, not {tag}")
         numbers = self._seq.parts[
             _part(key) if type(key) is int else hash(key) & _LOW
         ]  # (the parts direct: half the calls)
@@ -259,7 +310,7 @@ class Fifo(Generic[K, V]):
         seq = self._next
         self._next = seq + 1
         self._count += 1
-        numbers[key] = seq
+        numbers[key] = seq << TAG_BITS | tag
         bucket = self._buckets.get(seq >> _SHIFT)
         if bucket is None:
             bucket = self._buckets[seq >> _SHIFT] = ({}, {})
@@ -268,16 +319,24 @@ class Fifo(Generic[K, V]):
 
     def pop(self, key: K, default: V | None = None) -> V | None:
         """Take ``key`` out: its value (``default`` when it was not in)."""
-        seq = self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW].pop(key, None)
-        if seq is None:
-            return default
+        taken = self.pop_tagged(key)
+        return default if taken is None else taken[0]
+
+    def pop_tagged(self, key: K) -> tuple[V, int] | None:
+        """Take ``key`` out: its value and tag (None when it was not in)."""
+        tagged = self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW].pop(
+            key, None
+        )
+        if tagged is None:
+            return None
         self._count -= 1
+        seq = tagged >> TAG_BITS
         keys, values = self._buckets[seq >> _SHIFT]
         del keys[seq]
         value = values.pop(seq)
         if not keys:
             del self._buckets[seq >> _SHIFT]
-        return value
+        return value, tagged & _TAGS
 
     def oldest(self) -> K | None:
         """The key at the front (None: empty)."""

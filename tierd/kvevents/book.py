@@ -5,8 +5,15 @@ block hashes, the parent hash, the token ids, the block size in tokens, LoRA and
 keys, as a router computes and indexes them. The book keeps that description, pre-encoded
 for events (:class:`~tierd.kvevents.wire.Described`), while the block is anywhere in the
 tenant's chain: for each key, the levels holding it (a bit per level, kept up to date by
-:mod:`tierd.kvevents.feed` from the chain's own events), and an index from each engine
+:mod:`tierd.kvevents.feed` from the chain's own events: the tag of its key in the map of
+rows, found and changed by the look that finds the row), and an index from each engine
 hash to its key, for the existence query (:meth:`held`).
+
+The index is built when the existence query is first asked (routers that listen never
+ask it: a book nobody asks keeps none, and a description's put and drop skip it): on the
+loop, a part of the book at a time (:meth:`index_part`, the caller's turn between parts),
+kept up to date from its first part on, so the parts not read yet and the changes made
+meanwhile end up in it alike.
 
 An entry goes when its block leaves the node: removed from the chain's last level, or
 from an upper one with no store below within ``grace_s`` (a tier announces an eviction
@@ -156,9 +163,11 @@ class DescriptorBook:
     on_records: Callable[[list[bytes]], None] | None = None
     bytes_used: int = 0
     evicted: int = 0  # descriptions pushed out by the budget
-    _rows: Fifo[BlockKey, bytes] = field(default_factory=Fifo)  # oldest first
-    _masks: Shards[BlockKey, int] = field(default_factory=Shards)  # the same keys
-    _by_hash: Shards[Hashable, _Keys] = field(default_factory=Shards)
+    _rows: Fifo[BlockKey, bytes] = field(default_factory=Fifo)  # oldest first; tag: levels
+    # engine hash -> its key(s); None until the existence query is first asked, and
+    # while it is built, the parts of the book not read into it yet.
+    _by_hash: Shards[Hashable, _Keys] | None = None
+    _unindexed: Iterator[list[tuple[BlockKey, bytes]]] | None = None
     # Held nowhere, until when: one queue per wait, so each is in the order of its
     # deadlines (a key is taken out before it is put back) and a sweep, after every batch,
     # looks at the due ones only, never at every pending one.
@@ -189,17 +198,17 @@ class DescriptorBook:
     def held_parts(self) -> Iterator[list[tuple[bytes, int]]]:
         """The row and levels of every block held somewhere, in the parts of
         :meth:`row_parts` (each read, and its levels looked up, as it is asked for)."""
-        masks = self._masks
+        tagged_items = self._rows.tagged_items
         for part in self.row_parts():
-            yield [(row, mask) for key, row in part if (mask := masks.get(key, 0))]
+            yield [(row, mask) for _, row, mask in tagged_items(part) if mask]
 
     def get(self, key: BlockKey) -> Entry | None:
         row = self._rows.get(key)
-        return None if row is None else _entry(row, self._masks[key])
+        return None if row is None else _entry(row, self._rows.tag(key))
 
     def mask_of(self, key: BlockKey) -> int:
         """The levels holding ``key``'s block (0: none, or not described)."""
-        return self._masks.get(key, 0)
+        return self._rows.tag(key)
 
     def put(self, key: BlockKey, entry: Entry) -> None:
         """Keep ``entry`` for ``key`` (a new description replaces the old one; the levels
@@ -208,16 +217,14 @@ class DescriptorBook:
 
     def put_all(self, keys: Sequence[BlockKey], entries: Sequence[Entry]) -> None:
         """:meth:`put` for each of ``keys`` and its entry, in order."""
-        parts, low = self._masks.parts, self._masks.low
+        pop_tagged = self._rows.pop_tagged
         waiting: list[BlockKey] = []
         records: list[bytes] = []
         for key, entry in zip(keys, entries, strict=True):
-            masks = parts[hash(key) & low]  # (a key is bytes)
-            # Described before? (A key has its levels exactly when it has its row.)
-            old = self._rows.pop(key) if key in masks else None
+            old = pop_tagged(key)  # described before?
             if old is not None:
-                entry.mask = masks.pop(key)
-                self._unindex(key, old)
+                row, entry.mask = old
+                self._unindex(key, row)
             records.append(record_of(key, self._keep(key, entry)))
             if entry.mask == 0:  # held nowhere: waits for its store
                 if old is not None:
@@ -236,9 +243,10 @@ class DescriptorBook:
             self._keep(key, entry)
 
     def drop(self, key: BlockKey) -> None:
-        row = self._rows.pop(key, None)
-        if row is not None:
-            if self._masks.pop(key) == 0:  # only a description held nowhere waits
+        taken = self._rows.pop_tagged(key)
+        if taken is not None:
+            row, mask = taken
+            if mask == 0:  # only a description held nowhere waits
                 self._unpend(key)
             self._unindex(key, row)
             if self.on_records is not None:
@@ -252,15 +260,9 @@ class DescriptorBook:
     def stored_rows(self, keys: Sequence[BlockKey], bit: int) -> list[bytes | None]:
         """:meth:`stored` for each of ``keys``: the rows of their descriptions (None: not
         described), for :class:`~tierd.kvevents.wire.Framer`."""
-        masks, low = self._masks.parts, self._masks.low
         fresh, fresh_grace = self._fresh, self._fresh_grace
-        rows = self._rows.get_all(keys)
-        for key, row in zip(keys, rows, strict=True):  # (a key has levels iff it has a row)
-            if row is None:
-                continue
-            part = masks[hash(key) & low]  # (the maps' parts direct: a key is bytes)
-            mask = part[key]
-            part[key] = mask | bit
+        rows, masks = self._rows.retag_all(keys, add=bit)
+        for key, mask in zip(keys, masks, strict=True):
             # Held nowhere, it waited: nearly always still in a fresh dict (its
             # description came a moment before, or its demotion left a moment ago).
             if mask == 0 and fresh.pop(key, None) is None and fresh_grace.pop(key, None) is None:
@@ -270,7 +272,7 @@ class DescriptorBook:
     def mark(self, key: BlockKey, bit: int) -> bytes | None:
         """:meth:`stored`, only where the level of ``bit`` was not counted yet: the row
         of its description when it was not (to announce), else None."""
-        if self._masks.get(key, bit) & bit:
+        if self._rows.tag(key, bit) & bit:
             return None
         return self.stored_rows((key,), bit)[0]
 
@@ -284,32 +286,28 @@ class DescriptorBook:
     def removed_rows(self, keys: Sequence[BlockKey], bit: int, *, last: bool) -> list[bytes | None]:
         """:meth:`removed` for each of ``keys``: the rows of their descriptions (None: not
         described)."""
-        masks, low, rows = self._masks.parts, self._masks.low, self._rows
-        out = rows.get_all(keys)
+        rows = self._rows
+        out, helds = rows.retag_all(keys, remove=bit)
         waiting: list[BlockKey] = []
         dropped: list[bytes] = []
-        for i, (key, row) in enumerate(zip(keys, out, strict=True)):
-            if row is None:
+        for i, held in enumerate(helds):
+            if held & ~bit:  # held elsewhere still (or not described: -1)
                 continue
-            part = masks[hash(key) & low]
-            held = part.get(key)
-            if held is None:  # (a key twice: dropped at its first, as if read after it)
-                out[i] = None
-                continue
-            mask = held & ~bit
-            if mask == 0 and last:  # gone from the node: dropped
-                del part[key]
-                rows.pop(key)
+            key = keys[i]
+            if last:  # gone from the node: dropped
+                taken = rows.pop_tagged(key)
+                if taken is None:  # (a key twice: dropped at its first, as if read after it)
+                    out[i] = None
+                    continue
                 if held == 0:  # (held nowhere before either, it waited; held, it did not)
                     self._unpend(key)
-                self._unindex(key, row)
+                self._unindex(key, taken[0])
                 dropped.append(dropped_record(key))
                 continue
-            part[key] = mask
-            if mask == 0:  # below, a moment later, or gone after grace_s
-                if held == 0:
-                    self._unpend(key)
-                waiting.append(key)
+            # Held nowhere now: below, a moment later, or gone after grace_s.
+            if held == 0:
+                self._unpend(key)
+            waiting.append(key)
         if dropped and self.on_records is not None:
             self.on_records(dropped)
         if waiting:
@@ -329,7 +327,7 @@ class DescriptorBook:
                 pending.pop(key)
                 due.append(key)
         for key in due:
-            if self._masks.get(key, 0) == 0:
+            if self._rows.tag(key) == 0:
                 self.drop(key)
             else:
                 self._unpend(key)
@@ -351,15 +349,49 @@ class DescriptorBook:
     def held(self, hashes: Sequence[Hashable], medium_of: Callable[[int], str]) -> list[str]:
         """The medium of each of the leading ``hashes`` whose block the chain holds, up to
         the first it does not (``medium_of`` names the top level of a mask)."""
+        while not self.index_part():  # (the loop's callers have built it a part a turn)
+            pass
+        by_hash = self._by_hash
+        assert by_hash is not None
         media: list[str] = []
         for h in hashes:
             mask = 0
-            for key in _listed(self._by_hash.get(h, ())):
-                mask |= self._masks[key]
+            for key in _listed(by_hash.get(h, ())):
+                mask |= self._rows.tag(key)
             if mask == 0:
                 break
             media.append(medium_of(mask))
         return media
+
+    @property
+    def indexed(self) -> bool:
+        """Whether the hash index of :meth:`held` is built."""
+        return self._by_hash is not None and self._unindexed is None
+
+    def index_part(self) -> bool:
+        """One more part of the book read into the hash index (begun if it was not):
+        True when it is whole. From its first part on, every put and drop keeps it up to
+        date."""
+        if self._by_hash is None:
+            self._by_hash = Shards()
+            self._unindexed = self.row_parts()
+        if self._unindexed is None:
+            return True
+        part = next(self._unindexed, None)
+        if part is None:
+            self._unindexed = None
+            return True
+        part_of = self._by_hash.part_of
+        for key, row in part:  # (a key put since the index began is in it already)
+            _, _, hashes_at, hashes_end = wire.spans(row)
+            for h in msgpack.unpackb(row[hashes_at:hashes_end]):
+                index = part_of(h)
+                had = index.get(h)
+                if had is None:
+                    index[h] = key
+                elif key not in _listed(had):
+                    index[h] = (*_listed(had), key)
+        return False
 
     def clear(self) -> None:
         for key in list(self._rows):
@@ -383,10 +415,10 @@ class DescriptorBook:
 
     def _pass(self) -> None:
         """The fresh keys, still held nowhere, to the queues of their waits."""
-        masks = self._masks
+        tag = self._rows.tag
         for fresh, pending in ((self._fresh, self._unheld), (self._fresh_grace, self._grace)):
             for key, due in fresh.items():  # in the order they came: that of their deadlines
-                if masks.get(key) == 0:
+                if tag(key, -1) == 0:
                     pending.put(key, due)
         self._fresh, self._fresh_grace = {}, {}
 
@@ -402,9 +434,10 @@ class DescriptorBook:
     def _keep(self, key: BlockKey, entry: Entry) -> bytes:
         """Keep ``entry`` for ``key`` (not described now); returns its row."""
         row = row_of(entry)
-        self._rows.put(key, row)
-        self._masks.parts[hash(key) & self._masks.low][key] = entry.mask  # (a key is bytes)
+        self._rows.put(key, row, entry.mask)
         self.bytes_used += entry.cost
+        if self._by_hash is None:
+            return row
         part_of = self._by_hash.part_of
         for h in entry.hashes:
             part = part_of(h)
@@ -415,15 +448,17 @@ class DescriptorBook:
     def _unindex(self, key: BlockKey, row: bytes) -> None:
         # (an Entry's cost, without one: the row's two bins found, only the hashes read)
         fields_at, fields_end, hashes_at, hashes_end = wire.spans(row)
-        hashes = msgpack.unpackb(row[hashes_at:hashes_end])
         self.bytes_used -= (
             fields_end
             - fields_at
             + hashes_end
             - hashes_at
             + ENTRY_OVERHEAD
-            + HASH_OVERHEAD * len(hashes)
+            + HASH_OVERHEAD * wire.array_count(row, hashes_at)
         )
+        if self._by_hash is None:
+            return
+        hashes = msgpack.unpackb(row[hashes_at:hashes_end])
         part_of = self._by_hash.part_of
         for h in hashes:
             part = part_of(h)

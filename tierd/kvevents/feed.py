@@ -49,6 +49,7 @@ from tierd.kvevents import wire
 from tierd.kvevents.book import DescriptorBook, Entry
 from tierd.kvevents.book_file import BookFile
 from tierd.logs import get_logger
+from tierd.maps import TAG_BITS
 from tierd.turns import INDEX_KEYS, next_turn
 
 if TYPE_CHECKING:
@@ -106,6 +107,8 @@ class KvTenant:
 
     def add_level(self, tier: str, bit: int, medium: str, locality: str | None) -> None:
         """The level of ``tier`` is ``bit``; its events name ``medium``."""
+        if bit >> TAG_BITS:  # (a book keeps a block's levels in a tag of that many bits)
+            raise ValueError(f"more than {TAG_BITS} levels in a chain publishing KV events")
         self.bits[tier] = bit
         self.media[bit] = medium
         self.framers[bit] = wire.Framer(medium, locality=locality)

@@ -30,6 +30,7 @@ __all__ = [
     "END_SEQ",
     "Described",
     "Framer",
+    "array_count",
     "batch",
     "bin_at",
     "cleared",
@@ -185,6 +186,18 @@ def bin_at(data: bytes, at: int) -> tuple[int, int]:
     if tag == 0xC6:
         return at + 5, at + 5 + int.from_bytes(data[at + 1 : at + 5], "big")
     raise ValueError(f"not a row: {tag:#x} where a bin should be")
+
+
+def array_count(data: bytes, at: int) -> int:
+    """How many items the msgpack array at ``at`` holds (read from its header)."""
+    tag = data[at]
+    if tag & 0xF0 == 0x90:
+        return tag & 0x0F
+    if tag == 0xDC:
+        return int.from_bytes(data[at + 1 : at + 3], "big")
+    if tag == 0xDD:
+        return int.from_bytes(data[at + 1 : at + 5], "big")
+    raise ValueError(f"not an array: {tag:#x}")
 
 
 def spans(data: bytes) -> tuple[int, int, int, int]:

@@ -12,10 +12,11 @@
   engine block hashes in (one list per request, prefix order), for each the number of
   leading blocks the node holds and the medium of each, in one tenant's blocks: a tenant's
   connection asks its own tenant's; an operator's connection without a namespace asks the
-  one ``tenant`` names (it may leave it out when one tenant is published). A tenant's
-  descriptions credit only its own blocks: answering for every tenant at once, a tenant
-  that described its blocks with another's hashes made the node look as if it held the
-  other's prefix.
+  one ``tenant`` names (it may leave it out when one tenant is published). The tenant's
+  index of hashes is built at its first ``blocks_held``, a part of its book a turn (the
+  request waits for it; nobody else does). A tenant's descriptions credit only its own
+  blocks: answering for every tenant at once, a tenant that described its blocks with
+  another's hashes made the node look as if it held the other's prefix.
 """
 
 from __future__ import annotations
@@ -87,13 +88,15 @@ class KvRequests:
             feed.described(published, keys[piece], entries[piece])  # type: ignore[union-attr]
         return {"kept": len(entries)}
 
-    def blocks_held(self, msg: dict[str, Any]) -> Reply:
+    async def blocks_held(self, msg: dict[str, Any]) -> Reply:
         requests = _requests(msg, self.ctx.max_keys)
         tenant = self._asked(msg)
-        answers = [
-            [] if tenant is None else tenant.book.held(hashes, tenant.top_medium)
-            for hashes in requests
-        ]
+        if tenant is None:
+            return {"held": [0] * len(requests), "media": [[] for _ in requests]}
+        book = tenant.book
+        while not book.index_part():  # the hash index, at the first ask: a part a turn
+            await next_turn()
+        answers = [book.held(hashes, tenant.top_medium) for hashes in requests]
         return {"held": [len(m) for m in answers], "media": answers}
 
     def _asked(self, msg: dict[str, Any]) -> KvTenant | None:

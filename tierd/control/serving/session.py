@@ -146,7 +146,6 @@ class Session:
             "namespaces": by_namespace.namespaces,
             "inspect": by_namespace.inspect,
             "trace": operator.trace,
-            "blocks_held": kv.blocks_held,
         }
         started: dict[str, _Start] = {
             "prepare_store": blocks.prepare_store,
@@ -163,6 +162,7 @@ class Session:
             "region_load": self.regions.load,
             "delete": by_namespace.delete,
             "describe": kv.describe,  # in pieces, the loop's turn between them
+            "blocks_held": kv.blocks_held,  # the first builds the hash index, in pieces
         }
         return answered, started
 
