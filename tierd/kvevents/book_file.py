@@ -5,7 +5,8 @@ tier outlives the daemon) is a stream of msgpack records, one per change of the 
 ``[key, fields, count, hashes, group_idx]`` for a description, ``[key]`` for one dropped.
 Appends go through one writer thread (the loop gathers them and hands them over
 :data:`HAND_S` after the first, or at :data:`HAND_BYTES`: one write and one wake-up of
-the thread for many, not one each); a start reads the file
+the thread for many, not one each; a wake-up of a sleeping thread, and the loop's timer
+that hands them over, cost more than the write on a busy node); a start reads the file
 in a thread, keeps the last record of each key, and the writer writes the survivors to a
 fresh file (then renamed over the old one). While running, when the file has grown past four times
 the live descriptions plus 8 MiB, it is rewritten the same way behind the appends: the
@@ -15,9 +16,10 @@ the old one after the last part. Appends meanwhile go to the fresh file, between
 parts: each part is the book as it is when taken, and each change after the rewrite
 began has its record after it, so the last record of each key is still its last word.
 
-Nothing is fsynced: a description lost in a crash only means its block is not announced
-(a router then does not credit the node for it), never a wrong announcement; a record
-cut short at the end of the file is ignored.
+Nothing is fsynced: a description lost in a crash (the daemon's: those of its last
+:data:`HAND_S`; the machine's: what the kernel had not written yet) only means its block
+is not announced (a router then does not credit the node for it), never a wrong
+announcement; a record cut short at the end of the file is ignored.
 
 Threads. The loop owns the appends gathered, their hand-over timer and a rewrite's parts
 not handed over yet (the book's rows are read a part at a time on the loop, never by the
@@ -48,7 +50,7 @@ from tierd.logs import get_logger
 __all__ = ["FILE_NAME", "BookFile", "read_book"]
 
 FILE_NAME = "kv-descriptors.log"
-HAND_S = 0.05  # appends gathered on the loop for the writer at most this long,
+HAND_S = 0.25  # appends gathered on the loop for the writer at most this long,
 HAND_BYTES = 1 << 20  # or up to these bytes
 _SLACK = 8 << 20
 _BEGIN, _END = object(), object()  # a rewrite's bounds in the writer's queue
