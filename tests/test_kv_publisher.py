@@ -571,3 +571,21 @@ def test_a_framer_makes_from_a_row_the_very_bytes_of_stored_and_removed(
 def test_a_framer_refuses_what_is_not_a_row() -> None:
     with pytest.raises(ValueError, match="not a row"):
         wire.Framer("CPU").stored(msgpack.packb(["fields", 6, b"", None]))
+
+
+def test_a_stream_without_a_replay_socket_keeps_no_batches() -> None:
+    # Nobody can ask for them: kept, they were up to buffer_bytes (64 MiB by default) of
+    # memory held for nothing.
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    publisher = started(replay_endpoint=None, buffer_batches=100)
+    try:
+        sub = live_subscriber(ctx, publisher)
+        for _ in range(200):
+            publisher.offer([wire.stored(RICH, "CPU")])
+        recv(sub)
+        stats = publisher.stats()
+        assert stats["sequence"] >= 200 and (stats["buffered"], stats["buffered_bytes"]) == (0, 0)
+        sub.close(linger=0)
+    finally:
+        publisher.close()
+        ctx.destroy(linger=0)

@@ -321,10 +321,12 @@ class Publisher:
             self._send(*self._queue.popleft())
 
     def _send(self, seq: int, ts: float, events: list[bytes]) -> None:
-        """Send one batch on PUB and keep it for replay (under the lock)."""
+        """Send one batch on PUB and keep it for replay, if there is a replay socket
+        (under the lock)."""
         try:
             payload = wire.batch(ts, events, self._settings.dp_rank)
-            self._kept.add(seq, payload)
+            if self._replays is not None:  # (kept for replays: none without their socket)
+                self._kept.add(seq, payload)
             frames = [self._topic, seq.to_bytes(8, "big"), payload]
             self._pub.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:  # PUB drops at its high-water mark; this is the same drop
