@@ -9,11 +9,9 @@ tenant's chain: for each key, the levels holding it (a bit per level, kept up to
 rows, found and changed by the look that finds the row), and an index from each engine
 hash to its key, for the existence query (:meth:`held`).
 
-The index is built when the existence query is first asked (routers that listen never
-ask it: a book nobody asks keeps none, and a description's put and drop skip it): on the
-loop, a part of the book at a time (:meth:`index_part`, the caller's turn between parts),
-kept up to date from its first part on, so the parts not read yet and the changes made
-meanwhile end up in it alike.
+The index is made when the existence query is first asked, a part of the book at a time
+(:meth:`index_part`; :mod:`tierd.kvevents.hash_index`): routers that listen never ask,
+and a book nobody asks keeps none.
 
 An entry goes when its block leaves the node: removed from the chain's last level, or
 from an upper one with no store below within ``grace_s`` (a tier announces an eviction
@@ -54,14 +52,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
 from tierd.keys import BlockKey
 from tierd.kvevents import wire
+from tierd.kvevents.hash_index import HashIndex
 from tierd.kvevents.wire import Described
-from tierd.maps import Fifo, Shards
+from tierd.maps import Fifo
 
 __all__ = [
     "ENTRY_OVERHEAD",
@@ -147,9 +146,6 @@ def _entry(row: bytes, mask: int) -> Entry:
     return entry_of(msgpack.unpackb(row), mask)
 
 
-_Keys = BlockKey | tuple[BlockKey, ...]  # the keys of one hash: one key, or a tuple
-
-
 @dataclass(slots=True)
 class DescriptorBook:
     """A tenant's block descriptions (see the module's docstring)."""
@@ -164,10 +160,7 @@ class DescriptorBook:
     bytes_used: int = 0
     evicted: int = 0  # descriptions pushed out by the budget
     _rows: Fifo[BlockKey, bytes] = field(default_factory=Fifo)  # oldest first; tag: levels
-    # engine hash -> its key(s); None until the existence query is first asked, and
-    # while it is built, the parts of the book not read into it yet.
-    _by_hash: Shards[Hashable, _Keys] | None = None
-    _unindexed: Iterator[list[tuple[BlockKey, bytes]]] | None = None
+    _index: HashIndex | None = None  # (none until the existence query is first asked)
     # Held nowhere, until when: one queue per wait, so each is in the order of its
     # deadlines (a key is taken out before it is put back) and a sweep, after every batch,
     # looks at the due ones only, never at every pending one.
@@ -351,12 +344,11 @@ class DescriptorBook:
         the first it does not (``medium_of`` names the top level of a mask)."""
         while not self.index_part():  # (the loop's callers have built it a part a turn)
             pass
-        by_hash = self._by_hash
-        assert by_hash is not None
+        keys_of = cast(HashIndex, self._index).keys_of
         media: list[str] = []
         for h in hashes:
             mask = 0
-            for key in _listed(by_hash.get(h, ())):
+            for key in keys_of(h):
                 mask |= self._rows.tag(key)
             if mask == 0:
                 break
@@ -366,32 +358,15 @@ class DescriptorBook:
     @property
     def indexed(self) -> bool:
         """Whether the hash index of :meth:`held` is built."""
-        return self._by_hash is not None and self._unindexed is None
+        return self._index is not None and self._index.whole
 
     def index_part(self) -> bool:
         """One more part of the book read into the hash index (begun if it was not):
         True when it is whole. From its first part on, every put and drop keeps it up to
-        date."""
-        if self._by_hash is None:
-            self._by_hash = Shards()
-            self._unindexed = self.row_parts()
-        if self._unindexed is None:
-            return True
-        part = next(self._unindexed, None)
-        if part is None:
-            self._unindexed = None
-            return True
-        part_of = self._by_hash.part_of
-        for key, row in part:  # (a key put since the index began is in it already)
-            _, _, hashes_at, hashes_end = wire.spans(row)
-            for h in msgpack.unpackb(row[hashes_at:hashes_end]):
-                index = part_of(h)
-                had = index.get(h)
-                if had is None:
-                    index[h] = key
-                elif key not in _listed(had):
-                    index[h] = (*_listed(had), key)
-        return False
+        date (:mod:`tierd.kvevents.hash_index`)."""
+        if self._index is None:
+            self._index = HashIndex(self.row_parts())
+        return self._index.read_part()
 
     def clear(self) -> None:
         for key in list(self._rows):
@@ -436,13 +411,8 @@ class DescriptorBook:
         row = row_of(entry)
         self._rows.put(key, row, entry.mask)
         self.bytes_used += entry.cost
-        if self._by_hash is None:
-            return row
-        part_of = self._by_hash.part_of
-        for h in entry.hashes:
-            part = part_of(h)
-            had = part.get(h)
-            part[h] = key if had is None else (*_listed(had), key)
+        if self._index is not None:
+            self._index.add(key, entry.hashes)
         return row
 
     def _unindex(self, key: BlockKey, row: bytes) -> None:
@@ -456,18 +426,8 @@ class DescriptorBook:
             + ENTRY_OVERHEAD
             + HASH_OVERHEAD * wire.array_count(row, hashes_at)
         )
-        if self._by_hash is None:
-            return
-        hashes = msgpack.unpackb(row[hashes_at:hashes_end])
-        part_of = self._by_hash.part_of
-        for h in hashes:
-            part = part_of(h)
-            had = part.pop(h, None)
-            if had is None or had == key:
-                continue
-            keys = tuple(k for k in _listed(had) if k != key)
-            if keys:
-                part[h] = keys[0] if len(keys) == 1 else keys
+        if self._index is not None:
+            self._index.remove(key, msgpack.unpackb(row[hashes_at:hashes_end]))
 
     def _enforce_budget(self, keep: BlockKey) -> None:
         while self.bytes_used > self.budget_bytes and len(self._rows) > 1:
@@ -476,8 +436,3 @@ class DescriptorBook:
                 break
             self.drop(oldest)
             self.evicted += 1
-
-
-def _listed(keys: _Keys | tuple[()]) -> tuple[BlockKey, ...]:
-    """The keys of one hash as a tuple."""
-    return (keys,) if isinstance(keys, bytes) else keys
