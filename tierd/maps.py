@@ -275,7 +275,7 @@ class Fifo(Generic[K, V]):
         parts, buckets = self._seq.parts, self._buckets
         values: list[V | None] = []
         tags: list[int] = []
-        keep = _TAGS & ~remove | ~_TAGS
+        keep = ~(remove & _TAGS)  # (a key's number stays whole)
         for key in keys:
             part = parts[_part(key) if type(key) is int else hash(key) & _LOW]
             tagged = part.get(key)

@@ -52,7 +52,7 @@ class HashIndex:
             return True
         part_of = self._keys.part_of
         for key, row in part:
-            for h in hashes_of(row):
+            for h in _hashes_of(row):
                 index = part_of(h)
                 had = index.get(h)
                 if had is None:
@@ -86,7 +86,7 @@ class HashIndex:
         return _listed(self._keys.get(h, ()))
 
 
-def hashes_of(row: bytes) -> list[Hashable]:
+def _hashes_of(row: bytes) -> list[Hashable]:
     """The engine hashes a book's row lists."""
     _, _, start, end = wire.spans(row)
     return msgpack.unpackb(row[start:end])  # type: ignore[no-any-return]
