@@ -72,10 +72,19 @@ def page(seed: int) -> torch.Tensor:
     return torch.randint(-128, 127, (PAGE,), dtype=torch.int8, generator=generator)
 
 
+BUSY_DEADLINE_S = 1.0
+
+
 class Engine:
     """One engine: its spec, manager and worker, and KV blocks in host memory."""
 
     def __init__(self, socket: str, kv_blocks: int = 64, device: str = "cpu", **tierd: Any) -> None:
+        # A store's commit is sent within the lookup deadline and answered within the job
+        # deadline and a second (50 ms each by default): on a machine busy with the
+        # suite's two workers, a store was once lost that way (vLLM keeps its copy, as it
+        # should), which a test that only sets up a store did not mean to test. Tests of
+        # deadlines set their own.
+        tierd = {"lookup_deadline_s": BUSY_DEADLINE_S, "job_deadline_s": BUSY_DEADLINE_S, **tierd}
         self.spec = TierdPoolSpec(pool_config(socket, **tierd))
         self.manager: TierdPoolManager = self.spec.get_manager()  # type: ignore[assignment]
         self.kv = torch.zeros((kv_blocks, PAGE), dtype=torch.int8, device=device)
