@@ -15,7 +15,14 @@ import pytest
 
 from tests.gc_walk import largest_dict, references_walked
 from tierd.keys import BlockKey
-from tierd.kvevents.book import FRESH_KEYS, FRESH_S, ROW_PART_BUCKETS, DescriptorBook, Entry
+from tierd.kvevents.book import (
+    FRESH_KEYS,
+    FRESH_S,
+    INDEX_PART_BUCKETS,
+    ROW_PART_BUCKETS,
+    DescriptorBook,
+    Entry,
+)
 from tierd.kvevents.book_file import HAND_S, BookFile, read_book
 from tierd.kvevents.describe import BadDescription, parse_description
 
@@ -290,7 +297,7 @@ def test_the_hash_index_built_while_the_book_changes_answers_as_one_kept_all_alo
         universe.add(h)
         levels.setdefault(k, 0)
 
-    count = ROW_PART_BUCKETS * 1024 * 2 + 500  # three parts
+    count = INDEX_PART_BUCKETS * 1024 * 2 + 500  # three parts (each a short turn)
     for k in range(count):
         describe(k, k % 9000)  # hashes shared by up to five keys
         if k % 3:

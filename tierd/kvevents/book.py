@@ -65,6 +65,7 @@ from tierd.maps import Fifo
 __all__ = [
     "ENTRY_OVERHEAD",
     "HASH_OVERHEAD",
+    "INDEX_PART_BUCKETS",
     "DescriptorBook",
     "Entry",
     "dropped_record",
@@ -79,6 +80,9 @@ __all__ = [
 ENTRY_OVERHEAD = 240
 HASH_OVERHEAD = 120
 ROW_PART_BUCKETS = 16  # of 1,024 rows: a part of row_parts
+# and of the hash index's build: each row's hashes are decoded and indexed (some 2.5 us
+# a row on this project's VM), so a part of row_parts would hold the loop some 40 ms
+INDEX_PART_BUCKETS = 1
 FRESH_S = 1.0  # how long a description waits in the fresh dict at most before a pass,
 FRESH_KEYS = 1024  # and how many wait there at most
 
@@ -365,7 +369,7 @@ class DescriptorBook:
         True when it is whole. From its first part on, every put and drop keeps it up to
         date (:mod:`tierd.kvevents.hash_index`)."""
         if self._index is None:
-            self._index = HashIndex(self.row_parts())
+            self._index = HashIndex(self._rows.item_parts(INDEX_PART_BUCKETS))
         return self._index.read_part()
 
     def clear(self) -> None:
