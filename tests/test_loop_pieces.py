@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -49,6 +50,7 @@ from tierd.tier import Tier
 T = TypeVar("T")
 PIECE = 512  # what the daemon promises: keys of a lease ended (or touched) per turn
 DELETE_PIECE = 256  # and keys deleted per turn
+SETTLE_S = 30.0  # a liveness bound on a tier's pieces all ending
 LEASE_KEYS = 4096
 
 
@@ -95,12 +97,18 @@ def watched(tier: Tier) -> AbstractContextManager[list[tuple[int, int]]]:
 
 
 async def settled(tier: Tier) -> None:
-    """Until the tier has no block being written and none pinned (bounded)."""
-    for _ in range(100_000):
+    """Until the tier has no block being written and none pinned (bounded in turns and in
+    time: a busy machine ran 100,000 turns before the last piece's, and the test read a
+    tier not settled yet)."""
+    deadline = time.monotonic() + SETTLE_S
+    for _ in range(10_000_000):
         stats = tier.stats()
         if stats.writing == 0 and stats.pinned == 0:
             return
+        if time.monotonic() > deadline:
+            break
         await asyncio.sleep(0)
+    raise AssertionError(f"the tier never settled: {tier.stats()}")
     raise AssertionError(f"the tier did not settle: {tier.stats()}")
 
 

@@ -5,8 +5,9 @@ tier outlives the daemon) is a stream of msgpack records, one per change of the 
 ``[key, fields, count, hashes, group_idx]`` for a description, ``[key]`` for one dropped.
 Appends go through one writer thread (the loop gathers them and hands them over
 :data:`HAND_S` after the first, or at :data:`HAND_BYTES`: one write and one wake-up of
-the thread for many, not one each; a wake-up of a sleeping thread, and the loop's timer
-that hands them over, cost more than the write on a busy node); a start reads the file
+the thread for many, not one each; not longer, so that a description a router was sent
+is on file a moment later, and a restart, even after SIGKILL, announces its block again);
+a start reads the file
 in a thread, keeps the last record of each key, and the writer writes the survivors to a
 fresh file (then renamed over the old one). While running, when the file has grown past four times
 the live descriptions plus 8 MiB, it is rewritten the same way behind the appends: the
@@ -50,7 +51,7 @@ from tierd.logs import get_logger
 __all__ = ["FILE_NAME", "BookFile", "read_book"]
 
 FILE_NAME = "kv-descriptors.log"
-HAND_S = 0.25  # appends gathered on the loop for the writer at most this long,
+HAND_S = 0.05  # appends gathered on the loop for the writer at most this long,
 HAND_BYTES = 1 << 20  # or up to these bytes
 _SLACK = 8 << 20
 _BEGIN, _END = object(), object()  # a rewrite's bounds in the writer's queue
