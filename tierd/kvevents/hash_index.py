@@ -50,24 +50,20 @@ class HashIndex:
         if part is None:
             self._unread = None
             return True
-        part_of = self._keys.part_of
         for key, row in part:
-            for h in _hashes_of(row):
-                index = part_of(h)
-                had = index.get(h)
-                if had is None:
-                    index[h] = key
-                elif key not in _listed(had):
-                    index[h] = (*_listed(had), key)
+            self.add(key, _hashes_of(row))
         return False
 
     def add(self, key: BlockKey, hashes: Iterable[Hashable]) -> None:
-        """``key`` was described with ``hashes`` (and was not before)."""
+        """``key`` was described with ``hashes`` (listed once, if it was already)."""
         part_of = self._keys.part_of
         for h in hashes:
             part = part_of(h)
             had = part.get(h)
-            part[h] = key if had is None else (*_listed(had), key)
+            if had is None:
+                part[h] = key
+            elif key not in _listed(had):
+                part[h] = (*_listed(had), key)
 
     def remove(self, key: BlockKey, hashes: Iterable[Hashable]) -> None:
         """``key``'s description, with ``hashes``, was dropped."""
