@@ -82,6 +82,30 @@ def test_a_key_twice_in_one_removal_from_the_last_level_is_removed_once() -> Non
     assert [msgpack.unpackb(r) for r in dropped] == [[_key(1)]]
 
 
+@pytest.mark.parametrize("indexed", [False, True])
+def test_the_budget_counts_a_description_back_out_whatever_its_shape(indexed: bool) -> None:
+    # A drop reads a row's sizes without decoding it (inline for the usual small row):
+    # every shape of row must give back exactly what its put counted.
+    book = DescriptorBook(1 << 30)
+    shapes = [
+        {"hashes": [1], "tokens": [1] * 4, "block_size": 4},
+        {"hashes": [2, 3, 4], "tokens": [1] * 12, "block_size": 4},
+        {"hashes": list(range(10, 30)), "tokens": [1] * 20, "block_size": 1},  # array 16
+        {"hashes": [b"h" * 64, 5], "tokens": [7] * 200, "block_size": 100},  # bins 16
+        {"hashes": [6], "tokens": [1] * 4, "block_size": 4, "group": 3},
+    ]
+    if indexed:
+        assert book.index_part()
+    for i, shape in enumerate(shapes):
+        book.put(_key(i), parse_description(msgpack.packb({"parent": None, **shape})))
+        book.stored(_key(i), DISK)
+    assert book.bytes_used > 0
+    for i in range(len(shapes)):
+        book.removed(_key(i), DISK, last=True)
+    assert len(book) == 0 and book.bytes_used == 0
+    assert book.held([1], str) == []
+
+
 def test_a_description_of_a_block_never_stored_goes_after_its_wait() -> None:
     clock = Clock()
     book = DescriptorBook(1 << 20, unheld_s=60.0, clock=clock)

@@ -55,7 +55,7 @@ def test_a_fifo_behaves_as_an_ordered_dict_whose_front_is_taken_out(
 
 _TAG_OPS = st.lists(
     st.tuples(
-        st.sampled_from(["put", "retag", "pop", "evict"]),
+        st.sampled_from(["put", "replace", "retag", "untag", "pop", "evict"]),
         st.lists(st.integers(0, 20), min_size=1, max_size=4),  # keys (repeats too)
         st.integers(0, (1 << TAG_BITS) - 1),
         st.integers(0, (1 << TAG_BITS) - 1),
@@ -91,6 +91,22 @@ def test_a_fifos_tags_are_kept_with_its_keys_and_changed_in_order(
                 if key in model:
                     model[key] = (value, (tag | a) & ~b)  # type: ignore[assignment]
             assert fifo.retag_all(keys, add=a, remove=b) == expected
+        elif op == "untag":
+            expected = ([], [])
+            for key in keys:  # in order: a key twice sees its first change
+                value, tag = model.get(key, (None, -1))
+                expected[0].append(value)
+                expected[1].append(tag)
+                if key in model:
+                    if tag & ~b:
+                        model[key] = (value, tag & ~b)  # type: ignore[assignment]
+                    else:  # no tag left: taken out
+                        del model[key]
+            assert fifo.untag_all(keys, remove=b) == expected
+        elif op == "replace":
+            before = model.pop(keys[0], None)
+            assert fifo.replace(keys[0], n) == before
+            model[keys[0]] = (n, 0 if before is None else before[1])
         elif op == "pop":
             assert fifo.pop_tagged(keys[0]) == model.pop(keys[0], None)
         else:
@@ -100,6 +116,7 @@ def test_a_fifos_tags_are_kept_with_its_keys_and_changed_in_order(
                 assert fifo.pop_tagged(oldest) == model.pop(oldest)
         for key in keys:
             assert fifo.tag(key, -1) == model.get(key, (0, -1))[1]
+        assert all(numbers for numbers, _ in fifo._buckets.values())  # none kept empty
     assert fifo.items() == [(k, v) for k, (v, _) in model.items()]
     assert fifo.tagged_items(fifo.items()) == [(k, v, t) for k, (v, t) in model.items()]
     with pytest.raises(ValueError, match="tag"):

@@ -288,6 +288,36 @@ class Fifo(Generic[K, V]):
             tags.append(tagged & _TAGS)
         return values, tags
 
+    def untag_all(self, keys: Iterable[K], remove: int) -> tuple[list[V | None], list[int]]:
+        """:meth:`retag_all` taking the bits of ``remove`` away, where a key left with no
+        tag is taken out as well (the book's last level: a block held nowhere else is
+        gone), in the same one look per key."""
+        parts, buckets = self._seq.parts, self._buckets
+        values: list[V | None] = []
+        tags: list[int] = []
+        keep = ~(remove & _TAGS)
+        for key in keys:
+            part = parts[_part(key) if type(key) is int else hash(key) & _LOW]
+            tagged = part.get(key)
+            if tagged is None:
+                values.append(None)
+                tags.append(-1)
+                continue
+            tags.append(tagged & _TAGS)
+            if tagged & _TAGS & keep:
+                part[key] = tagged & keep
+                values.append(buckets[tagged >> _BUCKET][1][tagged >> TAG_BITS])
+                continue
+            del part[key]
+            self._count -= 1
+            seq = tagged >> TAG_BITS
+            bucket = buckets[seq >> _SHIFT]
+            del bucket[0][seq]
+            values.append(bucket[1].pop(seq))
+            if not bucket[0]:
+                del buckets[seq >> _SHIFT]
+        return values, tags
+
     def tagged_items(self, pairs: Iterable[tuple[K, V]]) -> list[tuple[K, V, int]]:
         """Each (key, value) of ``pairs`` that is still in, with its tag."""
         parts = self._seq.parts
@@ -316,6 +346,34 @@ class Fifo(Generic[K, V]):
             bucket = self._buckets[seq >> _SHIFT] = ({}, {})
         bucket[0][seq] = key
         bucket[1][seq] = value
+
+    def replace(self, key: K, value: V) -> tuple[V, int] | None:
+        """Set ``key`` to ``value``, at the back, its tag kept: its value and tag before
+        (None: it was not in; its tag is 0). (One look for the book's describe, which
+        keeps the levels of a block described again.)"""
+        numbers = self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW]
+        tagged = numbers.get(key)
+        old: tuple[V, int] | None = None
+        if tagged is None:
+            tag = 0
+            self._count += 1
+        else:
+            tag = tagged & _TAGS
+            seq = tagged >> TAG_BITS
+            keys, values = self._buckets[seq >> _SHIFT]
+            del keys[seq]
+            old = values.pop(seq), tag
+            if not keys:
+                del self._buckets[seq >> _SHIFT]
+        seq = self._next
+        self._next = seq + 1
+        numbers[key] = seq << TAG_BITS | tag
+        bucket = self._buckets.get(seq >> _SHIFT)
+        if bucket is None:
+            bucket = self._buckets[seq >> _SHIFT] = ({}, {})
+        bucket[0][seq] = key
+        bucket[1][seq] = value
+        return old
 
     def pop(self, key: K, default: V | None = None) -> V | None:
         """Take ``key`` out: its value (``default`` when it was not in)."""
