@@ -14,7 +14,7 @@ per entry that the garbage collector tracks, but those tuples.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 
 import msgpack
 
@@ -30,13 +30,23 @@ _Keys = BlockKey | tuple[BlockKey, ...]  # the keys of one hash: one key, or a t
 class HashIndex:
     """Engine hash -> the keys described with it (see the module's docstring)."""
 
-    __slots__ = ("_keys", "_unread")
+    __slots__ = ("_at", "_keys", "_part", "_row_of", "_rows_a_part", "_unread")
 
-    def __init__(self, rows: Iterator[list[tuple[BlockKey, bytes]]]) -> None:
-        """An index of the book whose ``(key, row)`` pairs ``rows`` gives, part by part
-        (:meth:`read_part`)."""
+    def __init__(
+        self,
+        rows: Iterator[list[tuple[BlockKey, bytes]]],
+        row_of: Callable[[BlockKey], bytes | None],
+        rows_a_part: int,
+    ) -> None:
+        """An index of the book whose ``(key, row)`` pairs ``rows`` gives, a list at a
+        time, read ``rows_a_part`` pairs a part (:meth:`read_part`); ``row_of`` gives a
+        key's row now (None: not described)."""
         self._keys: Shards[Hashable, _Keys] = Shards()
         self._unread: Iterator[list[tuple[BlockKey, bytes]]] | None = rows
+        self._row_of = row_of
+        self._rows_a_part = rows_a_part
+        self._part: list[tuple[BlockKey, bytes]] = []  # the list being read, from _at
+        self._at = 0
 
     @property
     def whole(self) -> bool:
@@ -46,12 +56,19 @@ class HashIndex:
         """The next part of the book's rows read in: True when none is left."""
         if self._unread is None:
             return True
-        part = next(self._unread, None)
-        if part is None:
-            self._unread = None
-            return True
-        for key, row in part:
-            self.add(key, _hashes_of(row))
+        if self._at >= len(self._part):
+            part = next(self._unread, None)
+            if part is None:
+                self._unread, self._part = None, []
+                return True
+            self._part, self._at = part, 0
+        at, row_of = self._at, self._row_of
+        self._at = at + self._rows_a_part
+        for key, row in self._part[at : self._at]:
+            # A list is read over several parts, the book changing between them: a pair
+            # put or dropped since is in the index already, or must not be.
+            if row_of(key) is row:
+                self.add(key, _hashes_of(row))
         return False
 
     def add(self, key: BlockKey, hashes: Iterable[Hashable]) -> None:
