@@ -309,13 +309,7 @@ class Fifo(Generic[K, V]):
                 values.append(buckets[tagged >> _BUCKET][1][tagged >> TAG_BITS])
                 continue
             del part[key]
-            self._count -= 1
-            seq = tagged >> TAG_BITS
-            bucket = buckets[seq >> _SHIFT]
-            del bucket[0][seq]
-            values.append(bucket[1].pop(seq))
-            if not bucket[0]:
-                del buckets[seq >> _SHIFT]
+            values.append(self._unlist(tagged))
         return values, tags
 
     def tagged_items(self, pairs: Iterable[tuple[K, V]]) -> list[tuple[K, V, int]]:
@@ -337,6 +331,10 @@ class Fifo(Generic[K, V]):
         ]  # (the parts direct: half the calls)
         if key in numbers:
             self.pop(key)
+        self._append(numbers, key, value, tag)
+
+    def _append(self, numbers: dict[K, int], key: K, value: V, tag: int) -> None:
+        """``key`` (not in; ``numbers`` is its part) at the back, with ``value``, ``tag``."""
         seq = self._next
         self._next = seq + 1
         self._count += 1
@@ -347,32 +345,29 @@ class Fifo(Generic[K, V]):
         bucket[0][seq] = key
         bucket[1][seq] = value
 
+    def _unlist(self, tagged: int) -> V:
+        """Take the number of ``tagged`` (a key's, taken out of its part) out of its
+        bucket: the key's value."""
+        self._count -= 1
+        seq = tagged >> TAG_BITS
+        keys, values = self._buckets[seq >> _SHIFT]
+        del keys[seq]
+        value = values.pop(seq)
+        if not keys:
+            del self._buckets[seq >> _SHIFT]
+        return value
+
     def replace(self, key: K, value: V) -> tuple[V, int] | None:
         """Set ``key`` to ``value``, at the back, its tag kept: its value and tag before
         (None: it was not in; its tag is 0). (One look for the book's describe, which
         keeps the levels of a block described again.)"""
         numbers = self._seq.parts[_part(key) if type(key) is int else hash(key) & _LOW]
         tagged = numbers.get(key)
-        old: tuple[V, int] | None = None
         if tagged is None:
-            tag = 0
-            self._count += 1
-        else:
-            tag = tagged & _TAGS
-            seq = tagged >> TAG_BITS
-            keys, values = self._buckets[seq >> _SHIFT]
-            del keys[seq]
-            old = values.pop(seq), tag
-            if not keys:
-                del self._buckets[seq >> _SHIFT]
-        seq = self._next
-        self._next = seq + 1
-        numbers[key] = seq << TAG_BITS | tag
-        bucket = self._buckets.get(seq >> _SHIFT)
-        if bucket is None:
-            bucket = self._buckets[seq >> _SHIFT] = ({}, {})
-        bucket[0][seq] = key
-        bucket[1][seq] = value
+            self._append(numbers, key, value, 0)
+            return None
+        old = self._unlist(tagged), tagged & _TAGS
+        self._append(numbers, key, value, old[1])
         return old
 
     def pop(self, key: K, default: V | None = None) -> V | None:
@@ -387,14 +382,7 @@ class Fifo(Generic[K, V]):
         )
         if tagged is None:
             return None
-        self._count -= 1
-        seq = tagged >> TAG_BITS
-        keys, values = self._buckets[seq >> _SHIFT]
-        del keys[seq]
-        value = values.pop(seq)
-        if not keys:
-            del self._buckets[seq >> _SHIFT]
-        return value, tagged & _TAGS
+        return self._unlist(tagged), tagged & _TAGS
 
     def oldest(self) -> K | None:
         """The key at the front (None: empty)."""

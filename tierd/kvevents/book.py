@@ -427,19 +427,7 @@ class DescriptorBook:
             self._index.add(key, entry.hashes)
 
     def _unindex(self, key: BlockKey, row: bytes) -> None:
-        # (an Entry's cost, without one: the row's two bins found, only the hashes read;
-        # both bins under 256 bytes and up to 15 hashes, the rule, read here inline)
-        at = 4 + row[2]  # past the fields and the pairs, if the fields' bin is a bin 8
-        if (
-            self._index is None
-            and row[1] == 0xC4
-            and row[at] == 0xC4
-            and row[at + 2] & 0xF0 == 0x90
-        ):
-            self.bytes_used -= (
-                row[2] + row[at + 1] + ENTRY_OVERHEAD + HASH_OVERHEAD * (row[at + 2] & 0x0F)
-            )
-            return
+        # (an Entry's cost, without one: the row's two bins found, only the hashes read)
         fields_at, fields_end, hashes_at, hashes_end = wire.spans(row)
         self.bytes_used -= (
             fields_end

@@ -239,12 +239,7 @@ class Framer:
 
     def removed(self, data: bytes) -> bytes:
         """The BlockRemoved event of the block whose row is ``data``."""
-        at = 4 + data[2]  # past the fields and the pairs (fields under 256 bytes: inline)
-        if data[1] == 0xC4 and data[at] == 0xC4:
-            start = at + 2
-            end = start + data[at + 1]
-        else:
-            _, _, start, end = spans(data)
+        _, _, start, end = spans(data)
         if data[end] == 0xC0:  # no group
             return b"".join((self._removed, data[start:end], self._tail))
         return b"".join((self._group, data[start:end], self._tail, _GROUP, data[end:]))
